@@ -1,0 +1,76 @@
+"""`"mirrored"`: synchronous all-reduce over all local devices."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import tensorflow as tf
+
+from keras_distrib import devices as devices_lib
+from keras_distrib.strategies.base import Strategy
+
+_CROSS_DEVICE_OPS = {
+    "nccl": lambda: tf.distribute.NcclAllReduce(),
+    "hierarchical_copy": lambda: tf.distribute.HierarchicalCopyAllReduce(),
+    "reduction_to_one_device": lambda: tf.distribute.ReductionToOneDevice(),
+}
+_GPU_ONLY = ("nccl", "hierarchical_copy")
+
+
+class Mirrored(Strategy):
+    """Replicates the model on every local device and all-reduces gradients.
+
+    With GPUs, all local GPUs are used (NCCL all-reduce by default); with no
+    GPU, all visible CPU devices are, including logical CPUs configured with
+    `tf.config.set_logical_device_configuration`.
+
+    Args:
+        devices: Device names to replicate on (default: all local devices).
+        cross_device_ops: How gradients are reduced across devices:
+            `"auto"` (TensorFlow's choice: NCCL on GPUs, reduction to one
+            device on CPUs), `"nccl"`, `"hierarchical_copy"` (both GPU only)
+            or `"reduction_to_one_device"`.
+
+    Example:
+
+    ```python
+    model = keras_distrib.DistributedModel(
+        inputs, outputs, strategy=keras_distrib.strategies.get(
+            "mirrored", devices=["/gpu:0", "/gpu:1"], cross_device_ops="nccl"))
+    ```
+    """
+
+    name = "mirrored"
+    description = "Sync all-reduce over all local GPUs (or all visible CPUs)."
+
+    def __init__(
+        self,
+        devices: Optional[Sequence[str]] = None,
+        cross_device_ops: str = "auto",
+    ):
+        devices = (
+            devices_lib.local_devices()
+            if devices is None
+            else devices_lib.check_devices(devices)
+        )
+        ops = _cross_device_ops(cross_device_ops, devices)
+        super().__init__(
+            tf.distribute.MirroredStrategy(devices=devices, cross_device_ops=ops)
+        )
+        self.cross_device_ops = cross_device_ops
+
+
+def _cross_device_ops(name: str, devices: Sequence[str]):
+    if name == "auto":
+        return None
+    if name not in _CROSS_DEVICE_OPS:
+        raise ValueError(
+            f"Unknown cross_device_ops={name!r}; use one of "
+            f"{['auto', *_CROSS_DEVICE_OPS]}."
+        )
+    if name in _GPU_ONLY and not all("GPU" in d.upper() for d in devices):
+        raise ValueError(
+            f"cross_device_ops={name!r} needs GPU devices but got {list(devices)}; "
+            "use 'reduction_to_one_device' (or 'auto') on CPUs."
+        )
+    return _CROSS_DEVICE_OPS[name]()
