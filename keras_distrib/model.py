@@ -144,9 +144,15 @@ class DistributedModel(keras.Model):
 
     def compile(self, optimizer="rmsprop", *args, **kwargs):
         with self._strategy.scope():
-            optimizer = keras.optimizers.get(optimizer)
-            _adopt_optimizer(optimizer, self._strategy)
+            optimizer = _adopt_optimizer(keras.optimizers.get(optimizer), self._strategy)
             super().compile(optimizer, *args, **kwargs)
+
+    def compile_from_config(self, config):
+        # Keras skips compiling on load when `compile` is overridden.
+        self.compile(**keras.saving.deserialize_keras_object(config))
+        if self.built:
+            with self._strategy.scope():
+                self.optimizer.build(self.trainable_variables)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         with self._strategy.scope():
@@ -253,6 +259,8 @@ class DistributedModel(keras.Model):
         distributed = self._distributed(step_function)
         if not self._strategy.replicates:
             return super()._make_function(distributed)
+        if self.steps_per_execution > 1:
+            return self._make_stepwise_function(distributed)
         # Collectives cannot run inside one XLA cluster: XLA compiles the
         # per-replica math instead (see train_step/test_step).
         jit_compile, self._jit_compile = self._jit_compile, False
@@ -260,6 +268,32 @@ class DistributedModel(keras.Model):
             return super()._make_function(distributed)
         finally:
             self._jit_compile = jit_compile
+
+    def _make_stepwise_function(self, distributed):
+        """`steps_per_execution` steps per call, one compiled step at a time.
+
+        Keras fuses the steps with `tf.while_loop` + `tf.cond`, but
+        `tf.distribute` replicas cannot be traced inside `tf.cond` (TF fails
+        with "You must feed a value for placeholder"), so replicating
+        strategies run the steps from Python; results are identical.
+        """
+        one_step = distributed
+        if not self.run_eagerly:
+            one_step = tf.function(distributed, reduce_retracing=True)
+
+        def function(iterator):
+            outputs = None
+            for _ in range(self.steps_per_execution):
+                try:
+                    data = next(iterator)
+                except (StopIteration, tf.errors.OutOfRangeError):
+                    break
+                outputs = one_step(data)
+            if outputs is None:
+                raise StopIteration
+            return outputs
+
+        return function
 
     def _distributed(self, step_function):
         strategy = self._strategy
@@ -394,20 +428,25 @@ def _rebuild_under(strategy: Strategy, inputs, outputs):
     return clone.input, clone.output
 
 
-def _adopt_optimizer(optimizer, strategy: Strategy) -> None:
-    """Points an optimizer made outside the strategy's scope at it."""
-    for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
-        if opt is None:
-            continue
-        _install_reduction_switch(opt)
-        if opt._distribution_strategy is strategy.tf_strategy:
-            continue
-        if opt.built:
+def _adopt_optimizer(optimizer, strategy: Strategy):
+    """Returns `optimizer`, re-created under the strategy if made outside it.
+
+    An optimizer creates its step counter and learning-rate variables when
+    constructed; made outside the scope they are not replicated, and every
+    replica would bump the step counter.
+    """
+    if not all(strategy.holds(v) for v in optimizer.variables):
+        if optimizer.built:
             raise ValueError(
                 "The optimizer was already used outside this model's strategy; "
                 "pass a new optimizer (or its name) to compile()."
             )
-        opt._distribution_strategy = strategy.tf_strategy
+        with strategy.scope():
+            optimizer = type(optimizer).from_config(optimizer.get_config())
+    for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        if opt is not None:
+            _install_reduction_switch(opt)
+    return optimizer
 
 
 def _install_reduction_switch(optimizer) -> None:

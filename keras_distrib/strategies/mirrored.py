@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Optional, Sequence
 
 import tensorflow as tf
@@ -15,6 +16,18 @@ _CROSS_DEVICE_OPS = {
     "reduction_to_one_device": lambda: tf.distribute.ReductionToOneDevice(),
 }
 _GPU_ONLY = ("nccl", "hierarchical_copy")
+
+# Every MirroredStrategy starts its collective group keys at 1, so two of
+# them over the same devices in one process reuse the same collective
+# instances and TF aborts with "Shape mismatch in the collective instance".
+# Each of ours gets its own key range.
+_KEY_RANGES = itertools.count(start=1_000, step=1_000)
+
+
+class _KeyedMirroredStrategy(tf.distribute.MirroredStrategy):
+    def __init__(self, devices, cross_device_ops):
+        self._collective_key_base = next(_KEY_RANGES)
+        super().__init__(devices=devices, cross_device_ops=cross_device_ops)
 
 
 class Mirrored(Strategy):
@@ -55,7 +68,7 @@ class Mirrored(Strategy):
         )
         ops = _cross_device_ops(cross_device_ops, devices)
         super().__init__(
-            tf.distribute.MirroredStrategy(devices=devices, cross_device_ops=ops)
+            _KeyedMirroredStrategy(devices=devices, cross_device_ops=ops)
         )
         self.cross_device_ops = cross_device_ops
 

@@ -1,0 +1,101 @@
+"""Small models and data shared by the tests."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import keras_distrib as kd
+
+FEATURES, CLASSES = 8, 3
+
+
+def make_data(n=203, seed=0):
+    """203 samples: with batch 32 the last batch (11) splits unevenly."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, FEATURES)).astype("float32")
+    y = rng.integers(0, CLASSES, size=n).astype("int32")
+    return x, y
+
+
+def graph():
+    inputs = keras.Input((FEATURES,), name="features")
+    h = keras.layers.Dense(16, activation="relu", name="hidden")(inputs)
+    outputs = keras.layers.Dense(CLASSES, name="logits")(h)
+    return inputs, outputs
+
+
+def plain_model():
+    keras.utils.set_random_seed(7)
+    return keras.Model(*graph(), name="net")
+
+
+class Net(kd.DistributedModel):
+    """The subclassed usage form: same architecture as `graph()`."""
+
+    def __init__(self, strategy="auto", **kwargs):
+        super().__init__(strategy=strategy, **kwargs)
+        self.hidden = keras.layers.Dense(16, activation="relu", name="hidden")
+        self.logits = keras.layers.Dense(CLASSES, name="logits")
+
+    def call(self, x):
+        return self.logits(self.hidden(x))
+
+
+def build(form, strategy, compile_model=True, **compile_kwargs):
+    """A model of usage `form` with the reference initial weights."""
+    reference = plain_model()
+    if form == "functional":
+        model = kd.DistributedModel(reference.input, reference.output, strategy=strategy)
+    elif form == "subclass":
+        model = Net(strategy=strategy)
+        model(np.zeros((1, FEATURES), "float32"))
+        model.set_weights(reference.get_weights())
+    elif form == "from_model":
+        model = kd.DistributedModel.from_model(reference, strategy=strategy)
+    else:
+        raise ValueError(form)
+    if compile_model:
+        options = dict(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+        options.update(compile_kwargs)
+        model.compile(**options)
+    return model
+
+
+def assert_weights_close(a, b, atol=1e-5):
+    wa, wb = a.get_weights(), b.get_weights()
+    assert len(wa) == len(wb)
+    for x, y in zip(wa, wb):
+        np.testing.assert_allclose(x, y, atol=atol, rtol=0)
+
+
+def weights_moved(model, reference):
+    return any(
+        not np.allclose(x, y) for x, y in zip(model.get_weights(), reference.get_weights())
+    )
+
+
+def all_variables_on(model, strategy):
+    return all(strategy.holds(v) for v in model.variables)
+
+
+class Batches(keras.utils.PyDataset):
+    """A PyDataset over arrays, in order, with a last partial batch."""
+
+    def __init__(self, x, y, batch_size):
+        super().__init__()
+        self.x, self.y, self.batch_size = x, y, batch_size
+
+    def __len__(self):
+        return -(-len(self.x) // self.batch_size)
+
+    def __getitem__(self, i):
+        s = slice(i * self.batch_size, (i + 1) * self.batch_size)
+        return self.x[s], self.y[s]
+
+
+def tf_dataset(x, y, batch_size):
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)

@@ -1,0 +1,128 @@
+"""Saving: round trips, weight interchange with plain Keras, atomic files."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+
+import keras_distrib as kd
+from helpers import FEATURES, Net, assert_weights_close, build, make_data, plain_model
+
+
+@pytest.fixture(scope="module")
+def data():
+    return make_data()
+
+
+@pytest.mark.parametrize("form", ["functional", "from_model"])
+def test_save_and_load_model(form, data, tmp_path):
+    x, y = data
+    model = build(form, "mirrored")
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    path = tmp_path / "m.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert isinstance(loaded, kd.DistributedModel)
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), atol=1e-6)
+    # Training resumes with the optimizer state that was saved.
+    assert int(loaded.optimizer.iterations.numpy()) == int(model.optimizer.iterations.numpy())
+    loaded.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    assert_weights_close(loaded, model)
+
+
+def test_save_and_load_subclassed(data, tmp_path):
+    x, y = data
+    model = build("subclass", "mirrored")
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    path = tmp_path / "net.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path, custom_objects={"Net": Net})
+    assert isinstance(loaded, Net)
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), atol=1e-6)
+
+
+def test_loading_needs_keras_distrib_imported(data, tmp_path):
+    """Documented: `import keras_distrib` before `keras.models.load_model`."""
+    x, _ = data
+    model = build("functional", "single")
+    path = tmp_path / "m.keras"
+    model.save(path)
+    np.save(tmp_path / "x.npy", x[:5])
+    code = textwrap.dedent(f"""
+        import numpy as np, keras
+        import keras_distrib
+        m = keras.models.load_model({str(path)!r})
+        np.save({str(tmp_path / "p.npy")!r}, m.predict(np.load({str(tmp_path / "x.npy")!r}), verbose=0))
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=180, capture_output=True)
+    np.testing.assert_allclose(np.load(tmp_path / "p.npy"), model.predict(x[:5], verbose=0), atol=1e-6)
+
+
+def test_weights_interchange_with_plain_keras(data, tmp_path):
+    x, y = data
+    model = build("functional", "mirrored")
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    path = tmp_path / "w.weights.h5"
+    model.save_weights(path)
+    plain = plain_model()
+    plain.load_weights(path)
+    assert_weights_close(plain, model, atol=0)
+
+    plain.set_weights([w * 0.5 for w in plain.get_weights()])
+    plain.save_weights(path)
+    model.load_weights(path)
+    assert_weights_close(plain, model, atol=0)
+
+
+@keras.saving.register_keras_serializable(package="tests")
+class ExplodingOnSave(keras.layers.Layer):
+    """A real layer whose weight writing fails half-way through a save."""
+
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=(input_shape[-1],), initializer="ones")
+
+    def call(self, x):
+        return x * self.w
+
+    def save_own_variables(self, store):
+        if getattr(self, "explode", False):
+            raise OSError("disk full")
+        super().save_own_variables(store)
+
+
+def _exploding_model():
+    inputs = keras.Input((FEATURES,))
+    layer = ExplodingOnSave()
+    outputs = keras.layers.Dense(2)(layer(inputs))
+    return kd.DistributedModel(inputs, outputs, strategy="single"), layer
+
+
+@pytest.mark.parametrize("method,name", [("save_weights", "w.weights.h5"), ("save", "m.keras")])
+def test_failed_save_keeps_previous_file(method, name, tmp_path):
+    model, _ = _exploding_model()
+    model.compile(optimizer="sgd", loss="mse")
+    path = tmp_path / name
+    getattr(model, method)(path)
+    before = path.read_bytes()
+    layer = next(l for l in model.layers if isinstance(l, ExplodingOnSave))
+    layer.explode = True
+    with pytest.raises(OSError, match="disk full"):
+        getattr(model, method)(path)
+    assert path.read_bytes() == before
+    assert os.listdir(tmp_path) == [name]  # no temporary file left behind
+
+
+def test_model_checkpoint_callback_writes_loadable_files(data, tmp_path):
+    x, y = data
+    model = build("functional", "mirrored")
+    path = tmp_path / "ckpt-{epoch}.keras"
+    model.fit(x, y, batch_size=32, epochs=2, verbose=0,
+              callbacks=[keras.callbacks.ModelCheckpoint(str(path))])
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-1.keras", "ckpt-2.keras"]
+    loaded = keras.models.load_model(tmp_path / "ckpt-2.keras")
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), atol=1e-6)
