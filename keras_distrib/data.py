@@ -4,12 +4,10 @@
 optimizer step consumes, across all replicas.
 
 The split rule (documented in README, tested in tests/test_data.py): a
-global batch of B samples over N replicas gives replica r the contiguous rows
-`[start_r, start_r + n_r)` with n_r = B // N + (1 if r < B % N else 0). Each
-replica's mean loss is weighted by `n_r * N / B` so that the all-reduced
-gradient is exactly the gradient of the mean loss over the global batch, even
-when B is not a multiple of N (the last, partial batch of an epoch). No
-sample is dropped; a replica may get zero rows when B < N.
+batch of B samples over N replicas gives replica r the contiguous rows
+`[start_r, start_r + n_r)` with n_r = B // N + (1 if r < B % N else 0). No
+sample is dropped; a replica may get zero rows when B < N. The gradient is
+exact whatever the split (see `DistributedModel.reduce_gradients`).
 """
 
 from __future__ import annotations
@@ -40,8 +38,8 @@ def replica_sizes(global_size: tf.Tensor, num_replicas: int) -> list[tf.Tensor]:
     return [base + tf.cast(r < extra, global_size.dtype) for r in range(num_replicas)]
 
 
-def split_batch(batch: Any, num_replicas: int):
-    """Splits a global batch into `num_replicas` shards, in replica order.
+def split_batch(batch: Any, num_replicas: int) -> list:
+    """Splits a batch into `num_replicas` shards, in replica order.
 
     Args:
         batch: A nested structure of tensors sharing the first (batch)
@@ -49,8 +47,7 @@ def split_batch(batch: Any, num_replicas: int):
         num_replicas: How many shards to make.
 
     Returns:
-        `(shards, loss_weights)`: a list of `num_replicas` structures like
-        `batch`, and a list of scalar float32 weights `n_r * N / B`.
+        A list of `num_replicas` structures like `batch`.
     """
     leaves = tf.nest.flatten(batch)
     tensors = [t for t in leaves if t is not None]
@@ -62,17 +59,15 @@ def split_batch(batch: Any, num_replicas: int):
                 "Sparse and ragged inputs cannot be split across replicas yet; "
                 "densify them in the input pipeline or use strategy='single'."
             )
+    if num_replicas == 1:
+        return [batch]
     global_size = tf.shape(tensors[0], out_type=tf.int32)[0]
-    sizes = replica_sizes(global_size, num_replicas)
-    size_vector = tf.stack(sizes)
+    size_vector = tf.stack(replica_sizes(global_size, num_replicas))
     parts = [
         [None] * num_replicas if t is None else tf.split(t, size_vector, num=num_replicas)
         for t in leaves
     ]
-    shards = [
+    return [
         tf.nest.pack_sequence_as(batch, [p[r] for p in parts])
         for r in range(num_replicas)
     ]
-    scale = float(num_replicas) / tf.cast(tf.maximum(global_size, 1), tf.float32)
-    weights = [tf.cast(n, tf.float32) * scale for n in sizes]
-    return shards, weights

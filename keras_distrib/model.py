@@ -176,7 +176,7 @@ class DistributedModel(keras.Model):
             sample_weight=_batch_size(x),
         )
         if gradients:
-            gradients = self.reduce_gradients(gradients)
+            gradients = self.reduce_gradients(gradients, _batch_size(x))
             self.apply_reduced_gradients(gradients)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
@@ -186,7 +186,7 @@ class DistributedModel(keras.Model):
             loss = self._compute_loss(
                 x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
             )
-            scaled = self._weight_replica_loss(loss)
+            scaled = self._weight_replica_loss(loss, x)
             if self.optimizer is not None:
                 scaled = self.optimizer.scale_loss(scaled)
         gradients = None
@@ -194,11 +194,16 @@ class DistributedModel(keras.Model):
             gradients = tape.gradient(scaled, self.trainable_weights)
         return loss, y_pred, gradients
 
-    def reduce_gradients(self, gradients: list) -> list:
-        """Sums gradients across replicas (each is already 1/N-weighted).
+    def reduce_gradients(self, gradients: list, num_samples) -> list:
+        """The one cross-replica reduction of the step.
 
-        This is the one cross-replica reduction of the step; `None` entries
-        (variables the loss does not reach) are kept as `None`.
+        Under a replicating strategy each replica's gradients are of the *sum*
+        of its per-sample losses (see `_weight_replica_loss`); they travel
+        with the replica's sample count in the same all-reduce, and the sums
+        are divided by the global count. That is exactly the gradient of the
+        mean loss over the global batch, whatever the split, and needs no
+        knowledge of the global batch size on any worker. `None` entries
+        (variables the loss does not reach) stay `None`.
         """
         present = [g for g in gradients if g is not None]
         if not present:
@@ -206,7 +211,12 @@ class DistributedModel(keras.Model):
                 "No gradients reach any trainable variable; check that the "
                 "loss depends on the model's outputs."
             )
-        reduced = iter(self._strategy.all_reduce(present, "sum"))
+        if self._strategy.replicates:
+            count = tf.cast(num_samples, present[0].dtype)
+            *present, total = self._strategy.all_reduce([*present, count], "sum")
+            scale = 1.0 / tf.maximum(total, 1.0)
+            present = [g * tf.cast(scale, g.dtype) for g in present]
+        reduced = iter(present)
         return [None if g is None else next(reduced) for g in gradients]
 
     def apply_reduced_gradients(self, gradients: list) -> None:
@@ -238,19 +248,27 @@ class DistributedModel(keras.Model):
             return self(x, training=training)
         return self(x)
 
-    def _weight_replica_loss(self, loss):
-        # Keras already divided the loss by the replica count; re-weight it to
-        # this replica's share of the global batch (see keras_distrib.data).
-        weight = getattr(_step_state, "loss_weight", None)
-        if weight is None:
+    def _weight_replica_loss(self, loss, x):
+        # Keras divided this replica's mean loss by the replica count; turn it
+        # into the sum over this replica's samples (see reduce_gradients).
+        if not self._strategy.replicates:
             return loss
-        return loss * tf.cast(weight, loss.dtype)
+        count = tf.cast(_batch_size(x), loss.dtype)
+        return loss * count * tf.cast(self._strategy.num_replicas, loss.dtype)
 
     def _jit(self, fn):
+        """`fn` compiled with XLA, one compiled function per replica.
+
+        Each replica's function captures that replica's copies of the
+        variables, so the replicas cannot share one traced function.
+        """
+        ctx = tf.distribute.get_replica_context()
+        replica = tf.get_static_value(getattr(ctx, "replica_id_in_sync_group", 0))
         cache = self.__dict__.setdefault("_kd_jit_cache", {})
-        if fn.__name__ not in cache:
-            cache[fn.__name__] = tf.function(fn, jit_compile=True, reduce_retracing=True)
-        return cache[fn.__name__]
+        key = (fn.__name__, int(replica or 0))
+        if key not in cache:
+            cache[key] = tf.function(fn, jit_compile=True, reduce_retracing=True)
+        return cache[key]
 
     # -- the function-making layer: distribution ---------------------------
 
@@ -298,15 +316,8 @@ class DistributedModel(keras.Model):
     def _distributed(self, step_function):
         strategy = self._strategy
 
-        def replica_step(data, loss_weight):
-            _step_state.loss_weight = loss_weight
-            try:
-                return step_function(data)
-            finally:
-                _step_state.loss_weight = None
-
         def distributed_step(data):
-            return self._reduce_logs(strategy.run(replica_step, data))
+            return self._reduce_logs(strategy.run(step_function, data))
 
         return distributed_step
 
@@ -331,14 +342,15 @@ class DistributedModel(keras.Model):
             return super().make_predict_function(force=force)
         if self.predict_function is not None and not force:
             return self.predict_function
+        self.__dict__.pop("_kd_jit_cache", None)
         strategy = self._strategy
         predict_step = self.predict_step
         if self.jit_compile:
-            predict_step = tf.function(predict_step, jit_compile=True, reduce_retracing=True)
+            predict_step = lambda batch: self._jit(self.predict_step)(batch)  # noqa: E731
 
         def predict_function(steps):
             outputs = [
-                strategy.concat(strategy.run(lambda batch, _: predict_step(batch), step))
+                strategy.concat(strategy.run(predict_step, step))
                 for step in steps
             ]
             if len(outputs) == 1:

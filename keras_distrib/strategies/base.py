@@ -54,6 +54,16 @@ class Strategy(abc.ABC):
         return self._tf_strategy.num_replicas_in_sync
 
     @property
+    def num_local_replicas(self) -> int:
+        """Replicas that run in this process."""
+        return len(self.devices)
+
+    @property
+    def first_local_replica(self) -> int:
+        """Global index of this process's first replica."""
+        return self.rank * self.num_local_replicas
+
+    @property
     def rank(self) -> int:
         """Index of this process among `world_size` processes."""
         return 0
@@ -94,27 +104,24 @@ class Strategy(abc.ABC):
     # -- the step -----------------------------------------------------------
 
     def run(self, replica_fn: Callable, batch: Any):
-        """Runs `replica_fn(shard, loss_weight)` once per replica.
+        """Runs `replica_fn(shard)` once per local replica.
 
-        `batch` is the global batch (every tensor's first dimension is the
-        batch). It is split as `keras_distrib.data.split_batch` documents,
-        and each replica gets its shard plus the weight that makes its mean
-        loss count in proportion to its share of the global batch.
+        `batch` is this process's part of the global batch (every tensor's
+        first dimension is the batch); it is split across the local replicas
+        as `keras_distrib.data.split_batch` documents.
 
         Returns per-replica outputs (`tf.distribute.DistributedValues`).
         """
-        num = self.num_replicas
-        shards, weights = data_lib.split_batch(batch, num)
+        shards = data_lib.split_batch(batch, self.num_local_replicas)
+        first = self.first_local_replica
 
         def value_fn(ctx):
-            return shards[ctx.replica_id_in_sync_group], weights[
-                ctx.replica_id_in_sync_group
-            ]
+            return shards[ctx.replica_id_in_sync_group - first]
 
         per_replica = self._tf_strategy.experimental_distribute_values_from_function(
             value_fn
         )
-        return self._tf_strategy.run(replica_fn, args=per_replica)
+        return self._tf_strategy.run(replica_fn, args=(per_replica,))
 
     def all_reduce(self, values: Any, op: str = "sum") -> Any:
         """Reduces a structure of tensors across replicas (replica context)."""

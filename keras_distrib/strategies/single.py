@@ -58,7 +58,7 @@ class SingleDevice(Strategy):
 
     def run(self, replica_fn: Callable, batch: Any):
         with self.scope():
-            return replica_fn(batch, None)
+            return replica_fn(batch)
 
     def all_reduce(self, values: Any, op: str = "sum") -> Any:
         return values
