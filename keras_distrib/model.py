@@ -25,8 +25,10 @@ from keras.src.models.functional import Functional
 from keras.src.models.model import functional_init_arguments
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from keras_distrib import chief_only
 from keras_distrib import data as data_lib
 from keras_distrib import saving
+from keras_distrib import sharding
 from keras_distrib import strategies
 from keras_distrib.strategies.base import Strategy
 
@@ -73,6 +75,9 @@ class DistributedModel(keras.Model):
         strategy: A name from `keras_distrib.strategies.available()` or a
             `keras_distrib.strategies.Strategy` object. Default `"auto"`.
     """
+
+    # Only the chief prints and writes files (see keras_distrib.chief_only).
+    chief_only_side_effects = True
 
     def __new__(cls, *args, **kwargs):
         if cls is DistributedModel and functional_init_arguments(args, kwargs):
@@ -364,16 +369,50 @@ class DistributedModel(keras.Model):
 
     # -- entry points: batch checks and lazy builds ---------------------------
 
-    def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
+    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
+            callbacks=None, validation_split=0.0, validation_data=None,
+            shuffle=True, class_weight=None, sample_weight=None, **kwargs):
         self._check_batch_size(batch_size)
         self._check_batch_size(kwargs.get("validation_batch_size"))
-        return super().fit(x, y, batch_size, *args, **kwargs)
+        if self._sharded:
+            if validation_split:
+                (x, y, sample_weight), validation_data = sharding.split_validation(
+                    x, y, sample_weight, validation_split
+                )
+                validation_split = 0.0
+            seed = self._strategy.agree_on_seed() if shuffle else None
+            x, batch_size = sharding.shard(
+                self._strategy, x, y, sample_weight, batch_size, shuffle, seed
+            )
+            y = sample_weight = None
+            shuffle = False
+            if validation_data is not None:
+                val_batch = kwargs.pop("validation_batch_size", None) or batch_size
+                validation_data, _ = sharding.shard(
+                    self._strategy, *sharding.unpack(validation_data), val_batch
+                )
+        with self._side_effects(callbacks) as callbacks:
+            return super().fit(
+                x, y, batch_size, epochs, self._verbose(verbose), callbacks,
+                validation_split, validation_data, shuffle, class_weight,
+                sample_weight, **kwargs,
+            )
 
-    def evaluate(self, x=None, y=None, batch_size=None, *args, **kwargs):
+    def evaluate(self, x=None, y=None, batch_size=None, verbose="auto",
+                 sample_weight=None, steps=None, callbacks=None, **kwargs):
         self._check_batch_size(batch_size)
-        return super().evaluate(x, y, batch_size, *args, **kwargs)
+        if kwargs.get("_use_cached_eval_dataset"):
+            # Validation inside fit: inputs were sharded by fit already.
+            return super().evaluate(x, y, batch_size, verbose, sample_weight,
+                                    steps, callbacks, **kwargs)
+        if self._sharded:
+            x, batch_size = sharding.shard(self._strategy, x, y, sample_weight, batch_size)
+            y = sample_weight = None
+        with self._side_effects(callbacks) as callbacks:
+            return super().evaluate(x, y, batch_size, self._verbose(verbose),
+                                    sample_weight, steps, callbacks, **kwargs)
 
-    def predict(self, x, batch_size=None, *args, **kwargs):
+    def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
         self._check_batch_size(batch_size)
         if not self.built:
             from keras.src.backend.tensorflow.trainer import TFEpochIterator
@@ -386,7 +425,24 @@ class DistributedModel(keras.Model):
                     distribute_strategy=tf.distribute.get_strategy(),
                 )
             )
-        return super().predict(x, batch_size, *args, **kwargs)
+        if self._sharded:
+            x, batch_size = sharding.shard(self._strategy, x, batch_size=batch_size)
+        with self._side_effects(callbacks) as callbacks:
+            return super().predict(x, batch_size, self._verbose(verbose), steps, callbacks)
+
+    @property
+    def _sharded(self) -> bool:
+        return self._strategy.world_size > 1
+
+    def _verbose(self, verbose):
+        if self.chief_only_side_effects and not self._strategy.is_chief:
+            return 0
+        return verbose
+
+    def _side_effects(self, callbacks):
+        return chief_only.redirected(
+            callbacks, self._strategy.is_chief, self.chief_only_side_effects
+        )
 
     def predict_on_batch(self, x):
         if not self.built:

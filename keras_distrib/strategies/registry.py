@@ -8,9 +8,11 @@ from __future__ import annotations
 import inspect
 from typing import Callable, Union
 
+from keras_distrib import cluster as cluster_lib
 from keras_distrib import devices as devices_lib
 from keras_distrib.strategies.base import Strategy
 from keras_distrib.strategies.mirrored import Mirrored
+from keras_distrib.strategies.multi_worker import MultiWorker
 from keras_distrib.strategies.single import SingleDevice
 
 _FACTORIES: dict[str, Callable[..., Strategy]] = {}
@@ -75,7 +77,10 @@ def _check_options(name: str, factory: Callable, options: dict) -> None:
 
 
 def _auto() -> Strategy:
-    """Mirrored over all local devices when there are several, else single."""
+    """Multi-worker when a cluster is configured (TF_CONFIG, Slurm); else
+    mirrored over all local devices when there are several; else single."""
+    if cluster_lib.resolve() is not None:
+        return get("multi_worker")
     if len(devices_lib.local_devices()) > 1:
         return get("mirrored")
     return get("single")
@@ -85,5 +90,8 @@ register(SingleDevice.name, SingleDevice, SingleDevice.description,
          aliases=("one_device", "default"))
 register(Mirrored.name, Mirrored, Mirrored.description,
          aliases=("mirror", "data_parallel"))
+register(MultiWorker.name, MultiWorker, MultiWorker.description,
+         aliases=("multi_worker_mirrored", "multiworker"))
 register("auto", _auto,
-         "Mirrored when more than one local device is visible, single otherwise.")
+         "Multi-worker when a cluster is configured, else mirrored when more than "
+         "one local device is visible, else single.")

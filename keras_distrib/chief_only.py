@@ -1,0 +1,78 @@
+"""Side effects on the chief only: one progress bar, one set of files.
+
+Keras's callbacks know nothing of ranks, so with N workers every one would
+print and write the same files (racing each other). Under a multi-worker
+strategy `DistributedModel` therefore, on every worker but the chief:
+
+* turns the progress bar off (`verbose=0`);
+* points `ModelCheckpoint`, `TensorBoard`, `CSVLogger` and the writes of
+  `BackupAndRestore` at a private scratch directory that is deleted after
+  the call. These callbacks still *run* there: saving may read replicated
+  variables with collectives, which every worker must join.
+  `BackupAndRestore` still *reads* the chief's backup, so every worker
+  resumes from the same state.
+
+The user's callback objects are never modified (copies are redirected).
+Opt out with `model.chief_only_side_effects = False`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import shutil
+import tempfile
+from typing import Iterator, Optional
+
+import keras
+
+
+@contextlib.contextmanager
+def redirected(callbacks, is_chief: bool, enabled: bool) -> Iterator[Optional[list]]:
+    """Yields the callbacks this worker should run."""
+    if is_chief or not enabled or not callbacks:
+        yield callbacks
+        return
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = callbacks.callbacks
+    scratch = tempfile.mkdtemp(prefix="keras_distrib-worker-")
+    try:
+        yield [_redirect(cb, os.path.join(scratch, str(i))) for i, cb in enumerate(callbacks)]
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _redirect(callback, scratch: str):
+    os.makedirs(scratch, exist_ok=True)
+    if isinstance(callback, keras.callbacks.ModelCheckpoint):
+        callback = copy.copy(callback)
+        callback.filepath = os.path.join(scratch, os.path.basename(callback.filepath))
+    elif isinstance(callback, keras.callbacks.TensorBoard):
+        callback = copy.copy(callback)
+        callback.log_dir = scratch
+    elif isinstance(callback, keras.callbacks.CSVLogger):
+        callback = copy.copy(callback)
+        callback.filename = os.path.join(scratch, os.path.basename(callback.filename))
+    elif isinstance(callback, keras.callbacks.BackupAndRestore):
+        callback = _ReadOnlyBackup.of(callback, scratch)
+    return callback
+
+
+class _ReadOnlyBackup(keras.callbacks.BackupAndRestore):
+    """Restores from the chief's backup, then writes to scratch."""
+
+    @classmethod
+    def of(cls, callback, scratch):
+        redirected_copy = copy.copy(callback)
+        redirected_copy.__class__ = cls
+        redirected_copy._scratch = scratch
+        return redirected_copy
+
+    def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
+        self.backup_dir = self._scratch
+        self._weights_path = os.path.join(self._scratch, "latest.weights.h5")
+        self._training_metadata_path = os.path.join(self._scratch, "training_metadata.json")
+        self._prev_weights_path = f"{self._weights_path}.bkp"
+        self._prev_training_metadata_path = f"{self._training_metadata_path}.bkp"

@@ -1,0 +1,193 @@
+"""Input across workers: each sample of an epoch is seen once, by one worker.
+
+`batch_size` stays the global batch. Worker w keeps, from every global batch,
+the contiguous rows of its replicas under the split rule of
+`keras_distrib.data` (so N workers see exactly what one process would, in the
+same order):
+
+* numpy arrays / tensors: a `tf.data` pipeline shuffles indices with a seed
+  all workers agree on, batches them globally, and gathers this worker's rows;
+* `keras.utils.PyDataset`: every worker builds each global batch (in an order
+  all workers agree on) and keeps its rows;
+* `tf.data.Dataset` that reads files (TFRecord, text lines, fixed-length
+  records): TensorFlow's file-based auto-sharding gives each worker its own
+  files, and its batches are re-batched to this worker's share;
+* any other `tf.data.Dataset`: each element (a global batch) is cut to this
+  worker's rows.
+
+All of this runs only when more than one worker trains.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import keras
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.data.experimental.ops import distribute as tf_data_distribute
+
+from keras_distrib import data as data_lib
+
+_FILE_READERS = {
+    "TFRecordDataset",
+    "TFRecordDatasetV2",
+    "TextLineDataset",
+    "FixedLengthRecordDataset",
+    "FixedLengthRecordDatasetV2",
+}
+
+
+def shard(strategy, x, y=None, sample_weight=None, batch_size=None, shuffle=False, seed=0):
+    """This worker's share of `(x, y, sample_weight)` as one Keras input.
+
+    Returns:
+        `(inputs, batch_size)` to hand to Keras in place of the originals
+        (`y` and `sample_weight` are folded into `inputs`).
+    """
+    rows = _WorkerRows(strategy)
+    if isinstance(x, tf.data.Dataset):
+        _no_extras(y, sample_weight, "a tf.data.Dataset")
+        return _shard_dataset(x, rows), None
+    if isinstance(x, keras.utils.PyDataset):
+        _no_extras(y, sample_weight, "a PyDataset")
+        return _WorkerPyDataset(x, rows, seed if shuffle else None), None
+    if _is_array_like(x):
+        return _shard_arrays(x, y, sample_weight, batch_size or 32, rows, seed if shuffle else None), None
+    raise TypeError(
+        f"Multi-worker input must be numpy arrays, tensors, a tf.data.Dataset or "
+        f"a keras.utils.PyDataset, got {type(x).__name__}; wrap a generator in a "
+        "PyDataset so every worker can take its share of each batch."
+    )
+
+
+class _WorkerRows:
+    """Which rows of a global batch belong to this worker."""
+
+    def __init__(self, strategy):
+        self.first = strategy.first_local_replica
+        self.local = strategy.num_local_replicas
+        self.total = strategy.num_replicas
+
+    def bounds(self, global_size):
+        """(start, count) as tensors of the dtype of `global_size`."""
+        sizes = data_lib.replica_sizes(global_size, self.total)
+        start = tf.add_n([tf.zeros_like(global_size)] + sizes[: self.first])
+        count = tf.add_n(sizes[self.first : self.first + self.local])
+        return start, count
+
+    def cut(self, batch):
+        leaves = [t for t in tf.nest.flatten(batch) if t is not None]
+        start, count = self.bounds(tf.shape(leaves[0], out_type=tf.int64)[0])
+        return tf.nest.map_structure(
+            lambda t: None if t is None else t[start : start + count], batch
+        )
+
+    def cut_numpy(self, batch):
+        leaves = [t for t in tf.nest.flatten(batch) if t is not None]
+        start, count = (int(v) for v in self.bounds(tf.constant(len(leaves[0]), tf.int64)))
+        return tf.nest.map_structure(
+            lambda t: None if t is None else t[start : start + count], batch
+        )
+
+
+def _is_array_like(x) -> bool:
+    leaves = tf.nest.flatten(x)
+    return bool(leaves) and all(isinstance(t, (np.ndarray, tf.Tensor)) for t in leaves)
+
+
+def _no_extras(y, sample_weight, what):
+    if y is not None or sample_weight is not None:
+        raise ValueError(f"y and sample_weight must be None when x is {what}; put them in x.")
+
+
+def _shard_arrays(x, y, sample_weight, batch_size, rows, seed):
+    arrays = tuple(a for a in (x, y, sample_weight) if a is not None)
+    n = int(tf.nest.flatten(x)[0].shape[0])
+    indices = tf.data.Dataset.range(n)
+    if seed is not None:
+        # Same seed on every worker -> the same permutation every epoch.
+        indices = indices.shuffle(n, seed=seed, reshuffle_each_iteration=True)
+    indices = indices.batch(batch_size).map(rows.cut)
+    source = tf.data.Dataset.from_tensors(arrays).repeat()
+    dataset = tf.data.Dataset.zip((indices, source)).map(
+        lambda i, a: tf.nest.map_structure(lambda t: tf.gather(t, i), a)
+    )
+    return dataset.prefetch(tf.data.AUTOTUNE)
+
+
+def _shard_dataset(dataset: tf.data.Dataset, rows: _WorkerRows) -> tf.data.Dataset:
+    if not reads_files(dataset):
+        return dataset.map(lambda *e: rows.cut(e[0] if len(e) == 1 else e))
+    global_batch = int(tf_data_distribute.compute_batch_size(dataset))
+    if global_batch <= 0:
+        raise ValueError(
+            "Cannot find the batch size of this file-reading tf.data pipeline; "
+            "call .batch(global_batch_size) on it as its last batching step."
+        )
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.FILE
+    num_workers = rows.total // rows.local
+    worker = rows.first // rows.local
+    sharded = tf_data_distribute._AutoShardDataset(
+        dataset.with_options(options), num_workers, worker, rows.total
+    )
+    _, count = rows.bounds(tf.constant(global_batch, tf.int64))
+    return sharded.rebatch(int(count))
+
+
+def reads_files(dataset: tf.data.Dataset) -> bool:
+    """Whether the pipeline has a file reader source (so can shard by file)."""
+    graph = tf.compat.v1.GraphDef()
+    graph.ParseFromString(dataset._as_serialized_graph().numpy())
+    ops = {node.op for node in graph.node}
+    for function in graph.library.function:
+        ops.update(node.op for node in function.node_def)
+    return bool(ops & _FILE_READERS)
+
+
+class _WorkerPyDataset(keras.utils.PyDataset):
+    """This worker's rows of every batch of a PyDataset, in an agreed order."""
+
+    def __init__(self, inner: keras.utils.PyDataset, rows: _WorkerRows, seed: Optional[int]):
+        super().__init__(
+            workers=inner.workers,
+            use_multiprocessing=inner.use_multiprocessing,
+            max_queue_size=inner.max_queue_size,
+        )
+        self.inner, self.rows, self.seed, self.epoch = inner, rows, seed, 0
+        self._order = self._permutation()
+
+    def _permutation(self):
+        n = len(self.inner)
+        if self.seed is None:
+            return np.arange(n)
+        return np.random.default_rng([self.seed, self.epoch]).permutation(n)
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, index):
+        return self.rows.cut_numpy(self.inner[int(self._order[index])])
+
+    def on_epoch_end(self):
+        self.inner.on_epoch_end()
+        self.epoch += 1
+        self._order = self._permutation()
+
+
+def split_validation(x, y, sample_weight, validation_split):
+    """Keras's `validation_split`, done before sharding (arrays only)."""
+    from keras.src.trainers.data_adapters import array_slicing
+
+    return array_slicing.train_validation_split(
+        (x, y, sample_weight), validation_split=validation_split
+    )
+
+
+def unpack(data) -> tuple[Any, Any, Any]:
+    from keras.src.trainers.data_adapters import data_adapter_utils
+
+    if isinstance(data, (tf.data.Dataset, keras.utils.PyDataset)):
+        return data, None, None
+    return data_adapter_utils.unpack_x_y_sample_weight(data)

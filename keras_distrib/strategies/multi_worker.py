@@ -1,0 +1,169 @@
+"""`"multi_worker"`: synchronous data parallelism across processes and hosts."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import socket
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import tensorflow as tf
+
+from keras_distrib import cluster as cluster_lib
+from keras_distrib.strategies.base import Strategy
+
+_IMPLEMENTATIONS = {
+    "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
+    "ring": tf.distribute.experimental.CommunicationImplementation.RING,
+    "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
+}
+_KEY_RANGES = itertools.count(start=500_000, step=1_000)
+
+
+class _KeyedMultiWorkerStrategy(tf.distribute.MultiWorkerMirroredStrategy):
+    # See mirrored.py: collective keys must not collide with other strategies
+    # in the same process.
+    def __init__(self, **kwargs):
+        self._collective_key_base = next(_KEY_RANGES)
+        super().__init__(**kwargs)
+
+
+class MultiWorker(Strategy):
+    """Synchronous all-reduce across worker processes (and their devices).
+
+    Runs on TensorFlow's collective runtime: a gRPC ring between CPUs, NCCL
+    between GPUs. Every worker runs the same script; `keras-distrib launch`
+    starts them and sets `TF_CONFIG`. Variables start equal on all workers
+    (broadcast from worker 0 when they are created).
+
+    Args:
+        cluster: Worker addresses (`["host:port", ...]` or
+            `{"worker": [...]}`); default: `TF_CONFIG`, then Slurm.
+        task_index: This process's rank in `cluster` (with `cluster` only).
+        implementation: `"auto"`, `"ring"` or `"nccl"`.
+        bytes_per_pack: Pack gradients into all-reduces of about this many
+            bytes (0: TensorFlow's default, one pack). Many small gradients
+            travel in few collectives, which matters on latency-bound links.
+        collective_timeout: Seconds after which a stuck collective fails
+            (None: wait forever).
+        peer_timeout: Seconds to wait for all workers to join at start-up;
+            a worker that never answers is named in the error.
+
+    Example:
+
+    ```python
+    # keras-distrib launch -n 2 train.py   (sets TF_CONFIG for each worker)
+    model = keras_distrib.DistributedModel(inputs, outputs, strategy="multi_worker")
+    ```
+    """
+
+    name = "multi_worker"
+    description = (
+        "Sync all-reduce across worker processes/hosts (gRPC ring on CPU, NCCL on GPU)."
+    )
+
+    def __init__(
+        self,
+        cluster: Union[Sequence[str], Mapping[str, Sequence[str]], None] = None,
+        task_index: Optional[int] = None,
+        implementation: str = "auto",
+        bytes_per_pack: int = 0,
+        collective_timeout: Optional[float] = None,
+        peer_timeout: float = 120.0,
+    ):
+        info = cluster_lib.resolve(cluster, task_index)
+        if info is None:
+            raise cluster_lib.ClusterConfigError(
+                "strategy 'multi_worker' found no cluster; start the workers "
+                "with `keras-distrib launch -n N script.py`, set TF_CONFIG, run "
+                "under Slurm, or pass cluster=[...] and task_index=..."
+            )
+        options = _communication_options(implementation, bytes_per_pack, collective_timeout)
+        if not peer_timeout or peer_timeout <= 0:
+            raise ValueError(f"peer_timeout={peer_timeout!r} must be a positive number of seconds.")
+        cluster_lib.check_own_port_free(info)
+        self._info = info
+        self.bytes_per_pack = bytes_per_pack
+        resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec({"worker": list(info.workers)}),
+            task_type="worker",
+            task_id=info.rank,
+            rpc_layer="grpc",
+        )
+        super().__init__(_start(resolver, options, info, peer_timeout))
+
+    @property
+    def rank(self) -> int:
+        return self._info.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._info.world_size
+
+    @property
+    def cluster(self) -> cluster_lib.ClusterInfo:
+        return self._info
+
+    def concat(self, per_replica: Any) -> Any:
+        # Every worker ends with all rows, in global replica order (= the
+        # order of the global batch, see keras_distrib.sharding).
+        return tf.nest.map_structure(
+            lambda v: self._tf_strategy.gather(v, axis=0), per_replica
+        )
+
+    def agree_on_seed(self, seed: Optional[int] = None) -> int:
+        """A seed every worker agrees on: worker 0's (random unless given)."""
+        mine = seed if seed is not None else int(tf.random.uniform([], 0, 2**30, tf.int64))
+        mine = tf.constant(mine if self.is_chief else 0, tf.int64)
+        local = self._tf_strategy.experimental_distribute_values_from_function(
+            lambda ctx: mine if ctx.replica_id_in_sync_group == self.first_local_replica
+            else tf.zeros_like(mine)
+        )
+        return int(self._tf_strategy.reduce("SUM", local, axis=None))
+
+
+def _communication_options(implementation, bytes_per_pack, collective_timeout):
+    if implementation not in _IMPLEMENTATIONS:
+        raise ValueError(
+            f"Unknown implementation={implementation!r}; use one of {sorted(_IMPLEMENTATIONS)}."
+        )
+    if not isinstance(bytes_per_pack, int) or bytes_per_pack < 0:
+        raise ValueError(
+            f"bytes_per_pack={bytes_per_pack!r} must be an int >= 0 (0 = one pack)."
+        )
+    if collective_timeout is not None and collective_timeout <= 0:
+        raise ValueError(
+            f"collective_timeout={collective_timeout!r} must be > 0 seconds, or None."
+        )
+    return tf.distribute.experimental.CommunicationOptions(
+        bytes_per_pack=bytes_per_pack,
+        timeout_seconds=collective_timeout,
+        implementation=_IMPLEMENTATIONS[implementation],
+    )
+
+
+def _start(resolver, options, info, peer_timeout):
+    """Waits (bounded) for every peer, then starts this worker's server.
+
+    Creating the strategy blocks inside TensorFlow, holding the GIL, until
+    every worker has registered, with no deadline we can set. So first each
+    worker listens on its own port and waits until every peer's port
+    answers: a worker that never comes up is then named in a clear error
+    instead of hanging the job. The probe socket is closed right before
+    TensorFlow's server takes the port over (peers keep retrying meanwhile).
+    """
+    with _listening_on(info.address):
+        cluster_lib.wait_for_peers(info, timeout=peer_timeout)
+    return _KeyedMultiWorkerStrategy(cluster_resolver=resolver, communication_options=options)
+
+
+@contextlib.contextmanager
+def _listening_on(address: str):
+    _, port = cluster_lib.parse_address(address)
+    if socket.has_dualstack_ipv6():
+        server = socket.create_server(("", port), family=socket.AF_INET6,
+                                      dualstack_ipv6=True, reuse_port=False)
+    else:
+        server = socket.create_server(("", port))
+    with server:
+        yield

@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# Install Horovod 0.28.1 into a virtualenv, built from its PyPI sdist against
+# the TensorFlow already installed there (TF 2.21 on CPU, Gloo, no MPI).
+#
+# Usage: scripts/install_horovod.sh [VENV_DIR]      (default: .venv)
+#
+# Horovod 0.28.1 (2023, the last release) ships no wheels. Against TF 2.21 it
+# compiles only with two changes from a plain `pip install horovod` (TF <= 2.18.1
+# builds unpatched, per shared/DESIGN.md):
+#   * --no-build-isolation, so the build sees the venv's TensorFlow;
+#   * horovod/tensorflow/xla_mpi_ops.cc dropped from
+#     horovod/tensorflow/CMakeLists.txt (it only holds the optional XLA ops,
+#     and no longer compiles against TF's headers).
+# The built wheel is kept in VENV/horovod-wheels/ so that a reinstall into the
+# same venv takes seconds instead of minutes. Only PyPI is used: the sdist
+# vendors gloo, eigen, flatbuffers and boost, and CMake fetches nothing.
+#
+# Environment:
+#   HOROVOD_BUILD_JOBS  parallel compile jobs (default: nproc)
+set -euo pipefail
+
+HVD_VERSION=0.28.1
+VENV=${1:-.venv}
+PY="$VENV/bin/python"
+WHEEL_DIR="$VENV/horovod-wheels"
+START=$(date +%s)
+
+log() { printf '[install_horovod] %s\n' "$*"; }
+die() { printf '[install_horovod] ERROR: %s\n' "$*" >&2; exit 1; }
+elapsed() { echo "$(( $(date +%s) - START ))s"; }
+
+[ -x "$PY" ] || die "no python at $PY (create the venv first: python3 -m venv $VENV)"
+VENV=$(cd "$VENV" && pwd)
+PY="$VENV/bin/python"
+WHEEL_DIR="$VENV/horovod-wheels"
+# horovod's setup.py looks for `cmake` on PATH; prefer the venv's tools.
+export PATH="$VENV/bin:$PATH"
+
+pip_() { "$PY" -m pip --disable-pip-version-check "$@"; }
+
+hvd_imports() { "$PY" -c "import horovod.tensorflow" >/dev/null 2>&1; }
+
+# Runtime deps of horovod (its install_requires); installed explicitly because
+# the wheel itself goes in with --no-deps (so pip never touches tensorflow).
+install_runtime_deps() {
+    pip_ install -q cloudpickle psutil pyyaml packaging
+}
+
+verify() {
+    log "verifying"
+    "$PY" - <<'EOF'
+import horovod, horovod.tensorflow as hvd
+hvd.init()
+print(f"[install_horovod] horovod {horovod.__version__}: size={hvd.size()} rank={hvd.rank()}")
+assert hvd.size() == 1, hvd.size()
+EOF
+    local out
+    out=$("$VENV/bin/horovodrun" --check-build)
+    echo "$out"
+    grep -Eq '\[X\] TensorFlow' <<<"$out" || die "horovodrun --check-build: TensorFlow not built in"
+    grep -Eq '\[X\] Gloo' <<<"$out" || die "horovodrun --check-build: Gloo not built in"
+}
+
+# 1. Already there?
+if hvd_imports; then
+    log "horovod already installed ($("$PY" -c 'import horovod; print(horovod.__version__)')) in $VENV"
+    exit 0
+fi
+
+"$PY" -c "import tensorflow" >/dev/null 2>&1 \
+    || die "tensorflow is not importable from $PY; install it first"
+
+# 2. Cached wheel from an earlier build into this venv?
+shopt -s nullglob
+cached=("$WHEEL_DIR"/horovod-"$HVD_VERSION"-*.whl)
+shopt -u nullglob
+if [ ${#cached[@]} -gt 0 ]; then
+    log "installing cached wheel ${cached[0]}"
+    install_runtime_deps
+    pip_ install -q --no-deps --force-reinstall "${cached[0]}"
+    verify
+    log "done in $(elapsed) (cached wheel)"
+    exit 0
+fi
+
+# 3. Build from the sdist.
+TF_VERSION=$("$PY" -c "import tensorflow as tf; print(tf.__version__)" 2>/dev/null)
+log "building horovod $HVD_VERSION against tensorflow $TF_VERSION in $VENV"
+
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/horovod-build.XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+
+# Build deps. A system cmake >= 3.13 is enough (horovod's setup.py checks
+# this; if it finds none it pip-installs one itself, into a temp dir); only
+# fetch the pip one when needed.
+pip_ install -q setuptools packaging wheel
+cmake_ok=0
+if command -v cmake >/dev/null 2>&1; then
+    cmake_ver=$(cmake --version | sed -n 's/^cmake version \([0-9.]*\).*/\1/p')
+    if "$PY" -c "import sys; from packaging.version import Version as V; sys.exit(V('$cmake_ver') < V('3.13'))"; then
+        cmake_ok=1
+        log "using cmake $cmake_ver at $(command -v cmake)"
+    fi
+fi
+if [ "$cmake_ok" = 0 ]; then
+    log "no cmake >= 3.13 on PATH; installing cmake from PyPI into the venv"
+    pip_ install -q "cmake>=3.13"
+fi
+command -v c++ >/dev/null 2>&1 || die "no C++ compiler (apt-get install g++)"
+command -v make >/dev/null 2>&1 || die "no make (apt-get install make)"
+
+log "downloading the sdist"
+pip_ download -q --no-deps --no-binary :all: "horovod==$HVD_VERSION" -d "$WORK/dl"
+sdist=$(ls "$WORK"/dl/horovod-"$HVD_VERSION".tar.gz)
+tar -xzf "$sdist" -C "$WORK"
+SRC="$WORK/horovod-$HVD_VERSION"
+
+# The one-line patch: drop the XLA ops source from the TF extension.
+CML="$SRC/horovod/tensorflow/CMakeLists.txt"
+XLA_LINE='^list(APPEND TF_SOURCES "[$]{PROJECT_SOURCE_DIR}/horovod/tensorflow/xla_mpi_ops\.cc")$'
+[ "$(grep -c "$XLA_LINE" "$CML")" = 1 ] \
+    || die "patch target not found in $CML (expected exactly one line listing xla_mpi_ops.cc); is this horovod $HVD_VERSION?"
+cp "$CML" "$CML.orig"
+sed -i "\\|$XLA_LINE|d" "$CML"
+log "patched horovod/tensorflow/CMakeLists.txt:"
+diff "$CML.orig" "$CML" | sed 's/^/    /' || true
+! grep -q 'xla_mpi_ops' "$CML" || die "xla_mpi_ops.cc still listed in $CML after patching"
+
+JOBS=${HOROVOD_BUILD_JOBS:-$(nproc)}
+log "compiling with $JOBS parallel jobs (takes a few minutes)"
+mkdir -p "$WHEEL_DIR"
+BUILD_START=$(date +%s)
+HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
+HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
+MAKEFLAGS="-j$JOBS" \
+    pip_ wheel --no-deps --no-build-isolation -w "$WHEEL_DIR" "$SRC"
+log "wheel built in $(( $(date +%s) - BUILD_START ))s"
+
+shopt -s nullglob
+built=("$WHEEL_DIR"/horovod-"$HVD_VERSION"-*.whl)
+shopt -u nullglob
+[ ${#built[@]} -gt 0 ] || die "pip wheel produced no horovod-$HVD_VERSION wheel in $WHEEL_DIR"
+
+install_runtime_deps
+pip_ install -q --no-deps --force-reinstall "${built[0]}"
+verify
+log "done in $(elapsed) (built from source)"

@@ -1,0 +1,363 @@
+"""Cluster discovery: TF_CONFIG, Slurm, explicit lists, and the network checks."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from keras_distrib import cluster
+from keras_distrib.cluster import ClusterConfigError, ClusterInfo
+
+pytestmark = pytest.mark.timeout(60)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _tf_config(config) -> dict:
+    return {"TF_CONFIG": config if isinstance(config, str) else json.dumps(config)}
+
+
+def _workers(*addresses, task_type="worker", index=0, **extra_tasks) -> dict:
+    return {"cluster": {"worker": list(addresses), **extra_tasks},
+            "task": {"type": task_type, "index": index}}
+
+
+def _assert_one_line_error(excinfo, *fragments):
+    message = str(excinfo.value)
+    assert isinstance(excinfo.value, ValueError)
+    assert "\n" not in message, message
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+# --------------------------------------------------------------------------
+# ClusterInfo
+
+
+def test_cluster_info_properties_and_tf_config_round_trip():
+    info = ClusterInfo(["10.0.0.1:2222", "10.0.0.2:2222", "[::1]:2223"], 1)
+    assert info.workers == ("10.0.0.1:2222", "10.0.0.2:2222", "[::1]:2223")
+    assert (info.rank, info.world_size, info.is_chief) == (1, 3, False)
+    assert info.address == "10.0.0.2:2222"
+    assert info.peers == ("10.0.0.1:2222", "[::1]:2223")
+    assert info.to_tf_config() == {
+        "cluster": {"worker": list(info.workers)},
+        "task": {"type": "worker", "index": 1},
+    }
+    assert cluster.from_tf_config({"TF_CONFIG": info.tf_config_json()}) == info
+    assert ClusterInfo(("h:1",), 0).is_chief
+
+
+def test_cluster_info_validates_itself():
+    with pytest.raises(ClusterConfigError) as excinfo:
+        ClusterInfo(("h:1", "h:2"), 2)
+    _assert_one_line_error(excinfo, "task_index=2", "out of range", "0..1")
+    with pytest.raises(ClusterConfigError) as excinfo:
+        ClusterInfo("h:1", 0)
+    _assert_one_line_error(excinfo, "must be a list")
+
+
+# --------------------------------------------------------------------------
+# TF_CONFIG
+
+
+@pytest.mark.parametrize("environ", [{}, {"TF_CONFIG": ""}, {"TF_CONFIG": "  "}])
+def test_tf_config_unset_or_blank_is_none(environ):
+    assert cluster.from_tf_config(environ) is None
+
+
+def test_tf_config_workers():
+    info = cluster.from_tf_config(_tf_config(_workers("a:1", "b:2", index=1)))
+    assert info == ClusterInfo(("a:1", "b:2"), 1)
+
+
+def test_tf_config_kubeflow_chief_is_rank_zero_and_evaluator_is_ignored():
+    config = _workers("w0:2222", "w1:2222", index=1,
+                      chief=["c:2222"], evaluator=["e:2222"])
+    config["environment"] = "cloud"
+    info = cluster.from_tf_config(_tf_config(config))
+    assert info.workers == ("c:2222", "w0:2222", "w1:2222")
+    assert info.rank == 2
+    config["task"] = {"type": "chief", "index": 0}
+    assert cluster.from_tf_config(_tf_config(config)).rank == 0
+    config["task"] = {"type": "master", "index": 0}  # older TFJob name
+    config["cluster"]["master"] = config["cluster"].pop("chief")
+    assert cluster.from_tf_config(_tf_config(config)).rank == 0
+
+
+MALFORMED = {
+    "bad_json": ('{"cluster": {"worker": ["a:1"]}, "task": ',
+                 ["not valid JSON", "line 1 column", "char "]),
+    "not_object": ("[1, 2]", ["must be a JSON object", "got list"]),
+    "no_cluster": ({"task": {"type": "worker", "index": 0}}, ["no 'cluster'"]),
+    "no_task": ({"cluster": {"worker": ["a:1"]}}, ["no 'task'"]),
+    "unknown_task_type": (_workers("a:1", task_type="boss"),
+                          ["task.type='boss' is unknown", "'worker' or 'chief'"]),
+    "unknown_cluster_type": (_workers("a:1", trainer=["t:1"]),
+                             ["unknown task type 'trainer'"]),
+    "missing_type": ({"cluster": {"worker": ["a:1"]}, "task": {"index": 0}},
+                     ["task.type is missing"]),
+    "index_out_of_range": (_workers("a:1", "b:1", index=2),
+                           ["task.index=2 is out of range", "2 'worker' tasks", "0..1"]),
+    "missing_index": ({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker"}},
+                      ["task.index is missing"]),
+    "negative_index": (_workers("a:1", index=-1), ["task.index=-1 is negative"]),
+    "string_index": (_workers("a:1", index="0"), ["must be an integer"]),
+    "duplicate": (_workers("a:1", "b:2", "a:1"),
+                  ["cluster.worker[0] and TF_CONFIG cluster.worker[2]", "'a:1'",
+                   "its own host:port"]),
+    "no_port": (_workers("a:1", "b"), ["cluster.worker[1]='b' has no port", "'b:2222'"]),
+    "port_not_int": (_workers("a:x1"), ["port 'x1' is not an integer"]),
+    "port_zero": (_workers("a:0"), ["port 0 is out of range", "1..65535"]),
+    "port_too_big": (_workers("a:65536"), ["port 65536 is out of range"]),
+    "empty_host": (_workers(":2222"), ["empty host"]),
+    "unbracketed_ipv6": (_workers("fe80::1:2222"), ["IPv6", "'[::1]:2222'"]),
+    "bracketed_not_ipv6": (_workers("[host]:2222"), ["not an IPv6 address"]),
+    "url_scheme": (_workers("grpc://a:1"), ["URL scheme", "plain 'host:port'"]),
+    "not_a_string": (_workers(2222), ["must be a 'host:port' string"]),
+    "ps_in_cluster": (_workers("a:1", ps=["p:1"]),
+                      ["'ps' tasks", "parameter_server strategy"]),
+    "ps_task": (_workers("a:1", task_type="ps"), ["'ps'", "parameter_server strategy"]),
+    "evaluator_task": (_workers("a:1", task_type="evaluator", evaluator=["e:1"]),
+                       ["'evaluator'", "not a training worker"]),
+    "chief_without_chief": (_workers("a:1", task_type="chief"),
+                            ["lists no 'chief' task"]),
+    "two_chiefs": (_workers("a:1", chief=["c:1", "d:1"]), ["2 chief tasks"]),
+    "empty_cluster": ({"cluster": {}, "task": {"type": "worker", "index": 0}},
+                      ["no 'worker' or 'chief' tasks"]),
+    "worker_without_workers": (_workers(chief=["c:1"]), ["lists no 'worker' tasks"]),
+    "sparse_dict": ({"cluster": {"worker": {"1": "a:1"}}, "task": {"type": "worker", "index": 1}},
+                    ["cluster.worker must be a list"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_tf_config_gives_one_line_error(case):
+    config, fragments = MALFORMED[case]
+    with pytest.raises(ClusterConfigError) as excinfo:
+        cluster.from_tf_config(_tf_config(config))
+    _assert_one_line_error(excinfo, *fragments)
+
+
+def test_bad_json_error_quotes_position():
+    text = '{"cluster": {"worker": ["a:1"]},, "task": {}}'
+    with pytest.raises(ClusterConfigError) as excinfo:
+        cluster.from_tf_config(_tf_config(text))
+    error = json.JSONDecodeError
+    try:
+        json.loads(text)
+    except error as e:
+        expected = f"line {e.lineno} column {e.colno} (char {e.pos})"
+    _assert_one_line_error(excinfo, expected)
+
+
+# --------------------------------------------------------------------------
+# Explicit and resolve()
+
+
+def test_from_explicit_list_and_dict():
+    assert cluster.from_explicit(["a:1", "b:1"], 1) == ClusterInfo(("a:1", "b:1"), 1)
+    assert cluster.from_explicit({"worker": ["a:1"]}, 0) == ClusterInfo(("a:1",), 0)
+
+
+@pytest.mark.parametrize("workers, index, fragments", [
+    (["a:1"], 1, ["task_index=1 is out of range"]),
+    (["a:1"], None, ["task_index is missing"]),
+    (["a:1"], True, ["must be an integer"]),
+    ([], 0, ["no workers"]),
+    ("a:1", 0, ["must be a list"]),
+    ({"workers": ["a:1"]}, 0, ["keys ['workers']"]),
+    (["a:1", "a:2", "b"], 0, ["cluster[2]='b' has no port"]),
+])
+def test_from_explicit_errors(workers, index, fragments):
+    with pytest.raises(ClusterConfigError) as excinfo:
+        cluster.from_explicit(workers, index)
+    _assert_one_line_error(excinfo, *fragments)
+
+
+SLURM_2x2 = {
+    "SLURM_JOB_ID": "77",
+    "SLURM_PROCID": "3",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "1",
+    "SLURMD_NODENAME": "node02",
+    "SLURM_STEP_NUM_TASKS": "4",
+    "SLURM_STEP_NUM_NODES": "2",
+    "SLURM_STEP_NODELIST": "node[01-02]",
+    "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+}
+
+
+def test_resolve_order_explicit_then_tf_config_then_slurm():
+    tf_env = {**SLURM_2x2, **_tf_config(_workers("t:1", "t:2", index=1))}
+    assert cluster.resolve(["x:1"], 0, environ=tf_env) == ClusterInfo(("x:1",), 0)
+    assert cluster.resolve(environ=tf_env) == ClusterInfo(("t:1", "t:2"), 1)
+    assert cluster.resolve(environ=SLURM_2x2).workers[0] == "node01:8888"
+    assert cluster.resolve(environ={"HOME": "/root"}) is None
+
+
+@pytest.mark.parametrize("args, fragment", [
+    ((["a:1"], None), "without task_index"),
+    ((None, 1), "without cluster"),
+])
+def test_resolve_needs_cluster_and_index_together(args, fragment):
+    with pytest.raises(ClusterConfigError) as excinfo:
+        cluster.resolve(*args, environ={})
+    _assert_one_line_error(excinfo, fragment)
+
+
+# --------------------------------------------------------------------------
+# Slurm
+
+
+def test_slurm_not_in_a_step_is_none():
+    # salloc / sbatch shells have job variables but no step.
+    assert cluster.from_slurm({"SLURM_JOB_ID": "1", "SLURM_NODELIST": "n1"}) is None
+    assert cluster.from_slurm({"SLURM_PROCID": "0"}) is None
+
+
+def test_slurm_two_nodes_two_tasks_each():
+    info = cluster.from_slurm(SLURM_2x2)
+    assert info.workers == ("node01:8888", "node01:8889", "node02:8888", "node02:8889")
+    assert info.rank == 3
+    info = cluster.from_slurm({**SLURM_2x2, "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+                               "SLURMD_NODENAME": "node01"}, port_base=20000)
+    assert info.address == "node01:20000" and info.is_chief
+
+
+def test_slurm_uneven_tasks_per_node():
+    env = {"SLURM_PROCID": "2", "SLURM_STEP_NUM_TASKS": "4",
+           "SLURM_STEP_NODELIST": "gpu-a,gpu-b", "SLURM_STEP_TASKS_PER_NODE": "3,1",
+           "SLURM_LOCALID": "2", "SLURMD_NODENAME": "gpu-a"}
+    info = cluster.from_slurm(env)
+    assert info.workers == ("gpu-a:8888", "gpu-a:8889", "gpu-a:8890", "gpu-b:8888")
+    assert info.address == "gpu-a:8890"
+
+
+def test_slurm_does_not_touch_process_environment():
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    cluster.from_slurm(SLURM_2x2)
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == before
+
+
+@pytest.mark.parametrize("changes, fragments", [
+    ({"SLURM_STEP_NUM_TASKS": "5"}, ["adds up to 4", "SLURM_STEP_NUM_TASKS=5"]),
+    ({"SLURM_STEP_NODELIST": None}, ["SLURM_STEP_NODELIST is not set", "srun"]),
+    ({"SLURM_STEP_TASKS_PER_NODE": "2,2,2"}, ["2 node(s)", "3 count(s)"]),
+    ({"SLURM_STEP_TASKS_PER_NODE": "two"}, ["Invalid tasks-per-node"]),
+    ({"SLURM_PROCID": "x"}, ["SLURM_PROCID='x'"]),
+    ({"SLURM_PROCID": "4"}, ["SLURM_PROCID=4 is out of range"]),
+    # --distribution=cyclic: task 3 landed on node01, not where block puts it.
+    ({"SLURMD_NODENAME": "node01"}, ["--distribution=block"]),
+    ({"SLURM_LOCALID": "0"}, ["--distribution=block"]),
+])
+def test_slurm_errors(changes, fragments):
+    env = {**SLURM_2x2, **changes}
+    env = {k: v for k, v in env.items() if v is not None}
+    with pytest.raises(ClusterConfigError) as excinfo:
+        cluster.from_slurm(env)
+    _assert_one_line_error(excinfo, *fragments)
+
+
+def test_slurm_port_base_checked():
+    with pytest.raises(ClusterConfigError) as excinfo:
+        cluster.from_slurm(SLURM_2x2, port_base=65535)
+    _assert_one_line_error(excinfo, "needs port 65536")
+    with pytest.raises(ClusterConfigError) as excinfo:
+        cluster.from_slurm(SLURM_2x2, port_base=0)
+    _assert_one_line_error(excinfo, "port_base=0")
+
+
+def test_module_imports_without_tensorflow():
+    # Loaded by path so the package __init__ (which imports TF) is skipped.
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('c', {os.path.join(REPO, 'keras_distrib', 'cluster.py')!r})\n"
+        "module = sys.modules['c'] = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(module)\n"
+        "assert module.from_slurm({}) is None\n"
+        "assert 'tensorflow' not in sys.modules, 'tensorflow imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
+
+
+# --------------------------------------------------------------------------
+# Network checks: real sockets
+
+
+@pytest.fixture
+def listener():
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+    yield sock
+    sock.close()
+
+
+def test_parse_address():
+    assert cluster.parse_address("10.0.0.1:2222") == ("10.0.0.1", 2222)
+    assert cluster.parse_address("[::1]:2222") == ("::1", 2222)
+    assert cluster.parse_address("node-01.example.org:80") == ("node-01.example.org", 80)
+
+
+def test_is_local_host():
+    assert cluster.is_local_host("127.0.0.1")
+    assert cluster.is_local_host("127.0.0.2")
+    assert cluster.is_local_host("localhost")
+    assert cluster.is_local_host(socket.gethostname())
+    assert not cluster.is_local_host("node01.invalid")
+    assert not cluster.is_local_host("192.0.2.1")  # TEST-NET-1, never assigned
+
+
+def test_port_in_use_is_detected(listener):
+    port = listener.getsockname()[1]
+    info = ClusterInfo((f"127.0.0.1:{port}", "127.0.0.1:1"), 0)
+    with pytest.raises(ClusterConfigError) as excinfo:
+        cluster.check_own_port_free(info)
+    _assert_one_line_error(excinfo, f"worker 0 at 127.0.0.1:{port}",
+                           "already in use", "another port")
+    # localhost names the same machine.
+    with pytest.raises(ClusterConfigError):
+        cluster.check_own_port_free(ClusterInfo((f"localhost:{port}",), 0))
+
+
+def test_free_port_passes_and_remote_host_is_skipped(listener):
+    port = listener.getsockname()[1]
+    (free,) = cluster.free_ports(1)
+    cluster.check_own_port_free(ClusterInfo((f"127.0.0.1:{free}",), 0))
+    # Only the own address is probed, and remote hosts are not probed at all.
+    cluster.check_own_port_free(ClusterInfo((f"127.0.0.1:{free}", f"127.0.0.1:{port}"), 0))
+    cluster.check_own_port_free(ClusterInfo((f"node01.invalid:{port}",), 0))
+
+
+def test_free_ports_are_distinct_and_bindable():
+    ports = cluster.free_ports(4)
+    assert len(set(ports)) == 4
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+
+
+def test_wait_for_peers_succeeds_against_listening_peer(listener):
+    (own,) = cluster.free_ports(1)
+    peer = listener.getsockname()[1]
+    info = ClusterInfo((f"127.0.0.1:{own}", f"127.0.0.1:{peer}"), 0)
+    start = time.monotonic()
+    cluster.wait_for_peers(info, timeout=10)
+    assert time.monotonic() - start < 2
+
+
+def test_wait_for_peers_times_out_naming_first_missing_peer(listener):
+    own, closed = cluster.free_ports(2)
+    up = listener.getsockname()[1]
+    info = ClusterInfo((f"127.0.0.1:{own}", f"127.0.0.1:{up}", f"127.0.0.1:{closed}"), 0)
+    start = time.monotonic()
+    with pytest.raises(ClusterConfigError) as excinfo:
+        cluster.wait_for_peers(info, timeout=0.5, poll=0.05)
+    assert time.monotonic() - start < 5
+    _assert_one_line_error(excinfo, f"worker 2 at 127.0.0.1:{closed}",
+                           "did not answer within 0.5s", "is it started?")

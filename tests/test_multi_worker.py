@@ -1,0 +1,154 @@
+"""Multi-worker training: real worker processes on localhost, via the launcher."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from helpers import build, make_data
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "workers", "mw_train.py")
+N_SAMPLES = 203
+
+
+def _write_records(directory, n_files=6):
+    os.makedirs(directory)
+    per_file = -(-N_SAMPLES // n_files)
+    for i in range(n_files):
+        with tf.io.TFRecordWriter(os.path.join(directory, f"part-{i}.tfrecord")) as w:
+            for j in range(i * per_file, min((i + 1) * per_file, N_SAMPLES)):
+                w.write(tf.io.serialize_tensor(tf.constant(float(j))).numpy())
+
+
+def _launch(out, n, *args, timeout=240):
+    env = dict(os.environ, TMPDIR=str(out / "tmp"), TF_CPP_MIN_LOG_LEVEL="2")
+    os.makedirs(env["TMPDIR"])
+    proc = subprocess.run(
+        [sys.executable, "-m", "keras_distrib.launch", "launch", "-n", str(n),
+         "--timeout", str(timeout - 20), WORKER, "--out", str(out), *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = []
+    for r in range(n):
+        with open(out / f"rank{r}.json") as f:
+            result = json.load(f)
+        arrays = np.load(out / f"rank{r}.npz")
+        result["predict"] = arrays["predict"]
+        result["weights"] = [arrays[f"arr_{i}"] for i in range(len(arrays.files) - 1)]
+        ranks.append(result)
+    return ranks, proc.stdout
+
+
+def _single_process(batch, epochs=2):
+    x, y = make_data()
+    model = build("functional", "single")
+    history = model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0)
+    return model, history.history, x, y
+
+
+@pytest.fixture(scope="module", params=[(2, 32), (3, 30)], ids=["2workers", "3workers"])
+def run(request, tmp_path_factory):
+    n, batch = request.param
+    out = tmp_path_factory.mktemp(f"mw{n}")
+    _write_records(str(out / "records"))
+    ranks, stdout = _launch(out, n, "--batch", str(batch))
+    return n, batch, out, ranks, stdout
+
+
+@pytest.mark.slow
+def test_workers_end_identical_and_equal_single_process(run):
+    n, batch, _, ranks, _ = run
+    assert [r["rank"] for r in ranks] == list(range(n))
+    assert all(r["world_size"] == n for r in ranks)
+    model, history, x, y = _single_process(batch)
+    for r in ranks:
+        for got, want in zip(r["weights"], ranks[0]["weights"]):
+            np.testing.assert_array_equal(got, want)
+        for got, want in zip(r["weights"], model.get_weights()):
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+        assert r["iterations"] == 2 * -(-N_SAMPLES // batch)
+        for key in ("loss", "accuracy"):
+            np.testing.assert_allclose(r["history"][key], history[key], atol=1e-5)
+
+
+@pytest.mark.slow
+def test_evaluate_and_predict_match_single_process_on_every_worker(run):
+    _, batch, _, ranks, _ = run
+    model, _, x, y = _single_process(batch)
+    want_eval = model.evaluate(x, y, batch_size=batch, verbose=0)
+    want_pred = model.predict(x, batch_size=batch, verbose=0)
+    for r in ranks:
+        np.testing.assert_allclose(r["evaluate"], want_eval, atol=1e-5)
+        assert r["predict"].shape == want_pred.shape
+        np.testing.assert_allclose(r["predict"], want_pred, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["arrays_shuffled", "tf_data", "py_dataset", "tf_files"])
+def test_every_sample_seen_once_per_epoch(run, kind):
+    _, _, _, ranks, _ = run
+    for epoch in range(2):
+        per_worker = [r["seen"][kind][epoch] for r in ranks]
+        everything = sorted(i for ids in per_worker for i in ids)
+        assert everything == list(range(N_SAMPLES)), (kind, epoch)
+    if kind in ("arrays_shuffled", "py_dataset"):
+        # Shuffled, the same way on all workers, differently each epoch.
+        assert ranks[0]["seen"][kind][0] != ranks[0]["seen"][kind][1]
+
+
+@pytest.mark.slow
+def test_only_the_chief_printed_and_wrote_files(run):
+    _, _, out, _, stdout = run
+    files = out / "files"
+    assert sorted(os.listdir(files)) == ["backup", "ckpt-1.keras", "ckpt-2.keras", "log.csv", "tb"]
+    with open(files / "log.csv") as f:
+        assert len(f.read().strip().splitlines()) == 3  # header + 2 epochs, one writer
+    assert len(glob.glob(str(files / "tb" / "train" / "events.*"))) == 1
+    assert "[rank 0] Epoch 1/2" in stdout
+    assert "[rank 1] Epoch" not in stdout
+    assert os.listdir(out / "tmp") == []  # non-chief scratch dirs were removed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_peer_that_never_answers_is_named(tmp_path):
+    from keras_distrib import cluster
+
+    ports = cluster.free_ports(2)
+    tf_config = {"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+                 "task": {"type": "worker", "index": 0}}
+    code = ("import keras_distrib as kd\n"
+            "kd.strategies.get('multi_worker', peer_timeout=3)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=100, env=dict(os.environ, TF_CONFIG=json.dumps(tf_config)))
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert f"worker 1 at 127.0.0.1:{ports[1]} did not answer" in last
+
+
+def test_no_cluster_is_a_clear_error(monkeypatch):
+    import keras_distrib as kd
+
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    with pytest.raises(ValueError, match="found no cluster; start the workers with `keras-distrib launch"):
+        kd.strategies.get("multi_worker")
+
+
+@pytest.mark.parametrize("options,fragment", [
+    ({"implementation": "carrier"}, "Unknown implementation"),
+    ({"bytes_per_pack": -1}, "bytes_per_pack=-1"),
+    ({"collective_timeout": 0}, "collective_timeout=0"),
+])
+def test_bad_options(options, fragment):
+    import keras_distrib as kd
+
+    with pytest.raises(ValueError, match=fragment):
+        kd.strategies.get("multi_worker", cluster=["127.0.0.1:1", "127.0.0.1:2"],
+                          task_index=0, **options)
