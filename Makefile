@@ -14,6 +14,7 @@ $(STAMP): setup.cfg pyproject.toml
 
 demo: $(STAMP)
 	$(PY) examples/train_digits.py --config configs/digits.json
+	$(VENV)/bin/keras-distrib launch -n 2 examples/train_digits.py --config configs/digits_2workers.json
 
 test: $(STAMP)
 	$(PY) -m pytest -q
@@ -23,6 +24,8 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/allreduce.py
+	$(PY) benchmarks/weak_scaling.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

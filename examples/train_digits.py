@@ -5,7 +5,9 @@ shipped inside the package: nothing is downloaded). The config file picks the
 strategy; with no GPU, `"logical_cpus": 2` splits the CPU into two logical
 devices so `"mirrored"` trains two real replicas.
 
-Run: python examples/train_digits.py --config configs/digits.json [--strategy single]
+Run:
+  python examples/train_digits.py --config configs/digits.json [--strategy single]
+  keras-distrib launch -n 2 examples/train_digits.py --config configs/digits_2workers.json
 """
 
 import json
@@ -17,7 +19,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from absl import app, flags  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
 from sklearn.datasets import load_digits as sklearn_digits  # noqa: E402
 
 import keras_distrib as kd  # noqa: E402
@@ -72,23 +74,29 @@ def load_digits(validation_fraction, seed):
 
 def main(argv):
     del argv
+    logging.set_verbosity(logging.WARNING)  # TF's INFO lines would drown the output
     config = load_config(FLAGS.config)
     split_devices(config.get("logical_cpus", 0))
+    # Strategies that start TensorFlow's distributed runtime must exist
+    # before any layer or tensor does: make it first.
+    strategy = kd.strategies.get(config["strategy"])
     keras.utils.set_random_seed(config["seed"])
     (x, y), (x_val, y_val) = load_digits(config["validation_fraction"], config["seed"])
 
     inputs = keras.Input((64,), name="pixels")
     h = keras.layers.Dense(config["hidden_units"], activation="relu")(inputs)
     outputs = keras.layers.Dense(10, activation="softmax")(h)
-    model = kd.DistributedModel(inputs, outputs, strategy=config["strategy"])
+    model = kd.DistributedModel(inputs, outputs, strategy=strategy)
     model.compile(
         optimizer=keras.optimizers.SGD(config["learning_rate"], momentum=0.9),
         loss="sparse_categorical_crossentropy",
         metrics=["accuracy"],
     )
-    print(
+    say = print if model.strategy.is_chief else (lambda *a: None)
+    say(
         f"strategy={model.strategy.name} replicas={model.strategy.num_replicas} "
-        f"devices={list(model.strategy.devices)} train={len(x)} val={len(x_val)}"
+        f"workers={model.strategy.world_size} devices={list(model.strategy.devices)} "
+        f"train={len(x)} val={len(x_val)}"
     )
     timer = EpochTimer()
     model.fit(
@@ -97,15 +105,15 @@ def main(argv):
         epochs=config["epochs"],
         validation_data=(x_val, y_val),
         callbacks=[timer],
-        verbose=2 if model.strategy.is_chief else 0,
+        verbose=2,  # non-chief workers print nothing (keras_distrib.chief_only)
     )
     loss, accuracy = model.evaluate(x_val, y_val, batch_size=config["batch_size"], verbose=0)
     # The first epoch includes tracing; report the steady state.
     steady = timer.seconds[1:] or timer.seconds
     samples_per_second = len(x) / (sum(steady) / len(steady))
-    print(f"validation accuracy: {accuracy:.4f}  loss: {loss:.4f}")
-    print(f"throughput: {samples_per_second:,.0f} samples/s "
-          f"(mean of {len(steady)} epochs after the first)")
+    say(f"validation accuracy: {accuracy:.4f}  loss: {loss:.4f}")
+    say(f"throughput: {samples_per_second:,.0f} samples/s in total "
+        f"(mean of {len(steady)} epochs after the first)")
 
 
 if __name__ == "__main__":

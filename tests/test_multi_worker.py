@@ -152,3 +152,12 @@ def test_bad_options(options, fragment):
     with pytest.raises(ValueError, match=fragment):
         kd.strategies.get("multi_worker", cluster=["127.0.0.1:1", "127.0.0.1:2"],
                           task_index=0, **options)
+
+
+def test_created_after_tensorflow_started_is_a_clear_error():
+    code = ("import tensorflow as tf, keras_distrib as kd\n"
+            "tf.Variable(1.0)\n"
+            "kd.strategies.get('multi_worker', cluster=['127.0.0.1:1', '127.0.0.1:2'], task_index=0)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "must be created before TensorFlow starts" in proc.stderr.strip().splitlines()[-1]

@@ -8,6 +8,7 @@ import socket
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import tensorflow as tf
+from tensorflow.python.eager import context
 
 from keras_distrib import cluster as cluster_lib
 from keras_distrib.strategies.base import Strategy
@@ -79,6 +80,13 @@ class MultiWorker(Strategy):
                 "under Slurm, or pass cluster=[...] and task_index=..."
             )
         options = _communication_options(implementation, bytes_per_pack, collective_timeout)
+        if context.context()._context_handle is not None:
+            raise cluster_lib.ClusterConfigError(
+                "strategy 'multi_worker' must be created before TensorFlow starts "
+                "(before any layer, variable or tensor exists); call "
+                "keras_distrib.strategies.get('multi_worker') at the top of the "
+                "script and pass that object as strategy=."
+            )
         if not peer_timeout or peer_timeout <= 0:
             raise ValueError(f"peer_timeout={peer_timeout!r} must be a positive number of seconds.")
         cluster_lib.check_own_port_free(info)

@@ -61,7 +61,29 @@ def get(strategy: Union[str, Strategy] = "auto", **options) -> Strategy:
         raise ValueError(f"Unknown strategy {strategy!r}; valid names: {valid}.")
     factory = _FACTORIES[key]
     _check_options(key, factory, options)
+    if key in _ONE_PER_PROCESS:
+        return _one_per_process(key, factory, options)
     return factory(**options)
+
+
+# TensorFlow allows one collective runtime per process: later requests for
+# such a strategy get the first instance (with the same options).
+_ONE_PER_PROCESS = {"multi_worker"}
+_STARTED: dict[str, tuple[dict, Strategy]] = {}
+
+
+def _one_per_process(key, factory, options):
+    if key in _STARTED:
+        started_options, strategy = _STARTED[key]
+        if options and options != started_options:
+            raise ValueError(
+                f"Strategy {key!r} already runs in this process with options "
+                f"{started_options}; one per process: reuse it or pass no options."
+            )
+        return strategy
+    strategy = factory(**options)
+    _STARTED[key] = (options, strategy)
+    return strategy
 
 
 def _check_options(name: str, factory: Callable, options: dict) -> None:
