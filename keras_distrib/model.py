@@ -162,6 +162,10 @@ class DistributedModel(keras.Model):
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         with self._strategy.scope():
             self._symbolic_build(iterator=iterator, data_batch=data_batch)
+        self._strategy.sync_initial_state(self)
+
+    def get_metrics_result(self):
+        return self._strategy.combine_metric_results(super().get_metrics_result())
 
     # -- the per-replica math -------------------------------------------------
 
@@ -259,7 +263,8 @@ class DistributedModel(keras.Model):
         if not self._strategy.replicates:
             return loss
         count = tf.cast(_batch_size(x), loss.dtype)
-        return loss * count * tf.cast(self._strategy.num_replicas, loss.dtype)
+        keras_divisor = tf.distribute.get_strategy().num_replicas_in_sync
+        return loss * count * tf.cast(keras_divisor, loss.dtype)
 
     def _jit(self, fn):
         """`fn` compiled with XLA, one compiled function per replica.

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
 
 import tensorflow as tf
 
@@ -144,6 +146,85 @@ class Strategy(abc.ABC):
             return tf.concat(parts, axis=0)
 
         return tf.nest.map_structure(concat_one, per_replica)
+
+
+    # -- between steps: eager collectives across processes --------------------
+    # Called by callbacks on every worker, in the same order on all of them.
+
+    def sync_sum(self, values: Sequence[Any]) -> list[np.ndarray]:
+        """Elementwise sums over processes of one value per process (eager).
+
+        All values travel in one collective. With one process this is the
+        identity.
+        """
+        arrays = [np.asarray(v) for v in values]
+        if self.world_size == 1:
+            return arrays
+        dtype = np.result_type(*arrays) if arrays else np.float64
+        flat = np.concatenate([a.astype(dtype).ravel() for a in arrays])
+        summed = np.asarray(self._sum_over_processes(flat))
+        out, start = [], 0
+        for a in arrays:
+            out.append(summed[start : start + a.size].reshape(a.shape).astype(a.dtype))
+            start += a.size
+        return out
+
+    def _sum_over_processes(self, flat: np.ndarray) -> np.ndarray:
+        value = tf.constant(flat)
+        zeros = tf.zeros_like(value)
+        first = self.first_local_replica
+        per_replica = self._tf_strategy.experimental_distribute_values_from_function(
+            lambda ctx: value if ctx.replica_id_in_sync_group == first else zeros
+        )
+        return self._tf_strategy.reduce("SUM", per_replica, axis=None).numpy()
+
+    def sync_gather(self, value: Any) -> np.ndarray:
+        """Stacks one value per process into `[world_size, ...]` (eager)."""
+        value = np.asarray(value)
+        slots = np.zeros((self.world_size, *value.shape), value.dtype)
+        slots[self.rank] = value
+        return self.sync_sum([slots])[0]
+
+    def broadcast_variables(self, variables: Sequence[Any], root: int = 0) -> None:
+        """Gives every process `root`'s values of `variables` (eager)."""
+        if self.world_size == 1 or not variables:
+            return
+        mine = [
+            np.asarray(v) if self.rank == root else np.zeros(v.shape, _np_dtype(v))
+            for v in variables
+        ]
+        for variable, value in zip(variables, self.sync_sum(mine)):
+            variable.assign(value)
+
+    def agree_on_seed(self, seed: Optional[int] = None) -> int:
+        """A seed every process agrees on: the chief's (random unless given)."""
+        if seed is None:
+            seed = int(np.random.default_rng().integers(2**31))
+        return int(self.sync_sum([np.int64(seed if self.is_chief else 0)])[0])
+
+    def local_replica_values(self, variable: Any) -> list[np.ndarray]:
+        """This process's copies of `variable`, one per local replica."""
+        value = getattr(variable, "value", variable)
+        return [np.asarray(v) for v in self._tf_strategy.experimental_local_results(value)]
+
+    def sync_initial_state(self, model) -> None:
+        """Makes every replica start from the same weights (after builds).
+
+        tf.distribute already broadcasts initial values when variables are
+        created; engines without that override this.
+        """
+
+    def combine_metric_results(self, results: dict) -> dict:
+        """Metric results as every process should report them.
+
+        tf.distribute metric variables already sum across replicas when read,
+        so this is the identity here; engines without that override it.
+        """
+        return results
+
+
+def _np_dtype(variable) -> np.dtype:
+    return np.dtype(getattr(variable.dtype, "as_numpy_dtype", variable.dtype))
 
 
 def _reduce_op(op: str) -> tf.distribute.ReduceOp:

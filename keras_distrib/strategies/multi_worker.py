@@ -119,16 +119,6 @@ class MultiWorker(Strategy):
             lambda v: self._tf_strategy.gather(v, axis=0), per_replica
         )
 
-    def agree_on_seed(self, seed: Optional[int] = None) -> int:
-        """A seed every worker agrees on: worker 0's (random unless given)."""
-        mine = seed if seed is not None else int(tf.random.uniform([], 0, 2**30, tf.int64))
-        mine = tf.constant(mine if self.is_chief else 0, tf.int64)
-        local = self._tf_strategy.experimental_distribute_values_from_function(
-            lambda ctx: mine if ctx.replica_id_in_sync_group == self.first_local_replica
-            else tf.zeros_like(mine)
-        )
-        return int(self._tf_strategy.reduce("SUM", local, axis=None))
-
 
 def _communication_options(implementation, bytes_per_pack, collective_timeout):
     if implementation not in _IMPLEMENTATIONS:

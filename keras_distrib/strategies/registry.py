@@ -68,7 +68,7 @@ def get(strategy: Union[str, Strategy] = "auto", **options) -> Strategy:
 
 # TensorFlow allows one collective runtime per process: later requests for
 # such a strategy get the first instance (with the same options).
-_ONE_PER_PROCESS = {"multi_worker"}
+_ONE_PER_PROCESS = {"multi_worker", "horovod"}
 _STARTED: dict[str, tuple[dict, Strategy]] = {}
 
 
@@ -112,6 +112,16 @@ register(SingleDevice.name, SingleDevice, SingleDevice.description,
          aliases=("one_device", "default"))
 register(Mirrored.name, Mirrored, Mirrored.description,
          aliases=("mirror", "data_parallel"))
+def _horovod(**options) -> Strategy:
+    """Imported on demand: Horovod is an optional extra."""
+    from keras_distrib.strategies.horovod import Horovod
+
+    return Horovod(**options)
+
+
+register("horovod", _horovod,
+         "Data parallelism over Horovod collectives (Gloo on CPU, NCCL on GPU, MPI).",
+         aliases=("hvd",))
 register(MultiWorker.name, MultiWorker, MultiWorker.description,
          aliases=("multi_worker_mirrored", "multiworker"))
 register("auto", _auto,

@@ -1,0 +1,170 @@
+"""Shared plumbing of the multi-process benchmarks (allreduce, weak_scaling).
+
+A benchmark script is both the driver and the worker: the driver (no
+`--role` flag) starts N copies of itself as workers through
+`keras-distrib launch`, each worker writes its measurements as JSON into a
+directory the driver names, and the driver reads them back and prints a
+table. Nothing here imports TensorFlow, so the driver stays light.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional, Sequence
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Environment every worker gets: quiet TensorFlow, and the repository on the
+# path so `keras_distrib` imports from a checkout without installing it.
+_QUIET_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
+
+
+class WorkersFailed(RuntimeError):
+    """The launcher (or a worker) failed or timed out; carries their output."""
+
+    def __init__(self, message: str, output: str):
+        super().__init__(message)
+        self.output = output
+
+
+def launch_workers(
+    script: str,
+    nproc: int,
+    worker_args: Sequence[str],
+    timeout: float,
+    extra_env: Optional[dict] = None,
+) -> tuple[str, str]:
+    """Runs `keras-distrib launch -n nproc script --role worker ...`.
+
+    Every worker gets `--out_dir DIR` and should write `rank{R}.json` there.
+
+    Returns:
+        `(out_dir, launcher_output)`; the caller reads and then removes
+        `out_dir` (see `read_results`).
+
+    Raises:
+        WorkersFailed: non-zero exit or `timeout` seconds passed. The
+            launcher's own `--timeout` stops the workers a little earlier;
+            if it does not, it gets SIGTERM (it stops every worker's process
+            group), then SIGKILL, and workers die with it (see
+            `worker_setup`).
+    """
+    out_dir = tempfile.mkdtemp(prefix="kd-bench-")
+    env = {**os.environ, **_QUIET_ENV, **(extra_env or {})}
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (REPO_ROOT, env.get("PYTHONPATH", "")) if p
+    )
+    argv = [
+        sys.executable, "-m", "keras_distrib.launch", "launch",
+        "-n", str(nproc), "--timeout", str(max(timeout - 10, 5)),
+        script, "--role=worker", f"--out_dir={out_dir}", *worker_args,
+    ]
+    proc = subprocess.Popen(
+        argv, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)  # the launcher forwards it to all ranks
+        try:
+            output, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output, _ = proc.communicate()
+        raise WorkersFailed(f"workers did not finish within {timeout:g}s", output or "")
+    except BaseException:  # Ctrl-C: the launcher got it too; make sure it ends
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        raise
+    if proc.returncode != 0:
+        raise WorkersFailed(f"launcher exited with code {proc.returncode}", output)
+    return out_dir, output
+
+
+def read_results(out_dir: str, nproc: int) -> list[dict]:
+    """The JSON each rank wrote, in rank order; removes `out_dir`."""
+    try:
+        results = []
+        for rank in range(nproc):
+            with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
+                results.append(json.load(f))
+        return results
+    finally:
+        for name in os.listdir(out_dir):
+            os.remove(os.path.join(out_dir, name))
+        os.rmdir(out_dir)
+
+
+def write_result(out_dir: str, rank: int, result: dict) -> None:
+    """Writes this rank's result atomically (temp file + rename)."""
+    path = os.path.join(out_dir, f"rank{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(path + ".tmp", path)
+
+
+def worker_rank() -> int:
+    """This worker's rank, as `keras-distrib launch` tells it (0 if unset)."""
+    return int(os.environ.get("KERAS_DISTRIB_RANK", "0"))
+
+
+def worker_setup(pin_core: Optional[int] = None) -> None:
+    """First thing a worker does, before importing TensorFlow.
+
+    Dies with its parent (the launcher), so no worker outlives a killed
+    driver; optionally pins itself to one core (TensorFlow sizes its thread
+    pools from the cores it may use when it starts, so pin first); and keeps
+    Python-side logging at warnings.
+    """
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    _die_with_parent()
+    if pin_core is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {pin_core % os.cpu_count()})
+    from absl import logging
+
+    logging.set_verbosity(logging.WARNING)
+
+
+def _die_with_parent() -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def stats(values: Sequence[float]) -> tuple[float, float, float]:
+    """(median, min, max)."""
+    return statistics.median(values), min(values), max(values)
+
+
+def fmt_stats(values: Sequence[float], digits: int = 2) -> str:
+    med, lo, hi = stats(values)
+    return f"{med:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
+
+
+class Stopwatch:
+    """Wall time of the whole benchmark, printed at the end."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
