@@ -13,9 +13,15 @@ model.fit(x, y, batch_size=64)
 ```
 """
 
-from keras_distrib import strategies
+from keras_distrib import optimizers, strategies
 from keras_distrib.model import DistributedModel, FunctionalDistributedModel
 
 __version__ = "0.1.0"
 
-__all__ = ["DistributedModel", "FunctionalDistributedModel", "strategies", "__version__"]
+__all__ = [
+    "DistributedModel",
+    "FunctionalDistributedModel",
+    "optimizers",
+    "strategies",
+    "__version__",
+]

@@ -14,6 +14,8 @@ distribution paths (DESIGN.md section 2) run.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import os
 import threading
 from typing import Any, Union
@@ -174,20 +176,40 @@ class DistributedModel(keras.Model):
 
         The gradient path is: per-replica loss and gradients ->
         `reduce_gradients` (the one all-reduce) -> `apply_reduced_gradients`.
+        With `DistributedOptimizer(backward_passes_per_step=k)` the local
+        gradients are accumulated and reduced/applied every k-th step.
         """
+        return self._train_step(data, apply_gradients=True)
+
+    def _train_step(self, data, apply_gradients: bool):
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         loss_and_gradients = self._loss_and_gradients
         if self.jit_compile and self._strategy.replicates:
             loss_and_gradients = self._jit(loss_and_gradients)
         loss, y_pred, gradients = loss_and_gradients(x, y, sample_weight)
+        num_samples = _batch_size(x)
         self._loss_tracker.update_state(
-            loss_module.unscale_loss_for_distribution(loss),
-            sample_weight=_batch_size(x),
+            loss_module.unscale_loss_for_distribution(loss), sample_weight=num_samples
         )
         if gradients:
-            gradients = self.reduce_gradients(gradients, _batch_size(x))
-            self.apply_reduced_gradients(gradients)
+            if self._accumulation_steps > 1:
+                self.optimizer.accumulate(gradients, num_samples)
+                if apply_gradients:
+                    gradients, num_samples = self.optimizer.take_accumulated(gradients)
+            if apply_gradients:
+                gradients = self.reduce_gradients(gradients, num_samples)
+                self.apply_reduced_gradients(gradients)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    @property
+    def _accumulation_steps(self) -> int:
+        return getattr(self.optimizer, "backward_passes_per_step", 1)
+
+    @property
+    def _sums_sample_losses(self) -> bool:
+        # Gradients of summed (not averaged) per-sample losses are what can be
+        # added across replicas and steps and divided by the sample count.
+        return self._strategy.replicates or self._accumulation_steps > 1
 
     def _loss_and_gradients(self, x, y, sample_weight):
         with tf.GradientTape() as tape:
@@ -220,9 +242,16 @@ class DistributedModel(keras.Model):
                 "No gradients reach any trainable variable; check that the "
                 "loss depends on the model's outputs."
             )
-        if self._strategy.replicates:
-            count = tf.cast(num_samples, present[0].dtype)
-            *present, total = self._strategy.all_reduce([*present, count], "sum")
+        if self._sums_sample_losses:
+            total = tf.cast(num_samples, tf.float32)
+            if self._strategy.replicates:
+                compression = getattr(self.optimizer, "compression", None)
+                dtypes = [g.dtype for g in present]
+                if compression is not None:
+                    present = [compression.compress(g) for g in present]
+                *present, total = self._strategy.all_reduce([*present, total], "sum")
+                if compression is not None:
+                    present = [compression.decompress(g, d) for g, d in zip(present, dtypes)]
             scale = 1.0 / tf.maximum(total, 1.0)
             present = [g * tf.cast(scale, g.dtype) for g in present]
         reduced = iter(present)
@@ -260,7 +289,7 @@ class DistributedModel(keras.Model):
     def _weight_replica_loss(self, loss, x):
         # Keras divided this replica's mean loss by the replica count; turn it
         # into the sum over this replica's samples (see reduce_gradients).
-        if not self._strategy.replicates:
+        if not self._sums_sample_losses:
             return loss
         count = tf.cast(_batch_size(x), loss.dtype)
         keras_divisor = tf.distribute.get_strategy().num_replicas_in_sync
@@ -281,6 +310,34 @@ class DistributedModel(keras.Model):
         return cache[key]
 
     # -- the function-making layer: distribution ---------------------------
+
+    def make_train_function(self, force=False):
+        k = self._accumulation_steps
+        if k == 1 or (self.train_function is not None and not force):
+            return super().make_train_function(force=force)
+        if type(self).train_step is not DistributedModel.train_step:
+            raise ValueError(
+                "backward_passes_per_step > 1 needs DistributedModel's own "
+                "train_step; accumulate in your custom train_step instead."
+            )
+        if self.steps_per_execution != 1:
+            raise ValueError(
+                "backward_passes_per_step > 1 needs steps_per_execution=1 "
+                f"(got {self.steps_per_execution}); compile without it."
+            )
+        accumulate = self._make_function(
+            functools.partial(self._train_step, apply_gradients=False)
+        )
+        accumulate_and_apply = self._make_function(self.train_step)
+        steps = itertools.count()
+
+        def train_function(iterator):
+            if next(steps) % k == k - 1:
+                return accumulate_and_apply(iterator)
+            return accumulate(iterator)
+
+        self.train_function = train_function
+        return train_function
 
     def _make_function(self, step_function):
         self.__dict__.pop("_kd_jit_cache", None)

@@ -99,3 +99,21 @@ class Batches(keras.utils.PyDataset):
 
 def tf_dataset(x, y, batch_size):
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
+
+
+COLLECTIVE_OPS = {"CollectiveReduceV2", "CollectiveReduceV3", "CollectiveReduce", "NcclAllReduce",
+                  "HorovodAllreduce", "HorovodGroupedAllreduce"}
+
+
+def collective_dtypes(model, x, y):
+    """Dtypes of the all-reduce ops in the model's traced training step.
+
+    Traces (does not run) the distributed train step and reads the dtype
+    attribute of every collective op in its graph and nested functions.
+    """
+    step = tf.function(model._distributed(model.train_step))
+    graph = step.get_concrete_function((tf.constant(x), tf.constant(y))).graph.as_graph_def()
+    nodes = list(graph.node)
+    for function in graph.library.function:
+        nodes.extend(function.node_def)
+    return sorted({tf.as_dtype(n.attr["T"].type).name for n in nodes if n.op in COLLECTIVE_OPS})

@@ -125,10 +125,20 @@ class Strategy(abc.ABC):
         )
         return self._tf_strategy.run(replica_fn, args=(per_replica,))
 
-    def all_reduce(self, values: Any, op: str = "sum") -> Any:
-        """Reduces a structure of tensors across replicas (replica context)."""
+    def all_reduce(self, values: Sequence[tf.Tensor], op: str = "sum") -> list:
+        """Reduces a list of tensors across replicas (replica context).
+
+        Tensors of one dtype travel together (TF packs them into few
+        collectives); each dtype is its own group.
+        """
         ctx = tf.distribute.get_replica_context()
-        return ctx.all_reduce(_reduce_op(op), values)
+        reduced = list(values)
+        for dtype in dict.fromkeys(v.dtype for v in values):
+            positions = [i for i, v in enumerate(values) if v.dtype == dtype]
+            group = ctx.all_reduce(_reduce_op(op), [values[i] for i in positions])
+            for i, value in zip(positions, group):
+                reduced[i] = value
+        return reduced
 
     def reduce_mean(self, per_replica: Any) -> Any:
         """Mean over replicas of per-replica values (cross-replica context)."""
