@@ -13,7 +13,7 @@ model.fit(x, y, batch_size=64)
 ```
 """
 
-from keras_distrib import optimizers, strategies
+from keras_distrib import callbacks, optimizers, strategies
 from keras_distrib.model import DistributedModel, FunctionalDistributedModel
 
 __version__ = "0.1.0"
@@ -21,6 +21,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DistributedModel",
     "FunctionalDistributedModel",
+    "callbacks",
     "optimizers",
     "strategies",
     "__version__",

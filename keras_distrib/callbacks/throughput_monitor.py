@@ -1,0 +1,132 @@
+"""`ThroughputMonitor`: samples per second and scaling efficiency per epoch."""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_distrib.callbacks import _common
+
+
+class ThroughputMonitor(keras.callbacks.Callback):
+    """Times the training steps and adds throughput to the epoch logs.
+
+    Each training batch is timed from `on_train_batch_begin` to
+    `on_train_batch_end` (the step itself, input included, callbacks
+    excluded). The first batch of each `fit` call is not counted: it traces
+    the step function. At the end of each epoch the logs get:
+
+    * `samples_per_sec`: global samples per second (all processes together),
+      counting `global_batch_size` per step (a last partial batch counts
+      as full);
+    * `samples_per_sec_per_worker`: that divided by the number of processes;
+    * `step_time`: the median step time in seconds;
+    * `scaling_efficiency`: `samples_per_sec / (world_size *
+      single_worker_throughput)`, when `single_worker_throughput` is given.
+
+    The numbers are averaged over processes (one collective per epoch), so
+    every rank logs the same values; the chief also writes them with
+    `tf.summary` to `log_dir`. Epochs without a timed step add nothing.
+
+    Args:
+        global_batch_size: Samples per step over all replicas.
+        single_worker_throughput: Samples/second of one process alone, to
+            compute `scaling_efficiency` against.
+        log_dir: Directory for TensorBoard summaries (chief only).
+
+    Example:
+
+    ```python
+    monitor = keras_distrib.callbacks.ThroughputMonitor(
+        global_batch_size=256, single_worker_throughput=5200.0, log_dir="logs/throughput")
+    history = model.fit(x, y, batch_size=256, epochs=3, callbacks=[monitor])
+    print(history.history["scaling_efficiency"])
+    ```
+    """
+
+    KEYS = ("samples_per_sec", "samples_per_sec_per_worker", "step_time")
+
+    def __init__(
+        self,
+        global_batch_size: int,
+        single_worker_throughput: Optional[float] = None,
+        log_dir: Optional[str] = None,
+    ):
+        super().__init__()
+        if not global_batch_size or global_batch_size <= 0:
+            raise ValueError(f"global_batch_size={global_batch_size!r} must be > 0.")
+        if single_worker_throughput is not None and single_worker_throughput <= 0:
+            raise ValueError(
+                f"single_worker_throughput={single_worker_throughput!r} must be > 0."
+            )
+        self.global_batch_size = global_batch_size
+        self.single_worker_throughput = single_worker_throughput
+        self.log_dir = log_dir
+        self._writer = None
+
+    def on_train_begin(self, logs=None):
+        self._strategy = _common.strategy_of(self)
+        self._skip_next = True
+        if self.log_dir and self._strategy.is_chief and self._writer is None:
+            self._writer = tf.summary.create_file_writer(self.log_dir)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._step_times: list[float] = []
+        self._busy = 0.0
+        self._steps = 0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._begin_batch = batch
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        elapsed = time.perf_counter() - self._start
+        if self._skip_next:
+            self._skip_next = False
+            return
+        steps = max(batch - self._begin_batch + 1, 1)  # steps_per_execution
+        self._busy += elapsed
+        self._steps += steps
+        self._step_times.extend([elapsed / steps] * steps)
+
+    def on_epoch_end(self, epoch, logs=None):
+        timed = self._steps > 0
+        mine = np.array(
+            [
+                self._steps * self.global_batch_size / self._busy if timed else 0.0,
+                float(np.median(self._step_times)) if timed else 0.0,
+                1.0 if timed else 0.0,
+            ]
+        )
+        if self._strategy.world_size > 1:
+            (mine,) = self._strategy.sync_sum([mine])
+        if mine[2] == 0:
+            return
+        samples_per_sec, step_time = mine[0] / mine[2], mine[1] / mine[2]
+        world_size = self._strategy.world_size
+        results = {
+            "samples_per_sec": samples_per_sec,
+            "samples_per_sec_per_worker": samples_per_sec / world_size,
+            "step_time": step_time,
+        }
+        if self.single_worker_throughput:
+            results["scaling_efficiency"] = samples_per_sec / (
+                world_size * self.single_worker_throughput
+            )
+        results = {k: float(v) for k, v in results.items()}
+        if logs is not None:
+            logs.update(results)
+        if self._writer is not None:
+            with self._writer.as_default():
+                for key, value in sorted(results.items()):
+                    tf.summary.scalar(f"throughput/{key}", value, step=epoch)
+            self._writer.flush()
+
+    def on_train_end(self, logs=None):
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
