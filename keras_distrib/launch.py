@@ -486,16 +486,24 @@ def write_output_dir(plans: Sequence[RankPlan], config: LaunchConfig) -> None:
 
 def _launch_horovod(config: LaunchConfig, out: TextIO, err: TextIO) -> int:
     """Delegates to horovodrun (Gloo), which does its own rank bookkeeping."""
-    horovodrun = shutil.which("horovodrun") or shutil.which(
-        "horovodrun", path=os.path.dirname(sys.executable))
+    horovodrun = shutil.which(
+        "horovodrun", path=os.path.dirname(sys.executable)) or shutil.which("horovodrun")
     if importlib.util.find_spec("horovod") is None or horovodrun is None:
         raise LaunchError(
-            "--backend=horovod is not available yet: Horovod (and horovodrun) "
-            "is not installed here; use --backend=tf (the default)."
+            "--backend=horovod needs Horovod (and horovodrun), which is not "
+            "installed here; build it with `scripts/install_horovod.sh .venv`, "
+            "or use --backend=tf (the default)."
         )
-    hosts = ",".join(config.hosts) or f"localhost:{config.nproc}"
+    hosts = f"localhost:{config.nproc}"
+    if config.hosts:  # horovodrun needs host:slots; ours may leave slots out
+        per_rank = collections.Counter(parse_hosts(config.hosts, config.nproc))
+        hosts = ",".join(f"{host}:{count}" for host, count in per_rank.items())
+    # horovodrun's argparse reads the script's own flags too and fails on any
+    # that abbreviates several of its options (`--n 5`: --num-proc or
+    # --network-interface?), so the script's command line goes as one token.
+    command = "exec " + shlex.join([sys.executable, config.script, *config.script_args])
     argv = [horovodrun, "--gloo", "-np", str(config.nproc), "-H", hosts,
-            sys.executable, config.script, *config.script_args]
+            "/bin/sh", "-c", command]
     spec = _ChildSpec("horovodrun", argv, {"PYTHONUNBUFFERED": "1"})
     return supervise([spec], config, out, err)
 

@@ -1,0 +1,313 @@
+"""Horovod (Gloo) against TF collectives, 2 worker processes on this machine.
+
+What it measures, per engine, through the keras_distrib strategy a user
+would pick ("horovod" under `horovodrun --gloo`, "multi_worker" under
+`keras-distrib launch`, both with default options):
+
+  all-reduce   one SUM `Strategy.all_reduce(list, "sum")` inside a
+               `tf.function` (the path `DistributedModel.reduce_gradients`
+               takes), for single float32 tensors of 64 KB, 1 MB, 16 MB and
+               64 MB, and for "many-small": the gradient list of 100 x
+               Dense(64) (200 tensors of 16 KB and 256 B). Printed as bus
+               bandwidth, bytes * 2(n-1)/n / time.
+  train step   `DistributedModel.fit` of a 784-1024-256-10 MLP (1.07M
+               parameters), SGD, global batch 512 (256 per rank), one epoch
+               of --steps steps per repetition after a warm-up epoch; time
+               per step.
+
+Every timing starts after a barrier, runs k calls (k agreed by both ranks so
+a timing lasts >= --min_timing_ms) and counts as the slower rank's time.
+Each engine runs in its own launch (one collective runtime per process);
+the engines alternate launches (--rounds of tf, hvd) and repetition i of
+one is paired with repetition i of the other for the ratios. Ratios are
+speed hvd/tf = t_tf / t_hvd (> 1: Horovod is faster), median [min, max].
+
+Fairness: each worker pins itself to core (rank mod cores) before
+TensorFlow starts, with one intra-op thread, under both engines. Absolute
+numbers on a shared 2-core machine are noise; read the ratios.
+
+Run:
+    python benchmarks/horovod_vs_tf.py [--repeats 5] [--rounds 2]
+        [--sizes 64K,1M,16M,64M] [--steps 12]
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from absl import app, flags  # noqa: E402
+
+import _harness  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("role", "driver", ["driver", "worker"],
+                  "driver: start the workers and print the table; worker: measure.")
+flags.DEFINE_enum("engine", "tf", ["tf", "hvd"], "Worker only: which engine to measure.")
+flags.DEFINE_string("out_dir", None, "Worker only: where to write rank{R}.json.")
+flags.DEFINE_list("sizes", ["64K", "1M", "16M", "64M"],
+                  "Single-tensor sizes (float32), with K/M suffixes (powers of 2).")
+flags.DEFINE_integer("small_layers", 100, "Dense layers of the many-small case.")
+flags.DEFINE_integer("small_width", 64, "Width of the many-small case's layers.")
+flags.DEFINE_integer("repeats", 5, "Timings per case per launch (R).")
+flags.DEFINE_integer("rounds", 2, "Launches per engine, alternating tf, hvd.")
+flags.DEFINE_float("min_timing_ms", 50.0, "Each all-reduce timing lasts at least this.")
+flags.DEFINE_integer("steps", 12, "Training steps per timed epoch.")
+flags.DEFINE_integer("batch", 512, "Global batch of the training step.")
+flags.DEFINE_float("timeout", 150.0, "Seconds one launch of the workers may take.")
+
+NPROC = 2
+ENGINES = ("tf", "hvd")
+STRATEGY = {"tf": "multi_worker", "hvd": "horovod"}
+_MAX_CALLS_PER_TIMING = 2000
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().removesuffix("B")
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+    number = text[:-1] if text[-1:] in "KMG" else text
+    return int(float(number) * scale)
+
+
+def human(nbytes: float) -> str:
+    for unit, scale in (("MB", 2**20), ("KB", 2**10)):
+        if nbytes >= scale:
+            value = nbytes / scale
+            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.2f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def cases() -> list[tuple[str, list[tuple[int, ...]]]]:
+    result = [(human(parse_size(t)), [(max(parse_size(t) // 4, 1),)]) for t in FLAGS.sizes]
+    w = FLAGS.small_width
+    result.append(("many-small", [(w, w), (w,)] * FLAGS.small_layers))
+    return result
+
+
+# ----------------------------------------------------------------------------
+# Worker
+
+
+def _rank_from_env() -> int:
+    # keras-distrib launch sets KERAS_DISTRIB_RANK, horovodrun HOROVOD_RANK.
+    return int(os.environ.get("KERAS_DISTRIB_RANK") or os.environ.get("HOROVOD_RANK") or 0)
+
+
+def run_worker() -> None:
+    rank = _rank_from_env()
+    _harness.worker_setup(pin_core=rank)  # before TensorFlow starts
+    import numpy as np
+    import tensorflow as tf
+
+    tf.get_logger().setLevel("ERROR")
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    import keras
+
+    import keras_distrib as kd
+
+    engine = FLAGS.engine
+    strategy = kd.strategies.get(STRATEGY[engine])
+    assert strategy.rank == rank, (strategy.rank, rank)
+    world = strategy.world_size
+
+    def replicated(fn):
+        # multi_worker: a replica function under tf.distribute; horovod: one
+        # replica per process, the function runs as is.
+        if engine == "tf":
+            return tf.function(lambda: strategy.tf_strategy.run(fn))
+        return tf.function(fn)
+
+    barrier_fn = replicated(lambda: strategy.all_reduce([tf.constant(1.0)], "sum"))
+
+    def agree_on_calls(seconds_per_call: float) -> int:
+        # Both ranks must issue the same number of collectives.
+        slowest = float(strategy.sync_sum([np.float64(seconds_per_call)])[0]) / world
+        calls = math.ceil(FLAGS.min_timing_ms / 1e3 / max(slowest, 1e-6))
+        return int(min(max(1, calls), _MAX_CALLS_PER_TIMING))
+
+    def timed(fn, calls: int) -> float:
+        barrier_fn()
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = fn()
+        tf.nest.flatten(out)[0].numpy()  # wait for the last one
+        return (time.perf_counter() - start) / calls
+
+    report = {"rank": rank, "world_size": world, "engine": engine,
+              "tf_version": tf.__version__, "cases": []}
+    rng = np.random.default_rng(0)
+    for name, shapes in cases():
+        # Same base on every rank, scaled by rank + 1: the sum is known.
+        bases = [rng.standard_normal(shape, dtype=np.float32) for shape in shapes]
+        tensors = [tf.constant(b * (rank + 1)) for b in bases]
+        fn = replicated(lambda tensors=tensors: strategy.all_reduce(list(tensors), "sum"))
+        out = None
+        for _ in range(3):  # trace + warm up
+            out = fn()
+        expected = world * (world + 1) / 2
+        out = tf.nest.flatten(out)
+        check = bool(len(out) == len(bases) and all(
+            np.allclose(o.numpy().ravel()[:4096], b.ravel()[:4096] * expected, rtol=1e-5, atol=1e-5)
+            for o, b in zip(out, bases)))
+        calls = agree_on_calls(timed(fn, 1))
+        times = [timed(fn, calls) for _ in range(FLAGS.repeats)]
+        report["cases"].append({"name": name, "bytes": int(sum(b.nbytes for b in bases)),
+                                "num_tensors": len(bases), "calls_per_timing": calls,
+                                "times": times, "check": check})
+        del fn, tensors, bases, out
+
+    # Training step: same data on every rank; fit shards it by rank.
+    n = FLAGS.steps * FLAGS.batch
+    x = rng.standard_normal((n, 784), dtype=np.float32)
+    y = rng.integers(0, 10, size=n).astype("int32")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((784,))
+    h = keras.layers.Dense(1024, activation="relu")(inputs)
+    h = keras.layers.Dense(256, activation="relu")(h)
+    outputs = keras.layers.Dense(10)(h)
+    model = kd.DistributedModel(inputs, outputs, strategy=strategy)
+    model.compile(optimizer=keras.optimizers.SGD(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=FLAGS.batch, epochs=1, shuffle=False, verbose=0)  # warm-up
+    step_times = []
+    for _ in range(FLAGS.repeats):
+        barrier_fn()
+        start = time.perf_counter()
+        model.fit(x, y, batch_size=FLAGS.batch, epochs=1, shuffle=False, verbose=0)
+        step_times.append((time.perf_counter() - start) / FLAGS.steps)
+    report["train"] = {"params": int(model.count_params()), "times": step_times,
+                       "final_weight_sum": float(sum(np.sum(w) for w in model.get_weights()))}
+    barrier_fn()
+    _harness.write_result(FLAGS.out_dir, rank, report)
+
+
+# ----------------------------------------------------------------------------
+# Driver
+
+
+def worker_args(engine: str, out_dir: str) -> list[str]:
+    return [
+        "--role=worker", f"--engine={engine}", f"--out_dir={out_dir}",
+        f"--sizes={','.join(FLAGS.sizes)}", f"--small_layers={FLAGS.small_layers}",
+        f"--small_width={FLAGS.small_width}", f"--repeats={FLAGS.repeats}",
+        f"--min_timing_ms={FLAGS.min_timing_ms}", f"--steps={FLAGS.steps}",
+        f"--batch={FLAGS.batch}",
+    ]
+
+
+def launch(engine: str) -> list[dict]:
+    """One launch of the workers of `engine`; their results in rank order.
+
+    tf: `keras-distrib launch -n 2`; hvd: `keras-distrib launch --backend
+    horovod -n 2`, which runs `horovodrun --gloo -np 2 -H localhost:2`.
+    """
+    out_dir = tempfile.mkdtemp(prefix="kd-bench-")
+    backend = ["--backend", "horovod"] if engine == "hvd" else []
+    argv = [sys.executable, "-m", "keras_distrib.launch", "launch", *backend,
+            "-n", str(NPROC), "--timeout", str(max(FLAGS.timeout - 10, 5)),
+            os.path.abspath(__file__), *worker_args(engine, out_dir)]
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (_harness.REPO_ROOT, env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.Popen(argv, cwd=_harness.REPO_ROOT, env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = proc.communicate(timeout=FLAGS.timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)  # the launcher stops every rank
+        try:
+            output, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output, _ = proc.communicate()
+        raise _harness.WorkersFailed(f"{engine}: no result within {FLAGS.timeout:g}s", output)
+    except BaseException:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        raise
+    if proc.returncode != 0:
+        raise _harness.WorkersFailed(f"{engine}: launcher exited with {proc.returncode}", output)
+    return _harness.read_results(out_dir, NPROC)
+
+
+def slowest_rank(results: list[dict], pick) -> list[float]:
+    """Per repetition, the slower rank's time (a collective ends when both do)."""
+    per_rank = [pick(r) for r in results]
+    return [max(ts) for ts in zip(*per_rank)]
+
+
+def print_table(runs: dict) -> None:
+    first = runs["tf"][0][0]
+    factor = 2 * (NPROC - 1) / NPROC
+    many = first["cases"][-1]
+    print(f"\nall-reduce, SUM, float32; {NPROC} processes; bus GB/s = bytes*2(n-1)/n/time; "
+          f"many-small = {many['num_tensors']} tensors, {human(many['bytes'])}")
+    print(f"{'case':>10s} {'tensors':>7s} {'k tf/hvd':>10s} | {'bus GB/s (median)':^19s} | "
+          f"{'speed hvd/tf':^22s} | check")
+    print(f"{'':>10s} {'':>7s} {'':>10s} | {'tf':>9s} {'hvd':>9s} | "
+          f"{'median [min, max]':^22s} |")
+    for i, case in enumerate(first["cases"]):
+        times = {e: [t for results in runs[e] for t in slowest_rank(
+            results, lambda r, i=i: r["cases"][i]["times"])] for e in ENGINES}
+        bus = {e: [case["bytes"] * factor / t / 1e9 for t in times[e]] for e in ENGINES}
+        ratio = [t / h for t, h in zip(times["tf"], times["hvd"])]
+        ok = all(r["cases"][i]["check"] for e in ENGINES for rs in runs[e] for r in rs)
+        ks = "/".join(str(runs[e][0][0]["cases"][i]["calls_per_timing"]) for e in ENGINES)
+        print(f"{case['name']:>10s} {case['num_tensors']:>7d} {ks:>10s} | "
+              + " ".join(f"{_harness.stats(bus[e])[0]:9.3f}" for e in ENGINES)
+              + f" | {_harness.fmt_stats(ratio):^22s} | {'ok' if ok else 'WRONG'}")
+    times = {e: [t for results in runs[e] for t in slowest_rank(
+        results, lambda r: r["train"]["times"])] for e in ENGINES}
+    ratio = [t / h for t, h in zip(times["tf"], times["hvd"])]
+    train = first["train"]
+    print(f"\ntraining step: MLP 784-1024-256-10 ({train['params'] / 1e6:.2f}M params), "
+          f"SGD, global batch {FLAGS.batch}, {FLAGS.steps} steps per timed epoch")
+    print(f"{'':>10s} {'ms/step tf':>11s} {'ms/step hvd':>12s} | {'speed hvd/tf':^22s}")
+    print(f"{'':>10s} {1e3 * _harness.stats(times['tf'])[0]:11.1f} "
+          f"{1e3 * _harness.stats(times['hvd'])[0]:12.1f} | {_harness.fmt_stats(ratio):^22s}")
+    sums = {e: runs[e][0][0]["train"]["final_weight_sum"] for e in ENGINES}
+    same = math.isclose(sums["tf"], sums["hvd"], rel_tol=1e-4, abs_tol=1e-3)
+    print(f"(both engines end with the same weights: {'yes' if same else 'NO'}; "
+          f"weight sums tf {sums['tf']:.5f}, hvd {sums['hvd']:.5f})")
+
+
+def run_driver() -> int:
+    watch = _harness.Stopwatch()
+    load = getattr(_harness, "load_note", lambda: "")()
+    print(f"horovod vs tf: {NPROC} worker processes on {os.cpu_count()} cores, each pinned "
+          f"to one core with 1 intra-op thread; {FLAGS.repeats} repetitions x {FLAGS.rounds} "
+          "round(s); speed hvd/tf = t_tf / t_hvd (> 1: Horovod faster)")
+    runs: dict = {e: [] for e in ENGINES}
+    for _ in range(FLAGS.rounds):
+        for engine in ENGINES:
+            t0 = time.perf_counter()
+            try:
+                runs[engine].append(launch(engine))
+            except _harness.WorkersFailed as e:
+                print(f"\n{e}; worker output:\n{e.output[-6000:]}", file=sys.stderr)
+                return 1
+            print(f"  {engine}: launch done in {time.perf_counter() - t0:.0f}s", flush=True)
+    print_table(runs)
+    print(f"\nTF {runs['tf'][0][0]['tf_version']}; total time {watch.elapsed():.0f}s"
+          + (f"; {load}" if load else ""))
+    return 0
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if FLAGS.role == "worker":
+        run_worker()
+        return 0
+    return run_driver()
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,311 @@
+"""`"horovod"`: data parallelism over Horovod collectives, one replica per process.
+
+`horovod.tensorflow.keras` does not work with Keras 3 (its broadcast callback
+crashes and its `DistributedOptimizer` never averages; see DESIGN.md section
+2), but the low-level `horovod.tensorflow` ops do. This strategy uses only
+those: `grouped_allreduce` for the gradients (with the sample count riding
+along, see `DistributedModel.reduce_gradients`), `allgather` for
+predictions, `broadcast_variables` for the initial state, and an averaging
+`grouped_allreduce` for metrics. Keras itself sees the default
+`tf.distribute` strategy: nothing of `tf.distribute` replicates here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from keras_distrib import devices as devices_lib
+from keras_distrib.strategies.base import Strategy
+
+NOT_INSTALLED = (
+    "strategy 'horovod' needs Horovod, which is not installed; build it with "
+    "`scripts/install_horovod.sh .venv` (Horovod 0.28.1 against TF 2.21)"
+)
+
+# Dtypes Horovod 0.28.1's TensorFlow allreduce kernels take (not bfloat16);
+# others travel as a wider dtype and are cast back (see _wire_dtype).
+_ALLREDUCE_DTYPES = {tf.uint8, tf.int8, tf.int32, tf.int64, tf.float16, tf.float32, tf.float64}
+
+
+class HorovodUnavailableError(ImportError, ValueError):
+    """Horovod (or its TensorFlow extension) cannot be imported here.
+
+    Both an `ImportError` (what it is) and a `ValueError` (what
+    `keras_distrib.strategies.get` raises for unusable strategies).
+    """
+
+
+class Horovod(Strategy):
+    """Synchronous data parallelism on Horovod's collectives (Gloo, MPI, NCCL).
+
+    One replica per process: start one process per device with `horovodrun`
+    (or `keras-distrib launch --backend horovod -n N script.py`). Each
+    process trains on its rows of every global batch; gradients of the
+    per-process sum of losses are summed across processes together with the
+    sample counts in one grouped all-reduce per dtype, so the update equals
+    one device's with the global batch. Rank 0's initial weights and
+    optimizer state are broadcast to all ranks when the model is first built
+    for `fit`/`evaluate`/`predict` (and again whenever its set of variables
+    grows, e.g. when the optimizer is built).
+
+    Metrics are averaged over ranks (Horovod's `MetricAverageCallback`
+    semantics): exact when every rank sees the same number of samples, a
+    close approximation otherwise (e.g. a last partial batch that splits
+    unevenly).
+
+    Works without `horovodrun` too, as a single process (size 1).
+
+    Args:
+        device: Device this process's replica runs on. Default: GPU number
+            `hvd.local_rank()` (modulo the visible GPUs) when there are GPUs,
+            else the CPU. With GPUs, make each process see only its own GPU
+            (`CUDA_VISIBLE_DEVICES` or `tf.config.set_visible_devices`) so
+            TensorFlow does not take memory on the others.
+
+    Example:
+
+    ```python
+    # horovodrun -np 2 -H localhost:2 --gloo python train.py
+    # or: keras-distrib launch --backend horovod -n 2 train.py
+    model = keras_distrib.DistributedModel(inputs, outputs, strategy="horovod")
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, y, batch_size=64)  # global batch, split over the ranks
+    ```
+    """
+
+    name = "horovod"
+    description = (
+        "Data parallelism over Horovod collectives (Gloo on CPU, NCCL on GPU, MPI)."
+    )
+    replicates = True
+
+    def __init__(self, device: Optional[str] = None):
+        hvd = _import_horovod()
+        hvd.init()
+        self._hvd = hvd
+        self._rank = int(hvd.rank())
+        self._size = int(hvd.size())
+        self._local_rank = int(hvd.local_rank())
+        if device is None:
+            gpus = tf.config.list_physical_devices("GPU")
+            device = f"/gpu:{self._local_rank % len(gpus)}" if gpus else "/cpu:0"
+            self._device = devices_lib.normalize(device)
+        else:
+            self._device = devices_lib.check_device(device)
+        # model -> the variables last broadcast for it (see sync_initial_state).
+        self._broadcast_for: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        super().__init__(tf.distribute.get_strategy())
+
+    # -- identity -----------------------------------------------------------
+
+    @property
+    def num_replicas(self) -> int:
+        return self._size
+
+    @property
+    def num_local_replicas(self) -> int:
+        return 1
+
+    @property
+    def first_local_replica(self) -> int:
+        return self._rank
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._size
+
+    @property
+    def local_rank(self) -> int:
+        """Index of this process among the processes on its host."""
+        return self._local_rank
+
+    @property
+    def devices(self) -> Sequence[str]:
+        return (self._device,)
+
+    # -- placement ----------------------------------------------------------
+
+    @contextlib.contextmanager
+    def scope(self):
+        with tf.device(self._device):
+            yield
+
+    def holds(self, variable: Any) -> bool:
+        value = getattr(variable, "value", variable)
+        if isinstance(value, tf.distribute.DistributedValues):
+            return False
+        device = getattr(value, "device", "")
+        if not device:
+            return True
+        return devices_lib.normalize(device).endswith(self._device)
+
+    # -- the step -----------------------------------------------------------
+
+    def run(self, replica_fn: Callable, batch: Any):
+        # One replica per process: this process's rows are the replica's.
+        with self.scope():
+            return replica_fn(batch)
+
+    def all_reduce(self, values: Any, op: str = "sum") -> Any:
+        flat = tf.nest.flatten(values)
+        reduced = _grouped_all_reduce(self._hvd, flat, self._hvd_op(op))
+        return tf.nest.pack_sequence_as(values, reduced)
+
+    def reduce_mean(self, per_replica: Any) -> Any:
+        return self.all_reduce(per_replica, "mean")
+
+    def concat(self, per_replica: Any) -> Any:
+        # Rank r holds rows [start_r, start_r + count_r) of every global batch
+        # (keras_distrib.sharding), so rank order is the global batch order.
+        def gather(value):
+            value = tf.convert_to_tensor(value)
+            if value.shape.rank == 0:
+                value = tf.reshape(value, [1])
+            return self._hvd.allgather(value)
+
+        return tf.nest.map_structure(gather, per_replica)
+
+    # -- between steps: eager collectives across processes ---------------------
+
+    def _sum_over_processes(self, flat: np.ndarray) -> np.ndarray:
+        flat = np.asarray(flat)
+        wire = flat.dtype
+        if tf.as_dtype(wire) not in _ALLREDUCE_DTYPES:
+            wire = np.float64 if np.issubdtype(wire, np.floating) else np.int64
+        summed = self._hvd.allreduce(tf.constant(flat.astype(wire)), op=self._hvd.Sum)
+        return np.asarray(summed).astype(flat.dtype)
+
+    def broadcast_variables(self, variables: Sequence[Any], root: int = 0) -> None:
+        variables = list(variables)
+        if self._size == 1 or not variables:
+            return
+        # Horovod's broadcast traces a tf.function over the variables, which
+        # needs TensorFlow variables (a Keras variable would be traced as a
+        # tensor): use the one under each Keras variable.
+        native, others = [], []
+        for v in variables:
+            tf_var = v if isinstance(v, tf.Variable) else getattr(v, "value", None)
+            if isinstance(tf_var, tf.Variable) and tf_var.dtype in _ALLREDUCE_DTYPES:
+                native.append(tf_var)
+            else:
+                others.append(v)
+        if native:
+            self._hvd.broadcast_variables(native, root_rank=root)
+        if others:  # e.g. bool: the generic (sum-based) path of the base class
+            super().broadcast_variables(others, root)
+
+    def sync_initial_state(self, model) -> None:
+        """Broadcasts rank 0's weights and optimizer state to every rank.
+
+        `DistributedModel` calls this after every build for fit/evaluate/
+        predict; the broadcast runs only when the model's variables differ
+        from those broadcast last time (the first call, and when the
+        optimizer has been built since).
+        """
+        variables = list(model.variables)
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None and getattr(optimizer, "built", False):
+            known = {id(v) for v in variables}
+            variables += [v for v in optimizer.variables if id(v) not in known]
+        key = tuple(id(v) for v in variables)
+        try:
+            if self._broadcast_for.get(model) == key:
+                return
+        except TypeError:  # not weak-referenceable: broadcast every time
+            pass
+        self.broadcast_variables(variables, root=0)
+        try:
+            self._broadcast_for[model] = key
+        except TypeError:
+            pass
+
+    def combine_metric_results(self, results: dict) -> dict:
+        """Every metric averaged over ranks, in one collective per dtype.
+
+        Keys are reduced in sorted order, so every rank issues the same
+        collective. Works eagerly and inside `tf.function`.
+        """
+        if self._size == 1 or not results:
+            return results
+        keys = sorted(results)
+        values = [tf.convert_to_tensor(results[k]) for k in keys]
+        averaged = dict(zip(keys, _grouped_all_reduce(self._hvd, values, self._hvd.Average)))
+        return {k: averaged[k] for k in results}
+
+    def local_replica_values(self, variable: Any) -> list[np.ndarray]:
+        return [np.asarray(variable)]
+
+    def _hvd_op(self, op: str):
+        ops = {"sum": self._hvd.Sum, "mean": self._hvd.Average}
+        if op not in ops:
+            raise ValueError(f"Unknown reduce op {op!r}; use one of {sorted(ops)}.")
+        return ops[op]
+
+
+def _import_horovod():
+    """`horovod.tensorflow`, or a one-line `HorovodUnavailableError`."""
+    try:
+        import horovod.tensorflow as hvd
+    except ModuleNotFoundError as e:
+        if e.name in ("horovod", "horovod.tensorflow"):
+            raise HorovodUnavailableError(NOT_INSTALLED) from None
+        raise HorovodUnavailableError(_broken(e)) from None
+    except (ImportError, tf.errors.NotFoundError, OSError) as e:
+        # Installed, but built without TensorFlow or against another TF.
+        raise HorovodUnavailableError(_broken(e)) from None
+    return hvd
+
+
+def _broken(error: Exception) -> str:
+    cause = " ".join(str(error).split())[:300]
+    return (
+        f"strategy 'horovod' found Horovod but cannot load horovod.tensorflow "
+        f"({type(error).__name__}: {cause}); rebuild it against this TensorFlow "
+        "with `scripts/install_horovod.sh .venv`"
+    )
+
+
+def _wire_dtype(dtype: tf.DType, kind: str) -> tf.DType:
+    """The dtype `dtype` travels as: its own where Horovod takes it."""
+    if kind == "mean" and not dtype.is_floating:
+        return tf.float64
+    if dtype in _ALLREDUCE_DTYPES:
+        return dtype
+    if dtype.is_floating:
+        return tf.float32 if dtype == tf.bfloat16 else tf.float64
+    return tf.int64  # bool (a sum is then a logical or), int16, uint16, ...
+
+
+def _grouped_all_reduce(hvd, tensors: Sequence[Any], op) -> list:
+    """`hvd.grouped_allreduce` over mixed dtypes, order kept.
+
+    Horovod groups take one dtype: one group per (wire) dtype, in order of
+    first appearance (the same on every rank). bfloat16 travels as float32;
+    IndexedSlices are made dense (a sum of their gathered rows would need a
+    different scaling downstream). Means travel as sums divided here:
+    Horovod fuses only collectives of the same reduction, so a metric mean
+    can share a cycle (and a buffer) with the gradient sum of the same step.
+    """
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    kind = "mean" if op == hvd.Average else "sum"
+    groups: dict = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(_wire_dtype(t.dtype, kind), []).append(i)
+    out: list = [None] * len(tensors)
+    for wire, indices in groups.items():
+        sent = [tf.cast(tensors[i], wire) for i in indices]
+        summed = hvd.grouped_allreduce(sent, op=hvd.Sum)
+        for i, got in zip(indices, summed):
+            if kind == "mean":
+                got = got / tf.cast(hvd.size(), wire)
+            out[i] = tf.cast(got, tensors[i].dtype)
+    return out
