@@ -29,10 +29,11 @@ test: $(HOROVOD)
 test-fast: $(HOROVOD)
 	$(PY) -m pytest -q -m "not slow"
 
-bench: $(STAMP)
+bench: $(HOROVOD)
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/allreduce.py
 	$(PY) benchmarks/weak_scaling.py
+	PATH=$(VENV)/bin:$$PATH $(PY) benchmarks/horovod_vs_tf.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
