@@ -52,8 +52,8 @@ def launch_workers(
 
     Raises:
         WorkersFailed: non-zero exit or `timeout` seconds passed. The
-            launcher's own `--timeout` stops the workers a little earlier;
-            if it does not, it gets SIGTERM (it stops every worker's process
+            launcher's own `--timeout` stops the workers; should the launcher
+            itself hang, it gets SIGTERM (it stops every worker's process
             group), then SIGKILL, and workers die with it (see
             `worker_setup`).
     """
@@ -64,7 +64,7 @@ def launch_workers(
     )
     argv = [
         sys.executable, "-m", "keras_distrib.launch", "launch",
-        "-n", str(nproc), "--timeout", str(max(timeout - 10, 5)),
+        "-n", str(nproc), "--timeout", str(timeout),
         script, "--role=worker", f"--out_dir={out_dir}", *worker_args,
     ]
     proc = subprocess.Popen(
@@ -72,7 +72,9 @@ def launch_workers(
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
-        output, _ = proc.communicate(timeout=timeout)
+        # The launcher stops the ranks itself at `timeout` (SIGTERM, then
+        # SIGKILL after its grace period); this is the backstop.
+        output, _ = proc.communicate(timeout=timeout + 30)
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGTERM)  # the launcher forwards it to all ranks
         try:
@@ -80,7 +82,7 @@ def launch_workers(
         except subprocess.TimeoutExpired:
             proc.kill()
             output, _ = proc.communicate()
-        raise WorkersFailed(f"workers did not finish within {timeout:g}s", output or "")
+        raise WorkersFailed(f"the launcher did not end within {timeout + 30:g}s", output or "")
     except BaseException:  # Ctrl-C: the launcher got it too; make sure it ends
         proc.send_signal(signal.SIGTERM)
         try:
@@ -88,6 +90,8 @@ def launch_workers(
         except subprocess.TimeoutExpired:
             proc.kill()
         raise
+    if proc.returncode == 124:
+        raise WorkersFailed(f"workers did not finish within {timeout:g}s (--timeout)", output)
     if proc.returncode != 0:
         raise WorkersFailed(f"launcher exited with code {proc.returncode}", output)
     return out_dir, output
@@ -158,6 +162,16 @@ def stats(values: Sequence[float]) -> tuple[float, float, float]:
 def fmt_stats(values: Sequence[float], digits: int = 2) -> str:
     med, lo, hi = stats(values)
     return f"{med:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
+
+
+def load_note() -> str:
+    """The 1-minute load average: other work on the machine skews timings."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return "load average unknown"
+    busy = " (the machine is busy: expect noise)" if load > 1.0 else ""
+    return f"1-min load average at start {load:.2f} on {os.cpu_count()} cores{busy}"
 
 
 class Stopwatch:

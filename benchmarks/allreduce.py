@@ -157,6 +157,13 @@ def run_worker() -> None:
                 return strategy.all_reduce(list(tensors), "sum")
         return tf.function(lambda: tf_strategy.run(replica_fn))
 
+    def count_collectives(fn) -> int:
+        graph = fn.get_concrete_function().graph
+        ops = [op for op in graph.get_operations()]
+        for f in graph._functions.values():  # strategy.run may nest functions
+            ops += list(f.graph.get_operations()) if hasattr(f, "graph") else []
+        return sum(op.type.startswith("CollectiveReduce") for op in ops)
+
     def timed(fn, calls: int) -> float:
         barrier()
         start = time.perf_counter()
@@ -187,6 +194,7 @@ def run_worker() -> None:
                 and np.allclose(out[0].numpy().ravel()[:1024],
                                 bases[0].ravel()[:1024] * expected, rtol=1e-5, atol=1e-5)
             )
+        collectives = {v: count_collectives(fn) for v, fn in fns.items()}
         calls = agree_on_calls(min(timed(fn, 1) for fn in fns.values()))
         times = {v: [] for v in VARIANTS}
         for rep in range(FLAGS.repeats):
@@ -198,6 +206,7 @@ def run_worker() -> None:
             "bytes": int(sum(b.nbytes for b in bases)),
             "num_tensors": len(bases),
             "calls_per_timing": calls,
+            "collectives": collectives,
             "times": times,
             "checks": checks,
         })
@@ -228,14 +237,11 @@ def print_table(results: list[dict]) -> list[str]:
     factor = 2 * (world - 1) / world
     bpp = results[0]["bytes_per_pack"]
     misses = []
-    many = results[0]["cases"][-1]
-    print(f"\nmany-small = {many['num_tensors']} tensors, {human(many['bytes'])}: "
-          f"{FLAGS.small_layers} x Dense({FLAGS.small_width}) kernels and biases")
-    print(f"ours: multi_worker bytes_per_pack={bpp}; {world} workers; "
+    print(f"\nours: multi_worker bytes_per_pack={bpp}; {world} workers; "
           f"{FLAGS.repeats} interleaved repetitions; TF {results[0]['tf_version']}")
-    print(f"{'case':>10s} {'tensors':>7s} {'k':>4s} | {'bus GB/s (median)':^26s} | "
+    print(f"{'case':>10s} {'tensors':>7s} {'collectives':>11s} {'k':>4s} | {'bus GB/s (median)':^26s} | "
           f"{'ours/raw':^22s} | {'ours/batched':^22s} | check  target")
-    print(f"{'':>10s} {'':>7s} {'':>4s} | {'raw':>8s} {'batched':>8s} {'ours':>8s} | "
+    print(f"{'':>10s} {'':>7s} {'r/b/ours':>11s} {'':>4s} | {'raw':>8s} {'batched':>8s} {'ours':>8s} | "
           f"{'median [min, max]':^22s} | {'median [min, max]':^22s} |")
     for i, case in enumerate(results[0]["cases"]):
         per_rank = [r["cases"][i] for r in results]
@@ -249,13 +255,19 @@ def print_table(results: list[dict]) -> list[str]:
         vs_batched = [b / o for b, o in zip(times["batched"], times["ours"])]
         ok = all(all(c["checks"].values()) for c in per_rank)
         want = 1.5 if case["name"] == "many-small" else 1.0
-        med = _harness.stats(vs_raw)[0]
+        med, _, hi = _harness.stats(vs_raw)
         target = f">={want:g}x " + ("ok" if med >= want else "MISS")
         if med < want:
-            misses.append(f"bytes_per_pack={bpp} {case['name']}: ours/raw {med:.2f} < {want:g}")
+            # One tensor: all three variants issue the same single collective,
+            # so a median just under 1 with a range spanning 1 is noise.
+            in_noise = hi >= want
+            target += " (in noise)" if in_noise else ""
+            misses.append(f"bytes_per_pack={bpp} {case['name']}: ours/raw {med:.3f} < {want:g}"
+                          + (" (in noise)" if in_noise else ""))
         if not ok:
             misses.append(f"bytes_per_pack={bpp} {case['name']}: wrong all-reduce result")
-        print(f"{case['name']:>10s} {case['num_tensors']:>7d} {case['calls_per_timing']:>4d} | "
+        colls = "/".join(str(case["collectives"][v]) for v in VARIANTS)
+        print(f"{case['name']:>10s} {case['num_tensors']:>7d} {colls:>11s} {case['calls_per_timing']:>4d} | "
               + " ".join(f"{_harness.stats(bus[v])[0]:8.3f}" for v in VARIANTS)
               + f" | {_harness.fmt_stats(vs_raw):^22s} | {_harness.fmt_stats(vs_batched):^22s} | "
               f"{'ok' if ok else 'WRONG':5s}  {target}")
@@ -264,9 +276,14 @@ def print_table(results: list[dict]) -> list[str]:
 
 def run_driver() -> int:
     watch = _harness.Stopwatch()
+    load = _harness.load_note()
     script = os.path.abspath(__file__)
     print(f"all-reduce benchmark: {FLAGS.nproc} worker processes on {os.cpu_count()} cores; "
           "ratios > 1 mean ours is faster; k = calls per timing")
+    w, layers = FLAGS.small_width, FLAGS.small_layers
+    print(f"many-small = {2 * layers} tensors, {human(layers * (w * w + w) * 4)}: the kernels "
+          f"and biases of {layers} x Dense({w}); collectives = CollectiveReduce ops per call "
+          "(raw/batched/ours)")
     misses = []
     for bpp in FLAGS.bytes_per_pack:
         try:
@@ -277,7 +294,10 @@ def run_driver() -> int:
             return 1
         misses += print_table(_harness.read_results(out_dir, FLAGS.nproc))
     print("\ntarget misses: " + ("; ".join(misses) if misses else "none"))
-    print(f"total time {watch.elapsed():.0f}s")
+    if any("in noise" in m for m in misses):
+        print("(in noise: the median misses but the [min, max] range of the ratio "
+              "reaches the target; for one tensor all variants run the same collective)")
+    print(f"{load}; total time {watch.elapsed():.0f}s")
     return 0
 
 

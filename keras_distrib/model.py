@@ -394,6 +394,8 @@ class DistributedModel(keras.Model):
             for v in tf.nest.flatten(outputs)
         ):
             return outputs
+        if not self._strategy.exact_batch_logs:
+            return self._strategy.local_mean(outputs)
         if isinstance(outputs, dict):
             # Metric variables sum across replicas when read here, so these
             # are exact global values, not a mean of per-replica values.

@@ -39,6 +39,9 @@ class Strategy(abc.ABC):
     description: str = ""
     # Whether steps run as several replicas whose results need combining.
     replicates: bool = True
+    # Whether per-batch logs are global values (reading them costs a
+    # cross-process collective per metric and step where processes differ).
+    exact_batch_logs: bool = True
 
     def __init__(self, tf_strategy: tf.distribute.Strategy):
         self._tf_strategy = tf_strategy
@@ -132,6 +135,9 @@ class Strategy(abc.ABC):
         collectives); each dtype is its own group.
         """
         ctx = tf.distribute.get_replica_context()
+        # tf.identity places values made outside the replica (e.g. a batch
+        # passed straight through) on its device; TF needs one to reduce.
+        values = [tf.identity(v) for v in values]
         reduced = list(values)
         for dtype in dict.fromkeys(v.dtype for v in values):
             positions = [i for i, v in enumerate(values) if v.dtype == dtype]
@@ -145,6 +151,15 @@ class Strategy(abc.ABC):
         return tf.nest.map_structure(
             lambda v: self._tf_strategy.reduce("MEAN", v, axis=None), per_replica
         )
+
+    def local_mean(self, per_replica: Any) -> Any:
+        """Mean over this process's replicas only (no communication)."""
+
+        def mean(value):
+            parts = self._tf_strategy.experimental_local_results(value)
+            return tf.add_n(list(parts)) / len(parts) if len(parts) > 1 else parts[0]
+
+        return tf.nest.map_structure(mean, per_replica)
 
     def concat(self, per_replica: Any) -> Any:
         """Concatenates per-replica outputs in global replica order."""

@@ -59,6 +59,10 @@ class MultiWorker(Strategy):
     """
 
     name = "multi_worker"
+    # Per-batch logs are this worker's values: exact global ones would cost
+    # a cross-worker collective per metric variable and step (epoch logs
+    # and evaluate results are exact).
+    exact_batch_logs = False
     description = (
         "Sync all-reduce across worker processes/hosts (gRPC ring on CPU, NCCL on GPU)."
     )

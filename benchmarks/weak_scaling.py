@@ -1,0 +1,272 @@
+"""Weak scaling of `keras_distrib.DistributedModel.fit`: 1 worker vs 2 workers.
+
+What it measures: training throughput (global samples / second) of an MLP
+of about 1M parameters (256 -> 1024 -> 768 -> 10, SGD, sparse categorical
+cross-entropy, synthetic numpy data from a fixed seed) with a fixed batch
+of `--per_worker_batch` (256) samples per worker, so the global batch grows
+with the workers. Every worker process is pinned to its own core
+(`sched_setaffinity`, before TensorFlow is imported) and runs TensorFlow
+with 1 intra-op thread, so "1 worker" is one core and "2 workers" two.
+
+Configurations, each its own `keras-distrib launch`:
+
+  single   the baseline: strategy "single" (plain Keras step) in one process
+           on core 0. Efficiency is reported against it.
+  mw1      strategy "multi_worker" with -n 1 (collectives over a group of
+           one): shows what the multi-worker step costs by itself.
+  mw2      strategy "multi_worker" with -n 2, one worker per core: the
+           configuration under test.
+
+Efficiency = throughput(mw2) / (2 x throughput(baseline)), paired per
+repetition; the configurations run alternately (order rotated every
+repetition) `--repeats` times. Each run fits `--epochs` epochs of `--steps`
+steps with `verbose=0`; the first epoch (tracing, warm-up) is dropped, and
+a run's epoch time is the median over the rest of the slowest rank's
+epoch (timed by a Keras callback, on_epoch_begin/on_epoch_end). Target
+(from the issue): efficiency >= 0.85. The peer is the same model trained by
+plain Keras on one core (strategy "single" costs ~nothing over
+`keras.Model.fit`, see benchmarks/overhead.py).
+
+Run:
+    python benchmarks/weak_scaling.py [--repeats 3] [--steps 40] [--epochs 4]
+        [--bytes_per_pack 0] [--inter_op 2] [--configs single,mw1,mw2]
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from absl import app, flags  # noqa: E402
+
+import _harness  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("role", "driver", ["driver", "worker"],
+                  "driver: start the runs and print the table; worker: train "
+                  "(started by the driver through keras-distrib launch).")
+flags.DEFINE_string("out_dir", None, "Worker only: where to write rank{R}.json.")
+flags.DEFINE_enum("strategy", "multi_worker", ["single", "multi_worker"],
+                  "Worker only: the strategy to train with.")
+flags.DEFINE_list("configs", ["single", "mw1", "mw2"],
+                  "Configurations to run (single, mw1, mw2); mw2 and one of "
+                  "single/mw1 are needed for an efficiency.")
+flags.DEFINE_integer("repeats", 3, "Alternating repetitions of every configuration.")
+flags.DEFINE_integer("per_worker_batch", 256, "Samples per worker per step.")
+flags.DEFINE_integer("steps", 40, "Steps per epoch.")
+flags.DEFINE_integer("epochs", 4, "Epochs per run; the first is not timed.")
+flags.DEFINE_integer("input_dim", 256, "Input features.")
+flags.DEFINE_list("hidden", ["1024", "768"], "Hidden layer widths.")
+flags.DEFINE_integer("classes", 10, "Output classes.")
+flags.DEFINE_integer("bytes_per_pack", 0,
+                     "bytes_per_pack of the multi_worker strategy (0: one pack).")
+# Inter-op threads: tried 1, 2, 3 and 4 with 1 intra-op thread (2 worker
+# processes, one core each, TF 2.21): none deadlocked the collectives, which
+# are asynchronous kernels waiting on gRPC's own threads rather than holding
+# an inter-op thread. (The hang of DESIGN.md section 2 is the in-process
+# cluster, where all workers share one process's pool.) The step times of 1
+# and 2 could not be told apart on the shared 2-core machine; 2 is the
+# default because it leaves a second thread should any kernel block its
+# thread, which with 1 could stall the step behind it.
+flags.DEFINE_integer("inter_op", 2, "TensorFlow inter-op threads per worker.")
+flags.DEFINE_integer("intra_op", 1, "TensorFlow intra-op threads per worker.")
+flags.DEFINE_float("timeout", 120.0, "Seconds one run (launch) may take.")
+
+_CONFIGS = {  # name -> (processes, strategy)
+    "single": (1, "single"),
+    "mw1": (1, "multi_worker"),
+    "mw2": (2, "multi_worker"),
+}
+
+
+# ----------------------------------------------------------------------------
+# Worker
+
+
+def run_worker() -> None:
+    rank = _harness.worker_rank()
+    _harness.worker_setup(pin_core=rank)  # before TensorFlow sizes its pools
+    import numpy as np
+    import tensorflow as tf
+
+    tf.get_logger().setLevel("ERROR")
+    tf.config.threading.set_intra_op_parallelism_threads(FLAGS.intra_op)
+    tf.config.threading.set_inter_op_parallelism_threads(FLAGS.inter_op)
+    import keras
+
+    import keras_distrib as kd
+
+    if FLAGS.strategy == "single":
+        strategy = kd.strategies.get("single")
+    else:
+        strategy = kd.strategies.get("multi_worker", bytes_per_pack=FLAGS.bytes_per_pack)
+    world = strategy.world_size
+    global_batch = FLAGS.per_worker_batch * world
+    samples = FLAGS.steps * global_batch
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((samples, FLAGS.input_dim), dtype=np.float32)
+    y = rng.integers(0, FLAGS.classes, size=(samples,)).astype(np.int32)
+
+    inputs = keras.Input((FLAGS.input_dim,))
+    h = inputs
+    for width in FLAGS.hidden:
+        h = keras.layers.Dense(int(width), activation="relu")(h)
+    outputs = keras.layers.Dense(FLAGS.classes)(h)
+    model = kd.DistributedModel(inputs, outputs, strategy=strategy)
+    model.compile(
+        optimizer=keras.optimizers.SGD(learning_rate=0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+
+    class EpochTimer(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.times, self._start = [], None
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self._start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.times.append(time.perf_counter() - self._start)
+
+    timer = EpochTimer()
+    history = model.fit(x, y, batch_size=global_batch, epochs=FLAGS.epochs,
+                        verbose=0, shuffle=False, callbacks=[timer])
+    _harness.write_result(FLAGS.out_dir, rank, {
+        "rank": rank,
+        "world_size": world,
+        "strategy": strategy.name,
+        "params": int(model.count_params()),
+        "global_batch": global_batch,
+        "steps": FLAGS.steps,
+        "epoch_times": timer.times,
+        "loss": [float(v) for v in history.history["loss"]],
+        "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "threads": [tf.config.threading.get_intra_op_parallelism_threads(),
+                    tf.config.threading.get_inter_op_parallelism_threads()],
+    })
+
+
+# ----------------------------------------------------------------------------
+# Driver
+
+
+def worker_args(strategy: str) -> list[str]:
+    return [
+        f"--strategy={strategy}",
+        f"--per_worker_batch={FLAGS.per_worker_batch}",
+        f"--steps={FLAGS.steps}",
+        f"--epochs={FLAGS.epochs}",
+        f"--input_dim={FLAGS.input_dim}",
+        f"--hidden={','.join(FLAGS.hidden)}",
+        f"--classes={FLAGS.classes}",
+        f"--bytes_per_pack={FLAGS.bytes_per_pack}",
+        f"--inter_op={FLAGS.inter_op}",
+        f"--intra_op={FLAGS.intra_op}",
+    ]
+
+
+def run_config(name: str) -> dict:
+    """One launch of configuration `name`; its epoch time and throughput."""
+    nproc, strategy = _CONFIGS[name]
+    out_dir, _ = _harness.launch_workers(
+        os.path.abspath(__file__), nproc, worker_args(strategy), timeout=FLAGS.timeout)
+    results = _harness.read_results(out_dir, nproc)
+    timed = [max(r["epoch_times"][e] for r in results)
+             for e in range(1, len(results[0]["epoch_times"]))]
+    epoch = _harness.stats(timed)[0]
+    first = results[0]
+    return {
+        "epoch": epoch,
+        "step_ms": epoch / first["steps"] * 1e3,
+        "throughput": first["global_batch"] * first["steps"] / epoch,
+        "params": first["params"],
+        "global_batch": first["global_batch"],
+        "loss": first["loss"],
+        "cpus": [r["cpus"] for r in results],
+        "threads": first["threads"],
+    }
+
+
+def run_driver() -> int:
+    watch = _harness.Stopwatch()
+    load = _harness.load_note()
+    if FLAGS.epochs < 2:
+        raise app.UsageError("--epochs must be >= 2 (the first epoch is not timed).")
+    configs = [c.strip() for c in FLAGS.configs]
+    unknown = sorted(set(configs) - set(_CONFIGS))
+    if unknown:
+        raise app.UsageError(f"unknown --configs {unknown}; valid: {sorted(_CONFIGS)}.")
+    runs = {c: [] for c in configs}
+    for rep in range(FLAGS.repeats):
+        shift = rep % len(configs)
+        for name in configs[shift:] + configs[:shift]:
+            try:
+                runs[name].append(run_config(name))
+            except _harness.WorkersFailed as e:
+                print(f"{name} (repetition {rep + 1}): {e}; worker output:\n{e.output}",
+                      file=sys.stderr)
+                return 1
+
+    some = next(iter(runs.values()))[0]
+    widths = "-".join([str(FLAGS.input_dim), *FLAGS.hidden, str(FLAGS.classes)])
+    print(f"weak scaling: MLP {widths} ({some['params']:,} parameters), SGD, "
+          f"{FLAGS.per_worker_batch} samples/worker/step, {FLAGS.steps} steps/epoch, "
+          f"{FLAGS.epochs} epochs (first untimed), {FLAGS.repeats} alternating repetitions")
+    print(f"each worker pinned to one core, intra/inter-op threads {some['threads']}, "
+          f"multi_worker bytes_per_pack={FLAGS.bytes_per_pack}")
+    print(f"\n{'config':>8s} {'workers':>7s} {'cores':>8s} {'global batch':>12s} | "
+          f"{'step ms median [min, max]':^28s} | {'samples/s median [min, max]':^30s}")
+    for name in configs:
+        r = runs[name]
+        cores = ",".join(str(c) for cpus in r[0]["cpus"] for c in (cpus or ["?"]))
+        print(f"{name:>8s} {_CONFIGS[name][0]:>7d} {cores:>8s} {r[0]['global_batch']:>12d} | "
+              f"{_harness.fmt_stats([x['step_ms'] for x in r], 1):^28s} | "
+              f"{_harness.fmt_stats([x['throughput'] for x in r], 0):^30s}")
+
+    print(f"\n{'ratio (paired per repetition)':44s} {'median [min, max]':^22s}  target")
+    rows = [
+        ("efficiency mw2 / (2 x single)  [baseline]", "mw2", "single", 2, ">= 0.85"),
+        ("efficiency mw2 / (2 x mw1)", "mw2", "mw1", 2, ""),
+        ("throughput mw1 / single", "mw1", "single", 1, ""),
+    ]
+    misses = []
+    for label, a, b, scale, target in rows:
+        if a not in runs or b not in runs:
+            continue
+        ratios = [x["throughput"] / (scale * y["throughput"]) for x, y in zip(runs[a], runs[b])]
+        mark = ""
+        if target:
+            med = _harness.stats(ratios)[0]
+            mark = f"{target} " + ("ok" if med >= 0.85 else "MISS")
+            if med < 0.85:
+                misses.append(f"{label.split('  ')[0]} = {med:.2f} < 0.85")
+        print(f"{label:44s} {_harness.fmt_stats(ratios):^22s}  {mark}")
+    if "mw2" in runs and "single" in runs:
+        extra = [x["step_ms"] - y["step_ms"] for x, y in zip(runs["mw2"], runs["single"])]
+        print(f"{'mw2 step - single step (ms): the all-reduce':44s} {_harness.fmt_stats(extra, 1):^22s}"
+              f"  of {some['params'] * 4 / 2**20:.1f} MB of float32 gradients per step")
+    bad = [n for n, rs in runs.items() for r in rs if not all(map(math.isfinite, r["loss"]))]
+    if bad:
+        misses.append(f"non-finite training loss in {sorted(set(bad))}")
+    print("\ntarget misses: " + ("; ".join(misses) if misses else "none"))
+    print(f"{load}; total time {watch.elapsed():.0f}s")
+    return 0
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if FLAGS.role == "worker":
+        run_worker()
+        return 0
+    return run_driver()
+
+
+if __name__ == "__main__":
+    app.run(main)
