@@ -182,3 +182,33 @@ class Stopwatch:
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
+
+
+def parse_size(text: str) -> int:
+    """`"64KB"` -> 65536."""
+    text = text.strip().upper().removesuffix("B")
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+    number = text[:-1] if text[-1:] in "KMG" else text
+    return int(float(number) * scale)
+
+
+def human(nbytes: float) -> str:
+    """65536 -> `"64 KB"`."""
+    for unit, scale in (("MB", 2**20), ("KB", 2**10)):
+        if nbytes >= scale:
+            value = nbytes / scale
+            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.2f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def driver_or_worker(role: str, argv, run_worker, run_driver) -> int:
+    """The `main` of a benchmark that is both its own driver and worker."""
+    from absl import app
+
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if role == "worker":
+        run_worker()
+        return 0
+    return run_driver()
+

@@ -76,27 +76,12 @@ _ONE_PACK = 2**62
 _MAX_CALLS_PER_TIMING = 2000
 
 
-def parse_size(text: str) -> int:
-    text = text.strip().upper().removesuffix("B")
-    scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
-    number = text[:-1] if text[-1:] in "KMG" else text
-    return int(float(number) * scale)
-
-
-def human(nbytes: float) -> str:
-    for unit, scale in (("MB", 2**20), ("KB", 2**10)):
-        if nbytes >= scale:
-            value = nbytes / scale
-            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.2f} {unit}"
-    return f"{nbytes:.0f} B"
-
-
 def cases() -> list[tuple[str, list[tuple[int, ...]]]]:
     """(name, shapes) of every case, in the order they run."""
     result = []
     for text in FLAGS.sizes:
-        nbytes = parse_size(text)
-        result.append((human(nbytes), [(max(nbytes // 4, 1),)]))
+        nbytes = _harness.parse_size(text)
+        result.append((_harness.human(nbytes), [(max(nbytes // 4, 1),)]))
     w = FLAGS.small_width
     result.append(("many-small", [(w, w), (w,)] * FLAGS.small_layers))
     return result
@@ -281,7 +266,7 @@ def run_driver() -> int:
     print(f"all-reduce benchmark: {FLAGS.nproc} worker processes on {os.cpu_count()} cores; "
           "ratios > 1 mean ours is faster; k = calls per timing")
     w, layers = FLAGS.small_width, FLAGS.small_layers
-    print(f"many-small = {2 * layers} tensors, {human(layers * (w * w + w) * 4)}: the kernels "
+    print(f"many-small = {2 * layers} tensors, {_harness.human(layers * (w * w + w) * 4)}: the kernels "
           f"and biases of {layers} x Dense({w}); collectives = CollectiveReduce ops per call "
           "(raw/batched/ours)")
     misses = []
@@ -302,12 +287,7 @@ def run_driver() -> int:
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if FLAGS.role == "worker":
-        run_worker()
-        return 0
-    return run_driver()
+    return _harness.driver_or_worker(FLAGS.role, argv, run_worker, run_driver)
 
 
 if __name__ == "__main__":

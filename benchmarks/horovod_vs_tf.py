@@ -69,23 +69,8 @@ STRATEGY = {"tf": "multi_worker", "hvd": "horovod"}
 _MAX_CALLS_PER_TIMING = 2000
 
 
-def parse_size(text: str) -> int:
-    text = text.strip().upper().removesuffix("B")
-    scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
-    number = text[:-1] if text[-1:] in "KMG" else text
-    return int(float(number) * scale)
-
-
-def human(nbytes: float) -> str:
-    for unit, scale in (("MB", 2**20), ("KB", 2**10)):
-        if nbytes >= scale:
-            value = nbytes / scale
-            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.2f} {unit}"
-    return f"{nbytes:.0f} B"
-
-
 def cases() -> list[tuple[str, list[tuple[int, ...]]]]:
-    result = [(human(parse_size(t)), [(max(parse_size(t) // 4, 1),)]) for t in FLAGS.sizes]
+    result = [(_harness.human(_harness.parse_size(t)), [(max(_harness.parse_size(t) // 4, 1),)]) for t in FLAGS.sizes]
     w = FLAGS.small_width
     result.append(("many-small", [(w, w), (w,)] * FLAGS.small_layers))
     return result
@@ -248,7 +233,7 @@ def print_table(runs: dict) -> None:
     factor = 2 * (NPROC - 1) / NPROC
     many = first["cases"][-1]
     print(f"\nall-reduce, SUM, float32; {NPROC} processes; bus GB/s = bytes*2(n-1)/n/time; "
-          f"many-small = {many['num_tensors']} tensors, {human(many['bytes'])}")
+          f"many-small = {many['num_tensors']} tensors, {_harness.human(many['bytes'])}")
     print(f"{'case':>10s} {'tensors':>7s} {'k tf/hvd':>10s} | {'bus GB/s (median)':^19s} | "
           f"{'speed hvd/tf':^22s} | check")
     print(f"{'':>10s} {'':>7s} {'':>10s} | {'tf':>9s} {'hvd':>9s} | "
@@ -301,12 +286,7 @@ def run_driver() -> int:
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if FLAGS.role == "worker":
-        run_worker()
-        return 0
-    return run_driver()
+    return _harness.driver_or_worker(FLAGS.role, argv, run_worker, run_driver)
 
 
 if __name__ == "__main__":

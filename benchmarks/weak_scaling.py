@@ -260,12 +260,7 @@ def run_driver() -> int:
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if FLAGS.role == "worker":
-        run_worker()
-        return 0
-    return run_driver()
+    return _harness.driver_or_worker(FLAGS.role, argv, run_worker, run_driver)
 
 
 if __name__ == "__main__":

@@ -24,8 +24,8 @@ def graph():
     return inputs, outputs
 
 
-def plain_model():
-    keras.utils.set_random_seed(7)
+def plain_model(seed=7):
+    keras.utils.set_random_seed(seed)
     return keras.Model(*graph(), name="net")
 
 
@@ -41,9 +41,9 @@ class Net(kd.DistributedModel):
         return self.logits(self.hidden(x))
 
 
-def build(form, strategy, compile_model=True, **compile_kwargs):
+def build(form, strategy, compile_model=True, seed=7, **compile_kwargs):
     """A model of usage `form` with the reference initial weights."""
-    reference = plain_model()
+    reference = plain_model(seed)
     if form == "functional":
         model = kd.DistributedModel(reference.input, reference.output, strategy=strategy)
     elif form == "subclass":

@@ -389,13 +389,18 @@ def test_plain_keras_model_under_a_replicating_tf_strategy_is_a_clear_error():
 # -- two worker processes -----------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def two_workers(tmp_path_factory):
-    out = tmp_path_factory.mktemp("cb2")
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+@pytest.fixture(scope="module", params=["multi_worker", "horovod"])
+def two_workers(request, tmp_path_factory):
+    backend = request.param
+    if backend == "horovod":
+        pytest.importorskip("horovod.tensorflow")
+    out = tmp_path_factory.mktemp(f"cb2-{backend}")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    launcher = ["--backend", "horovod"] if backend == "horovod" else []
     proc = subprocess.run(
-        [sys.executable, "-m", "keras_distrib.launch", "launch", "-n", "2",
-         "--timeout", "120", WORKER, "--out", str(out)],
+        [sys.executable, "-m", "keras_distrib.launch", "launch", "-n", "2", *launcher,
+         "--timeout", "120", WORKER, "--out", str(out), "--strategy", backend],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=150,
     )
     ranks = []
@@ -404,13 +409,17 @@ def two_workers(tmp_path_factory):
         assert path.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
         with open(path) as f:
             ranks.append(json.load(f))
-    return proc, ranks, out
+    return proc, ranks, out, backend
+
+
+# How each backend's launcher marks a rank's output lines.
+RANK_PREFIX = {"multi_worker": "[rank {}] ", "horovod": "[{}]<stdout>:"}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_two_workers_metric_average_equal_on_all_ranks(two_workers):
-    _, ranks, _ = two_workers
+    _, ranks, _, _ = two_workers
     for r in ranks:
         # rank r wrote 10 * r + epoch: the mean is 5 + epoch.
         assert r["history"]["rank_value"] == [5.0, 6.0]
@@ -425,7 +434,7 @@ def test_two_workers_metric_average_equal_on_all_ranks(two_workers):
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_two_workers_broadcast_makes_ranks_start_equal(two_workers):
-    _, ranks, _ = two_workers
+    _, ranks, _, _ = two_workers
     for r in ranks:  # rank 1 had added 1.0 to its weights before fit
         for got, want in zip(r["start_weights"], ranks[0]["rank0_initial"]):
             np.testing.assert_array_equal(got, want)
@@ -436,7 +445,7 @@ def test_two_workers_broadcast_makes_ranks_start_equal(two_workers):
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_two_workers_warmup_and_chief_only_summaries(two_workers):
-    proc, ranks, out = two_workers
+    proc, ranks, out, backend = two_workers
     for r in ranks:  # 2 replicas, 4 steps per epoch, 1 warmup epoch
         assert [s for s, _ in r["lr_history"]] == list(range(5))
         assert [lr for _, lr in r["lr_history"]] == pytest.approx(
@@ -444,14 +453,15 @@ def test_two_workers_warmup_and_chief_only_summaries(two_workers):
         assert r["batch_lr"][4:] == pytest.approx([2 * LR] * 4, rel=1e-6)
         assert r["final_lr"] == pytest.approx(2 * LR, rel=1e-6)
     assert len(glob.glob(str(out / "tb" / "events.*"))) == 1
-    assert "[rank 0] Epoch 2: finished gradual learning rate warmup to 0.2." in proc.stdout
-    assert "[rank 1] Epoch 2: finished" not in proc.stdout
+    prefix = RANK_PREFIX[backend]
+    assert prefix.format(0) + "Epoch 2: finished gradual learning rate warmup to 0.2." in proc.stdout
+    assert prefix.format(1) + "Epoch 2: finished" not in proc.stdout
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_two_workers_nan_and_drift_stop_every_rank(two_workers):
-    proc, ranks, _ = two_workers
+    proc, ranks, _, _ = two_workers
     assert proc.returncode != 0  # the drift error ended the job, no hang
     for r in ranks:
         assert r["nan_error"] == "step 2: non-finite weights on replica 1 (rank 1)"

@@ -27,23 +27,13 @@ from absl import app, flags  # noqa: E402
 
 import keras_distrib as kd  # noqa: E402
 from keras_distrib import callbacks as kdc  # noqa: E402
-from helpers import make_data, plain_model  # noqa: E402
+from helpers import build, make_data  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Directory for results.")
+flags.DEFINE_string("strategy", "multi_worker", "multi_worker or horovod.")
 
 BATCH, EPOCHS = 32, 2
-
-
-def build(strategy):
-    reference = plain_model()
-    model = kd.DistributedModel(reference.input, reference.output, strategy=strategy)
-    model.compile(
-        optimizer=keras.optimizers.SGD(0.1),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    return model
 
 
 class RankValue(keras.callbacks.Callback):
@@ -101,13 +91,13 @@ def nudge_weight(model):
 
 def main(argv):
     del argv
-    strategy = kd.strategies.get("multi_worker")
+    strategy = kd.strategies.get(FLAGS.strategy)
     rank = strategy.rank
     x, y = make_data(n=128)
     result = {"rank": rank, "world_size": strategy.world_size}
 
     # A: broadcast, averaging, warmup, throughput; a clean consistency check.
-    model = build(strategy)
+    model = build("functional", strategy)
     result["rank0_initial"] = [w.tolist() for w in model.get_weights()]
     if rank == 1:
         for v in model.trainable_variables:
@@ -139,7 +129,7 @@ def main(argv):
 
     # B: NaN weights on rank 1 only.
     try:
-        build(strategy).fit(
+        build("functional", strategy).fit(
             x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
             callbacks=[OnRank(1, 1, nan_weight), kdc.ReplicaConsistencyCheck(every_n_steps=2)],
         )
@@ -148,7 +138,7 @@ def main(argv):
 
     # C: drift on rank 1 only; the error ends the job.
     try:
-        build(strategy).fit(
+        build("functional", strategy).fit(
             x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
             callbacks=[OnRank(1, 2, nudge_weight), kdc.ReplicaConsistencyCheck(every_n_steps=2)],
         )

@@ -27,7 +27,7 @@ from absl import app, flags  # noqa: E402
 
 import keras_distrib as kd  # noqa: E402
 from keras_distrib import sharding  # noqa: E402
-from helpers import graph, make_data  # noqa: E402
+from helpers import build, make_data  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Directory for results.")
@@ -38,18 +38,6 @@ flags.DEFINE_integer("seed", 100, "Seed of the initial weights (of rank 0).")
 flags.DEFINE_bool("seed_per_rank", False, "Rank r builds its weights from seed + r.")
 flags.DEFINE_bool("control", False, "Train plain 'single' on this rank's shard.")
 flags.DEFINE_integer("validation", 0, "Validate on the first N samples during fit.")
-
-
-def build(strategy, seed):
-    keras.utils.set_random_seed(seed)
-    reference = keras.Model(*graph(), name="net")
-    model = kd.DistributedModel(reference.input, reference.output, strategy=strategy)
-    model.compile(
-        optimizer=keras.optimizers.SGD(0.1),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    return model
 
 
 def collectives(strategy):
@@ -104,7 +92,7 @@ def main(argv):
     broadcasts = []
     broadcast = hvd_strategy.broadcast_variables
     hvd_strategy.broadcast_variables = lambda v, root=0: (broadcasts.append(len(v)), broadcast(v, root))
-    model = build("single" if FLAGS.control else hvd_strategy, seed)
+    model = build("functional", "single" if FLAGS.control else hvd_strategy, seed=seed)
     initial = model.get_weights()
     validation = None
     if FLAGS.validation:

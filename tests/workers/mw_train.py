@@ -19,7 +19,7 @@ from absl import app, flags  # noqa: E402
 
 import keras_distrib as kd  # noqa: E402
 from keras_distrib import sharding  # noqa: E402
-from helpers import Batches, make_data, plain_model  # noqa: E402
+from helpers import Batches, build, make_data  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Directory for results.")
@@ -27,17 +27,6 @@ flags.DEFINE_string("strategy", "multi_worker", "Strategy name.")
 flags.DEFINE_integer("batch", 32, "Global batch size.")
 flags.DEFINE_integer("epochs", 2, "Epochs.")
 flags.DEFINE_integer("bytes_per_pack", 0, "Gradient pack size.")
-
-
-def build(strategy):
-    reference = plain_model()
-    model = kd.DistributedModel(reference.input, reference.output, strategy=strategy)
-    model.compile(
-        optimizer=keras.optimizers.SGD(0.1),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    return model
 
 
 def seen_ids(strategy, x_ids, files_dir, batch):
@@ -86,7 +75,7 @@ def main(argv):
         if FLAGS.strategy == "multi_worker" else kd.strategies.get(FLAGS.strategy)
     rank = strategy.rank
     x, y = make_data()
-    model = build(strategy)
+    model = build("functional", strategy)
     files = os.path.join(FLAGS.out, "files")
     callbacks = [
         keras.callbacks.ModelCheckpoint(os.path.join(files, "ckpt-{epoch}.keras")),
