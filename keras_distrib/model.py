@@ -167,7 +167,12 @@ class DistributedModel(keras.Model):
         self._strategy.sync_initial_state(self)
 
     def get_metrics_result(self):
-        return self._strategy.combine_metric_results(super().get_metrics_result())
+        results = super().get_metrics_result()
+        if self._strategy.exact_batch_logs or tf.executing_eagerly():
+            # Inside the step only when per-batch logs are to be global;
+            # always for epoch logs and evaluate results (read eagerly).
+            results = self._strategy.combine_metric_results(results)
+        return results
 
     # -- the per-replica math -------------------------------------------------
 

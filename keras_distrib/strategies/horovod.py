@@ -79,6 +79,9 @@ class Horovod(Strategy):
     """
 
     name = "horovod"
+    # Per-batch logs are this rank's: averaging them would add an all-reduce
+    # to every step. Epoch logs and evaluate results are averaged.
+    exact_batch_logs = False
     description = (
         "Data parallelism over Horovod collectives (Gloo on CPU, NCCL on GPU, MPI)."
     )
