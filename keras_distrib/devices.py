@@ -46,3 +46,14 @@ def check_device(device: Optional[str], option: str = "device") -> Optional[str]
     if device is None:
         return None
     return check_devices([device], option)[0]
+
+
+def holds_plain(variable, device: Optional[str]) -> bool:
+    """Whether `variable` is an unreplicated variable on `device` (any if None)."""
+    value = getattr(variable, "value", variable)
+    if isinstance(value, tf.distribute.DistributedValues):
+        return False
+    placed = getattr(value, "device", "")
+    if device is None or not placed:
+        return True
+    return normalize(placed).endswith(device)

@@ -143,13 +143,7 @@ class Horovod(Strategy):
             yield
 
     def holds(self, variable: Any) -> bool:
-        value = getattr(variable, "value", variable)
-        if isinstance(value, tf.distribute.DistributedValues):
-            return False
-        device = getattr(value, "device", "")
-        if not device:
-            return True
-        return devices_lib.normalize(device).endswith(self._device)
+        return devices_lib.holds_plain(variable, self._device)
 
     # -- the step -----------------------------------------------------------
 

@@ -49,12 +49,7 @@ class SingleDevice(Strategy):
                 yield
 
     def holds(self, variable: Any) -> bool:
-        value = getattr(variable, "value", variable)
-        if isinstance(value, tf.distribute.DistributedValues):
-            return False
-        if self._device is None:
-            return True
-        return devices_lib.normalize(value.device).endswith(self._device)
+        return devices_lib.holds_plain(variable, self._device)
 
     def run(self, replica_fn: Callable, batch: Any):
         with self.scope():
