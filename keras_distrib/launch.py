@@ -31,7 +31,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import importlib.util
-import json
 import os
 import re
 import shlex

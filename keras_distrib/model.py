@@ -18,7 +18,7 @@ import functools
 import itertools
 import os
 import threading
-from typing import Any, Union
+from typing import Union
 
 import keras
 import tensorflow as tf

@@ -10,7 +10,6 @@ import keras
 import numpy as np
 import pytest
 
-import keras_distrib as kd
 from keras_distrib.optimizers import DistributedOptimizer
 from helpers import assert_weights_close, build, collective_dtypes, make_data, plain_model
 
