@@ -16,6 +16,10 @@ Configurations, each its own `keras-distrib launch`:
            one): shows what the multi-worker step costs by itself.
   mw2      strategy "multi_worker" with -n 2, one worker per core: the
            configuration under test.
+  raw1/2   the peer: a hand-written tf.distribute custom training loop
+           (MultiWorkerMirroredStrategy, Keras optimizer doing the gradient
+           all-reduce, one tf.function per step) with 1 and 2 workers; its
+           efficiency raw2 / (2 x raw1) is what raw TF collectives allow here.
 
 Efficiency = throughput(mw2) / (2 x throughput(baseline)), paired per
 repetition; the configurations run alternately (order rotated every
@@ -29,7 +33,7 @@ plain Keras on one core (strategy "single" costs ~nothing over
 
 Run:
     python benchmarks/weak_scaling.py [--repeats 3] [--steps 40] [--epochs 4]
-        [--bytes_per_pack 0] [--inter_op 2] [--configs single,mw1,mw2]
+        [--bytes_per_pack 0] [--inter_op 2] [--configs single,mw1,mw2,raw1,raw2]
 """
 
 from __future__ import annotations
@@ -50,11 +54,12 @@ flags.DEFINE_enum("role", "driver", ["driver", "worker"],
                   "driver: start the runs and print the table; worker: train "
                   "(started by the driver through keras-distrib launch).")
 flags.DEFINE_string("out_dir", None, "Worker only: where to write rank{R}.json.")
-flags.DEFINE_enum("strategy", "multi_worker", ["single", "multi_worker"],
+flags.DEFINE_enum("strategy", "multi_worker", ["single", "multi_worker", "raw_tf"],
                   "Worker only: the strategy to train with.")
-flags.DEFINE_list("configs", ["single", "mw1", "mw2"],
-                  "Configurations to run (single, mw1, mw2); mw2 and one of "
-                  "single/mw1 are needed for an efficiency.")
+flags.DEFINE_list("configs", ["single", "mw1", "mw2", "raw1", "raw2"],
+                  "Configurations to run (single, mw1, mw2, raw1, raw2); mw2 and "
+                  "one of single/mw1 are needed for our efficiency, raw1 and "
+                  "raw2 for the peer's.")
 flags.DEFINE_integer("repeats", 3, "Alternating repetitions of every configuration.")
 flags.DEFINE_integer("per_worker_batch", 256, "Samples per worker per step.")
 flags.DEFINE_integer("steps", 40, "Steps per epoch.")
@@ -80,6 +85,8 @@ _CONFIGS = {  # name -> (processes, strategy)
     "single": (1, "single"),
     "mw1": (1, "multi_worker"),
     "mw2": (2, "multi_worker"),
+    "raw1": (1, "raw_tf"),
+    "raw2": (2, "raw_tf"),
 }
 
 
@@ -100,6 +107,9 @@ def run_worker() -> None:
 
     import keras_distrib as kd
 
+    if FLAGS.strategy == "raw_tf":
+        _run_raw_tf_worker(rank, np, tf, keras)
+        return
     if FLAGS.strategy == "single":
         strategy = kd.strategies.get("single")
     else:
@@ -146,6 +156,58 @@ def run_worker() -> None:
         "steps": FLAGS.steps,
         "epoch_times": timer.times,
         "loss": [float(v) for v in history.history["loss"]],
+        "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "threads": [tf.config.threading.get_intra_op_parallelism_threads(),
+                    tf.config.threading.get_inter_op_parallelism_threads()],
+    })
+
+
+def _run_raw_tf_worker(rank, np, tf, keras) -> None:
+    """The peer: the custom loop a tf.distribute user writes by hand."""
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    world = strategy.num_replicas_in_sync
+    rng = np.random.default_rng(0)
+    samples = FLAGS.steps * FLAGS.per_worker_batch * world
+    x = rng.standard_normal((samples, FLAGS.input_dim), dtype=np.float32)
+    y = rng.integers(0, FLAGS.classes, size=(samples,)).astype(np.int32)
+    x, y = x[rank::world], y[rank::world]  # this worker's share
+    batches = [(tf.constant(x[i:i + FLAGS.per_worker_batch]),
+                tf.constant(y[i:i + FLAGS.per_worker_batch]))
+               for i in range(0, len(x), FLAGS.per_worker_batch)]
+    with strategy.scope():
+        inputs = keras.Input((FLAGS.input_dim,))
+        h = inputs
+        for width in FLAGS.hidden:
+            h = keras.layers.Dense(int(width), activation="relu")(h)
+        model = keras.Model(inputs, keras.layers.Dense(FLAGS.classes)(h))
+        optimizer = keras.optimizers.SGD(learning_rate=0.01)
+        optimizer.build(model.trainable_variables)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction="sum")
+
+    @tf.function
+    def step(xb, yb):
+        def replica(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(yb, model(xb, training=True)) / (FLAGS.per_worker_batch * world)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))  # all-reduces
+            return loss
+
+        return strategy.reduce("SUM", strategy.run(replica, args=(xb, yb)), axis=None)
+
+    times, losses = [], []
+    for _ in range(FLAGS.epochs):
+        start = time.perf_counter()
+        for xb, yb in batches:
+            loss = step(xb, yb)
+        losses.append(float(loss))
+        times.append(time.perf_counter() - start)
+    _harness.write_result(FLAGS.out_dir, rank, {
+        "rank": rank, "world_size": world, "strategy": "raw_tf",
+        "params": int(model.count_params()),
+        "global_batch": FLAGS.per_worker_batch * world, "steps": FLAGS.steps,
+        "epoch_times": times, "loss": losses,
         "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "threads": [tf.config.threading.get_intra_op_parallelism_threads(),
                     tf.config.threading.get_inter_op_parallelism_threads()],
@@ -234,6 +296,8 @@ def run_driver() -> int:
         ("efficiency mw2 / (2 x single)  [baseline]", "mw2", "single", 2, ">= 0.85"),
         ("efficiency mw2 / (2 x mw1)", "mw2", "mw1", 2, ""),
         ("throughput mw1 / single", "mw1", "single", 1, ""),
+        ("peer: raw TF loop raw2 / (2 x raw1)", "raw2", "raw1", 2, ""),
+        ("our mw2 / peer raw2 (throughput)", "mw2", "raw2", 1, ""),
     ]
     misses = []
     for label, a, b, scale, target in rows:
