@@ -123,3 +123,20 @@ def test_auto_is_single_with_one_device():
 def _graph():
     inputs = keras.Input((4,))
     return inputs, keras.layers.Dense(1)(inputs)
+
+
+def test_all_reduce_of_values_passed_straight_through():
+    """With one local replica the batch reaches the replica untouched (no
+    device); reducing it must still work."""
+    import tensorflow as tf
+
+    strategy = strategies.get("mirrored", devices=["/cpu:0"])
+
+    @tf.function
+    def step(x):
+        per_replica = strategy.run(lambda shard: strategy.all_reduce([shard, shard * 2], "sum"), x)
+        return strategy.concat(per_replica)
+
+    total, doubled = step(tf.ones([4, 2]))
+    np.testing.assert_array_equal(total, np.ones([4, 2]))
+    np.testing.assert_array_equal(doubled, 2 * np.ones([4, 2]))

@@ -137,7 +137,7 @@ class Strategy(abc.ABC):
         ctx = tf.distribute.get_replica_context()
         # tf.identity places values made outside the replica (e.g. a batch
         # passed straight through) on its device; TF needs one to reduce.
-        values = [tf.identity(v) for v in values]
+        values = [v if v.device else tf.identity(v) for v in values]
         reduced = list(values)
         for dtype in dict.fromkeys(v.dtype for v in values):
             positions = [i for i, v in enumerate(values) if v.dtype == dtype]
