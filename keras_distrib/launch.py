@@ -567,6 +567,25 @@ class _LinePrinter:
                 pass
 
 
+# Run in front of every rank's command: asks the kernel to SIGKILL the rank
+# when the launcher dies, even by SIGKILL (when none of our clean-up runs),
+# then becomes the rank's command (the request survives exec).
+_DIE_WITH_LAUNCHER = (
+    "import ctypes, os, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    os._exit(137)  # the launcher died before the request was made\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def _tied_to_launcher(argv: Sequence[str]) -> list[str]:
+    """`argv`, started so that it cannot outlive this process (Linux)."""
+    if not sys.platform.startswith("linux") or shutil.which(argv[0]) is None:
+        return list(argv)  # a missing program still fails in Popen, clearly
+    return [sys.executable, "-c", _DIE_WITH_LAUNCHER, str(os.getpid()), *argv]
+
+
 class _Child:
     """One started process, its own process group, and the thread reading it."""
 
@@ -577,8 +596,9 @@ class _Child:
         # spawned, and a terminal's Ctrl-C reaches only the launcher, which
         # forwards it once (no double interrupt).
         self.proc = subprocess.Popen(
-            spec.argv, env={**os.environ, **spec.env}, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+            _tied_to_launcher(spec.argv), env={**os.environ, **spec.env},
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            start_new_session=True)
         self._printer = printer
         self.reader = threading.Thread(target=self._pump, name=f"pump {self.label}", daemon=True)
         self.reader.start()

@@ -386,3 +386,24 @@ def test_usage_lists_flags_and_env_contract():
     for fragment in ("-n,--nproc", "--hosts", "--port_base", "--bind", "--ssh",
                      "--timeout", "--tail_lines", "KERAS_DISTRIB_WORLD_SIZE"):
         assert fragment in text
+
+
+@pytest.mark.slow
+def test_workers_die_with_a_launcher_killed_by_sigkill(tmp_path, no_leftovers):
+    """SIGKILL runs none of the launcher's clean-up; the kernel must."""
+    script = _script(tmp_path, 'print("ready", flush=True)\ntime.sleep(600)\n')
+    proc = _cli("launch", "-n", "2", script)
+    no_leftovers.append(proc)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout], daemon=True).start()
+    ready, deadline = set(), time.monotonic() + 40
+    while not {"[rank 0] ready\n", "[rank 1] ready\n"} <= ready:
+        ready.add(lines.get(timeout=max(deadline - time.monotonic(), 0.1)))
+    pids = _pids(tmp_path)
+    assert set(pids) == {0, 1}
+    proc.kill()
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids.values())
