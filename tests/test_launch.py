@@ -361,8 +361,8 @@ def test_cli_bad_flags_give_one_line_error(tmp_path, no_leftovers, args, fragmen
     assert not out and not _pids(tmp_path)
 
 
-@pytest.mark.slow
-def test_cli_sigint_stops_all_workers(tmp_path, no_leftovers):
+def _launch_two_sleepers(tmp_path, no_leftovers) -> subprocess.Popen:
+    """`keras-distrib launch -n 2` of ranks that sleep; returns once both are up."""
     script = _script(tmp_path, 'print("ready", flush=True)\ntime.sleep(600)\n')
     proc = _cli("launch", "-n", "2", script)
     no_leftovers.append(proc)
@@ -371,6 +371,12 @@ def test_cli_sigint_stops_all_workers(tmp_path, no_leftovers):
     ready, deadline = set(), time.monotonic() + 40
     while not {"[rank 0] ready\n", "[rank 1] ready\n"} <= ready:
         ready.add(lines.get(timeout=max(deadline - time.monotonic(), 0.1)))
+    return proc
+
+
+@pytest.mark.slow
+def test_cli_sigint_stops_all_workers(tmp_path, no_leftovers):
+    proc = _launch_two_sleepers(tmp_path, no_leftovers)
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=20) == 128 + signal.SIGINT
     assert "got SIGINT; stopping all ranks" in proc.stderr.read()
@@ -391,14 +397,7 @@ def test_usage_lists_flags_and_env_contract():
 @pytest.mark.slow
 def test_workers_die_with_a_launcher_killed_by_sigkill(tmp_path, no_leftovers):
     """SIGKILL runs none of the launcher's clean-up; the kernel must."""
-    script = _script(tmp_path, 'print("ready", flush=True)\ntime.sleep(600)\n')
-    proc = _cli("launch", "-n", "2", script)
-    no_leftovers.append(proc)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout], daemon=True).start()
-    ready, deadline = set(), time.monotonic() + 40
-    while not {"[rank 0] ready\n", "[rank 1] ready\n"} <= ready:
-        ready.add(lines.get(timeout=max(deadline - time.monotonic(), 0.1)))
+    proc = _launch_two_sleepers(tmp_path, no_leftovers)
     pids = _pids(tmp_path)
     assert set(pids) == {0, 1}
     proc.kill()
