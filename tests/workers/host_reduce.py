@@ -1,0 +1,68 @@
+"""One worker of the shared-memory all-reduce tests (NumPy only, no TensorFlow).
+
+Usage: host_reduce.py RANK WORLD JOB_ID DIRECTORY OUT MODE [TIMEOUT [CONNECT_TIMEOUT]]
+
+MODE:
+  sums     several all-reduces of mixed dtypes and growing sizes; writes
+           every result to OUT (npz).
+  exit1    rank 1 exits after the first all-reduce; the others try a second.
+  stall1   rank 1 sleeps 6 s before the second all-reduce.
+Errors are written to OUT + ".err" (type and message).
+"""
+
+import importlib.util
+import os
+import sys
+import time
+
+import numpy as np
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Load the module by path: importing the keras_distrib package would start TF.
+_spec = importlib.util.spec_from_file_location(
+    "host_allreduce", os.path.join(_ROOT, "keras_distrib", "host_allreduce.py"))
+host_allreduce = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(host_allreduce)
+
+
+def inputs(rank, call):
+    """Distinct values per rank and call; shapes depend only on the call."""
+    rng = np.random.default_rng(1000 * call + rank)
+    n = 1000 * (call + 1) + 7  # grows: the segment must be re-made
+    return [
+        rng.standard_normal((n, 3)).astype(np.float32),
+        rng.integers(-50, 50, size=(5,)).astype(np.int64),
+        rng.standard_normal(n // 2 + 1).astype(np.float16),
+        rng.standard_normal((2, 2)).astype(np.float32),
+        np.float32(rank + 1),  # a scalar, like the sample count
+        np.zeros((0, 4), np.float32),
+    ]
+
+
+def main():
+    rank, world, job, directory, out, mode = sys.argv[1:7]
+    timeout = float(sys.argv[7]) if len(sys.argv) > 7 and sys.argv[7] != "none" else None
+    connect_timeout = float(sys.argv[8]) if len(sys.argv) > 8 else 20.0
+    rank, world = int(rank), int(world)
+    try:
+        reducer = host_allreduce.HostAllReduce(
+            rank, world, job, timeout=timeout, connect_timeout=connect_timeout, directory=directory)
+        results = {}
+        calls = 4 if mode == "sums" else 2
+        for call in range(calls):
+            if call == 1 and rank == 1 and mode == "exit1":
+                os._exit(3)
+            if call == 1 and rank == 1 and mode == "stall1":
+                time.sleep(6)
+            for i, value in enumerate(reducer.all_reduce(*inputs(rank, call))):
+                results[f"c{call}_{i}"] = value
+        reducer.close()
+        np.savez(out, **results)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        with open(out + ".err", "w") as f:
+            f.write(f"{type(e).__name__}: {e}")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
