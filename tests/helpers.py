@@ -109,11 +109,16 @@ def collective_dtypes(model, x, y):
     """Dtypes of the all-reduce ops in the model's traced training step.
 
     Traces (does not run) the distributed train step and reads the dtype
-    attribute of every collective op in its graph and nested functions.
+    attribute of every collective op in its graph and nested functions,
+    and the input dtypes of the shared-memory all-reduce (a PyFunc).
     """
     step = tf.function(model._distributed(model.train_step))
     graph = step.get_concrete_function((tf.constant(x), tf.constant(y))).graph.as_graph_def()
     nodes = list(graph.node)
     for function in graph.library.function:
         nodes.extend(function.node_def)
-    return sorted({tf.as_dtype(n.attr["T"].type).name for n in nodes if n.op in COLLECTIVE_OPS})
+    dtypes = {tf.as_dtype(n.attr["T"].type).name for n in nodes if n.op in COLLECTIVE_OPS}
+    for n in nodes:
+        if n.op == "PyFunc" and "kd_host_all_reduce" in n.name:
+            dtypes.update(tf.as_dtype(t).name for t in n.attr["Tin"].list.type)
+    return sorted(dtypes)

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import keras_distrib as kd
 from helpers import build, make_data
+from keras_distrib import cluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "workers", "mw_train.py")
@@ -53,12 +55,17 @@ def _single_process(batch, epochs=2):
     return model, history.history, x, y
 
 
-@pytest.fixture(scope="module", params=[(2, 32), (3, 30)], ids=["2workers", "3workers"])
+# 2 workers on the default path ("auto": shared memory on one host), 3 on
+# TensorFlow's gRPC ring, the path between hosts.
+@pytest.fixture(scope="module", params=[(2, 32, "auto"), (3, 30, "ring")],
+                ids=["2workers-shm", "3workers-ring"])
 def run(request, tmp_path_factory):
-    n, batch = request.param
+    n, batch, implementation = request.param
     out = tmp_path_factory.mktemp(f"mw{n}")
     _write_records(str(out / "records"))
-    ranks, stdout = _launch(out, n, "--batch", str(batch))
+    ranks, stdout = _launch(out, n, "--batch", str(batch), "--implementation", implementation)
+    want = "shm" if implementation == "auto" else implementation
+    assert [r["implementation"] for r in ranks] == [want] * n
     return n, batch, out, ranks, stdout
 
 
@@ -161,3 +168,25 @@ def test_created_after_tensorflow_started_is_a_clear_error():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "must be created before TensorFlow starts" in proc.stderr.strip().splitlines()[-1]
+
+
+def _info(*workers):
+    return cluster.ClusterInfo(workers, task_index=0)
+
+
+def test_auto_picks_shared_memory_only_when_every_worker_is_here():
+    from keras_distrib.strategies import multi_worker
+    local = _info("127.0.0.1:2222", "localhost:2223")
+    assert multi_worker._wants_shared_memory("auto", local)
+    assert multi_worker._wants_shared_memory("shm", local)
+    assert not multi_worker._wants_shared_memory("ring", local)
+    assert not multi_worker._wants_shared_memory("auto", _info("127.0.0.1:2222"))
+    assert not multi_worker._wants_shared_memory("auto", _info("127.0.0.1:2222", "192.0.2.7:2222"))
+
+
+def test_shm_across_hosts_is_a_clear_error():
+    with pytest.raises(cluster.ClusterConfigError,
+                       match=r"implementation='shm' needs every worker on this host, but "
+                             r"worker 1 at 192.0.2.7:2222 is not"):
+        kd.strategies.get("multi_worker", cluster=["127.0.0.1:2222", "192.0.2.7:2222"],
+                          task_index=0, implementation="shm")

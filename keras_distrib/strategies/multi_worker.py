@@ -11,6 +11,7 @@ import tensorflow as tf
 from tensorflow.python.eager import context
 
 from keras_distrib import cluster as cluster_lib
+from keras_distrib import host_allreduce
 from keras_distrib.strategies.base import Strategy
 
 _IMPLEMENTATIONS = {
@@ -18,6 +19,9 @@ _IMPLEMENTATIONS = {
     "ring": tf.distribute.experimental.CommunicationImplementation.RING,
     "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
 }
+# Not TensorFlow's: gradients go through shared memory between the workers
+# of one host (keras_distrib/host_allreduce.py).
+_SHARED_MEMORY = "shm"
 _KEY_RANGES = itertools.count(start=500_000, step=1_000)
 
 
@@ -33,20 +37,31 @@ class MultiWorker(Strategy):
     """Synchronous all-reduce across worker processes (and their devices).
 
     Runs on TensorFlow's collective runtime: a gRPC ring between CPUs, NCCL
-    between GPUs. Every worker runs the same script; `keras-distrib launch`
-    starts them and sets `TF_CONFIG`. Variables start equal on all workers
-    (broadcast from worker 0 when they are created).
+    between GPUs. When every worker is on this host and has no GPU, the
+    gradient all-reduce of the training step goes through shared memory
+    instead (`implementation="shm"`, what `"auto"` picks there): TF's gRPC
+    collectives cost ~50 ms per 4 MB even between local processes. Every
+    worker runs the same script; `keras-distrib launch` starts them and sets
+    `TF_CONFIG`. Variables start equal on all workers (broadcast from worker
+    0 when they are created).
 
     Args:
         cluster: Worker addresses (`["host:port", ...]` or
             `{"worker": [...]}`); default: `TF_CONFIG`, then Slurm.
         task_index: This process's rank in `cluster` (with `cluster` only).
-        implementation: `"auto"`, `"ring"` or `"nccl"`.
+        implementation: `"auto"` (`"shm"` when all workers are on this host
+            and no GPU is visible, else TensorFlow's choice), `"ring"`,
+            `"nccl"`, or `"shm"` (training-step gradients through shared
+            memory; needs every worker on this host, Linux). Everything
+            else (broadcasts, metrics, `predict` gathers) always uses
+            TensorFlow's collectives.
         bytes_per_pack: Pack gradients into all-reduces of about this many
             bytes (0: TensorFlow's default, one pack). Many small gradients
             travel in few collectives, which matters on latency-bound links.
+            (`"shm"` always moves each dtype's gradients as one block.)
         collective_timeout: Seconds after which a stuck collective fails
-            (None: wait forever).
+            (None: wait forever; a shared-memory peer that exits is
+            detected within a second either way).
         peer_timeout: Seconds to wait for all workers to join at start-up;
             a worker that never answers is named in the error.
 
@@ -84,6 +99,7 @@ class MultiWorker(Strategy):
                 "under Slurm, or pass cluster=[...] and task_index=..."
             )
         options = _communication_options(implementation, bytes_per_pack, collective_timeout)
+        shared_memory = _wants_shared_memory(implementation, info)
         if context.context()._context_handle is not None:
             raise cluster_lib.ClusterConfigError(
                 "strategy 'multi_worker' must be created before TensorFlow starts "
@@ -103,6 +119,23 @@ class MultiWorker(Strategy):
             rpc_layer="grpc",
         )
         super().__init__(_start(resolver, options, info, peer_timeout))
+        self.implementation = implementation
+        self._host_reduce = None
+        if shared_memory and self.num_local_replicas > 1:
+            # One call per process is what the shared segment expects.
+            if implementation == _SHARED_MEMORY:
+                raise cluster_lib.ClusterConfigError(
+                    f"implementation='shm' needs one device per worker, but this worker "
+                    f"has {self.num_local_replicas}; use implementation='auto'."
+                )
+            shared_memory = False
+        if shared_memory:
+            self.implementation = _SHARED_MEMORY
+            # The job's id names its files; the chief draws it for everyone.
+            job_id = f"{info.workers[0].rsplit(':', 1)[1]}-{self.agree_on_seed():08x}"
+            self._host_reduce = host_allreduce.HostAllReduce(
+                info.rank, info.world_size, job_id, timeout=collective_timeout,
+                connect_timeout=peer_timeout)
 
     @property
     def rank(self) -> int:
@@ -116,6 +149,24 @@ class MultiWorker(Strategy):
     def cluster(self) -> cluster_lib.ClusterInfo:
         return self._info
 
+    def all_reduce(self, values: Sequence[tf.Tensor], op: str = "sum") -> list:
+        if self._host_reduce is None:
+            return super().all_reduce(values, op)
+        _reduce_op_check(op)
+        values = [tf.convert_to_tensor(v) for v in values]
+        # stateful: never pruned, and kept in program order with any other
+        # all-reduce of the same function (every worker must agree on it).
+        reduced = tf.numpy_function(
+            self._host_reduce.all_reduce, values, [v.dtype for v in values],
+            stateful=True, name="kd_host_all_reduce")
+        out = []
+        for value, total in zip(values, reduced):
+            total.set_shape(value.shape)
+            if op == "mean":
+                total = total / tf.cast(self.world_size, total.dtype)
+            out.append(total)
+        return out
+
     def concat(self, per_replica: Any) -> Any:
         # Every worker ends with all rows, in global replica order (= the
         # order of the global batch, see keras_distrib.sharding).
@@ -125,9 +176,10 @@ class MultiWorker(Strategy):
 
 
 def _communication_options(implementation, bytes_per_pack, collective_timeout):
-    if implementation not in _IMPLEMENTATIONS:
+    if implementation not in _IMPLEMENTATIONS and implementation != _SHARED_MEMORY:
         raise ValueError(
-            f"Unknown implementation={implementation!r}; use one of {sorted(_IMPLEMENTATIONS)}."
+            f"Unknown implementation={implementation!r}; use one of "
+            f"{sorted([*_IMPLEMENTATIONS, _SHARED_MEMORY])}."
         )
     if not isinstance(bytes_per_pack, int) or bytes_per_pack < 0:
         raise ValueError(
@@ -140,8 +192,37 @@ def _communication_options(implementation, bytes_per_pack, collective_timeout):
     return tf.distribute.experimental.CommunicationOptions(
         bytes_per_pack=bytes_per_pack,
         timeout_seconds=collective_timeout,
-        implementation=_IMPLEMENTATIONS[implementation],
+        implementation=_IMPLEMENTATIONS.get(implementation, _IMPLEMENTATIONS["auto"]),
     )
+
+
+def _wants_shared_memory(implementation: str, info: cluster_lib.ClusterInfo) -> bool:
+    """Whether the step's all-reduce goes through shared memory (see above)."""
+    if implementation not in ("auto", _SHARED_MEMORY) or info.world_size == 1:
+        return False
+    remote = [
+        f"worker {rank} at {address}"
+        for rank, address in enumerate(info.workers)
+        if not cluster_lib.is_local_host(cluster_lib.parse_address(address)[0])
+    ]
+    if implementation == "auto":
+        return (not remote and host_allreduce.supported()
+                and not tf.config.list_physical_devices("GPU"))
+    if remote:
+        raise cluster_lib.ClusterConfigError(
+            f"implementation='shm' needs every worker on this host, but {remote[0]} is "
+            "not; use implementation='auto' or 'ring' across hosts."
+        )
+    if not host_allreduce.supported():
+        raise cluster_lib.ClusterConfigError(
+            "implementation='shm' needs Linux (named pipes and /dev/shm); use 'auto' or 'ring'."
+        )
+    return True
+
+
+def _reduce_op_check(op: str) -> None:
+    if op not in ("sum", "mean"):
+        raise ValueError(f"Unknown reduce op {op!r}; use one of ['mean', 'sum'].")
 
 
 def _start(resolver, options, info, peer_timeout):

@@ -27,6 +27,7 @@ flags.DEFINE_string("strategy", "multi_worker", "Strategy name.")
 flags.DEFINE_integer("batch", 32, "Global batch size.")
 flags.DEFINE_integer("epochs", 2, "Epochs.")
 flags.DEFINE_integer("bytes_per_pack", 0, "Gradient pack size.")
+flags.DEFINE_string("implementation", "auto", "multi_worker collective implementation.")
 
 
 def seen_ids(strategy, x_ids, files_dir, batch):
@@ -71,7 +72,8 @@ def _file_dataset(files_dir, batch):
 
 def main(argv):
     del argv
-    strategy = kd.strategies.get(FLAGS.strategy, bytes_per_pack=FLAGS.bytes_per_pack) \
+    strategy = kd.strategies.get(FLAGS.strategy, bytes_per_pack=FLAGS.bytes_per_pack,
+                                 implementation=FLAGS.implementation) \
         if FLAGS.strategy == "multi_worker" else kd.strategies.get(FLAGS.strategy)
     rank = strategy.rank
     x, y = make_data()
@@ -88,6 +90,7 @@ def main(argv):
     result = {
         "rank": rank,
         "world_size": strategy.world_size,
+        "implementation": getattr(strategy, "implementation", None),
         "history": history.history,
         "evaluate": model.evaluate(x, y, batch_size=FLAGS.batch, verbose=0),
         "iterations": int(model.optimizer.iterations.numpy()),
