@@ -450,9 +450,16 @@ class DistributedModel(keras.Model):
                 )
                 validation_split = 0.0
             seed = self._strategy.agree_on_seed() if shuffle else None
+            # Arrays: one endless iterator for the whole fit (see sharding.shard).
+            steps = None
+            if kwargs.get("steps_per_epoch") is None:
+                steps = sharding.array_steps(x, batch_size)
             x, batch_size = sharding.shard(
-                self._strategy, x, y, sample_weight, batch_size, shuffle, seed
+                self._strategy, x, y, sample_weight, batch_size, shuffle, seed,
+                repeat=steps is not None,
             )
+            if steps is not None:
+                kwargs["steps_per_epoch"] = steps
             y = sample_weight = None
             shuffle = False
             if validation_data is not None:

@@ -38,8 +38,15 @@ _FILE_READERS = {
 }
 
 
-def shard(strategy, x, y=None, sample_weight=None, batch_size=None, shuffle=False, seed=0):
+def shard(strategy, x, y=None, sample_weight=None, batch_size=None, shuffle=False, seed=0,
+          repeat=False):
     """This worker's share of `(x, y, sample_weight)` as one Keras input.
+
+    With `repeat=True` (arrays only) the batches of one epoch follow each
+    other without end (reshuffled every epoch): `fit` then passes
+    `steps_per_epoch=array_steps(...)` and Keras keeps one iterator for the
+    whole run instead of building and tearing down one per epoch, which
+    costs up to ~0.6 s per epoch once the step calls back into Python.
 
     Returns:
         `(inputs, batch_size)` to hand to Keras in place of the originals
@@ -53,7 +60,8 @@ def shard(strategy, x, y=None, sample_weight=None, batch_size=None, shuffle=Fals
         _no_extras(y, sample_weight, "a PyDataset")
         return _WorkerPyDataset(x, rows, seed if shuffle else None), None
     if _is_array_like(x):
-        return _shard_arrays(x, y, sample_weight, batch_size or 32, rows, seed if shuffle else None), None
+        return _shard_arrays(x, y, sample_weight, batch_size or 32, rows,
+                             seed if shuffle else None, repeat), None
     raise TypeError(
         f"Multi-worker input must be numpy arrays, tensors, a tf.data.Dataset or "
         f"a keras.utils.PyDataset, got {type(x).__name__}; wrap a generator in a "
@@ -91,6 +99,13 @@ class _WorkerRows:
         )
 
 
+def array_steps(x, batch_size) -> Optional[int]:
+    """Batches per epoch when `x` is arrays (the last one may be short), else None."""
+    if not _is_array_like(x):
+        return None
+    return -(-int(tf.nest.flatten(x)[0].shape[0]) // (batch_size or 32)) or None
+
+
 def _is_array_like(x) -> bool:
     leaves = tf.nest.flatten(x)
     return bool(leaves) and all(isinstance(t, (np.ndarray, tf.Tensor)) for t in leaves)
@@ -101,14 +116,17 @@ def _no_extras(y, sample_weight, what):
         raise ValueError(f"y and sample_weight must be None when x is {what}; put them in x.")
 
 
-def _shard_arrays(x, y, sample_weight, batch_size, rows, seed):
+def _shard_arrays(x, y, sample_weight, batch_size, rows, seed, repeat=False):
     arrays = tuple(a for a in (x, y, sample_weight) if a is not None)
     n = int(tf.nest.flatten(x)[0].shape[0])
     indices = tf.data.Dataset.range(n)
     if seed is not None:
         # Same seed on every worker -> the same permutation every epoch.
         indices = indices.shuffle(n, seed=seed, reshuffle_each_iteration=True)
-    indices = indices.batch(batch_size).map(rows.cut)
+    indices = indices.batch(batch_size)
+    if repeat:
+        indices = indices.repeat()  # the shuffle above runs again every epoch
+    indices = indices.map(rows.cut)
     source = tf.data.Dataset.from_tensors(arrays).repeat()
     dataset = tf.data.Dataset.zip((indices, source)).map(
         lambda i, a: tf.nest.map_structure(lambda t: tf.gather(t, i), a)

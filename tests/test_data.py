@@ -37,3 +37,26 @@ def test_check_batch_size():
     data.check_batch_size(64, 4, "mirrored")
     with pytest.raises(ValueError, match=r"batch_size=3 is not divisible by the 4 replicas of strategy 'mirrored'; use a multiple of 4 \(e.g. 4\)"):
         data.check_batch_size(3, 4, "mirrored")
+
+
+def test_repeated_array_shards_cover_every_sample_once_per_epoch():
+    # What fit feeds Keras under several workers: one endless iterator whose
+    # consecutive array_steps() batches are one epoch, reshuffled each time.
+    import keras_distrib as kd
+    from keras_distrib import sharding
+
+    x = np.arange(10, dtype=np.float32)[:, None]
+    steps = sharding.array_steps(x, 4)
+    assert steps == 3  # 4 + 4 + 2: the short batch is kept
+    dataset, _ = sharding.shard(kd.strategies.get("single"), x, x[:, 0], None, 4,
+                                shuffle=True, seed=7, repeat=True)
+    batches = iter(dataset)
+    epochs = []
+    for _ in range(3):
+        rows = [next(batches)[1].numpy() for _ in range(steps)]
+        assert [len(r) for r in rows] == [4, 4, 2]
+        epoch = np.concatenate(rows).tolist()
+        assert sorted(epoch) == list(range(10))
+        epochs.append(epoch)
+    assert epochs[0] != epochs[1] != epochs[2]
+    assert sharding.array_steps(tf.data.Dataset.range(3), 4) is None
