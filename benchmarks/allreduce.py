@@ -21,8 +21,12 @@ processes, on the same `tf.distribute.MultiWorkerMirroredStrategy`:
            "one pack" is asked for as bytes_per_pack=2**62, which packs
            exactly like the default 0.
   ours     the path `DistributedModel.reduce_gradients` takes:
-           `keras_distrib.strategies.base.Strategy.all_reduce(list, "sum")`
-           on `strategies.get("multi_worker", bytes_per_pack=B)`.
+           `Strategy.all_reduce(list, "sum")` on
+           `strategies.get("multi_worker", bytes_per_pack=B,
+           implementation=I)`. With `--implementation auto` (the default)
+           all workers are on this host, so that is the shared-memory
+           all-reduce (keras_distrib/host_allreduce.py, 0 TF collectives);
+           `--implementation ring` measures our path on TF's collectives.
 
 Each variant is a `tf.function` that `strategy.run`s the replica function,
 called k times back to back per timing (k agreed by all ranks so each timing
@@ -36,7 +40,7 @@ shared 2-core machine are noise; read the ratios.
 
 Run:
     python benchmarks/allreduce.py [--repeats 7] [--bytes_per_pack 4194304,0]
-        [--sizes 4K,64K,1M,16M,64M] [--nproc 2] [--pin]
+        [--sizes 4K,64K,1M,16M,64M] [--nproc 2] [--pin] [--implementation auto|ring]
 """
 
 from __future__ import annotations
@@ -69,6 +73,9 @@ flags.DEFINE_integer("repeats", 7, "Interleaved timings per variant and case.")
 flags.DEFINE_float("min_timing_ms", 50.0, "Each timing runs k calls, k chosen "
                    "so the fastest variant's timing lasts at least this long.")
 flags.DEFINE_bool("pin", False, "Pin worker r to core r (mod cores).")
+flags.DEFINE_enum("implementation", "auto", ["auto", "ring", "shm"],
+                  "implementation= of our multi_worker strategy (auto: shared "
+                  "memory here, all workers being on this host).")
 flags.DEFINE_float("timeout", 150.0, "Seconds one launch of the workers may take.")
 
 VARIANTS = ("raw", "batched", "ours")
@@ -101,7 +108,8 @@ def run_worker() -> None:
     import keras_distrib as kd
 
     bytes_per_pack = int(FLAGS.bytes_per_pack[0])
-    strategy = kd.strategies.get("multi_worker", bytes_per_pack=bytes_per_pack)
+    strategy = kd.strategies.get("multi_worker", bytes_per_pack=bytes_per_pack,
+                                 implementation=FLAGS.implementation)
     tf_strategy = strategy.tf_strategy
     world = strategy.world_size
     SUM = tf.distribute.ReduceOp.SUM
@@ -158,6 +166,7 @@ def run_worker() -> None:
 
     rng = np.random.default_rng(0)
     report = {"rank": rank, "world_size": world, "bytes_per_pack": bytes_per_pack,
+              "implementation": strategy.implementation,
               "tf_version": tf.__version__, "cases": []}
     for name, shapes in cases():
         # Same base values on every rank (same seed), scaled by rank + 1, so
@@ -213,6 +222,7 @@ def worker_args(bytes_per_pack: str) -> list[str]:
         f"--repeats={FLAGS.repeats}",
         f"--min_timing_ms={FLAGS.min_timing_ms}",
         "--pin" if FLAGS.pin else "--nopin",
+        f"--implementation={FLAGS.implementation}",
     ]
 
 
@@ -222,7 +232,8 @@ def print_table(results: list[dict]) -> list[str]:
     factor = 2 * (world - 1) / world
     bpp = results[0]["bytes_per_pack"]
     misses = []
-    print(f"\nours: multi_worker bytes_per_pack={bpp}; {world} workers; "
+    print(f"\nours: multi_worker implementation={results[0]['implementation']} "
+          f"bytes_per_pack={bpp}; {world} workers; "
           f"{FLAGS.repeats} interleaved repetitions; TF {results[0]['tf_version']}")
     print(f"{'case':>10s} {'tensors':>7s} {'collectives':>11s} {'k':>4s} | {'bus GB/s (median)':^26s} | "
           f"{'ours/raw':^22s} | {'ours/batched':^22s} | check  target")

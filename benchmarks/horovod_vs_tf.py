@@ -98,7 +98,9 @@ def run_worker() -> None:
     import keras_distrib as kd
 
     engine = FLAGS.engine
-    strategy = kd.strategies.get(STRATEGY[engine])
+    # TF's collectives, not our shared-memory path ("auto" on one host).
+    options = {"implementation": "ring"} if engine == "tf" else {}
+    strategy = kd.strategies.get(STRATEGY[engine], **options)
     assert strategy.rank == rank, (strategy.rank, rank)
     world = strategy.world_size
 

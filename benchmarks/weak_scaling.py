@@ -15,7 +15,10 @@ Configurations, each its own `keras-distrib launch`:
   mw1      strategy "multi_worker" with -n 1 (collectives over a group of
            one): shows what the multi-worker step costs by itself.
   mw2      strategy "multi_worker" with -n 2, one worker per core: the
-           configuration under test.
+           configuration under test (implementation "auto": the gradients
+           go through shared memory, both workers being on this host).
+  mw2ring  the same on TensorFlow's gRPC collectives (implementation
+           "ring"), the path between hosts.
   raw1/2   the peer: a hand-written tf.distribute custom training loop
            (MultiWorkerMirroredStrategy, Keras optimizer doing the gradient
            all-reduce, one tf.function per step) with 1 and 2 workers; its
@@ -33,7 +36,8 @@ plain Keras on one core (strategy "single" costs ~nothing over
 
 Run:
     python benchmarks/weak_scaling.py [--repeats 3] [--steps 40] [--epochs 4]
-        [--bytes_per_pack 0] [--inter_op 2] [--configs single,mw1,mw2,raw1,raw2]
+        [--bytes_per_pack 0] [--inter_op 2]
+        [--configs single,mw1,mw2,mw2ring,raw1,raw2]
 """
 
 from __future__ import annotations
@@ -56,8 +60,9 @@ flags.DEFINE_enum("role", "driver", ["driver", "worker"],
 flags.DEFINE_string("out_dir", None, "Worker only: where to write rank{R}.json.")
 flags.DEFINE_enum("strategy", "multi_worker", ["single", "multi_worker", "raw_tf"],
                   "Worker only: the strategy to train with.")
-flags.DEFINE_list("configs", ["single", "mw1", "mw2", "raw1", "raw2"],
-                  "Configurations to run (single, mw1, mw2, raw1, raw2); mw2 and "
+flags.DEFINE_string("implementation", "auto", "Worker only: multi_worker implementation=.")
+flags.DEFINE_list("configs", ["single", "mw1", "mw2", "mw2ring", "raw1", "raw2"],
+                  "Configurations to run (single, mw1, mw2, mw2ring, raw1, raw2); mw2 and "
                   "one of single/mw1 are needed for our efficiency, raw1 and "
                   "raw2 for the peer's.")
 flags.DEFINE_integer("repeats", 3, "Alternating repetitions of every configuration.")
@@ -81,12 +86,13 @@ flags.DEFINE_integer("inter_op", 2, "TensorFlow inter-op threads per worker.")
 flags.DEFINE_integer("intra_op", 1, "TensorFlow intra-op threads per worker.")
 flags.DEFINE_float("timeout", 120.0, "Seconds one run (launch) may take.")
 
-_CONFIGS = {  # name -> (processes, strategy)
-    "single": (1, "single"),
-    "mw1": (1, "multi_worker"),
-    "mw2": (2, "multi_worker"),
-    "raw1": (1, "raw_tf"),
-    "raw2": (2, "raw_tf"),
+_CONFIGS = {  # name -> (processes, strategy, multi_worker implementation)
+    "single": (1, "single", "auto"),
+    "mw1": (1, "multi_worker", "auto"),
+    "mw2": (2, "multi_worker", "auto"),
+    "mw2ring": (2, "multi_worker", "ring"),
+    "raw1": (1, "raw_tf", "auto"),
+    "raw2": (2, "raw_tf", "auto"),
 }
 
 
@@ -113,7 +119,8 @@ def run_worker() -> None:
     if FLAGS.strategy == "single":
         strategy = kd.strategies.get("single")
     else:
-        strategy = kd.strategies.get("multi_worker", bytes_per_pack=FLAGS.bytes_per_pack)
+        strategy = kd.strategies.get("multi_worker", bytes_per_pack=FLAGS.bytes_per_pack,
+                                     implementation=FLAGS.implementation)
     world = strategy.world_size
     global_batch = FLAGS.per_worker_batch * world
     samples = FLAGS.steps * global_batch
@@ -151,6 +158,7 @@ def run_worker() -> None:
         "rank": rank,
         "world_size": world,
         "strategy": strategy.name,
+        "implementation": getattr(strategy, "implementation", None),
         "params": int(model.count_params()),
         "global_batch": global_batch,
         "steps": FLAGS.steps,
@@ -218,9 +226,10 @@ def _run_raw_tf_worker(rank, np, tf, keras) -> None:
 # Driver
 
 
-def worker_args(strategy: str) -> list[str]:
+def worker_args(strategy: str, implementation: str) -> list[str]:
     return [
         f"--strategy={strategy}",
+        f"--implementation={implementation}",
         f"--per_worker_batch={FLAGS.per_worker_batch}",
         f"--steps={FLAGS.steps}",
         f"--epochs={FLAGS.epochs}",
@@ -235,9 +244,10 @@ def worker_args(strategy: str) -> list[str]:
 
 def run_config(name: str) -> dict:
     """One launch of configuration `name`; its epoch time and throughput."""
-    nproc, strategy = _CONFIGS[name]
+    nproc, strategy, implementation = _CONFIGS[name]
     out_dir, _ = _harness.launch_workers(
-        os.path.abspath(__file__), nproc, worker_args(strategy), timeout=FLAGS.timeout)
+        os.path.abspath(__file__), nproc, worker_args(strategy, implementation),
+        timeout=FLAGS.timeout)
     results = _harness.read_results(out_dir, nproc)
     timed = [max(r["epoch_times"][e] for r in results)
              for e in range(1, len(results[0]["epoch_times"]))]
@@ -295,6 +305,7 @@ def run_driver() -> int:
     rows = [
         ("efficiency mw2 / (2 x single)  [baseline]", "mw2", "single", 2, ">= 0.85"),
         ("efficiency mw2 / (2 x mw1)", "mw2", "mw1", 2, ""),
+        ("efficiency mw2ring / (2 x single)", "mw2ring", "single", 2, ""),
         ("throughput mw1 / single", "mw1", "single", 1, ""),
         ("peer: raw TF loop raw2 / (2 x raw1)", "raw2", "raw1", 2, ""),
         ("our mw2 / peer raw2 (throughput)", "mw2", "raw2", 1, ""),
