@@ -199,14 +199,8 @@ class HostAllReduce:
         self._generation += 1
         path = self._path("data", self._generation)
         if self.rank == 0:
-            tmp = path + ".tmp"
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                os.ftruncate(fd, size)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)  # peers see it only at its full size
             self._own_files.append(path)
+            create_segment(path, size)
         else:
             self._wait_for_file(path)
         fd = os.open(path, os.O_RDWR)
@@ -320,6 +314,35 @@ class HostAllReduce:
             self.close()
         except Exception:  # interpreter shutdown
             pass
+
+
+def create_segment(path: str, size: int) -> None:
+    """Creates the file `path` of `size` bytes, its memory allocated now.
+
+    Allocating up front turns a full `/dev/shm` into this error instead of a
+    SIGBUS on first write. Peers see the file only at its full size.
+    """
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            os.close(fd)
+            fd = -1
+            _unlink_quietly(tmp)
+            free = os.statvfs(os.path.dirname(path))
+            raise OSError(
+                e.errno,
+                f"shared-memory all-reduce needs {size / 2**20:.1f} MiB in "
+                f"{os.path.dirname(path)}, which has {free.f_bavail * free.f_frsize / 2**20:.1f} "
+                "MiB free; enlarge it (docker run --shm-size=...) or use "
+                "implementation='ring'.",
+            ) from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    os.replace(tmp, path)
 
 
 def _chunk(count: int, parts: int, index: int) -> tuple:

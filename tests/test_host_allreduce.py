@@ -89,3 +89,23 @@ def test_bad_arguments(kwargs, fragment):
     kwargs.setdefault("job_id", "x")
     with pytest.raises(ValueError, match=fragment.replace("[", r"\[")):
         host_allreduce.HostAllReduce(**kwargs)
+
+
+def test_a_full_shm_directory_is_a_clear_error(tmp_path, monkeypatch):
+    import errno
+
+    def no_space(fd, offset, size):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    with pytest.raises(OSError, match=r"needs 64.0 MiB in .*MiB free; enlarge it \(docker run "
+                                      r"--shm-size=...\) or use implementation='ring'"):
+        host_allreduce.create_segment(str(tmp_path / "seg"), 64 * 2**20)
+    assert os.listdir(tmp_path) == []
+
+
+def test_segment_is_allocated_at_full_size(tmp_path):
+    host_allreduce.create_segment(str(tmp_path / "seg"), 3 * 4096)
+    assert os.path.getsize(tmp_path / "seg") == 3 * 4096
+    assert os.stat(tmp_path / "seg").st_blocks * 512 >= 3 * 4096  # allocated, not sparse
+    assert os.listdir(tmp_path) == ["seg"]
