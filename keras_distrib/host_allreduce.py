@@ -20,8 +20,9 @@ soon as every worker has opened them, so nothing is left behind even if a
 process is killed. A worker blocked in a barrier checks every second that
 its peers are still alive and fails naming the one that is gone.
 
-The class is pure NumPy (no TensorFlow): `keras_distrib.strategies.
-multi_worker` calls it from the training step through `tf.numpy_function`.
+The module needs no TensorFlow (NumPy and `keras_distrib.saving` only):
+`keras_distrib.strategies.multi_worker` calls it from the training step
+through `tf.numpy_function`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ import time
 from typing import Optional, Sequence
 
 import numpy as np
+
+from keras_distrib import saving
 
 _ALIGN = 64  # bytes: each dtype region starts on a cache line
 _POLL = 1.0  # seconds between liveness checks of the peers while waiting
@@ -135,18 +138,16 @@ class HostAllReduce:
         # The pid file appears (atomically) only once our pipe exists.
         pid_file = self._path("pid", self.rank)
         self._own_files.append(pid_file)
-        _write_atomically(pid_file, str(os.getpid()).encode())
+        with saving.atomic_path(pid_file) as tmp, open(tmp, "w") as f:
+            f.write(str(os.getpid()))
         deadline = time.monotonic() + timeout
         for peer in self._peers:
             path = self._path("pid", peer)
-            while not os.path.exists(path):
-                if time.monotonic() > deadline:
-                    raise PeerLostError(
-                        f"shared-memory all-reduce: worker {peer} did not join within "
-                        f"{timeout:.0f}s (waiting for {path}); check that every worker "
-                        "runs on this host with the same cluster."
-                    )
-                time.sleep(0.005)
+            self._wait_for_file(
+                path, peer, deadline - time.monotonic(),
+                f"shared-memory all-reduce: worker {peer} did not join within "
+                f"{timeout:.0f}s (waiting for {path}); check that every worker "
+                "runs on this host with the same cluster.")
             with open(path) as f:
                 self._pids[peer] = int(f.read())
             # O_RDWR: opening a pipe for writing alone blocks until it has a reader.
@@ -202,7 +203,10 @@ class HostAllReduce:
             self._own_files.append(path)
             create_segment(path, size)
         else:
-            self._wait_for_file(path)
+            late = "" if self.timeout is None else (
+                f"shared-memory all-reduce: worker 0 did not create {path} within "
+                f"{self.timeout:g}s (collective_timeout).")
+            self._wait_for_file(path, 0, self.timeout, late)
         fd = os.open(path, os.O_RDWR)
         try:
             segment = mmap.mmap(fd, size)
@@ -216,18 +220,18 @@ class HostAllReduce:
         self._segment = segment
         self._slots = np.frombuffer(segment, np.uint8).reshape(2, self.world_size, slot_bytes)
 
-    def _wait_for_file(self, path: str) -> None:
-        start = time.monotonic()
+    def _wait_for_file(self, path: str, worker: int, timeout: Optional[float],
+                       late_message: str) -> None:
+        """Waits until `worker` creates `path`; fails if it exits or is late."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while not os.path.exists(path):
-            if not _alive(self._pids.get(0)):
+            if not _alive(self._pids.get(worker)):
                 raise PeerLostError(
-                    f"shared-memory all-reduce: worker 0 (pid {self._pids.get(0)}) exited."
+                    f"shared-memory all-reduce: worker {worker} "
+                    f"(pid {self._pids[worker]}) exited."
                 )
-            if self.timeout is not None and time.monotonic() - start > self.timeout:
-                raise PeerLostError(
-                    f"shared-memory all-reduce: worker 0 did not create {path} within "
-                    f"{self.timeout:g}s (collective_timeout)."
-                )
+            if deadline is not None and time.monotonic() > deadline:
+                raise PeerLostError(late_message)
             time.sleep(0.001)
 
     def _release_segment(self) -> None:
@@ -245,8 +249,7 @@ class HostAllReduce:
         new arrays, identical on every worker.
         """
         arrays = [np.asarray(a) for a in arrays]
-        layout = self._layout(arrays)
-        groups, nbytes = layout
+        groups, nbytes = self._layout(arrays)
         self._reserve(nbytes)
         buffers = self._slots[self._calls % 2]
         self._calls += 1
@@ -322,15 +325,11 @@ def create_segment(path: str, size: int) -> None:
     Allocating up front turns a full `/dev/shm` into this error instead of a
     SIGBUS on first write. Peers see the file only at its full size.
     """
-    tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
+    with saving.atomic_path(path) as tmp:
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.posix_fallocate(fd, 0, size)
         except OSError as e:
-            os.close(fd)
-            fd = -1
-            _unlink_quietly(tmp)
             free = os.statvfs(os.path.dirname(path))
             raise OSError(
                 e.errno,
@@ -339,10 +338,8 @@ def create_segment(path: str, size: int) -> None:
                 "MiB free; enlarge it (docker run --shm-size=...) or use "
                 "implementation='ring'.",
             ) from None
-    finally:
-        if fd >= 0:
+        finally:
             os.close(fd)
-    os.replace(tmp, path)
 
 
 def _chunk(count: int, parts: int, index: int) -> tuple:
@@ -368,13 +365,6 @@ def _alive(pid: Optional[int]) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return True
-
-
-def _write_atomically(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
 
 
 def _unlink_quietly(path: str) -> None:

@@ -9,9 +9,11 @@ import uuid
 import numpy as np
 import pytest
 
+from keras_distrib import host_allreduce
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "workers"))
-from host_reduce import host_allreduce, inputs  # noqa: E402
+from host_reduce import inputs  # noqa: E402  (after the real package is imported)
 
 WORKER = os.path.join(HERE, "workers", "host_reduce.py")
 

@@ -12,7 +12,7 @@ from tensorflow.python.eager import context
 
 from keras_distrib import cluster as cluster_lib
 from keras_distrib import host_allreduce
-from keras_distrib.strategies.base import Strategy
+from keras_distrib.strategies.base import Strategy, _reduce_op
 
 _IMPLEMENTATIONS = {
     "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
@@ -152,7 +152,7 @@ class MultiWorker(Strategy):
     def all_reduce(self, values: Sequence[tf.Tensor], op: str = "sum") -> list:
         if self._host_reduce is None:
             return super().all_reduce(values, op)
-        _reduce_op_check(op)
+        _reduce_op(op)  # validates op, as TF's path does
         values = [tf.convert_to_tensor(v) for v in values]
         # stateful: never pruned, and kept in program order with any other
         # all-reduce of the same function (every worker must agree on it).
@@ -219,10 +219,6 @@ def _wants_shared_memory(implementation: str, info: cluster_lib.ClusterInfo) -> 
         )
     return True
 
-
-def _reduce_op_check(op: str) -> None:
-    if op not in ("sum", "mean"):
-        raise ValueError(f"Unknown reduce op {op!r}; use one of ['mean', 'sum'].")
 
 
 def _start(resolver, options, info, peer_timeout):

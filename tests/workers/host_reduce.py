@@ -10,19 +10,21 @@ MODE:
 Errors are written to OUT + ".err" (type and message).
 """
 
-import importlib.util
 import os
 import sys
 import time
+import types
 
 import numpy as np
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# Load the module by path: importing the keras_distrib package would start TF.
-_spec = importlib.util.spec_from_file_location(
-    "host_allreduce", os.path.join(_ROOT, "keras_distrib", "host_allreduce.py"))
-host_allreduce = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(host_allreduce)
+if "keras_distrib" not in sys.modules:
+    # Register the package without running its __init__, which imports
+    # TensorFlow: these workers need only host_allreduce (and saving).
+    _package = types.ModuleType("keras_distrib")
+    _package.__path__ = [os.path.join(_ROOT, "keras_distrib")]
+    sys.modules["keras_distrib"] = _package
+from keras_distrib import host_allreduce  # noqa: E402
 
 
 def inputs(rank, call):
