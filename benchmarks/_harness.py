@@ -1,4 +1,4 @@
-"""Shared plumbing of the multi-process benchmarks (allreduce, weak_scaling).
+"""Shared plumbing of the multi-process benchmarks (allreduce, weak_scaling, horovod_vs_tf).
 
 A benchmark script is both the driver and the worker: the driver (no
 `--role` flag) starts N copies of itself as workers through
@@ -19,6 +19,14 @@ import sys
 import tempfile
 import time
 from typing import Optional, Sequence
+
+from absl import flags
+
+# Every script built on this file is its own driver and worker.
+flags.DEFINE_enum("role", "driver", ["driver", "worker"],
+                  "driver: start the workers through keras-distrib launch and "
+                  "print the table; worker: one rank (started by the driver).")
+flags.DEFINE_string("out_dir", None, "Worker only: where to write rank{R}.json.")
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -201,13 +209,13 @@ def human(nbytes: float) -> str:
     return f"{nbytes:.0f} B"
 
 
-def driver_or_worker(role: str, argv, run_worker, run_driver) -> int:
-    """The `main` of a benchmark that is both its own driver and worker."""
+def driver_or_worker(argv, run_worker, run_driver) -> int:
+    """The `main` of a benchmark that is both its own driver and worker (`--role`)."""
     from absl import app
 
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if role == "worker":
+    if flags.FLAGS.role == "worker":
         run_worker()
         return 0
     return run_driver()

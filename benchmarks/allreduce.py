@@ -57,10 +57,6 @@ from absl import app, flags  # noqa: E402
 import _harness  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("role", "driver", ["driver", "worker"],
-                  "driver: start the workers and print the table; worker: "
-                  "measure (started by the driver through keras-distrib launch).")
-flags.DEFINE_string("out_dir", None, "Worker only: where to write rank{R}.json.")
 flags.DEFINE_integer("nproc", 2, "Worker processes.")
 flags.DEFINE_list("bytes_per_pack", ["4194304", "0"],
                   "bytes_per_pack of our strategy; one launch per value.")
@@ -298,7 +294,7 @@ def run_driver() -> int:
 
 
 def main(argv):
-    return _harness.driver_or_worker(FLAGS.role, argv, run_worker, run_driver)
+    return _harness.driver_or_worker(argv, run_worker, run_driver)
 
 
 if __name__ == "__main__":

@@ -48,10 +48,7 @@ from absl import app, flags  # noqa: E402
 import _harness  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("role", "driver", ["driver", "worker"],
-                  "driver: start the workers and print the table; worker: measure.")
 flags.DEFINE_enum("engine", "tf", ["tf", "hvd"], "Worker only: which engine to measure.")
-flags.DEFINE_string("out_dir", None, "Worker only: where to write rank{R}.json.")
 flags.DEFINE_list("sizes", ["64K", "1M", "16M", "64M"],
                   "Single-tensor sizes (float32), with K/M suffixes (powers of 2).")
 flags.DEFINE_integer("small_layers", 100, "Dense layers of the many-small case.")
@@ -288,7 +285,7 @@ def run_driver() -> int:
 
 
 def main(argv):
-    return _harness.driver_or_worker(FLAGS.role, argv, run_worker, run_driver)
+    return _harness.driver_or_worker(argv, run_worker, run_driver)
 
 
 if __name__ == "__main__":

@@ -54,10 +54,6 @@ from absl import app, flags  # noqa: E402
 import _harness  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("role", "driver", ["driver", "worker"],
-                  "driver: start the runs and print the table; worker: train "
-                  "(started by the driver through keras-distrib launch).")
-flags.DEFINE_string("out_dir", None, "Worker only: where to write rank{R}.json.")
 flags.DEFINE_enum("strategy", "multi_worker", ["single", "multi_worker", "raw_tf"],
                   "Worker only: the strategy to train with.")
 flags.DEFINE_string("implementation", "auto", "Worker only: multi_worker implementation=.")
@@ -335,7 +331,7 @@ def run_driver() -> int:
 
 
 def main(argv):
-    return _harness.driver_or_worker(FLAGS.role, argv, run_worker, run_driver)
+    return _harness.driver_or_worker(argv, run_worker, run_driver)
 
 
 if __name__ == "__main__":
