@@ -1,10 +1,12 @@
 """`keras-distrib launch`: real worker processes (plain Python, no TensorFlow).
 
 In-process tests call `launch.launch(config)`; the command-line tests run
-`python -m keras_distrib.launch`, which pays for the package's TensorFlow
-import, so they are few.
+`python -m keras_distrib.launch`. The launcher never imports TensorFlow or
+Keras; the tests that check this run in fresh processes, since this one
+imports TensorFlow in conftest.
 """
 
+import importlib
 import json
 import os
 import queue
@@ -19,6 +21,9 @@ import pytest
 
 from keras_distrib import launch
 from keras_distrib.launch import LaunchConfig, LaunchError
+
+# The module, for GRACE_SECONDS; `launch.supervise` is the function.
+supervise_lib = importlib.import_module("keras_distrib.launch.supervise")
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -255,7 +260,7 @@ def test_timeout_stops_all_ranks(tmp_path, capfd, no_leftovers):
 @pytest.mark.slow
 def test_interrupt_escalates_to_sigkill_for_stubborn_ranks(
         tmp_path, capfd, no_leftovers, monkeypatch):
-    monkeypatch.setattr(launch, "GRACE_SECONDS", 1.0)
+    monkeypatch.setattr(supervise_lib, "GRACE_SECONDS", 1.0)
     script = _script(tmp_path, """\
         import signal
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -406,3 +411,58 @@ def test_workers_die_with_a_launcher_killed_by_sigkill(tmp_path, no_leftovers):
     while any(_alive(pid) for pid in pids.values()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(pid) for pid in pids.values())
+
+
+# --------------------------------------------------------------------------
+# The launcher never imports TensorFlow or Keras (fresh processes: this one
+# imported TensorFlow in conftest)
+
+_HEAVY = ("tensorflow", "keras")
+
+
+def _python(code: str, *args: str, cwd=None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": REPO}
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=45)
+
+
+def test_importing_the_launcher_imports_no_tensorflow():
+    code = textwrap.dedent("""\
+        import importlib, json, pkgutil, sys
+        import keras_distrib.launch as package
+        names = [f"{package.__name__}.{m.name}" for m in pkgutil.iter_modules(package.__path__)]
+        for name in names:  # __main__ too: it runs nothing unless run as a script
+            importlib.import_module(name)
+        print(json.dumps({"modules": names,
+                          "heavy": [m for m in sys.argv[1:] if m in sys.modules]}))
+    """)
+    proc = _python(code, *_HEAVY)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.splitlines()[-1])
+    for module in ("cli", "plan", "supervise", "backends", "__main__"):
+        assert f"keras_distrib.launch.{module}" in result["modules"]
+    assert result["heavy"] == [], result
+
+
+@pytest.mark.slow
+def test_a_launch_driven_from_python_imports_no_tensorflow(tmp_path, no_leftovers):
+    # The console script's own entry point, in a process we can look inside.
+    script = _script(tmp_path, 'print("hello", json.dumps(sys.argv[1:]))')
+    code = textwrap.dedent("""\
+        import json, sys
+        from keras_distrib.launch import cli
+        script, heavy = sys.argv[1], sys.argv[2:]
+        sys.argv = ["keras-distrib", "launch", "-n", "1", script, "-n", "7"]
+        try:
+            cli.run()
+        except SystemExit as e:
+            code = e.code
+        print(json.dumps({"code": code, "heavy": [m for m in heavy if m in sys.modules]}))
+    """)
+    proc = _python(code, script, *_HEAVY, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert '[rank 0] hello ["-n", "7"]' in lines, proc.stdout
+    assert json.loads(lines[-1]) == {"code": 0, "heavy": []}, proc.stdout + proc.stderr
+    assert set(_pids(tmp_path)) == {0}
+    assert not any(_alive(pid) for pid in _pids(tmp_path).values())

@@ -1,0 +1,50 @@
+"""The `keras-distrib` launcher: start the workers of a multi-worker job.
+
+The command's user documentation is `keras_distrib.launch.cli`'s docstring
+(what `keras-distrib launch --help` prints). One concern per module:
+
+    cli         the command line: absl flags, argv splitting, `main`, `run`,
+                and `launch(config)`, which ties the modules below together
+    config      `LaunchConfig`, `check_config`, `LaunchError`
+    plan        who runs where: hosts, ports, TF_CONFIG, dry run, --output_dir
+    backends    how a rank or job is started: local, ssh, horovodrun
+    supervise   starting and watching the children, stopping them, exit codes
+
+This package never imports TensorFlow or Keras (only `keras_distrib.cluster`,
+the standard library and absl), so the launcher starts in a fraction of a
+second; tests/test_launch.py checks that.
+
+The functions `plan` and `supervise` re-exported here share their names
+with the modules that define them, so `keras_distrib.launch.plan` is the
+function; reach the modules with `from keras_distrib.launch.plan import ...`
+or `importlib.import_module("keras_distrib.launch.plan")`.
+
+Example:
+
+```python
+from keras_distrib import launch
+
+code = launch.launch(launch.LaunchConfig(nproc=2, script="train.py"))
+```
+"""
+
+from keras_distrib.launch.config import (DEFAULT_SSH_COMMAND, LaunchConfig,
+                                         LaunchError, check_config)
+from keras_distrib.launch.plan import (DEFAULT_REMOTE_PORT_BASE, RankPlan,
+                                       parse_hosts, plan, print_dry_run,
+                                       shell_command, write_output_dir)
+from keras_distrib.launch.supervise import (EXIT_TIMEOUT, ChildExit, ChildSpec,
+                                            Ending, SuperviseResult, exit_code,
+                                            supervise)
+from keras_distrib.launch.cli import (EXIT_USAGE, SUBCOMMANDS, USAGE,
+                                      config_from_flags, launch, main,
+                                      parse_flags, run, split_argv, usage)
+
+__all__ = [
+    "ChildExit", "ChildSpec", "DEFAULT_REMOTE_PORT_BASE", "DEFAULT_SSH_COMMAND",
+    "EXIT_TIMEOUT", "EXIT_USAGE", "Ending", "LaunchConfig", "LaunchError",
+    "RankPlan", "SUBCOMMANDS", "SuperviseResult", "USAGE", "check_config",
+    "config_from_flags", "exit_code", "launch", "main", "parse_flags",
+    "parse_hosts", "plan", "print_dry_run", "run", "shell_command",
+    "split_argv", "supervise", "usage", "write_output_dir",
+]

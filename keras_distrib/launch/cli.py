@@ -1,0 +1,238 @@
+"""The `keras-distrib` command: start the workers of a multi-worker job.
+
+Usage:
+
+    keras-distrib launch -n 2 train.py --epochs 3
+    python -m keras_distrib.launch launch -n 4 --hosts node1:2,node2:2 train.py
+
+On one machine, `launch` starts N copies of `python train.py ...`, each
+with its own `TF_CONFIG` (all addresses on `--bind`, 127.0.0.1 by default,
+free ports), and prints every line they write as `[rank N] line`. When a
+rank fails the others are stopped and the launcher exits with that rank's
+exit code; Ctrl-C stops them all. Nothing is left running.
+
+With `--hosts` naming other machines, nothing is started: the launcher
+prints (and with `--output_dir` writes) each rank's `TF_CONFIG` and the
+command to run on its host; `--ssh` starts them over ssh instead.
+
+Every child gets these environment variables:
+
+    TF_CONFIG                 {"cluster": {"worker": [...]}, "task": {"type": "worker", "index": RANK}}
+    KERAS_DISTRIB_RANK        its rank, 0..N-1
+    KERAS_DISTRIB_WORLD_SIZE  N
+    KERAS_DISTRIB_LOCAL_RANK  its index among the ranks on its host
+    PYTHONUNBUFFERED          1, so lines arrive as they are printed
+
+Everything after the script path goes to the script untouched.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional, Sequence, TextIO
+
+from absl import app
+from absl import flags
+
+from keras_distrib import cluster as cluster_lib
+from keras_distrib.launch import backends
+from keras_distrib.launch.config import (DEFAULT_SSH_COMMAND, LaunchConfig,
+                                         LaunchError, check_config)
+from keras_distrib.launch.plan import (DEFAULT_REMOTE_PORT_BASE, check_local_ports,
+                                       plan, print_dry_run, write_output_dir)
+from keras_distrib.launch.supervise import supervise
+
+SUBCOMMANDS = ("launch",)
+USAGE = "keras-distrib launch -n N [--hosts H1:S1,H2:S2] script.py [script args...]"
+EXIT_USAGE = 2
+# absl's own help flags print only main-module flags, which is nothing for
+# the console script; these print our usage instead.
+_HELP_TOKENS = ("-h", "--help", "-help", "--helpshort", "-?")
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("nproc", None, "Number of worker processes (ranks), >= 1.",
+                     short_name="n")
+flags.DEFINE_list("hosts", [], "Comma list of host or host:slots. Without slots "
+                  "-n is split evenly; with slots ranks fill hosts in order. "
+                  "Default: all ranks on this machine.")
+flags.DEFINE_integer("port_base", 0, "First port; rank r uses port_base + its "
+                     "index on its host. 0: free ports on this machine, "
+                     f"{DEFAULT_REMOTE_PORT_BASE} on remote hosts.")
+flags.DEFINE_string("bind", "127.0.0.1", "Address of this machine written into "
+                    "TF_CONFIG for local ranks. Note that TensorFlow's gRPC "
+                    "server listens on all interfaces whatever this says.")
+flags.DEFINE_enum("backend", "tf", ["tf", "horovod"], "tf: TF_CONFIG workers; "
+                  "horovod: delegate to horovodrun (needs Horovod installed).")
+flags.DEFINE_string("output_dir", None, "Write each rank's TF_CONFIG "
+                    "(rank-R.tf_config.json) and each host's commands "
+                    "(host-H.sh) here.")
+flags.DEFINE_bool("ssh", False, "Start ranks on remote hosts with ssh.")
+flags.DEFINE_string("ssh_command", DEFAULT_SSH_COMMAND, "ssh program and "
+                    "options used with --ssh; the host and command are appended.")
+flags.DEFINE_float("timeout", 0, "Stop all ranks after this many seconds "
+                   "(exit code 124); 0: no limit.")
+flags.DEFINE_integer("tail_lines", 40, "Lines of a failed rank's output "
+                     "repeated in the failure summary.")
+
+
+# --------------------------------------------------------------------------
+# Command line
+
+
+def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Splits argv into the launcher's part and `[script, *script_args]`.
+
+    absl would parse the script's own flags (`train.py --epochs 3`) as the
+    launcher's, so the script and what follows are cut off before absl
+    sees the command line. The script is the second positional token (the
+    first is the subcommand), or whatever follows `--`.
+
+    Example:
+
+    ```python
+    split_argv(["kd", "launch", "-n", "2", "t.py", "-n", "5"])
+    # (["kd", "launch", "-n", "2"], ["t.py", "-n", "5"])
+    ```
+    """
+    head, have_subcommand, i = [argv[0]], False, 1
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            rest = list(argv[i + 1:])
+            if not have_subcommand and rest:
+                head.append(rest.pop(0))
+            return head, rest
+        if token.startswith("-") and len(token) > 1:
+            head.append(token)
+            if _takes_value(token) and i + 1 < len(argv):
+                i += 1
+                head.append(argv[i])
+        elif not have_subcommand:
+            head.append(token)
+            have_subcommand = True
+        else:
+            return head, list(argv[i:])
+        i += 1
+    return head, []
+
+
+def _takes_value(token: str) -> bool:
+    """True for `--flag` / `-f` naming a non-boolean flag without `=value`."""
+    if "=" in token:
+        return False
+    name = token.lstrip("-")
+    try:
+        return not FLAGS[name].boolean
+    except KeyError:  # unknown or --noflag: absl reports it, we do not guess
+        return False
+
+
+def parse_flags(argv: Sequence[str]) -> list[str]:
+    """absl `flags_parser`: parses the launcher's flags, keeps the script's.
+
+    Returns `[prog, subcommand, script, *script_args]` (shorter when parts
+    are missing). A bad flag prints one line and exits with status 2.
+    """
+    head, tail = split_argv(argv)
+    if any(token in _HELP_TOKENS for token in head[1:]):
+        print(usage())
+        sys.exit(0)
+    try:
+        rest = FLAGS(head)
+    except flags.Error as e:
+        _print_error(f"{e}; see `keras-distrib launch --help`.")
+        sys.exit(EXIT_USAGE)
+    return list(rest) + tail
+
+
+def usage() -> str:
+    """This module's docstring and its flags, for `--help`."""
+    module = sys.modules[__name__]
+    return f"{__doc__.strip()}\n\nFlags of `launch`:\n{FLAGS.module_help(module)}"
+
+
+def config_from_flags(positional: Sequence[str]) -> LaunchConfig:
+    """Builds and checks a `LaunchConfig` from parsed FLAGS and `[script, *args]`."""
+    if not positional:
+        raise LaunchError(f"missing the script to run; usage: {USAGE}")
+    if FLAGS.nproc is None:
+        raise LaunchError("-n/--nproc is required, e.g. `keras-distrib launch -n 2 train.py`.")
+    config = LaunchConfig(
+        nproc=FLAGS.nproc,
+        script=positional[0],
+        script_args=tuple(positional[1:]),
+        hosts=tuple(FLAGS.hosts),
+        port_base=FLAGS.port_base,
+        bind=FLAGS.bind,
+        backend=FLAGS.backend,
+        output_dir=FLAGS.output_dir,
+        ssh=FLAGS.ssh,
+        ssh_command=FLAGS.ssh_command,
+        timeout=FLAGS.timeout,
+        tail_lines=FLAGS.tail_lines,
+    )
+    check_config(config)
+    return config
+
+
+# --------------------------------------------------------------------------
+# Entry points
+
+
+def launch(config: LaunchConfig, out: Optional[TextIO] = None,
+           err: Optional[TextIO] = None) -> int:
+    """Runs (or, for remote hosts without --ssh, prints) the job; returns the exit code.
+
+    Raises:
+        LaunchError: bad configuration; nothing was started.
+
+    Example:
+
+    ```python
+    code = launch(LaunchConfig(nproc=2, script="train.py"))
+    ```
+    """
+    out, err = out or sys.stdout, err or sys.stderr
+    check_config(config)
+    if config.backend == "horovod":
+        return supervise([backends.horovod_spec(config)], config, out, err).exit_code
+    plans = plan(config)
+    if config.output_dir:
+        write_output_dir(plans, config)
+    remote = [p for p in plans if not p.local]
+    if remote and not config.ssh:
+        print_dry_run(plans, config, out)
+        return 0
+    check_local_ports(plans, config)
+    return supervise(backends.rank_specs(plans, config), config, out, err).exit_code
+
+
+def main(argv: Sequence[str]) -> int:
+    """Dispatches `argv = [prog, subcommand, script, *args]` (flags already parsed).
+
+    Example:
+
+    ```python
+    app.run(main, flags_parser=parse_flags)
+    ```
+    """
+    if len(argv) < 2:
+        _print_error(f"missing subcommand; usage: {USAGE}")
+        return EXIT_USAGE
+    if argv[1] not in SUBCOMMANDS:
+        _print_error(f"unknown subcommand {argv[1]!r}; valid subcommands: {', '.join(SUBCOMMANDS)}.")
+        return EXIT_USAGE
+    try:
+        return launch(config_from_flags(argv[2:]))
+    except (LaunchError, cluster_lib.ClusterConfigError) as e:
+        _print_error(str(e))
+        return EXIT_USAGE
+
+
+def run() -> None:
+    """Console entry point of `keras-distrib`."""
+    app.run(main, flags_parser=parse_flags)
+
+
+def _print_error(message: str) -> None:
+    print(f"keras-distrib: error: {' '.join(message.split())}", file=sys.stderr, flush=True)

@@ -1,0 +1,66 @@
+"""What a launch is asked to do: `LaunchConfig`, its check, and `LaunchError`.
+
+Every other module of the launcher reads a `LaunchConfig`; keeping it here,
+apart from the absl flags in `cli`, lets planning, backends and supervision
+be used (and tested) without the command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+# -tt gives the remote command a terminal, so it gets SIGHUP and dies when
+# the launcher kills ssh; without it remote ranks would outlive the launcher.
+DEFAULT_SSH_COMMAND = "ssh -o BatchMode=yes -tt"
+
+
+class LaunchError(Exception):
+    """A one-line usage or configuration error; nothing was started."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """What to start and where; the parsed form of `keras-distrib launch`.
+
+    Example:
+
+    ```python
+    config = LaunchConfig(nproc=2, script="train.py", script_args=("--epochs", "3"))
+    exit_code = launch(config)
+    ```
+    """
+
+    nproc: int
+    script: str
+    script_args: tuple[str, ...] = ()
+    hosts: tuple[str, ...] = ()
+    port_base: int = 0
+    bind: str = "127.0.0.1"
+    backend: str = "tf"
+    output_dir: Optional[str] = None
+    ssh: bool = False
+    ssh_command: str = DEFAULT_SSH_COMMAND
+    timeout: float = 0.0
+    tail_lines: int = 40
+
+
+def check_config(config: LaunchConfig) -> None:
+    """Raises `LaunchError` naming the first bad setting and its fix."""
+    if config.nproc < 1:
+        raise LaunchError(f"-n/--nproc must be >= 1, got {config.nproc}.")
+    if not os.path.isfile(config.script):
+        raise LaunchError(
+            f"script {config.script!r} not found (cwd {os.getcwd()}); pass the "
+            "path of a Python file as the first argument after the flags."
+        )
+    if not 0 <= config.port_base <= 65535 - config.nproc + 1:
+        raise LaunchError(
+            f"--port_base={config.port_base} leaves no room for {config.nproc} "
+            "ports; use 0 (free ports) or a base in 1024..60000."
+        )
+    if config.timeout < 0:
+        raise LaunchError(f"--timeout={config.timeout:g} must be >= 0 (0: no limit).")
+    if config.tail_lines < 0:
+        raise LaunchError(f"--tail_lines={config.tail_lines} must be >= 0.")

@@ -1,0 +1,220 @@
+"""Who runs where: each rank's host, port, `TF_CONFIG` and shell command.
+
+Nothing here starts a process; `print_dry_run` and `write_output_dir` are
+what a multi-host launch without `--ssh` does instead.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import re
+import shlex
+import sys
+from typing import Optional, Sequence, TextIO
+
+from keras_distrib import cluster as cluster_lib
+from keras_distrib.launch.config import LaunchConfig, LaunchError
+
+# Ports on remote hosts cannot be probed from here, so multi-host launches
+# without --port_base use fixed ones (base + index of the rank on its host).
+DEFAULT_REMOTE_PORT_BASE = 23456
+
+
+@dataclasses.dataclass(frozen=True)
+class RankPlan:
+    """Where one rank runs and what it is told."""
+
+    host: str  # as the user wrote it; the bind address for local launches
+    local_rank: int
+    local: bool
+    info: cluster_lib.ClusterInfo
+
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    def env(self) -> dict[str, str]:
+        """The variables this rank gets on top of the launcher's environment."""
+        return {
+            "TF_CONFIG": self.info.tf_config_json(),
+            "KERAS_DISTRIB_RANK": str(self.info.rank),
+            "KERAS_DISTRIB_WORLD_SIZE": str(self.info.world_size),
+            "KERAS_DISTRIB_LOCAL_RANK": str(self.local_rank),
+            "PYTHONUNBUFFERED": "1",
+        }
+
+
+def parse_hosts(hosts: Sequence[str], nproc: int) -> list[str]:
+    """The host of every rank, from `--hosts` entries `host` or `host:slots`.
+
+    Without slots, ranks are split evenly in blocks (rank 0 on the first
+    host); with slots (missing ones count 1) ranks fill hosts in order.
+
+    Example:
+
+    ```python
+    parse_hosts(["a", "b"], 4)      # ["a", "a", "b", "b"]
+    parse_hosts(["a:1", "b:3"], 4)  # ["a", "b", "b", "b"]
+    ```
+    """
+    entries = [_parse_host_entry(h) for h in hosts]
+    names = [name for name, _ in entries]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise LaunchError(f"--hosts lists {repeated[0]!r} twice; give it once with slots, e.g. {repeated[0]}:2.")
+    if all(slots is None for _, slots in entries):
+        if nproc < len(entries):
+            raise LaunchError(
+                f"--hosts lists {len(entries)} hosts but -n is {nproc}; every "
+                "host needs a rank, so list fewer hosts or raise -n."
+            )
+        base, extra = divmod(nproc, len(entries))
+        slots = [base + (i < extra) for i in range(len(entries))]
+    else:
+        slots = [s or 1 for _, s in entries]
+        if sum(slots) < nproc:
+            raise LaunchError(
+                f"--hosts gives {sum(slots)} slots but -n is {nproc}; add "
+                "slots as host:count or lower -n."
+            )
+    per_rank = [name for name, count in zip(names, slots) for _ in range(count)]
+    return per_rank[:nproc]
+
+
+def _parse_host_entry(entry: str) -> tuple[str, Optional[int]]:
+    entry = entry.strip()
+    match = re.fullmatch(r"(\[[^\]]+\]|[^:\[\]]+)(?::(\d+))?", entry)
+    if not match:
+        raise LaunchError(
+            f"--hosts entry {entry!r} is not host or host:slots (IPv6 hosts "
+            "in brackets, e.g. [fe80::1]:2)."
+        )
+    host, slots = match.group(1), match.group(2)
+    if slots is not None and int(slots) < 1:
+        raise LaunchError(f"--hosts entry {entry!r}: slots must be >= 1.")
+    return host, int(slots) if slots is not None else None
+
+
+def plan(config: LaunchConfig) -> list[RankPlan]:
+    """Decides each rank's host, port and `TF_CONFIG`.
+
+    Example:
+
+    ```python
+    for p in plan(LaunchConfig(nproc=2, script="train.py")):
+        print(p.rank, p.info.address, p.env()["TF_CONFIG"])
+    ```
+    """
+    hosts = parse_hosts(config.hosts, config.nproc) if config.hosts else []
+    local = [cluster_lib.is_local_host(h) for h in hosts]
+    if all(local):  # one machine: every address is on --bind
+        if not cluster_lib.is_local_host(config.bind):
+            raise LaunchError(
+                f"--bind={config.bind} is not an address of this machine; use "
+                "127.0.0.1 or one of this machine's IPs."
+            )
+        hosts, local = [config.bind] * config.nproc, [True] * config.nproc
+    local_ranks = _local_ranks(hosts)
+    ports = _ports(config, hosts, local_ranks, all(local))
+    workers = tuple(_format_address(h, p) for h, p in zip(hosts, ports))
+    try:
+        infos = [cluster_lib.ClusterInfo(workers, r) for r in range(config.nproc)]
+    except cluster_lib.ClusterConfigError as e:
+        raise LaunchError(str(e)) from None
+    return [RankPlan(h, lr, loc, info)
+            for h, lr, loc, info in zip(hosts, local_ranks, local, infos)]
+
+
+def _local_ranks(hosts: Sequence[str]) -> list[int]:
+    seen: collections.Counter[str] = collections.Counter()
+    result = []
+    for host in hosts:
+        result.append(seen[host])
+        seen[host] += 1
+    return result
+
+
+def _ports(config: LaunchConfig, hosts, local_ranks, all_local: bool) -> list[int]:
+    if all_local and config.port_base == 0:
+        return cluster_lib.free_ports(config.nproc, config.bind.strip("[]"))
+    if all_local:  # a fixed base on one machine: ranks count up from it
+        return [config.port_base + r for r in range(config.nproc)]
+    base = config.port_base or DEFAULT_REMOTE_PORT_BASE
+    return [base + lr for lr in local_ranks]
+
+
+def _format_address(host: str, port: int) -> str:
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
+def check_local_ports(plans: Sequence[RankPlan], config: LaunchConfig) -> None:
+    """Raises `LaunchError` when a local rank's port is taken already."""
+    # Free ports were just picked by the OS; a user's --port_base may collide.
+    if config.port_base == 0 and all(p.local for p in plans):
+        return
+    for p in plans:
+        if p.local:
+            try:
+                cluster_lib.check_own_port_free(p.info)
+            except cluster_lib.ClusterConfigError as e:
+                raise LaunchError(f"{e} (pick another --port_base, or 0 for free ports)") from None
+
+
+def shell_command(rank_plan: RankPlan, config: LaunchConfig, exec_: bool = False) -> str:
+    """The shell line that starts `rank_plan` on its host from this directory.
+
+    Example:
+
+    ```python
+    shell_command(p, config)
+    # "cd /work && env TF_CONFIG='{...}' KERAS_DISTRIB_RANK=1 ... /usr/bin/python3 train.py"
+    ```
+    """
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in rank_plan.env().items())
+    argv = " ".join(shlex.quote(a) for a in (sys.executable, config.script, *config.script_args))
+    # exec: under ssh the remote shell is replaced by Python, so SIGHUP from
+    # the dropped connection reaches Python itself.
+    prefix = "exec env" if exec_ else "env"
+    return f"cd {shlex.quote(os.getcwd())} && {prefix} {env} {argv}"
+
+
+def print_dry_run(plans: Sequence[RankPlan], config: LaunchConfig, out: TextIO) -> None:
+    """Prints each rank's host, TF_CONFIG and command, for multi-host jobs."""
+    remote = list(dict.fromkeys(p.host for p in plans if not p.local))
+    verb = "is" if len(remote) == 1 else "are"
+    lines = [
+        f"keras-distrib: {len(plans)} ranks, not started: {', '.join(remote)} "
+        f"{verb} remote; run each command below on its host, or pass --ssh."
+    ]
+    for p in plans:
+        lines.append(f"rank {p.rank} on {p.host}: TF_CONFIG={p.info.tf_config_json()}")
+        lines.append(f"  {shell_command(p, config)}")
+    if config.output_dir:
+        lines.append(f"keras-distrib: wrote TF_CONFIG files and host scripts to {config.output_dir}")
+    out.write("\n".join(lines) + "\n")
+    out.flush()
+
+
+def write_output_dir(plans: Sequence[RankPlan], config: LaunchConfig) -> None:
+    """Writes `rank-R.tf_config.json` per rank and `host-H.sh` per host."""
+    os.makedirs(config.output_dir, exist_ok=True)
+    by_host: dict[str, list[RankPlan]] = {}
+    for p in plans:
+        by_host.setdefault(p.host, []).append(p)
+        path = os.path.join(config.output_dir, f"rank-{p.rank}.tf_config.json")
+        with open(path, "w") as f:
+            f.write(p.info.tf_config_json() + "\n")
+    for host, host_plans in by_host.items():
+        ranks = ", ".join(str(p.rank) for p in host_plans)
+        lines = ["#!/bin/sh", f"# keras-distrib: ranks {ranks} of {len(plans)}; run on {host}."]
+        lines += [shell_command(p, config) + " &" for p in host_plans]
+        lines.append("wait")
+        safe = re.sub(r"[^A-Za-z0-9._-]", "_", host)
+        path = os.path.join(config.output_dir, f"host-{safe}.sh")
+        with open(path, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        os.chmod(path, 0o755)
