@@ -98,7 +98,8 @@ MALFORMED = {
     "unknown_task_type": (_workers("a:1", task_type="boss"),
                           ["task.type='boss' is unknown", "'worker' or 'chief'"]),
     "unknown_cluster_type": (_workers("a:1", trainer=["t:1"]),
-                             ["unknown task type 'trainer'"]),
+                             ["unknown task type 'trainer'",
+                              "'chief', 'worker', 'ps' or 'evaluator'"]),
     "missing_type": ({"cluster": {"worker": ["a:1"]}, "task": {"index": 0}},
                      ["task.type is missing"]),
     "index_out_of_range": (_workers("a:1", "b:1", index=2),
@@ -119,11 +120,21 @@ MALFORMED = {
     "bracketed_not_ipv6": (_workers("[host]:2222"), ["not an IPv6 address"]),
     "url_scheme": (_workers("grpc://a:1"), ["URL scheme", "plain 'host:port'"]),
     "not_a_string": (_workers(2222), ["must be a 'host:port' string"]),
-    "ps_in_cluster": (_workers("a:1", ps=["p:1"]),
-                      ["'ps' tasks", "parameter_server strategy"]),
-    "ps_task": (_workers("a:1", task_type="ps"), ["'ps'", "parameter_server strategy"]),
-    "evaluator_task": (_workers("a:1", task_type="evaluator", evaluator=["e:1"]),
-                       ["'evaluator'", "not a training worker"]),
+    "ps_task_without_ps": (_workers("a:1", task_type="ps"),
+                           ["task.type is 'ps' but cluster lists no 'ps' tasks",
+                            "add cluster.ps"]),
+    "evaluator_task_without_evaluator": (_workers("a:1", task_type="evaluator"),
+                                         ["lists no 'evaluator' tasks"]),
+    "ps_index_out_of_range": (_workers("a:1", task_type="ps", index=1, ps=["p:1"]),
+                              ["task.index=1 is out of range", "1 'ps' tasks", "0..0"]),
+    "only_ps_and_evaluator": ({"cluster": {"ps": ["p:1"], "evaluator": ["e:1"]},
+                               "task": {"type": "ps", "index": 0}},
+                              ["no 'worker' or 'chief' tasks", "only 'ps' and 'evaluator'"]),
+    "chief_and_master": (_workers("a:1", chief=["c:1"], master=["m:1"]), ["2 chief tasks"]),
+    "duplicate_across_roles": (_workers("a:1", "b:2", ps=["p:1", "B:2"]),
+                               ["TF_CONFIG cluster.worker[1] and TF_CONFIG cluster.ps[1]",
+                                "'B:2'", "its own host:port"]),
+    "ps_not_a_list": (_workers("a:1", ps="p:1"), ["cluster.ps must be a list"]),
     "chief_without_chief": (_workers("a:1", task_type="chief"),
                             ["lists no 'chief' task"]),
     "two_chiefs": (_workers("a:1", chief=["c:1", "d:1"]), ["2 chief tasks"]),
@@ -156,6 +167,190 @@ def test_bad_json_error_quotes_position():
 
 
 # --------------------------------------------------------------------------
+# Roles: chief, worker, ps, evaluator
+
+# A Kubeflow TFJob with a chief, two workers, a parameter server and an
+# evaluator, as the operator writes TF_CONFIG into each pod.
+KUBEFLOW = {
+    "cluster": {"chief": ["job-chief-0:2222"],
+                "worker": ["job-worker-0:2222", "job-worker-1:2222"],
+                "ps": ["job-ps-0:2222"],
+                "evaluator": ["job-evaluator-0:2222"]},
+    "environment": "cloud",
+}
+TRAINING = ("job-chief-0:2222", "job-worker-0:2222", "job-worker-1:2222")
+
+
+def _kubeflow(task_type, index):
+    return {**KUBEFLOW, "task": {"type": task_type, "index": index}}
+
+
+@pytest.mark.parametrize("task_type, index, rank, address", [
+    ("chief", 0, 0, "job-chief-0:2222"),
+    ("worker", 0, 1, "job-worker-0:2222"),
+    ("worker", 1, 2, "job-worker-1:2222"),
+    ("ps", 0, None, "job-ps-0:2222"),
+    ("evaluator", 0, None, "job-evaluator-0:2222"),
+])
+def test_kubeflow_tf_config_seen_from_each_task(task_type, index, rank, address):
+    info = cluster.from_tf_config(_tf_config(_kubeflow(task_type, index)))
+    assert info.workers == TRAINING
+    assert info.ps == ("job-ps-0:2222",)
+    assert info.evaluators == ("job-evaluator-0:2222",)
+    assert info.has_chief and info.has_ps and info.num_ps == 1
+    assert (info.task_type, info.role, info.task_index) == (task_type, task_type, index)
+    assert info.address == address
+    assert info.world_size == 3
+    assert info.is_training_task == (rank is not None)
+    assert info.is_chief == (rank == 0)
+    assert info.cluster_spec() == KUBEFLOW["cluster"]
+    assert info.tasks == (
+        ("chief", 0, "job-chief-0:2222"), ("worker", 0, "job-worker-0:2222"),
+        ("worker", 1, "job-worker-1:2222"), ("ps", 0, "job-ps-0:2222"),
+        ("evaluator", 0, "job-evaluator-0:2222"))
+    # The peers are the training tasks, never the process itself.
+    assert info.peers == tuple(a for a in TRAINING if a != address)
+    if rank is None:
+        with pytest.raises(ClusterConfigError) as excinfo:
+            info.rank  # noqa: B018 - the property raises
+        _assert_one_line_error(excinfo, f"{task_type!r} task {index} at {address}",
+                               "not a training task", "has no rank",
+                               "require_training_workers")
+    else:
+        assert info.rank == rank
+
+
+@pytest.mark.parametrize("task_type, index", [
+    ("chief", 0), ("worker", 0), ("worker", 1), ("ps", 0), ("evaluator", 0)])
+def test_to_tf_config_round_trips_kubeflow(task_type, index):
+    config = _kubeflow(task_type, index)
+    info = cluster.from_tf_config(_tf_config(config))
+    expected = {"cluster": KUBEFLOW["cluster"], "task": config["task"]}
+    assert info.to_tf_config() == expected
+    assert json.loads(info.tf_config_json()) == expected
+    assert cluster.from_tf_config({"TF_CONFIG": info.tf_config_json()}) == info
+
+
+def test_master_reads_as_chief_and_is_written_as_chief():
+    config = {"cluster": {"master": ["m:1"], "worker": ["w:1"]},
+              "task": {"type": "master", "index": 0}}
+    info = cluster.from_tf_config(_tf_config(config))
+    assert (info.task_type, info.has_chief, info.rank) == ("chief", True, 0)
+    assert info.to_tf_config() == {"cluster": {"chief": ["m:1"], "worker": ["w:1"]},
+                                   "task": {"type": "chief", "index": 0}}
+    assert cluster.from_tf_config({"TF_CONFIG": info.tf_config_json()}) == info
+
+
+def test_worker_only_tf_config_is_unchanged_by_roles():
+    info = cluster.from_tf_config(_tf_config(_workers("a:1", "b:2", index=1)))
+    assert info == ClusterInfo(("a:1", "b:2"), 1)
+    assert (info.task_type, info.has_chief, info.ps, info.evaluators) == ("worker", False, (), ())
+    assert not info.has_ps and info.num_ps == 0 and info.is_training_task
+    assert info.cluster_spec() == {"worker": ["a:1", "b:2"]}
+    # An empty 'ps' list is no parameter server.
+    assert not cluster.from_tf_config(_tf_config(_workers("a:1", ps=[]))).has_ps
+
+
+def test_cluster_info_with_roles():
+    info = ClusterInfo(["c:1", "w:1"], 0, ps=["p:1", "p:2"], evaluators=["e:1"],
+                       has_chief=True, task_type="ps")
+    assert (info.ps, info.evaluators) == (("p:1", "p:2"), ("e:1",))  # stored as tuples
+    assert hash(info) == hash(ClusterInfo(("c:1", "w:1"), 0, ps=("p:1", "p:2"),
+                                          evaluators=("e:1",), has_chief=True,
+                                          task_type="ps"))
+    assert (info.address, info.num_ps, info.is_chief, info.is_training_task) == (
+        "p:1", 2, False, False)
+    assert info.peers == ("c:1", "w:1")
+    worker = ClusterInfo(["c:1", "w:1"], 0, has_chief=True)
+    assert (worker.rank, worker.address, worker.is_chief) == (1, "w:1", False)
+    assert worker.to_tf_config() == {"cluster": {"chief": ["c:1"], "worker": ["w:1"]},
+                                     "task": {"type": "worker", "index": 0}}
+    chief_only = ClusterInfo(["c:1"], 0, has_chief=True, task_type="chief")
+    assert chief_only.is_chief and chief_only.cluster_spec() == {"chief": ["c:1"]}
+    # New fields are keyword-only: the old positional form means what it did.
+    with pytest.raises(TypeError):
+        ClusterInfo(("a:1",), 0, ("p:1",))  # pylint: disable=too-many-function-args
+
+
+@pytest.mark.parametrize("kwargs, fragments", [
+    ({"workers": ["a:1", "b:1"], "task_index": 0, "ps": ["b:1"]},
+     ["workers[1] and ps[0] are both 'b:1'", "its own host:port"]),
+    ({"workers": ["a:1"], "task_index": 0, "ps": ["p:1"], "evaluators": ["P:1"]},
+     ["ps[0] and evaluators[0] are both 'P:1'"]),
+    ({"workers": ["a:1"], "task_index": 0, "task_type": "boss"},
+     ["task_type='boss' is unknown", "'chief', 'worker', 'ps' or 'evaluator'"]),
+    ({"workers": ["a:1"], "task_index": 0, "task_type": "master"},
+     ["task_type='master' is unknown"]),
+    ({"workers": ["a:1"], "task_index": 0, "task_type": "chief"},
+     ["task_type='chief' but has_chief=False", "set has_chief=True"]),
+    ({"workers": ["a:1"], "task_index": 0, "task_type": "ps"},
+     ["task_type='ps' but the cluster has no 'ps' tasks", "add them to ps"]),
+    ({"workers": ["c:1"], "task_index": 0, "has_chief": True},
+     ["task_type='worker' but the cluster has no 'worker' tasks"]),
+    ({"workers": ["c:1", "w:1"], "task_index": 1, "has_chief": True},
+     ["task_index=1 is out of range", "'worker' tasks (after the chief)", "0..0"]),
+    ({"workers": ["c:1"], "task_index": 1, "has_chief": True, "task_type": "chief"},
+     ["task_index=1 is out of range for 1 'chief' tasks"]),
+    ({"workers": ["a:1"], "task_index": 2, "ps": ["p:1", "p:2"], "task_type": "ps"},
+     ["task_index=2 is out of range for 2 'ps' tasks", "0..1"]),
+    ({"workers": [], "task_index": 0, "ps": ["p:1"], "task_type": "ps"},
+     ["'ps'/'evaluator' tasks but no training task"]),
+    ({"workers": ["a:1"], "task_index": 0, "ps": "p:1"},
+     ["ps='p:1' must be a list", "['p:1']"]),
+    ({"workers": ["a:1"], "task_index": 0, "evaluators": ["e"]},
+     ["evaluators[0]='e' has no port"]),
+    ({"workers": ["a:1"], "task_index": 0, "has_chief": 1},
+     ["has_chief=1 must be True or False"]),
+])
+def test_cluster_info_validates_roles(kwargs, fragments):
+    with pytest.raises(ClusterConfigError) as excinfo:
+        ClusterInfo(**kwargs)
+    _assert_one_line_error(excinfo, *fragments)
+
+
+# The configs that from_tf_config refused before it knew roles: they parse
+# now, and the refusal moved to require_training_workers, same words.
+REFUSED_BY_WORKER_STRATEGIES = {
+    "ps_in_cluster": (_workers("a:1", ps=["p:1"]),
+                      ["'ps' tasks", "parameter_server strategy",
+                       "drop the 'ps' tasks or use strategy='parameter_server'"]),
+    "ps_task": (_workers("a:1", task_type="ps", ps=["p:1"]),
+                ["'ps'", "parameter_server strategy"]),
+    "evaluator_task": (_workers("a:1", task_type="evaluator", evaluator=["e:1"]),
+                       ["'evaluator'", "not a training worker",
+                        "make this task a 'worker'"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED_BY_WORKER_STRATEGIES))
+def test_ps_and_evaluator_parse_but_worker_strategies_refuse_them(case):
+    config, fragments = REFUSED_BY_WORKER_STRATEGIES[case]
+    info = cluster.from_tf_config(_tf_config(config))
+    assert info.workers == ("a:1",)
+    assert info.task_type == config["task"]["type"]
+    with pytest.raises(ClusterConfigError) as excinfo:
+        cluster.require_training_workers(info, "multi_worker")
+    _assert_one_line_error(excinfo, "strategy 'multi_worker'", *fragments)
+
+
+def test_require_training_workers_passes_training_tasks():
+    info = ClusterInfo(("a:1", "b:1"), 1)
+    assert cluster.require_training_workers(info, "multi_worker") is info
+    assert cluster.require_training_workers(None, "multi_worker") is None
+    # Evaluators elsewhere in the cluster are not part of training: fine.
+    for task_type, index in (("chief", 0), ("worker", 1)):
+        config = _kubeflow(task_type, index)
+        config["cluster"] = {k: v for k, v in config["cluster"].items() if k != "ps"}
+        info = cluster.from_tf_config(_tf_config(config))
+        assert cluster.require_training_workers(info, "multi_worker") is info
+    # Every task of a cluster with parameter servers is refused.
+    for task_type, index in (("chief", 0), ("worker", 1), ("ps", 0), ("evaluator", 0)):
+        info = cluster.from_tf_config(_tf_config(_kubeflow(task_type, index)))
+        with pytest.raises(ClusterConfigError, match="parameter_server"):
+            cluster.require_training_workers(info, "multi_worker")
+
+
+# --------------------------------------------------------------------------
 # Explicit and resolve()
 
 
@@ -176,6 +371,47 @@ def test_from_explicit_list_and_dict():
 def test_from_explicit_errors(workers, index, fragments):
     with pytest.raises(ClusterConfigError) as excinfo:
         cluster.from_explicit(workers, index)
+    _assert_one_line_error(excinfo, *fragments)
+
+
+def test_from_explicit_dict_with_roles():
+    roles = {"chief": ["c:1"], "worker": ["w0:1", "w1:1"], "ps": ["p:1"],
+             "evaluator": ["e:1"]}
+    info = cluster.from_explicit(roles, 1)  # task_type defaults to worker
+    assert (info.task_type, info.rank, info.address) == ("worker", 2, "w1:1")
+    assert info.cluster_spec() == roles
+    ps = cluster.from_explicit(roles, 0, task_type="ps")
+    assert (ps.task_type, ps.address) == ("ps", "p:1")
+    assert cluster.from_explicit(roles, 0, "chief").is_chief
+    assert cluster.from_explicit(roles, 0, task_type="evaluator").address == "e:1"
+    assert ps == cluster.from_tf_config(
+        _tf_config({"cluster": roles, "task": {"type": "ps", "index": 0}}))
+    assert cluster.from_explicit({"worker": ["a:1"], "ps": []}, 0) == ClusterInfo(("a:1",), 0)
+    assert cluster.resolve(roles, 0, environ={}, task_type="ps") == ps
+
+
+@pytest.mark.parametrize("workers, index, task_type, fragments", [
+    ({"worker": ["a:1"], "trainer": ["t:1"]}, 0, None,
+     ["keys ['trainer']", "'chief', 'worker', 'ps' and/or 'evaluator'"]),
+    ({"chief": ["c:1", "d:1"], "worker": ["a:1"]}, 0, None,
+     ["cluster['chief'] lists 2 addresses", "at most one chief"]),
+    ({"ps": ["p:1"]}, 0, "ps", ["'ps' tasks but no 'worker' or 'chief'"]),
+    ({}, 0, None, ["no 'worker' key"]),
+    ({"worker": ["a:1"], "ps": ["a:1"]}, 0, None,
+     ["cluster['worker'][0] and cluster['ps'][0] are both 'a:1'"]),
+    ({"worker": ["a:1"], "ps": "p:1"}, 0, None, ["cluster['ps']='p:1' must be a list"]),
+    ({"worker": ["a:1"]}, 0, "ps", ["task_type='ps' but cluster has no 'ps' tasks",
+                                    "add cluster['ps']"]),
+    ({"worker": ["a:1"], "ps": ["p:1"]}, 1, "ps", ["task_index=1 is out of range",
+                                                   "1 'ps' tasks"]),
+    ({"worker": ["a:1"]}, 0, "chief", ["task_type='chief' but cluster has no 'chief'"]),
+    (["a:1"], 0, "ps", ["task_type='ps' needs a dict cluster", "only workers"]),
+    (["a:1"], 0, "boss", ["task_type='boss' is unknown",
+                          "'chief', 'worker', 'ps' or 'evaluator'"]),
+])
+def test_from_explicit_role_errors(workers, index, task_type, fragments):
+    with pytest.raises(ClusterConfigError) as excinfo:
+        cluster.from_explicit(workers, index, task_type=task_type)
     _assert_one_line_error(excinfo, *fragments)
 
 
@@ -210,6 +446,17 @@ def test_resolve_needs_cluster_and_index_together(args, fragment):
     _assert_one_line_error(excinfo, fragment)
 
 
+def test_resolve_task_type_needs_cluster():
+    with pytest.raises(ClusterConfigError) as excinfo:
+        cluster.resolve(environ={}, task_type="ps")
+    _assert_one_line_error(excinfo, "task_type='ps' was given without cluster")
+
+
+def test_resolve_reads_roles_from_tf_config():
+    info = cluster.resolve(environ={**SLURM_2x2, **_tf_config(_kubeflow("ps", 0))})
+    assert (info.task_type, info.address, info.workers) == ("ps", "job-ps-0:2222", TRAINING)
+
+
 # --------------------------------------------------------------------------
 # Slurm
 
@@ -227,6 +474,8 @@ def test_slurm_two_nodes_two_tasks_each():
     info = cluster.from_slurm({**SLURM_2x2, "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
                                "SLURMD_NODENAME": "node01"}, port_base=20000)
     assert info.address == "node01:20000" and info.is_chief
+    # Slurm has no roles: every task is a worker.
+    assert (info.task_type, info.has_chief, info.ps, info.evaluators) == ("worker", False, (), ())
 
 
 def test_slurm_uneven_tasks_per_node():
@@ -273,16 +522,39 @@ def test_slurm_port_base_checked():
 
 
 def test_module_imports_without_tensorflow():
-    # Loaded by path so the package __init__ (which imports TF) is skipped.
+    # Loaded by path so keras_distrib's own __init__ (which may start the
+    # multi-worker runtime) is skipped; every submodule comes in through the
+    # package's __init__.
+    package = os.path.join(REPO, "keras_distrib", "cluster")
     code = (
-        "import importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('c', {os.path.join(REPO, 'keras_distrib', 'cluster.py')!r})\n"
+        "import importlib.util, json, os, sys\n"
+        f"spec = importlib.util.spec_from_file_location('c', {os.path.join(package, '__init__.py')!r}, "
+        f"submodule_search_locations=[{package!r}])\n"
         "module = sys.modules['c'] = importlib.util.module_from_spec(spec)\n"
         "spec.loader.exec_module(module)\n"
         "assert module.from_slurm({}) is None\n"
+        "config = {'cluster': {'chief': ['c:1'], 'worker': ['w:1'], 'ps': ['p:1']},\n"
+        "          'task': {'type': 'ps', 'index': 0}}\n"
+        "assert module.from_tf_config({'TF_CONFIG': json.dumps(config)}).address == 'p:1'\n"
+        f"names = sorted(f[:-3] for f in os.listdir({package!r}) if f.endswith('.py'))\n"
+        "missing = [n for n in names if n != '__init__' and 'c.' + n not in sys.modules]\n"
+        "assert not missing, missing\n"
         "assert 'tensorflow' not in sys.modules, 'tensorflow imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
+
+
+def test_old_module_names_still_exported():
+    # `from keras_distrib import cluster; cluster.X` keeps working for every
+    # name the single-module version exported.
+    old = ["ClusterConfigError", "ClusterInfo", "DEFAULT_SLURM_PORT_BASE",
+           "check_own_port_free", "free_ports", "from_explicit", "from_slurm",
+           "from_tf_config", "is_local_host", "parse_address", "resolve",
+           "wait_for_peers"]
+    new = ["require_training_workers", "TASK_TYPES", "TRAINING_TASK_TYPES"]
+    for name in old + new:
+        assert name in cluster.__all__ and hasattr(cluster, name), name
+    assert not os.path.exists(os.path.join(REPO, "keras_distrib", "cluster.py"))
 
 
 # --------------------------------------------------------------------------
@@ -361,3 +633,29 @@ def test_wait_for_peers_times_out_naming_first_missing_peer(listener):
     assert time.monotonic() - start < 5
     _assert_one_line_error(excinfo, f"worker 2 at 127.0.0.1:{closed}",
                            "did not answer within 0.5s", "is it started?")
+
+
+def test_port_check_and_peer_wait_name_tasks_by_role(listener):
+    up = listener.getsockname()[1]
+    own, closed = cluster.free_ports(2)
+    # This process is the ps; the chief answers, worker 0 does not, and the
+    # evaluator (which runs no server) is not waited for.
+    info = ClusterInfo((f"127.0.0.1:{up}", f"127.0.0.1:{closed}"), 0,
+                       ps=(f"127.0.0.1:{own}",), evaluators=("192.0.2.1:1",),
+                       has_chief=True, task_type="ps")
+    cluster.check_own_port_free(info)
+    with pytest.raises(ClusterConfigError) as excinfo:
+        cluster.wait_for_peers(info, timeout=0.3, poll=0.05)
+    _assert_one_line_error(excinfo, f"worker 0 at 127.0.0.1:{closed}", "did not answer")
+    # A ps whose port is taken is named as the ps task it is.
+    busy = ClusterInfo((f"127.0.0.1:{own}",), 0, ps=(f"127.0.0.1:{up}",), task_type="ps")
+    with pytest.raises(ClusterConfigError) as excinfo:
+        cluster.check_own_port_free(busy)
+    _assert_one_line_error(excinfo, f"ps 0 at 127.0.0.1:{up}", "already in use",
+                           "give this ps task another port")
+    # A worker waits for the ps tasks too, after every training task.
+    worker = ClusterInfo((f"127.0.0.1:{own}", f"127.0.0.1:{up}"), 0,
+                         ps=(f"127.0.0.1:{closed}",))
+    with pytest.raises(ClusterConfigError) as excinfo:
+        cluster.wait_for_peers(worker, timeout=0.3, poll=0.05)
+    _assert_one_line_error(excinfo, f"ps 0 at 127.0.0.1:{closed}")

@@ -1,0 +1,14 @@
+"""The one error type of cluster discovery."""
+
+from __future__ import annotations
+
+__all__ = ["ClusterConfigError"]
+
+
+class ClusterConfigError(ValueError):
+    """A cluster description is malformed; the message is one line with the fix."""
+
+    def __init__(self, message: str):
+        # Launchers and log scrapers print errors as one line; collapse any
+        # newline a caller's value may have smuggled in.
+        super().__init__(" ".join(str(message).split()))

@@ -1,0 +1,156 @@
+"""The cluster of a Slurm job step (`srun`): one worker per task.
+
+Slurm has no roles: every task is a `worker` (no dedicated chief, no `ps`,
+no evaluator), and task `SLURM_PROCID` is the worker of that rank, so rank
+0 is the chief. A job that needs parameter servers or an evaluator
+describes its cluster with `TF_CONFIG` or an explicit dict instead.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, Optional, Sequence
+
+from .addresses import check_index, parse_address
+from .errors import ClusterConfigError
+from .info import ClusterInfo
+
+__all__ = ["DEFAULT_SLURM_PORT_BASE", "from_slurm"]
+
+# Same default as tf.distribute.cluster_resolver.SlurmClusterResolver, so a
+# job that moves between the two finds its workers on the same ports.
+DEFAULT_SLURM_PORT_BASE = 8888
+
+
+def from_slurm(
+    environ: Mapping[str, str] = os.environ,
+    port_base: int = DEFAULT_SLURM_PORT_BASE,
+) -> Optional[ClusterInfo]:
+    """Reads the cluster of a Slurm job step (`srun`), one worker per task.
+
+    The node list and tasks per node are expanded by TensorFlow's
+    `SlurmClusterResolver` (imported here, lazily). As there, nodes are
+    taken in sorted order and a node's tasks get ports `port_base`,
+    `port_base + 1`, ... by local task index, so task `SLURM_PROCID` is the
+    worker at that rank. This matches Slurm's default block distribution;
+    when `SLURMD_NODENAME` / `SLURM_LOCALID` say this task landed elsewhere
+    (e.g. `--distribution=cyclic`), it fails instead of training with a
+    wrong rank. GPUs are not assigned here (`CUDA_VISIBLE_DEVICES` is left
+    alone). All tasks are workers (see the module docstring).
+
+    Variables read: `SLURM_PROCID`, `SLURM_STEP_NUM_TASKS`,
+    `SLURM_STEP_NODELIST`, `SLURM_STEP_TASKS_PER_NODE`, and, for the check,
+    `SLURMD_NODENAME` and `SLURM_LOCALID`.
+
+    Args:
+        environ: where to read the Slurm variables; defaults to `os.environ`.
+        port_base: the first port on every node.
+
+    Returns:
+        The cluster, or None when not inside a Slurm job step (no
+        `SLURM_PROCID` or no `SLURM_STEP_NUM_TASKS`).
+
+    Raises:
+        ClusterConfigError: a missing or malformed Slurm variable, task counts
+            that do not add up, a bad `port_base`, or a non-block placement.
+
+    Example:
+
+    ```python
+    # srun -N 2 --ntasks-per-node=2 python train.py  on nodes n1, n2:
+    info = from_slurm()
+    info.workers  # ('n1:8888', 'n1:8889', 'n2:8888', 'n2:8889')
+    ```
+    """
+    if "SLURM_PROCID" not in environ or "SLURM_STEP_NUM_TASKS" not in environ:
+        return None
+    rank = _slurm_int(environ, "SLURM_PROCID")
+    num_tasks = _slurm_int(environ, "SLURM_STEP_NUM_TASKS")
+    _check_port_base(port_base)
+    task_config = _slurm_task_configuration(environ)
+    if sum(task_config.values()) != num_tasks:
+        raise ClusterConfigError(
+            f"SLURM_STEP_TASKS_PER_NODE adds up to {sum(task_config.values())} "
+            f"tasks but SLURM_STEP_NUM_TASKS={num_tasks}; start the script with "
+            "srun so Slurm sets both for the same step."
+        )
+    check_index(rank, num_tasks, "SLURM_PROCID", "Slurm tasks")
+    workers = _slurm_workers(rank, num_tasks, task_config, port_base)
+    _check_slurm_placement(environ, workers, rank, port_base)
+    return ClusterInfo(tuple(workers), rank)
+
+
+def _slurm_int(environ: Mapping[str, str], name: str) -> int:
+    text = environ.get(name, "")
+    if not text.strip().isdigit():
+        raise ClusterConfigError(
+            f"{name}={text!r} is not a non-negative integer; start the script "
+            "with srun inside a Slurm allocation."
+        )
+    return int(text)
+
+
+def _check_port_base(port_base: Any) -> None:
+    if isinstance(port_base, bool) or not isinstance(port_base, int) or not (
+        1 <= port_base <= 65535
+    ):
+        raise ClusterConfigError(
+            f"port_base={port_base!r} must be an integer port in 1..65535."
+        )
+
+
+def _slurm_task_configuration(environ: Mapping[str, str]) -> dict[str, int]:
+    """Node name -> number of tasks, from the step's node list."""
+    from keras_distrib import _compat  # imports TensorFlow: only under Slurm
+
+    values = {}
+    for name in ("SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE"):
+        if not environ.get(name):
+            raise ClusterConfigError(
+                f"{name} is not set; start the script with srun so Slurm "
+                "describes the job step."
+            )
+        values[name] = environ[name]
+    try:
+        hosts, counts = _compat.slurm_hosts_and_tasks(
+            values["SLURM_STEP_NODELIST"], values["SLURM_STEP_TASKS_PER_NODE"])
+    except ValueError as e:
+        raise ClusterConfigError(f"Slurm: {e}; check the job's srun options.") from None
+    if len(hosts) != len(counts) or len(set(hosts)) != len(hosts):
+        raise ClusterConfigError(
+            f"SLURM_STEP_NODELIST names {len(hosts)} node(s) but "
+            f"SLURM_STEP_TASKS_PER_NODE gives {len(counts)} count(s); they "
+            "must match one to one."
+        )
+    return dict(zip(hosts, counts))
+
+
+def _slurm_workers(
+    rank: int, num_tasks: int, task_config: dict[str, int], port_base: int
+) -> list[str]:
+    from keras_distrib import _compat  # imports TensorFlow: only under Slurm
+
+    max_per_node = max(task_config.values())
+    last_port = port_base + max_per_node - 1
+    if last_port > 65535:
+        raise ClusterConfigError(
+            f"port_base={port_base} with {max_per_node} tasks per node needs "
+            f"port {last_port} > 65535; use a lower port_base."
+        )
+    return _compat.slurm_worker_addresses(rank, num_tasks, task_config, port_base)
+
+
+def _check_slurm_placement(
+    environ: Mapping[str, str], workers: Sequence[str], rank: int, port_base: int
+) -> None:
+    host, port = parse_address(workers[rank], "Slurm worker")
+    node = environ.get("SLURMD_NODENAME")
+    local_id = environ.get("SLURM_LOCALID")
+    expected_port = port_base + int(local_id) if (local_id or "").isdigit() else port
+    if (node and node != host) or expected_port != port:
+        raise ClusterConfigError(
+            f"Slurm task {rank} runs on node {node or host!r} with local id "
+            f"{local_id}, but block placement puts rank {rank} at "
+            f"{workers[rank]}; start the step with srun --distribution=block "
+            "(the default)."
+        )
