@@ -13,8 +13,9 @@ model.fit(x, y, batch_size=64)
 ```
 
 Importing the package is cheap: TensorFlow is imported when a public name
-that needs it is first used (the launcher never imports it). The one
-exception is a process that is part of a configured cluster (`TF_CONFIG`,
+that needs it is first used, or when the process imports Keras (so that
+`keras.models.load_model` finds our model classes), and the launcher never
+imports it. The one exception is a process that is part of a configured cluster (`TF_CONFIG`,
 Slurm): there the import starts TensorFlow's collective runtime at once,
 before anything else can start TensorFlow, so that `strategy="multi_worker"`
 (or `"auto"`) works as a plain string wherever the model is built (see
@@ -24,6 +25,9 @@ before anything else can start TensorFlow, so that `strategy="multi_worker"`
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
+import sys
 from typing import Any
 
 __version__ = "0.1.0"
@@ -52,3 +56,44 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
+
+
+class _RegisterAfterKeras(importlib.abc.MetaPathFinder):
+    """Imports `keras_distrib.model` right after Keras is imported.
+
+    The model classes register themselves with Keras's serialization (for
+    `keras.models.load_model`) when their module is imported; doing that at
+    `import keras_distrib` would import TensorFlow in every process, the
+    launcher's included. Processes that import Keras get them registered,
+    whatever the order of the two imports.
+    """
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "keras":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_register(module):
+            exec_module(module)
+            sys.modules[fullname] = module
+            importlib.import_module("keras_distrib.model")
+
+        spec.loader.exec_module = exec_then_register
+        return spec
+
+
+def _start() -> None:
+    from keras_distrib import runtime
+
+    runtime.bootstrap()  # first: it may import Keras, which must not recurse here
+    if "keras" in sys.modules:
+        importlib.import_module("keras_distrib.model")
+    else:
+        sys.meta_path.insert(0, _RegisterAfterKeras())
+
+
+_start()

@@ -27,6 +27,8 @@ from typing import Iterator, Optional
 
 import keras
 
+from keras_distrib import _compat
+
 
 @contextlib.contextmanager
 def redirected(callbacks, is_chief: bool, enabled: bool) -> Iterator[Optional[list]]:
@@ -71,8 +73,4 @@ class _ReadOnlyBackup(keras.callbacks.BackupAndRestore):
 
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
-        self.backup_dir = self._scratch
-        self._weights_path = os.path.join(self._scratch, "latest.weights.h5")
-        self._training_metadata_path = os.path.join(self._scratch, "training_metadata.json")
-        self._prev_weights_path = f"{self._weights_path}.bkp"
-        self._prev_training_metadata_path = f"{self._training_metadata_path}.bkp"
+        _compat.redirect_backup_writes(self, self._scratch)

@@ -2,14 +2,15 @@
 
 The split follows Keras: `train_step` / `test_step` are the per-replica math
 (forward, loss, gradients, one reduction, apply), and the function-making
-layer (`_make_function`, `make_predict_function`) is distribution: it hands
-each global batch to the strategy, which splits it and runs the step once
-per replica, and turns per-replica results back into plain numbers for the
-callbacks.
+layer is distribution, which the model hands to its strategy
+(`keras_distrib.strategies.base.Strategy`): the strategy turns the user's
+input into what each step consumes, the per-replica step into the function
+Keras's loop calls, and per-replica results into plain numbers for the
+callbacks. The model never asks what kind of strategy it holds.
 
 Keras itself only ever sees the default (no-op) `tf.distribute` strategy, so
-its input pipeline yields plain global batches and none of its broken
-distribution paths (DESIGN.md section 2) run.
+its input pipeline yields plain batches and none of its broken distribution
+paths run (keras-team/keras#20585; see `keras_distrib._compat`).
 """
 
 from __future__ import annotations
@@ -22,17 +23,16 @@ from typing import Union
 
 import keras
 import tensorflow as tf
-from keras.src.losses import loss as loss_module
-from keras.src.models.functional import Functional
-from keras.src.models.model import functional_init_arguments
-from keras.src.trainers.data_adapters import data_adapter_utils
 
+from keras_distrib import _compat
 from keras_distrib import chief_only
-from keras_distrib import data as data_lib
 from keras_distrib import saving
-from keras_distrib import sharding
 from keras_distrib import strategies
 from keras_distrib.strategies.base import Strategy
+
+_compat.warn_if_untested()
+_compat.check_hooks()
+Functional = _compat.functional_class()
 
 StrategyLike = Union[str, Strategy]
 
@@ -82,12 +82,12 @@ class DistributedModel(keras.Model):
     chief_only_side_effects = True
 
     def __new__(cls, *args, **kwargs):
-        if cls is DistributedModel and functional_init_arguments(args, kwargs):
+        if cls is DistributedModel and _compat.is_functional_call(args, kwargs):
             return super().__new__(FunctionalDistributedModel)
         return super().__new__(cls)
 
     def __init__(self, *args, strategy: StrategyLike = "auto", **kwargs):
-        if functional_init_arguments(args, kwargs):
+        if _compat.is_functional_call(args, kwargs):
             # Keras would rewrite this class's bases to include Functional,
             # which would turn every DistributedModel subclass functional.
             raise TypeError(
@@ -101,8 +101,11 @@ class DistributedModel(keras.Model):
 
     def _init_distribution(self, strategy: Strategy) -> None:
         self._strategy = strategy
+        # Whether XLA compiles each replica's math separately (set by the
+        # strategy when it makes the step function; see `replica_compiled`).
+        self._jit_replicas = False
         # Keras must only ever see the default strategy (see module doc).
-        self._distribute_strategy = None
+        _compat.hide_distribute_strategy(self)
 
     # -- public surface -------------------------------------------------------
 
@@ -167,12 +170,7 @@ class DistributedModel(keras.Model):
         self._strategy.sync_initial_state(self)
 
     def get_metrics_result(self):
-        results = super().get_metrics_result()
-        if self._strategy.exact_batch_logs or tf.executing_eagerly():
-            # Inside the step only when per-batch logs are to be global;
-            # always for epoch logs and evaluate results (read eagerly).
-            results = self._strategy.combine_metric_results(results)
-        return results
+        return self._strategy.metric_results(super().get_metrics_result())
 
     # -- the per-replica math -------------------------------------------------
 
@@ -187,14 +185,12 @@ class DistributedModel(keras.Model):
         return self._train_step(data, apply_gradients=True)
 
     def _train_step(self, data, apply_gradients: bool):
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-        loss_and_gradients = self._loss_and_gradients
-        if self.jit_compile and self._strategy.replicates:
-            loss_and_gradients = self._jit(loss_and_gradients)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        loss_and_gradients = self.replica_compiled(self._loss_and_gradients)
         loss, y_pred, gradients = loss_and_gradients(x, y, sample_weight)
         num_samples = _batch_size(x)
-        self._loss_tracker.update_state(
-            loss_module.unscale_loss_for_distribution(loss), sample_weight=num_samples
+        _compat.loss_tracker(self).update_state(
+            _unscale_replica_loss(loss), sample_weight=num_samples
         )
         if gradients:
             if self._accumulation_steps > 1:
@@ -214,13 +210,14 @@ class DistributedModel(keras.Model):
     def _sums_sample_losses(self) -> bool:
         # Gradients of summed (not averaged) per-sample losses are what can be
         # added across replicas and steps and divided by the sample count.
-        return self._strategy.replicates or self._accumulation_steps > 1
+        # With one replica and no accumulation the step is Keras's own.
+        return self._strategy.num_replicas > 1 or self._accumulation_steps > 1
 
     def _loss_and_gradients(self, x, y, sample_weight):
         with tf.GradientTape() as tape:
             y_pred = self._forward(x, training=True)
-            loss = self._compute_loss(
-                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+            loss = _compat.compute_loss(
+                self, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
             )
             scaled = self._weight_replica_loss(loss, x)
             if self.optimizer is not None:
@@ -233,13 +230,12 @@ class DistributedModel(keras.Model):
     def reduce_gradients(self, gradients: list, num_samples) -> list:
         """The one cross-replica reduction of the step.
 
-        Under a replicating strategy each replica's gradients are of the *sum*
-        of its per-sample losses (see `_weight_replica_loss`); they travel
-        with the replica's sample count in the same all-reduce, and the sums
-        are divided by the global count. That is exactly the gradient of the
-        mean loss over the global batch, whatever the split, and needs no
-        knowledge of the global batch size on any worker. `None` entries
-        (variables the loss does not reach) stay `None`.
+        Each replica's gradients are of the *sum* of its per-sample losses
+        (see `_weight_replica_loss`); the strategy sums them over replicas
+        together with the sample counts and divides by the global count
+        (`Strategy.reduce_gradients`): exactly the gradient of the mean loss
+        over the global batch, whatever the split. `None` entries (variables
+        the loss does not reach) stay `None`.
         """
         present = [g for g in gradients if g is not None]
         if not present:
@@ -248,17 +244,8 @@ class DistributedModel(keras.Model):
                 "loss depends on the model's outputs."
             )
         if self._sums_sample_losses:
-            total = tf.cast(num_samples, tf.float32)
-            if self._strategy.replicates:
-                compression = getattr(self.optimizer, "compression", None)
-                dtypes = [g.dtype for g in present]
-                if compression is not None:
-                    present = [compression.compress(g) for g in present]
-                *present, total = self._strategy.all_reduce([*present, total], "sum")
-                if compression is not None:
-                    present = [compression.decompress(g, d) for g, d in zip(present, dtypes)]
-            scale = 1.0 / tf.maximum(total, 1.0)
-            present = [g * tf.cast(scale, g.dtype) for g in present]
+            compression = getattr(self.optimizer, "compression", None)
+            present = self._strategy.reduce_gradients(present, num_samples, compression)
         reduced = iter(present)
         return [None if g is None else next(reduced) for g in gradients]
 
@@ -272,22 +259,18 @@ class DistributedModel(keras.Model):
             _step_state.gradients_reduced = False
 
     def test_step(self, data):
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-        forward = self._forward
-        if self.jit_compile and self._strategy.replicates:
-            forward = self._jit(forward)
-        y_pred = forward(x, training=False)
-        loss = self._compute_loss(
-            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        y_pred = self.replica_compiled(self._forward)(x, training=False)
+        loss = _compat.compute_loss(
+            self, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False
         )
-        self._loss_tracker.update_state(
-            loss_module.unscale_loss_for_distribution(loss),
-            sample_weight=_batch_size(x),
+        _compat.loss_tracker(self).update_state(
+            _unscale_replica_loss(loss), sample_weight=_batch_size(x)
         )
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _forward(self, x, training):
-        if self._call_has_training_arg:
+        if _compat.call_has_training_arg(self):
             return self(x, training=training)
         return self(x)
 
@@ -297,15 +280,26 @@ class DistributedModel(keras.Model):
         if not self._sums_sample_losses:
             return loss
         count = tf.cast(_batch_size(x), loss.dtype)
-        keras_divisor = tf.distribute.get_strategy().num_replicas_in_sync
-        return loss * count * tf.cast(keras_divisor, loss.dtype)
+        return _unscale_replica_loss(loss) * count
 
-    def _jit(self, fn):
-        """`fn` compiled with XLA, one compiled function per replica.
+    def compile_replicas_separately(self, enabled: bool) -> None:
+        """Whether `replica_compiled` compiles each replica's math with XLA.
+
+        Strategies whose step holds collectives call this when they make the
+        step function (collectives cannot run inside one XLA cluster, so XLA
+        compiles the per-replica math instead of the whole step).
+        """
+        self._jit_replicas = bool(enabled)
+        self.__dict__.pop("_kd_jit_cache", None)
+
+    def replica_compiled(self, fn):
+        """`fn`, compiled with XLA per replica when the strategy asked for it.
 
         Each replica's function captures that replica's copies of the
         variables, so the replicas cannot share one traced function.
         """
+        if not self._jit_replicas:
+            return fn
         ctx = tf.distribute.get_replica_context()
         replica = tf.get_static_value(getattr(ctx, "replica_id_in_sync_group", 0))
         cache = self.__dict__.setdefault("_kd_jit_cache", {})
@@ -314,7 +308,7 @@ class DistributedModel(keras.Model):
             cache[key] = tf.function(fn, jit_compile=True, reduce_retracing=True)
         return cache[key]
 
-    # -- the function-making layer: distribution ---------------------------
+    # -- the function-making layer: the strategy's ---------------------------
 
     def make_train_function(self, force=False):
         k = self._accumulation_steps
@@ -345,170 +339,68 @@ class DistributedModel(keras.Model):
         return train_function
 
     def _make_function(self, step_function):
-        self.__dict__.pop("_kd_jit_cache", None)
-        distributed = self._distributed(step_function)
-        if not self._strategy.replicates:
-            return super()._make_function(distributed)
-        if self.steps_per_execution > 1:
-            return self._make_stepwise_function(distributed)
-        # Collectives cannot run inside one XLA cluster: XLA compiles the
-        # per-replica math instead (see train_step/test_step).
-        jit_compile, self._jit_compile = self._jit_compile, False
-        try:
-            return super()._make_function(distributed)
-        finally:
-            self._jit_compile = jit_compile
-
-    def _make_stepwise_function(self, distributed):
-        """`steps_per_execution` steps per call, one compiled step at a time.
-
-        Keras fuses the steps with `tf.while_loop` + `tf.cond`, but
-        `tf.distribute` replicas cannot be traced inside `tf.cond` (TF fails
-        with "You must feed a value for placeholder"), so replicating
-        strategies run the steps from Python; results are identical.
-        """
-        one_step = distributed
-        if not self.run_eagerly:
-            one_step = tf.function(distributed, reduce_retracing=True)
-
-        def function(iterator):
-            outputs = None
-            for _ in range(self.steps_per_execution):
-                try:
-                    data = next(iterator)
-                except (StopIteration, tf.errors.OutOfRangeError):
-                    break
-                outputs = one_step(data)
-            if outputs is None:
-                raise StopIteration
-            return outputs
-
-        return function
-
-    def _distributed(self, step_function):
-        strategy = self._strategy
-
-        def distributed_step(data):
-            return self._reduce_logs(strategy.run(step_function, data))
-
-        return distributed_step
-
-    def _reduce_logs(self, outputs):
-        if not any(
-            isinstance(v, tf.distribute.DistributedValues)
-            for v in tf.nest.flatten(outputs)
-        ):
-            return outputs
-        if not self._strategy.exact_batch_logs:
-            return self._strategy.local_mean(outputs)
-        if isinstance(outputs, dict):
-            # Metric variables sum across replicas when read here, so these
-            # are exact global values, not a mean of per-replica values.
-            metrics = self.get_metrics_result()
-            return {
-                k: metrics[k] if k in metrics else self._strategy.reduce_mean(v)
-                for k, v in outputs.items()
-            }
-        return self._strategy.reduce_mean(outputs)
+        # Keras's hook (see _compat.KERAS_HOOKS): the strategy decides how
+        # the per-replica step becomes the function Keras's loop calls.
+        return self._strategy.make_step_function(
+            self, step_function, super()._make_function
+        )
 
     def make_predict_function(self, force=False):
-        if not self._strategy.replicates:
-            return super().make_predict_function(force=force)
         if self.predict_function is not None and not force:
             return self.predict_function
-        self.__dict__.pop("_kd_jit_cache", None)
-        strategy = self._strategy
-        predict_step = self.predict_step
-        if self.jit_compile:
-            predict_step = lambda batch: self._jit(self.predict_step)(batch)  # noqa: E731
 
-        def predict_function(steps):
-            outputs = [
-                strategy.concat(strategy.run(predict_step, step))
-                for step in steps
-            ]
-            if len(outputs) == 1:
-                return outputs[0]
-            return tf.nest.map_structure(lambda *t: tf.concat(t, axis=0), *outputs)
+        def keras_make_predict_function():
+            super(DistributedModel, self).make_predict_function(force=True)
+            return self.predict_function
 
-        if not self.run_eagerly:
-            predict_function = tf.function(predict_function, reduce_retracing=True)
-        self.predict_function = predict_function
-        return predict_function
+        self.predict_function = self._strategy.make_predict_function(
+            self, keras_make_predict_function
+        )
+        return self.predict_function
 
-    # -- entry points: batch checks and lazy builds ---------------------------
+    # -- entry points: input to the strategy, lazy builds ----------------------
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
             callbacks=None, validation_split=0.0, validation_data=None,
             shuffle=True, class_weight=None, sample_weight=None, **kwargs):
-        self._check_batch_size(batch_size)
-        self._check_batch_size(kwargs.get("validation_batch_size"))
-        if self._sharded:
-            if validation_split:
-                (x, y, sample_weight), validation_data = sharding.split_validation(
-                    x, y, sample_weight, validation_split
-                )
-                validation_split = 0.0
-            seed = self._strategy.agree_on_seed() if shuffle else None
-            # Arrays: one endless iterator for the whole fit (see sharding.shard).
-            steps = None
-            if kwargs.get("steps_per_epoch") is None:
-                steps = sharding.array_steps(x, batch_size)
-            x, batch_size = sharding.shard(
-                self._strategy, x, y, sample_weight, batch_size, shuffle, seed,
-                repeat=steps is not None,
-            )
-            if steps is not None:
-                kwargs["steps_per_epoch"] = steps
-            y = sample_weight = None
-            shuffle = False
-            if validation_data is not None:
-                val_batch = kwargs.pop("validation_batch_size", None) or batch_size
-                validation_data, _ = sharding.shard(
-                    self._strategy, *sharding.unpack(validation_data), val_batch
-                )
+        self._strategy.check_batch_size(batch_size)
+        self._strategy.check_batch_size(kwargs.get("validation_batch_size"))
+        given = dict(
+            x=x, y=y, sample_weight=sample_weight, batch_size=batch_size, shuffle=shuffle,
+            validation_split=validation_split, validation_data=validation_data,
+            validation_batch_size=kwargs.pop("validation_batch_size", None),
+            steps_per_epoch=kwargs.pop("steps_per_epoch", None),
+        )
+        fit = self._strategy.distribute_fit_input(given)
         with self._side_effects(callbacks) as callbacks:
             return super().fit(
-                x, y, batch_size, epochs, self._verbose(verbose), callbacks,
-                validation_split, validation_data, shuffle, class_weight,
-                sample_weight, **kwargs,
+                fit["x"], fit["y"], fit["batch_size"], epochs, self._verbose(verbose),
+                callbacks, fit["validation_split"], fit["validation_data"], fit["shuffle"],
+                class_weight, fit["sample_weight"],
+                validation_batch_size=fit["validation_batch_size"],
+                steps_per_epoch=fit["steps_per_epoch"], **kwargs,
             )
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto",
                  sample_weight=None, steps=None, callbacks=None, **kwargs):
-        self._check_batch_size(batch_size)
+        self._strategy.check_batch_size(batch_size)
         if kwargs.get("_use_cached_eval_dataset"):
-            # Validation inside fit: inputs were sharded by fit already.
+            # Validation inside fit: the input was distributed by fit already.
             return super().evaluate(x, y, batch_size, verbose, sample_weight,
                                     steps, callbacks, **kwargs)
-        if self._sharded:
-            x, batch_size = sharding.shard(self._strategy, x, y, sample_weight, batch_size)
-            y = sample_weight = None
+        x, y, sample_weight, batch_size = self._strategy.distribute_input(
+            x, y, sample_weight, batch_size)
         with self._side_effects(callbacks) as callbacks:
             return super().evaluate(x, y, batch_size, self._verbose(verbose),
                                     sample_weight, steps, callbacks, **kwargs)
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
-        self._check_batch_size(batch_size)
+        self._strategy.check_batch_size(batch_size)
         if not self.built:
-            from keras.src.backend.tensorflow.trainer import TFEpochIterator
-
-            self._maybe_symbolic_build(
-                iterator=TFEpochIterator(
-                    x=x,
-                    batch_size=batch_size,
-                    shuffle=False,
-                    distribute_strategy=tf.distribute.get_strategy(),
-                )
-            )
-        if self._sharded:
-            x, batch_size = sharding.shard(self._strategy, x, batch_size=batch_size)
+            self._maybe_symbolic_build(iterator=_compat.epoch_iterator(x, batch_size))
+        x, _, _, batch_size = self._strategy.distribute_input(x, batch_size=batch_size)
         with self._side_effects(callbacks) as callbacks:
             return super().predict(x, batch_size, self._verbose(verbose), steps, callbacks)
-
-    @property
-    def _sharded(self) -> bool:
-        return self._strategy.world_size > 1
 
     def _verbose(self, verbose):
         if self.chief_only_side_effects and not self._strategy.is_chief:
@@ -524,11 +416,6 @@ class DistributedModel(keras.Model):
         if not self.built:
             self._maybe_symbolic_build(data_batch=(x, None, None))
         return super().predict_on_batch(x)
-
-    def _check_batch_size(self, batch_size):
-        data_lib.check_batch_size(
-            batch_size, self._strategy.num_replicas, self._strategy.name
-        )
 
     # -- saving: atomic files -------------------------------------------------
 
@@ -560,6 +447,13 @@ class FunctionalDistributedModel(DistributedModel, Functional):
         inputs, outputs = _rebuild_under(resolved, inputs, outputs)
         Functional.__init__(self, inputs, outputs, name=name, **kwargs)
         self._init_distribution(resolved)
+
+
+def _unscale_replica_loss(loss):
+    """The replica's mean loss from Keras's, which divided it by the number of
+    replicas of the enclosing tf.distribute strategy (`scale_loss_for_distribution`)."""
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    return loss * tf.cast(replicas, loss.dtype) if replicas > 1 else loss
 
 
 def _rebuild_under(strategy: Strategy, inputs, outputs):
@@ -603,17 +497,15 @@ def _install_reduction_switch(optimizer) -> None:
     skipped. Custom `train_step`s that call `apply_gradients` themselves keep
     Keras's reduction. The switch acts at trace time.
     """
-    keras_all_reduce = optimizer._all_reduce_sum_gradients
-    if getattr(keras_all_reduce, "_kd_switch", False):
-        return
+    def unless_reduced(keras_all_reduce):
+        def all_reduce_unless_reduced(grads_and_vars):
+            if getattr(_step_state, "gradients_reduced", False):
+                return list(grads_and_vars)
+            return keras_all_reduce(grads_and_vars)
 
-    def all_reduce_unless_reduced(grads_and_vars):
-        if getattr(_step_state, "gradients_reduced", False):
-            return list(grads_and_vars)
-        return keras_all_reduce(grads_and_vars)
+        return all_reduce_unless_reduced
 
-    all_reduce_unless_reduced._kd_switch = True
-    optimizer._all_reduce_sum_gradients = all_reduce_unless_reduced
+    _compat.wrap_optimizer_all_reduce(optimizer, unless_reduced)
 
 
 def _batch_size(x):

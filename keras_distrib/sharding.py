@@ -15,7 +15,8 @@ same order):
 * any other `tf.data.Dataset`: each element (a global batch) is cut to this
   worker's rows.
 
-All of this runs only when more than one worker trains.
+All of this runs only when more than one worker trains (the strategy's
+`topology.num_data_shards > 1`; see `Strategy.distribute_fit_input`).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from typing import Any, Optional
 import keras
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.data.experimental.ops import distribute as tf_data_distribute
 
+from keras_distrib import _compat
 from keras_distrib import data as data_lib
 
 _FILE_READERS = {
@@ -36,6 +37,38 @@ _FILE_READERS = {
     "FixedLengthRecordDataset",
     "FixedLengthRecordDatasetV2",
 }
+
+
+def fit_input(strategy, fit: dict) -> dict:
+    """`fit`'s arguments with the training and validation input sharded.
+
+    `validation_split` is applied before sharding (arrays only), the shuffle
+    seed is agreed on by all workers, and array input becomes one endless
+    iterator with `steps_per_epoch` from the data (see `shard`).
+    """
+    fit = dict(fit)
+    x, y, sample_weight = fit["x"], fit["y"], fit["sample_weight"]
+    batch_size = fit["batch_size"]
+    if fit["validation_split"]:
+        (x, y, sample_weight), fit["validation_data"] = _compat.train_validation_split(
+            (x, y, sample_weight), fit["validation_split"])
+        fit["validation_split"] = 0.0
+    seed = strategy.agree_on_seed() if fit["shuffle"] else None
+    steps = None
+    if fit["steps_per_epoch"] is None:
+        steps = array_steps(x, batch_size)
+    fit["x"], fit["batch_size"] = shard(
+        strategy, x, y, sample_weight, batch_size, fit["shuffle"], seed,
+        repeat=steps is not None)
+    if steps is not None:
+        fit["steps_per_epoch"] = steps
+    fit["y"] = fit["sample_weight"] = None
+    fit["shuffle"] = False
+    if fit["validation_data"] is not None:
+        val_batch = fit["validation_batch_size"] or batch_size
+        fit["validation_data"], _ = shard(strategy, *unpack(fit["validation_data"]), val_batch)
+        fit["validation_batch_size"] = None
+    return fit
 
 
 def shard(strategy, x, y=None, sample_weight=None, batch_size=None, shuffle=False, seed=0,
@@ -73,9 +106,12 @@ class _WorkerRows:
     """Which rows of a global batch belong to this worker."""
 
     def __init__(self, strategy):
-        self.first = strategy.first_local_replica
-        self.local = strategy.num_local_replicas
-        self.total = strategy.num_replicas
+        topology = strategy.topology
+        self.first = topology.first_local_replica
+        self.local = topology.num_local_replicas
+        self.total = topology.num_replicas
+        self.num_shards = topology.num_data_shards
+        self.shard_index = topology.data_shard_index
 
     def bounds(self, global_size):
         """(start, count) as tensors of the dtype of `global_size`."""
@@ -137,31 +173,20 @@ def _shard_arrays(x, y, sample_weight, batch_size, rows, seed, repeat=False):
 def _shard_dataset(dataset: tf.data.Dataset, rows: _WorkerRows) -> tf.data.Dataset:
     if not reads_files(dataset):
         return dataset.map(lambda *e: rows.cut(e[0] if len(e) == 1 else e))
-    global_batch = int(tf_data_distribute.compute_batch_size(dataset))
+    global_batch = _compat.static_batch_size(dataset)
     if global_batch <= 0:
         raise ValueError(
             "Cannot find the batch size of this file-reading tf.data pipeline; "
             "call .batch(global_batch_size) on it as its last batching step."
         )
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.FILE
-    num_workers = rows.total // rows.local
-    worker = rows.first // rows.local
-    sharded = tf_data_distribute._AutoShardDataset(
-        dataset.with_options(options), num_workers, worker, rows.total
-    )
+    sharded = _compat.shard_by_file(dataset, rows.num_shards, rows.shard_index, rows.total)
     _, count = rows.bounds(tf.constant(global_batch, tf.int64))
     return sharded.rebatch(int(count))
 
 
 def reads_files(dataset: tf.data.Dataset) -> bool:
     """Whether the pipeline has a file reader source (so can shard by file)."""
-    graph = tf.compat.v1.GraphDef()
-    graph.ParseFromString(dataset._as_serialized_graph().numpy())
-    ops = {node.op for node in graph.node}
-    for function in graph.library.function:
-        ops.update(node.op for node in function.node_def)
-    return bool(ops & _FILE_READERS)
+    return bool(_compat.dataset_ops(dataset) & _FILE_READERS)
 
 
 class _WorkerPyDataset(keras.utils.PyDataset):
@@ -194,18 +219,7 @@ class _WorkerPyDataset(keras.utils.PyDataset):
         self._order = self._permutation()
 
 
-def split_validation(x, y, sample_weight, validation_split):
-    """Keras's `validation_split`, done before sharding (arrays only)."""
-    from keras.src.trainers.data_adapters import array_slicing
-
-    return array_slicing.train_validation_split(
-        (x, y, sample_weight), validation_split=validation_split
-    )
-
-
 def unpack(data) -> tuple[Any, Any, Any]:
-    from keras.src.trainers.data_adapters import data_adapter_utils
-
     if isinstance(data, (tf.data.Dataset, keras.utils.PyDataset)):
         return data, None, None
-    return data_adapter_utils.unpack_x_y_sample_weight(data)
+    return keras.utils.unpack_x_y_sample_weight(data)

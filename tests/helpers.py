@@ -112,7 +112,7 @@ def collective_dtypes(model, x, y):
     attribute of every collective op in its graph and nested functions,
     and the input dtypes of the shared-memory all-reduce (a PyFunc).
     """
-    step = tf.function(model._distributed(model.train_step))
+    step = tf.function(lambda data: model.strategy.run(model.train_step, data))
     graph = step.get_concrete_function((tf.constant(x), tf.constant(y))).graph.as_graph_def()
     nodes = list(graph.node)
     for function in graph.library.function:

@@ -276,7 +276,7 @@ def test_single_process_without_horovodrun_trains_like_single(hvd):
     assert (strategy.name, strategy.rank, strategy.world_size, strategy.num_replicas) == (
         "horovod", 0, 1, 1)
     assert strategy.num_local_replicas == 1 and strategy.first_local_replica == 0
-    assert strategy.replicates and strategy.is_chief
+    assert strategy.topology.num_processes == 1 and strategy.is_chief
     assert strategy.devices == ("/device:CPU:0",)
     x, y = make_data()
     keras.utils.set_random_seed(SEED)

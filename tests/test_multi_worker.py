@@ -125,7 +125,11 @@ def test_only_the_chief_printed_and_wrote_files(run):
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_peer_that_never_answers_is_named(tmp_path):
+# With TF_CONFIG set, `import keras_distrib` starts the runtime and waits
+# KERAS_DISTRIB_PEER_TIMEOUT; opted out, the strategy's peer_timeout applies.
+@pytest.mark.parametrize("env", [{"KERAS_DISTRIB_PEER_TIMEOUT": "3"},
+                                 {"KERAS_DISTRIB_BOOTSTRAP": "0"}])
+def test_peer_that_never_answers_is_named(tmp_path, env):
     from keras_distrib import cluster
 
     ports = cluster.free_ports(2)
@@ -134,7 +138,8 @@ def test_peer_that_never_answers_is_named(tmp_path):
     code = ("import keras_distrib as kd\n"
             "kd.strategies.get('multi_worker', peer_timeout=3)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=100, env=dict(os.environ, TF_CONFIG=json.dumps(tf_config)))
+                          timeout=100,
+                          env=dict(os.environ, TF_CONFIG=json.dumps(tf_config), **env))
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert f"worker 1 at 127.0.0.1:{ports[1]} did not answer" in last
@@ -167,7 +172,8 @@ def test_created_after_tensorflow_started_is_a_clear_error():
             "kd.strategies.get('multi_worker', cluster=['127.0.0.1:1', '127.0.0.1:2'], task_index=0)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
-    assert "must be created before TensorFlow starts" in proc.stderr.strip().splitlines()[-1]
+    assert "TensorFlow was used before keras_distrib could start its multi-worker runtime" in (
+        proc.stderr.strip().splitlines()[-1])
 
 
 def _info(*workers):

@@ -9,6 +9,7 @@ from typing import Any, Optional
 import keras
 import numpy as np
 
+from keras_distrib import _compat
 from keras_distrib.callbacks.scaled_schedule import ScaledSchedule
 
 # optimizer -> (kind, the rate or schedule it had before we changed it).
@@ -26,7 +27,7 @@ def optimizer_of(callback):
 
 
 def schedule_of(optimizer) -> Optional[keras.optimizers.schedules.LearningRateSchedule]:
-    rate = optimizer._learning_rate
+    rate = _compat.learning_rate_or_schedule(optimizer)
     if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
         return rate
     if callable(rate) and not isinstance(rate, keras.Variable):

@@ -1,92 +1,119 @@
-"""The small interface every strategy implements.
+"""The interface every strategy implements, whatever its kind of parallelism.
 
-A strategy owns an engine (here: a `tf.distribute.Strategy`) and answers
-four questions for `DistributedModel`: where variables live (`scope`), how a
-global batch becomes per-replica work (`run`), how per-replica values are
-combined (`all_reduce`, `reduce_mean`, `concat`), and who this process is
-(`rank`, `world_size`, `is_chief`).
+`DistributedModel` holds the per-replica math (forward pass, loss,
+gradients) and asks its strategy for everything else:
+
+* topology: `topology` (replicas, devices, processes, data shards, role);
+* placement: `scope()`, `holds(variable)`;
+* input: `distribute_fit_input` / `distribute_input` turn what the user
+  passed to `fit` / `evaluate` / `predict` into what each step consumes;
+* execution: `make_step_function` / `make_predict_function` turn the
+  per-replica step into the function Keras's loop calls (run in lockstep on
+  every replica, or scheduled elsewhere), and `run` runs a per-replica
+  function on this process's replicas;
+* gradient reduction: `all_reduce` and `reduce_gradients` (replica context);
+* results: `metric_results` (what metric values every process reports);
+* cross-process helpers for callbacks, eager and between steps:
+  `sync_sum`, `sync_gather`, `broadcast_variables`, `agree_on_seed`,
+  `local_replica_values`, and `sync_initial_state(model)`.
+
+Two shared bases implement most of it: `tf_distribute.TFDistributeStrategy`
+for engines built on a `tf.distribute.Strategy`, and
+`per_process.PerProcessStrategy` for one replica per process (single,
+Horovod). A concrete strategy is one file: a subclass that sets `name`
+(which registers it, see `registry`), `description`, optional `aliases`,
+and builds its engine in `__init__`.
 """
 
 from __future__ import annotations
 
 import abc
 import contextlib
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import numpy as np
-
 import tensorflow as tf
 
 from keras_distrib import data as data_lib
+from keras_distrib import sharding
+from keras_distrib.topology import Topology
 
 
 class Strategy(abc.ABC):
     """Base class of all keras_distrib strategies.
 
-    Subclasses set `name` and `description` (shown by
-    `keras_distrib.strategies.available()`) and build their engine in
-    `__init__`.
+    Subclasses that set `name` register themselves under it (and under
+    `aliases`), so `keras_distrib.strategies.get(name)` builds them.
 
     Example:
 
     ```python
     strategy = keras_distrib.strategies.get("mirrored")
-    print(strategy.name, strategy.num_replicas, strategy.is_chief)
+    t = strategy.topology
+    print(strategy.name, t.num_replicas, t.num_processes, strategy.is_chief)
     ```
     """
 
-    name: str = ""
-    description: str = ""
-    # Whether steps run as several replicas whose results need combining.
-    replicates: bool = True
-    # Whether per-batch logs are global values (reading them costs a
-    # cross-process collective per metric and step where processes differ).
-    exact_batch_logs: bool = True
+    name: ClassVar[str] = ""
+    aliases: ClassVar[tuple[str, ...]] = ()
+    description: ClassVar[str] = ""
+    # TensorFlow allows one collective runtime per process: the registry then
+    # hands every later request the first instance.
+    one_per_process: ClassVar[bool] = False
 
-    def __init__(self, tf_strategy: tf.distribute.Strategy):
-        self._tf_strategy = tf_strategy
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("name"):
+            from keras_distrib.strategies import registry
 
-    # -- identity -----------------------------------------------------------
+            registry.register(cls)
+
+    # -- topology -------------------------------------------------------------
 
     @property
-    def tf_strategy(self) -> tf.distribute.Strategy:
-        """The `tf.distribute.Strategy` that places variables and runs steps."""
-        return self._tf_strategy
+    @abc.abstractmethod
+    def topology(self) -> Topology:
+        """Replicas, devices, processes and data shards, seen from here."""
 
     @property
     def num_replicas(self) -> int:
         """Replicas that train in sync, across all processes."""
-        return self._tf_strategy.num_replicas_in_sync
+        return self.topology.num_replicas
 
     @property
     def num_local_replicas(self) -> int:
         """Replicas that run in this process."""
-        return len(self.devices)
+        return self.topology.num_local_replicas
 
     @property
     def first_local_replica(self) -> int:
         """Global index of this process's first replica."""
-        return self.rank * self.num_local_replicas
+        return self.topology.first_local_replica
+
+    @property
+    def devices(self) -> Sequence[str]:
+        """The devices this process computes on."""
+        return self.topology.devices
 
     @property
     def rank(self) -> int:
         """Index of this process among `world_size` processes."""
-        return 0
+        return self.topology.process_index
 
     @property
     def world_size(self) -> int:
         """Number of processes taking part in training."""
-        return 1
+        return self.topology.num_processes
+
+    @property
+    def local_rank(self) -> int:
+        """Index of this process among the processes on its host."""
+        return self.topology.local_rank
 
     @property
     def is_chief(self) -> bool:
         """Whether this process writes checkpoints and logs."""
-        return self.rank == 0
-
-    @property
-    def devices(self) -> Sequence[str]:
-        """The devices this process runs replicas on."""
-        return tuple(self._tf_strategy.extended.worker_devices)
+        return self.topology.is_chief
 
     def __repr__(self) -> str:
         return (
@@ -95,86 +122,109 @@ class Strategy(abc.ABC):
             f"world_size={self.world_size}>"
         )
 
-    # -- placement ----------------------------------------------------------
+    # -- placement --------------------------------------------------------------
 
+    @abc.abstractmethod
     def scope(self) -> contextlib.AbstractContextManager:
         """Context under which variables are created for this strategy."""
-        return self._tf_strategy.scope()
 
+    @abc.abstractmethod
     def holds(self, variable: Any) -> bool:
         """Whether `variable` was created under this strategy's scope."""
-        value = getattr(variable, "value", variable)
-        return getattr(value, "_distribute_strategy", None) is self._tf_strategy
 
-    # -- the step -----------------------------------------------------------
+    # -- input ------------------------------------------------------------------
 
+    def check_batch_size(self, batch_size: Optional[int]) -> None:
+        """Rejects an explicit global batch the replicas cannot share evenly."""
+        data_lib.check_batch_size(batch_size, self.num_replicas, self.name)
+
+    def distribute_fit_input(self, fit: dict) -> dict:
+        """What `fit` hands Keras instead of the user's input.
+
+        `fit` holds `x`, `y`, `sample_weight`, `batch_size`, `shuffle`,
+        `validation_split`, `validation_data`, `validation_batch_size` and
+        `steps_per_epoch` as the user passed them. By default each process
+        that reads input gets its data shard (`keras_distrib.sharding`:
+        every sample of an epoch seen once, `batch_size` global).
+        """
+        if self.topology.num_data_shards == 1:
+            return fit
+        return sharding.fit_input(self, fit)
+
+    def distribute_input(self, x, y=None, sample_weight=None, batch_size=None):
+        """`(x, y, sample_weight, batch_size)` for `evaluate` / `predict`."""
+        if self.topology.num_data_shards == 1:
+            return x, y, sample_weight, batch_size
+        x, batch_size = sharding.shard(self, x, y, sample_weight, batch_size)
+        return x, None, None, batch_size
+
+    # -- execution ----------------------------------------------------------------
+
+    @abc.abstractmethod
+    def make_step_function(self, model, step_fn: Callable, keras_make_function: Callable):
+        """The train/test function Keras's loop calls, from a per-replica step.
+
+        Args:
+            model: the `DistributedModel`.
+            step_fn: `step_fn(batch) -> logs`, the per-replica math.
+            keras_make_function: Keras's own maker (`Trainer._make_function`):
+                turns a function of one batch into a function of an iterator,
+                with `steps_per_execution` and `jit_compile` handled.
+        """
+
+    @abc.abstractmethod
+    def make_predict_function(self, model, keras_make_predict_function: Callable):
+        """The predict function Keras's loop calls (all rows, in order)."""
+
+    @abc.abstractmethod
     def run(self, replica_fn: Callable, batch: Any):
-        """Runs `replica_fn(shard)` once per local replica.
+        """Runs `replica_fn(shard)` on this process's replicas.
 
-        `batch` is this process's part of the global batch (every tensor's
-        first dimension is the batch); it is split across the local replicas
-        as `keras_distrib.data.split_batch` documents.
-
-        Returns per-replica outputs (`tf.distribute.DistributedValues`).
+        `batch` is this process's part of the global batch; it is split over
+        the local replicas by the rule of `keras_distrib.data.split_batch`.
         """
-        shards = data_lib.split_batch(batch, self.num_local_replicas)
-        first = self.first_local_replica
 
-        def value_fn(ctx):
-            return shards[ctx.replica_id_in_sync_group - first]
+    # -- gradient reduction (replica context) ----------------------------------------
 
-        per_replica = self._tf_strategy.experimental_distribute_values_from_function(
-            value_fn
-        )
-        return self._tf_strategy.run(replica_fn, args=(per_replica,))
-
+    @abc.abstractmethod
     def all_reduce(self, values: Sequence[tf.Tensor], op: str = "sum") -> list:
-        """Reduces a list of tensors across replicas (replica context).
+        """Sums (or averages) a list of tensors over all replicas."""
 
-        Tensors of one dtype travel together (TF packs them into few
-        collectives); each dtype is its own group.
+    def reduce_gradients(self, gradients: list, num_samples, compression=None) -> list:
+        """Global mean gradient from each replica's gradient of its loss *sum*.
+
+        The replica's sample count travels in the same all-reduce as the
+        gradients, and the sums are divided by the global count: exactly the
+        gradient of the mean loss over the global batch, whatever the split,
+        with no process needing to know the global batch size. `compression`
+        (see `keras_distrib.optimizers`) casts gradients for the wire.
         """
-        ctx = tf.distribute.get_replica_context()
-        # tf.identity places values made outside the replica (e.g. a batch
-        # passed straight through) on its device; TF needs one to reduce.
-        values = [v if v.device else tf.identity(v) for v in values]
-        reduced = list(values)
-        for dtype in dict.fromkeys(v.dtype for v in values):
-            positions = [i for i, v in enumerate(values) if v.dtype == dtype]
-            group = ctx.all_reduce(_reduce_op(op), [values[i] for i in positions])
-            for i, value in zip(positions, group):
-                reduced[i] = value
-        return reduced
+        total = tf.cast(num_samples, tf.float32)
+        dtypes = [g.dtype for g in gradients]
+        if compression is not None:
+            gradients = [compression.compress(g) for g in gradients]
+        *gradients, total = self.all_reduce([*gradients, total], "sum")
+        if compression is not None:
+            gradients = [compression.decompress(g, d) for g, d in zip(gradients, dtypes)]
+        scale = 1.0 / tf.maximum(total, 1.0)
+        return [g * tf.cast(scale, g.dtype) for g in gradients]
 
-    def reduce_mean(self, per_replica: Any) -> Any:
-        """Mean over replicas of per-replica values (cross-replica context)."""
-        return tf.nest.map_structure(
-            lambda v: self._tf_strategy.reduce("MEAN", v, axis=None), per_replica
-        )
+    # -- results ---------------------------------------------------------------------
 
-    def local_mean(self, per_replica: Any) -> Any:
-        """Mean over this process's replicas only (no communication)."""
+    def metric_results(self, results: dict) -> dict:
+        """Metric values as this process should report them (default: as read)."""
+        return results
 
-        def mean(value):
-            parts = self._tf_strategy.experimental_local_results(value)
-            return tf.add_n(list(parts)) / len(parts) if len(parts) > 1 else parts[0]
+    # -- between steps: eager collectives across processes ------------------------------
+    # Called by callbacks on every process, in the same order on all of them.
 
-        return tf.nest.map_structure(mean, per_replica)
+    @abc.abstractmethod
+    def _sum_over_processes(self, flat: np.ndarray) -> np.ndarray:
+        """Elementwise sum over processes of one 1-D array per process."""
 
-    def concat(self, per_replica: Any) -> Any:
-        """Concatenates per-replica outputs in global replica order."""
-
-        def concat_one(value):
-            parts = self._tf_strategy.experimental_local_results(value)
-            if parts[0].shape.rank == 0:
-                return tf.stack(parts)
-            return tf.concat(parts, axis=0)
-
-        return tf.nest.map_structure(concat_one, per_replica)
-
-
-    # -- between steps: eager collectives across processes --------------------
-    # Called by callbacks on every worker, in the same order on all of them.
+    @abc.abstractmethod
+    def local_replica_values(self, variable: Any) -> list[np.ndarray]:
+        """This process's copies of `variable`, one per local replica."""
 
     def sync_sum(self, values: Sequence[Any]) -> list[np.ndarray]:
         """Elementwise sums over processes of one value per process (eager).
@@ -194,15 +244,6 @@ class Strategy(abc.ABC):
             start += a.size
         return out
 
-    def _sum_over_processes(self, flat: np.ndarray) -> np.ndarray:
-        value = tf.constant(flat)
-        zeros = tf.zeros_like(value)
-        first = self.first_local_replica
-        per_replica = self._tf_strategy.experimental_distribute_values_from_function(
-            lambda ctx: value if ctx.replica_id_in_sync_group == first else zeros
-        )
-        return self._tf_strategy.reduce("SUM", per_replica, axis=None).numpy()
-
     def sync_gather(self, value: Any) -> np.ndarray:
         """Stacks one value per process into `[world_size, ...]` (eager)."""
         value = np.asarray(value)
@@ -215,7 +256,7 @@ class Strategy(abc.ABC):
         if self.world_size == 1 or not variables:
             return
         mine = [
-            np.asarray(v) if self.rank == root else np.zeros(v.shape, _np_dtype(v))
+            np.asarray(v) if self.rank == root else np.zeros(v.shape, np_dtype(v))
             for v in variables
         ]
         for variable, value in zip(variables, self.sync_sum(mine)):
@@ -227,33 +268,20 @@ class Strategy(abc.ABC):
             seed = int(np.random.default_rng().integers(2**31))
         return int(self.sync_sum([np.int64(seed if self.is_chief else 0)])[0])
 
-    def local_replica_values(self, variable: Any) -> list[np.ndarray]:
-        """This process's copies of `variable`, one per local replica."""
-        value = getattr(variable, "value", variable)
-        return [np.asarray(v) for v in self._tf_strategy.experimental_local_results(value)]
-
     def sync_initial_state(self, model) -> None:
         """Makes every replica start from the same weights (after builds).
 
-        tf.distribute already broadcasts initial values when variables are
-        created; engines without that override this.
+        Engines that broadcast initial values when variables are created
+        (tf.distribute) need nothing here; others override it.
         """
 
-    def combine_metric_results(self, results: dict) -> dict:
-        """Metric results as every process should report them.
 
-        tf.distribute metric variables already sum across replicas when read,
-        so this is the identity here; engines without that override it.
-        """
-        return results
-
-
-def _np_dtype(variable) -> np.dtype:
+def np_dtype(variable) -> np.dtype:
     return np.dtype(getattr(variable.dtype, "as_numpy_dtype", variable.dtype))
 
 
-def _reduce_op(op: str) -> tf.distribute.ReduceOp:
-    ops = {"sum": tf.distribute.ReduceOp.SUM, "mean": tf.distribute.ReduceOp.MEAN}
-    if op not in ops:
-        raise ValueError(f"Unknown reduce op {op!r}; use one of {sorted(ops)}.")
-    return ops[op]
+def reduce_op_name(op: str) -> str:
+    """Validates a reduce op name (`"sum"` or `"mean"`)."""
+    if op not in ("sum", "mean"):
+        raise ValueError(f"Unknown reduce op {op!r}; use one of ['mean', 'sum'].")
+    return op

@@ -1,7 +1,7 @@
 """`"horovod"`: data parallelism over Horovod collectives, one replica per process.
 
 `horovod.tensorflow.keras` does not work with Keras 3 (its broadcast callback
-crashes and its `DistributedOptimizer` never averages; see DESIGN.md section
+crashes and its `DistributedOptimizer` never averages; see docs/design.md 1.3, row
 2), but the low-level `horovod.tensorflow` ops do. This strategy uses only
 those: `grouped_allreduce` for the gradients (with the sample count riding
 along, see `DistributedModel.reduce_gradients`), `allgather` for
@@ -12,15 +12,14 @@ predictions, `broadcast_variables` for the initial state, and an averaging
 
 from __future__ import annotations
 
-import contextlib
 import weakref
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
 
 from keras_distrib import devices as devices_lib
-from keras_distrib.strategies.base import Strategy
+from keras_distrib.strategies.per_process import PerProcessStrategy
 
 NOT_INSTALLED = (
     "strategy 'horovod' needs Horovod, which is not installed; build it with "
@@ -40,7 +39,7 @@ class HorovodUnavailableError(ImportError, ValueError):
     """
 
 
-class Horovod(Strategy):
+class Horovod(PerProcessStrategy):
     """Synchronous data parallelism on Horovod's collectives (Gloo, MPI, NCCL).
 
     One replica per process: start one process per device with `horovodrun`
@@ -79,86 +78,33 @@ class Horovod(Strategy):
     """
 
     name = "horovod"
-    # Per-batch logs are this rank's: averaging them would add an all-reduce
-    # to every step. Epoch logs and evaluate results are averaged.
-    exact_batch_logs = False
+    aliases = ("hvd",)
+    one_per_process = True
     description = (
         "Data parallelism over Horovod collectives (Gloo on CPU, NCCL on GPU, MPI)."
     )
-    replicates = True
 
     def __init__(self, device: Optional[str] = None):
         hvd = _import_horovod()
         hvd.init()
         self._hvd = hvd
-        self._rank = int(hvd.rank())
         self._size = int(hvd.size())
-        self._local_rank = int(hvd.local_rank())
+        local_rank = int(hvd.local_rank())
         if device is None:
             gpus = tf.config.list_physical_devices("GPU")
-            device = f"/gpu:{self._local_rank % len(gpus)}" if gpus else "/cpu:0"
-            self._device = devices_lib.normalize(device)
+            device = devices_lib.normalize(f"/gpu:{local_rank % len(gpus)}" if gpus else "/cpu:0")
         else:
-            self._device = devices_lib.check_device(device)
+            device = devices_lib.check_device(device)
         # model -> the variables last broadcast for it (see sync_initial_state).
         self._broadcast_for: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-        super().__init__(tf.distribute.get_strategy())
-
-    # -- identity -----------------------------------------------------------
-
-    @property
-    def num_replicas(self) -> int:
-        return self._size
-
-    @property
-    def num_local_replicas(self) -> int:
-        return 1
-
-    @property
-    def first_local_replica(self) -> int:
-        return self._rank
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._size
-
-    @property
-    def local_rank(self) -> int:
-        """Index of this process among the processes on its host."""
-        return self._local_rank
-
-    @property
-    def devices(self) -> Sequence[str]:
-        return (self._device,)
-
-    # -- placement ----------------------------------------------------------
-
-    @contextlib.contextmanager
-    def scope(self):
-        with tf.device(self._device):
-            yield
-
-    def holds(self, variable: Any) -> bool:
-        return devices_lib.holds_plain(variable, self._device)
+        super().__init__(device, rank=int(hvd.rank()), size=self._size, local_rank=local_rank)
 
     # -- the step -----------------------------------------------------------
-
-    def run(self, replica_fn: Callable, batch: Any):
-        # One replica per process: this process's rows are the replica's.
-        with self.scope():
-            return replica_fn(batch)
 
     def all_reduce(self, values: Any, op: str = "sum") -> Any:
         flat = tf.nest.flatten(values)
         reduced = _grouped_all_reduce(self._hvd, flat, self._hvd_op(op))
         return tf.nest.pack_sequence_as(values, reduced)
-
-    def reduce_mean(self, per_replica: Any) -> Any:
-        return self.all_reduce(per_replica, "mean")
 
     def concat(self, per_replica: Any) -> Any:
         # Rank r holds rows [start_r, start_r + count_r) of every global batch
@@ -225,6 +171,16 @@ class Horovod(Strategy):
         except TypeError:
             pass
 
+    def metric_results(self, results: dict) -> dict:
+        """Epoch and evaluate metrics (read eagerly) averaged over ranks.
+
+        Per-batch logs (read inside the step) are this rank's own: averaging
+        them would add an all-reduce to every step.
+        """
+        if not tf.executing_eagerly():
+            return results
+        return self.combine_metric_results(results)
+
     def combine_metric_results(self, results: dict) -> dict:
         """Every metric averaged over ranks, in one collective per dtype.
 
@@ -237,9 +193,6 @@ class Horovod(Strategy):
         values = [tf.convert_to_tensor(results[k]) for k in keys]
         averaged = dict(zip(keys, _grouped_all_reduce(self._hvd, values, self._hvd.Average)))
         return {k: averaged[k] for k in results}
-
-    def local_replica_values(self, variable: Any) -> list[np.ndarray]:
-        return [np.asarray(variable)]
 
     def _hvd_op(self, op: str):
         ops = {"sum": self._hvd.Sum, "mean": self._hvd.Average}

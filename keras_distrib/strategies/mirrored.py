@@ -7,8 +7,9 @@ from typing import Optional, Sequence
 
 import tensorflow as tf
 
+from keras_distrib import _compat
 from keras_distrib import devices as devices_lib
-from keras_distrib.strategies.base import Strategy
+from keras_distrib.strategies.tf_distribute import TFDistributeStrategy
 
 _CROSS_DEVICE_OPS = {
     "nccl": lambda: tf.distribute.NcclAllReduce(),
@@ -17,20 +18,18 @@ _CROSS_DEVICE_OPS = {
 }
 _GPU_ONLY = ("nccl", "hierarchical_copy")
 
-# Every MirroredStrategy starts its collective group keys at 1, so two of
-# them over the same devices in one process reuse the same collective
-# instances and TF aborts with "Shape mismatch in the collective instance".
-# Each of ours gets its own key range.
+# Each of ours gets its own collective key range (see
+# _compat.set_collective_key_base).
 _KEY_RANGES = itertools.count(start=1_000, step=1_000)
 
 
 class _KeyedMirroredStrategy(tf.distribute.MirroredStrategy):
     def __init__(self, devices, cross_device_ops):
-        self._collective_key_base = next(_KEY_RANGES)
+        _compat.set_collective_key_base(self, next(_KEY_RANGES))
         super().__init__(devices=devices, cross_device_ops=cross_device_ops)
 
 
-class Mirrored(Strategy):
+class Mirrored(TFDistributeStrategy):
     """Replicates the model on every local device and all-reduces gradients.
 
     With GPUs, all local GPUs are used (NCCL all-reduce by default); with no
@@ -54,6 +53,7 @@ class Mirrored(Strategy):
     """
 
     name = "mirrored"
+    aliases = ("mirror", "data_parallel")
     description = "Sync all-reduce over all local GPUs (or all visible CPUs)."
 
     def __init__(

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import socket
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import tensorflow as tf
-from tensorflow.python.eager import context
 
+from keras_distrib import _compat
 from keras_distrib import cluster as cluster_lib
 from keras_distrib import host_allreduce
-from keras_distrib.strategies.base import Strategy, _reduce_op
+from keras_distrib import runtime
+from keras_distrib.strategies.base import reduce_op_name
+from keras_distrib.strategies.tf_distribute import TFDistributeStrategy
 
 _IMPLEMENTATIONS = {
     "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
@@ -29,11 +29,11 @@ class _KeyedMultiWorkerStrategy(tf.distribute.MultiWorkerMirroredStrategy):
     # See mirrored.py: collective keys must not collide with other strategies
     # in the same process.
     def __init__(self, **kwargs):
-        self._collective_key_base = next(_KEY_RANGES)
+        _compat.set_collective_key_base(self, next(_KEY_RANGES))
         super().__init__(**kwargs)
 
 
-class MultiWorker(Strategy):
+class MultiWorker(TFDistributeStrategy):
     """Synchronous all-reduce across worker processes (and their devices).
 
     Runs on TensorFlow's collective runtime: a gRPC ring between CPUs, NCCL
@@ -44,6 +44,11 @@ class MultiWorker(Strategy):
     worker runs the same script; `keras-distrib launch` starts them and sets
     `TF_CONFIG`. Variables start equal on all workers (broadcast from worker
     0 when they are created).
+
+    TensorFlow's collective runtime must start before TensorFlow is first
+    used; when `TF_CONFIG` or Slurm describes the cluster, `import
+    keras_distrib` starts it (`keras_distrib.runtime`), so this strategy can
+    be named as a string wherever the model is built.
 
     Args:
         cluster: Worker addresses (`["host:port", ...]` or
@@ -74,6 +79,8 @@ class MultiWorker(Strategy):
     """
 
     name = "multi_worker"
+    aliases = ("multi_worker_mirrored", "multiworker")
+    one_per_process = True
     # Per-batch logs are this worker's values: exact global ones would cost
     # a cross-worker collective per metric variable and step (epoch logs
     # and evaluate results are exact).
@@ -98,18 +105,13 @@ class MultiWorker(Strategy):
                 "with `keras-distrib launch -n N script.py`, set TF_CONFIG, run "
                 "under Slurm, or pass cluster=[...] and task_index=..."
             )
+        cluster_lib.require_training_workers(info, self.name)
         options = _communication_options(implementation, bytes_per_pack, collective_timeout)
         shared_memory = _wants_shared_memory(implementation, info)
-        if context.context()._context_handle is not None:
-            raise cluster_lib.ClusterConfigError(
-                "strategy 'multi_worker' must be created before TensorFlow starts "
-                "(before any layer, variable or tensor exists); call "
-                "keras_distrib.strategies.get('multi_worker') at the top of the "
-                "script and pass that object as strategy=."
-            )
-        if not peer_timeout or peer_timeout <= 0:
-            raise ValueError(f"peer_timeout={peer_timeout!r} must be a positive number of seconds.")
-        cluster_lib.check_own_port_free(info)
+        if not _positive_number(peer_timeout):
+            raise ValueError(
+                f"peer_timeout={peer_timeout!r} must be a positive number of seconds.")
+        runtime.ensure_started(info, peer_timeout)
         self._info = info
         self.bytes_per_pack = bytes_per_pack
         resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
@@ -118,7 +120,11 @@ class MultiWorker(Strategy):
             task_id=info.rank,
             rpc_layer="grpc",
         )
-        super().__init__(_start(resolver, options, info, peer_timeout))
+        with _compat.reuse_collective_server():
+            engine = _KeyedMultiWorkerStrategy(
+                cluster_resolver=resolver, communication_options=options)
+        super().__init__(engine, num_processes=info.world_size, process_index=info.rank,
+                         local_rank=_local_rank(info))
         self.implementation = implementation
         self._host_reduce = None
         if shared_memory and self.num_local_replicas > 1:
@@ -138,21 +144,13 @@ class MultiWorker(Strategy):
                 connect_timeout=peer_timeout)
 
     @property
-    def rank(self) -> int:
-        return self._info.rank
-
-    @property
-    def world_size(self) -> int:
-        return self._info.world_size
-
-    @property
     def cluster(self) -> cluster_lib.ClusterInfo:
         return self._info
 
     def all_reduce(self, values: Sequence[tf.Tensor], op: str = "sum") -> list:
         if self._host_reduce is None:
             return super().all_reduce(values, op)
-        _reduce_op(op)  # validates op, as TF's path does
+        reduce_op_name(op)  # validates op, as TF's path does
         values = [tf.convert_to_tensor(v) for v in values]
         # stateful: never pruned, and kept in program order with any other
         # all-reduce of the same function (every worker must agree on it).
@@ -185,7 +183,7 @@ def _communication_options(implementation, bytes_per_pack, collective_timeout):
         raise ValueError(
             f"bytes_per_pack={bytes_per_pack!r} must be an int >= 0 (0 = one pack)."
         )
-    if collective_timeout is not None and collective_timeout <= 0:
+    if collective_timeout is not None and not _positive_number(collective_timeout):
         raise ValueError(
             f"collective_timeout={collective_timeout!r} must be > 0 seconds, or None."
         )
@@ -221,28 +219,11 @@ def _wants_shared_memory(implementation: str, info: cluster_lib.ClusterInfo) -> 
 
 
 
-def _start(resolver, options, info, peer_timeout):
-    """Waits (bounded) for every peer, then starts this worker's server.
-
-    Creating the strategy blocks inside TensorFlow, holding the GIL, until
-    every worker has registered, with no deadline we can set. So first each
-    worker listens on its own port and waits until every peer's port
-    answers: a worker that never comes up is then named in a clear error
-    instead of hanging the job. The probe socket is closed right before
-    TensorFlow's server takes the port over (peers keep retrying meanwhile).
-    """
-    with _listening_on(info.address):
-        cluster_lib.wait_for_peers(info, timeout=peer_timeout)
-    return _KeyedMultiWorkerStrategy(cluster_resolver=resolver, communication_options=options)
+def _positive_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
-@contextlib.contextmanager
-def _listening_on(address: str):
-    _, port = cluster_lib.parse_address(address)
-    if socket.has_dualstack_ipv6():
-        server = socket.create_server(("", port), family=socket.AF_INET6,
-                                      dualstack_ipv6=True, reuse_port=False)
-    else:
-        server = socket.create_server(("", port))
-    with server:
-        yield
+def _local_rank(info: cluster_lib.ClusterInfo) -> int:
+    """This worker's index among the workers on its host."""
+    hosts = [cluster_lib.parse_address(a)[0] for a in info.workers]
+    return hosts[: info.rank].count(hosts[info.rank])

@@ -1,47 +1,68 @@
 """Strategies by name: `available()`, `get(name, **options)`, aliases.
 
-An instance always beats a string: `get(strategy_object)` returns it as is.
+Strategy classes register themselves when their module is imported: a
+subclass of `Strategy` that sets `name` (and optionally `aliases`,
+`description`, `one_per_process`) is added here by `Strategy.__init_subclass__`,
+and `keras_distrib.strategies` imports every module of its package. Adding
+a strategy is adding one file. A name or alias that is already taken is an
+error. An instance always beats a string: `get(strategy_object)` returns it
+as is.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Union
+import os
+from typing import TYPE_CHECKING, Union
 
 from keras_distrib import cluster as cluster_lib
-from keras_distrib import devices as devices_lib
-from keras_distrib.strategies.base import Strategy
-from keras_distrib.strategies.mirrored import Mirrored
-from keras_distrib.strategies.multi_worker import MultiWorker
-from keras_distrib.strategies.single import SingleDevice
 
-_FACTORIES: dict[str, Callable[..., Strategy]] = {}
-_DESCRIPTIONS: dict[str, str] = {}
+if TYPE_CHECKING:
+    from keras_distrib.strategies.base import Strategy
+
+_CLASSES: dict[str, type] = {}
 _ALIASES: dict[str, str] = {}
+AUTO = "auto"
+_AUTO_DESCRIPTION = (
+    "multi_worker when a cluster is configured (TF_CONFIG, Slurm), horovod under "
+    "horovodrun, else mirrored when more than one local device is visible, else single."
+)
 
 
-def register(
-    name: str, factory: Callable[..., Strategy], description: str, aliases=()
-) -> None:
-    """Adds a strategy factory under `name` (and `aliases`)."""
-    _FACTORIES[name] = factory
-    _DESCRIPTIONS[name] = description
-    for alias in aliases:
-        _ALIASES[alias] = name
+def register(cls: type) -> None:
+    """Adds strategy class `cls` under `cls.name` and `cls.aliases`.
+
+    Raises:
+        ValueError: the name or an alias is already registered.
+    """
+    names = [_key(cls.name), *(_key(a) for a in cls.aliases)]
+    for name in names:
+        owner = _CLASSES.get(name) or _CLASSES.get(_ALIASES.get(name, ""))
+        if owner is not None and owner is not cls or name == AUTO:
+            raise ValueError(
+                f"Strategy name {name!r} of {cls.__module__}.{cls.__qualname__} is "
+                f"already taken{f' by {owner.__qualname__}' if owner else ''}; pick another name."
+            )
+    _CLASSES[names[0]] = cls
+    for alias in names[1:]:
+        _ALIASES[alias] = names[0]
 
 
 def available() -> dict[str, str]:
     """Registered strategy names with one-line descriptions."""
-    return dict(_DESCRIPTIONS)
+    _load_builtin()
+    return {AUTO: _AUTO_DESCRIPTION, **{n: c.description for n, c in _CLASSES.items()}}
 
 
-def get(strategy: Union[str, Strategy] = "auto", **options) -> Strategy:
+def get(strategy: Union[str, "Strategy"] = AUTO, **options) -> "Strategy":
     """Builds the strategy registered as `strategy` with `options`.
 
     Raises:
         ValueError: unknown name (the message lists the valid ones) or an
             option the strategy does not take.
     """
+    from keras_distrib.strategies.base import Strategy
+
     if isinstance(strategy, Strategy):
         if options:
             raise ValueError(
@@ -54,25 +75,36 @@ def get(strategy: Union[str, Strategy] = "auto", **options) -> Strategy:
             "strategy must be a name from keras_distrib.strategies.available() "
             f"or a keras_distrib Strategy object, got {type(strategy).__name__}."
         )
-    key = strategy.strip().lower().replace("-", "_")
+    _load_builtin()
+    key = _key(strategy)
     key = _ALIASES.get(key, key)
-    if key not in _FACTORIES:
-        valid = sorted([*_FACTORIES, *_ALIASES])
+    if key == AUTO:
+        if options:
+            raise ValueError(
+                f"Strategy 'auto' takes no options (got {sorted(options)}); name the "
+                "strategy the options are for."
+            )
+        return get(_auto_name())
+    if key not in _CLASSES:
+        valid = sorted([AUTO, *_CLASSES, *_ALIASES])
         raise ValueError(f"Unknown strategy {strategy!r}; valid names: {valid}.")
-    factory = _FACTORIES[key]
-    _check_options(key, factory, options)
-    if key in _ONE_PER_PROCESS:
-        return _one_per_process(key, factory, options)
-    return factory(**options)
+    cls = _CLASSES[key]
+    _check_options(key, cls, options)
+    if cls.one_per_process:
+        return _one_per_process(key, cls, options)
+    return cls(**options)
+
+
+def _key(name: str) -> str:
+    return name.strip().lower().replace("-", "_")
 
 
 # TensorFlow allows one collective runtime per process: later requests for
 # such a strategy get the first instance (with the same options).
-_ONE_PER_PROCESS = {"multi_worker", "horovod"}
-_STARTED: dict[str, tuple[dict, Strategy]] = {}
+_STARTED: dict[str, tuple[dict, "Strategy"]] = {}
 
 
-def _one_per_process(key, factory, options):
+def _one_per_process(key, cls, options):
     if key in _STARTED:
         started_options, strategy = _STARTED[key]
         if options and options != started_options:
@@ -81,13 +113,13 @@ def _one_per_process(key, factory, options):
                 f"{started_options}; one per process: reuse it or pass no options."
             )
         return strategy
-    strategy = factory(**options)
+    strategy = cls(**options)
     _STARTED[key] = (options, strategy)
     return strategy
 
 
-def _check_options(name: str, factory: Callable, options: dict) -> None:
-    params = inspect.signature(factory).parameters
+def _check_options(name: str, cls: type, options: dict) -> None:
+    params = inspect.signature(cls).parameters
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return
     unknown = sorted(set(options) - set(params))
@@ -98,32 +130,19 @@ def _check_options(name: str, factory: Callable, options: dict) -> None:
         )
 
 
-def _auto() -> Strategy:
-    """Multi-worker when a cluster is configured (TF_CONFIG, Slurm); else
-    mirrored over all local devices when there are several; else single."""
+# Variables horovodrun (Gloo) and MPI launchers set in every rank.
+_HOROVOD_ENV = ("HOROVOD_RANK", "HOROVOD_SIZE")
+
+
+def _auto_name() -> str:
     if cluster_lib.resolve() is not None:
-        return get("multi_worker")
-    if len(devices_lib.local_devices()) > 1:
-        return get("mirrored")
-    return get("single")
+        return "multi_worker"
+    if all(v in os.environ for v in _HOROVOD_ENV) and int(os.environ["HOROVOD_SIZE"]) > 1:
+        return "horovod"
+    from keras_distrib import devices as devices_lib
+
+    return "mirrored" if len(devices_lib.local_devices()) > 1 else "single"
 
 
-register(SingleDevice.name, SingleDevice, SingleDevice.description,
-         aliases=("one_device", "default"))
-register(Mirrored.name, Mirrored, Mirrored.description,
-         aliases=("mirror", "data_parallel"))
-def _horovod(**options) -> Strategy:
-    """Imported on demand: Horovod is an optional extra."""
-    from keras_distrib.strategies.horovod import Horovod
-
-    return Horovod(**options)
-
-
-register("horovod", _horovod,
-         "Data parallelism over Horovod collectives (Gloo on CPU, NCCL on GPU, MPI).",
-         aliases=("hvd",))
-register(MultiWorker.name, MultiWorker, MultiWorker.description,
-         aliases=("multi_worker_mirrored", "multiworker"))
-register("auto", _auto,
-         "Multi-worker when a cluster is configured, else mirrored when more than "
-         "one local device is visible, else single.")
+def _load_builtin() -> None:
+    import keras_distrib.strategies  # noqa: F401  (imports every strategy module)

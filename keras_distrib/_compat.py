@@ -1,0 +1,345 @@
+"""Every private TensorFlow / Keras name keras_distrib relies on, in one place.
+
+Each item says why no public API does the job and on which versions it was
+verified. `setup.cfg` bounds TensorFlow and Keras to the minor versions the
+test suite ran on (`TESTED`); importing keras_distrib's TensorFlow parts on
+any other version warns once, naming it. `check_hooks()` fails at import,
+in one line, when a Keras method that `DistributedModel` overrides or calls
+is gone (an override of a method Keras no longer calls would otherwise be
+silently skipped).
+
+Verified on: TensorFlow 2.21.0 (tensorflow-cpu), Keras 3.15.1, Python 3.11.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from typing import Any, Iterator
+
+import keras
+import tensorflow as tf
+
+# Minor versions the whole suite ran on (setup.cfg pins the same ranges).
+TESTED = {"tensorflow": "2.21", "keras": "3.15"}
+
+
+# -- versions -------------------------------------------------------------------
+
+
+def _minor(version: str) -> str:
+    return ".".join(version.split(".")[:2])
+
+
+@functools.lru_cache(maxsize=None)
+def warn_if_untested() -> None:
+    """Warns once when TensorFlow or Keras is a minor version we never tested."""
+    found = {"tensorflow": tf.__version__, "keras": keras.__version__}
+    for name, version in found.items():
+        if _minor(version) != TESTED[name]:
+            warnings.warn(
+                f"keras_distrib was tested with {name} {TESTED[name]}.x but found "
+                f"{name} {version}; private {name} internals it relies on may have "
+                "changed (see keras_distrib/_compat.py).",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+
+# -- Keras Trainer / Model ------------------------------------------------------
+# DistributedModel overrides or calls these private Trainer methods. Keras 3
+# exposes no public hook between "a step function" and "the function fit
+# calls", nor for the build that fit/evaluate/predict run before the first
+# step (keras/src/backend/tensorflow/trainer.py, keras/src/trainers/trainer.py).
+KERAS_HOOKS = (
+    "_make_function",  # step function -> train/test function (TF trainer)
+    "_maybe_symbolic_build",  # builds model, metrics and optimizer before fit
+    "_symbolic_build",
+    "_compute_loss",  # compute_loss, adapted to overrides without `training`
+)
+
+
+def check_hooks() -> None:
+    """One-line error when a Keras method DistributedModel hooks into is gone."""
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    missing = [name for name in KERAS_HOOKS if not hasattr(TensorFlowTrainer, name)]
+    if missing:
+        raise ImportError(
+            f"keras {keras.__version__} has no TensorFlowTrainer.{missing[0]}, which "
+            f"keras_distrib hooks into; install keras=={TESTED['keras']}.* "
+            "(see keras_distrib/_compat.py)."
+        )
+
+
+def functional_class() -> type:
+    """Keras's `Functional` model class (not exported; needed to subclass it).
+
+    `FunctionalDistributedModel` is a `DistributedModel` and a `Functional`,
+    so `DistributedModel(inputs, outputs)` behaves as `keras.Model(inputs,
+    outputs)` does.
+    """
+    from keras.src.models.functional import Functional
+
+    return Functional
+
+
+def is_functional_call(args, kwargs) -> bool:
+    """Whether `Model(*args, **kwargs)` is the functional form (inputs, outputs).
+
+    Keras decides this with the same private helper in `Model.__new__`.
+    """
+    from keras.src.models.model import functional_init_arguments
+
+    return functional_init_arguments(args, kwargs)
+
+
+def compute_loss(model, **kwargs):
+    """`model._compute_loss`: calls a user's `compute_loss` override with or
+    without `training=`, as Keras's own train step does."""
+    return model._compute_loss(**kwargs)
+
+
+def loss_tracker(model):
+    """The `Mean` metric behind the `loss` log (`model._loss_tracker`).
+
+    Our train step computes the loss itself, so it feeds Keras's tracker as
+    Keras's own train step does.
+    """
+    return model._loss_tracker
+
+
+def call_has_training_arg(model) -> bool:
+    """Whether `model.call` takes `training` (`Layer._call_has_training_arg`)."""
+    return model._call_has_training_arg
+
+
+@contextlib.contextmanager
+def jit_compile_off(model) -> Iterator[None]:
+    """Keras's whole-function XLA compilation off while a function is made.
+
+    Collectives cannot run inside one XLA cluster, so replicated steps compile
+    the per-replica math instead. The public `jit_compile` setter would warn
+    and resolve "auto"; the private attribute is what `_make_function` reads.
+    """
+    saved = model._jit_compile
+    model._jit_compile = False
+    try:
+        yield
+    finally:
+        model._jit_compile = saved
+
+
+def hide_distribute_strategy(model) -> None:
+    """Makes Keras see the default (no-op) tf.distribute strategy.
+
+    Keras 3's own tf.distribute paths are broken for multi-worker training
+    (keras-team/keras#20585: `reduce_per_replica` on scalars fails under
+    MultiWorkerMirroredStrategy), so Keras must never run them: our strategy
+    does all distribution. `Trainer.distribute_strategy` reads this attribute.
+    """
+    model._distribute_strategy = None
+
+
+def epoch_iterator(x, batch_size):
+    """Keras's TF input iterator, used to build a model from `predict` input."""
+    from keras.src.backend.tensorflow.trainer import TFEpochIterator
+
+    return TFEpochIterator(
+        x=x, batch_size=batch_size, shuffle=False,
+        distribute_strategy=tf.distribute.get_strategy(),
+    )
+
+
+def train_validation_split(arrays, validation_split: float):
+    """Keras's own `validation_split` slicing (last fraction of the arrays).
+
+    Multi-process input is sharded after the split, so we split first, the
+    way `fit` would.
+    """
+    from keras.src.trainers.data_adapters import array_slicing
+
+    return array_slicing.train_validation_split(arrays, validation_split=validation_split)
+
+
+# -- Keras optimizers -------------------------------------------------------------
+
+
+def wrap_optimizer_all_reduce(optimizer, wrapper) -> None:
+    """Replaces `optimizer._all_reduce_sum_gradients` by `wrapper(original)`.
+
+    Keras 3's TF optimizer sums gradients across replicas inside
+    `apply_gradients` (keras/src/backend/tensorflow/optimizer.py); our step
+    has already reduced them, so the sum must be skippable. Idempotent.
+    """
+    original = optimizer._all_reduce_sum_gradients
+    if getattr(original, "_kd_wrapped", False):
+        return
+    replaced = wrapper(original)
+    replaced._kd_wrapped = True
+    optimizer._all_reduce_sum_gradients = replaced
+
+
+def add_through_tensorflow(variable) -> None:
+    """Makes `variable.assign_add(v)` TensorFlow's own `assign_add`.
+
+    Keras 3 implements `Variable.assign_add(v)` as `assign(self + v)`
+    (keras/src/backend/common/variables.py). Under a strategy that keeps one
+    aggregating copy of a variable for several replicas (CentralStorage), each
+    replica's `assign` is summed: the result is `R * self + sum(v)` instead of
+    `self + sum(v)`. TensorFlow's `assign_add` aggregates the increments.
+    """
+    tf_variable = variable.value
+
+    def assign_add(value):
+        return tf_variable.assign_add(tf.cast(value, tf_variable.dtype))
+
+    variable.assign_add = assign_add
+
+
+def learning_rate_or_schedule(optimizer):
+    """The optimizer's rate as given: a variable, or the schedule object.
+
+    The public `learning_rate` property evaluates a schedule; the warmup
+    callbacks need the schedule itself (`optimizer._learning_rate`).
+    """
+    return optimizer._learning_rate
+
+
+# -- Keras callbacks ------------------------------------------------------------------
+
+
+def redirect_backup_writes(callback, directory: str) -> None:
+    """Points a `BackupAndRestore`'s file paths (set in its `__init__`) at
+    `directory`, so a non-chief worker writes to scratch."""
+    import os
+
+    callback.backup_dir = directory
+    callback._weights_path = os.path.join(directory, "latest.weights.h5")
+    callback._training_metadata_path = os.path.join(directory, "training_metadata.json")
+    callback._prev_weights_path = f"{callback._weights_path}.bkp"
+    callback._prev_training_metadata_path = f"{callback._training_metadata_path}.bkp"
+
+
+# -- TensorFlow runtime -------------------------------------------------------------
+
+
+def tensorflow_started() -> bool:
+    """Whether TensorFlow's eager context exists (devices are fixed from then).
+
+    A collective runtime (multi-worker server) can only be configured before
+    this; `tf.config` has no public query for it.
+    """
+    from tensorflow.python.eager import context
+
+    return context.context()._context_handle is not None
+
+
+def set_collective_key_base(tf_strategy: Any, base: int) -> None:
+    """Gives a tf.distribute strategy its own collective key range.
+
+    Every Mirrored/MultiWorkerMirrored strategy starts its group keys at 1, so
+    two in one process share collective instances and TF aborts with "Shape
+    mismatch in the collective instance". Must be set before its `__init__`.
+    """
+    tf_strategy._collective_key_base = base
+
+
+@contextlib.contextmanager
+def reuse_collective_server() -> Iterator[None]:
+    """MultiWorkerMirroredStrategy objects built inside reuse the running server.
+
+    `keras_distrib.runtime` starts this process's collective server once;
+    a strategy built later must not start a second one (TensorFlow checks
+    `_std_server_started` on the strategy's extended object), and, as when
+    TensorFlow starts the server itself with its coordination service, must
+    not start its Python health-check thread (`_enable_check_health`).
+    """
+    from tensorflow.python.distribute import collective_all_reduce_strategy as car
+
+    extended = car.CollectiveAllReduceExtended
+    saved = extended._enable_check_health
+    extended._std_server_started = True
+    extended._enable_check_health = False
+    try:
+        yield
+    finally:
+        del extended._std_server_started
+        extended._enable_check_health = saved
+
+
+# -- Slurm -------------------------------------------------------------------------
+# TensorFlow's SlurmClusterResolver expands Slurm's compressed host lists and
+# task counts ("n[1-3]", "2(x3)") as Slurm documents them; the expansion
+# helpers are module functions with no public export.
+
+
+def slurm_hosts_and_tasks(nodelist: str, tasks_per_node: str) -> tuple[list, list]:
+    """(`SLURM_STEP_NODELIST` expanded, `SLURM_STEP_TASKS_PER_NODE` expanded)."""
+    from tensorflow.python.distribute.cluster_resolver import slurm_cluster_resolver as slurm
+
+    return slurm.expand_hostlist(nodelist), slurm.expand_tasks_per_node(tasks_per_node)
+
+
+def slurm_worker_addresses(rank: int, num_tasks: int, task_config: dict, port_base: int) -> list:
+    """Worker addresses as TensorFlow's SlurmClusterResolver assigns them.
+
+    The stock resolver reads `SLURM_PROCID` from `os.environ`
+    (`_resolve_own_rank`); ours reads the environment it was given.
+    """
+    from tensorflow.python.distribute.cluster_resolver import slurm_cluster_resolver as slurm
+
+    class _Resolver(slurm.SlurmClusterResolver):
+        def _resolve_own_rank(self):
+            return rank
+
+    resolver = _Resolver(
+        jobs={"worker": num_tasks},
+        port_base=port_base,
+        tasks_per_node=task_config,
+        # One fake "GPU" per task keeps the resolver from calling nvidia-smi
+        # and from assigning devices; which devices a worker uses is the
+        # strategy's business, and auto_set_gpu=False leaves the env alone.
+        gpus_per_node=max(task_config.values()),
+        gpus_per_task=1,
+        auto_set_gpu=False,
+    )
+    return resolver.cluster_spec().job_tasks("worker")
+
+
+# -- tf.data ------------------------------------------------------------------------
+
+
+def dataset_ops(dataset: tf.data.Dataset) -> set[str]:
+    """Names of the ops in a dataset's graph (to find file readers).
+
+    `Dataset._as_serialized_graph` is what tf.distribute's own auto-sharding
+    reads; there is no public way to inspect a pipeline's source.
+    """
+    graph = tf.compat.v1.GraphDef()
+    graph.ParseFromString(dataset._as_serialized_graph().numpy())
+    ops = {node.op for node in graph.node}
+    for function in graph.library.function:
+        ops.update(node.op for node in function.node_def)
+    return ops
+
+
+def static_batch_size(dataset: tf.data.Dataset) -> int:
+    """The batch size of a batched pipeline, or -1 (tf.distribute's helper)."""
+    from tensorflow.python.data.experimental.ops import distribute
+
+    return int(distribute.compute_batch_size(dataset))
+
+
+def shard_by_file(dataset: tf.data.Dataset, num_shards: int, index: int,
+                  num_replicas: int) -> tf.data.Dataset:
+    """TensorFlow's file-based auto-sharding (`_AutoShardDataset`), as
+    `experimental_distribute_dataset` applies it, for our own input path."""
+    from tensorflow.python.data.experimental.ops import distribute
+
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.FILE
+    return distribute._AutoShardDataset(
+        dataset.with_options(options), num_shards, index, num_replicas
+    )

@@ -1,0 +1,164 @@
+"""This process's collective runtime: started before TensorFlow is used.
+
+TensorFlow allows one collective runtime (the gRPC server that multi-worker
+collectives run on) per process, and it must be configured before
+TensorFlow creates its eager context, i.e. before the first tensor,
+variable or layer weight exists (`enable_collective_ops` after that point
+leaves earlier tensors on a device that no longer exists). A script that
+builds its model first and names `strategy="multi_worker"` afterwards would
+therefore fail. So when this process is a training task of a cluster
+configured in the environment (`TF_CONFIG`, as `keras-distrib launch` and
+Kubeflow set it, or Slurm), `import keras_distrib` starts the runtime at
+once (`bootstrap`), and the strategy created later, with whatever options,
+runs on it.
+
+The import waits up to `KERAS_DISTRIB_PEER_TIMEOUT` seconds (default 120)
+for every peer to come up and names the first that did not (the error is
+raised when the strategy is created). Set `KERAS_DISTRIB_BOOTSTRAP=0` to
+opt out (then create the strategy before using TensorFlow; its
+`peer_timeout` option applies). The launcher itself never bootstraps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import sys
+from typing import Optional
+
+from keras_distrib import cluster as cluster_lib
+
+# Seconds the import-time start waits for every peer to come up.
+DEFAULT_PEER_TIMEOUT = 120.0
+_OPT_OUT = "KERAS_DISTRIB_BOOTSTRAP"
+_PEER_TIMEOUT = "KERAS_DISTRIB_PEER_TIMEOUT"
+
+_started: Optional[cluster_lib.ClusterInfo] = None
+_failed: Optional[Exception] = None
+
+
+def bootstrap() -> None:
+    """Starts the runtime now if the environment configures a cluster.
+
+    Called by `import keras_distrib`. Errors are kept and raised when a
+    strategy needs the runtime, so a malformed `TF_CONFIG` does not break
+    importing the package (only using it).
+    """
+    global _failed
+    if os.environ.get(_OPT_OUT, "1") == "0" or _is_launcher():
+        return
+    try:
+        info = cluster_lib.resolve()
+    except cluster_lib.ClusterConfigError:
+        return  # reported, with the field at fault, when a strategy resolves it
+    if info is None or not _runs_collectives(info):
+        return
+    from keras_distrib import _compat
+
+    if _compat.tensorflow_started():
+        return  # too late; `ensure_started` says so when the runtime is needed
+    try:
+        start(info, _peer_timeout())
+    except Exception as e:  # noqa: BLE001 - re-raised by ensure_started
+        _failed = e
+
+
+def _peer_timeout() -> float:
+    text = os.environ.get(_PEER_TIMEOUT, "")
+    if not text.strip():
+        return DEFAULT_PEER_TIMEOUT
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise cluster_lib.ClusterConfigError(
+            f"{_PEER_TIMEOUT}={text!r} must be a positive number of seconds.")
+    return value
+
+
+def ensure_started(info: cluster_lib.ClusterInfo, peer_timeout: float) -> None:
+    """Makes sure the runtime runs for `info` (starting it if still possible).
+
+    Raises:
+        ClusterConfigError: it runs for another cluster; or TensorFlow was
+            started before keras_distrib could start it (one line, with the
+            fix); or the import-time start failed (its error).
+    """
+    if _started is not None:
+        if _started.workers != info.workers or _started.rank != info.rank:
+            raise cluster_lib.ClusterConfigError(
+                f"this process already joined the cluster {list(_started.workers)} as "
+                f"worker {_started.rank}; one cluster per process, so pass no other "
+                "cluster= to the strategy."
+            )
+        return
+    if _failed is not None:
+        raise _failed
+    from keras_distrib import _compat
+
+    if _compat.tensorflow_started():
+        raise cluster_lib.ClusterConfigError(
+            "TensorFlow was used before keras_distrib could start its multi-worker "
+            "runtime; `import keras_distrib` before any TensorFlow tensor, variable or "
+            "layer weight is created (with TF_CONFIG or Slurm set, the import starts "
+            "it), or create the strategy at the top of the script."
+        )
+    start(info, peer_timeout)
+
+
+def start(info: cluster_lib.ClusterInfo, peer_timeout: float) -> None:
+    """Waits (bounded) for every peer, then starts this process's server.
+
+    Starting the server blocks inside TensorFlow, holding the GIL, until
+    every worker has registered, with no deadline we can set. So first each
+    worker listens on its own port and waits until every peer's port
+    answers: a worker that never comes up is then named in a clear error
+    instead of hanging the job. The probe socket is closed right before
+    TensorFlow's server takes the port over (peers keep retrying meanwhile).
+    """
+    global _started
+    import tensorflow as tf
+
+    if not peer_timeout or peer_timeout <= 0:
+        raise ValueError(f"peer_timeout={peer_timeout!r} must be a positive number of seconds.")
+    cluster_lib.check_own_port_free(info)
+    with _listening_on(info.address):
+        cluster_lib.wait_for_peers(info, timeout=peer_timeout)
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec({"worker": list(info.workers)}),
+        task_type="worker", task_id=info.rank, rpc_layer="grpc")
+    # Creating a MultiWorkerMirroredStrategy is TensorFlow's own way to
+    # configure and start the runtime; strategies made later reuse it.
+    tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
+    _started = info
+
+
+def started() -> Optional[cluster_lib.ClusterInfo]:
+    """The cluster this process's runtime runs for, or None."""
+    return _started
+
+
+def _runs_collectives(info) -> bool:
+    """Training tasks of a cluster without parameter servers (sync training)."""
+    return bool(getattr(info, "is_training_task", True)) and not getattr(info, "has_ps", False)
+
+
+def _is_launcher() -> bool:
+    # `keras-distrib ...` (console script) or `python -m keras_distrib.X`
+    # (sys.argv[0] is "-m" while the package is imported for it).
+    program = os.path.basename(sys.argv[0]) if sys.argv else ""
+    return program == "keras-distrib" or (sys.argv[:1] == ["-m"])
+
+
+@contextlib.contextmanager
+def _listening_on(address: str):
+    _, port = cluster_lib.parse_address(address)
+    if socket.has_dualstack_ipv6():
+        server = socket.create_server(("", port), family=socket.AF_INET6,
+                                      dualstack_ipv6=True, reuse_port=False)
+    else:
+        server = socket.create_server(("", port))
+    with server:
+        yield

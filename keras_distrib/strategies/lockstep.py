@@ -1,0 +1,85 @@
+"""Execution in lockstep: every replica runs each step at the same time.
+
+The mixin for synchronous data-parallel engines (tf.distribute, Horovod):
+the per-replica step runs on every local replica through the strategy's
+`run`, the step's collectives keep the processes in step, and the
+per-replica results become plain numbers for Keras's callbacks
+(`step_logs`). With `jit_compile=True` XLA compiles each replica's math
+(forward and backward pass) and not the whole step: collectives cannot run
+inside one XLA cluster.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Callable
+
+import tensorflow as tf
+
+from keras_distrib import _compat
+
+
+class Lockstep(abc.ABC):
+    """`make_step_function` / `make_predict_function` for lockstep engines."""
+
+    @abc.abstractmethod
+    def step_logs(self, model, outputs: Any) -> Any:
+        """Per-batch logs as plain tensors, from what `run` returned."""
+
+    @abc.abstractmethod
+    def concat(self, per_replica: Any) -> Any:
+        """All replicas' outputs concatenated in global replica order."""
+
+    def make_step_function(self, model, step_fn: Callable, keras_make_function: Callable):
+        model.compile_replicas_separately(model.jit_compile)
+
+        def distributed_step(data):
+            return self.step_logs(model, self.run(step_fn, data))
+
+        if model.steps_per_execution > 1:
+            return _stepwise(model, distributed_step)
+        with _compat.jit_compile_off(model):
+            return keras_make_function(distributed_step)
+
+    def make_predict_function(self, model, keras_make_predict_function: Callable):
+        model.compile_replicas_separately(model.jit_compile)
+
+        def predict_step(batch):
+            return model.replica_compiled(model.predict_step)(batch)
+
+        def predict_function(steps):
+            outputs = [self.concat(self.run(predict_step, step)) for step in steps]
+            if len(outputs) == 1:
+                return outputs[0]
+            return tf.nest.map_structure(lambda *t: tf.concat(t, axis=0), *outputs)
+
+        if not model.run_eagerly:
+            predict_function = tf.function(predict_function, reduce_retracing=True)
+        return predict_function
+
+
+def _stepwise(model, distributed_step):
+    """`steps_per_execution` steps per call, one compiled step at a time.
+
+    Keras fuses the steps with `tf.while_loop` + `tf.cond`, but
+    `tf.distribute` replicas cannot be traced inside `tf.cond` (TensorFlow
+    fails with "You must feed a value for placeholder"), so the steps run
+    from Python; results are identical.
+    """
+    one_step = distributed_step
+    if not model.run_eagerly:
+        one_step = tf.function(distributed_step, reduce_retracing=True)
+
+    def function(iterator):
+        outputs = None
+        for _ in range(model.steps_per_execution):
+            try:
+                data = next(iterator)
+            except (StopIteration, tf.errors.OutOfRangeError):
+                break
+            outputs = one_step(data)
+        if outputs is None:
+            raise StopIteration
+        return outputs
+
+    return function

@@ -1,0 +1,155 @@
+"""The shared base of strategies whose engine is a `tf.distribute.Strategy`.
+
+Variables are created under the engine's scope (mirrored, or kept on a
+central device), each step runs on every local replica through
+`strategy.run`, and gradients are summed with the replica context's
+`all_reduce` (TensorFlow packs tensors of one dtype into few collectives).
+Keras itself never sees the engine: `DistributedModel` hides it, because
+Keras 3's own tf.distribute paths fail for multi-worker engines
+(keras-team/keras#20585).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from keras_distrib import data as data_lib
+from keras_distrib.strategies.base import Strategy, reduce_op_name
+from keras_distrib.strategies.lockstep import Lockstep
+from keras_distrib.topology import Topology
+
+_REDUCE_OPS = {"sum": tf.distribute.ReduceOp.SUM, "mean": tf.distribute.ReduceOp.MEAN}
+
+
+class TFDistributeStrategy(Lockstep, Strategy):
+    """A strategy running on a `tf.distribute.Strategy` (`tf_strategy`).
+
+    Subclasses build the engine and call `super().__init__(engine, ...)`
+    with this process's place among the processes.
+
+    Args:
+        tf_strategy: the engine.
+        num_processes: processes in the job (each reads its own data shard).
+        process_index: this process's index (its rank).
+        local_rank: its index among the processes on its host.
+    """
+
+    # Whether per-batch logs are global values. Within one process they are
+    # free (metric variables sum over local replicas when read); across
+    # processes each would cost a collective per metric and step, so
+    # multi-process engines report the process's own per-batch values.
+    exact_batch_logs: ClassVar[bool] = True
+
+    def __init__(self, tf_strategy: tf.distribute.Strategy, num_processes: int = 1,
+                 process_index: int = 0, local_rank: int = 0):
+        self._tf_strategy = tf_strategy
+        devices = tuple(tf_strategy.extended.worker_devices)
+        self._topology = Topology(
+            num_replicas=tf_strategy.num_replicas_in_sync,
+            num_local_replicas=len(devices),
+            first_local_replica=process_index * len(devices),
+            devices=devices,
+            num_processes=num_processes,
+            process_index=process_index,
+            local_rank=local_rank,
+            role="chief" if process_index == 0 else "worker",
+            num_data_shards=num_processes,
+            data_shard_index=process_index,
+        )
+
+    @property
+    def topology(self) -> Topology:
+        return self._topology
+
+    @property
+    def tf_strategy(self) -> tf.distribute.Strategy:
+        """The `tf.distribute.Strategy` that places variables and runs steps."""
+        return self._tf_strategy
+
+    # -- placement ----------------------------------------------------------------
+
+    def scope(self):
+        return self._tf_strategy.scope()
+
+    def holds(self, variable: Any) -> bool:
+        value = getattr(variable, "value", variable)
+        return getattr(value, "_distribute_strategy", None) is self._tf_strategy
+
+    # -- the step -------------------------------------------------------------------
+
+    def run(self, replica_fn: Callable, batch: Any):
+        shards = data_lib.split_batch(batch, self.num_local_replicas)
+        first = self.first_local_replica
+
+        def value_fn(ctx):
+            return shards[ctx.replica_id_in_sync_group - first]
+
+        per_replica = self._tf_strategy.experimental_distribute_values_from_function(value_fn)
+        return self._tf_strategy.run(replica_fn, args=(per_replica,))
+
+    def all_reduce(self, values: Sequence[tf.Tensor], op: str = "sum") -> list:
+        ctx = tf.distribute.get_replica_context()
+        # tf.identity places values made outside the replica (e.g. a batch
+        # passed straight through) on its device; TF needs one to reduce.
+        values = [v if v.device else tf.identity(v) for v in values]
+        reduced = list(values)
+        for dtype in dict.fromkeys(v.dtype for v in values):
+            positions = [i for i, v in enumerate(values) if v.dtype == dtype]
+            group = ctx.all_reduce(_REDUCE_OPS[reduce_op_name(op)], [values[i] for i in positions])
+            for i, value in zip(positions, group):
+                reduced[i] = value
+        return reduced
+
+    def step_logs(self, model, outputs: Any) -> Any:
+        if not any(isinstance(v, tf.distribute.DistributedValues)
+                   for v in tf.nest.flatten(outputs)):
+            return outputs
+        # Inside the scope: reading metric variables and reducing other
+        # values (a custom train_step's own keys) both need it.
+        with self.scope():
+            if not self.exact_batch_logs:
+                return self._local_mean(outputs)
+            if isinstance(outputs, dict):
+                # Metric variables sum across replicas when read here, so
+                # these are exact global values, not a mean of replica values.
+                metrics = model.get_metrics_result()
+                return {k: metrics[k] if k in metrics else self._reduce_mean(v)
+                        for k, v in outputs.items()}
+            return self._reduce_mean(outputs)
+
+    def concat(self, per_replica: Any) -> Any:
+        def concat_one(value):
+            parts = self._tf_strategy.experimental_local_results(value)
+            if parts[0].shape.rank == 0:
+                return tf.stack(parts)
+            return tf.concat(parts, axis=0)
+
+        return tf.nest.map_structure(concat_one, per_replica)
+
+    def _reduce_mean(self, per_replica: Any) -> Any:
+        return tf.nest.map_structure(
+            lambda v: self._tf_strategy.reduce("MEAN", v, axis=None), per_replica)
+
+    def _local_mean(self, per_replica: Any) -> Any:
+        def mean(value):
+            parts = self._tf_strategy.experimental_local_results(value)
+            return tf.add_n(list(parts)) / len(parts) if len(parts) > 1 else parts[0]
+
+        return tf.nest.map_structure(mean, per_replica)
+
+    # -- between steps -------------------------------------------------------------------
+
+    def _sum_over_processes(self, flat: np.ndarray) -> np.ndarray:
+        value = tf.constant(flat)
+        zeros = tf.zeros_like(value)
+        first = self.first_local_replica
+        per_replica = self._tf_strategy.experimental_distribute_values_from_function(
+            lambda ctx: value if ctx.replica_id_in_sync_group == first else zeros)
+        return self._tf_strategy.reduce("SUM", per_replica, axis=None).numpy()
+
+    def local_replica_values(self, variable: Any) -> list[np.ndarray]:
+        value = getattr(variable, "value", variable)
+        return [np.asarray(v) for v in self._tf_strategy.experimental_local_results(value)]
