@@ -5,7 +5,7 @@ round after a warm-up epoch, so machine noise hits them alike. Printed:
 per-round time ratios (median, min, max) for
 
   kd single            / plain keras.Model.fit         (target <= 1.03)
-  raw keras+Mirrored 1 / plain                          (DESIGN.md: 1.70)
+  raw keras+Mirrored 1 / plain                          (docs/design.md 1.1: 1.70)
   kd mirrored 1        / plain                          (target <= 1.10)
   kd mirrored 2        / raw keras+Mirrored 2           (target < 1.00)
 

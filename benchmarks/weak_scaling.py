@@ -73,7 +73,7 @@ flags.DEFINE_integer("bytes_per_pack", 0,
 # Inter-op threads: tried 1, 2, 3 and 4 with 1 intra-op thread (2 worker
 # processes, one core each, TF 2.21): none deadlocked the collectives, which
 # are asynchronous kernels waiting on gRPC's own threads rather than holding
-# an inter-op thread. (The hang of DESIGN.md section 2 is the in-process
+# an inter-op thread. (The hang of docs/design.md section 1.2 is the in-process
 # cluster, where all workers share one process's pool.) The step times of 1
 # and 2 could not be told apart on the shared 2-core machine; 2 is the
 # default because it leaves a second thread should any kernel block its

@@ -6,7 +6,7 @@
 #
 # Horovod 0.28.1 (2023, the last release) ships no wheels. Against TF 2.21 it
 # compiles only with two changes from a plain `pip install horovod` (TF <= 2.18.1
-# builds unpatched, per shared/DESIGN.md):
+# builds unpatched, per docs/design.md section 1.3):
 #   * --no-build-isolation, so the build sees the venv's TensorFlow;
 #   * horovod/tensorflow/xla_mpi_ops.cc dropped from
 #     horovod/tensorflow/CMakeLists.txt (it only holds the optional XLA ops,
