@@ -1,0 +1,57 @@
+"""`"central_storage"`: variables on one device, compute on all local devices."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import tensorflow as tf
+
+from keras_distrib import _compat
+from keras_distrib import devices as devices_lib
+from keras_distrib.strategies.tf_distribute import TFDistributeStrategy
+
+
+class CentralStorage(TFDistributeStrategy):
+    """Keeps one copy of every variable on one device; replicas compute in sync.
+
+    Built on `tf.distribute.experimental.CentralStorageStrategy`: each step
+    runs on every compute device (all local GPUs, or all visible CPUs
+    including logical ones), gradients are summed onto the parameter device
+    and the update is applied there once. Useful when the devices are few
+    and memory is short (one copy of the weights) or when there is no fast
+    link between the devices; with a fast link `"mirrored"` is faster.
+
+    Args:
+        compute_devices: Devices the replicas run on (default: all local
+            devices).
+        parameter_device: Where the variables live (default: the CPU,
+            `"/cpu:0"`).
+
+    Example:
+
+    ```python
+    model = keras_distrib.DistributedModel(inputs, outputs, strategy="central_storage")
+    strategy = keras_distrib.strategies.get(
+        "central_storage", compute_devices=["/gpu:0", "/gpu:1"], parameter_device="/gpu:0")
+    ```
+    """
+
+    name = "central_storage"
+    aliases = ("central",)
+    description = "Variables on one device (CPU by default), compute on all local devices."
+
+    def __init__(self, compute_devices: Optional[Sequence[str]] = None,
+                 parameter_device: Optional[str] = None):
+        compute = (devices_lib.local_devices() if compute_devices is None
+                   else devices_lib.check_devices(compute_devices, "compute_devices"))
+        parameters = devices_lib.check_device(parameter_device or "/cpu:0", "parameter_device")
+        super().__init__(tf.distribute.experimental.CentralStorageStrategy(
+            compute_devices=compute, parameter_device=parameters))
+        self.parameter_device = parameters
+
+    def sync_initial_state(self, model) -> None:
+        # Metric variables are single aggregating copies here: their
+        # per-replica increments must be added, not their assigned values
+        # (see _compat.add_through_tensorflow).
+        for variable in model.metrics_variables:
+            _compat.add_through_tensorflow(variable)
