@@ -107,11 +107,13 @@ def run_worker() -> None:
     tf.config.threading.set_inter_op_parallelism_threads(FLAGS.inter_op)
     import keras
 
-    import keras_distrib as kd
-
     if FLAGS.strategy == "raw_tf":
+        # The peer does not import keras_distrib (whose import would start the
+        # collective runtime the peer's own strategy starts).
         _run_raw_tf_worker(rank, np, tf, keras)
         return
+    import keras_distrib as kd
+
     if FLAGS.strategy == "single":
         strategy = kd.strategies.get("single")
     else:
