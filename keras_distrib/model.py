@@ -370,6 +370,7 @@ class DistributedModel(keras.Model):
             validation_split=validation_split, validation_data=validation_data,
             validation_batch_size=kwargs.pop("validation_batch_size", None),
             steps_per_epoch=kwargs.pop("steps_per_epoch", None),
+            steps_per_execution=self.steps_per_execution,  # read only
         )
         fit = self._strategy.distribute_fit_input(given)
         with self._side_effects(callbacks) as callbacks:

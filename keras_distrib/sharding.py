@@ -55,7 +55,9 @@ def fit_input(strategy, fit: dict) -> dict:
         fit["validation_split"] = 0.0
     seed = strategy.agree_on_seed() if fit["shuffle"] else None
     steps = None
-    if fit["steps_per_epoch"] is None:
+    if fit["steps_per_epoch"] is None and fit.get("steps_per_execution", 1) == 1:
+        # With several steps per execution the last execution of an epoch
+        # must stop at the epoch's end, which only a finite epoch tells it.
         steps = array_steps(x, batch_size)
     fit["x"], fit["batch_size"] = shard(
         strategy, x, y, sample_weight, batch_size, fit["shuffle"], seed,

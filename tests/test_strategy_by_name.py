@@ -33,11 +33,12 @@ def single_weights():
     return model.get_weights(), model.evaluate(x, y, batch_size=BATCH, verbose=0)
 
 
-def _launch(out, n, names, *launch_flags, timeout=300):
+def _launch(out, n, names, *launch_flags, script_args=(), timeout=300):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TMPDIR=str(out))
     argv = [sys.executable, "-m", "keras_distrib.launch", "launch", "-n", str(n),
             "--timeout", str(timeout - 30), *launch_flags, WORKER, "--out", str(out),
-            "--names", ",".join(names), "--batch", str(BATCH), "--epochs", str(EPOCHS)]
+            "--names", ",".join(names), "--batch", str(BATCH), "--epochs", str(EPOCHS),
+            *script_args]
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -53,10 +54,11 @@ def _launch(out, n, names, *launch_flags, timeout=300):
     return [json.load(open(out / f"summary-rank{r}.json")) for r in range(n)]
 
 
-def _check(out, summaries, names, expected_strategy, n, single_weights, evaluate_atol=1e-5):
+def _check(out, summaries, names, expected_strategy, n, single_weights, evaluate_atol=1e-5,
+           forms=FORMS):
     weights, evaluate = single_weights
     for name in names:
-        for form in FORMS:
+        for form in forms:
             for r in range(n):
                 got = summaries[r][f"{name}-{form}"]
                 assert got["strategy"] == expected_strategy and got["rank"] == r
@@ -85,6 +87,16 @@ def test_launch_horovod_and_auto_by_name(tmp_path, single_weights):
     # Horovod averages evaluate metrics over ranks: exact only when ranks see
     # equal numbers of samples (here the last batch splits 12/11; README).
     _check(tmp_path, summaries, names, "horovod", 2, single_weights, evaluate_atol=1e-3)
+
+
+@pytest.mark.slow
+def test_steps_per_execution_with_arrays_trains_each_batch_once(tmp_path, single_weights):
+    """7 batches per epoch, 4 steps per execution: the last execution of each
+    epoch runs 3 steps, as plain Keras does (it ran 4: 16 steps, not 14)."""
+    summaries = _launch(tmp_path, 2, ["multi_worker"],
+                        script_args=("--forms", "functional", "--steps_per_execution", "4"))
+    _check(tmp_path, summaries, ["multi_worker"], "multi_worker", 2, single_weights,
+           forms=("functional",))
 
 
 @pytest.mark.slow

@@ -143,7 +143,8 @@ class Strategy(abc.ABC):
 
         `fit` holds `x`, `y`, `sample_weight`, `batch_size`, `shuffle`,
         `validation_split`, `validation_data`, `validation_batch_size` and
-        `steps_per_epoch` as the user passed them. By default each process
+        `steps_per_epoch` as the user passed them, and the model's
+        `steps_per_execution` (read only). By default each process
         that reads input gets its data shard (`keras_distrib.sharding`:
         every sample of an epoch seen once, `batch_size` global).
         """

@@ -24,6 +24,7 @@ flags.DEFINE_list("names", ["multi_worker", "auto"], "Strategy names to train wi
 flags.DEFINE_list("forms", ["functional", "subclass", "from_model"], "Usage forms.")
 flags.DEFINE_integer("batch", 32, "Global batch size.")
 flags.DEFINE_integer("epochs", 2, "Epochs.")
+flags.DEFINE_integer("steps_per_execution", 1, "Steps per execution (compile).")
 
 
 def main(argv):
@@ -37,7 +38,7 @@ def main(argv):
     results = {}
     for name in FLAGS.names:
         for form in FLAGS.forms:
-            model = build(form, name)
+            model = build(form, name, steps_per_execution=FLAGS.steps_per_execution)
             model.fit(x, y, batch_size=FLAGS.batch, epochs=FLAGS.epochs, shuffle=False, verbose=0)
             strategy = model.strategy
             np.savez(os.path.join(FLAGS.out, f"{name}-{form}-rank{strategy.rank}.npz"),
