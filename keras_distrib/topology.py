@@ -80,6 +80,33 @@ class Topology:
                 f"the {self.num_replicas} replicas."
             )
 
+    @classmethod
+    def data_parallel(cls, devices, num_processes: int = 1, process_index: int = 0,
+                      local_rank: int = 0) -> "Topology":
+        """One replica per local device, the same count in every process, and
+        one data shard per process (the synchronous data-parallel shape).
+
+        Example:
+
+        ```python
+        Topology.data_parallel(["/gpu:0", "/gpu:1"], num_processes=2, process_index=1)
+        # 4 replicas; this process runs replicas 2 and 3 and reads shard 1 of 2
+        ```
+        """
+        devices = tuple(devices)
+        return cls(
+            num_replicas=len(devices) * num_processes,
+            num_local_replicas=len(devices),
+            first_local_replica=process_index * len(devices),
+            devices=devices,
+            num_processes=num_processes,
+            process_index=process_index,
+            local_rank=local_rank,
+            role="chief" if process_index == 0 else "worker",
+            num_data_shards=num_processes,
+            data_shard_index=process_index,
+        )
+
     @property
     def is_chief(self) -> bool:
         """Whether this process writes checkpoints and logs (process 0)."""

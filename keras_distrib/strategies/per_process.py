@@ -36,18 +36,9 @@ class PerProcessStrategy(Lockstep, Strategy):
     def __init__(self, device: Optional[str] = None, rank: int = 0, size: int = 1,
                  local_rank: int = 0):
         self._device = device
-        self._topology = Topology(
-            num_replicas=size,
-            num_local_replicas=1,
-            first_local_replica=rank,
-            devices=(device or devices_lib.local_devices()[0],),
-            num_processes=size,
-            process_index=rank,
-            local_rank=local_rank,
-            role="chief" if rank == 0 else "worker",
-            num_data_shards=size,
-            data_shard_index=rank,
-        )
+        self._topology = Topology.data_parallel(
+            (device or devices_lib.local_devices()[0],), num_processes=size,
+            process_index=rank, local_rank=local_rank)
 
     @property
     def topology(self) -> Topology:

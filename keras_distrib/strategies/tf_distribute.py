@@ -46,19 +46,15 @@ class TFDistributeStrategy(Lockstep, Strategy):
     def __init__(self, tf_strategy: tf.distribute.Strategy, num_processes: int = 1,
                  process_index: int = 0, local_rank: int = 0):
         self._tf_strategy = tf_strategy
-        devices = tuple(tf_strategy.extended.worker_devices)
-        self._topology = Topology(
-            num_replicas=tf_strategy.num_replicas_in_sync,
-            num_local_replicas=len(devices),
-            first_local_replica=process_index * len(devices),
-            devices=devices,
-            num_processes=num_processes,
-            process_index=process_index,
-            local_rank=local_rank,
-            role="chief" if process_index == 0 else "worker",
-            num_data_shards=num_processes,
-            data_shard_index=process_index,
-        )
+        self._topology = Topology.data_parallel(
+            tf_strategy.extended.worker_devices, num_processes=num_processes,
+            process_index=process_index, local_rank=local_rank)
+        if self._topology.num_replicas != tf_strategy.num_replicas_in_sync:
+            raise ValueError(
+                f"{type(self).__name__}: {tf_strategy.num_replicas_in_sync} replicas in sync "
+                f"but {num_processes} process(es) x {len(self.devices)} local device(s); every "
+                "process must have the same number of devices."
+            )
 
     @property
     def topology(self) -> Topology:
