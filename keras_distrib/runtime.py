@@ -64,6 +64,11 @@ def bootstrap() -> None:
         _failed = e
 
 
+def positive_seconds(value) -> bool:
+    """Whether `value` is a number of seconds > 0 (bools and strings are not)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
 def _peer_timeout() -> float:
     text = os.environ.get(_PEER_TIMEOUT, "")
     if not text.strip():
@@ -72,7 +77,7 @@ def _peer_timeout() -> float:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not value > 0:
+    if not positive_seconds(value):
         raise cluster_lib.ClusterConfigError(
             f"{_PEER_TIMEOUT}={text!r} must be a positive number of seconds.")
     return value
@@ -86,6 +91,8 @@ def ensure_started(info: cluster_lib.ClusterInfo, peer_timeout: float) -> None:
             started before keras_distrib could start it (one line, with the
             fix); or the import-time start failed (its error).
     """
+    if not positive_seconds(peer_timeout):
+        raise ValueError(f"peer_timeout={peer_timeout!r} must be a positive number of seconds.")
     if _started is not None:
         if _started.workers != info.workers or _started.rank != info.rank:
             raise cluster_lib.ClusterConfigError(
@@ -121,8 +128,6 @@ def start(info: cluster_lib.ClusterInfo, peer_timeout: float) -> None:
     global _started
     import tensorflow as tf
 
-    if not peer_timeout or peer_timeout <= 0:
-        raise ValueError(f"peer_timeout={peer_timeout!r} must be a positive number of seconds.")
     cluster_lib.check_own_port_free(info)
     with _listening_on(info.address):
         cluster_lib.wait_for_peers(info, timeout=peer_timeout)

@@ -72,6 +72,30 @@ def assert_weights_close(a, b, atol=1e-5):
         np.testing.assert_allclose(x, y, atol=atol, rtol=0)
 
 
+def assert_trains_like_single(form, strategy, x, y, batch_size=32, epochs=2, steps=14):
+    """The core equivalence: `strategy` with global batch B == "single" with B.
+
+    Trains both (SGD, same initial weights, no shuffle) and checks weights,
+    step count, history, evaluate and predict (atol 1e-5). Returns the model
+    trained under `strategy` for further checks.
+    """
+    single = build(form, "single")
+    model = build(form, strategy)
+    initial = build(form, "single", compile_model=False)
+    fit = dict(batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
+    h_single, h_model = single.fit(x, y, **fit), model.fit(x, y, **fit)
+    assert weights_moved(single, initial)
+    assert_weights_close(single, model)
+    assert int(model.optimizer.iterations.numpy()) == steps
+    for key in ("loss", "accuracy"):
+        np.testing.assert_allclose(h_single.history[key], h_model.history[key], atol=1e-5)
+    np.testing.assert_allclose(single.evaluate(x, y, batch_size=batch_size, verbose=0),
+                               model.evaluate(x, y, batch_size=batch_size, verbose=0), atol=1e-5)
+    np.testing.assert_allclose(single.predict(x, batch_size=batch_size, verbose=0),
+                               model.predict(x, batch_size=batch_size, verbose=0), atol=1e-5)
+    return model
+
+
 def weights_moved(model, reference):
     return any(
         not np.allclose(x, y) for x, y in zip(model.get_weights(), reference.get_weights())

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import keras_distrib as kd
-from helpers import assert_weights_close, build, make_data, weights_moved
+from helpers import assert_trains_like_single, build, make_data
 
 FORMS = ["functional", "subclass", "from_model"]
 BATCH, EPOCHS = 32, 2  # 203 samples: 7 steps per epoch (last 11 rows), 14 SGD steps
@@ -18,8 +18,8 @@ def data():
 @pytest.mark.parametrize("form", FORMS)
 def test_matches_single(form, data):
     x, y = data
-    single = build(form, "single")
-    central = build(form, "central_storage")
+    central = assert_trains_like_single(form, "central_storage", x, y, BATCH, EPOCHS,
+                                        steps=EPOCHS * 7)
     strategy = central.strategy
     assert type(strategy).__name__ == "CentralStorage"
     assert strategy.num_replicas == 2 and len(strategy.devices) == 2
@@ -27,20 +27,6 @@ def test_matches_single(form, data):
     assert all(strategy.holds(v) for v in central.variables)
     assert {v.value.device for v in central.trainable_variables} == {
         "/job:localhost/replica:0/task:0/device:CPU:0"}
-    initial = build(form, "single", compile_model=False)
-
-    h_single = single.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
-    h_central = central.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
-
-    assert weights_moved(single, initial)
-    assert_weights_close(single, central)
-    assert int(central.optimizer.iterations.numpy()) == EPOCHS * 7
-    for key in ("loss", "accuracy"):
-        np.testing.assert_allclose(h_single.history[key], h_central.history[key], atol=1e-5)
-    np.testing.assert_allclose(single.evaluate(x, y, batch_size=BATCH, verbose=0),
-                               central.evaluate(x, y, batch_size=BATCH, verbose=0), atol=1e-5)
-    np.testing.assert_allclose(single.predict(x, batch_size=BATCH, verbose=0),
-                               central.predict(x, batch_size=BATCH, verbose=0), atol=1e-5)
 
 
 def test_metrics_accumulate_over_batches(data):

@@ -7,11 +7,11 @@ import pytest
 from helpers import (
     Batches,
     all_variables_on,
+    assert_trains_like_single,
     assert_weights_close,
     build,
     make_data,
     tf_dataset,
-    weights_moved,
 )
 
 FORMS = ["functional", "subclass", "from_model"]
@@ -27,30 +27,9 @@ def data():
 @pytest.mark.parametrize("form", FORMS)
 def test_mirrored_matches_single(form, data):
     x, y = data
-    single = build(form, "single")
-    mirrored = build(form, "mirrored")
+    mirrored = assert_trains_like_single(form, "mirrored", x, y, BATCH, EPOCHS, steps=EPOCHS * 7)
     assert mirrored.strategy.num_replicas == 2
     assert all_variables_on(mirrored, mirrored.strategy)
-    initial = build(form, "single", compile_model=False)
-
-    h_single = single.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
-    h_mirrored = mirrored.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
-
-    assert weights_moved(single, initial)
-    assert_weights_close(single, mirrored)
-    assert int(mirrored.optimizer.iterations.numpy()) == EPOCHS * 7
-    for key in ("loss", "accuracy"):
-        np.testing.assert_allclose(h_single.history[key], h_mirrored.history[key], atol=1e-5)
-    np.testing.assert_allclose(
-        single.evaluate(x, y, batch_size=BATCH, verbose=0),
-        mirrored.evaluate(x, y, batch_size=BATCH, verbose=0),
-        atol=1e-5,
-    )
-    np.testing.assert_allclose(
-        single.predict(x, batch_size=BATCH, verbose=0),
-        mirrored.predict(x, batch_size=BATCH, verbose=0),
-        atol=1e-5,
-    )
 
 
 def test_reduces_gradients_once(data):

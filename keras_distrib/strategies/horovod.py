@@ -19,6 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_distrib import devices as devices_lib
+from keras_distrib.strategies.base import reduce_op_name
 from keras_distrib.strategies.per_process import PerProcessStrategy
 
 NOT_INSTALLED = (
@@ -195,10 +196,7 @@ class Horovod(PerProcessStrategy):
         return {k: averaged[k] for k in results}
 
     def _hvd_op(self, op: str):
-        ops = {"sum": self._hvd.Sum, "mean": self._hvd.Average}
-        if op not in ops:
-            raise ValueError(f"Unknown reduce op {op!r}; use one of {sorted(ops)}.")
-        return ops[op]
+        return {"sum": self._hvd.Sum, "mean": self._hvd.Average}[reduce_op_name(op)]
 
 
 def _import_horovod():

@@ -108,9 +108,6 @@ class MultiWorker(TFDistributeStrategy):
         cluster_lib.require_training_workers(info, self.name)
         options = _communication_options(implementation, bytes_per_pack, collective_timeout)
         shared_memory = _wants_shared_memory(implementation, info)
-        if not _positive_number(peer_timeout):
-            raise ValueError(
-                f"peer_timeout={peer_timeout!r} must be a positive number of seconds.")
         runtime.ensure_started(info, peer_timeout)
         self._info = info
         self.bytes_per_pack = bytes_per_pack
@@ -183,7 +180,7 @@ def _communication_options(implementation, bytes_per_pack, collective_timeout):
         raise ValueError(
             f"bytes_per_pack={bytes_per_pack!r} must be an int >= 0 (0 = one pack)."
         )
-    if collective_timeout is not None and not _positive_number(collective_timeout):
+    if collective_timeout is not None and not runtime.positive_seconds(collective_timeout):
         raise ValueError(
             f"collective_timeout={collective_timeout!r} must be > 0 seconds, or None."
         )
@@ -217,10 +214,6 @@ def _wants_shared_memory(implementation: str, info: cluster_lib.ClusterInfo) -> 
         )
     return True
 
-
-
-def _positive_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 def _local_rank(info: cluster_lib.ClusterInfo) -> int:
