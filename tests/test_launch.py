@@ -288,6 +288,239 @@ def test_interrupt_escalates_to_sigkill_for_stubborn_ranks(
 
 
 # --------------------------------------------------------------------------
+# Output: progress bars (\r redraws), CRLF, TensorFlow's C++ logs
+
+
+def _feed(chunks_by_source, hide_tf_noise=False) -> str:
+    """What the printer writes for `(source, chunk)` pairs fed in order."""
+    import io
+    stream = io.StringIO()
+    printer = supervise_lib._Printer(stream, hide_tf_noise=hide_tf_noise)
+    tail: list[str] = []
+    sources = {}
+    for source, chunk in chunks_by_source:
+        if source not in sources:
+            sources[source] = supervise_lib._Stream(f"[{source}] ", printer, tail)
+        sources[source].feed(chunk)
+    for source in sources.values():
+        source.close()
+    printer.end_line()
+    return stream.getvalue()
+
+
+def test_redraws_show_as_one_updating_line_and_crlf_ends_lines():
+    # Keras's progbar: backspaces over the old text, \r, the new text.
+    bar = [("r0", "\r0/3"), ("r0", "\b\b\b\r1/3"), ("r0", "\b\b\b\r2/3"), ("r0", "\n")]
+    assert _feed(bar) == "\r[r0] 0/3\r[r0] 1/3\r[r0] 2/3\n"
+    # ssh -tt: CRLF line ends, also when a read ends between \r and \n.
+    assert _feed([("r0", "one\r\ntwo\r\nthree\r"), ("r0", "\nfour\r\n")]) == (
+        "[r0] one\n[r0] two\n\r[r0] three\n[r0] four\n")
+    # A bar ended by CRLF; several redraws in one read show the last.
+    assert _feed([("r0", "\r1/3\r2/3"), ("r0", "\r3/3\r\n")]) == "\r[r0] 2/3\r[r0] 3/3\n"
+    # A plain partial line still waits for its end.
+    assert _feed([("r0", "Epo"), ("r0", "ch 1\n")]) == "[r0] Epoch 1\n"
+
+
+def test_banners_left_by_tf_cpp_min_log_level_are_dropped_unless_asked_for():
+    banners = ("WARNING: All log messages before absl::InitializeLog() is called are "
+               "written to STDERR\nI0000 00:00:1795414363.840102   27521 port.cc:153] oneDNN "
+               "custom operations are on.\n")
+    chunks = [("r0", banners + "Epoch 1/2\n")]
+    assert _feed(chunks, hide_tf_noise=True) == "[r0] Epoch 1/2\n"
+    assert _feed(chunks).count("[r0] ") == 3
+
+
+def test_another_sources_line_ends_an_open_redraw_first():
+    out = _feed([("r0", "\r1/3"), ("r1", "hello\n"), ("r0", "\r2/3"), ("r0", "\n"),
+                 ("r1", "bye\n")])
+    assert out == "\r[r0] 1/3\n[r1] hello\n\r[r0] 2/3\n[r1] bye\n"
+
+
+def test_horovodrun_prefixes_become_rank_labels():
+    import io
+    from keras_distrib.launch import backends
+    stream = io.StringIO()
+    printer = supervise_lib._Printer(stream)
+    tail: list = []
+    own = supervise_lib._Stream("[horovodrun] ", printer, tail)
+    demux = supervise_lib._RankDemux(backends.HOROVODRUN_RANK_PREFIX, own, printer, tail)
+    # As horovodrun forwards a Keras bar on rank 0 (each piece behind the
+    # prefix, ending in \r or \n), reads cut anywhere.
+    text = ("[0]<stdout>:\r[0]<stdout>:1/2 \b\b\b\b\r[1]<stdout>:hi\n"
+            "[0]<stdout>:2/2\n[1]<stderr>:warn\nProcess 1 exit with status code 0.\n"
+            "Mon Nov  3 06:13:52 2026[1]<stdout>:stamped\n")
+    for i in range(0, len(text), 7):
+        demux.feed(text[i:i + 7])
+    demux.close()
+    assert stream.getvalue() == (
+        "\r[rank 0] 1/2 \n[rank 1] hi\n[rank 0] 2/2\n[rank 1] warn\n"
+        "[horovodrun] Process 1 exit with status code 0.\n[rank 1] stamped\n")
+    assert "[rank 1] warn" in tail
+
+
+PROGRESS_BODY = """\
+    for i in range(5):
+        print(f"\\r{i}/5", end="", flush=True)
+        time.sleep(0.05)
+    print()
+    sys.stdout.write("\\r1/2\\r2/2\\r\\ncrlf line\\r\\n")
+    print("done")
+"""
+
+
+@pytest.mark.slow
+def test_progress_bar_of_a_real_rank_is_one_updating_line(tmp_path, capfd, no_leftovers):
+    script = _script(tmp_path, PROGRESS_BODY)
+    assert launch.launch(LaunchConfig(nproc=1, script=script)) == 0
+    out, _ = capfd.readouterr()
+    bar, rest = out.split("\n", 1)
+    pieces = bar.split("\r")
+    assert pieces[0] == "" and len(pieces) >= 2, repr(out)
+    shown = [p.removeprefix("[rank 0] ") for p in pieces[1:]]
+    assert all(p.startswith("[rank 0] ") for p in pieces[1:]), repr(out)
+    # Every redraw shown (or, when reads merged, at least the last), in order.
+    assert shown[-1] == "4/5" and shown == sorted(shown), repr(out)
+    assert set(shown) <= {f"{i}/5" for i in range(5)}, repr(out)
+    # CRLF ends lines, also after redraws: no \r left inside a line.
+    lines = rest.split("\n")
+    assert lines[-1] == "" and lines[-2] == "[rank 0] done", repr(out)
+    assert "[rank 0] crlf line" in lines and lines[0].endswith("[rank 0] 2/2"), repr(out)
+
+
+class _Watched:
+    """A stdout for `launch` that a test can wait on while the launch runs."""
+
+    def __init__(self):
+        self.text = ""
+        self._changed = threading.Condition()
+
+    def write(self, text):
+        with self._changed:
+            self.text += text
+            self._changed.notify_all()
+
+    def flush(self):
+        pass
+
+    def wait_for(self, fragment: str, timeout: float) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: fragment in self.text, timeout)
+
+
+@pytest.mark.slow
+def test_a_redraw_shows_before_its_line_ends(tmp_path, no_leftovers):
+    go = tmp_path / "go"
+    script = _script(tmp_path, f"""\
+        print("\\r1/2", end="", flush=True)
+        while not os.path.exists({str(go)!r}):
+            time.sleep(0.01)
+        print("\\r2/2")
+    """)
+    out, codes = _Watched(), []
+    runner = threading.Thread(
+        target=lambda: codes.append(launch.launch(LaunchConfig(nproc=1, script=script),
+                                                  out=out, err=out)))
+    runner.start()
+    try:
+        shown = out.wait_for("\r[rank 0] 1/2", timeout=20)
+    finally:
+        go.touch()  # lets the rank finish whatever happened
+        runner.join(timeout=30)
+    assert shown, repr(out.text)
+    assert codes == [0]
+    assert out.text.endswith("\r[rank 0] 1/2\r[rank 0] 2/2\n"), repr(out.text)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("user_value, want", [(None, "2"), ("0", "0")])
+def test_tf_cpp_min_log_level_defaults_to_2_and_the_users_value_wins(
+        tmp_path, capfd, no_leftovers, monkeypatch, user_value, want):
+    if user_value is None:
+        monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
+    else:
+        monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", user_value)
+    script = _script(tmp_path, 'print("LEVEL=" + os.environ.get("TF_CPP_MIN_LOG_LEVEL", "unset"))')
+    assert launch.launch(LaunchConfig(nproc=2, script=script)) == 0
+    out, _ = capfd.readouterr()
+    for rank in range(2):
+        assert f"LEVEL={want}" in _lines_of(out, rank), out
+    # Ranks started over ssh get it in their command line.
+    config = LaunchConfig(nproc=2, script=script, hosts=("node-a.invalid", "node-b.invalid"))
+    assert f"TF_CPP_MIN_LOG_LEVEL={want} " in launch.shell_command(launch.plan(config)[1], config)
+
+
+# Real lines of TF 2.21 on a CPU (the first two even with TF_CPP_MIN_LOG_LEVEL=2).
+TF_BANNERS = [
+    "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
+    "I0000 00:00:1795414310.502428   26383 port.cc:153] oneDNN custom operations are on. "
+    "You may see slightly different numerical results due to floating-point round-off "
+    "errors from different computation orders. To turn them off, set the environment "
+    "variable `TF_ENABLE_ONEDNN_OPTS=0`.",
+    "I0000 00:00:1795414310.556435   26383 cpu_feature_guard.cc:227] This TensorFlow binary "
+    "is optimized to use available CPU instructions in performance-critical operations.",
+    "To enable the following instructions: AVX2 AVX512F FMA, in other operations, rebuild "
+    "TensorFlow with the appropriate compiler flags.",
+    "2024-05-01 12:00:00.123456: I tensorflow/core/util/port.cc:113] oneDNN custom operations are on.",
+    "E0000 00:00:1795414311.000000   26383 cuda_executor.cc:1228] failed call to cuInit: "
+    "INTERNAL: CUDA error: Failed call to cuInit: UNKNOWN ERROR (303)",
+]
+AT_EXIT_BANNER = ("I0000 00:00:1795414312.000000   26383 coordination_service_agent.cc:500] "
+                  "Coordination agent has successfully shut down.")
+
+
+@pytest.mark.slow
+def test_failure_tail_leaves_out_tf_banners_and_ends_with_the_traceback(
+        tmp_path, capfd, no_leftovers):
+    script = _script(tmp_path, f"""\
+        import atexit
+        atexit.register(lambda: print({AT_EXIT_BANNER!r}, file=sys.stderr, flush=True))
+        for line in {TF_BANNERS!r}:
+            print(line, file=sys.stderr, flush=True)
+        print("epoch 1", flush=True)
+        raise ValueError("boom")
+    """)
+    config = LaunchConfig(nproc=1, script=script, tail_lines=8)
+    assert launch.launch(config) == 1
+    out, err = capfd.readouterr()
+    assert AT_EXIT_BANNER in _lines_of(out, 0)  # the live output shows everything
+    summary = err.splitlines()
+    first = summary.index("keras-distrib: rank 0 failed with exit code 1; last output:")
+    tail = [line.strip() for line in summary[first + 1:]]
+    assert tail[-1] == "ValueError: boom", err
+    assert tail[0] == "epoch 1" and "Traceback (most recent call last):" in tail, err
+    for banner in (*TF_BANNERS, AT_EXIT_BANNER):
+        assert banner not in tail, err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_horovod_backend_output_has_one_prefix_style(tmp_path, capfd, no_leftovers):
+    pytest.importorskip("horovod.tensorflow")
+    script = tmp_path / "hvd_worker.py"
+    script.write_text(PRELUDE.replace('"KERAS_DISTRIB_RANK"', '"HOROVOD_RANK"') + textwrap.dedent("""\
+        print("hello", flush=True)
+        if RANK == 0:
+            for i in range(5):
+                print(f"\\r{i}/5", end="", flush=True)
+                time.sleep(0.05)
+            print()
+        print("to stderr", file=sys.stderr, flush=True)
+    """))
+    config = LaunchConfig(nproc=2, script=str(script), backend="horovod", timeout=100)
+    assert launch.launch(config) == 0
+    out, _ = capfd.readouterr()
+    assert "<stdout>:" not in out and "<stderr>:" not in out, out
+    for line in out.split("\n")[:-1]:
+        for piece in line.split("\r"):
+            assert piece == "" or piece.startswith(
+                ("[rank 0] ", "[rank 1] ", "[horovodrun] ")), repr(out)
+    for rank in range(2):
+        assert {"hello", "to stderr"} <= set(_lines_of(out, rank)), out
+    assert "\r[rank 0] " in out and ("\r[rank 0] 4/5\n" in out or "\n[rank 0] 4/5\n" in out), repr(out)
+    assert not any(_alive(pid) for pid in _pids(tmp_path).values())
+
+
+# --------------------------------------------------------------------------
 # Multi-host
 
 
@@ -395,7 +628,8 @@ def test_cli_sigint_stops_all_workers(tmp_path, no_leftovers):
 def test_usage_lists_flags_and_env_contract():
     text = launch.usage()
     for fragment in ("-n,--nproc", "--hosts", "--port_base", "--bind", "--ssh",
-                     "--timeout", "--tail_lines", "KERAS_DISTRIB_WORLD_SIZE"):
+                     "--timeout", "--tail_lines", "KERAS_DISTRIB_WORLD_SIZE",
+                     "TF_CPP_MIN_LOG_LEVEL"):
         assert fragment in text
 
 

@@ -2,7 +2,8 @@
 
 - `tf` (the default): one child per rank, `python script.py ...` here or
   `ssh host 'cd ... && exec env TF_CONFIG=... python script.py ...'`;
-- `horovod`: one child, horovodrun, which starts and numbers the ranks.
+- `horovod`: one child, horovodrun, which starts and numbers the ranks;
+  its `[N]<stdout>:` prefixes are turned into the launcher's `[rank N] `.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 from typing import Sequence
 
 from keras_distrib.launch.config import LaunchConfig, LaunchError
-from keras_distrib.launch.plan import RankPlan, parse_hosts, shell_command
+from keras_distrib.launch.plan import RankPlan, parse_hosts, shell_command, tf_log_env
 from keras_distrib.launch.supervise import ChildSpec
 
 
@@ -41,6 +42,12 @@ def rank_argv(rank_plan: RankPlan, config: LaunchConfig) -> list[str]:
 def rank_specs(plans: Sequence[RankPlan], config: LaunchConfig) -> list[ChildSpec]:
     """One child per rank, labelled `rank N`, with the rank's environment."""
     return [ChildSpec(f"rank {p.rank}", rank_argv(p, config), p.env()) for p in plans]
+
+
+# How horovodrun prefixes each piece of a rank's output (gloo: `[0]<stdout>:`,
+# mpirun: `[1,0]<stdout>:`; an optional timestamp in front with
+# --prefix-output-with-timestamp). horovodrun has no option to turn it off.
+HOROVODRUN_RANK_PREFIX = r"(?:\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4})?\[(?:\d+,)?(?P<rank>\d+)\]<(?P<stream>std(?:out|err))>:"
 
 
 def horovod_spec(config: LaunchConfig) -> ChildSpec:
@@ -68,4 +75,5 @@ def horovod_spec(config: LaunchConfig) -> ChildSpec:
     command = "exec " + shlex.join(local_argv(config))
     argv = [horovodrun, "--gloo", "-np", str(config.nproc), "-H", hosts,
             "/bin/sh", "-c", command]
-    return ChildSpec("horovodrun", argv, {"PYTHONUNBUFFERED": "1"})
+    return ChildSpec("horovodrun", argv, {"PYTHONUNBUFFERED": "1", **tf_log_env()},
+                     rank_prefix=HOROVODRUN_RANK_PREFIX)

@@ -7,9 +7,12 @@ Usage:
 
 On one machine, `launch` starts N copies of `python train.py ...`, each
 with its own `TF_CONFIG` (all addresses on `--bind`, 127.0.0.1 by default,
-free ports), and prints every line they write as `[rank N] line`. When a
-rank fails the others are stopped and the launcher exits with that rank's
-exit code; Ctrl-C stops them all. Nothing is left running.
+free ports), and prints every line they write as `[rank N] line`. A line
+redrawn with carriage returns, like Keras's progress bar (printed by rank
+0 only), shows as one updating `[rank 0]` line. When a rank fails the
+others are stopped and the launcher exits with that rank's exit code,
+after the tail of its output (TensorFlow's start-up log lines left out);
+Ctrl-C stops them all. Nothing is left running.
 
 With `--hosts` naming other machines, nothing is started: the launcher
 prints (and with `--output_dir` writes) each rank's `TF_CONFIG` and the
@@ -22,6 +25,15 @@ Every child gets these environment variables:
     KERAS_DISTRIB_WORLD_SIZE  N
     KERAS_DISTRIB_LOCAL_RANK  its index among the ranks on its host
     PYTHONUNBUFFERED          1, so lines arrive as they are printed
+    TF_CPP_MIN_LOG_LEVEL      2, which hides TensorFlow's C++ INFO and WARNING
+                              logs (the launcher also drops the banners
+                              this leaves, oneDNN and absl), unless the
+                              launcher's environment sets it:
+                              `TF_CPP_MIN_LOG_LEVEL=0 keras-distrib launch ...`
+                              shows them all again
+
+With `--backend horovod` the one child is horovodrun; its own `[N]<stdout>:`
+prefixes are replaced by `[rank N] `.
 
 Everything after the script path goes to the script untouched.
 """

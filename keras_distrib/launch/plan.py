@@ -21,6 +21,21 @@ from keras_distrib.launch.config import LaunchConfig, LaunchError
 # without --port_base use fixed ones (base + index of the rank on its host).
 DEFAULT_REMOTE_PORT_BASE = 23456
 
+# TF_CPP_MIN_LOG_LEVEL for the children when the launcher's environment has
+# none: 2 hides TensorFlow's C++ INFO and WARNING logs (start-up banners,
+# coordination service chatter) in every rank; errors still show.
+DEFAULT_TF_CPP_MIN_LOG_LEVEL = "2"
+
+
+def tf_log_env() -> dict[str, str]:
+    """`TF_CPP_MIN_LOG_LEVEL` for a child: the launcher's own, or 2.
+
+    Given explicitly (not only inherited), so that ranks started over ssh
+    get the user's value too.
+    """
+    return {"TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL",
+                                                   DEFAULT_TF_CPP_MIN_LOG_LEVEL)}
+
 
 @dataclasses.dataclass(frozen=True)
 class RankPlan:
@@ -43,6 +58,7 @@ class RankPlan:
             "KERAS_DISTRIB_WORLD_SIZE": str(self.info.world_size),
             "KERAS_DISTRIB_LOCAL_RANK": str(self.local_rank),
             "PYTHONUNBUFFERED": "1",
+            **tf_log_env(),
         }
 
 

@@ -6,6 +6,17 @@ then makes sure nothing is left running. How the job ended (all succeeded,
 which child failed and how, the launcher was interrupted, the timeout hit)
 comes back as a `SuperviseResult`; its `exit_code` is the launcher's.
 
+Output is read in chunks as it comes, not line by line: a line redrawn
+with carriage returns (Keras's progress bar: `\r1/7 ...`, `\r2/7 ...`)
+is shown at once as one updating line, `\r[label] 2/7 ...` without a
+newline; `\r\n` ends a line like `\n`. A line from another child ends
+the open redrawn line first, so outputs never glue together. A child
+whose output carries its own per-rank prefixes (horovodrun's
+`[N]<stdout>:`, `ChildSpec.rank_prefix`) is shown as `[rank N] ` lines.
+A failed child's tail leaves out TensorFlow's start-up log lines
+(`TF_LOG_NOISE`), so that it ends with the Python traceback; unless the
+user set `TF_CPP_MIN_LOG_LEVEL`, they are left out of the live output too.
+
 Watching (`_watch`: what happened?) and ending (`_end`: stop the others,
 say why) are separate steps, so that a policy such as restarting a failed
 child can sit between them.
@@ -13,17 +24,19 @@ child can sit between them.
 
 from __future__ import annotations
 
+import codecs
 import collections
 import dataclasses
 import enum
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Optional, Sequence, TextIO
+from typing import Optional, Sequence, TextIO
 
 from keras_distrib.launch.config import LaunchConfig, LaunchError
 
@@ -40,6 +53,10 @@ class ChildSpec:
     label: str
     argv: list[str]
     env: dict[str, str]
+    # A regular expression with a group `rank`: the prefix this child puts
+    # on its ranks' output pieces (each ending in \r or \n), as horovodrun
+    # does. Such pieces are shown as `[rank N] ` lines; the rest as `[label] `.
+    rank_prefix: Optional[str] = None
 
 
 class Ending(enum.Enum):
@@ -86,22 +103,189 @@ def exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-class _LinePrinter:
-    """Writes whole lines from many threads without interleaving them."""
+# TensorFlow's C++ start-up and runtime logs, which every rank prints
+# whatever the script does (some even with TF_CPP_MIN_LOG_LEVEL=2); a
+# failed child's tail leaves them out so that it ends with the Python
+# traceback. Each is matched at the start of a line.
+TF_LOG_NOISE = (
+    # absl-style INFO and WARNING lines:
+    # "I0000 00:00:1712345678.123456   12345 port.cc:153] oneDNN custom operations are on..."
+    # (before absl is set up the seconds count from 1970)
+    r"[IW]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ [\w./-]+:\d+\] ",
+    # the same before TF 2.16: "2024-05-01 12:00:00.123456: I tensorflow/core/util/port.cc:113] ..."
+    r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IW] [\w./-]+:\d+\] ",
+    r"WARNING: All log messages before absl::InitializeLog\(\) is called",
+    # the second line of cpu_feature_guard's notice
+    r"To enable the following instructions: .*rebuild TensorFlow",
+    # CUDA probing on a machine without a GPU, logged as errors
+    r"(?:E\d{4} |\d{4}-\d\d-\d\d .*: E ).*\] (?:failed call to cuInit|Unable to register cu\w+ factory)",
+)
+_NOISE = re.compile("|".join(f"(?:{pattern})" for pattern in TF_LOG_NOISE))
 
-    def __init__(self, stream: TextIO):
+# Where a line ends (\r\n: ssh -tt's line ends) or is redrawn (a bare \r).
+_BREAKS = re.compile(r"(\r\n|\r|\n)")
+
+
+def is_tf_log_noise(line: str) -> bool:
+    """True for a line of TensorFlow's C++ logs that `TF_LOG_NOISE` names."""
+    return _NOISE.match(line) is not None
+
+
+class _Printer:
+    """Writes the children's lines and redraws to one stream, from many threads.
+
+    Whole lines never interleave. A redraw, `\r[label] text` without a
+    newline, leaves its line open: the same source's next redraw replaces
+    it, its line end ends it, and anything else ends it with a newline
+    first. A source is whatever object writes (one `_Stream`).
+    """
+
+    def __init__(self, stream: TextIO, hide_tf_noise: bool = False):
         self._stream = stream
+        self._hide_tf_noise = hide_tf_noise
         self._lock = threading.Lock()
+        self._open: Optional[tuple[object, str]] = None  # (source, text) of the open line
 
-    def __call__(self, line: str) -> None:
+    def write(self, source: object, prefix: str, lines: Sequence[str] = (),
+              redraw: Optional[str] = None) -> None:
+        """Prints `lines` (ended), then `redraw` as the open line, if given."""
+        if self._hide_tf_noise:
+            lines = [line for line in lines if not is_tf_log_noise(line)]
         with self._lock:
-            try:
-                self._stream.write(line + "\n")
-                self._stream.flush()
-            except (OSError, ValueError, UnicodeError):
-                # A closed or narrow stdout must not stop the pipe from being
-                # drained, or the child would block on a full pipe.
-                pass
+            parts = []
+            for line in lines:
+                if self._open == (source, line):  # already on screen
+                    parts.append("\n")
+                elif self._open is not None and self._open[0] is source:
+                    parts.append(f"\r{prefix}{line}\n")
+                else:
+                    parts.append(self._end_open() + f"{prefix}{line}\n")
+                self._open = None
+            if redraw is not None and self._open != (source, redraw):
+                if self._open is not None and self._open[0] is not source:
+                    parts.append(self._end_open())
+                parts.append(f"\r{prefix}{redraw}")
+                self._open = (source, redraw)
+            self._put("".join(parts))
+
+    def end_line(self) -> None:
+        """Ends an open redrawn line, before the launcher says something."""
+        with self._lock:
+            self._put(self._end_open())
+
+    def _end_open(self) -> str:
+        ended, self._open = self._open is not None, None
+        return "\n" if ended else ""
+
+    def _put(self, text: str) -> None:
+        if not text:
+            return
+        try:
+            self._stream.write(text)
+            self._stream.flush()
+        except (OSError, ValueError, UnicodeError):
+            # A closed or narrow stdout must not stop the pipe from being
+            # drained, or the child would block on a full pipe.
+            pass
+
+
+class _Stream:
+    """One output stream's text, as whole lines and redraws of the open line.
+
+    A line's text is what follows its last carriage return (what a
+    terminal would show, for redraws that pad to the old width as Keras's
+    do); trailing backspaces, which Keras writes before each \r, are
+    dropped. A plain partial line waits for its end, as before; one that
+    was redrawn is shown at the end of every chunk.
+    """
+
+    def __init__(self, prefix: str, printer: _Printer, tail: collections.deque,
+                 tail_prefix: str = ""):
+        self._prefix = prefix
+        self._printer = printer
+        self._tail = tail
+        self._tail_prefix = tail_prefix
+        self._segment = ""  # text since the last \r or line end
+        self._last = ""  # the line's text as of its last \r
+        self._redrawn = False  # the line had a bare \r
+        self._shown: Optional[str] = None  # its text last redrawn
+
+    def feed(self, text: str) -> None:
+        lines = []
+        for piece in _BREAKS.split(text):
+            if piece in ("\n", "\r\n"):
+                lines.append(self._current())
+                self._segment, self._last, self._redrawn, self._shown = "", "", False, None
+            elif piece == "\r":
+                self._last, self._segment, self._redrawn = self._current(), "", True
+            else:
+                self._segment += piece
+        redraw = None
+        if self._redrawn:
+            current = self._current()
+            if current and current != self._shown:
+                redraw = self._shown = current
+        for line in lines:
+            if not is_tf_log_noise(line):
+                self._tail.append(self._tail_prefix + line)
+        if lines or redraw is not None:
+            self._printer.write(self, self._prefix, lines, redraw)
+
+    def close(self) -> None:
+        """Ends the last line, if the stream ended without a newline."""
+        if self._current():
+            self.feed("\n")
+
+    def _current(self) -> str:
+        return self._segment.rstrip("\b") or self._last
+
+
+class _RankDemux:
+    """horovodrun's output, `[N]<stdout>:piece` records, as `_Stream`s per rank.
+
+    horovodrun writes each piece of a rank's output as soon as it ends in
+    \r or \n, behind the rank's prefix; so only ended pieces are routed,
+    and a record cut by a chunk waits for its rest. A rank's stdout and
+    stderr (the prefix's optional group `stream`) are separate streams
+    with the same label, so that a warning does not overwrite a progress
+    bar.
+    """
+
+    _RECORD = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)")
+
+    def __init__(self, rank_prefix: str, own: _Stream, printer: _Printer,
+                 tail: collections.deque):
+        self._prefix = re.compile(rank_prefix)
+        self._own = own
+        self._printer = printer
+        self._tail = tail
+        self._ranks: dict[tuple[int, Optional[str]], _Stream] = {}
+        self._pending = ""
+
+    def feed(self, text: str) -> None:
+        self._pending += text
+        cut = max(self._pending.rfind("\r"), self._pending.rfind("\n")) + 1
+        ended, self._pending = self._pending[:cut], self._pending[cut:]
+        for record in self._RECORD.findall(ended):
+            self._route(record)
+
+    def close(self) -> None:
+        if self._pending:
+            self._route(self._pending)
+            self._pending = ""
+        for stream in (self._own, *self._ranks.values()):
+            stream.close()
+
+    def _route(self, record: str) -> None:
+        match = self._prefix.match(record)
+        if match is None:
+            self._own.feed(record)
+            return
+        key = (int(match.group("rank")), match.groupdict().get("stream"))
+        if key not in self._ranks:
+            label = f"[rank {key[0]}] "
+            self._ranks[key] = _Stream(label, self._printer, self._tail, tail_prefix=label)
+        self._ranks[key].feed(record[match.end():])
 
 
 # Run in front of every rank's command: asks the kernel to SIGKILL the rank
@@ -126,7 +310,7 @@ def _tied_to_launcher(argv: Sequence[str]) -> list[str]:
 class _Child:
     """One started process, its own process group, and the thread reading it."""
 
-    def __init__(self, spec: ChildSpec, tail_lines: int, printer: Callable[[str], None]):
+    def __init__(self, spec: ChildSpec, tail_lines: int, printer: _Printer):
         self.label = spec.label
         self.tail: collections.deque[str] = collections.deque(maxlen=max(tail_lines, 1))
         # Own session: a signal to the group reaches the rank and anything it
@@ -136,18 +320,24 @@ class _Child:
             _tied_to_launcher(spec.argv), env={**os.environ, **spec.env},
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True)
-        self._printer = printer
+        own = _Stream(f"[{self.label}] ", printer, self.tail)
+        self._sink = own if spec.rank_prefix is None else _RankDemux(
+            spec.rank_prefix, own, printer, self.tail)
         self.reader = threading.Thread(target=self._pump, name=f"pump {self.label}", daemon=True)
         self.reader.start()
 
     def _pump(self) -> None:
-        prefix = f"[{self.label}] "
-        for raw in iter(self.proc.stdout.readline, b""):
-            # \r: ssh -tt sends CRLF line ends.
-            line = raw.rstrip(b"\r\n").decode("utf-8", "replace")
-            self.tail.append(line)
-            self._printer(prefix + line)
-        self.proc.stdout.close()
+        # os.read, not readline: a progress bar's redraws end in no newline
+        # and must show as they come.
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        fd = self.proc.stdout.fileno()
+        try:
+            while data := os.read(fd, 65536):
+                self._sink.feed(decoder.decode(data))
+            self._sink.feed(decoder.decode(b"", final=True))
+            self._sink.close()
+        finally:
+            self.proc.stdout.close()
 
     @property
     def running(self) -> bool:
@@ -199,7 +389,9 @@ def supervise(specs: Sequence[ChildSpec], config: LaunchConfig,
         LaunchError: a child could not be started (those already started
             are killed).
     """
-    printer = _LinePrinter(out)
+    # The banners TF_CPP_MIN_LOG_LEVEL=2 does not silence are left out too,
+    # unless the user set the level (then they see what they asked for).
+    printer = _Printer(out, hide_tf_noise="TF_CPP_MIN_LOG_LEVEL" not in os.environ)
     children: list[_Child] = []
     with _SignalTrap() as trap:
         try:
@@ -207,16 +399,17 @@ def supervise(specs: Sequence[ChildSpec], config: LaunchConfig,
                 children.append(_start(spec, config.tail_lines, printer))
             deadline = time.monotonic() + config.timeout if config.timeout > 0 else None
             result = _watch(children, trap, deadline)
-            return _end(result, children, config, trap, err)
+            return _end(result, children, config, trap, printer, err)
         finally:
             for child in children:
                 child.signal_group(signal.SIGKILL)
             for child in children:
                 child.proc.wait()
                 child.reader.join(timeout=5)
+            printer.end_line()
 
 
-def _start(spec: ChildSpec, tail_lines: int, printer) -> _Child:
+def _start(spec: ChildSpec, tail_lines: int, printer: _Printer) -> _Child:
     try:
         return _Child(spec, tail_lines, printer)
     except OSError as e:
@@ -244,15 +437,17 @@ def _watch(children: Sequence[_Child], trap: _SignalTrap,
 
 
 def _end(result: SuperviseResult, children: Sequence[_Child], config: LaunchConfig,
-         trap: _SignalTrap, err: TextIO) -> SuperviseResult:
+         trap: _SignalTrap, printer: _Printer, err: TextIO) -> SuperviseResult:
     """Stops the children still running as `result` calls for, and says why.
 
     Returns `result`, for a failed child with the tail of its output filled in.
     """
     if result.ending is Ending.INTERRUPTED:
+        printer.end_line()  # a progress bar must not swallow the message
         _say(err, f"got {signal.Signals(result.signum).name}; stopping all ranks.")
         _stop(children, result.signum, trap)
     elif result.ending is Ending.TIMED_OUT:
+        printer.end_line()
         _say(err, f"timed out after {config.timeout:g}s (--timeout); stopping all ranks.")
         _stop(children, signal.SIGTERM, trap)
     elif result.ending is Ending.CHILD_FAILED:
@@ -261,6 +456,7 @@ def _end(result: SuperviseResult, children: Sequence[_Child], config: LaunchConf
         child.reader.join(timeout=5)  # the last lines are the interesting ones
         tail = tuple(child.tail)[-config.tail_lines:] if config.tail_lines else ()
         result = dataclasses.replace(result, failed=dataclasses.replace(result.failed, tail=tail))
+        printer.end_line()
         _report_failure(result.failed, err)
     return result
 
