@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import uuid
 import warnings
 from typing import Any, Iterator
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 # Minor versions the whole suite ran on (setup.cfg pins the same ranges).
@@ -108,6 +110,12 @@ def loss_tracker(model):
     Keras's own train step does.
     """
     return model._loss_tracker
+
+
+def all_layers(model) -> list:
+    """Every layer nested in `model` (`Layer._flatten_layers`), found through
+    custom layers too, which `model.layers` does not descend into."""
+    return list(model._flatten_layers(include_self=False, recursive=True))
 
 
 def call_has_training_arg(model) -> bool:
@@ -311,18 +319,82 @@ def slurm_worker_addresses(rank: int, num_tasks: int, task_config: dict, port_ba
 # -- tf.data ------------------------------------------------------------------------
 
 
-def dataset_ops(dataset: tf.data.Dataset) -> set[str]:
-    """Names of the ops in a dataset's graph (to find file readers).
-
-    `Dataset._as_serialized_graph` is what tf.distribute's own auto-sharding
-    reads; there is no public way to inspect a pipeline's source.
-    """
+def _dataset_graph(dataset: tf.data.Dataset):
+    """The pipeline's GraphDef (`Dataset._as_serialized_graph`, what
+    tf.distribute's own auto-sharding reads; there is no public way to
+    inspect a pipeline)."""
     graph = tf.compat.v1.GraphDef()
     graph.ParseFromString(dataset._as_serialized_graph().numpy())
+    return graph
+
+
+def dataset_ops(dataset: tf.data.Dataset) -> set[str]:
+    """Names of the ops in a dataset's graph (to find file readers)."""
+    graph = _dataset_graph(dataset)
     ops = {node.op for node in graph.node}
     for function in graph.library.function:
         ops.update(node.op for node in function.node_def)
     return ops
+
+
+class UnseededShuffleError(ValueError):
+    """An unseeded shuffle the workers cannot be made to agree on."""
+
+
+def _unseeded(nodes: dict, shuffle) -> bool:
+    # ShuffleDatasetV3(input, buffer_size, seed, seed2, seed_generator):
+    # seed == seed2 == 0 is TensorFlow's "draw a random seed".
+    seeds = [nodes.get(name.split(":")[0].lstrip("^")) for name in shuffle.input[2:4]]
+    return all(
+        node is not None and node.op == "Const"
+        and tf.make_ndarray(node.attr["value"].tensor) == 0
+        for node in seeds
+    )
+
+
+def agree_on_shuffles(dataset: tf.data.Dataset, draw_seed) -> tf.data.Dataset:
+    """`dataset` with every unseeded `shuffle` given a seed from `draw_seed()`.
+
+    Workers that each cut their rows from the same global batches must see
+    the same batches; `.shuffle(n)` without a seed (TensorFlow's tutorials
+    use it) draws a different order in every process. The pipeline's graph
+    is serialized, each unseeded `ShuffleDatasetV3` gets the agreed seed
+    (and a fresh seed-generator handle: deserialization reuses a live
+    generator found under the old name), and the graph is deserialized
+    (`DatasetFromGraph`, public raw op). Each epoch still reshuffles, in
+    the same order on every worker. Returns `dataset` itself when it has no
+    unseeded shuffle (`draw_seed` is then not called).
+
+    Raises:
+        UnseededShuffleError: an unseeded shuffle that cannot be rewritten
+            (inside a nested dataset function, an older shuffle op, or a
+            pipeline that cannot be serialized).
+    """
+    graph = _dataset_graph(dataset)
+    nodes = {node.name: node for node in graph.node}
+    top = [n for n in graph.node if n.op == "ShuffleDatasetV3" and _unseeded(nodes, n)]
+    nested = [
+        n.op for function in graph.library.function for n in function.node_def
+        if "Shuffle" in n.op and _unseeded({m.name: m for m in function.node_def}, n)
+    ] + [n.op for n in graph.node if "Shuffle" in n.op and n.op != "ShuffleDatasetV3"
+         and len(n.input) >= 4 and _unseeded(nodes, n)]
+    if nested:
+        raise UnseededShuffleError("inside a nested dataset function or an older shuffle op")
+    if not top:
+        return dataset
+    seed = int(draw_seed())
+    for number, shuffle in enumerate(top):
+        seed_node, seed2_node = (nodes[n.split(":")[0]] for n in shuffle.input[2:4])
+        seed_node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(np.int64(seed)))
+        seed2_node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(np.int64(number + 1)))
+        generator = nodes[shuffle.input[4].split(":")[0]]
+        for handle in generator.attr["value"].tensor.resource_handle_val:
+            handle.name = f"kd_agreed_shuffle_{uuid.uuid4().hex}"
+    try:
+        variant = tf.raw_ops.DatasetFromGraph(graph_def=graph.SerializeToString())
+    except (tf.errors.OpError, ValueError) as error:
+        raise UnseededShuffleError(f"the pipeline cannot be rebuilt ({error})") from error
+    return tf.data.experimental.from_variant(variant, dataset.element_spec)
 
 
 def static_batch_size(dataset: tf.data.Dataset) -> int:

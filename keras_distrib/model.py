@@ -16,6 +16,7 @@ paths run (keras-team/keras#20585; see `keras_distrib._compat`).
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import os
 import threading
@@ -36,9 +37,14 @@ Functional = _compat.functional_class()
 
 StrategyLike = Union[str, Strategy]
 
-# Trace-time state of the step being traced. Thread-local because
-# MirroredStrategy traces each replica's step in its own thread.
-_step_state = threading.local()
+# Trace-time state: how many replica threads are applying gradients that
+# `train_step` already reduced. Not thread-local: a loss-scale optimizer
+# under MirroredStrategy applies them from `merge_call`, in other threads
+# than the replicas' (see `_install_reduction_switch`).
+_reduced_applies = [0]
+_reduced_applies_lock = threading.Lock()
+
+_COMPILE_SIGNATURE = inspect.signature(keras.Model.compile)
 
 
 @keras.saving.register_keras_serializable(package="keras_distrib")
@@ -82,19 +88,16 @@ class DistributedModel(keras.Model):
     chief_only_side_effects = True
 
     def __new__(cls, *args, **kwargs):
-        if cls is DistributedModel and _compat.is_functional_call(args, kwargs):
-            return super().__new__(FunctionalDistributedModel)
+        if _compat.is_functional_call(args, kwargs) and not issubclass(cls, Functional):
+            # `Net(inputs, outputs)` for a subclass `Net` (the Keras guide's
+            # custom train_step on a functional model): an instance of a
+            # functional variant of `Net`. Keras would instead rewrite the
+            # bases of every class up to keras.Model, turning all
+            # DistributedModel subclasses functional.
+            return super().__new__(_functional_variant(cls))
         return super().__new__(cls)
 
     def __init__(self, *args, strategy: StrategyLike = "auto", **kwargs):
-        if _compat.is_functional_call(args, kwargs):
-            # Keras would rewrite this class's bases to include Functional,
-            # which would turn every DistributedModel subclass functional.
-            raise TypeError(
-                f"{type(self).__name__} is a subclassed model and cannot take "
-                "(inputs, outputs); build functional models with "
-                "keras_distrib.DistributedModel(inputs, outputs, strategy=...)."
-            )
         resolved = strategies.get(strategy)
         super().__init__(*args, **kwargs)
         self._init_distribution(resolved)
@@ -128,6 +131,12 @@ class DistributedModel(keras.Model):
             ValueError: for subclassed or unbuilt models.
         """
         graph = getattr(model, "_functional", model)
+        if isinstance(model, keras.Sequential) and not isinstance(graph, Functional):
+            raise ValueError(
+                f"from_model needs a built model, but Sequential {model.name!r} has no "
+                "input shape yet; start it with keras.Input(shape=...) (e.g. "
+                "keras.Sequential([keras.Input((8,)), ...])) or call model.build(shape)."
+            )
         if not isinstance(graph, Functional):
             raise ValueError(
                 f"from_model needs a built Functional or Sequential model, got "
@@ -153,9 +162,15 @@ class DistributedModel(keras.Model):
         return super().__call__(*args, **kwargs)
 
     def compile(self, optimizer="rmsprop", *args, **kwargs):
+        arguments = _COMPILE_SIGNATURE.bind(self, optimizer, *args, **kwargs).arguments
+        arguments.pop("self")
+        arguments.update(arguments.pop("kwargs", {}))
         with self._strategy.scope():
-            optimizer = _adopt_optimizer(keras.optimizers.get(optimizer), self._strategy)
-            super().compile(optimizer, *args, **kwargs)
+            arguments["optimizer"] = _adopt_optimizer(
+                keras.optimizers.get(arguments["optimizer"]), self._strategy)
+            for key in ("metrics", "weighted_metrics"):
+                arguments[key] = _adopt_metrics(arguments.get(key), self._strategy)
+            super().compile(**arguments)
 
     def compile_from_config(self, config):
         # Keras skips compiling on load when `compile` is overridden.
@@ -198,9 +213,42 @@ class DistributedModel(keras.Model):
                 if apply_gradients:
                     gradients, num_samples = self.optimizer.take_accumulated(gradients)
             if apply_gradients:
-                gradients = self.reduce_gradients(gradients, num_samples)
+                gradients = self._reduce_with_statistics(gradients, num_samples)
                 self.apply_reduced_gradients(gradients)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def _reduce_with_statistics(self, gradients: list, num_samples) -> list:
+        """`reduce_gradients`, with the replicas' moving statistics averaged.
+
+        Keras updates non-trainable float variables (BatchNormalization's
+        moving mean and variance) on each replica from that replica's shard;
+        left alone, the copies drift apart and `predict` of a row would
+        depend on its replica. Their sample-weighted mean over the replicas
+        travels in the gradients' all-reduce (no extra collective) and is
+        assigned to every copy, so all replicas and workers keep one value.
+        """
+        statistics = self._replica_statistics()
+        if not statistics or not self._sums_sample_losses:
+            return self.reduce_gradients(gradients, num_samples)
+        count = tf.cast(num_samples, tf.float32)
+        weighted = [tf.cast(v, tf.float32) * count for v in statistics]
+        reduced = self.reduce_gradients([*gradients, *weighted], num_samples)
+        for variable, value in zip(statistics, reduced[len(gradients):]):
+            variable.assign(tf.cast(value, variable.dtype))
+        return reduced[: len(gradients)]
+
+    def _replica_statistics(self) -> list:
+        # Only layers known to update statistics per replica: other
+        # non-trainable variables (a frozen backbone) are equal everywhere
+        # and would only add traffic. `synchronized=True` layers already
+        # compute global batch statistics.
+        return [
+            v
+            for layer in _compat.all_layers(self)
+            if isinstance(layer, keras.layers.BatchNormalization)
+            and layer.trainable and not layer.synchronized
+            for v in layer.non_trainable_variables
+        ]
 
     @property
     def _accumulation_steps(self) -> int:
@@ -219,19 +267,27 @@ class DistributedModel(keras.Model):
             loss = _compat.compute_loss(
                 self, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
             )
-            scaled = self._weight_replica_loss(loss, x)
+            # The replica's mean loss, as Keras would differentiate it on one
+            # device: a loss-scale optimizer multiplies it by its scale, and
+            # a sum over samples would overflow float16 in the backward pass.
+            scaled = _unscale_replica_loss(loss) if self._sums_sample_losses else loss
             if self.optimizer is not None:
                 scaled = self.optimizer.scale_loss(scaled)
         gradients = None
         if self.trainable_weights:
             gradients = tape.gradient(scaled, self.trainable_weights)
+            if self._sums_sample_losses:
+                # Gradient of the sum of per-sample losses (see
+                # reduce_gradients), in the variables' dtype (float32 under
+                # mixed precision, where this product cannot overflow).
+                gradients = [_times(g, _batch_size(x)) for g in gradients]
         return loss, y_pred, gradients
 
     def reduce_gradients(self, gradients: list, num_samples) -> list:
         """The one cross-replica reduction of the step.
 
         Each replica's gradients are of the *sum* of its per-sample losses
-        (see `_weight_replica_loss`); the strategy sums them over replicas
+        (see `_loss_and_gradients`); the strategy sums them over replicas
         together with the sample counts and divides by the global count
         (`Strategy.reduce_gradients`): exactly the gradient of the mean loss
         over the global batch, whatever the split. `None` entries (variables
@@ -252,11 +308,13 @@ class DistributedModel(keras.Model):
     def apply_reduced_gradients(self, gradients: list) -> None:
         """Applies already-reduced gradients without Keras reducing again."""
         pairs = [(g, v) for g, v in zip(gradients, self.trainable_weights) if g is not None]
-        _step_state.gradients_reduced = True
+        with _reduced_applies_lock:
+            _reduced_applies[0] += 1
         try:
             self.optimizer.apply_gradients(pairs)
         finally:
-            _step_state.gradients_reduced = False
+            with _reduced_applies_lock:
+                _reduced_applies[0] -= 1
 
     def test_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -273,14 +331,6 @@ class DistributedModel(keras.Model):
         if _compat.call_has_training_arg(self):
             return self(x, training=training)
         return self(x)
-
-    def _weight_replica_loss(self, loss, x):
-        # Keras divided this replica's mean loss by the replica count; turn it
-        # into the sum over this replica's samples (see reduce_gradients).
-        if not self._sums_sample_losses:
-            return loss
-        count = tf.cast(_batch_size(x), loss.dtype)
-        return _unscale_replica_loss(loss) * count
 
     def compile_replicas_separately(self, enabled: bool) -> None:
         """Whether `replica_compiled` compiles each replica's math with XLA.
@@ -450,6 +500,20 @@ class FunctionalDistributedModel(DistributedModel, Functional):
         self._init_distribution(resolved)
 
 
+@functools.lru_cache(maxsize=None)
+def _functional_variant(cls: type) -> type:
+    """`cls` built from `(inputs, outputs)`: its methods, Functional's graph.
+
+    The variant keeps `cls`'s name and module, so `isinstance` and saving
+    see `cls` (loading calls `cls(inputs=..., outputs=...)`, which lands
+    here again).
+    """
+    if cls is DistributedModel:
+        return FunctionalDistributedModel
+    return type(cls.__name__, (cls, FunctionalDistributedModel),
+                {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+
+
 def _unscale_replica_loss(loss):
     """The replica's mean loss from Keras's, which divided it by the number of
     replicas of the enclosing tf.distribute strategy (`scale_loss_for_distribution`)."""
@@ -464,6 +528,9 @@ def _rebuild_under(strategy: Strategy, inputs, outputs):
     with strategy.scope():
         clone = keras.models.clone_model(template)
     clone.set_weights(template.get_weights())
+    # Each process set its own values (initializers are unseeded by default,
+    # so they differ): worker 0's win, as they would at variable creation.
+    strategy.broadcast_variables(clone.weights)
     return clone.input, clone.output
 
 
@@ -488,25 +555,64 @@ def _adopt_optimizer(optimizer, strategy: Strategy):
     return optimizer
 
 
+def _adopt_metrics(metrics, strategy: Strategy):
+    """`metrics` (as passed to `compile`) with metric objects made outside the
+    strategy re-created under it from their config.
+
+    A metric object creates its variables when constructed; made outside
+    the scope they are plain per-process variables, and each worker would
+    report its own value instead of the global one.
+    """
+    if isinstance(metrics, dict):
+        return {k: _adopt_metrics(v, strategy) for k, v in metrics.items()}
+    if isinstance(metrics, (list, tuple)):
+        return type(metrics)(_adopt_metrics(m, strategy) for m in metrics)
+    if not isinstance(metrics, keras.metrics.Metric) or all(
+        strategy.holds(v) for v in metrics.variables
+    ):
+        return metrics
+    try:
+        with strategy.scope():
+            return type(metrics).from_config(metrics.get_config())
+    except Exception as error:
+        raise ValueError(
+            f"Metric {metrics.name!r} ({type(metrics).__name__}) was created outside the "
+            f"strategy's scope and cannot be re-created from its config ({error}); create "
+            "it inside `with model.strategy.scope():` or give it a get_config()."
+        ) from error
+
+
 def _install_reduction_switch(optimizer) -> None:
     """Lets our step make Keras's optimizer skip its own gradient all-reduce.
 
     Keras's TF optimizer sums gradients across replicas inside
     `apply_gradients` when called in a replica context. `train_step` has
     already reduced them (reducing twice multiplies them by the replica
-    count), so while `_step_state.gradients_reduced` is set the sum is
-    skipped. Custom `train_step`s that call `apply_gradients` themselves keep
-    Keras's reduction. The switch acts at trace time.
+    count), so while `apply_reduced_gradients` runs the sum is skipped, in
+    whichever thread the optimizer applies them (a `LossScaleOptimizer`
+    applies through `merge_call` and `call_for_each_replica`). Custom
+    `train_step`s that call `apply_gradients` themselves keep Keras's
+    reduction. The switch acts at trace time.
     """
     def unless_reduced(keras_all_reduce):
         def all_reduce_unless_reduced(grads_and_vars):
-            if getattr(_step_state, "gradients_reduced", False):
+            if _reduced_applies[0] > 0:
                 return list(grads_and_vars)
             return keras_all_reduce(grads_and_vars)
 
         return all_reduce_unless_reduced
 
     _compat.wrap_optimizer_all_reduce(optimizer, unless_reduced)
+
+
+def _times(gradient, count):
+    """`gradient * count`, for dense and sparse (`IndexedSlices`) gradients."""
+    if gradient is None:
+        return None
+    if isinstance(gradient, tf.IndexedSlices):
+        values = gradient.values * tf.cast(count, gradient.values.dtype)
+        return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
+    return gradient * tf.cast(count, gradient.dtype)
 
 
 def _batch_size(x):
@@ -533,3 +639,4 @@ def _copy_optimizer_state(source: keras.Model, target: DistributedModel) -> None
         )
     for new, old in zip(target.optimizer.variables, src.variables):
         new.assign(old)
+    target.strategy.broadcast_variables(target.optimizer.variables)

@@ -90,7 +90,7 @@ def shard(strategy, x, y=None, sample_weight=None, batch_size=None, shuffle=Fals
     rows = _WorkerRows(strategy)
     if isinstance(x, tf.data.Dataset):
         _no_extras(y, sample_weight, "a tf.data.Dataset")
-        return _shard_dataset(x, rows), None
+        return _shard_dataset(x, rows, strategy), None
     if isinstance(x, keras.utils.PyDataset):
         _no_extras(y, sample_weight, "a PyDataset")
         return _WorkerPyDataset(x, rows, seed if shuffle else None), None
@@ -172,7 +172,8 @@ def _shard_arrays(x, y, sample_weight, batch_size, rows, seed, repeat=False):
     return dataset.prefetch(tf.data.AUTOTUNE)
 
 
-def _shard_dataset(dataset: tf.data.Dataset, rows: _WorkerRows) -> tf.data.Dataset:
+def _shard_dataset(dataset: tf.data.Dataset, rows: _WorkerRows, strategy) -> tf.data.Dataset:
+    dataset = _agree_on_shuffles(dataset, strategy)
     if not reads_files(dataset):
         return dataset.map(lambda *e: rows.cut(e[0] if len(e) == 1 else e))
     global_batch = _compat.static_batch_size(dataset)
@@ -184,6 +185,25 @@ def _shard_dataset(dataset: tf.data.Dataset, rows: _WorkerRows) -> tf.data.Datas
     sharded = _compat.shard_by_file(dataset, rows.num_shards, rows.shard_index, rows.total)
     _, count = rows.bounds(tf.constant(global_batch, tf.int64))
     return sharded.rebatch(int(count))
+
+
+def _agree_on_shuffles(dataset: tf.data.Dataset, strategy) -> tf.data.Dataset:
+    """`dataset` with its unseeded shuffles seeded alike on every worker.
+
+    Each worker keeps its rows of every element (or its files), so all
+    workers must produce the same elements in the same order; an unseeded
+    `.shuffle()` would draw a different order in each, and samples would be
+    seen twice or never. Every worker calls this with the same pipeline, so
+    they agree on whether a seed is drawn.
+    """
+    try:
+        return _compat.agree_on_shuffles(dataset, strategy.agree_on_seed)
+    except _compat.UnseededShuffleError as error:
+        raise ValueError(
+            f"This tf.data pipeline shuffles without a seed ({error}), so each worker "
+            "would see a different order and skip or repeat samples; pass seed= to "
+            "shuffle() or call keras.utils.set_random_seed(...) before building it."
+        ) from None
 
 
 def reads_files(dataset: tf.data.Dataset) -> bool:

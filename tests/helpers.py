@@ -1,5 +1,10 @@
 """Small models and data shared by the tests."""
 
+import os
+import signal
+import subprocess
+import sys
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -146,3 +151,30 @@ def collective_dtypes(model, x, y):
         if n.op == "PyFunc" and "kd_host_all_reduce" in n.name:
             dtypes.update(tf.as_dtype(t).name for t in n.attr["Tin"].list.type)
     return sorted(dtypes)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def launch(out, n, script, *script_args, launch_flags=(), timeout=300):
+    """Runs `keras-distrib launch -n n script ...` for real; returns its output.
+
+    Fails with the output's tail unless every rank exits 0; the process group
+    is killed whatever happens, so no worker outlives the test.
+    """
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TMPDIR=str(out))
+    argv = [sys.executable, "-m", "keras_distrib.launch", "launch", "-n", str(n),
+            "--timeout", str(timeout - 30), *launch_flags, script, *script_args]
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+    assert proc.returncode == 0, output[-5000:]
+    return output

@@ -17,7 +17,7 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import build, make_data
+from helpers import build, launch, make_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "workers", "by_name.py")
@@ -34,23 +34,9 @@ def single_weights():
 
 
 def _launch(out, n, names, *launch_flags, script_args=(), timeout=300):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TMPDIR=str(out))
-    argv = [sys.executable, "-m", "keras_distrib.launch", "launch", "-n", str(n),
-            "--timeout", str(timeout - 30), *launch_flags, WORKER, "--out", str(out),
-            "--names", ",".join(names), "--batch", str(BATCH), "--epochs", str(EPOCHS),
-            *script_args]
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.wait()
-    assert proc.returncode == 0, output[-5000:]
+    launch(out, n, WORKER, "--out", str(out), "--names", ",".join(names), "--batch",
+           str(BATCH), "--epochs", str(EPOCHS), *script_args, launch_flags=launch_flags,
+           timeout=timeout)
     return [json.load(open(out / f"summary-rank{r}.json")) for r in range(n)]
 
 

@@ -264,9 +264,15 @@ class Strategy(abc.ABC):
             variable.assign(value)
 
     def agree_on_seed(self, seed: Optional[int] = None) -> int:
-        """A seed every process agrees on: the chief's (random unless given)."""
+        """A seed every process agrees on: the chief's.
+
+        Unless given, the chief draws it from TensorFlow's random state, so
+        `keras.utils.set_random_seed(...)` makes it (and the shuffles it
+        seeds) the same from run to run, as in plain Keras; it is random
+        otherwise.
+        """
         if seed is None:
-            seed = int(np.random.default_rng().integers(2**31))
+            seed = int(tf.random.uniform([], 0, 2**31 - 1, dtype=tf.int64))
         return int(self.sync_sum([np.int64(seed if self.is_chief else 0)])[0])
 
     def sync_initial_state(self, model) -> None:

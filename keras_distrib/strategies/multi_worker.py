@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import secrets
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import tensorflow as tf
@@ -135,7 +136,8 @@ class MultiWorker(TFDistributeStrategy):
         if shared_memory:
             self.implementation = _SHARED_MEMORY
             # The job's id names its files; the chief draws it for everyone.
-            job_id = f"{info.workers[0].rsplit(':', 1)[1]}-{self.agree_on_seed():08x}"
+            job_id = (f"{info.workers[0].rsplit(':', 1)[1]}-"
+                      f"{self.agree_on_seed(secrets.randbits(31)):08x}")
             self._host_reduce = host_allreduce.HostAllReduce(
                 info.rank, info.world_size, job_id, timeout=collective_timeout,
                 connect_timeout=peer_timeout)

@@ -62,7 +62,11 @@ def get(strategy: Union[str, "Strategy"] = AUTO, **options) -> "Strategy":
             option the strategy does not take.
     """
     from keras_distrib.strategies.base import Strategy
+    from keras_distrib.strategies.tf_distribute import entered
 
+    scope = entered()
+    if scope is not None and not options:
+        return _the_entered(scope, strategy)
     if isinstance(strategy, Strategy):
         if options:
             raise ValueError(
@@ -93,6 +97,23 @@ def get(strategy: Union[str, "Strategy"] = AUTO, **options) -> "Strategy":
     if cls.one_per_process:
         return _one_per_process(key, cls, options)
     return cls(**options)
+
+
+def _the_entered(scope: "Strategy", strategy: Union[str, "Strategy"]) -> "Strategy":
+    """Inside a strategy's `scope()` (e.g. `keras.models.load_model` there, as
+    TensorFlow's tutorials do) models use that strategy, as Keras's do.
+    """
+    if strategy is scope:
+        return scope
+    if isinstance(strategy, str):
+        key = _ALIASES.get(_key(strategy), _key(strategy))
+        if key in (AUTO, scope.name):
+            return scope
+    named = strategy if isinstance(strategy, str) else getattr(strategy, "name", strategy)
+    raise ValueError(
+        f"Strategy {named!r} was asked for inside the scope of strategy {scope.name!r}; "
+        "build the model outside that scope, or leave strategy= out to use the scope's."
+    )
 
 
 def _key(name: str) -> str:

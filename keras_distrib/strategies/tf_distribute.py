@@ -11,7 +11,8 @@ Keras 3's own tf.distribute paths fail for multi-worker engines
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Sequence
+import weakref
+from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -22,6 +23,16 @@ from keras_distrib.strategies.lockstep import Lockstep
 from keras_distrib.topology import Topology
 
 _REDUCE_OPS = {"sum": tf.distribute.ReduceOp.SUM, "mean": tf.distribute.ReduceOp.MEAN}
+# Engine -> the keras_distrib strategy built on it (see `entered`).
+_OWNERS: "weakref.WeakKeyDictionary[tf.distribute.Strategy, TFDistributeStrategy]" = (
+    weakref.WeakKeyDictionary())
+
+
+def entered() -> Optional["TFDistributeStrategy"]:
+    """The keras_distrib strategy whose `scope()` the caller is in, if any."""
+    if not tf.distribute.has_strategy():
+        return None
+    return _OWNERS.get(tf.distribute.get_strategy())
 
 
 class TFDistributeStrategy(Lockstep, Strategy):
@@ -46,6 +57,7 @@ class TFDistributeStrategy(Lockstep, Strategy):
     def __init__(self, tf_strategy: tf.distribute.Strategy, num_processes: int = 1,
                  process_index: int = 0, local_rank: int = 0):
         self._tf_strategy = tf_strategy
+        _OWNERS[tf_strategy] = self
         self._topology = Topology.data_parallel(
             tf_strategy.extended.worker_devices, num_processes=num_processes,
             process_index=process_index, local_rank=local_rank)

@@ -1,0 +1,154 @@
+"""Keras behaviours that must survive `multi_worker`, probed as users write them.
+
+Run by `keras-distrib launch -n 2` (tests/test_keras_features.py). Each
+probe named by `--probes` writes `--out/<probe>-rank<r>.json` (and `.npz`
+weights where useful); the test compares the ranks with each other and with
+a plain Keras twin trained here on the whole data from the same initial
+weights. Nothing is seeded unless the probe is about seeds.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import keras  # noqa: E402
+import keras_distrib as kd  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("out", None, "Directory for results.")
+flags.DEFINE_list("probes", ["metric_objects", "unseeded_shuffle", "load_model",
+                             "batch_norm"], "Probes to run.")
+flags.DEFINE_integer("seed", 1, "Seed for the `seeded_shuffle` probe.")
+
+BATCH = 32
+
+
+def _data(n=203):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 8)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0.5).astype("int32")
+    return x, y
+
+
+def _graph(batch_norm=False):
+    inputs = keras.Input((8,))
+    h = keras.layers.Dense(16, activation="relu")(inputs)
+    if batch_norm:
+        h = keras.layers.BatchNormalization()(h)
+    return inputs, keras.layers.Dense(3)(h)
+
+
+def _loss():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _twin(model, x, y, epochs, **compile_kwargs):
+    """A plain Keras model with `model`'s initial weights, trained on all data."""
+    twin = keras.models.clone_model(keras.Model(model.input, model.output))
+    twin.set_weights(model.get_weights())
+    twin.compile(optimizer=keras.optimizers.SGD(0.1), loss=_loss(), **compile_kwargs)
+    history = twin.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
+    return twin, history.history
+
+
+def _write(name, rank, result):
+    with open(os.path.join(FLAGS.out, f"{name}-rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def metric_objects():
+    """Metric objects made outside any scope report global values (item 2)."""
+    x, y = _data()
+    model = kd.DistributedModel(*_graph(), strategy="multi_worker")
+    metrics = lambda: ["accuracy", keras.metrics.SparseCategoricalAccuracy(name="acc_object"),  # noqa: E731
+                       keras.metrics.SparseTopKCategoricalAccuracy(k=2, name="top2")]
+    _, twin = _twin(model, x, y, 2, metrics=metrics())
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=_loss(), metrics=metrics())
+    history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0).history
+    evaluated = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    return model.strategy.rank, {"history": history, "twin": twin, "evaluate": evaluated}
+
+
+def unseeded_shuffle():
+    """An unseeded `.shuffle()` (as in TF's tutorial) still shows every sample
+    once per epoch across the workers (item 5)."""
+    n = 96
+    ids = np.arange(n, dtype="int64")
+    strategy = kd.strategies.get("multi_worker")
+    dataset = tf.data.Dataset.from_tensor_slices(ids).shuffle(n).batch(BATCH)
+    fit = strategy.distribute_fit_input(dict(
+        x=dataset, y=None, sample_weight=None, batch_size=None, shuffle=True,
+        validation_split=0.0, validation_data=None, validation_batch_size=None,
+        steps_per_epoch=None, steps_per_execution=1))
+    epochs = [[int(i) for batch in fit["x"] for i in np.ravel(batch)] for _ in range(2)]
+    # And fit on the tutorial's pipeline shape (shuffle, batch, repeat).
+    x, y = _data()
+    pipeline = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x)).batch(BATCH).repeat()
+    model = kd.DistributedModel(*_graph(), strategy=strategy)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=_loss())
+    model.fit(pipeline, epochs=2, steps_per_epoch=5, verbose=0)
+    return strategy.rank, {"epochs": epochs, "iterations": int(model.optimizer.iterations.numpy())}
+
+
+def seeded_shuffle():
+    """`keras.utils.set_random_seed` makes `shuffle=True` runs repeat (item 6)."""
+    keras.utils.set_random_seed(FLAGS.seed)
+    x, y = _data()
+    model = kd.DistributedModel(*_graph(), strategy="multi_worker")
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=_loss())
+    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=True, verbose=0)
+    return model.strategy.rank, {"weights": [w.tolist() for w in model.get_weights()]}
+
+
+def load_model():
+    """`keras.models.load_model` inside `strategy.scope()`, as TF's tutorial
+    does, gives a model on that strategy (item 7)."""
+    x, y = _data()
+    model = kd.DistributedModel(*_graph(), strategy="multi_worker")
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=_loss(), metrics=["accuracy"])
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    rank = model.strategy.rank
+    path = os.path.join(FLAGS.out, f"model-rank{rank}.keras")
+    model.save(path)
+    with model.strategy.scope():
+        restored = keras.models.load_model(path)
+    same_strategy = restored.strategy is model.strategy
+    before = model.evaluate(x, y, batch_size=BATCH, verbose=0)
+    after = restored.evaluate(x, y, batch_size=BATCH, verbose=0)
+    restored.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    gap = max(float(np.abs(a - b).max())
+              for a, b in zip(model.get_weights(), restored.get_weights()))
+    return rank, {"same_strategy": same_strategy, "before": before, "after": after,
+                  "trained_gap": gap}
+
+
+def batch_norm():
+    """BatchNormalization's moving statistics stay equal on every worker (item 9)."""
+    x, y = _data()
+    model = kd.DistributedModel(*_graph(batch_norm=True), strategy="multi_worker")
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=_loss())
+    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=True, verbose=0)
+    layer = next(lay for lay in model.layers if isinstance(lay, keras.layers.BatchNormalization))
+    return model.strategy.rank, {
+        "moving_mean": np.asarray(layer.moving_mean).tolist(),
+        "moving_variance": np.asarray(layer.moving_variance).tolist(),
+        "predict": model.predict(x[:8], verbose=0).tolist(),
+    }
+
+
+def main(argv):
+    del argv
+    for probe in FLAGS.probes:
+        rank, result = globals()[probe]()
+        _write(probe, rank, result)
+
+
+if __name__ == "__main__":
+    flags.mark_flag_as_required("out")
+    app.run(main)
