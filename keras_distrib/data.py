@@ -8,24 +8,40 @@ batch of B samples over N replicas gives replica r the contiguous rows
 `[start_r, start_r + n_r)` with n_r = B // N + (1 if r < B % N else 0). No
 sample is dropped; a replica may get zero rows when B < N. The gradient is
 exact whatever the split (see `DistributedModel.reduce_gradients`).
+
+The last section holds the checks `fit` makes of its input before training
+(empty input, labels out of range, NaN/Inf): each reads only numpy arrays
+or facts TensorFlow knows without reading a dataset, and fails in one line.
 """
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Optional
 
+import numpy as np
 import tensorflow as tf
 
 
-def check_batch_size(batch_size: Optional[int], num_replicas: int, strategy: str) -> None:
-    """Rejects an explicit global batch that the replicas cannot share evenly."""
-    if batch_size is None or num_replicas <= 1:
+def check_batch_size(batch_size: Optional[int], num_replicas: int, strategy: str,
+                     name: str = "batch_size") -> None:
+    """Rejects a global batch that is not a positive integer, or that the
+    replicas cannot share evenly. `None` (the default batch) passes."""
+    if batch_size is None:
+        return
+    if (isinstance(batch_size, (bool, np.bool_)) or not isinstance(batch_size, numbers.Integral)
+            or batch_size < 1):
+        raise ValueError(
+            f"{name}={batch_size!r} must be a positive integer (the global batch), "
+            "or None for the default."
+        )
+    if num_replicas <= 1:
         return
     if batch_size % num_replicas:
         lower = batch_size - batch_size % num_replicas
         examples = " or ".join(str(b) for b in (lower, lower + num_replicas) if b > 0)
         raise ValueError(
-            f"batch_size={batch_size} is not divisible by the {num_replicas} "
+            f"{name}={batch_size} is not divisible by the {num_replicas} "
             f"replicas of strategy {strategy!r}; use a multiple of "
             f"{num_replicas} (e.g. {examples})."
         )
@@ -71,3 +87,80 @@ def split_batch(batch: Any, num_replicas: int) -> list:
         tf.nest.pack_sequence_as(batch, [p[r] for p in parts])
         for r in range(num_replicas)
     ]
+
+
+# -- bad input caught before training (numpy arrays and static facts only) ------
+
+
+def check_not_empty(x: Any) -> None:
+    """Rejects training input that is known to be empty without reading it.
+
+    Arrays (and tensors) with 0 rows; a `tf.data.Dataset` whose cardinality
+    (computed from the pipeline, no element is read) is 0. Input whose
+    size is unknown passes (see `DistributedModel._maybe_symbolic_build`).
+    """
+    if isinstance(x, tf.data.Dataset):
+        if int(x.cardinality()) == 0:
+            raise ValueError(
+                "The training data is empty: the tf.data.Dataset has no elements "
+                "(cardinality 0); check its source and any take/skip/shard/batch "
+                "(drop_remainder=True) that leaves nothing."
+            )
+        return
+    for leaf in tf.nest.flatten(x):
+        shape = getattr(leaf, "shape", None)
+        if shape is not None and len(shape) >= 1 and shape[0] == 0:
+            raise ValueError(
+                f"The training data is empty: x has 0 rows (shape {tuple(shape)}); "
+                "pass at least one sample."
+            )
+
+
+def check_sparse_labels(y: Any, num_classes: int, ignore_class: Optional[int] = None) -> None:
+    """Rejects integer numpy labels outside `[0, num_classes)` (one pass).
+
+    For sparse categorical crossentropy, where TensorFlow would otherwise
+    fail inside the training step with an op error.
+    """
+    if not isinstance(y, np.ndarray) or not np.issubdtype(y.dtype, np.integer) or not y.size:
+        return
+    labels = y.reshape(-1)
+    if ignore_class is not None:
+        labels = labels[labels != ignore_class]
+        if not labels.size:
+            return
+    if labels.min() >= 0 and labels.max() < num_classes:
+        return
+    bad = (y < 0) | (y >= num_classes)
+    if ignore_class is not None:
+        bad &= y != ignore_class
+    index = np.argwhere(bad)[0]
+    value = y[tuple(index)]
+    raise ValueError(
+        f"y holds label {value} (row {index[0]}) but the model's output has "
+        f"{num_classes} classes; sparse categorical crossentropy needs integer labels "
+        f"in 0..{num_classes - 1}: fix the labels or the size of the output layer."
+    )
+
+
+def check_finite(name: str, value: Any) -> None:
+    """Rejects float numpy arrays in `value` that hold NaN or Inf.
+
+    One pass without a temporary array (a float64 sum, which NaN and Inf
+    reach); the element-wise test only runs to confirm and locate.
+    """
+    for leaf in tf.nest.flatten(value):
+        if not (isinstance(leaf, np.ndarray) and np.issubdtype(leaf.dtype, np.floating)
+                and leaf.size):
+            continue
+        if np.isfinite(np.sum(leaf, dtype=np.float64)):
+            continue
+        bad = ~np.isfinite(leaf)
+        if not bad.any():
+            continue  # a sum that overflowed float64; every value is finite
+        index = np.argwhere(bad)[0]
+        raise ValueError(
+            f"{name} holds {leaf[tuple(index)]} at row {index[0]}; NaN/Inf input makes "
+            "the weights NaN: clean the data, or set model.check_finite = False to "
+            "train on it anyway."
+        )

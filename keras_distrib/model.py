@@ -15,18 +15,23 @@ paths run (keras-team/keras#20585; see `keras_distrib._compat`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import itertools
+import math
+import numbers
 import os
 import threading
 from typing import Union
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_distrib import _compat
 from keras_distrib import chief_only
+from keras_distrib import data as data_lib
 from keras_distrib import saving
 from keras_distrib import strategies
 from keras_distrib.strategies.base import Strategy
@@ -86,6 +91,10 @@ class DistributedModel(keras.Model):
 
     # Only the chief prints and writes files (see keras_distrib.chief_only).
     chief_only_side_effects = True
+    # `fit` refuses float numpy input holding NaN/Inf and stops, naming the
+    # step, when the training loss is NaN/Inf (see `_FiniteLossCheck`).
+    # Set `model.check_finite = False` to train on such input anyway.
+    check_finite = True
 
     def __new__(cls, *args, **kwargs):
         if _compat.is_functional_call(args, kwargs) and not issubclass(cls, Functional):
@@ -165,6 +174,7 @@ class DistributedModel(keras.Model):
         arguments = _COMPILE_SIGNATURE.bind(self, optimizer, *args, **kwargs).arguments
         arguments.pop("self")
         arguments.update(arguments.pop("kwargs", {}))
+        _check_steps_per_execution(arguments.get("steps_per_execution", 1))
         with self._strategy.scope():
             arguments["optimizer"] = _adopt_optimizer(
                 keras.optimizers.get(arguments["optimizer"]), self._strategy)
@@ -181,7 +191,15 @@ class DistributedModel(keras.Model):
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         with self._strategy.scope():
-            self._symbolic_build(iterator=iterator, data_batch=data_batch)
+            try:
+                self._symbolic_build(iterator=iterator, data_batch=data_batch)
+            except StopIteration:
+                # Keras reads one batch to build; an empty input has none
+                # (and a bare StopIteration says nothing).
+                raise ValueError(
+                    "The input data is empty: it gave no batch; check its source and "
+                    "any filter/take/skip/shard that could remove every element."
+                ) from None
         self._strategy.sync_initial_state(self)
 
     def get_metrics_result(self):
@@ -414,7 +432,9 @@ class DistributedModel(keras.Model):
             callbacks=None, validation_split=0.0, validation_data=None,
             shuffle=True, class_weight=None, sample_weight=None, **kwargs):
         self._strategy.check_batch_size(batch_size)
-        self._strategy.check_batch_size(kwargs.get("validation_batch_size"))
+        self._strategy.check_batch_size(kwargs.get("validation_batch_size"),
+                                        "validation_batch_size")
+        self._check_fit_input(x, y, sample_weight)
         given = dict(
             x=x, y=y, sample_weight=sample_weight, batch_size=batch_size, shuffle=shuffle,
             validation_split=validation_split, validation_data=validation_data,
@@ -423,7 +443,8 @@ class DistributedModel(keras.Model):
             steps_per_execution=self.steps_per_execution,  # read only
         )
         fit = self._strategy.distribute_fit_input(given)
-        with self._side_effects(callbacks) as callbacks:
+        with self._side_effects(callbacks) as callbacks, \
+                self._finite_loss_check(callbacks) as callbacks:
             return super().fit(
                 fit["x"], fit["y"], fit["batch_size"], epochs, self._verbose(verbose),
                 callbacks, fit["validation_split"], fit["validation_data"], fit["shuffle"],
@@ -431,6 +452,41 @@ class DistributedModel(keras.Model):
                 validation_batch_size=fit["validation_batch_size"],
                 steps_per_epoch=fit["steps_per_epoch"], **kwargs,
             )
+
+    def _check_fit_input(self, x, y, sample_weight) -> None:
+        """Bad input that is cheap to see before training: one-line errors.
+
+        Reads numpy arrays (one pass each) and what TensorFlow knows of a
+        dataset without reading it; the same on every worker, which all get
+        the same arguments.
+        """
+        data_lib.check_not_empty(x)
+        sparse = _sparse_categorical_classes(self)
+        if sparse is not None:
+            data_lib.check_sparse_labels(y, *sparse)
+        if self.check_finite:
+            for name, value in (("x", x), ("y", y), ("sample_weight", sample_weight)):
+                data_lib.check_finite(name, value)
+
+    @contextlib.contextmanager
+    def _finite_loss_check(self, callbacks):
+        """`callbacks` with `_FiniteLossCheck` first (unless opted out)."""
+        if not self.check_finite:
+            yield callbacks
+            return
+        # Per-batch logs are global values only with one process; with
+        # several, the exact epoch logs are checked, so all stop together.
+        check = _FiniteLossCheck(per_batch=self._strategy.world_size == 1)
+        if not isinstance(callbacks, keras.callbacks.CallbackList):
+            yield [check, *(keras.tree.flatten(callbacks) if callbacks else [])]
+            return
+        check.set_model(self)
+        check.set_params(callbacks.params)
+        callbacks.callbacks.insert(0, check)
+        try:
+            yield callbacks
+        finally:
+            callbacks.callbacks.remove(check)
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto",
                  sample_weight=None, steps=None, callbacks=None, **kwargs):
@@ -512,6 +568,97 @@ def _functional_variant(cls: type) -> type:
         return FunctionalDistributedModel
     return type(cls.__name__, (cls, FunctionalDistributedModel),
                 {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+
+
+def _check_steps_per_execution(steps) -> None:
+    if isinstance(steps, (bool, np.bool_)) or not isinstance(steps, numbers.Integral) or steps < 1:
+        raise ValueError(
+            f"steps_per_execution={steps!r} must be an integer >= 1 (training steps "
+            "per call of the compiled function; 1 is the default)."
+        )
+
+
+def _sparse_categorical_classes(model):
+    """`(num_classes, ignore_class)` when `model` is compiled with one sparse
+    categorical crossentropy loss over a single output whose last dimension
+    (the classes) is known; else None."""
+    loss = getattr(model, "loss", None)
+    if isinstance(loss, (list, tuple)) and len(loss) == 1:
+        loss = loss[0]
+    elif isinstance(loss, dict) and len(loss) == 1:
+        loss = next(iter(loss.values()))
+    if isinstance(loss, str):
+        try:
+            loss = keras.losses.get(loss)
+        except ValueError:
+            return None
+    ignore_class = None
+    if isinstance(loss, keras.losses.SparseCategoricalCrossentropy):
+        if getattr(loss, "_fn_kwargs", {}).get("axis", -1) != -1:
+            return None
+        ignore_class = loss.ignore_class
+    elif loss is not keras.losses.sparse_categorical_crossentropy:
+        return None
+    try:
+        outputs = model.outputs
+    except (AttributeError, ValueError):
+        return None
+    if not isinstance(outputs, (list, tuple)) or len(outputs) != 1:
+        return None
+    shape = getattr(outputs[0], "shape", None)
+    classes = shape[-1] if shape else None
+    if not isinstance(classes, int) or classes < 1:
+        return None
+    return classes, ignore_class
+
+
+class _FiniteLossCheck(keras.callbacks.Callback):
+    """Stops `fit` with a one-line `ValueError` when the training loss is NaN/Inf.
+
+    Reads the logs Keras already made (no extra device sync or collective).
+    With `per_batch`, every batch's logs (exact global values with one
+    process; the step is named); otherwise each epoch's logs, which are
+    global on every strategy, so every worker stops at the same point.
+    `DistributedModel.fit` puts it first, before checkpointing callbacks.
+    """
+
+    # It neither reads nor changes the model: Keras may run it off the loop.
+    async_safe = True
+
+    def __init__(self, per_batch: bool):
+        super().__init__()
+        self._epoch = 0
+        if per_batch:
+            self.on_train_batch_end = self._check_batch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def _check_batch(self, batch, logs=None):
+        loss = _non_finite_loss(logs)
+        if loss is not None:
+            _raise_non_finite(loss, f"at epoch {self._epoch + 1}, step {batch + 1}")
+
+    def on_epoch_end(self, epoch, logs=None):
+        loss = _non_finite_loss(logs)
+        if loss is not None:
+            _raise_non_finite(loss, f"in epoch {epoch + 1}")
+
+
+def _non_finite_loss(logs):
+    try:
+        value = float(np.asarray((logs or {}).get("loss")))
+    except (TypeError, ValueError):
+        return None
+    return None if math.isfinite(value) else value
+
+
+def _raise_non_finite(loss, where):
+    raise ValueError(
+        f"The training loss is {loss} {where}: NaN/Inf in the data, or a diverging "
+        "step (lower the learning rate?); fix the cause, or set "
+        "model.check_finite = False to train on."
+    )
 
 
 def _unscale_replica_loss(loss):

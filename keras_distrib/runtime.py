@@ -69,6 +69,16 @@ def positive_seconds(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
+def check_seconds(name: str, value, none_ok: bool = False) -> None:
+    """Raises a one-line ValueError naming option `name` unless `value` is a
+    number of seconds > 0 (or None, when `none_ok`)."""
+    if (value is None and none_ok) or positive_seconds(value):
+        return
+    raise ValueError(
+        f"{name}={value!r} must be a number of seconds > 0{', or None' if none_ok else ''}."
+    )
+
+
 def _peer_timeout() -> float:
     text = os.environ.get(_PEER_TIMEOUT, "")
     if not text.strip():
@@ -91,8 +101,7 @@ def ensure_started(info: cluster_lib.ClusterInfo, peer_timeout: float) -> None:
             started before keras_distrib could start it (one line, with the
             fix); or the import-time start failed (its error).
     """
-    if not positive_seconds(peer_timeout):
-        raise ValueError(f"peer_timeout={peer_timeout!r} must be a positive number of seconds.")
+    check_seconds("peer_timeout", peer_timeout)
     if _started is not None:
         if _started.workers != info.workers or _started.rank != info.rank:
             raise cluster_lib.ClusterConfigError(

@@ -88,3 +88,206 @@ def test_sparse_input_is_refused_clearly():
     sparse = tf.sparse.from_dense(np.eye(4, 8, dtype="float32"))
     with pytest.raises(Exception, match="Sparse and ragged inputs cannot be split"):
         model.predict_on_batch(sparse)
+
+
+# -- issue 10, item 7: bad input the adversarial user tried ----------------------
+
+
+@pytest.mark.parametrize("option,value,message", [
+    ("collective_timeout", "10", "collective_timeout='10' must be a number of seconds > 0, or None."),
+    ("collective_timeout", True, "collective_timeout=True must be a number of seconds > 0, or None."),
+    ("peer_timeout", "x", "peer_timeout='x' must be a number of seconds > 0."),
+    ("peer_timeout", 0, "peer_timeout=0 must be a number of seconds > 0."),
+])
+def test_multi_worker_timeouts_are_named_before_any_cluster_is_needed(
+        monkeypatch, option, value, message):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    with pytest.raises(ValueError) as e:
+        kd.strategies.get("multi_worker", **{option: value})
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize("method", ["fit", "evaluate", "predict"])
+@pytest.mark.parametrize("strategy", ["single", "mirrored"])
+@pytest.mark.parametrize("batch_size", [0, -1, -2, 1.5, True])
+def test_batch_size_must_be_a_positive_integer(method, strategy, batch_size):
+    x, y = make_data()
+    model = build("functional", strategy)
+    args = (x,) if method == "predict" else (x, y)
+    with pytest.raises(ValueError, match=rf"^batch_size={batch_size!r} must be a positive "
+                                         r"integer \(the global batch\)") as e:
+        getattr(model, method)(*args, batch_size=batch_size, verbose=0)
+    _one_line(e)
+
+
+def test_validation_batch_size_must_be_a_positive_integer():
+    x, y = make_data()
+    with pytest.raises(ValueError, match=r"^validation_batch_size=0 must be a positive integer") as e:
+        build("functional", "single").fit(x, y, validation_data=(x, y),
+                                          validation_batch_size=0, verbose=0)
+    _one_line(e)
+
+
+def test_batch_size_none_and_numpy_integers_still_work():
+    x, y = make_data()
+    model = build("functional", "mirrored")
+    model.fit(x, y, batch_size=None, verbose=0)
+    model.fit(x, y, batch_size=np.int64(32), validation_data=(x, y),
+              validation_batch_size=np.int32(64), verbose=0)
+
+
+@pytest.mark.parametrize("strategy", ["single", "mirrored"])
+def test_empty_training_data_is_a_one_line_error(strategy):
+    import tensorflow as tf
+
+    x, y = make_data()
+    model = build("functional", strategy)
+    with pytest.raises(ValueError, match=r"^The training data is empty: x has 0 rows") as e:
+        model.fit(x[:0], y[:0], verbose=0)
+    _one_line(e)
+    empty = tf.data.Dataset.from_tensor_slices((x[:0], y[:0])).batch(4)
+    with pytest.raises(ValueError, match=r"^The training data is empty: the tf.data.Dataset "
+                                         r"has no elements") as e:
+        model.fit(empty, verbose=0)
+    _one_line(e)
+    # Size unknown without reading it: the batch Keras reads to build is missing.
+    filtered = tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda a, b: False).batch(4)
+    with pytest.raises(ValueError, match=r"^The input data is empty: it gave no batch") as e:
+        model.fit(filtered, verbose=0)
+    _one_line(e)
+
+
+@pytest.mark.parametrize("strategy", ["single", "mirrored"])
+@pytest.mark.parametrize("bad,loss", [
+    (5, keras.losses.SparseCategoricalCrossentropy(from_logits=True)),
+    (-1, "sparse_categorical_crossentropy"),
+])
+def test_sparse_labels_out_of_range_name_the_label_and_the_classes(strategy, bad, loss):
+    x, y = make_data()
+    y = y.copy()
+    y[7] = bad
+    model = build("functional", strategy, loss=loss)
+    with pytest.raises(ValueError, match=rf"^y holds label {bad} \(row 7\) but the model's "
+                                         r"output has 3 classes;.* in 0\.\.2") as e:
+        model.fit(x, y[:, None], verbose=0)
+    _one_line(e)
+
+
+def test_ignored_class_label_is_not_out_of_range():
+    x, y = make_data()
+    y = np.where(y == 0, -1, y).astype("int32")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=-1)
+    build("functional", "single", loss=loss).fit(x, y, verbose=0)
+
+
+@pytest.mark.parametrize("steps", [0, -3, 1.5])
+def test_steps_per_execution_must_be_an_integer_of_at_least_one(steps):
+    model = build("functional", "mirrored", compile_model=False)
+    with pytest.raises(ValueError, match=rf"^steps_per_execution={steps!r} must be an "
+                                         r"integer >= 1") as e:
+        model.compile(optimizer="sgd", loss="mse", steps_per_execution=steps)
+    _one_line(e)
+
+
+def test_truncated_keras_file_is_kerass_one_line_error(tmp_path):
+    # Documented (README, Saving): our saves are atomic, so a truncated file
+    # only comes from copying; Keras's own message is what the user sees.
+    path = tmp_path / "m.keras"
+    build("functional", "single").save(path)
+    truncated = tmp_path / "truncated.keras"
+    truncated.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"\.keras` zip file") as e:
+        keras.models.load_model(truncated)
+    _one_line(e)
+
+
+@pytest.mark.parametrize("strategy", ["single", "mirrored"])
+def test_nan_input_is_refused_unless_opted_out(strategy):
+    x, y = make_data()
+    x = x.copy()
+    x[20, 3] = np.inf
+    model = build("functional", strategy)
+    with pytest.raises(ValueError, match=r"^x holds inf at row 20;.*model.check_finite = False") as e:
+        model.fit(x, y, verbose=0)
+    _one_line(e)
+    model.check_finite = False
+    model.fit(x, y, verbose=0)  # the user's call: trains on
+
+
+@pytest.mark.parametrize("strategy", ["single", "mirrored"])
+def test_non_finite_loss_stops_training_naming_the_step(strategy):
+    x, y = make_data()
+    model = build("functional", strategy)
+
+    class Spoil(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:  # the weights that step 3 reads become NaN
+                self.model.layers[-1].bias.assign(np.full(3, np.nan, "float32"))
+
+    epochs = []
+
+    class Record(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            epochs.append(epoch)
+
+    with pytest.raises(ValueError, match=r"^The training loss is nan at epoch 1, step 3: .*"
+                                         r"model.check_finite = False") as e:
+        model.fit(x, y, batch_size=32, shuffle=False, verbose=0, callbacks=[Spoil(), Record()])
+    _one_line(e)
+    assert epochs == []  # stopped at the step, before the epoch's callbacks
+    # Opted out: Keras's behaviour (trains on with a NaN loss).
+    model = build("functional", strategy)
+    model.check_finite = False
+    history = model.fit(x, y, batch_size=32, shuffle=False, verbose=0, callbacks=[Spoil()])
+    assert np.isnan(history.history["loss"][0])
+
+
+def test_non_finite_loss_is_checked_at_epoch_end_with_several_processes():
+    # With several processes per-batch logs are each worker's own, so the
+    # check reads the (global) epoch logs: every worker stops together.
+    from keras.src.utils import python_utils
+
+    from keras_distrib import model as model_lib
+
+    check = model_lib._FiniteLossCheck(per_batch=False)
+    assert python_utils.is_default(check.on_train_batch_end)
+    check.on_train_batch_end(0, {"loss": float("nan")})  # not read
+    with pytest.raises(ValueError, match=r"^The training loss is inf in epoch 2: ") as e:
+        check.on_epoch_end(1, {"loss": float("inf")})
+    _one_line(e)
+
+
+def test_metric_average_per_batch_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"^per_batch='yes' must be True or False\.$") as e:
+        kd.callbacks.MetricAverage(per_batch="yes")
+    _one_line(e)
+    assert kd.callbacks.MetricAverage(per_batch=np.bool_(True)).per_batch is True
+
+
+@pytest.mark.parametrize("nproc,warned", [(3, True), (2, False)])
+def test_launcher_warns_when_local_ranks_exceed_cpu_cores(tmp_path, monkeypatch, nproc, warned):
+    import importlib
+    import io
+    import os
+    import types
+
+    from keras_distrib.launch import LaunchConfig
+
+    cli = importlib.import_module("keras_distrib.launch.cli")
+    started = []
+    monkeypatch.setattr(cli, "supervise", lambda specs, config, out, err: (
+        started.append(len(specs)) or types.SimpleNamespace(exit_code=0)))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    err = io.StringIO()
+    assert cli.launch(LaunchConfig(nproc=nproc, script=str(script)),
+                      io.StringIO(), err) == 0
+    assert started == [nproc]  # a warning, not an error: the ranks start
+    if warned:
+        assert err.getvalue() == (
+            "keras-distrib: warning: 3 ranks on this machine, which has 2 CPU cores; they "
+            "will compete for the cores and train slowly (lower -n, or spread the ranks "
+            "with --hosts).\n")
+    else:
+        assert err.getvalue() == ""

@@ -39,7 +39,9 @@ class MetricAverage(keras.callbacks.Callback):
 
     def __init__(self, per_batch: bool = False):
         super().__init__()
-        self.per_batch = per_batch
+        if not isinstance(per_batch, (bool, np.bool_)):
+            raise TypeError(f"per_batch={per_batch!r} must be True or False.")
+        self.per_batch = bool(per_batch)
         if per_batch:
             # Defined only when asked: without a batch-end hook Keras may run
             # the other callbacks' batch ends asynchronously.

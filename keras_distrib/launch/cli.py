@@ -12,7 +12,8 @@ redrawn with carriage returns, like Keras's progress bar (printed by rank
 0 only), shows as one updating `[rank 0]` line. When a rank fails the
 others are stopped and the launcher exits with that rank's exit code,
 after the tail of its output (TensorFlow's start-up log lines left out);
-Ctrl-C stops them all. Nothing is left running.
+Ctrl-C stops them all. Nothing is left running. More ranks on this machine
+than it has CPU cores start anyway, after a one-line warning.
 
 With `--hosts` naming other machines, nothing is started: the launcher
 prints (and with `--output_dir` writes) each rank's `TF_CONFIG` and the
@@ -40,6 +41,7 @@ Everything after the script path goes to the script untouched.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Optional, Sequence, TextIO
 
@@ -207,6 +209,8 @@ def launch(config: LaunchConfig, out: Optional[TextIO] = None,
     out, err = out or sys.stdout, err or sys.stderr
     check_config(config)
     if config.backend == "horovod":
+        if not config.hosts:
+            warn_if_oversubscribed(config.nproc, err)
         return supervise([backends.horovod_spec(config)], config, out, err).exit_code
     plans = plan(config)
     if config.output_dir:
@@ -216,7 +220,24 @@ def launch(config: LaunchConfig, out: Optional[TextIO] = None,
         print_dry_run(plans, config, out)
         return 0
     check_local_ports(plans, config)
+    warn_if_oversubscribed(sum(p.local for p in plans), err)
     return supervise(backends.rank_specs(plans, config), config, out, err).exit_code
+
+
+def warn_if_oversubscribed(local_ranks: int, err: TextIO) -> None:
+    """One line on `err` when this machine gets more ranks than CPU cores.
+
+    Not an error (it works, slowly): each rank runs a whole TensorFlow
+    runtime, and ranks sharing cores mostly wait for each other.
+    """
+    cores = os.cpu_count()
+    if cores and local_ranks > cores:
+        err.write(
+            f"keras-distrib: warning: {local_ranks} ranks on this machine, which has "
+            f"{cores} CPU cores; they will compete for the cores and train slowly "
+            "(lower -n, or spread the ranks with --hosts).\n"
+        )
+        err.flush()
 
 
 def main(argv: Sequence[str]) -> int:

@@ -134,9 +134,10 @@ class Strategy(abc.ABC):
 
     # -- input ------------------------------------------------------------------
 
-    def check_batch_size(self, batch_size: Optional[int]) -> None:
-        """Rejects an explicit global batch the replicas cannot share evenly."""
-        data_lib.check_batch_size(batch_size, self.num_replicas, self.name)
+    def check_batch_size(self, batch_size: Optional[int], name: str = "batch_size") -> None:
+        """Rejects a global batch that is not a positive integer or that the
+        replicas cannot share evenly (`name`: the argument, for the message)."""
+        data_lib.check_batch_size(batch_size, self.num_replicas, self.name, name)
 
     def distribute_fit_input(self, fit: dict) -> dict:
         """What `fit` hands Keras instead of the user's input.

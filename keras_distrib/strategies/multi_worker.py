@@ -99,6 +99,9 @@ class MultiWorker(TFDistributeStrategy):
         collective_timeout: Optional[float] = None,
         peer_timeout: float = 120.0,
     ):
+        # Options first: a bad one is named even where no cluster is found.
+        options = _communication_options(implementation, bytes_per_pack, collective_timeout)
+        runtime.check_seconds("peer_timeout", peer_timeout)
         info = cluster_lib.resolve(cluster, task_index)
         if info is None:
             raise cluster_lib.ClusterConfigError(
@@ -107,7 +110,6 @@ class MultiWorker(TFDistributeStrategy):
                 "under Slurm, or pass cluster=[...] and task_index=..."
             )
         cluster_lib.require_training_workers(info, self.name)
-        options = _communication_options(implementation, bytes_per_pack, collective_timeout)
         shared_memory = _wants_shared_memory(implementation, info)
         runtime.ensure_started(info, peer_timeout)
         self._info = info
@@ -178,14 +180,12 @@ def _communication_options(implementation, bytes_per_pack, collective_timeout):
             f"Unknown implementation={implementation!r}; use one of "
             f"{sorted([*_IMPLEMENTATIONS, _SHARED_MEMORY])}."
         )
-    if not isinstance(bytes_per_pack, int) or bytes_per_pack < 0:
+    if (isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, int)
+            or bytes_per_pack < 0):
         raise ValueError(
             f"bytes_per_pack={bytes_per_pack!r} must be an int >= 0 (0 = one pack)."
         )
-    if collective_timeout is not None and not runtime.positive_seconds(collective_timeout):
-        raise ValueError(
-            f"collective_timeout={collective_timeout!r} must be > 0 seconds, or None."
-        )
+    runtime.check_seconds("collective_timeout", collective_timeout, none_ok=True)
     return tf.distribute.experimental.CommunicationOptions(
         bytes_per_pack=bytes_per_pack,
         timeout_seconds=collective_timeout,
