@@ -23,14 +23,19 @@ import numpy as np
 import tensorflow as tf
 
 
+def is_positive_int(value) -> bool:
+    """An integer >= 1 (numpy integers too), not a bool."""
+    return (isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+            and value >= 1)
+
+
 def check_batch_size(batch_size: Optional[int], num_replicas: int, strategy: str,
                      name: str = "batch_size") -> None:
     """Rejects a global batch that is not a positive integer, or that the
     replicas cannot share evenly. `None` (the default batch) passes."""
     if batch_size is None:
         return
-    if (isinstance(batch_size, (bool, np.bool_)) or not isinstance(batch_size, numbers.Integral)
-            or batch_size < 1):
+    if not is_positive_int(batch_size):
         raise ValueError(
             f"{name}={batch_size!r} must be a positive integer (the global batch), "
             "or None for the default."

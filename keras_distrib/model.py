@@ -20,7 +20,6 @@ import functools
 import inspect
 import itertools
 import math
-import numbers
 import os
 import threading
 from typing import Union
@@ -571,7 +570,7 @@ def _functional_variant(cls: type) -> type:
 
 
 def _check_steps_per_execution(steps) -> None:
-    if isinstance(steps, (bool, np.bool_)) or not isinstance(steps, numbers.Integral) or steps < 1:
+    if not data_lib.is_positive_int(steps):
         raise ValueError(
             f"steps_per_execution={steps!r} must be an integer >= 1 (training steps "
             "per call of the compiled function; 1 is the default)."

@@ -80,8 +80,7 @@ def get(strategy: Union[str, "Strategy"] = AUTO, **options) -> "Strategy":
             f"or a keras_distrib Strategy object, got {type(strategy).__name__}."
         )
     _load_builtin()
-    key = _key(strategy)
-    key = _ALIASES.get(key, key)
+    key = _canonical(strategy)
     if key == AUTO:
         if options:
             raise ValueError(
@@ -105,10 +104,8 @@ def _the_entered(scope: "Strategy", strategy: Union[str, "Strategy"]) -> "Strate
     """
     if strategy is scope:
         return scope
-    if isinstance(strategy, str):
-        key = _ALIASES.get(_key(strategy), _key(strategy))
-        if key in (AUTO, scope.name):
-            return scope
+    if isinstance(strategy, str) and _canonical(strategy) in (AUTO, scope.name):
+        return scope
     named = strategy if isinstance(strategy, str) else getattr(strategy, "name", strategy)
     raise ValueError(
         f"Strategy {named!r} was asked for inside the scope of strategy {scope.name!r}; "
@@ -118,6 +115,12 @@ def _the_entered(scope: "Strategy", strategy: Union[str, "Strategy"]) -> "Strate
 
 def _key(name: str) -> str:
     return name.strip().lower().replace("-", "_")
+
+
+def _canonical(name: str) -> str:
+    """The registered name that `name` (any case, an alias) stands for."""
+    key = _key(name)
+    return _ALIASES.get(key, key)
 
 
 # TensorFlow allows one collective runtime per process: later requests for

@@ -23,8 +23,10 @@ from keras_distrib.strategies.lockstep import Lockstep
 from keras_distrib.topology import Topology
 
 _REDUCE_OPS = {"sum": tf.distribute.ReduceOp.SUM, "mean": tf.distribute.ReduceOp.MEAN}
-# Engine -> the keras_distrib strategy built on it (see `entered`).
-_OWNERS: "weakref.WeakKeyDictionary[tf.distribute.Strategy, TFDistributeStrategy]" = (
+# Engine -> a weak reference to the keras_distrib strategy built on it (see
+# `entered`). Both sides weak: the strategy holds its engine, so a strong
+# value would keep every engine, and its strategy, alive for good.
+_OWNERS: "weakref.WeakKeyDictionary[tf.distribute.Strategy, weakref.ref]" = (
     weakref.WeakKeyDictionary())
 
 
@@ -32,7 +34,8 @@ def entered() -> Optional["TFDistributeStrategy"]:
     """The keras_distrib strategy whose `scope()` the caller is in, if any."""
     if not tf.distribute.has_strategy():
         return None
-    return _OWNERS.get(tf.distribute.get_strategy())
+    owner = _OWNERS.get(tf.distribute.get_strategy())
+    return owner() if owner is not None else None
 
 
 class TFDistributeStrategy(Lockstep, Strategy):
@@ -57,7 +60,7 @@ class TFDistributeStrategy(Lockstep, Strategy):
     def __init__(self, tf_strategy: tf.distribute.Strategy, num_processes: int = 1,
                  process_index: int = 0, local_rank: int = 0):
         self._tf_strategy = tf_strategy
-        _OWNERS[tf_strategy] = self
+        _OWNERS[tf_strategy] = weakref.ref(self)
         self._topology = Topology.data_parallel(
             tf_strategy.extended.worker_devices, num_processes=num_processes,
             process_index=process_index, local_rank=local_rank)
