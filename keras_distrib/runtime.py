@@ -28,6 +28,7 @@ import sys
 from typing import Optional
 
 from keras_distrib import cluster as cluster_lib
+from keras_distrib.cluster.network import listen_address
 
 # Seconds the import-time start waits for every peer to come up.
 DEFAULT_PEER_TIMEOUT = 120.0
@@ -168,8 +169,22 @@ def _is_launcher() -> bool:
 
 @contextlib.contextmanager
 def _listening_on(address: str):
-    _, port = cluster_lib.parse_address(address)
-    if socket.has_dualstack_ipv6():
+    """Listens on this task's port while it waits for its peers.
+
+    Peers wait until this port answers (`wait_for_peers`). Only the address
+    the cluster names for this task is listened on (`listen_address`), so
+    the probe is no wider open than it must be; TensorFlow's server,
+    started right after, listens on every interface whatever we do (see
+    README "Security").
+    """
+    host, port = cluster_lib.parse_address(address)
+    ip = listen_address(host)
+    if ip:
+        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+        server = socket.create_server((ip, port), family=family)
+    elif socket.has_dualstack_ipv6():
+        # No local address is named (a wildcard, or a name or NAT address
+        # this machine does not have): every interface, as TF's server.
         server = socket.create_server(("", port), family=socket.AF_INET6,
                                       dualstack_ipv6=True, reuse_port=False)
     else:

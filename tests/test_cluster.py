@@ -659,3 +659,202 @@ def test_port_check_and_peer_wait_name_tasks_by_role(listener):
     with pytest.raises(ClusterConfigError) as excinfo:
         cluster.wait_for_peers(worker, timeout=0.3, poll=0.05)
     _assert_one_line_error(excinfo, f"ps 0 at 127.0.0.1:{closed}")
+
+
+# --------------------------------------------------------------------------
+# Listening only where the cluster says this task is; unresolvable peers
+
+
+def _listening_ips(port):
+    """Local addresses with a socket listening on TCP `port` (/proc/net/tcp[6])."""
+    found = set()
+    for path, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        try:
+            with open(path) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            local, state = row.split()[1], row.split()[3]
+            hex_ip, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                raw = bytes.fromhex(hex_ip)  # 32-bit words in host byte order
+                words = [raw[i:i + 4] for i in range(0, len(raw), 4)]
+                if sys.byteorder == "little":
+                    words = [w[::-1] for w in words]
+                found.add(socket.inet_ntop(family, b"".join(words)))
+    return found
+
+
+def _ipv6_loopback() -> bool:
+    return socket.has_ipv6 and cluster.is_local_host("::1")
+
+
+def _non_loopback_ipv4():
+    """A non-loopback IPv4 address of this machine, or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("198.51.100.7", 9))  # TEST-NET-2: no packet is sent
+        except OSError:
+            return None
+        ip = s.getsockname()[0]
+    return None if ip.startswith("127.") else ip
+
+
+@pytest.fixture
+def fake_dns(monkeypatch):
+    """Maps made-up host names to addresses (others resolve for real)."""
+    table = {}
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host, port, *args, **kwargs):
+        if host not in table:
+            return real(host, port, *args, **kwargs)
+        if table[host] is None:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM, 6, "",
+                 (ip, port or 0)) for ip in table[host]]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    return table
+
+
+def test_runtime_probe_listens_on_the_own_address_only():
+    from keras_distrib import runtime
+
+    (port,) = cluster.free_ports(1)
+    with runtime._listening_on(f"127.0.0.1:{port}"):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        assert _listening_ips(port) <= {"127.0.0.1"}
+        # The port is still free on every other address.
+        with socket.socket() as other:
+            other.bind(("127.0.0.2", port))
+        if _ipv6_loopback():
+            with socket.socket(socket.AF_INET6) as other:
+                other.bind(("::1", port))
+        if _non_loopback_ipv4():
+            with pytest.raises(OSError):
+                socket.create_connection((_non_loopback_ipv4(), port), timeout=2).close()
+    # `localhost` is 127.0.0.1 only.
+    with runtime._listening_on(f"localhost:{port}"):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        with socket.socket() as other:
+            other.bind(("127.0.0.2", port))
+
+
+def test_runtime_probe_on_ipv6_loopback():
+    if not _ipv6_loopback():
+        pytest.skip("no IPv6 loopback")
+    from keras_distrib import runtime
+
+    (port,) = cluster.free_ports(1, "::1")
+    with runtime._listening_on(f"[::1]:{port}"):
+        socket.create_connection(("::1", port), timeout=2).close()
+        assert _listening_ips(port) <= {"::1"}
+        with socket.socket() as other:
+            other.bind(("127.0.0.1", port))
+
+
+def test_listen_address(fake_dns):
+    from keras_distrib.cluster.network import listen_address
+
+    assert listen_address("localhost") == listen_address("LOCALHOST") == "127.0.0.1"
+    assert listen_address("127.0.0.1") == "127.0.0.1"
+    assert listen_address("127.0.0.2") == "127.0.0.2"
+    if _ipv6_loopback():
+        assert listen_address("[::1]") == listen_address("::1") == "::1"
+    # Every interface where narrowing could hide the task from its peers
+    # (TensorFlow's server listens on all of them anyway): wildcards, an
+    # address of another machine (NAT, a service IP), a name that does not
+    # resolve, or that maps only to loopback here (Debian's 127.0.1.1 line).
+    assert listen_address("0.0.0.0") == listen_address("[::]") == ""
+    assert listen_address("198.51.100.7") == ""
+    fake_dns.update({"svc.test": ["198.51.100.7"], "me.test": ["127.0.1.1"], "gone.test": None})
+    assert listen_address("svc.test") == ""
+    assert listen_address("me.test") == ""
+    assert listen_address("gone.test") == ""
+    assert listen_address("nonexistent-host.invalid") == ""
+    own = _non_loopback_ipv4()
+    if own:
+        fake_dns["node-a.test"] = ["198.51.100.7", "127.0.1.1", own]
+        assert listen_address("node-a.test") == own
+        from keras_distrib import runtime
+
+        (port,) = cluster.free_ports(1, "node-a.test")
+        with runtime._listening_on(f"node-a.test:{port}"):
+            socket.create_connection((own, port), timeout=2).close()
+            assert _listening_ips(port) <= {own}
+            with socket.socket() as other:
+                other.bind(("127.0.0.1", port))
+
+
+def test_port_helpers_probe_where_the_port_is_used(fake_dns, listener):
+    # free_ports resolves a name as the probe does: a service name that maps
+    # to another machine gets ports free on every interface (the old code
+    # failed: it bound the name's remote address).
+    fake_dns.update({"svc.test": ["198.51.100.7"], "me.test": ["127.0.1.1"]})
+    for host in ("svc.test", "me.test", "localhost", "0.0.0.0"):
+        ports = cluster.free_ports(2, host)
+        assert len(set(ports)) == 2, host
+        for port in ports:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", port))
+    own = _non_loopback_ipv4()
+    if own:
+        fake_dns["node-a.test"] = [own]
+        (port,) = cluster.free_ports(1, "node-a.test")
+        with socket.socket() as sock:
+            sock.bind((own, port))
+    # check_own_port_free stays wide on purpose: TensorFlow's server binds
+    # [::]:port whatever the address names, so a port taken on another
+    # local address must still be reported.
+    port = listener.getsockname()[1]
+    with pytest.raises(ClusterConfigError) as excinfo:
+        cluster.check_own_port_free(ClusterInfo((f"127.0.0.2:{port}",), 0))
+    _assert_one_line_error(excinfo, f"worker 0 at 127.0.0.2:{port}", "already in use")
+
+
+def test_wait_for_peers_unresolvable_host_fails_after_grace(monkeypatch, fake_dns, listener):
+    from keras_distrib.cluster import network
+
+    monkeypatch.setattr(network, "UNRESOLVED_GRACE", 0.5, raising=False)
+    (own,) = cluster.free_ports(1)
+    up = listener.getsockname()[1]
+    info = ClusterInfo((f"127.0.0.1:{own}", "nonexistent-host.invalid:1234",
+                        f"127.0.0.1:{up}"), 0)
+    start = time.monotonic()
+    with pytest.raises(ClusterConfigError) as excinfo:
+        cluster.wait_for_peers(info, timeout=20, poll=0.05)
+    elapsed = time.monotonic() - start
+    assert 0.5 <= elapsed < 0.5 + 3, elapsed
+    _assert_one_line_error(excinfo, "worker 1 at nonexistent-host.invalid:1234",
+                           "'nonexistent-host.invalid' does not resolve",
+                           "check the cluster's host names", "TF_CONFIG", "--hosts")
+    # A timeout shorter than the grace still names the cause.
+    with pytest.raises(ClusterConfigError) as excinfo:
+        cluster.wait_for_peers(info, timeout=0.2, poll=0.05)
+    _assert_one_line_error(excinfo, "worker 1 at nonexistent-host.invalid:1234",
+                           "does not resolve")
+    # A peer that resolves but does not answer still gets the whole timeout.
+    (closed,) = cluster.free_ports(1)
+    closed_info = ClusterInfo((f"127.0.0.1:{own}", f"localhost:{closed}"), 0)
+    monkeypatch.setattr(network, "UNRESOLVED_GRACE", 0.1, raising=False)
+    start = time.monotonic()
+    with pytest.raises(ClusterConfigError) as excinfo:
+        cluster.wait_for_peers(closed_info, timeout=1.0, poll=0.05)
+    assert time.monotonic() - start >= 1.0
+    _assert_one_line_error(excinfo, f"worker 1 at localhost:{closed}", "did not answer within 1s")
+    # A name that appears within the grace (Kubernetes, Slurm) is waited for.
+    monkeypatch.setattr(network, "UNRESOLVED_GRACE", 5.0, raising=False)
+    fake_dns["late.test"] = None
+    real_sleep, start = time.sleep, time.monotonic()
+
+    def sleep(seconds):
+        if time.monotonic() - start > 0.3:
+            fake_dns["late.test"] = ["127.0.0.1"]
+        real_sleep(seconds)
+
+    monkeypatch.setattr(network.time, "sleep", sleep)
+    cluster.wait_for_peers(ClusterInfo((f"127.0.0.1:{own}", f"late.test:{up}"), 0),
+                           timeout=10, poll=0.05)
+    assert 0.3 <= time.monotonic() - start < 3
