@@ -22,7 +22,7 @@ import pytest
 from keras_distrib import launch
 from keras_distrib.launch import LaunchConfig, LaunchError
 
-# The module, for GRACE_SECONDS; `launch.supervise` is the function.
+# The module, for its printer; `launch.supervise` is the function.
 supervise_lib = importlib.import_module("keras_distrib.launch.supervise")
 
 pytestmark = pytest.mark.timeout(60)
@@ -176,6 +176,10 @@ def test_check_config_errors(tmp_path):
         (LaunchConfig(nproc=1, script=str(tmp_path / "no.py")), "not found"),
         (LaunchConfig(nproc=2, script=script, port_base=65535), "no room for 2 ports"),
         (LaunchConfig(nproc=1, script=script, timeout=-1), "--timeout=-1"),
+        (LaunchConfig(nproc=1, script=script, max_restarts=-1), "--max_restarts=-1 must be >= 0"),
+        (LaunchConfig(nproc=1, script=script, grace_seconds=-1), "--grace_seconds=-1 must be >= 0"),
+        (LaunchConfig(nproc=1, script=script, backend="horovod", max_restarts=1),
+         "works with --backend=tf only"),
     ]:
         with pytest.raises(LaunchError, match=fragment):
             launch.check_config(config)
@@ -258,9 +262,7 @@ def test_timeout_stops_all_ranks(tmp_path, capfd, no_leftovers):
 
 
 @pytest.mark.slow
-def test_interrupt_escalates_to_sigkill_for_stubborn_ranks(
-        tmp_path, capfd, no_leftovers, monkeypatch):
-    monkeypatch.setattr(supervise_lib, "GRACE_SECONDS", 1.0)
+def test_interrupt_escalates_to_sigkill_for_stubborn_ranks(tmp_path, capfd, no_leftovers):
     script = _script(tmp_path, """\
         import signal
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -279,7 +281,7 @@ def test_interrupt_escalates_to_sigkill_for_stubborn_ranks(
     timer = threading.Thread(target=interrupt_when_ready)
     timer.start()
     start = time.monotonic()
-    code = launch.launch(LaunchConfig(nproc=2, script=script))
+    code = launch.launch(LaunchConfig(nproc=2, script=script, grace_seconds=1.0))
     timer.join()
     assert code == 128 + signal.SIGINT
     assert time.monotonic() - start < 10
@@ -628,8 +630,9 @@ def test_cli_sigint_stops_all_workers(tmp_path, no_leftovers):
 def test_usage_lists_flags_and_env_contract():
     text = launch.usage()
     for fragment in ("-n,--nproc", "--hosts", "--port_base", "--bind", "--ssh",
-                     "--timeout", "--tail_lines", "KERAS_DISTRIB_WORLD_SIZE",
-                     "TF_CPP_MIN_LOG_LEVEL"):
+                     "--timeout", "--tail_lines", "--max_restarts", "--grace_seconds",
+                     "KERAS_DISTRIB_WORLD_SIZE", "KERAS_DISTRIB_RESTART",
+                     "KERAS_DISTRIB_SHM_DIR", "TF_CPP_MIN_LOG_LEVEL"):
         assert fragment in text
 
 
@@ -639,12 +642,19 @@ def test_workers_die_with_a_launcher_killed_by_sigkill(tmp_path, no_leftovers):
     proc = _launch_two_sleepers(tmp_path, no_leftovers)
     pids = _pids(tmp_path)
     assert set(pids) == {0, 1}
+    with open(f"/proc/{pids[0]}/environ", "rb") as f:
+        environ = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+    shm_dir = environ[b"KERAS_DISTRIB_SHM_DIR"].decode()
     proc.kill()
     proc.wait(timeout=10)
     deadline = time.monotonic() + 10
     while any(_alive(pid) for pid in pids.values()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(pid) for pid in pids.values())
+    # Nothing ran to remove the launcher's private directory: the one thing
+    # a SIGKILLed launcher leaves behind (empty here).
+    assert os.listdir(shm_dir) == []
+    os.rmdir(shm_dir)
 
 
 # --------------------------------------------------------------------------

@@ -7,11 +7,19 @@ The command's user documentation is `keras_distrib.launch.cli`'s docstring
                 and `launch(config)`, which ties the modules below together
     config      `LaunchConfig`, `check_config`, `LaunchError`
     plan        who runs where: hosts, ports, TF_CONFIG, dry run, --output_dir
-    backends    how a rank or job is started: local, ssh, horovodrun
-    supervise   starting and watching the children, stopping them, exit codes
+    backends    how a rank or job is started: local, ssh, horovodrun; the
+                `Job` whose attempts `supervise` runs
+    supervise   starting and watching the children, stopping them,
+                restarts (--max_restarts), private directories, exit codes
+
+What the launcher and its workers agree on (exit code `PREEMPTED`, the
+`KERAS_DISTRIB_RESTART` and `KERAS_DISTRIB_SHM_DIR` variables) is in
+`keras_distrib.launch_contract`.
 
 This package never imports TensorFlow or Keras (only `keras_distrib.cluster`,
-the standard library and absl), so the launcher starts in a fraction of a
+`keras_distrib.launch_contract`, the standard library and absl; and, once
+ranks run on this machine, the NumPy-only `keras_distrib.host_allreduce`
+for its shared-memory directory), so the launcher starts in a fraction of a
 second; tests/test_launch.py checks that.
 
 The functions `plan` and `supervise` re-exported here share their names
@@ -24,27 +32,27 @@ Example:
 ```python
 from keras_distrib import launch
 
-code = launch.launch(launch.LaunchConfig(nproc=2, script="train.py"))
+code = launch.launch(launch.LaunchConfig(nproc=2, script="train.py", max_restarts=3))
 ```
 """
 
-from keras_distrib.launch.config import (DEFAULT_SSH_COMMAND, LaunchConfig,
-                                         LaunchError, check_config)
+from keras_distrib.launch.config import (DEFAULT_SSH_COMMAND, GRACE_SECONDS,
+                                         LaunchConfig, LaunchError, check_config)
 from keras_distrib.launch.plan import (DEFAULT_REMOTE_PORT_BASE, RankPlan,
                                        parse_hosts, plan, print_dry_run,
                                        shell_command, write_output_dir)
-from keras_distrib.launch.supervise import (EXIT_TIMEOUT, ChildExit, ChildSpec,
-                                            Ending, SuperviseResult, exit_code,
-                                            supervise)
+from keras_distrib.launch.supervise import (EXIT_TIMEOUT, PREEMPTED, ChildExit,
+                                            ChildSpec, Ending, Job, SuperviseResult,
+                                            exit_code, private_directory, supervise)
 from keras_distrib.launch.cli import (EXIT_USAGE, SUBCOMMANDS, USAGE,
                                       config_from_flags, launch, main,
                                       parse_flags, run, split_argv, usage)
 
 __all__ = [
     "ChildExit", "ChildSpec", "DEFAULT_REMOTE_PORT_BASE", "DEFAULT_SSH_COMMAND",
-    "EXIT_TIMEOUT", "EXIT_USAGE", "Ending", "LaunchConfig", "LaunchError",
-    "RankPlan", "SUBCOMMANDS", "SuperviseResult", "USAGE", "check_config",
-    "config_from_flags", "exit_code", "launch", "main", "parse_flags",
-    "parse_hosts", "plan", "print_dry_run", "run", "shell_command",
-    "split_argv", "supervise", "usage", "write_output_dir",
+    "EXIT_TIMEOUT", "EXIT_USAGE", "Ending", "GRACE_SECONDS", "Job", "LaunchConfig",
+    "LaunchError", "PREEMPTED", "RankPlan", "SUBCOMMANDS", "SuperviseResult", "USAGE",
+    "check_config", "config_from_flags", "exit_code", "launch", "main", "parse_flags",
+    "parse_hosts", "plan", "print_dry_run", "private_directory", "run",
+    "shell_command", "split_argv", "supervise", "usage", "write_output_dir",
 ]

@@ -2,23 +2,32 @@
 
 - `tf` (the default): one child per rank, `python script.py ...` here or
   `ssh host 'cd ... && exec env TF_CONFIG=... python script.py ...'`;
+  `rank_job` plans the ranks again, with new ports, for each restart;
 - `horovod`: one child, horovodrun, which starts and numbers the ranks;
   its `[N]<stdout>:` prefixes are turned into the launcher's `[rank N] `.
+  `horovod_job` has no restarts (`check_config` refuses them).
+
+Every child gets `KERAS_DISTRIB_RESTART`; those on this host get the
+attempt's private directory in `KERAS_DISTRIB_SHM_DIR`.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import importlib.util
 import os
 import shlex
 import shutil
 import sys
-from typing import Sequence
+from typing import Optional, Sequence
 
+from keras_distrib import cluster as cluster_lib
 from keras_distrib.launch.config import LaunchConfig, LaunchError
-from keras_distrib.launch.plan import RankPlan, parse_hosts, shell_command, tf_log_env
-from keras_distrib.launch.supervise import ChildSpec
+from keras_distrib.launch.plan import (RankPlan, parse_hosts, plan, shell_command,
+                                       tf_log_env)
+from keras_distrib.launch.supervise import ChildSpec, Job
+from keras_distrib.launch_contract import RESTART_ENV, SHM_DIR_ENV
 
 
 def local_argv(config: LaunchConfig) -> list[str]:
@@ -44,15 +53,36 @@ def rank_specs(plans: Sequence[RankPlan], config: LaunchConfig) -> list[ChildSpe
     return [ChildSpec(f"rank {p.rank}", rank_argv(p, config), p.env()) for p in plans]
 
 
+def rank_job(plans: Sequence[RankPlan], config: LaunchConfig) -> Job:
+    """The ranks of `plans` as a `Job`: planned again for each restart.
+
+    A restart gets new free ports, none of the last attempt's (a rank
+    killed a moment ago may still hold its port); fixed ports
+    (`--port_base`, remote hosts) stay. The first attempt runs `plans`
+    as given, whose ports the caller has checked.
+    """
+    last = list(plans)
+
+    def specs(restart: int, shm_dir: Optional[str]) -> list[ChildSpec]:
+        nonlocal last
+        if restart:
+            last = plan(config, avoid_ports={p.port for p in last})
+        told = [dataclasses.replace(p, restart=restart, shm_dir=shm_dir if p.local else None)
+                for p in last]
+        return rank_specs(told, config)
+
+    return Job(len(last), specs, private_dir=any(p.local for p in last))
+
+
 # How horovodrun prefixes each piece of a rank's output (gloo: `[0]<stdout>:`,
 # mpirun: `[1,0]<stdout>:`; an optional timestamp in front with
 # --prefix-output-with-timestamp). horovodrun has no option to turn it off.
 HOROVODRUN_RANK_PREFIX = r"(?:\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4})?\[(?:\d+,)?(?P<rank>\d+)\]<(?P<stream>std(?:out|err))>:"
 
 
-def horovod_spec(config: LaunchConfig) -> ChildSpec:
+def horovod_spec(config: LaunchConfig, shm_dir: Optional[str] = None) -> ChildSpec:
     """The one child of `--backend=horovod`: horovodrun (Gloo), which does
-    its own rank bookkeeping.
+    its own rank bookkeeping. `shm_dir`: for ranks on this host only.
 
     Raises:
         LaunchError: Horovod or horovodrun is not installed.
@@ -75,5 +105,19 @@ def horovod_spec(config: LaunchConfig) -> ChildSpec:
     command = "exec " + shlex.join(local_argv(config))
     argv = [horovodrun, "--gloo", "-np", str(config.nproc), "-H", hosts,
             "/bin/sh", "-c", command]
-    return ChildSpec("horovodrun", argv, {"PYTHONUNBUFFERED": "1", **tf_log_env()},
-                     rank_prefix=HOROVODRUN_RANK_PREFIX)
+    env = {"PYTHONUNBUFFERED": "1", RESTART_ENV: "0", **tf_log_env()}
+    if shm_dir is not None:
+        env[SHM_DIR_ENV] = shm_dir
+    return ChildSpec("horovodrun", argv, env, rank_prefix=HOROVODRUN_RANK_PREFIX)
+
+
+def horovod_job(config: LaunchConfig) -> Job:
+    """horovodrun as a `Job`; its ranks get a private directory when all run here.
+
+    Raises:
+        LaunchError: Horovod or horovodrun is not installed.
+    """
+    horovod_spec(config)  # fail now, before anything starts, when it is missing
+    hosts = parse_hosts(config.hosts, config.nproc) if config.hosts else []
+    local = all(cluster_lib.is_local_host(h) for h in hosts)
+    return Job(1, lambda restart, shm_dir: [horovod_spec(config, shm_dir)], private_dir=local)

@@ -11,9 +11,28 @@ free ports), and prints every line they write as `[rank N] line`. A line
 redrawn with carriage returns, like Keras's progress bar (printed by rank
 0 only), shows as one updating `[rank 0]` line. When a rank fails the
 others are stopped and the launcher exits with that rank's exit code,
-after the tail of its output (TensorFlow's start-up log lines left out);
-Ctrl-C stops them all. Nothing is left running. More ranks on this machine
-than it has CPU cores start anyway, after a one-line warning.
+after the tail of its output (TensorFlow's start-up log lines left out;
+a rank stopped with SIGSTOP at that moment is named as the likely cause).
+Ctrl-C, SIGTERM or SIGHUP stops them all. Stopping a rank is SIGTERM (and
+SIGCONT), then SIGKILL after --grace_seconds. Nothing is left running.
+More ranks on this machine than it has CPU cores start anyway, after a
+one-line warning.
+
+With `--max_restarts N`, a failed or preempted rank makes the launcher
+stop the others and start all ranks again, on new ports, up to N times
+(one `restart K/N` line each; the last line says how many were used). A
+signal to the launcher never restarts. `--timeout` bounds all of it.
+
+Exit codes:
+
+    0         every rank succeeded
+    CODE      a rank failed with CODE (128+signal when it was killed), no
+              restarts left
+    75        preempted: a rank exited with 75 and no restarts were left,
+              or the launcher got SIGTERM/SIGINT/SIGHUP and every rank then
+              exited with 75 or 0 (else 128+signal)
+    124       --timeout passed
+    2         bad flags or configuration; nothing was started
 
 With `--hosts` naming other machines, nothing is started: the launcher
 prints (and with `--output_dir` writes) each rank's `TF_CONFIG` and the
@@ -25,6 +44,12 @@ Every child gets these environment variables:
     KERAS_DISTRIB_RANK        its rank, 0..N-1
     KERAS_DISTRIB_WORLD_SIZE  N
     KERAS_DISTRIB_LOCAL_RANK  its index among the ranks on its host
+    KERAS_DISTRIB_RESTART     how many times the job was restarted before
+                              this run (0 on the first)
+    KERAS_DISTRIB_SHM_DIR     ranks on this machine only: a private
+                              directory (mode 0700, in /dev/shm) for
+                              shared-memory files, new for each run and
+                              removed when it ends
     PYTHONUNBUFFERED          1, so lines arrive as they are printed
     TF_CPP_MIN_LOG_LEVEL      2, which hides TensorFlow's C++ INFO and WARNING
                               logs (the launcher also drops the banners
@@ -50,8 +75,8 @@ from absl import flags
 
 from keras_distrib import cluster as cluster_lib
 from keras_distrib.launch import backends
-from keras_distrib.launch.config import (DEFAULT_SSH_COMMAND, LaunchConfig,
-                                         LaunchError, check_config)
+from keras_distrib.launch.config import (DEFAULT_SSH_COMMAND, GRACE_SECONDS,
+                                         LaunchConfig, LaunchError, check_config)
 from keras_distrib.launch.plan import (DEFAULT_REMOTE_PORT_BASE, check_local_ports,
                                        plan, print_dry_run, write_output_dir)
 from keras_distrib.launch.supervise import supervise
@@ -83,10 +108,17 @@ flags.DEFINE_string("output_dir", None, "Write each rank's TF_CONFIG "
 flags.DEFINE_bool("ssh", False, "Start ranks on remote hosts with ssh.")
 flags.DEFINE_string("ssh_command", DEFAULT_SSH_COMMAND, "ssh program and "
                     "options used with --ssh; the host and command are appended.")
-flags.DEFINE_float("timeout", 0, "Stop all ranks after this many seconds "
-                   "(exit code 124); 0: no limit.")
+flags.DEFINE_float("timeout", 0, "Stop all ranks after this many seconds, "
+                   "restarts included (exit code 124); 0: no limit.")
 flags.DEFINE_integer("tail_lines", 40, "Lines of a failed rank's output "
                      "repeated in the failure summary.")
+flags.DEFINE_integer("max_restarts", 0, "When a rank fails or is preempted, "
+                     "stop the others and start all ranks again (new ports, "
+                     "KERAS_DISTRIB_RESTART counting up), at most this many "
+                     "times. Not with --backend=horovod.", lower_bound=0)
+flags.DEFINE_float("grace_seconds", GRACE_SECONDS, "Seconds a rank gets to "
+                   "exit after SIGTERM (time for the chief to write a backup) "
+                   "before SIGKILL.", lower_bound=0)
 
 
 # --------------------------------------------------------------------------
@@ -99,13 +131,14 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     absl would parse the script's own flags (`train.py --epochs 3`) as the
     launcher's, so the script and what follows are cut off before absl
     sees the command line. The script is the second positional token (the
-    first is the subcommand), or whatever follows `--`.
+    first is the subcommand), or whatever follows `--`. The launcher's own
+    flags may be spelled with dashes; they come back with underscores.
 
     Example:
 
     ```python
-    split_argv(["kd", "launch", "-n", "2", "t.py", "-n", "5"])
-    # (["kd", "launch", "-n", "2"], ["t.py", "-n", "5"])
+    split_argv(["kd", "launch", "-n", "2", "--max-restarts", "1", "t.py", "-n", "5"])
+    # (["kd", "launch", "-n", "2", "--max_restarts", "1"], ["t.py", "-n", "5"])
     ```
     """
     head, have_subcommand, i = [argv[0]], False, 1
@@ -117,6 +150,7 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
                 head.append(rest.pop(0))
             return head, rest
         if token.startswith("-") and len(token) > 1:
+            token = _underscored(token)
             head.append(token)
             if _takes_value(token) and i + 1 < len(argv):
                 i += 1
@@ -128,6 +162,19 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
             return head, list(argv[i:])
         i += 1
     return head, []
+
+
+def _underscored(token: str) -> str:
+    """`--max-restarts=2` as `--max_restarts=2`, for a flag of ours; else `token`.
+
+    Our flags are spelled with underscores (absl's way), but many tools
+    use dashes; both work. Unknown names are left for absl to report.
+    """
+    if not token.startswith("--") or "-" not in token[2:].split("=", 1)[0]:
+        return token
+    name, sep, value = token[2:].partition("=")
+    flag = name.replace("-", "_")
+    return f"--{flag}{sep}{value}" if flag in FLAGS else token
 
 
 def _takes_value(token: str) -> bool:
@@ -184,6 +231,8 @@ def config_from_flags(positional: Sequence[str]) -> LaunchConfig:
         ssh_command=FLAGS.ssh_command,
         timeout=FLAGS.timeout,
         tail_lines=FLAGS.tail_lines,
+        max_restarts=FLAGS.max_restarts,
+        grace_seconds=FLAGS.grace_seconds,
     )
     check_config(config)
     return config
@@ -209,9 +258,10 @@ def launch(config: LaunchConfig, out: Optional[TextIO] = None,
     out, err = out or sys.stdout, err or sys.stderr
     check_config(config)
     if config.backend == "horovod":
+        job = backends.horovod_job(config)
         if not config.hosts:
             warn_if_oversubscribed(config.nproc, err)
-        return supervise([backends.horovod_spec(config)], config, out, err).exit_code
+        return supervise(job, config, out, err).exit_code
     plans = plan(config)
     if config.output_dir:
         write_output_dir(plans, config)
@@ -221,7 +271,7 @@ def launch(config: LaunchConfig, out: Optional[TextIO] = None,
         return 0
     check_local_ports(plans, config)
     warn_if_oversubscribed(sum(p.local for p in plans), err)
-    return supervise(backends.rank_specs(plans, config), config, out, err).exit_code
+    return supervise(backends.rank_job(plans, config), config, out, err).exit_code
 
 
 def warn_if_oversubscribed(local_ranks: int, err: TextIO) -> None:

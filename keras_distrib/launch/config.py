@@ -2,7 +2,8 @@
 
 Every other module of the launcher reads a `LaunchConfig`; keeping it here,
 apart from the absl flags in `cli`, lets planning, backends and supervision
-be used (and tested) without the command line.
+be used (and tested) without the command line. `GRACE_SECONDS`, the default
+of `--grace_seconds`, lives here for the same reason.
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ from typing import Optional
 # -tt gives the remote command a terminal, so it gets SIGHUP and dies when
 # the launcher kills ssh; without it remote ranks would outlive the launcher.
 DEFAULT_SSH_COMMAND = "ssh -o BatchMode=yes -tt"
+
+# Seconds a rank gets to exit after SIGTERM before SIGKILL (--grace_seconds):
+# enough for the chief to write a backup checkpoint when it is preempted.
+GRACE_SECONDS = 30.0
 
 
 class LaunchError(Exception):
@@ -42,8 +47,10 @@ class LaunchConfig:
     output_dir: Optional[str] = None
     ssh: bool = False
     ssh_command: str = DEFAULT_SSH_COMMAND
-    timeout: float = 0.0
+    timeout: float = 0.0  # bounds the whole job, restarts included
     tail_lines: int = 40
+    max_restarts: int = 0
+    grace_seconds: float = GRACE_SECONDS
 
 
 def check_config(config: LaunchConfig) -> None:
@@ -64,3 +71,13 @@ def check_config(config: LaunchConfig) -> None:
         raise LaunchError(f"--timeout={config.timeout:g} must be >= 0 (0: no limit).")
     if config.tail_lines < 0:
         raise LaunchError(f"--tail_lines={config.tail_lines} must be >= 0.")
+    if config.max_restarts < 0:
+        raise LaunchError(f"--max_restarts={config.max_restarts} must be >= 0 (0: no restarts).")
+    if config.grace_seconds < 0:
+        raise LaunchError(f"--grace_seconds={config.grace_seconds:g} must be >= 0.")
+    if config.max_restarts and config.backend == "horovod":
+        raise LaunchError(
+            f"--max_restarts={config.max_restarts} works with --backend=tf only "
+            "(horovodrun is one child here, its ranks out of the launcher's "
+            "reach); drop --max_restarts or use --backend=tf."
+        )

@@ -1,7 +1,10 @@
 """Who runs where: each rank's host, port, `TF_CONFIG` and shell command.
 
 Nothing here starts a process; `print_dry_run` and `write_output_dir` are
-what a multi-host launch without `--ssh` does instead.
+what a multi-host launch without `--ssh` does instead. A restart under
+`--max_restarts` plans again (`plan(config, avoid_ports=...)`: new free
+ports) and tells each rank its restart count and, on this host, the
+attempt's private shared-memory directory (`RankPlan.restart`, `shm_dir`).
 """
 
 from __future__ import annotations
@@ -12,10 +15,11 @@ import os
 import re
 import shlex
 import sys
-from typing import Optional, Sequence, TextIO
+from typing import Collection, Optional, Sequence, TextIO
 
 from keras_distrib import cluster as cluster_lib
 from keras_distrib.launch.config import LaunchConfig, LaunchError
+from keras_distrib.launch_contract import RESTART_ENV, SHM_DIR_ENV
 
 # Ports on remote hosts cannot be probed from here, so multi-host launches
 # without --port_base use fixed ones (base + index of the rank on its host).
@@ -45,21 +49,33 @@ class RankPlan:
     local_rank: int
     local: bool
     info: cluster_lib.ClusterInfo
+    restart: int = 0  # restarts of the job before this attempt
+    # The attempt's private shared-memory directory; only for a rank on
+    # this host (a path here means nothing on another machine).
+    shm_dir: Optional[str] = None
 
     @property
     def rank(self) -> int:
         return self.info.rank
 
+    @property
+    def port(self) -> int:
+        return int(self.info.address.rsplit(":", 1)[1])
+
     def env(self) -> dict[str, str]:
         """The variables this rank gets on top of the launcher's environment."""
-        return {
+        env = {
             "TF_CONFIG": self.info.tf_config_json(),
             "KERAS_DISTRIB_RANK": str(self.info.rank),
             "KERAS_DISTRIB_WORLD_SIZE": str(self.info.world_size),
             "KERAS_DISTRIB_LOCAL_RANK": str(self.local_rank),
+            RESTART_ENV: str(self.restart),
             "PYTHONUNBUFFERED": "1",
             **tf_log_env(),
         }
+        if self.shm_dir is not None:
+            env[SHM_DIR_ENV] = self.shm_dir
+        return env
 
 
 def parse_hosts(hosts: Sequence[str], nproc: int) -> list[str]:
@@ -113,8 +129,12 @@ def _parse_host_entry(entry: str) -> tuple[str, Optional[int]]:
     return host, int(slots) if slots is not None else None
 
 
-def plan(config: LaunchConfig) -> list[RankPlan]:
+def plan(config: LaunchConfig, avoid_ports: Collection[int] = ()) -> list[RankPlan]:
     """Decides each rank's host, port and `TF_CONFIG`.
+
+    Free ports (one machine, no `--port_base`) are none of `avoid_ports`:
+    a restart passes the last attempt's, which a dying rank may still hold.
+    Fixed ports (`--port_base`, remote hosts) are the same every time.
 
     Example:
 
@@ -133,7 +153,7 @@ def plan(config: LaunchConfig) -> list[RankPlan]:
             )
         hosts, local = [config.bind] * config.nproc, [True] * config.nproc
     local_ranks = _local_ranks(hosts)
-    ports = _ports(config, hosts, local_ranks, all(local))
+    ports = _ports(config, hosts, local_ranks, all(local), avoid_ports)
     workers = tuple(_format_address(h, p) for h, p in zip(hosts, ports))
     try:
         infos = [cluster_lib.ClusterInfo(workers, r) for r in range(config.nproc)]
@@ -152,9 +172,13 @@ def _local_ranks(hosts: Sequence[str]) -> list[int]:
     return result
 
 
-def _ports(config: LaunchConfig, hosts, local_ranks, all_local: bool) -> list[int]:
+def _ports(config: LaunchConfig, hosts, local_ranks, all_local: bool,
+           avoid_ports: Collection[int] = ()) -> list[int]:
     if all_local and config.port_base == 0:
-        return cluster_lib.free_ports(config.nproc, config.bind.strip("[]"))
+        # free_ports gives distinct ports, so at most len(avoid) are dropped.
+        avoid = set(avoid_ports)
+        ports = cluster_lib.free_ports(config.nproc + len(avoid), config.bind.strip("[]"))
+        return [p for p in ports if p not in avoid][:config.nproc]
     if all_local:  # a fixed base on one machine: ranks count up from it
         return [config.port_base + r for r in range(config.nproc)]
     base = config.port_base or DEFAULT_REMOTE_PORT_BASE

@@ -1,10 +1,26 @@
-"""Starting and watching the children of a launch.
+"""Starting and watching the children of a launch, and restarting them.
 
-`supervise(specs, config, out, err)` starts one process per `ChildSpec`,
-prints each line it writes as `[label] line`, waits until the job ends and
-then makes sure nothing is left running. How the job ended (all succeeded,
-which child failed and how, the launcher was interrupted, the timeout hit)
-comes back as a `SuperviseResult`; its `exit_code` is the launcher's.
+`supervise(job, config, out, err)` starts one process per `ChildSpec` of
+the job's attempt, prints each line it writes as `[label] line`, waits
+until the attempt ends and then makes sure nothing of it is left running.
+When a child fails (exits non-zero, `PREEMPTED` included, or is killed by
+a signal) and `config.max_restarts` allows, all the others are stopped and
+the job starts again, as a new attempt (`Job.specs(restart, shm_dir)`: new
+ports, `KERAS_DISTRIB_RESTART`). How the job ended (all succeeded, which
+child failed and how, the launcher was interrupted, the timeout hit) comes
+back as a `SuperviseResult`; its `exit_code` is the launcher's.
+
+Each attempt with children on this host gets a private directory (mode
+0700, in /dev/shm when there is one: `private_directory`) for the
+workers' shared-memory files, removed when the attempt ends, whatever way.
+
+Stopping means SIGTERM to each child's process group, then SIGCONT (a
+stopped child can only act on SIGTERM once it runs), up to
+`config.grace_seconds` to exit (the chief may be writing a backup), then
+SIGKILL. SIGINT, SIGTERM or SIGHUP to the launcher stop the job for good
+(no restart); it exits with `PREEMPTED` when every child then exited with
+`PREEMPTED` or 0. A child that fails while another is stopped (SIGSTOP:
+`T` in /proc/PID/stat) is reported with the stopped one as the likely cause.
 
 Output is read in chunks as it comes, not line by line: a line redrawn
 with carriage returns (Keras's progress bar: `\r1/7 ...`, `\r2/7 ...`)
@@ -18,14 +34,15 @@ A failed child's tail leaves out TensorFlow's start-up log lines
 user set `TF_CPP_MIN_LOG_LEVEL`, they are left out of the live output too.
 
 Watching (`_watch`: what happened?) and ending (`_end`: stop the others,
-say why) are separate steps, so that a policy such as restarting a failed
-child can sit between them.
+say why) are separate steps; the restart policy (`_should_restart`) sits
+after them, in `supervise`'s loop over attempts.
 """
 
 from __future__ import annotations
 
 import codecs
 import collections
+import contextlib
 import dataclasses
 import enum
 import os
@@ -34,15 +51,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from typing import Optional, Sequence, TextIO
+from typing import Callable, Iterator, Optional, Sequence, TextIO, Union
 
 from keras_distrib.launch.config import LaunchConfig, LaunchError
+from keras_distrib.launch_contract import PREEMPTED
 
-# Seconds a rank gets to exit after SIGTERM/SIGINT before SIGKILL: enough for
-# Keras to finish writing a checkpoint, short enough that Ctrl-C feels live.
-GRACE_SECONDS = 10.0
 EXIT_TIMEOUT = 124
 
 
@@ -59,6 +75,38 @@ class ChildSpec:
     rank_prefix: Optional[str] = None
 
 
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """What `supervise` starts on every attempt of a job.
+
+    `specs(restart, shm_dir)` gives the children of one attempt: `restart`
+    counts the restarts before it (0: the first run), `shm_dir` is the
+    attempt's private directory when `private_dir` asks for one (else
+    None), for the children on this host. It is called again on each
+    restart, so that an attempt can get new ports. `len(job)` is the
+    number of children per attempt, as for a list of specs.
+
+    Example:
+
+    ```python
+    job = Job(2, lambda restart, shm_dir: [ChildSpec(f"rank {r}", argv, {}) for r in range(2)])
+    ```
+    """
+
+    size: int
+    specs: Callable[[int, Optional[str]], Sequence[ChildSpec]]
+    private_dir: bool = False
+
+    def __len__(self) -> int:
+        return self.size
+
+    @classmethod
+    def of(cls, specs: Sequence[ChildSpec]) -> "Job":
+        """The same children on every attempt, without a private directory."""
+        specs = list(specs)
+        return cls(len(specs), lambda restart, shm_dir: specs)
+
+
 class Ending(enum.Enum):
     """Why supervision stopped."""
 
@@ -72,7 +120,7 @@ class Ending(enum.Enum):
 class ChildExit:
     """How one child ended."""
 
-    index: int  # its position in the specs given to `supervise`
+    index: int  # its position in its attempt's specs
     label: str
     returncode: int  # as Popen reports it: -N when killed by signal N
     tail: tuple[str, ...] = ()  # its last lines of output, up to --tail_lines
@@ -81,11 +129,22 @@ class ChildExit:
     def exit_code(self) -> int:
         return exit_code(self.returncode)
 
+    @property
+    def preempted(self) -> bool:
+        """It exited with `PREEMPTED`: asked to stop, not broken."""
+        return self.returncode == PREEMPTED
+
     def describe(self) -> str:
         """`exit code 3`, or `signal SIGKILL (exit code 137)`."""
         if self.returncode < 0:
-            return f"signal {signal.Signals(-self.returncode).name} (exit code {self.exit_code})"
+            return f"signal {_signal_name(-self.returncode)} (exit code {self.exit_code})"
         return f"exit code {self.exit_code}"
+
+    def outcome(self) -> str:
+        """`rank 1 failed with exit code 3`, or `rank 1 was preempted (exit code 75)`."""
+        if self.preempted:
+            return f"{self.label} was preempted (exit code {PREEMPTED})"
+        return f"{self.label} failed with {self.describe()}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,11 +155,22 @@ class SuperviseResult:
     exit_code: int
     failed: Optional[ChildExit] = None  # for CHILD_FAILED: the first failed child
     signum: Optional[int] = None  # for INTERRUPTED: the signal the launcher got
+    restarts: int = 0  # restarts used before the attempt that ended the job
+    # For CHILD_FAILED: `rank 1 (pid 123) was stopped (SIGSTOP)` for each
+    # child stopped when the failure was seen, the likely cause.
+    stopped: tuple[str, ...] = ()
 
 
 def exit_code(returncode: int) -> int:
     """A shell-style exit code: the code itself, or 128+signal when killed."""
     return 128 - returncode if returncode < 0 else returncode
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:  # a real-time signal has no name
+        return str(signum)
 
 
 # TensorFlow's C++ start-up and runtime logs, which every rank prints
@@ -376,28 +446,59 @@ class _SignalTrap:
             signal.signal(signum, handler)
 
 
-def supervise(specs: Sequence[ChildSpec], config: LaunchConfig,
+def supervise(job: Union[Job, Sequence[ChildSpec]], config: LaunchConfig,
               out: TextIO, err: TextIO) -> SuperviseResult:
-    """Starts every child, streams its lines, and returns how the job ended.
+    """Runs the job's attempts, streams their lines, and returns how the job ended.
 
-    The result's `exit_code` is 0 when all succeed; the first failed
-    child's code (128+signal when killed); 128+signal when the launcher is
-    interrupted; 124 on timeout. Every child's process group is killed on
-    the way out, whatever happens.
+    `job`: a `Job`, or a list of `ChildSpec`s (the same on every attempt).
+    A failed attempt is followed by another while `config.max_restarts`
+    allows, the launcher was not signalled and `config.timeout` (which
+    bounds all attempts together) has not passed.
+
+    The result's `exit_code` is 0 when all succeed; the last failed
+    child's code (128+signal when killed; `PREEMPTED` when it was
+    preempted); after SIGINT/SIGTERM/SIGHUP to the launcher, `PREEMPTED`
+    when every child exited with it or 0, else 128+signal; 124 on timeout.
+    Every child's process group is killed and the attempt's private
+    directory removed on the way out of each attempt, whatever happens.
 
     Raises:
         LaunchError: a child could not be started (those already started
             are killed).
     """
+    if not isinstance(job, Job):
+        job = Job.of(job)
     # The banners TF_CPP_MIN_LOG_LEVEL=2 does not silence are left out too,
     # unless the user set the level (then they see what they asked for).
     printer = _Printer(out, hide_tf_noise="TF_CPP_MIN_LOG_LEVEL" not in os.environ)
-    children: list[_Child] = []
+    deadline = time.monotonic() + config.timeout if config.timeout > 0 else None
     with _SignalTrap() as trap:
+        restarts = 0
+        while True:
+            result = _attempt(job, restarts, config, trap, deadline, printer, err)
+            if not _should_restart(result, restarts, config, trap, deadline):
+                break
+            restarts += 1
+            _say(err, f"restart {restarts}/{config.max_restarts}: {result.failed.outcome()}; "
+                      f"starting all {len(job)} ranks again.")
+        result = dataclasses.replace(result, restarts=restarts)
+        if result.ending is Ending.CHILD_FAILED and restarts < config.max_restarts:
+            why = (f"got {_signal_name(trap.received[0])}" if trap.received
+                   else f"--timeout={config.timeout:g}s has passed")
+            _say(err, f"no restart: {why}.")
+        if config.max_restarts:
+            _summarize(result, len(job), config, err)
+        return result
+
+
+def _attempt(job: Job, restart: int, config: LaunchConfig, trap: _SignalTrap,
+             deadline: Optional[float], printer: _Printer, err: TextIO) -> SuperviseResult:
+    """Starts, watches and ends one attempt; nothing of it outlives this call."""
+    children: list[_Child] = []
+    with private_directory(job.private_dir) as shm_dir:
         try:
-            for spec in specs:
+            for spec in job.specs(restart, shm_dir):
                 children.append(_start(spec, config.tail_lines, printer))
-            deadline = time.monotonic() + config.timeout if config.timeout > 0 else None
             result = _watch(children, trap, deadline)
             return _end(result, children, config, trap, printer, err)
         finally:
@@ -409,6 +510,38 @@ def supervise(specs: Sequence[ChildSpec], config: LaunchConfig,
             printer.end_line()
 
 
+def _should_restart(result: SuperviseResult, restarts: int, config: LaunchConfig,
+                    trap: _SignalTrap, deadline: Optional[float]) -> bool:
+    """The restart policy: a failed child, restarts left, time left, no signal."""
+    return (result.ending is Ending.CHILD_FAILED
+            and restarts < config.max_restarts
+            and not trap.received
+            and (deadline is None or time.monotonic() < deadline))
+
+
+@contextlib.contextmanager
+def private_directory(wanted: bool = True) -> Iterator[Optional[str]]:
+    """A new directory of mode 0700 for one attempt, removed after it.
+
+    The workers on this host keep their shared-memory files in it
+    (`KERAS_DISTRIB_SHM_DIR`): no other user can reach them, and nothing
+    a killed attempt left there outlives the attempt. It is in /dev/shm
+    when there is one (`host_allreduce.default_directory`), so the files
+    are memory. Yields None (and makes nothing) when not `wanted`.
+    """
+    if not wanted:
+        yield None
+        return
+    # Imported here: NumPy (no TensorFlow), paid only when ranks run here.
+    from keras_distrib import host_allreduce
+    path = tempfile.mkdtemp(prefix="kd-", dir=host_allreduce.default_directory())
+    try:
+        os.chmod(path, 0o700)  # mkdtemp's 0700 may have been narrowed by the umask
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _start(spec: ChildSpec, tail_lines: int, printer: _Printer) -> _Child:
     try:
         return _Child(spec, tail_lines, printer)
@@ -418,7 +551,7 @@ def _start(spec: ChildSpec, tail_lines: int, printer: _Printer) -> _Child:
 
 def _watch(children: Sequence[_Child], trap: _SignalTrap,
            deadline: Optional[float]) -> SuperviseResult:
-    """Waits until the job ends one way or another; stops and prints nothing."""
+    """Waits until the attempt ends one way or another; stops and prints nothing."""
     while True:
         if trap.received:
             signum = trap.received[0]
@@ -438,49 +571,105 @@ def _watch(children: Sequence[_Child], trap: _SignalTrap,
 
 def _end(result: SuperviseResult, children: Sequence[_Child], config: LaunchConfig,
          trap: _SignalTrap, printer: _Printer, err: TextIO) -> SuperviseResult:
-    """Stops the children still running as `result` calls for, and says why.
+    """Stops the children still running, and says why.
 
-    Returns `result`, for a failed child with the tail of its output filled in.
+    Returns `result`, for a failed child with the tail of its output and
+    the stopped children filled in; after a signal, with `PREEMPTED` as
+    its exit code when every child exited with it or 0.
     """
     if result.ending is Ending.INTERRUPTED:
         printer.end_line()  # a progress bar must not swallow the message
-        _say(err, f"got {signal.Signals(result.signum).name}; stopping all ranks.")
-        _stop(children, result.signum, trap)
+        _say(err, f"got {_signal_name(result.signum)}; stopping all ranks.")
+        _stop(children, trap, config.grace_seconds)
+        if children and all(c.proc.returncode in (0, PREEMPTED) for c in children):
+            _say(err, f"every rank exited with {PREEMPTED} (preempted) or 0; "
+                      f"exit code {PREEMPTED}.")
+            result = dataclasses.replace(result, exit_code=PREEMPTED)
     elif result.ending is Ending.TIMED_OUT:
         printer.end_line()
         _say(err, f"timed out after {config.timeout:g}s (--timeout); stopping all ranks.")
-        _stop(children, signal.SIGTERM, trap)
+        _stop(children, trap, config.grace_seconds)
     elif result.ending is Ending.CHILD_FAILED:
-        _stop(children, signal.SIGTERM, trap)
+        stopped = tuple(filter(None, (_stopped(c) for c in children)))
+        _stop(children, trap, config.grace_seconds)
         child = children[result.failed.index]
         child.reader.join(timeout=5)  # the last lines are the interesting ones
         tail = tuple(child.tail)[-config.tail_lines:] if config.tail_lines else ()
-        result = dataclasses.replace(result, failed=dataclasses.replace(result.failed, tail=tail))
+        result = dataclasses.replace(
+            result, failed=dataclasses.replace(result.failed, tail=tail), stopped=stopped)
         printer.end_line()
-        _report_failure(result.failed, err)
+        _report_failure(result, err)
     return result
 
 
-def _stop(children: Sequence[_Child], signum: int, trap: _SignalTrap) -> None:
-    """Sends `signum` to every live group; SIGKILL after the grace period."""
+def _stop(children: Sequence[_Child], trap: _SignalTrap, grace: float) -> None:
+    """SIGTERM to every live group, SIGKILL after `grace` seconds; waits for all.
+
+    SIGCONT follows SIGTERM: a stopped (SIGSTOP) child acts on SIGTERM only
+    once it runs again. A second signal to the launcher ends the wait.
+    """
     already = len(trap.received)
     for child in children:
         if child.running:
-            child.signal_group(signum)
-    deadline = time.monotonic() + GRACE_SECONDS
+            child.signal_group(signal.SIGTERM)
+            child.signal_group(signal.SIGCONT)
+    deadline = time.monotonic() + grace
     while any(c.running for c in children) and time.monotonic() < deadline:
         if len(trap.received) > already:  # a second Ctrl-C: no more waiting
             break
         time.sleep(0.05)
     for child in children:
         child.signal_group(signal.SIGKILL)
+    for child in children:
+        child.proc.wait()
 
 
-def _report_failure(failed: ChildExit, err: TextIO) -> None:
-    lines = [f"keras-distrib: {failed.label} failed with {failed.describe()}; last output:"]
+def _stopped(child: _Child) -> Optional[str]:
+    """`rank 1 (pid 123) was stopped (SIGSTOP)` when it is; else None.
+
+    A stopped rank cannot answer its peers, which then fail (timeouts,
+    lost connections): it, not they, is what to look at.
+    """
+    state = _process_state(child.proc.pid) if child.running else None
+    how = {"T": "SIGSTOP", "t": "held by a debugger"}.get(state)
+    return f"{child.label} (pid {child.proc.pid}) was stopped ({how})" if how else None
+
+
+def _process_state(pid: int) -> Optional[str]:
+    """The state letter in /proc/PID/stat (R, S, D, T...); None off Linux or when gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # "PID (COMMAND) STATE ...": the command may hold spaces and parentheses.
+    return stat[stat.rfind(")") + 2:][:1] or None
+
+
+def _report_failure(result: SuperviseResult, err: TextIO) -> None:
+    failed = result.failed
+    lines = [f"keras-distrib: {failed.outcome()}; last output:"]
     lines += [f"    {line}" for line in failed.tail] or ["    (no output)"]
+    for stopped in result.stopped:
+        lines.append(f"keras-distrib: {failed.outcome()} while {stopped}; "
+                     "the stopped rank is the likely cause.")
     err.write("\n".join(lines) + "\n")
     err.flush()
+
+
+def _summarize(result: SuperviseResult, size: int, config: LaunchConfig, err: TextIO) -> None:
+    """The last line under --max_restarts: how the job ended, restarts used."""
+    if result.ending is Ending.SUCCEEDED:
+        what = f"all {size} ranks succeeded"
+    elif result.ending is Ending.CHILD_FAILED:
+        what = result.failed.outcome()
+    elif result.ending is Ending.INTERRUPTED:
+        what = f"stopped by {_signal_name(result.signum)}"
+    else:
+        what = f"timed out after {config.timeout:g}s"
+    plural = "" if config.max_restarts == 1 else "s"
+    _say(err, f"{what}; {result.restarts} of {config.max_restarts} restart{plural} used; "
+              f"exit code {result.exit_code}.")
 
 
 def _say(err: TextIO, message: str) -> None:
