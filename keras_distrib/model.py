@@ -19,18 +19,18 @@ import contextlib
 import functools
 import inspect
 import itertools
-import math
 import os
 import threading
 from typing import Union
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from keras_distrib import _compat
 from keras_distrib import chief_only
 from keras_distrib import data as data_lib
+from keras_distrib import fit_checks
+from keras_distrib import preemption
 from keras_distrib import saving
 from keras_distrib import strategies
 from keras_distrib.strategies.base import Strategy
@@ -91,7 +91,7 @@ class DistributedModel(keras.Model):
     # Only the chief prints and writes files (see keras_distrib.chief_only).
     chief_only_side_effects = True
     # `fit` refuses float numpy input holding NaN/Inf and stops, naming the
-    # step, when the training loss is NaN/Inf (see `_FiniteLossCheck`).
+    # step, when the training loss is NaN/Inf (see `fit_checks.FiniteLossCheck`).
     # Set `model.check_finite = False` to train on such input anyway.
     check_finite = True
 
@@ -235,7 +235,7 @@ class DistributedModel(keras.Model):
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _reduce_with_statistics(self, gradients: list, num_samples) -> list:
-        """`reduce_gradients`, with the replicas' moving statistics averaged.
+        """`reduce_gradients`, with moving statistics and the stop vote riding along.
 
         Keras updates non-trainable float variables (BatchNormalization's
         moving mean and variance) on each replica from that replica's shard;
@@ -243,15 +243,25 @@ class DistributedModel(keras.Model):
         depend on its replica. Their sample-weighted mean over the replicas
         travels in the gradients' all-reduce (no extra collective) and is
         assigned to every copy, so all replicas and workers keep one value.
+        With several processes each replica's preemption vote travels in
+        it too (see `keras_distrib.preemption`).
         """
-        statistics = self._replica_statistics()
-        if not statistics or not self._sums_sample_losses:
+        statistics = self._replica_statistics() if self._sums_sample_losses else []
+        vote = self.__dict__.get("_kd_vote")
+        if not statistics and vote is None:
             return self.reduce_gradients(gradients, num_samples)
         count = tf.cast(num_samples, tf.float32)
-        weighted = [tf.cast(v, tf.float32) * count for v in statistics]
-        reduced = self.reduce_gradients([*gradients, *weighted], num_samples)
+        extras = [tf.cast(v, tf.float32) * count for v in statistics]
+        if vote is not None:
+            mine = tf.numpy_function(preemption.local_vote, [], tf.float32, stateful=True,
+                                     name="kd_preemption_vote")
+            extras.append(tf.reshape(mine, []))
+            self.__dict__["_kd_vote_carried"] = True
+        reduced = self.reduce_gradients([*gradients, *extras], num_samples)
         for variable, value in zip(statistics, reduced[len(gradients):]):
             variable.assign(tf.cast(value, variable.dtype))
+        if vote is not None:
+            vote.assign(reduced[-1])
         return reduced[: len(gradients)]
 
     def _replica_statistics(self) -> list:
@@ -378,9 +388,16 @@ class DistributedModel(keras.Model):
     # -- the function-making layer: the strategy's ---------------------------
 
     def make_train_function(self, force=False):
+        if self.train_function is not None and not force:
+            return self.train_function
+        self.train_function = _replaying(self, self._make_train_function(force))
+        return self.train_function
+
+    def _make_train_function(self, force):
         k = self._accumulation_steps
-        if k == 1 or (self.train_function is not None and not force):
-            return super().make_train_function(force=force)
+        if k == 1:
+            super().make_train_function(force=True)
+            return self.train_function
         if type(self).train_step is not DistributedModel.train_step:
             raise ValueError(
                 "backward_passes_per_step > 1 needs DistributedModel's own "
@@ -402,7 +419,6 @@ class DistributedModel(keras.Model):
                 return accumulate_and_apply(iterator)
             return accumulate(iterator)
 
-        self.train_function = train_function
         return train_function
 
     def _make_function(self, step_function):
@@ -441,16 +457,36 @@ class DistributedModel(keras.Model):
             steps_per_epoch=kwargs.pop("steps_per_epoch", None),
             steps_per_execution=self.steps_per_execution,  # read only
         )
+        fit_checks.check_same_call(
+            self._strategy, "fit", x, batch_size=batch_size, epochs=epochs,
+            initial_epoch=kwargs.get("initial_epoch", 0), steps=given["steps_per_epoch"],
+            steps_per_execution=self.steps_per_execution)
+        backup = _backup_callback(callbacks)
+        start = backup.resume_point(self) if backup is not None else None
+        given.update(start=start, resumable=backup is not None)
         fit = self._strategy.distribute_fit_input(given)
-        with self._side_effects(callbacks) as callbacks, \
-                self._finite_loss_check(callbacks) as callbacks:
-            return super().fit(
+        if backup is not None:
+            backup.record_seed(fit.get("seed"))
+        if start is not None:
+            kwargs["initial_epoch"] = start.epoch
+        self.__dict__["_kd_replay"] = (start.step if start else 0) // self.steps_per_execution
+        preemption.reset()
+        preemption.clear(self)
+        with preemption.watching(), \
+                self._side_effects(callbacks) as callbacks, \
+                self._internal_callbacks(callbacks) as callbacks:
+            history = super().fit(
                 fit["x"], fit["y"], fit["batch_size"], epochs, self._verbose(verbose),
                 callbacks, fit["validation_split"], fit["validation_data"], fit["shuffle"],
                 class_weight, fit["sample_weight"],
                 validation_batch_size=fit["validation_batch_size"],
                 steps_per_epoch=fit["steps_per_epoch"], **kwargs,
             )
+        if preemption.stopped_at(self) is not None:
+            where = (f"; backup in {backup.backup_dir}" if backup is not None else
+                     "; nothing was saved (add keras_distrib.callbacks.BackupAndRestore)")
+            raise preemption.announce(self, where)
+        return history
 
     def _check_fit_input(self, x, y, sample_weight) -> None:
         """Bad input that is cheap to see before training: one-line errors.
@@ -460,7 +496,7 @@ class DistributedModel(keras.Model):
         the same arguments.
         """
         data_lib.check_not_empty(x)
-        sparse = _sparse_categorical_classes(self)
+        sparse = fit_checks.sparse_categorical_classes(self)
         if sparse is not None:
             data_lib.check_sparse_labels(y, *sparse)
         if self.check_finite:
@@ -468,32 +504,61 @@ class DistributedModel(keras.Model):
                 data_lib.check_finite(name, value)
 
     @contextlib.contextmanager
-    def _finite_loss_check(self, callbacks):
-        """`callbacks` with `_FiniteLossCheck` first (unless opted out)."""
-        if not self.check_finite:
-            yield callbacks
-            return
-        # Per-batch logs are global values only with one process; with
-        # several, the exact epoch logs are checked, so all stop together.
-        check = _FiniteLossCheck(per_batch=self._strategy.world_size == 1)
+    def _internal_callbacks(self, callbacks):
+        """`callbacks` with ours around the user's.
+
+        First (before checkpointing callbacks read the batch's outcome):
+        `PreemptionStop` and, unless opted out, `FiniteLossCheck`. Last
+        (after the user's `on_train_begin` set the weights: broadcasts,
+        restores): `ReplicasAgree`, with several processes.
+        """
+        first = [preemption.PreemptionStop(self._preemption_vote(),
+                                           lambda: self.__dict__.get("_kd_vote_carried", False))]
+        if self.check_finite:
+            # Per-batch logs are global values only with one process; with
+            # several, the exact epoch logs are checked, so all stop together.
+            first.append(fit_checks.FiniteLossCheck(per_batch=self._strategy.world_size == 1))
+        last = [fit_checks.ReplicasAgree()] if self._strategy.world_size > 1 else []
         if not isinstance(callbacks, keras.callbacks.CallbackList):
-            yield [check, *(keras.tree.flatten(callbacks) if callbacks else [])]
+            yield [*first, *(keras.tree.flatten(callbacks) if callbacks else []), *last]
             return
-        check.set_model(self)
-        check.set_params(callbacks.params)
-        callbacks.callbacks.insert(0, check)
+        for callback in first + last:
+            callback.set_model(self)
+            callback.set_params(callbacks.params)
+        callbacks.callbacks[:0] = first
+        callbacks.callbacks.extend(last)
         try:
             yield callbacks
         finally:
-            callbacks.callbacks.remove(check)
+            for callback in first + last:
+                callbacks.callbacks.remove(callback)
+
+    def _preemption_vote(self):
+        """The variable the step's all-reduce writes the summed stop votes to
+        (None with one process: its own SIGTERM flag decides)."""
+        if self._strategy.world_size == 1:
+            return None
+        vote = self.__dict__.get("_kd_vote")
+        if vote is None:
+            with self._strategy.scope():
+                vote = tf.Variable(
+                    0.0, trainable=False, name="kd_preemption_vote",
+                    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+            # Not a Keras attribute: no weight, never saved.
+            self.__dict__["_kd_vote"] = vote
+        return vote
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto",
                  sample_weight=None, steps=None, callbacks=None, **kwargs):
         self._strategy.check_batch_size(batch_size)
         if kwargs.get("_use_cached_eval_dataset"):
             # Validation inside fit: the input was distributed by fit already.
+            if preemption.stopped_at(self) is not None:
+                return {}  # stopping on a SIGTERM: no time for validation
             return super().evaluate(x, y, batch_size, verbose, sample_weight,
                                     steps, callbacks, **kwargs)
+        fit_checks.check_same_call(self._strategy, "evaluate", x, batch_size=batch_size,
+                                   steps=steps, steps_per_execution=self.steps_per_execution)
         x, y, sample_weight, batch_size = self._strategy.distribute_input(
             x, y, sample_weight, batch_size)
         with self._side_effects(callbacks) as callbacks:
@@ -502,6 +567,8 @@ class DistributedModel(keras.Model):
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
         self._strategy.check_batch_size(batch_size)
+        fit_checks.check_same_call(self._strategy, "predict", x, batch_size=batch_size,
+                                   steps=steps, steps_per_execution=self.steps_per_execution)
         if not self.built:
             self._maybe_symbolic_build(iterator=_compat.epoch_iterator(x, batch_size))
         x, _, _, batch_size = self._strategy.distribute_input(x, batch_size=batch_size)
@@ -569,95 +636,44 @@ def _functional_variant(cls: type) -> type:
                 {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
 
+def _replaying(model, train_function):
+    """`train_function`, except that the first `model._kd_replay` calls only
+    pull their batches: the steps a resumed run already did before its
+    backup (see `keras_distrib.callbacks.BackupAndRestore`)."""
+
+    def function(iterator):
+        if not model.__dict__.get("_kd_replay"):
+            return train_function(iterator)
+        model.__dict__["_kd_replay"] -= 1
+        for _ in range(model.steps_per_execution):
+            try:
+                next(iterator)
+            except (StopIteration, tf.errors.OutOfRangeError):
+                break  # the epoch's last, shorter execution
+        return {}
+
+    return function
+
+
+def _backup_callback(callbacks):
+    """The `keras_distrib.callbacks.BackupAndRestore` among `callbacks`, if any."""
+    from keras_distrib.callbacks.backup_and_restore import BackupAndRestore
+
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = callbacks.callbacks
+    found = [c for c in keras.tree.flatten(callbacks or []) if isinstance(c, BackupAndRestore)]
+    if len(found) > 1:
+        raise ValueError("Pass one keras_distrib.callbacks.BackupAndRestore per fit, not "
+                         f"{len(found)}.")
+    return found[0] if found else None
+
+
 def _check_steps_per_execution(steps) -> None:
     if not data_lib.is_positive_int(steps):
         raise ValueError(
             f"steps_per_execution={steps!r} must be an integer >= 1 (training steps "
             "per call of the compiled function; 1 is the default)."
         )
-
-
-def _sparse_categorical_classes(model):
-    """`(num_classes, ignore_class)` when `model` is compiled with one sparse
-    categorical crossentropy loss over a single output whose last dimension
-    (the classes) is known; else None."""
-    loss = getattr(model, "loss", None)
-    if isinstance(loss, (list, tuple)) and len(loss) == 1:
-        loss = loss[0]
-    elif isinstance(loss, dict) and len(loss) == 1:
-        loss = next(iter(loss.values()))
-    if isinstance(loss, str):
-        try:
-            loss = keras.losses.get(loss)
-        except ValueError:
-            return None
-    ignore_class = None
-    if isinstance(loss, keras.losses.SparseCategoricalCrossentropy):
-        if getattr(loss, "_fn_kwargs", {}).get("axis", -1) != -1:
-            return None
-        ignore_class = loss.ignore_class
-    elif loss is not keras.losses.sparse_categorical_crossentropy:
-        return None
-    try:
-        outputs = model.outputs
-    except (AttributeError, ValueError):
-        return None
-    if not isinstance(outputs, (list, tuple)) or len(outputs) != 1:
-        return None
-    shape = getattr(outputs[0], "shape", None)
-    classes = shape[-1] if shape else None
-    if not isinstance(classes, int) or classes < 1:
-        return None
-    return classes, ignore_class
-
-
-class _FiniteLossCheck(keras.callbacks.Callback):
-    """Stops `fit` with a one-line `ValueError` when the training loss is NaN/Inf.
-
-    Reads the logs Keras already made (no extra device sync or collective).
-    With `per_batch`, every batch's logs (exact global values with one
-    process; the step is named); otherwise each epoch's logs, which are
-    global on every strategy, so every worker stops at the same point.
-    `DistributedModel.fit` puts it first, before checkpointing callbacks.
-    """
-
-    # It neither reads nor changes the model: Keras may run it off the loop.
-    async_safe = True
-
-    def __init__(self, per_batch: bool):
-        super().__init__()
-        self._epoch = 0
-        if per_batch:
-            self.on_train_batch_end = self._check_batch
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._epoch = epoch
-
-    def _check_batch(self, batch, logs=None):
-        loss = _non_finite_loss(logs)
-        if loss is not None:
-            _raise_non_finite(loss, f"at epoch {self._epoch + 1}, step {batch + 1}")
-
-    def on_epoch_end(self, epoch, logs=None):
-        loss = _non_finite_loss(logs)
-        if loss is not None:
-            _raise_non_finite(loss, f"in epoch {epoch + 1}")
-
-
-def _non_finite_loss(logs):
-    try:
-        value = float(np.asarray((logs or {}).get("loss")))
-    except (TypeError, ValueError):
-        return None
-    return None if math.isfinite(value) else value
-
-
-def _raise_non_finite(loss, where):
-    raise ValueError(
-        f"The training loss is {loss} {where}: NaN/Inf in the data, or a diverging "
-        "step (lower the learning rate?); fix the cause, or set "
-        "model.check_finite = False to train on."
-    )
 
 
 def _unscale_replica_loss(loss):

@@ -21,6 +21,7 @@ All of this runs only when more than one worker trains (the strategy's
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import keras
@@ -29,6 +30,8 @@ import tensorflow as tf
 
 from keras_distrib import _compat
 from keras_distrib import data as data_lib
+
+_NO_END = 2**62  # epochs of an endless input
 
 _FILE_READERS = {
     "TFRecordDataset",
@@ -43,17 +46,22 @@ def fit_input(strategy, fit: dict) -> dict:
     """`fit`'s arguments with the training and validation input sharded.
 
     `validation_split` is applied before sharding (arrays only), the shuffle
-    seed is agreed on by all workers, and array input becomes one endless
-    iterator with `steps_per_epoch` from the data (see `shard`).
+    seed is agreed on by all workers (or taken from `fit["start"]`, a
+    `Start` to resume from), and array input becomes one endless iterator
+    with `steps_per_epoch` from the data (see `shard`). The seed used comes
+    back as `fit["seed"]` (None without shuffling).
     """
     fit = dict(fit)
     x, y, sample_weight = fit["x"], fit["y"], fit["sample_weight"]
     batch_size = fit["batch_size"]
+    start = fit.get("start") or Start()
     if fit["validation_split"]:
         (x, y, sample_weight), fit["validation_data"] = _compat.train_validation_split(
             (x, y, sample_weight), fit["validation_split"])
         fit["validation_split"] = 0.0
-    seed = strategy.agree_on_seed() if fit["shuffle"] else None
+    seed = None
+    if fit["shuffle"]:
+        seed = start.seed if start.seed is not None else strategy.agree_on_seed()
     steps = None
     if fit["steps_per_epoch"] is None and fit.get("steps_per_execution", 1) == 1:
         # With several steps per execution the last execution of an epoch
@@ -61,11 +69,12 @@ def fit_input(strategy, fit: dict) -> dict:
         steps = array_steps(x, batch_size)
     fit["x"], fit["batch_size"] = shard(
         strategy, x, y, sample_weight, batch_size, fit["shuffle"], seed,
-        repeat=steps is not None)
+        repeat=steps is not None, first_epoch=start.epoch)
     if steps is not None:
         fit["steps_per_epoch"] = steps
     fit["y"] = fit["sample_weight"] = None
     fit["shuffle"] = False
+    fit["seed"] = seed
     if fit["validation_data"] is not None:
         val_batch = fit["validation_batch_size"] or batch_size
         fit["validation_data"], _ = shard(strategy, *unpack(fit["validation_data"]), val_batch)
@@ -73,8 +82,24 @@ def fit_input(strategy, fit: dict) -> dict:
     return fit
 
 
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """Where `fit` starts: the first epoch, steps already done in it, the seed.
+
+    Array and PyDataset input shuffle epoch `e` by `(seed, e)` alone, so a
+    run resumed at epoch `e` with the same seed sees the same order as an
+    uninterrupted one (`keras_distrib.callbacks.BackupAndRestore`). The
+    input always starts at the beginning of `epoch`; `DistributedModel.fit`
+    replays its first `step` steps as no-ops that only pull their batches.
+    """
+
+    epoch: int = 0
+    step: int = 0
+    seed: Optional[int] = None
+
+
 def shard(strategy, x, y=None, sample_weight=None, batch_size=None, shuffle=False, seed=0,
-          repeat=False):
+          repeat=False, first_epoch=0):
     """This worker's share of `(x, y, sample_weight)` as one Keras input.
 
     With `repeat=True` (arrays only) the batches of one epoch follow each
@@ -82,6 +107,7 @@ def shard(strategy, x, y=None, sample_weight=None, batch_size=None, shuffle=Fals
     `steps_per_epoch=array_steps(...)` and Keras keeps one iterator for the
     whole run instead of building and tearing down one per epoch, which
     costs up to ~0.6 s per epoch once the step calls back into Python.
+    Shuffled arrays and PyDatasets start at epoch `first_epoch`'s order.
 
     Returns:
         `(inputs, batch_size)` to hand to Keras in place of the originals
@@ -93,10 +119,10 @@ def shard(strategy, x, y=None, sample_weight=None, batch_size=None, shuffle=Fals
         return _shard_dataset(x, rows, strategy), None
     if isinstance(x, keras.utils.PyDataset):
         _no_extras(y, sample_weight, "a PyDataset")
-        return _WorkerPyDataset(x, rows, seed if shuffle else None), None
+        return _WorkerPyDataset(x, rows, seed if shuffle else None, first_epoch), None
     if _is_array_like(x):
         return _shard_arrays(x, y, sample_weight, batch_size or 32, rows,
-                             seed if shuffle else None, repeat), None
+                             seed if shuffle else None, repeat, first_epoch), None
     raise TypeError(
         f"Multi-worker input must be numpy arrays, tensors, a tf.data.Dataset or "
         f"a keras.utils.PyDataset, got {type(x).__name__}; wrap a generator in a "
@@ -154,16 +180,28 @@ def _no_extras(y, sample_weight, what):
         raise ValueError(f"y and sample_weight must be None when x is {what}; put them in x.")
 
 
-def _shard_arrays(x, y, sample_weight, batch_size, rows, seed, repeat=False):
+def _shard_arrays(x, y, sample_weight, batch_size, rows, seed, repeat=False, first_epoch=0):
     arrays = tuple(a for a in (x, y, sample_weight) if a is not None)
     n = int(tf.nest.flatten(x)[0].shape[0])
-    indices = tf.data.Dataset.range(n)
-    if seed is not None:
-        # Same seed on every worker -> the same permutation every epoch.
-        indices = indices.shuffle(n, seed=seed, reshuffle_each_iteration=True)
-    indices = indices.batch(batch_size)
+    batches = -(-n // batch_size)
+
+    def epoch_indices(epoch):
+        order = tf.range(n, dtype=tf.int64)
+        if seed is not None:
+            # Epoch e's order depends on (seed, e) only: the same on every
+            # worker, and again when a run resumes at epoch e.
+            order = tf.random.experimental.stateless_shuffle(
+                order, seed=tf.stack([tf.constant(seed, tf.int64), epoch]))
+        return tf.data.Dataset.from_tensor_slices(order).batch(batch_size)
+
     if repeat:
-        indices = indices.repeat()  # the shuffle above runs again every epoch
+        indices = tf.data.Dataset.range(first_epoch, _NO_END).flat_map(epoch_indices)
+    else:
+        # Keras iterates the dataset once per epoch: count the iterations.
+        epoch = tf.Variable(first_epoch - 1, dtype=tf.int64, trainable=False)
+        indices = tf.data.Dataset.from_tensors(0).flat_map(
+            lambda _: epoch_indices(epoch.assign_add(1)))
+        indices = indices.apply(tf.data.experimental.assert_cardinality(batches))
     indices = indices.map(rows.cut)
     source = tf.data.Dataset.from_tensors(arrays).repeat()
     dataset = tf.data.Dataset.zip((indices, source)).map(
@@ -214,13 +252,14 @@ def reads_files(dataset: tf.data.Dataset) -> bool:
 class _WorkerPyDataset(keras.utils.PyDataset):
     """This worker's rows of every batch of a PyDataset, in an agreed order."""
 
-    def __init__(self, inner: keras.utils.PyDataset, rows: _WorkerRows, seed: Optional[int]):
+    def __init__(self, inner: keras.utils.PyDataset, rows: _WorkerRows, seed: Optional[int],
+                 first_epoch: int = 0):
         super().__init__(
             workers=inner.workers,
             use_multiprocessing=inner.use_multiprocessing,
             max_queue_size=inner.max_queue_size,
         )
-        self.inner, self.rows, self.seed, self.epoch = inner, rows, seed, 0
+        self.inner, self.rows, self.seed, self.epoch = inner, rows, seed, first_epoch
         self._order = self._permutation()
 
     def _permutation(self):

@@ -247,9 +247,9 @@ def test_non_finite_loss_is_checked_at_epoch_end_with_several_processes():
     # check reads the (global) epoch logs: every worker stops together.
     from keras.src.utils import python_utils
 
-    from keras_distrib import model as model_lib
+    from keras_distrib import fit_checks
 
-    check = model_lib._FiniteLossCheck(per_batch=False)
+    check = fit_checks.FiniteLossCheck(per_batch=False)
     assert python_utils.is_default(check.on_train_batch_end)
     check.on_train_batch_end(0, {"loss": float("nan")})  # not read
     with pytest.raises(ValueError, match=r"^The training loss is inf in epoch 2: ") as e:

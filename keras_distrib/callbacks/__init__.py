@@ -7,6 +7,9 @@ the cross-process parts do nothing.
 Callbacks marked *collective* talk to the other processes: every process
 must use them, in the same order.
 
+* `BackupAndRestore` (collective): crash-safe backups every epoch or N
+  steps; `fit` resumes exactly where the last one stands (also written when
+  the workers stop on a SIGTERM).
 * `BroadcastInitialWeights` (collective): start from one rank's state.
 * `MetricAverage` (collective): logs averaged over processes; put it first.
 * `LearningRateWarmup`: gradual warmup to `lr * num_replicas` (Goyal et al.).
@@ -30,6 +33,7 @@ model.fit(x, y, batch_size=256, epochs=10, callbacks=[
 ```
 """
 
+from keras_distrib.callbacks.backup_and_restore import BackupAndRestore
 from keras_distrib.callbacks.broadcast_initial_weights import BroadcastInitialWeights
 from keras_distrib.callbacks.learning_rate_scaling import LearningRateScaling
 from keras_distrib.callbacks.learning_rate_warmup import LearningRateWarmup
@@ -42,6 +46,7 @@ from keras_distrib.callbacks.scaled_schedule import ScaledSchedule
 from keras_distrib.callbacks.throughput_monitor import ThroughputMonitor
 
 __all__ = [
+    "BackupAndRestore",
     "BroadcastInitialWeights",
     "LearningRateScaling",
     "LearningRateWarmup",

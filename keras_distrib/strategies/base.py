@@ -147,9 +147,13 @@ class Strategy(abc.ABC):
         `steps_per_epoch` as the user passed them, and the model's
         `steps_per_execution` (read only). By default each process
         that reads input gets its data shard (`keras_distrib.sharding`:
-        every sample of an epoch seen once, `batch_size` global).
+        every sample of an epoch seen once, `batch_size` global). With
+        `fit["resumable"]` (a `BackupAndRestore` is in the callbacks) the
+        input goes through that pipeline even with one process, so that
+        epoch `e` has the same order after a restart (`fit["start"]`);
+        `fit["seed"]` then says which shuffle seed was used.
         """
-        if self.topology.num_data_shards == 1:
+        if self.topology.num_data_shards == 1 and not fit.get("resumable"):
             return fit
         return sharding.fit_input(self, fit)
 

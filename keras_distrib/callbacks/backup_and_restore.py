@@ -1,0 +1,273 @@
+"""`BackupAndRestore`: crash-safe backups that resume `fit` exactly.
+
+Keras 3's `keras.callbacks.BackupAndRestore` writes the weights and then a
+`training_metadata.json` in place: a kill between the two writes resumes at
+the wrong epoch (an extra epoch trained silently), a kill during the JSON
+write leaves a 0-byte file that breaks every relaunch, it restores at epoch
+granularity only, and every worker writes. This one keeps each backup as
+one unit that appears atomically:
+
+    backup_dir/backup-000000000120/    (named by the global step)
+        weights.weights.h5             model and optimizer variables
+        state.json                     epoch, step in it, global step, shuffle seed
+
+The chief writes it under a temporary name, syncs it to disk, then renames
+it into place and removes the older one, so an interrupted save always
+leaves the previous backup usable (leftover temporary directories are
+removed at the next start). Only the chief reads it too: it shares the
+resume point with one collective and its restored weights and optimizer
+state with a broadcast, so workers need not share a file system.
+
+Resuming is exact (`DistributedModel.fit` only): the epoch, the steps
+already done in it and the shuffle seed come back; array and `PyDataset`
+input shuffle epoch `e` from `(seed, e)` alone, so the resumed run sees the
+same batches as an uninterrupted one, and the steps already done are
+replayed as no-op steps that only pull their batches (the progress bar
+counts them). Epoch logs of a run resumed mid-epoch cover the steps after
+the resume. `tf.data` input resumes at the right step, but a pipeline that
+reshuffles every epoch draws a new order.
+
+It also writes the backup when `fit` stops on a SIGTERM
+(`keras_distrib.preemption`), at the step where every worker stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from typing import Optional
+
+import keras
+import numpy as np
+
+from keras_distrib import preemption
+from keras_distrib import sharding
+from keras_distrib.callbacks import _common
+
+WEIGHTS = "weights.weights.h5"
+STATE = "state.json"
+_FORMAT = 1
+_BACKUP = re.compile(r"^backup-(\d{12})$")
+
+
+class BackupAndRestore(keras.callbacks.Callback):
+    """Backs up training every epoch or every N steps; resumes after a failure.
+
+    Use it with a `keras_distrib.DistributedModel` on any strategy (every
+    worker passes it; only the chief writes). When `fit` starts and a
+    backup exists, the model, the optimizer and the position in the data
+    are restored and training goes on from the step after the backup.
+
+    Args:
+        backup_dir: Local directory for the backups (created if missing).
+            Use one directory per training job.
+        save_freq: `"epoch"` (after every epoch) or an int: after every
+            that many training steps (and also where `fit` stops on a
+            SIGTERM).
+        delete_checkpoint: Remove the backups when `fit` ends normally
+            (as Keras does), so that the next run trains afresh.
+
+    Example:
+
+    ```python
+    model.fit(x, y, epochs=10, shuffle=True, callbacks=[
+        keras_distrib.callbacks.BackupAndRestore("/ckpt/job-1", save_freq=100)])
+    ```
+    """
+
+    def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint: bool = True):
+        super().__init__()
+        if not isinstance(backup_dir, (str, os.PathLike)) or not os.fspath(backup_dir):
+            raise ValueError(f"backup_dir={backup_dir!r} must be a directory path.")
+        if "://" in os.fspath(backup_dir):
+            raise ValueError(
+                f"backup_dir={os.fspath(backup_dir)!r} must be a local path (atomic "
+                "renames); mount the remote storage or back up to local disk.")
+        if save_freq != "epoch" and not (
+                isinstance(save_freq, int) and not isinstance(save_freq, bool) and save_freq > 0):
+            raise ValueError(
+                f"save_freq={save_freq!r} must be 'epoch' or a number of steps >= 1.")
+        self.backup_dir = os.path.abspath(os.fspath(backup_dir))
+        self.save_freq = save_freq
+        self.delete_checkpoint = bool(delete_checkpoint)
+        self._restore_from: Optional[str] = None
+        self._start = sharding.Start()
+        self._global_step = 0
+        self._seed: Optional[int] = None
+
+    # -- before fit builds its input (called by DistributedModel.fit) ----------------
+
+    def resume_point(self, model) -> Optional[sharding.Start]:
+        """Where the newest backup stands, the same on every worker (collective).
+
+        The chief reads the backup directory; the others learn the result
+        from it. Returns None when there is nothing to resume.
+        """
+        strategy = model.strategy
+        found = _latest(self.backup_dir) if strategy.is_chief else None
+        mine = np.zeros(6, np.int64)
+        if found is not None:
+            _, state = found
+            seed = state.get("seed")
+            mine[:] = [1, state["epoch"], state["step"], state["global_step"],
+                       seed is not None, seed or 0]
+        (shared,) = strategy.sync_sum([mine])
+        self._restore_from = found[0] if found is not None else None
+        self._prepared, self._resuming = True, bool(shared[0])
+        if not shared[0]:
+            self._start, self._global_step = sharding.Start(), 0
+            return None
+        _, epoch, step, global_step, has_seed, seed = (int(v) for v in shared)
+        self._start = sharding.Start(epoch, step, seed if has_seed else None)
+        self._global_step = global_step
+        return self._start
+
+    def record_seed(self, seed: Optional[int]) -> None:
+        """The shuffle seed `fit`'s input uses (written into every backup)."""
+        self._seed = seed
+
+    # -- Keras callback hooks ------------------------------------------------------
+
+    def on_train_begin(self, logs=None):
+        if not getattr(self, "_prepared", False):
+            raise ValueError(
+                "keras_distrib.callbacks.BackupAndRestore needs the fit of a "
+                "keras_distrib.DistributedModel (DistributedModel.from_model(model) wraps "
+                "a Keras model); for plain Keras use keras.callbacks.BackupAndRestore.")
+        self._prepared = False
+        self._strategy = _common.strategy_of(self)
+        if self._strategy.is_chief:
+            os.makedirs(self.backup_dir, exist_ok=True)
+            _remove_unfinished(self.backup_dir)
+        if self._resuming:
+            self._restore()
+        self._epoch, self._step = self._start.epoch, self._start.step
+        self._saved_at = self._global_step
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch != self._start.epoch:
+            self._step = 0
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        done = batch + 1
+        if done <= self._step:
+            return  # a step replayed after a resume (a no-op)
+        self._global_step += done - self._step
+        self._step = done
+        if (self.save_freq != "epoch"
+                and self._global_step // self.save_freq > self._saved_at // self.save_freq):
+            self._save()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.save_freq == "epoch" and preemption.stopped_at(self.model) is None:
+            self._epoch, self._step = epoch + 1, 0
+            self._save()
+
+    def on_train_end(self, logs=None):
+        if preemption.stopped_at(self.model) is not None:
+            self._save()
+        elif self.delete_checkpoint and self._strategy.is_chief:
+            for name in _backups(self.backup_dir):
+                shutil.rmtree(os.path.join(self.backup_dir, name), ignore_errors=True)
+
+    # -- saving and restoring ------------------------------------------------------
+
+    def _save(self) -> None:
+        """Writes the backup of this point (chief only; the others go on)."""
+        if self._saved_at == self._global_step:
+            return  # this point is already backed up (or nothing was trained yet)
+        self._saved_at = self._global_step
+        if not self._strategy.is_chief:
+            return
+        state = {
+            "format": _FORMAT, "epoch": self._epoch, "step": self._step,
+            "global_step": self._global_step, "seed": self._seed,
+            "num_replicas": self._strategy.num_replicas,
+        }
+        tmp = os.path.join(self.backup_dir, f".tmp-{uuid.uuid4().hex[:12]}")
+        os.makedirs(tmp)
+        try:
+            keras.Model.save_weights(self.model, os.path.join(tmp, WEIGHTS))
+            with open(os.path.join(tmp, STATE), "w") as f:
+                json.dump(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(tmp)
+            final = os.path.join(self.backup_dir, f"backup-{self._global_step:012d}")
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(self.backup_dir)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        for name in _backups(self.backup_dir):
+            if os.path.join(self.backup_dir, name) != final:
+                shutil.rmtree(os.path.join(self.backup_dir, name), ignore_errors=True)
+
+    def _restore(self) -> None:
+        """The chief loads the backup; every worker gets its values."""
+        model, strategy = self.model, self._strategy
+        if strategy.is_chief:
+            state = _read_state(self._restore_from)
+            if state.get("num_replicas") != strategy.num_replicas:
+                print(f"keras_distrib: the backup in {self._restore_from} was made with "
+                      f"{state.get('num_replicas')} replicas, this run has "
+                      f"{strategy.num_replicas}: the weights are restored, but the "
+                      "batches per replica differ from the original run.")
+            keras.Model.load_weights(model, os.path.join(self._restore_from, WEIGHTS))
+        optimizer = getattr(model, "optimizer", None)
+        variables = list(model.weights) + list(getattr(optimizer, "variables", []))
+        strategy.broadcast_variables(variables)
+
+
+def _backups(directory: str) -> list:
+    """Names of the complete backups in `directory`, oldest first."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    return sorted(n for n in names if _BACKUP.match(n))
+
+
+def _latest(directory: str) -> Optional[tuple]:
+    """`(path, state)` of the newest complete backup, or None."""
+    names = _backups(directory)
+    if not names:
+        return None
+    path = os.path.join(directory, names[-1])
+    return path, _read_state(path)
+
+
+def _read_state(path: str) -> dict:
+    file = os.path.join(path, STATE)
+    try:
+        with open(file) as f:
+            state = json.load(f)
+        if state.get("format") != _FORMAT or not os.path.exists(os.path.join(path, WEIGHTS)):
+            raise ValueError("unknown format or no weights")
+        for key in ("epoch", "step", "global_step"):
+            int(state[key])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(
+            f"The backup {path} is damaged ({e}); delete that directory to resume "
+            "from the previous backup, or the whole backup_dir to start afresh."
+        ) from None
+    return state
+
+
+def _remove_unfinished(directory: str) -> None:
+    for name in os.listdir(directory):
+        if name.startswith(".tmp-"):
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,172 @@
+"""Graceful preemption: SIGTERM stops every worker of `fit` at the same step.
+
+Clusters ask a job to leave with SIGTERM (Kubernetes eviction, Slurm
+preemption, `keras-distrib launch` shutting down) and kill it a grace
+period later. TensorFlow's coordination service installs a SIGTERM handler
+of its own that only records the signal, so a worker sent SIGTERM used to
+train on to the end. Stopping one worker alone would leave the others
+waiting in the next collective, so the workers *agree* on when to stop:
+
+1. During `DistributedModel.fit` our handler only records the request
+   (`requested()`); outside `fit` SIGTERM terminates the process as usual.
+2. Each training step every replica adds its vote (1.0 if its process
+   was asked to stop) to the step's gradient all-reduce: no extra
+   collective. The reduced vote lands in a variable every worker reads
+   after the step (`PreemptionStop`), so all see it after the same step.
+   A custom `train_step` does not carry the vote; then the workers sum
+   their flags in one small collective every `CUSTOM_STEP_INTERVAL` steps.
+3. All stop after that step (`model.stop_training`; validation is
+   skipped), `keras_distrib.callbacks.BackupAndRestore` writes its backup
+   there, and `fit` raises `Preempted`, a `SystemExit` with code 75
+   (`launch_contract.PREEMPTED`): the process exits with it unless the
+   script catches it. Running the script again resumes from the backup;
+   `keras-distrib launch --max-restarts N` does that itself.
+
+The handler is installed from the main thread the first time `fit` runs
+there and stays (TensorFlow's, which swallows SIGTERM, is not restored).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+from typing import Optional
+
+import keras
+import numpy as np
+
+from keras_distrib import launch_contract
+
+EXIT_CODE = launch_contract.PREEMPTED
+# Steps between the flag collectives of a custom train_step (see above).
+CUSTOM_STEP_INTERVAL = 10
+
+_requested = False
+_watching = 0
+_installed = False
+
+
+class Preempted(SystemExit):
+    """Raised by `fit` when the workers stopped on a SIGTERM (exit code 75)."""
+
+    def __init__(self, message: str):
+        super().__init__(EXIT_CODE)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def requested() -> bool:
+    """Whether this process was sent SIGTERM during `fit`."""
+    return _requested
+
+
+def local_vote() -> np.ndarray:
+    """This process's vote for the step's all-reduce (runs inside the step)."""
+    return np.float32(1.0 if _requested else 0.0)
+
+
+def reset() -> None:
+    """Forgets a recorded request (a new run of `fit` after `Preempted` was caught)."""
+    global _requested
+    _requested = False
+
+
+@contextlib.contextmanager
+def watching():
+    """Inside, SIGTERM is recorded instead of terminating (main thread only)."""
+    global _watching
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be installed from the main thread
+        return
+    _install()
+    _watching += 1
+    try:
+        yield
+    finally:
+        _watching -= 1
+
+
+def _install() -> None:
+    global _installed
+    if not _installed:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        _installed = True
+
+
+def _on_sigterm(signum, frame) -> None:
+    global _requested
+    if _watching:
+        _requested = True
+        return
+    # Outside fit: what SIGTERM does by default.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+class PreemptionStop(keras.callbacks.Callback):
+    """Stops `fit` on every worker after the step where any was asked to stop.
+
+    `DistributedModel.fit` puts it first among the callbacks, so that
+    checkpointing callbacks after it see `model.stop_training` and the
+    stopping point (`stopped_at(model)`) in the same batch.
+
+    Args:
+        vote: The variable the step's all-reduce writes the summed votes to,
+            or None when the process is alone (its own flag is the verdict).
+        step_carries_vote: Called after a step: whether the traced step
+            really put the vote in its all-reduce (a custom train_step does
+            not; then the flags are summed here every CUSTOM_STEP_INTERVAL
+            steps).
+    """
+
+    def __init__(self, vote, step_carries_vote):
+        super().__init__()
+        self._vote = vote
+        self._step_carries_vote = step_carries_vote
+        self._epoch = 0
+        self._steps = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._steps += 1
+        if self._agreed_to_stop():
+            self.model.stop_training = True
+            self.model.__dict__["_kd_preempted_at"] = (self._epoch, batch + 1)
+
+    def _agreed_to_stop(self) -> bool:
+        if self._vote is None:
+            return _requested
+        if self._step_carries_vote():
+            return float(self._vote.numpy()) > 0
+        if self._steps % CUSTOM_STEP_INTERVAL:
+            return False
+        (total,) = self.model.strategy.sync_sum([np.float64(_requested)])
+        return float(total) > 0
+
+
+def stopped_at(model) -> Optional[tuple]:
+    """`(epoch, steps done in it)` where this `fit` stopped on a SIGTERM, or None."""
+    return model.__dict__.get("_kd_preempted_at")
+
+
+def clear(model) -> None:
+    model.__dict__.pop("_kd_preempted_at", None)
+
+
+def announce(model, where: str) -> Preempted:
+    """The `Preempted` to raise after a stop, its line printed on stderr."""
+    epoch, step = stopped_at(model)
+    message = (
+        f"keras_distrib: preempted (SIGTERM): every worker stopped at epoch {epoch + 1}, "
+        f"step {step}{where}; exiting with code {EXIT_CODE}. Run the same command again "
+        "to resume."
+    )
+    print(message, file=sys.stderr, flush=True)
+    return Preempted(message)
