@@ -6,6 +6,7 @@ import itertools
 import secrets
 from typing import Any, Mapping, Optional, Sequence, Union
 
+import numpy as np
 import tensorflow as tf
 
 from keras_distrib import _compat
@@ -24,6 +25,10 @@ _IMPLEMENTATIONS = {
 # of one host (keras_distrib/host_allreduce.py).
 _SHARED_MEMORY = "shm"
 _KEY_RANGES = itertools.count(start=500_000, step=1_000)
+# Seconds a collective may wait for a worker that never joins it: long
+# enough for the chief to write a large checkpoint while the others wait in
+# the next step, finite so that a stuck job ends on its own.
+DEFAULT_COLLECTIVE_TIMEOUT = 300.0
 
 
 class _KeyedMultiWorkerStrategy(tf.distribute.MultiWorkerMirroredStrategy):
@@ -65,9 +70,11 @@ class MultiWorker(TFDistributeStrategy):
             bytes (0: TensorFlow's default, one pack). Many small gradients
             travel in few collectives, which matters on latency-bound links.
             (`"shm"` always moves each dtype's gradients as one block.)
-        collective_timeout: Seconds after which a stuck collective fails
-            (None: wait forever; a shared-memory peer that exits is
-            detected within a second either way).
+        collective_timeout: Seconds after which a collective that some
+            worker never joins fails, naming the late workers (default
+            `DEFAULT_COLLECTIVE_TIMEOUT`, 300; None: wait forever). On
+            shared memory a peer that exits is detected within a second
+            and one stopped by SIGSTOP within seconds, whatever this is.
         peer_timeout: Seconds to wait for all workers to join at start-up;
             a worker that never answers is named in the error.
 
@@ -96,7 +103,7 @@ class MultiWorker(TFDistributeStrategy):
         task_index: Optional[int] = None,
         implementation: str = "auto",
         bytes_per_pack: int = 0,
-        collective_timeout: Optional[float] = None,
+        collective_timeout: Optional[float] = DEFAULT_COLLECTIVE_TIMEOUT,
         peer_timeout: float = 120.0,
     ):
         # Options first: a bad one is named even where no cluster is found.
@@ -137,16 +144,31 @@ class MultiWorker(TFDistributeStrategy):
             shared_memory = False
         if shared_memory:
             self.implementation = _SHARED_MEMORY
-            # The job's id names its files; the chief draws it for everyone.
-            job_id = (f"{info.workers[0].rsplit(':', 1)[1]}-"
-                      f"{self.agree_on_seed(secrets.randbits(31)):08x}")
             self._host_reduce = host_allreduce.HostAllReduce(
-                info.rank, info.world_size, job_id, timeout=collective_timeout,
+                info.rank, info.world_size, self._secret_job_id(), timeout=collective_timeout,
                 connect_timeout=peer_timeout)
 
     @property
     def cluster(self) -> cluster_lib.ClusterInfo:
         return self._info
+
+    def _secret_job_id(self) -> str:
+        """128 random bits drawn by the chief, shared over TensorFlow's
+        collectives: the name of the job's shared-memory directory, never
+        written anywhere another user could read it first."""
+        words = np.zeros(4, np.int64)
+        if self.is_chief:
+            words[:] = np.frombuffer(secrets.token_bytes(16), np.uint32)
+        (shared,) = self.sync_sum([words])
+        return "".join(f"{int(w):08x}" for w in shared)
+
+    def _sum_over_processes(self, flat: np.ndarray) -> np.ndarray:
+        # Between steps too, shared memory when the step uses it: it notices
+        # a stopped or exited peer within seconds.
+        if self._host_reduce is None:
+            return super()._sum_over_processes(flat)
+        (total,) = self._host_reduce.all_reduce(flat)
+        return total
 
     def all_reduce(self, values: Sequence[tf.Tensor], op: str = "sum") -> list:
         if self._host_reduce is None:

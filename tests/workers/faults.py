@@ -1,0 +1,83 @@
+"""A small training job that hurts itself once, for the fault-injection suite.
+
+Run by `keras-distrib launch -n N [--max-restarts K]` (tests/test_faults.py).
+It trains an MLP with Adam and a step-dependent learning rate on shuffled
+arrays, backing up every `--save_freq` steps with
+`keras_distrib.callbacks.BackupAndRestore`. On the launcher's first attempt
+(`KERAS_DISTRIB_RESTART` unset or 0), rank `--fault_rank` sends itself
+`--fault` (`kill`: SIGKILL, `stop`: SIGSTOP, `term`: SIGTERM) right after
+global step `--fault_step`. Every rank that finishes writes its final
+weights and step count to `--out/rank<r>.npz`; every attempt appends a line
+to `--out/attempts-rank<r>.txt` (attempt number, pid), so the test can
+count restarts and check that no process is left.
+
+Seeded (`keras.utils.set_random_seed`) only so that an uninterrupted run
+of this script can serve as the reference the restarted run must equal.
+"""
+
+import os
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import keras  # noqa: E402
+import keras_distrib as kd  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("out", None, "Directory for results.")
+flags.DEFINE_string("backup", None, "BackupAndRestore directory.")
+flags.DEFINE_enum("fault", "none", ["none", "kill", "stop", "term"], "What to inject.")
+flags.DEFINE_integer("fault_rank", 1, "The rank that hurts itself.")
+flags.DEFINE_integer("fault_step", 5, "After this global step (1-based).")
+flags.DEFINE_integer("epochs", 3, "Epochs.")
+flags.DEFINE_integer("save_freq", 4, "Backup every this many steps.")
+
+SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
+
+
+class _Fault(keras.callbacks.Callback):
+    """Sends this process the fault's signal after global step `at`."""
+
+    def __init__(self, signum, at):
+        super().__init__()
+        self.signum, self.at, self.steps = signum, at, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps += 1
+        if self.steps == self.at:
+            os.kill(os.getpid(), self.signum)
+
+
+def main(argv):
+    del argv
+    attempt = int(os.environ.get("KERAS_DISTRIB_RESTART", "0"))
+    keras.utils.set_random_seed(3)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 8)).astype("float32")
+    y = (x[:, 0] + x[:, 1] > 0).astype("int32") + (x[:, 2] > 0.5).astype("int32")
+
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(16, activation="relu")(inputs)
+    model = kd.DistributedModel(inputs, keras.layers.Dense(3)(hidden), strategy="auto")
+    rank = model.strategy.rank
+    with open(os.path.join(FLAGS.out, f"attempts-rank{rank}.txt"), "a") as f:
+        f.write(f"{attempt} {os.getpid()}\n")
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.01, decay_steps=5, decay_rate=0.7)
+    model.compile(optimizer=keras.optimizers.Adam(schedule),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    callbacks = [kd.callbacks.BackupAndRestore(FLAGS.backup, save_freq=FLAGS.save_freq)]
+    if FLAGS.fault != "none" and attempt == 0 and rank == FLAGS.fault_rank:
+        callbacks.append(_Fault(SIGNALS[FLAGS.fault], FLAGS.fault_step))
+    model.fit(x, y, batch_size=32, epochs=FLAGS.epochs, shuffle=True, verbose=0,
+              callbacks=callbacks)
+    np.savez(os.path.join(FLAGS.out, f"rank{rank}.npz"),
+             iterations=int(model.optimizer.iterations.numpy()), *model.get_weights())
+
+
+if __name__ == "__main__":
+    flags.mark_flags_as_required(["out", "backup"])
+    app.run(main)

@@ -1,0 +1,60 @@
+"""Workers that do not do the same thing, for tests/test_faults.py.
+
+Run by `keras-distrib launch -n 2`. Rank 1 departs from rank 0 as
+`--case` says; the job must end with a one-line error naming what differed
+instead of hanging:
+
+* `fit_vs_evaluate`: rank 0 calls fit, rank 1 evaluate;
+* `batch_size`: rank 1 fits with another batch size;
+* `data_length`: rank 1 fits on fewer samples;
+* `early_exit`: rank 1 exits 0 before rank 0's second fit;
+* `changed_weights`: rank 1 changes its weights after the model is built
+  (without `BroadcastInitialWeights`): `fit` refuses to start.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import keras  # noqa: E402
+import keras_distrib as kd  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("case", None, ["fit_vs_evaluate", "batch_size", "data_length",
+                                 "early_exit", "changed_weights"], "How rank 1 departs.")
+
+
+def main(argv):
+    del argv
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(128, 8)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32")
+    inputs = keras.Input((8,))
+    model = kd.DistributedModel(inputs, keras.layers.Dense(2)(inputs), strategy="multi_worker")
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(True))
+    odd = model.strategy.rank == 1
+    fit = dict(batch_size=32, epochs=1, verbose=0)
+    if FLAGS.case == "fit_vs_evaluate":
+        (model.evaluate if odd else model.fit)(x, y, batch_size=32, verbose=0)
+    elif FLAGS.case == "batch_size":
+        model.fit(x, y, **dict(fit, batch_size=16 if odd else 32))
+    elif FLAGS.case == "data_length":
+        n = 96 if odd else 128
+        model.fit(x[:n], y[:n], **fit)
+    elif FLAGS.case == "early_exit":
+        model.fit(x, y, **fit)
+        if not odd:
+            model.fit(x, y, **fit)
+    elif FLAGS.case == "changed_weights":
+        if odd:
+            model.layers[-1].kernel.assign(np.ones((8, 2), "float32"))
+        model.fit(x, y, **fit)
+    print(f"rank {model.strategy.rank} done")
+
+
+if __name__ == "__main__":
+    flags.mark_flag_as_required("case")
+    app.run(main)
