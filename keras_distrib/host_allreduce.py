@@ -12,40 +12,81 @@ gradients here instead, the way NCCL uses shared memory inside a node:
    workers get bit-identical results);
 3. barrier; every worker copies chunk `q` out of slot `q` (all-gather).
 
-Data moves through a memory-mapped file in `/dev/shm` (two alternating
-buffers, so a fast worker never overwrites what a slow one still reads);
-barriers are one byte per peer through named pipes, whose kernel locks also
-order the memory accesses on every architecture. All files are unlinked as
-soon as every worker has opened them, so nothing is left behind even if a
-process is killed. A worker blocked in a barrier checks every second that
-its peers are still alive and fails naming the one that is gone.
+Data moves through a memory-mapped file (two alternating buffers, so a fast
+worker never overwrites what a slow one still reads); barriers are one byte
+per peer through named pipes, whose kernel locks also order the memory
+accesses on every architecture.
 
-The module needs no TensorFlow (NumPy and `keras_distrib.saving` only):
-`keras_distrib.strategies.multi_worker` calls it from the training step
-through `tf.numpy_function`.
+Files are private to the job. They live in the job directory
+`<base>/kd-<job_id>`, where base is the `directory` argument, else
+`$KERAS_DISTRIB_SHM_DIR` (made by the launcher with mode 0700 for each job,
+and checked to be so), else `/dev/shm`. The job id is a secret drawn by
+worker 0, so no other user can predict the name. Worker 0 creates the
+directory with `mkdir(0700)` and fails if it already exists (a plant, or
+another job with the same id); the others wait for it and check with `lstat`
+that it is a real directory, ours, with no group or other access. Inside,
+every file is created exclusively (`mkfifo`; `O_CREAT|O_EXCL|O_NOFOLLOW`,
+mode 0600, renamed into place once complete), and every file a worker opens
+is opened with `O_NOFOLLOW` and checked with `fstat` on the open descriptor:
+type, owner, size. The data segment starts with a header page holding a
+magic, the job id, the generation and the device/inode of the file worker 0
+created; every worker compares it with its own `fstat` after mapping. Any
+mismatch is a `SharedMemoryTamperedError` naming the file, never a result
+computed from someone else's memory.
+
+The directory exists only while files are handed over (at join, and when
+worker 0 makes a larger segment): each file is unlinked as soon as every
+worker has opened it, then worker 0 removes the directory. A worker removes
+whatever it still owns when it fails or closes; what a worker killed by
+SIGKILL leaves stays in the job directory, which the launcher removes with
+its own.
+
+A worker waiting for its peers (in a barrier, or for a file) checks them
+regularly: a peer that exited fails the wait naming it, and so does a late
+peer that has been stopped (SIGSTOP, a debugger) for `STOPPED_GRACE` seconds,
+even with `timeout=None`.
+
+The module needs no TensorFlow (NumPy and `keras_distrib.launch_contract`
+only): `keras_distrib.strategies.multi_worker` calls it from the training
+step through `tf.numpy_function`.
 """
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
+import re
 import select
+import stat
+import struct
 import sys
 import tempfile
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from keras_distrib import saving
+from keras_distrib import launch_contract
 
 _ALIGN = 64  # bytes: each dtype region starts on a cache line
-_POLL = 1.0  # seconds between liveness checks of the peers while waiting
+_POLL = 1.0  # seconds between liveness checks of the peers in a barrier
+_FILE_POLL_MAX = 0.02  # seconds: longest sleep while waiting for a file
 MAX_WORKERS = 256  # a barrier token is one byte: the sender's rank
+STOPPED_GRACE = 3.0  # seconds a late peer may stay stopped before the wait fails
+_JOB_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# Segment header: magic, generation, st_dev, st_ino, job id (NUL-padded).
+_HEADER = struct.Struct("<8sQQQ64s")
+_MAGIC = b"KDSHM\x00v1"
+_HEADER_BYTES = mmap.PAGESIZE  # the slots start on the next page
 
 
 class PeerLostError(RuntimeError):
-    """A peer exited, or did not answer within the timeout."""
+    """A peer exited, stopped, or did not answer within the timeout."""
+
+
+class SharedMemoryTamperedError(RuntimeError):
+    """A file of the job is not the one its worker made (planted or replaced)."""
 
 
 def supported() -> bool:
@@ -64,25 +105,33 @@ def default_directory() -> str:
 class HostAllReduce:
     """Sums NumPy arrays across the `world_size` worker processes of a host.
 
-    Every worker constructs one with the same `job_id` (unique to the job:
-    it names the files) and its own `rank`; construction waits until all
-    have joined. Then every worker calls `all_reduce` with arrays of the
-    same shapes and dtypes, in the same order.
+    Every worker constructs one with the same `job_id` and its own `rank`;
+    construction waits until all have joined. Then every worker calls
+    `all_reduce` with arrays of the same shapes and dtypes, in the same order.
+
+    The job id names the private job directory `<base>/kd-<job_id>`; it must
+    be unpredictable to other users (the strategy uses 128 random bits drawn
+    by worker 0), since whoever knows it can at least make the job fail by
+    creating that name first. A foreign, replaced or badly protected file or
+    directory is a `SharedMemoryTamperedError`; a peer that exits, or stays
+    stopped for `STOPPED_GRACE` seconds while late, a `PeerLostError`.
 
     Args:
         rank: This worker's index in `[0, world_size)`.
         world_size: Number of workers on this host (2 to 256).
-        job_id: A name shared by the job's workers, unique on this host.
+        job_id: A secret shared by the job's workers, unique on this host:
+            1 to 64 characters among letters, digits, `_` and `-`.
         timeout: Seconds an all-reduce may wait for peers (None: no limit;
-            a peer that exits is still detected).
+            a peer that exits or stays stopped is still detected).
         connect_timeout: Seconds to wait for every worker to join.
-        directory: Where the job's files live while workers join
-            (default: `/dev/shm`, else the temp directory).
+        directory: The base directory of the job directory (default:
+            `$KERAS_DISTRIB_SHM_DIR`, else `/dev/shm`, else the temp
+            directory).
 
     Example:
 
     ```python
-    reducer = HostAllReduce(rank, 2, job_id="job-1234")
+    reducer = HostAllReduce(rank, 2, job_id=secrets.token_hex(16))
     total, = reducer.all_reduce(np.ones(4, np.float32))  # [2, 2, 2, 2]
     ```
     """
@@ -102,10 +151,12 @@ class HostAllReduce:
             raise ValueError(f"world_size={world_size} must be in [2, {MAX_WORKERS}] for shared memory.")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must be in [0, {world_size}).")
-        if not job_id or os.sep in job_id:
-            raise ValueError(f"job_id={job_id!r} must be a non-empty file name.")
+        if not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id):
+            raise ValueError(f"job_id={job_id!r} must be 1 to 64 letters, digits, '_' or '-'.")
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
-        self._prefix = os.path.join(directory or default_directory(), f"kd-{job_id}")
+        self._job_id = job_id
+        self._job_dir = os.path.join(base_directory(directory), f"kd-{job_id}")
+        self._job_dir_ours = False  # we made or verified it: close() may remove it
         self._peers = [r for r in range(world_size) if r != rank]
         self._token = bytes([rank])
         self._barriers = 0
@@ -113,7 +164,7 @@ class HostAllReduce:
         self._fds: dict = {}
         self._pids: dict = {}
         self._own_files: list = []
-        self._segment = None  # mmap of 2 x world_size slots
+        self._segment = None  # mmap of the header page + 2 x world_size slots
         self._slots = None  # uint8 view, shape (2, world_size, slot_bytes)
         self._generation = 0
         self._calls = 0
@@ -126,36 +177,66 @@ class HostAllReduce:
 
     # -- joining -------------------------------------------------------------
 
-    def _path(self, kind: str, rank: int) -> str:
-        return f"{self._prefix}-{kind}{rank}"
+    def _path(self, name: str) -> str:
+        return os.path.join(self._job_dir, name)
 
     def _connect(self, timeout: float) -> None:
-        fifo = self._path("fifo", self.rank)
-        _unlink_quietly(fifo)  # a stale one from a killed run with this id
-        os.mkfifo(fifo, 0o600)
-        self._own_files.append(fifo)
-        self._read_fd = self._fds[self.rank] = os.open(fifo, os.O_RDWR)
-        # The pid file appears (atomically) only once our pipe exists.
-        pid_file = self._path("pid", self.rank)
-        self._own_files.append(pid_file)
-        with saving.atomic_path(pid_file) as tmp, open(tmp, "w") as f:
-            f.write(str(os.getpid()))
         deadline = time.monotonic() + timeout
+        self._enter_job_dir(
+            timeout,
+            f"shared-memory all-reduce: worker 0 did not join within {timeout:.0f}s "
+            f"(waiting for it to create {self._job_dir}); check that every worker "
+            "runs on this host with the same cluster.")
+        fifo = self._path(f"fifo{self.rank}")
+        self._own_files.append(fifo)
+        _make_fifo(fifo)
+        self._read_fd = self._fds[self.rank] = open_verified(fifo, os.O_RDWR, stat.S_ISFIFO)
+        # The pid file appears (renamed into place) only once our pipe exists.
+        pid_file = self._path(f"pid{self.rank}")
+        self._own_files += [pid_file, _temporary(pid_file)]
+        write_exclusive(pid_file, lambda fd: os.write(fd, str(os.getpid()).encode()))
         for peer in self._peers:
-            path = self._path("pid", peer)
+            path = self._path(f"pid{peer}")
             self._wait_for_file(
                 path, peer, deadline - time.monotonic(),
                 f"shared-memory all-reduce: worker {peer} did not join within "
                 f"{timeout:.0f}s (waiting for {path}); check that every worker "
                 "runs on this host with the same cluster.")
-            with open(path) as f:
-                self._pids[peer] = int(f.read())
+            self._pids[peer] = _read_pid(path)
             # O_RDWR: opening a pipe for writing alone blocks until it has a reader.
-            self._fds[peer] = os.open(self._path("fifo", peer), os.O_RDWR)
+            self._fds[peer] = open_verified(self._path(f"fifo{peer}"), os.O_RDWR, stat.S_ISFIFO)
         self._barrier(timeout)  # every worker has opened every pipe
-        for path in self._own_files:
-            _unlink_quietly(path)
-        self._own_files = []
+        self._remove_own_files()
+        self._barrier(timeout)  # every worker has removed its files
+        self._leave_job_dir()
+        # Nobody looks for the directory again before worker 0 made it anew.
+        self._barrier(timeout)
+
+    def _enter_job_dir(self, timeout: Optional[float], late_message: str) -> None:
+        """Worker 0 creates the job directory; the others wait for it and verify it."""
+        if self.rank == 0:
+            try:
+                os.mkdir(self._job_dir, 0o700)
+            except FileExistsError:
+                raise SharedMemoryTamperedError(
+                    f"shared-memory all-reduce: {self._job_dir} already exists (another job "
+                    "with this id, or planted by another user); remove it and start the "
+                    "job again.") from None
+            self._job_dir_ours = True
+        else:
+            self._wait_for_file(self._job_dir, 0, timeout, late_message)
+        problem = private_directory_problem(self._job_dir)
+        if problem:
+            raise SharedMemoryTamperedError(
+                f"shared-memory all-reduce: the job directory {self._job_dir} {problem}; "
+                "it was not made by worker 0 of this job: remove it and start the job again.")
+        self._job_dir_ours = True
+
+    def _leave_job_dir(self) -> None:
+        """Worker 0 removes the (now empty) job directory."""
+        if self.rank == 0:
+            os.rmdir(self._job_dir)
+        self._job_dir_ours = False
 
     # -- synchronisation -----------------------------------------------------
 
@@ -166,6 +247,7 @@ class HostAllReduce:
             os.write(self._fds[peer], self._token)
         timeout = self.timeout if timeout is None else timeout
         start = time.monotonic()
+        stopped_since: dict = {}
         while True:
             late = [p for p in self._peers if self._received[p] < self._barriers]
             if not late:
@@ -175,18 +257,50 @@ class HostAllReduce:
                 for sender in os.read(self._read_fd, 4096):
                     self._received[sender] += 1
                 continue
-            for peer in late:
-                if not _alive(self._pids.get(peer)):
-                    raise PeerLostError(
-                        f"shared-memory all-reduce: worker {peer} (pid {self._pids[peer]}) "
-                        "exited; see its output for the cause."
-                    )
+            self._check_peers(late, stopped_since)
             if timeout is not None and time.monotonic() - start > timeout:
                 raise PeerLostError(
                     f"shared-memory all-reduce: workers {late} did not arrive within "
                     f"{timeout:g}s (collective_timeout); a worker is stuck or runs "
                     "different code."
                 )
+
+    def _check_peers(self, late: Sequence[int], stopped_since: dict,
+                     others: Sequence[int] = ()) -> None:
+        """Fails if a peer exited, or a `late` one stayed stopped for STOPPED_GRACE.
+
+        `stopped_since` (one per wait) holds when each late peer was first
+        seen stopped; a peer seen running again starts over.
+        """
+        now = time.monotonic()
+        for peer in list(late) + [p for p in others if p not in late]:
+            pid = self._pids.get(peer)
+            state = _process_state(pid)
+            if state == "exited":
+                raise PeerLostError(
+                    f"shared-memory all-reduce: worker {peer} (pid {pid}) exited; "
+                    "see its output for the cause.")
+            if peer not in late or state != "stopped":
+                stopped_since.pop(peer, None)
+                continue
+            if now - stopped_since.setdefault(peer, now) >= STOPPED_GRACE:
+                raise PeerLostError(
+                    f"shared-memory all-reduce: worker {peer} (pid {pid}) is stopped "
+                    f"(SIGSTOP or a debugger) and has not arrived for {STOPPED_GRACE:g}s; "
+                    "resume it (kill -CONT) or stop the job.")
+
+    def _wait_for_file(self, path: str, worker: int, timeout: Optional[float],
+                       late_message: str) -> None:
+        """Waits until `worker` creates `path`; fails if a peer exits, or it stops or is late."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        stopped_since: dict = {}
+        pause = 0.001
+        while not os.path.lexists(path):  # a planted link counts: verification rejects it
+            self._check_peers([worker], stopped_since, others=list(self._pids))
+            if deadline is not None and time.monotonic() > deadline:
+                raise PeerLostError(late_message)
+            time.sleep(pause)
+            pause = min(2 * pause, _FILE_POLL_MAX)
 
     # -- the shared segment ----------------------------------------------------
 
@@ -196,43 +310,32 @@ class HostAllReduce:
             return
         old = 0 if self._slots is None else self._slots.shape[2]
         slot_bytes = _round_up(max(nbytes, 2 * old), mmap.PAGESIZE)
-        size = 2 * self.world_size * slot_bytes
+        size = _HEADER_BYTES + 2 * self.world_size * slot_bytes
         self._generation += 1
-        path = self._path("data", self._generation)
+        path = self._path(f"data{self._generation}")
+        late = "" if self.timeout is None else (
+            f"shared-memory all-reduce: worker 0 did not create {path} within "
+            f"{self.timeout:g}s (collective_timeout).")
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        self._enter_job_dir(self.timeout, late)
         if self.rank == 0:
-            self._own_files.append(path)
-            create_segment(path, size)
+            self._own_files += [path, _temporary(path)]
+            create_segment(path, size, self._job_id, self._generation)
         else:
-            late = "" if self.timeout is None else (
-                f"shared-memory all-reduce: worker 0 did not create {path} within "
-                f"{self.timeout:g}s (collective_timeout).")
-            self._wait_for_file(path, 0, self.timeout, late)
-        fd = os.open(path, os.O_RDWR)
+            left = None if deadline is None else deadline - time.monotonic()
+            self._wait_for_file(path, 0, left, late)
+        segment = open_segment(path, size, self._job_id, self._generation)
         try:
-            segment = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        self._barrier()  # everyone has mapped it: the name can go
-        if self.rank == 0:
-            _unlink_quietly(path)
-            self._own_files.remove(path)
+            self._barrier()  # everyone has mapped it: the name and directory can go
+            self._remove_own_files()
+            self._leave_job_dir()
+        except BaseException:
+            segment.close()
+            raise
         self._release_segment()
         self._segment = segment
-        self._slots = np.frombuffer(segment, np.uint8).reshape(2, self.world_size, slot_bytes)
-
-    def _wait_for_file(self, path: str, worker: int, timeout: Optional[float],
-                       late_message: str) -> None:
-        """Waits until `worker` creates `path`; fails if it exits or is late."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not os.path.exists(path):
-            if not _alive(self._pids.get(worker)):
-                raise PeerLostError(
-                    f"shared-memory all-reduce: worker {worker} "
-                    f"(pid {self._pids[worker]}) exited."
-                )
-            if deadline is not None and time.monotonic() > deadline:
-                raise PeerLostError(late_message)
-            time.sleep(0.001)
+        self._slots = np.frombuffer(segment, np.uint8, offset=_HEADER_BYTES).reshape(
+            2, self.world_size, slot_bytes)
 
     def _release_segment(self) -> None:
         self._slots = None
@@ -299,8 +402,17 @@ class HostAllReduce:
 
     # -- teardown ---------------------------------------------------------------
 
+    def _remove_own_files(self) -> None:
+        for path in self._own_files:
+            _unlink_quietly(path)
+        self._own_files = []
+
     def close(self) -> None:
-        """Unmaps the segment and closes the pipes (idempotent)."""
+        """Unmaps the segment, closes the pipes, removes what this worker still owns (idempotent).
+
+        The job directory goes too once empty: worker 0 made it, but the
+        last worker to leave a failed join is the one that can remove it.
+        """
         self._release_segment()
         for fd in self._fds.values():
             try:
@@ -308,25 +420,128 @@ class HostAllReduce:
             except OSError:
                 pass
         self._fds = {}
-        for path in self._own_files:
-            _unlink_quietly(path)
-        self._own_files = []
+        self._remove_own_files()
+        if self._job_dir_ours:
+            try:
+                os.rmdir(self._job_dir)  # only when empty: a peer may still use it
+            except OSError:
+                pass
+            self._job_dir_ours = False
 
     def __del__(self):
         try:
             self.close()
-        except Exception:  # interpreter shutdown
+        except Exception:  # interpreter shutdown, or a constructor that failed early
             pass
 
 
-def create_segment(path: str, size: int) -> None:
-    """Creates the file `path` of `size` bytes, its memory allocated now.
+# -- files ---------------------------------------------------------------------
+
+
+def base_directory(directory: Optional[str] = None) -> str:
+    """Where the job directory goes: `directory`, else $KERAS_DISTRIB_SHM_DIR, else /dev/shm.
+
+    The environment variable is verified: the launcher promises a private
+    directory there, and a world-writable one would hand our files to others.
+    """
+    if directory:
+        return os.fspath(directory)
+    name = launch_contract.SHM_DIR_ENV
+    from_env = os.environ.get(name)
+    if not from_env:
+        return default_directory()
+    problem = private_directory_problem(from_env)
+    if problem:
+        raise SharedMemoryTamperedError(
+            f"shared-memory all-reduce: {name}={from_env} {problem}; it must be a "
+            "directory of this user with mode 0700 (the launcher makes one per job): "
+            f"fix or unset {name}.")
+    return from_env
+
+
+def private_directory_problem(path: str) -> Optional[str]:
+    """What makes `path` not a private directory of this user (None: nothing).
+
+    `lstat`, so a symbolic link planted where the directory should be is
+    reported as one instead of followed.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return "does not exist"
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if st.st_uid != os.getuid():
+        return f"belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})"
+    if st.st_mode & 0o077:
+        return f"has mode {stat.S_IMODE(st.st_mode):04o} (group or others have access; want 0700)"
+    return None
+
+
+def open_verified(path: str, flags: int, is_type: Callable[[int], bool],
+                  size: Optional[int] = None) -> int:
+    """Opens `path` without following links; checks type, owner and size on the descriptor.
+
+    Checking the open descriptor (not the name) leaves no window in which
+    the file could be swapped between the check and the use.
+    """
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _tampered(path, "is a symbolic link") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not is_type(st.st_mode):
+            raise _tampered(path, f"has the wrong type ({stat.filemode(st.st_mode)}, "
+                                  f"wanted {_TYPE_NAMES.get(is_type, 'another')})")
+        if st.st_uid != os.getuid():
+            raise _tampered(path, f"belongs to uid {st.st_uid}, not to this user "
+                                  f"(uid {os.getuid()})")
+        if size is not None and st.st_size != size:
+            raise _tampered(path, f"has {st.st_size} bytes instead of {size}")
+        if flags & os.O_NONBLOCK == 0:
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+_TYPE_NAMES = {stat.S_ISFIFO: "a named pipe", stat.S_ISREG: "a regular file"}
+
+
+def write_exclusive(path: str, fill: Callable[[int], object]) -> None:
+    """Creates `path` (mode 0600) with `fill(fd)` writing it; peers see it only complete.
+
+    The temporary name is created with O_CREAT|O_EXCL|O_NOFOLLOW, so neither
+    a file nor a link already there is ever reused; it is renamed into
+    place once written, and removed if writing fails.
+    """
+    tmp = _temporary(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        fill(fd)
+        os.rename(tmp, path)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+    finally:
+        os.close(fd)
+
+
+def create_segment(path: str, size: int, job_id: str = "", generation: int = 0) -> None:
+    """Creates the segment `path` of `size` bytes, its memory allocated now.
 
     Allocating up front turns a full `/dev/shm` into this error instead of a
-    SIGBUS on first write. Peers see the file only at its full size.
+    SIGBUS on first write. Peers see the file only at its full size, with
+    its header (see `open_segment`) written.
     """
-    with saving.atomic_path(path) as tmp:
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+
+    def fill(fd: int) -> None:
         try:
             os.posix_fallocate(fd, 0, size)
         except OSError as e:
@@ -338,8 +553,103 @@ def create_segment(path: str, size: int) -> None:
                 "MiB free; enlarge it (docker run --shm-size=...) or use "
                 "implementation='ring'.",
             ) from None
-        finally:
-            os.close(fd)
+        st = os.fstat(fd)
+        os.pwrite(fd, _HEADER.pack(_MAGIC, generation, st.st_dev, st.st_ino,
+                                   job_id.encode()), 0)
+
+    write_exclusive(path, fill)
+
+
+def open_segment(path: str, size: int, job_id: str, generation: int) -> mmap.mmap:
+    """Maps the segment worker 0 made, after checking it is that very file.
+
+    Besides type, owner and size, the header must name this job and
+    generation, and the device/inode worker 0 saw when creating it must be
+    the ones of the file we mapped: a copy or a replacement differs.
+    """
+    fd = open_verified(path, os.O_RDWR, stat.S_ISREG, size)
+    try:
+        st = os.fstat(fd)
+        segment = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    magic, gen, dev, ino, job = _HEADER.unpack_from(segment, 0)
+    problem = None
+    if magic != _MAGIC:
+        problem = "has no segment header"
+    elif (dev, ino) != (st.st_dev, st.st_ino):
+        problem = (f"is inode {st.st_ino} (device {st.st_dev}) but its header names inode "
+                   f"{ino} (device {dev}): it was copied or replaced")
+    elif job.rstrip(b"\0") != job_id.encode():
+        problem = "belongs to another job"
+    elif gen != generation:
+        problem = f"is generation {gen}, not {generation}"
+    if problem:
+        segment.close()
+        raise _tampered(path, problem)
+    return segment
+
+
+def _tampered(path: str, problem: str) -> SharedMemoryTamperedError:
+    return SharedMemoryTamperedError(
+        f"shared-memory all-reduce: {path} {problem}; another user or process planted "
+        "or replaced it: stop the job, remove its directory and start again.")
+
+
+def _temporary(path: str) -> str:
+    head, tail = os.path.split(path)
+    return os.path.join(head, f".tmp-{tail}")
+
+
+def _make_fifo(path: str) -> None:
+    try:
+        os.mkfifo(path, 0o600)  # fails if anything is there
+    except FileExistsError:
+        raise SharedMemoryTamperedError(
+            f"shared-memory all-reduce: {path} already exists: two workers have the same "
+            "rank, or it was planted; check the ranks, stop the job and start again.") from None
+
+
+def _read_pid(path: str) -> int:
+    fd = open_verified(path, os.O_RDONLY, stat.S_ISREG)
+    try:
+        text = os.read(fd, 32)
+    finally:
+        os.close(fd)
+    if not text.isdigit() or int(text) <= 0:
+        raise _tampered(path, f"holds {text[:32]!r}, not a process id")
+    return int(text)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+# -- processes -------------------------------------------------------------------
+
+
+def _process_state(pid: Optional[int]) -> str:
+    """'exited', 'stopped' (SIGSTOP, a debugger) or 'running' (also: unknown)."""
+    if pid is None:
+        return "running"
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return "exited"
+    except PermissionError:
+        pass
+    # A zombie (exited, not yet reaped by the launcher) still answers kill().
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "running"
+    if state in ("Z", "X"):
+        return "exited"
+    return "stopped" if state in ("T", "t") else "running"
 
 
 def _chunk(count: int, parts: int, index: int) -> tuple:
@@ -348,27 +658,3 @@ def _chunk(count: int, parts: int, index: int) -> tuple:
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
-
-
-def _alive(pid: Optional[int]) -> bool:
-    if pid is None:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie (exited, not yet reaped by the launcher) still answers kill().
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -1,39 +1,68 @@
 """The shared-memory all-reduce between real worker processes (no TensorFlow)."""
 
+import contextlib
 import os
+import re
+import signal
+import stat
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
 import numpy as np
 import pytest
 
-from keras_distrib import host_allreduce
+from keras_distrib import host_allreduce, launch_contract
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "workers"))
 from host_reduce import inputs  # noqa: E402  (after the real package is imported)
 
 WORKER = os.path.join(HERE, "workers", "host_reduce.py")
+OTHER_UID = 65534  # "nobody": stands for another user where we may chown (root)
 
 
-def _run(tmp_path, world, mode, timeout=None, ranks=None, connect_timeout=20):
-    """Starts the ranks, waits (bounded), kills leftovers; returns exit codes."""
-    job = uuid.uuid4().hex[:12]
+@contextlib.contextmanager
+def _processes():
+    """A list to put started workers in; whatever still runs at the end is killed."""
     procs = []
     try:
-        for rank in ranks if ranks is not None else range(world):
-            args = [sys.executable, WORKER, str(rank), str(world), job, str(tmp_path),
-                    str(tmp_path / f"rank{rank}.npz"), mode]
-            args += [str(timeout).lower(), str(connect_timeout)]
-            procs.append(subprocess.Popen(args))
-        return [p.wait(timeout=60) for p in procs]
+        yield procs
     finally:
         for p in procs:
             if p.poll() is None:
-                p.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(signal.SIGCONT)  # a stopped one too
+                    p.kill()
                 p.wait()
+
+
+def _start(tmp_path, rank, world, job, mode="sums", directory=None, timeout=None,
+           connect_timeout=20, env=None):
+    """One worker of tests/workers/host_reduce.py; directory "" means the default base."""
+    directory = str(tmp_path) if directory is None else directory
+    args = [sys.executable, WORKER, str(rank), str(world), job, directory,
+            str(tmp_path / f"rank{rank}.npz"), mode, str(timeout).lower(), str(connect_timeout)]
+    return subprocess.Popen(args, env=env)
+
+
+def _run(tmp_path, world, mode, timeout=None, ranks=None, connect_timeout=20, job=None):
+    """Starts the ranks, waits (bounded), kills leftovers; returns exit codes."""
+    job = job or uuid.uuid4().hex[:12]
+    with _processes() as procs:
+        for rank in ranks if ranks is not None else range(world):
+            procs.append(_start(tmp_path, rank, world, job, mode, timeout=timeout,
+                                connect_timeout=connect_timeout))
+        return [p.wait(timeout=60) for p in procs]
+
+
+def _wait_until(condition, seconds=15):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.005)
 
 
 def _error(tmp_path, rank):
@@ -86,6 +115,9 @@ def test_a_worker_that_never_joins_is_named(tmp_path):
     ({"rank": 0, "world_size": 1}, "world_size=1"),
     ({"rank": 2, "world_size": 2}, "rank=2"),
     ({"rank": 0, "world_size": 2, "job_id": "a/b"}, "job_id='a/b'"),
+    ({"rank": 0, "world_size": 2, "job_id": ""}, "job_id=''"),
+    ({"rank": 0, "world_size": 2, "job_id": ".."}, "job_id='..'"),
+    ({"rank": 0, "world_size": 2, "job_id": "x" * 65}, "must be 1 to 64 letters"),
 ])
 def test_bad_arguments(kwargs, fragment):
     kwargs.setdefault("job_id", "x")
@@ -111,3 +143,272 @@ def test_segment_is_allocated_at_full_size(tmp_path):
     assert os.path.getsize(tmp_path / "seg") == 3 * 4096
     assert os.stat(tmp_path / "seg").st_blocks * 512 >= 3 * 4096  # allocated, not sparse
     assert os.listdir(tmp_path) == ["seg"]
+
+
+# -- a private job directory -------------------------------------------------------
+
+
+def _job_dir(base, job):
+    return os.path.join(base, f"kd-{job}")
+
+
+def _plant(path, mode=0o777):
+    """A directory as another user would plant it (owned by them where we can chown)."""
+    os.mkdir(path)
+    os.chmod(path, mode)
+    if os.getuid() == 0:
+        os.chown(path, OTHER_UID, OTHER_UID)
+
+
+def test_a_planted_job_directory_is_refused_and_left_untouched(tmp_path):
+    job = uuid.uuid4().hex
+    planted = _job_dir(tmp_path, job)
+    _plant(planted)
+    bait = os.path.join(planted, "pid0")
+    with open(bait, "w") as f:
+        f.write("1")
+    start = time.monotonic()
+    codes = _run(tmp_path, 2, "sums", job=job, connect_timeout=10)
+    assert codes == [1, 1] and time.monotonic() - start < 8
+    assert _error(tmp_path, 0) == (
+        f"SharedMemoryTamperedError: shared-memory all-reduce: {planted} already exists "
+        "(another job with this id, or planted by another user); remove it and start "
+        "the job again.")
+    assert _error(tmp_path, 1).startswith(
+        f"SharedMemoryTamperedError: shared-memory all-reduce: the job directory {planted} ")
+    assert "\n" not in _error(tmp_path, 1)
+    assert os.listdir(planted) == ["pid0"] and open(bait).read() == "1"  # nothing read or written
+    assert stat.S_IMODE(os.stat(planted).st_mode) == 0o777
+
+
+def test_a_job_directory_open_to_others_is_refused(tmp_path):
+    job = uuid.uuid4().hex[:8]
+    os.mkdir(_job_dir(tmp_path, job))
+    os.chmod(_job_dir(tmp_path, job), 0o755)  # ours, but others may read it
+    with pytest.raises(host_allreduce.SharedMemoryTamperedError,
+                       match=r"kd-\w+ has mode 0755 \(group or others have access; want 0700\)"):
+        host_allreduce.HostAllReduce(1, 2, job, connect_timeout=2, directory=str(tmp_path))
+    assert os.listdir(_job_dir(tmp_path, job)) == []
+
+
+@pytest.mark.parametrize("rank,fragment", [
+    (0, "already exists"),
+    (1, "is a symbolic link"),
+])
+def test_a_link_in_place_of_the_job_directory_is_refused(tmp_path, rank, fragment):
+    job = uuid.uuid4().hex[:8]
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o700)
+    os.symlink(target, _job_dir(tmp_path, job))
+    with pytest.raises(host_allreduce.SharedMemoryTamperedError, match=fragment):
+        host_allreduce.HostAllReduce(rank, 2, job, connect_timeout=2, directory=str(tmp_path))
+    assert os.listdir(target) == [] and os.path.islink(_job_dir(tmp_path, job))
+
+
+@pytest.mark.parametrize("how,fragment", [
+    ("mode", "has mode 0777"),
+    ("link", "is a symbolic link"),
+    ("missing", "does not exist"),
+])
+def test_the_launcher_directory_must_be_private(tmp_path, monkeypatch, how, fragment):
+    shm = tmp_path / "shm"
+    if how == "mode":
+        shm.mkdir()
+        os.chmod(shm, 0o777)
+    elif how == "link":
+        (tmp_path / "real").mkdir(mode=0o700)
+        os.symlink(tmp_path / "real", shm)
+    monkeypatch.setenv(launch_contract.SHM_DIR_ENV, str(shm))
+    with pytest.raises(host_allreduce.SharedMemoryTamperedError,
+                       match=f"KERAS_DISTRIB_SHM_DIR={shm} {fragment}.*fix or unset "
+                             "KERAS_DISTRIB_SHM_DIR"):
+        host_allreduce.HostAllReduce(0, 2, "x", connect_timeout=1)
+    assert [f for f in os.listdir(tmp_path) if f.startswith("kd-")] == []
+
+
+def test_the_launcher_directory_holds_the_job_and_nothing_after(tmp_path):
+    shm = tmp_path / "shm"
+    shm.mkdir(mode=0o700)
+    env = dict(os.environ, **{launch_contract.SHM_DIR_ENV: str(shm)})
+    job = uuid.uuid4().hex
+    job_dir = _job_dir(shm, job)
+    with _processes() as procs:
+        procs.append(_start(tmp_path, 0, 3, job, directory="", env=env))
+        _wait_until(lambda: {"fifo0", "pid0"} <= set(os.listdir(job_dir))
+                    if os.path.isdir(job_dir) else False)
+        assert stat.S_IMODE(os.lstat(job_dir).st_mode) == 0o700
+        procs += [_start(tmp_path, r, 3, job, directory="", env=env) for r in (1, 2)]
+        assert [p.wait(timeout=60) for p in procs] == [0, 0, 0]
+    assert os.listdir(shm) == []
+    default = os.listdir(host_allreduce.default_directory())
+    assert not any(f.startswith(f"kd-{job}") for f in default)
+
+
+def test_a_worker_killed_mid_join_is_named_and_the_survivor_leaves_nothing(tmp_path):
+    job = uuid.uuid4().hex[:12]
+    job_dir = _job_dir(tmp_path, job)
+    with _processes() as procs:
+        procs += [_start(tmp_path, r, 3, job) for r in (0, 1)]  # rank 2 never comes
+        _wait_until(lambda: os.path.exists(os.path.join(job_dir, "pid1")))
+        procs[1].kill()
+        procs[1].wait()
+        start = time.monotonic()
+        assert procs[0].wait(timeout=20) == 1
+        assert time.monotonic() - start < 5
+    assert _error(tmp_path, 0) == (
+        f"PeerLostError: shared-memory all-reduce: worker 1 (pid {procs[1].pid}) exited; "
+        "see its output for the cause.")
+    assert set(os.listdir(job_dir)) <= {"fifo1", "pid1"}  # only the dead worker's
+
+
+# -- a segment is the file worker 0 made -----------------------------------------------
+
+
+def _copy_over(path):
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path + ".copy", "wb") as f:  # a new inode while the old one lives
+        f.write(data)
+    os.replace(path + ".copy", path)
+
+
+def _symlink_to_a_real_segment(path):
+    os.rename(path, path + ".real")
+    os.symlink(path + ".real", path)
+
+
+def _fifo(path):
+    os.unlink(path)
+    os.mkfifo(path, 0o600)
+
+
+def _zeros(path):
+    os.unlink(path)
+    with open(path, "wb") as f:
+        f.write(bytes(3 * 4096))
+
+
+def _other_owner(path):
+    if os.getuid() != 0:
+        pytest.skip("needs root to give the file to another user")
+    os.chown(path, OTHER_UID, OTHER_UID)
+
+
+@pytest.mark.parametrize("tamper,expect,fragment", [
+    (_copy_over, {}, r"is inode \d+ \(device \d+\) but its header names inode \d+ "
+                     r"\(device \d+\): it was copied or replaced"),
+    (_symlink_to_a_real_segment, {}, "is a symbolic link"),
+    (_fifo, {}, r"has the wrong type \(prw-------, wanted a regular file\)"),
+    (_zeros, {}, "has no segment header"),
+    (_other_owner, {}, f"belongs to uid {OTHER_UID}, not to this user"),
+    (None, {"size": 4 * 4096}, "has 12288 bytes instead of 16384"),
+    (None, {"job_id": "other"}, "belongs to another job"),
+    (None, {"generation": 2}, "is generation 1, not 2"),
+])
+def test_a_foreign_or_replaced_segment_is_refused(tmp_path, tamper, expect, fragment):
+    path = str(tmp_path / "data1")
+    host_allreduce.create_segment(path, 3 * 4096, "job", 1)
+    if tamper is not None:
+        tamper(path)
+    args = dict({"size": 3 * 4096, "job_id": "job", "generation": 1}, **expect)
+    with pytest.raises(host_allreduce.SharedMemoryTamperedError) as e:
+        host_allreduce.open_segment(path, **args)
+    assert str(e.value).startswith(f"shared-memory all-reduce: {path} ")
+    assert re.search(fragment, str(e.value)) and "\n" not in str(e.value)
+
+
+def test_the_segment_worker_0_made_is_accepted(tmp_path):
+    path = str(tmp_path / "data1")
+    host_allreduce.create_segment(path, 3 * 4096, "job", 1)
+    segment = host_allreduce.open_segment(path, 3 * 4096, "job", 1)
+    segment[4096:4100] = b"abcd"  # the slots, after the header page
+    segment.close()
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+
+
+def test_a_segment_replaced_between_creation_and_mapping_stops_every_worker(tmp_path, monkeypatch):
+    create = host_allreduce.create_segment
+
+    def create_then_replace(path, *args):
+        create(path, *args)
+        _copy_over(path)
+
+    open_segment = host_allreduce.open_segment
+    both_tried = threading.Barrier(2, timeout=10)
+
+    def open_then_wait(*args):
+        try:
+            return open_segment(*args)
+        finally:
+            both_tried.wait()  # worker 0 would remove the file once it failed
+
+    monkeypatch.setattr(host_allreduce, "create_segment", create_then_replace)
+    monkeypatch.setattr(host_allreduce, "open_segment", open_then_wait)
+    errors = {}
+
+    def worker(rank):
+        try:
+            reducer = host_allreduce.HostAllReduce(rank, 2, "swap", timeout=5, connect_timeout=5,
+                                                   directory=str(tmp_path))
+            try:
+                reducer.all_reduce(np.ones(3, np.float32))
+            finally:
+                reducer.close()
+        except Exception as e:  # noqa: BLE001 - checked below
+            errors[rank] = e
+
+    threads = [threading.Thread(target=worker, args=(r,), daemon=True) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    assert all(isinstance(errors.get(r), host_allreduce.SharedMemoryTamperedError) for r in (0, 1))
+    assert "copied or replaced" in str(errors[1])
+    assert os.listdir(tmp_path) == []
+
+
+# -- a stopped peer ---------------------------------------------------------------
+
+_STOPPING_WORKER = r"""
+import os, signal, sys, time
+sys.path.insert(0, sys.argv[1])
+import host_reduce  # noqa: F401  registers keras_distrib without TensorFlow
+import numpy as np
+from keras_distrib import host_allreduce
+
+rank, job, directory, out = int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+stopped = int(sys.argv[6])
+reducer = host_allreduce.HostAllReduce(rank, 2, job, timeout=None, connect_timeout=20,
+                                       directory=directory)
+if rank == stopped:
+    os.kill(os.getpid(), signal.SIGSTOP)
+start = time.monotonic()
+try:
+    reducer.all_reduce(np.ones(3, np.float32))
+except host_allreduce.PeerLostError as e:
+    reducer.close()
+    with open(out, "w") as f:
+        f.write(f"{time.monotonic() - start:.3f} {e}")
+    sys.exit(1)
+"""
+
+
+# 1: seen from a barrier; 0: seen while waiting for the segment it should make.
+@pytest.mark.parametrize("stopped", [0, 1])
+def test_a_stopped_peer_is_named_without_a_timeout(tmp_path, stopped):
+    job = uuid.uuid4().hex[:12]
+    out = tmp_path / "waiter.txt"
+    with _processes() as procs:
+        for rank in (0, 1):
+            procs.append(subprocess.Popen(
+                [sys.executable, "-c", _STOPPING_WORKER, os.path.join(HERE, "workers"),
+                 str(rank), job, str(tmp_path), str(out), str(stopped)]))
+        assert procs[1 - stopped].wait(timeout=30) == 1
+        stopped_pid = procs[stopped].pid
+        assert procs[stopped].poll() is None  # still there, stopped
+    elapsed, message = out.read_text().split(" ", 1)
+    assert host_allreduce.STOPPED_GRACE - 0.1 <= float(elapsed) <= host_allreduce.STOPPED_GRACE + 2
+    assert message == (
+        f"shared-memory all-reduce: worker {stopped} (pid {stopped_pid}) is stopped (SIGSTOP "
+        "or a debugger) and has not arrived for 3s; resume it (kill -CONT) or stop the job.")
+    assert sorted(os.listdir(tmp_path)) == ["waiter.txt"]  # the waiter removed what it made
