@@ -8,8 +8,9 @@ arrays, backing up every `--save_freq` steps with
 `--fault` (`kill`: SIGKILL, `stop`: SIGSTOP, `term`: SIGTERM) right after
 global step `--fault_step`. Every rank that finishes writes its final
 weights and step count to `--out/rank<r>.npz`; every attempt appends a line
-to `--out/attempts-rank<r>.txt` (attempt number, pid), so the test can
-count restarts and check that no process is left.
+to `--out/attempts-rank<r>.txt` (attempt number, pid, start time) and the
+faulting rank writes `--out/fault.txt` (pid, time), so the test can count
+restarts, time them and check that no process is left.
 
 Seeded (`keras.utils.set_random_seed`) only so that an uninterrupted run
 of this script can serve as the reference the restarted run must equal.
@@ -18,6 +19,7 @@ of this script can serve as the reference the restarted run must equal.
 import os
 import signal
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -34,6 +36,7 @@ flags.DEFINE_integer("fault_rank", 1, "The rank that hurts itself.")
 flags.DEFINE_integer("fault_step", 5, "After this global step (1-based).")
 flags.DEFINE_integer("epochs", 3, "Epochs.")
 flags.DEFINE_integer("save_freq", 4, "Backup every this many steps.")
+flags.DEFINE_float("step_sleep", 0.0, "Seconds every rank sleeps after each step.")
 
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
 
@@ -48,6 +51,8 @@ class _Fault(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         self.steps += 1
         if self.steps == self.at:
+            with open(os.path.join(FLAGS.out, "fault.txt"), "w") as f:
+                f.write(f"{os.getpid()} {time.time()}\n")
             os.kill(os.getpid(), self.signum)
 
 
@@ -56,7 +61,7 @@ def main(argv):
     attempt = int(os.environ.get("KERAS_DISTRIB_RESTART", "0"))
     keras.utils.set_random_seed(3)
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(256, 8)).astype("float32")
+    x = rng.normal(size=(240, 8)).astype("float32")
     y = (x[:, 0] + x[:, 1] > 0).astype("int32") + (x[:, 2] > 0.5).astype("int32")
 
     inputs = keras.Input((8,))
@@ -64,15 +69,18 @@ def main(argv):
     model = kd.DistributedModel(inputs, keras.layers.Dense(3)(hidden), strategy="auto")
     rank = model.strategy.rank
     with open(os.path.join(FLAGS.out, f"attempts-rank{rank}.txt"), "a") as f:
-        f.write(f"{attempt} {os.getpid()}\n")
+        f.write(f"{attempt} {os.getpid()} {time.time()}\n")
     schedule = keras.optimizers.schedules.ExponentialDecay(0.01, decay_steps=5, decay_rate=0.7)
     model.compile(optimizer=keras.optimizers.Adam(schedule),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
     callbacks = [kd.callbacks.BackupAndRestore(FLAGS.backup, save_freq=FLAGS.save_freq)]
+    if FLAGS.step_sleep:
+        callbacks.append(keras.callbacks.LambdaCallback(
+            on_train_batch_end=lambda batch, logs: time.sleep(FLAGS.step_sleep)))
     if FLAGS.fault != "none" and attempt == 0 and rank == FLAGS.fault_rank:
         callbacks.append(_Fault(SIGNALS[FLAGS.fault], FLAGS.fault_step))
-    model.fit(x, y, batch_size=32, epochs=FLAGS.epochs, shuffle=True, verbose=0,
+    model.fit(x, y, batch_size=30, epochs=FLAGS.epochs, shuffle=True, verbose=0,
               callbacks=callbacks)
     np.savez(os.path.join(FLAGS.out, f"rank{rank}.npz"),
              iterations=int(model.optimizer.iterations.numpy()), *model.get_weights())
