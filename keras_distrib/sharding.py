@@ -22,6 +22,7 @@ All of this runs only when more than one worker trains (the strategy's
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any, Optional
 
 import keras
@@ -197,10 +198,12 @@ def _shard_arrays(x, y, sample_weight, batch_size, rows, seed, repeat=False, fir
     if repeat:
         indices = tf.data.Dataset.range(first_epoch, _NO_END).flat_map(epoch_indices)
     else:
-        # Keras iterates the dataset once per epoch: count the iterations.
-        epoch = tf.Variable(first_epoch - 1, dtype=tf.int64, trainable=False)
-        indices = tf.data.Dataset.from_tensors(0).flat_map(
-            lambda _: epoch_indices(epoch.assign_add(1)))
+        # Keras iterates the dataset once per epoch: each iteration asks a
+        # Python counter for its epoch (no variable, so any scope is fine).
+        epochs = itertools.count(first_epoch)
+        epoch = tf.data.Dataset.from_generator(
+            lambda: iter([next(epochs)]), output_signature=tf.TensorSpec([], tf.int64))
+        indices = epoch.flat_map(epoch_indices)
         indices = indices.apply(tf.data.experimental.assert_cardinality(batches))
     indices = indices.map(rows.cut)
     source = tf.data.Dataset.from_tensors(arrays).repeat()
