@@ -637,9 +637,9 @@ def _functional_variant(cls: type) -> type:
 
 
 def _replaying(model, train_function):
-    """`train_function`, except that the first `model._kd_replay` calls only
-    pull their batches: the steps a resumed run already did before its
-    backup (see `keras_distrib.callbacks.BackupAndRestore`)."""
+    """`train_function`, except that its first calls after a resume (as many
+    as the model's replay count says) only pull their batches: the steps the
+    run did before its backup (see `keras_distrib.callbacks.BackupAndRestore`)."""
 
     def function(iterator):
         if not model.__dict__.get("_kd_replay"):
