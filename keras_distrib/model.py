@@ -507,31 +507,36 @@ class DistributedModel(keras.Model):
     def _internal_callbacks(self, callbacks):
         """`callbacks` with ours around the user's.
 
-        First (before checkpointing callbacks read the batch's outcome):
-        `PreemptionStop` and, unless opted out, `FiniteLossCheck`. Last
+        First: `PreemptionWatch` (the train function asks it after every
+        step whether to stop) and, unless opted out, `FiniteLossCheck`. Last
         (after the user's `on_train_begin` set the weights: broadcasts,
         restores): `ReplicasAgree`, with several processes.
         """
-        first = [preemption.PreemptionStop(self._preemption_vote(),
-                                           lambda: self.__dict__.get("_kd_vote_carried", False))]
+        watch = preemption.PreemptionWatch(
+            self._preemption_vote(), lambda: self.__dict__.get("_kd_vote_carried", False))
+        self.__dict__["_kd_watch"] = watch
+        first = [watch]
         if self.check_finite:
             # Per-batch logs are global values only with one process; with
             # several, the exact epoch logs are checked, so all stop together.
             first.append(fit_checks.FiniteLossCheck(per_batch=self._strategy.world_size == 1))
         last = [fit_checks.ReplicasAgree()] if self._strategy.world_size > 1 else []
-        if not isinstance(callbacks, keras.callbacks.CallbackList):
-            yield [*first, *(keras.tree.flatten(callbacks) if callbacks else []), *last]
-            return
-        for callback in first + last:
-            callback.set_model(self)
-            callback.set_params(callbacks.params)
-        callbacks.callbacks[:0] = first
-        callbacks.callbacks.extend(last)
         try:
-            yield callbacks
-        finally:
+            if not isinstance(callbacks, keras.callbacks.CallbackList):
+                yield [*first, *(keras.tree.flatten(callbacks) if callbacks else []), *last]
+                return
             for callback in first + last:
-                callbacks.callbacks.remove(callback)
+                callback.set_model(self)
+                callback.set_params(callbacks.params)
+            callbacks.callbacks[:0] = first
+            callbacks.callbacks.extend(last)
+            try:
+                yield callbacks
+            finally:
+                for callback in first + last:
+                    callbacks.callbacks.remove(callback)
+        finally:
+            self.__dict__.pop("_kd_watch", None)
 
     def _preemption_vote(self):
         """The variable the step's all-reduce writes the summed stop votes to
@@ -637,13 +642,18 @@ def _functional_variant(cls: type) -> type:
 
 
 def _replaying(model, train_function):
-    """`train_function`, except that its first calls after a resume (as many
-    as the model's replay count says) only pull their batches: the steps the
-    run did before its backup (see `keras_distrib.callbacks.BackupAndRestore`)."""
+    """`train_function`, then the preemption check (`PreemptionWatch`);
+    except that its first calls after a resume (as many as the model's
+    replay count says) only pull their batches: the steps the run did
+    before its backup (see `keras_distrib.callbacks.BackupAndRestore`)."""
 
     def function(iterator):
         if not model.__dict__.get("_kd_replay"):
-            return train_function(iterator)
+            logs = train_function(iterator)
+            watch = model.__dict__.get("_kd_watch")
+            if watch is not None:
+                watch.after_step()
+            return logs
         model.__dict__["_kd_replay"] -= 1
         for _ in range(model.steps_per_execution):
             try:

@@ -12,7 +12,7 @@ waiting in the next collective, so the workers *agree* on when to stop:
 2. Each training step every replica adds its vote (1.0 if its process
    was asked to stop) to the step's gradient all-reduce: no extra
    collective. The reduced vote lands in a variable every worker reads
-   after the step (`PreemptionStop`), so all see it after the same step.
+   after the step (`PreemptionWatch`), so all see it after the same step.
    A custom `train_step` does not carry the vote; then the workers sum
    their flags in one small collective every `CUSTOM_STEP_INTERVAL` steps.
 3. All stop after that step (`model.stop_training`; validation is
@@ -108,12 +108,14 @@ def _on_sigterm(signum, frame) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-class PreemptionStop(keras.callbacks.Callback):
+class PreemptionWatch(keras.callbacks.Callback):
     """Stops `fit` on every worker after the step where any was asked to stop.
 
-    `DistributedModel.fit` puts it first among the callbacks, so that
-    checkpointing callbacks after it see `model.stop_training` and the
-    stopping point (`stopped_at(model)`) in the same batch.
+    `DistributedModel`'s train function calls `after_step()` after each of
+    its calls (not a batch callback: one would make Keras convert every
+    step's logs on the loop's thread, ~1 ms a step); this callback only
+    tracks the epoch. Checkpointing callbacks see `model.stop_training` and
+    the stopping point (`stopped_at(model)`) in that step's batch end.
 
     Args:
         vote: The variable the step's all-reduce writes the summed votes to,
@@ -128,17 +130,20 @@ class PreemptionStop(keras.callbacks.Callback):
         super().__init__()
         self._vote = vote
         self._step_carries_vote = step_carries_vote
-        self._epoch = 0
-        self._steps = 0
+        self._epoch = self._calls = self._steps = 0
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._epoch = epoch
+        self._epoch, self._calls = epoch, 0
 
-    def on_train_batch_end(self, batch, logs=None):
+    def after_step(self) -> None:
+        self._calls += 1
         self._steps += 1
         if self._agreed_to_stop():
-            self.model.stop_training = True
-            self.model.__dict__["_kd_preempted_at"] = (self._epoch, batch + 1)
+            model = self.model
+            model.stop_training = True
+            done = self._calls * model.steps_per_execution
+            steps = (self.params or {}).get("steps")
+            model.__dict__["_kd_preempted_at"] = (self._epoch, min(done, steps or done))
 
     def _agreed_to_stop(self) -> bool:
         if self._vote is None:
