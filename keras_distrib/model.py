@@ -390,7 +390,7 @@ class DistributedModel(keras.Model):
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
             return self.train_function
-        self.train_function = _replaying(self, self._make_train_function(force))
+        self.train_function = _with_resume_and_preemption(self, self._make_train_function(force))
         return self.train_function
 
     def _make_train_function(self, force):
@@ -641,7 +641,7 @@ def _functional_variant(cls: type) -> type:
                 {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
 
-def _replaying(model, train_function):
+def _with_resume_and_preemption(model, train_function):
     """`train_function`, then the preemption check (`PreemptionWatch`);
     except that its first calls after a resume (as many as the model's
     replay count says) only pull their batches: the steps the run did

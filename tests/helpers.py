@@ -156,6 +156,20 @@ def collective_dtypes(model, x, y):
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def process_alive(pid, zombies_count=True):
+    """Whether process `pid` exists (an exited, unreaped one only if
+    `zombies_count`: a worker whose launcher is gone waits for init to
+    reap it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    if zombies_count:
+        return True
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def launch(out, n, script, *script_args, launch_flags=(), timeout=300, expect=0):
     """Runs `keras-distrib launch -n n script ...` for real; returns its output.
 

@@ -15,12 +15,15 @@ import json
 import os
 import random
 import re
+import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
 import pytest
 
-from helpers import launch
+from helpers import ROOT, launch, process_alive
 
 pytestmark = pytest.mark.slow
 
@@ -89,13 +92,9 @@ def _attempts(out, n):
     return found
 
 
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+def _left_running(attempts):
+    return [pid for runs in attempts.values() for _, pid, _ in runs
+            if process_alive(pid, zombies_count=False)]
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +130,7 @@ def test_a_restarted_job_equals_an_uninterrupted_one(tmp_path, uninterrupted, n,
     _assert_equal_to(_results(tmp_path, n), uninterrupted[n], context)
     attempts = _attempts(tmp_path, n)
     assert all([a for a, _, _ in attempts[r]] == [0, 1] for r in range(n)), attempts
-    assert not [pid for runs in attempts.values() for _, pid, _ in runs if _alive(pid)]
+    assert not _left_running(attempts)
     assert os.listdir(tmp_path / "backup") == []  # removed once the job succeeded
     assert _shm_entries() <= before  # nothing left in /dev/shm
     fault_time = float(open(tmp_path / "fault.txt").read().split()[1])
@@ -140,12 +139,6 @@ def test_a_restarted_job_equals_an_uninterrupted_one(tmp_path, uninterrupted, n,
 
 
 def test_sigterm_to_the_launcher_preempts_and_the_next_launch_resumes(tmp_path, uninterrupted):
-    import subprocess
-    import signal
-    import sys
-
-    from helpers import ROOT
-
     backup = tmp_path / "backup"
     argv = [sys.executable, "-m", "keras_distrib.launch", "launch", "-n", "2", "--timeout",
             "200", FAULTS, "--out", str(tmp_path), "--backup", str(backup), "--step_sleep", "0.2"]
@@ -170,7 +163,7 @@ def test_sigterm_to_the_launcher_preempts_and_the_next_launch_resumes(tmp_path, 
     saved = glob.glob(str(backup / "backup-*"))
     assert len(saved) == 1
     attempts = _attempts(tmp_path, 2)
-    assert not [pid for runs in attempts.values() for _, pid, _ in runs if _alive(pid)]
+    assert not _left_running(attempts)
     state = json.loads(open(os.path.join(saved[0], "state.json")).read())
     assert 4 <= state["global_step"] < STEPS, state
     launch(tmp_path, 2, FAULTS, "--out", str(tmp_path), "--backup", str(backup))

@@ -18,6 +18,7 @@ import threading
 import time
 
 import pytest
+from helpers import process_alive
 
 from keras_distrib import launch
 from keras_distrib.launch import LaunchConfig, LaunchError
@@ -52,14 +53,6 @@ def _script(tmp_path, body: str, name: str = "worker.py") -> str:
 
 def _pids(tmp_path) -> dict[int, int]:
     return {int(p.name[4:-4]): int(p.read_text()) for p in tmp_path.glob("rank*.pid")}
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.fixture
@@ -209,7 +202,7 @@ def test_two_workers_succeed_with_prefixed_lines_and_own_tf_config(tmp_path, cap
     out, _ = capfd.readouterr()
     assert all(line.startswith(("[rank 0] ", "[rank 1] ")) for line in out.splitlines()), out
     _check_report(out, 2, args)
-    assert not any(_alive(pid) for pid in _pids(tmp_path).values())
+    assert not any(process_alive(pid) for pid in _pids(tmp_path).values())
 
 
 @pytest.mark.slow
@@ -248,7 +241,7 @@ def test_rank_killed_by_signal_gives_128_plus_signum(tmp_path, capfd, no_leftove
     assert launch.launch(LaunchConfig(nproc=2, script=script)) == 128 + 9
     _, err = capfd.readouterr()
     assert "rank 1 failed with signal SIGKILL (exit code 137)" in err
-    assert not any(_alive(pid) for pid in _pids(tmp_path).values())
+    assert not any(process_alive(pid) for pid in _pids(tmp_path).values())
 
 
 @pytest.mark.slow
@@ -258,7 +251,7 @@ def test_timeout_stops_all_ranks(tmp_path, capfd, no_leftovers):
     assert launch.launch(config) == launch.EXIT_TIMEOUT
     assert "timed out after 1s" in capfd.readouterr().err
     assert len(_pids(tmp_path)) == 2
-    assert not any(_alive(pid) for pid in _pids(tmp_path).values())
+    assert not any(process_alive(pid) for pid in _pids(tmp_path).values())
 
 
 @pytest.mark.slow
@@ -286,7 +279,7 @@ def test_interrupt_escalates_to_sigkill_for_stubborn_ranks(tmp_path, capfd, no_l
     assert code == 128 + signal.SIGINT
     assert time.monotonic() - start < 10
     assert "got SIGINT; stopping all ranks" in capfd.readouterr().err
-    assert not any(_alive(pid) for pid in _pids(tmp_path).values())
+    assert not any(process_alive(pid) for pid in _pids(tmp_path).values())
 
 
 # --------------------------------------------------------------------------
@@ -519,7 +512,7 @@ def test_horovod_backend_output_has_one_prefix_style(tmp_path, capfd, no_leftove
     for rank in range(2):
         assert {"hello", "to stderr"} <= set(_lines_of(out, rank)), out
     assert "\r[rank 0] " in out and ("\r[rank 0] 4/5\n" in out or "\n[rank 0] 4/5\n" in out), repr(out)
-    assert not any(_alive(pid) for pid in _pids(tmp_path).values())
+    assert not any(process_alive(pid) for pid in _pids(tmp_path).values())
 
 
 # --------------------------------------------------------------------------
@@ -648,9 +641,9 @@ def test_workers_die_with_a_launcher_killed_by_sigkill(tmp_path, no_leftovers):
     proc.kill()
     proc.wait(timeout=10)
     deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in pids.values()) and time.monotonic() < deadline:
+    while any(process_alive(pid) for pid in pids.values()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(pid) for pid in pids.values())
+    assert not any(process_alive(pid) for pid in pids.values())
     # Nothing ran to remove the launcher's private directory: the one thing
     # a SIGKILLed launcher leaves behind (empty here).
     assert os.listdir(shm_dir) == []
@@ -709,4 +702,4 @@ def test_a_launch_driven_from_python_imports_no_tensorflow(tmp_path, no_leftover
     assert '[rank 0] hello ["-n", "7"]' in lines, proc.stdout
     assert json.loads(lines[-1]) == {"code": 0, "heavy": []}, proc.stdout + proc.stderr
     assert set(_pids(tmp_path)) == {0}
-    assert not any(_alive(pid) for pid in _pids(tmp_path).values())
+    assert not any(process_alive(pid) for pid in _pids(tmp_path).values())

@@ -18,6 +18,7 @@ import textwrap
 import time
 
 import pytest
+from helpers import process_alive
 
 from keras_distrib.launch_contract import PREEMPTED
 
@@ -71,14 +72,6 @@ def _records(tmp_path) -> dict[tuple[int, int], dict]:
         rank, attempt = re.fullmatch(r"rank(\d+)\.a(\d+)\.json", path.name).groups()
         found[int(rank), int(attempt)] = json.loads(path.read_text())
     return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _ports(record: dict) -> set[int]:
@@ -138,7 +131,7 @@ def _assert_all_gone(tmp_path) -> None:
     records = _records(tmp_path)
     assert records
     for (rank, attempt), record in records.items():
-        assert not _alive(record["pid"]), f"rank {rank} of attempt {attempt} is alive"
+        assert not process_alive(record["pid"]), f"rank {rank} of attempt {attempt} is alive"
         if record["shm_dir"] is not None:
             assert not os.path.exists(record["shm_dir"]), record["shm_dir"]
 
@@ -147,14 +140,18 @@ def _assert_all_gone(tmp_path) -> None:
 # Restarts
 
 
+# Rank 1 exits 3 once rank 0 has started; on a restart both succeed.
+RANK_1_FAILS_ONCE = """\
+    if RESTART == 0 and RANK == 1:
+        wait_for("rank0.a0.json")
+        sys.exit(3)
+    if RESTART == 0:
+        time.sleep(600)
+"""
+
+
 def test_rank_failing_once_is_restarted_on_new_ports(tmp_path, launcher):
-    script = _script(tmp_path, """\
-        if RESTART == 0 and RANK == 1:
-            wait_for("rank0.a0.json")
-            sys.exit(3)
-        if RESTART == 0:
-            time.sleep(600)
-    """)
+    script = _script(tmp_path, RANK_1_FAILS_ONCE)
     code, out, err = _run(launcher, "-n", "2", "--max-restarts", "2", script)
     assert code == 0, err
     lines = _launcher_lines(err)
@@ -357,13 +354,7 @@ def test_ranks_over_ssh_get_the_restart_count_but_no_shm_dir(tmp_path, launcher)
     from keras_distrib.cluster import free_ports
     fake_ssh = tmp_path / "fake_ssh.py"
     fake_ssh.write_text("import os, sys\nos.execvp('sh', ['sh', '-c', sys.argv[-1]])\n")
-    script = _script(tmp_path, """\
-        if RESTART == 0 and RANK == 1:
-            wait_for("rank0.a0.json")
-            sys.exit(3)
-        if RESTART == 0:
-            time.sleep(600)
-    """)
+    script = _script(tmp_path, RANK_1_FAILS_ONCE)
     port = free_ports(1)[0]
     code, _, err = _run(
         launcher, "-n", "2", "--hosts", "127.0.0.1,node-b.invalid", "--ssh",

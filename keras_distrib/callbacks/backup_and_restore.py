@@ -93,7 +93,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.backup_dir = os.path.abspath(os.fspath(backup_dir))
         self.save_freq = save_freq
         self.delete_checkpoint = bool(delete_checkpoint)
-        self._restore_from: Optional[str] = None
+        self._found: Optional[tuple] = None  # the chief's (path, state) to restore
         self._start = sharding.Start()
         self._global_step = 0
         self._seed: Optional[int] = None
@@ -115,7 +115,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             mine[:] = [1, state["epoch"], state["step"], state["global_step"],
                        seed is not None, seed or 0]
         (shared,) = strategy.sync_sum([mine])
-        self._restore_from = found[0] if found is not None else None
+        self._found = found
         self._prepared, self._resuming = True, bool(shared[0])
         if not shared[0]:
             self._start, self._global_step = sharding.Start(), 0
@@ -212,13 +212,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         """The chief loads the backup; every worker gets its values."""
         model, strategy = self.model, self._strategy
         if strategy.is_chief:
-            state = _read_state(self._restore_from)
+            path, state = self._found
             if state.get("num_replicas") != strategy.num_replicas:
-                print(f"keras_distrib: the backup in {self._restore_from} was made with "
+                print(f"keras_distrib: the backup in {path} was made with "
                       f"{state.get('num_replicas')} replicas, this run has "
                       f"{strategy.num_replicas}: the weights are restored, but the "
                       "batches per replica differ from the original run.")
-            keras.Model.load_weights(model, os.path.join(self._restore_from, WEIGHTS))
+            keras.Model.load_weights(model, os.path.join(path, WEIGHTS))
         optimizer = getattr(model, "optimizer", None)
         variables = list(model.weights) + list(getattr(optimizer, "variables", []))
         strategy.broadcast_variables(variables)
