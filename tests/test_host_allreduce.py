@@ -33,8 +33,9 @@ def _processes():
     finally:
         for p in procs:
             if p.poll() is None:
+                # SIGKILL ends a stopped process too; a SIGCONT first would let it
+                # run on for a moment and create files the test then finds.
                 with contextlib.suppress(ProcessLookupError):
-                    p.send_signal(signal.SIGCONT)  # a stopped one too
                     p.kill()
                 p.wait()
 
@@ -330,8 +331,12 @@ def test_a_segment_replaced_between_creation_and_mapping_stops_every_worker(tmp_
     create = host_allreduce.create_segment
 
     def create_then_replace(path, *args):
-        create(path, *args)
-        _copy_over(path)
+        # Made aside and copied into place, so no worker can map the original
+        # before the copy replaces it (a race the test would then lose).
+        create(path + ".made", *args)
+        os.rename(path + ".made", path + ".copy")
+        _copy_over(path + ".copy")
+        os.rename(path + ".copy", path)
 
     open_segment = host_allreduce.open_segment
     both_tried = threading.Barrier(2, timeout=10)
