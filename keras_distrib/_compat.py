@@ -206,6 +206,98 @@ def add_through_tensorflow(variable) -> None:
     variable.assign_add = assign_add
 
 
+def sharded_variable_class() -> type:
+    """TensorFlow's `ShardedVariable` (what `ParameterServerStrategy` with a
+    `variable_partitioner` creates for a variable split over several ps).
+
+    Exported only as `tf.__internal__.distribute.ShardedVariable`; needed to
+    recognise one and to build a sharded optimizer slot from its parts.
+    """
+    return tf.__internal__.distribute.ShardedVariable
+
+
+def optimizer_trainable_variables(optimizer) -> list:
+    """The weights a built optimizer updates (`optimizer._trainable_variables`;
+    Keras has no public accessor)."""
+    return list(optimizer._trainable_variables)
+
+
+def optimizer_strategy(optimizer):
+    """The tf.distribute strategy a Keras TF optimizer was made under
+    (`optimizer._distribution_strategy`), in whose scope its slots live."""
+    return optimizer._distribution_strategy
+
+
+def replace_variable_value(variable, value) -> None:
+    """Points a Keras variable at another TF variable (`variable._value`).
+
+    Keras's only public ways to set a variable's backing TF variable are at
+    construction; an optimizer's slots, once built, are referenced from its
+    own lists and tracking, so replacing the backing variable in place keeps
+    them all consistent.
+    """
+    variable._value = value
+
+
+def route_sharded_updates(optimizer, is_sharded) -> None:
+    """Keras's TF optimizer updates `is_sharded` variables without
+    `strategy.extended.update`.
+
+    Keras 3 applies every gradient through
+    `distribution.extended.update(var, ...)`
+    (`TFOptimizer._distributed_tf_update_step` and `_apply_weight_decay`,
+    keras/src/backend/tensorflow/optimizer.py); ParameterServerStrategy's
+    `update` colocates with `var`, which a ShardedVariable refuses
+    ("doesn't support being used as a reference"). For a sharded variable
+    (`is_sharded(v)`) the optimizer's own `update_step` is called directly,
+    in the same cross-replica (merge-call) context: its `assign_sub` /
+    `scatter_sub` / `assign` on the ShardedVariable are TensorFlow's
+    shard-by-shard ops (slices of a dense delta, rows of an `IndexedSlices`
+    delta). Other variables take Keras's own path unchanged. Idempotent.
+
+    Verified on Keras 3.15.1 / TensorFlow 2.21.0 (no public hook exists
+    between "gradients" and "per-variable update").
+    """
+    update = optimizer._distributed_tf_update_step
+    if getattr(update, "_kd_sharded", False):
+        return
+
+    def distributed_update_step(distribution, grads_and_vars, learning_rate):
+        grads_and_vars = list(grads_and_vars)
+        plain = [(g, v) for g, v in grads_and_vars if not is_sharded(v)]
+        if plain:
+            update(distribution, plain, learning_rate)
+        for gradient, variable in grads_and_vars:
+            if is_sharded(variable):
+                optimizer.update_step(gradient, variable, learning_rate)
+
+    distributed_update_step._kd_sharded = True
+    optimizer._distributed_tf_update_step = distributed_update_step
+
+    weight_decay = optimizer._apply_weight_decay
+
+    def apply_weight_decay(variables):
+        variables = list(variables)
+        weight_decay([v for v in variables if not is_sharded(v)])
+        sharded = [v for v in variables if is_sharded(v)]
+        if optimizer.weight_decay is None or not sharded:
+            return
+
+        def decay(distribution, sharded):
+            del distribution
+            for variable in sharded:
+                if optimizer._use_weight_decay(variable):
+                    lr = tf.cast(optimizer.learning_rate, variable.dtype)
+                    wd = tf.cast(optimizer.weight_decay, variable.dtype)
+                    variable.value.assign_sub(variable * wd * lr)
+
+        tf.__internal__.distribute.interim.maybe_merge_call(
+            decay, optimizer._distribution_strategy, sharded
+        )
+
+    optimizer._apply_weight_decay = apply_weight_decay
+
+
 def learning_rate_or_schedule(optimizer):
     """The optimizer's rate as given: a variable, or the schedule object.
 
@@ -314,6 +406,21 @@ def slurm_worker_addresses(rank: int, num_tasks: int, task_config: dict, port_ba
         auto_set_gpu=False,
     )
     return resolver.cluster_spec().job_tasks("worker")
+
+
+# -- tf.distribute parameter servers -------------------------------------------------
+
+
+def set_variable_partitioner(strategy: Any, partitioner: Any) -> None:
+    """Sets the partitioner of a `tf.distribute.ParameterServerStrategy` made
+    earlier (its extended's `_variable_partitioner`, which the constructor
+    sets and variable creation reads; verified TF 2.21).
+
+    The chief must connect to its cluster before TensorFlow makes any
+    tensor (see `keras_distrib.runtime.start_coordinator`), which is before
+    the user's script names its partitioner; TensorFlow offers no setter.
+    """
+    strategy.extended._variable_partitioner = partitioner
 
 
 # -- tf.data ------------------------------------------------------------------------

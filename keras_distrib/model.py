@@ -202,7 +202,12 @@ class DistributedModel(keras.Model):
         self._strategy.sync_initial_state(self)
 
     def get_metrics_result(self):
+        self._strategy.settle(self)
         return self._strategy.metric_results(super().get_metrics_result())
+
+    def reset_metrics(self):
+        super().reset_metrics()
+        self._strategy.metrics_reset(self)
 
     # -- the per-replica math -------------------------------------------------
 
@@ -456,6 +461,7 @@ class DistributedModel(keras.Model):
             validation_batch_size=kwargs.pop("validation_batch_size", None),
             steps_per_epoch=kwargs.pop("steps_per_epoch", None),
             steps_per_execution=self.steps_per_execution,  # read only
+            class_weight=class_weight,  # read only
         )
         fit_checks.check_same_call(
             self._strategy, "fit", x, batch_size=batch_size, epochs=epochs,
@@ -465,6 +471,9 @@ class DistributedModel(keras.Model):
         start = backup.resume_point(self) if backup is not None else None
         given.update(start=start, resumable=backup is not None)
         fit = self._strategy.distribute_fit_input(given)
+        if fit.get("build_batch") is not None:
+            # The strategy feeds Keras no real batches (parameter servers).
+            self._maybe_symbolic_build(data_batch=fit["build_batch"])
         if backup is not None:
             backup.record_seed(fit.get("seed"))
         if start is not None:

@@ -37,6 +37,8 @@ _PEER_TIMEOUT = "KERAS_DISTRIB_PEER_TIMEOUT"
 
 _started: Optional[cluster_lib.ClusterInfo] = None
 _failed: Optional[Exception] = None
+# (cluster, tf ParameterServerStrategy, ClusterCoordinator) of a chief.
+_coordinator: Optional[tuple] = None
 
 
 def bootstrap() -> None:
@@ -53,14 +55,18 @@ def bootstrap() -> None:
         info = cluster_lib.resolve()
     except cluster_lib.ClusterConfigError:
         return  # reported, with the field at fault, when a strategy resolves it
-    if info is None or not _runs_collectives(info):
+    coordinates = info is not None and _coordinates(info)
+    if info is None or not (_runs_collectives(info) or coordinates):
         return
     from keras_distrib import _compat
 
     if _compat.tensorflow_started():
         return  # too late; `ensure_started` says so when the runtime is needed
     try:
-        start(info, _peer_timeout())
+        if coordinates:
+            start_coordinator(info, _peer_timeout())
+        else:
+            start(info, _peer_timeout())
     except Exception as e:  # noqa: BLE001 - re-raised by ensure_started
         _failed = e
 
@@ -148,6 +154,63 @@ def start(info: cluster_lib.ClusterInfo, peer_timeout: float) -> None:
     # configure and start the runtime; strategies made later reuse it.
     tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
     _started = info
+
+
+def ensure_coordinator(info: cluster_lib.ClusterInfo, peer_timeout: float):
+    """The parameter-server engine and coordinator of this chief, started if
+    still possible (see `start_coordinator`): `(strategy, coordinator)`.
+
+    Raises:
+        ClusterConfigError: as `ensure_started`.
+    """
+    if _coordinator is not None:
+        if _coordinator[0] != info:
+            raise cluster_lib.ClusterConfigError(
+                f"this process already coordinates the cluster {_coordinator[0].cluster_spec()}; "
+                "one cluster per process, so pass no other cluster to the strategy.")
+        return _coordinator[1:]
+    if _failed is not None:
+        raise _failed
+    from keras_distrib import _compat
+
+    if _compat.tensorflow_started():
+        raise cluster_lib.ClusterConfigError(
+            "TensorFlow was used before keras_distrib could connect this chief to its "
+            "parameter servers; `import keras_distrib` before any TensorFlow tensor, "
+            "variable or layer weight is created (with TF_CONFIG set, the import connects), "
+            "or create the strategy at the top of the script.")
+    return start_coordinator(info, peer_timeout)[1:]
+
+
+def start_coordinator(info: cluster_lib.ClusterInfo, peer_timeout: float):
+    """Connects this chief to its workers and ps tasks: `(info, strategy, coordinator)`.
+
+    Like the collective runtime, this must happen before TensorFlow's eager
+    context exists: connecting renames the local job (`/job:localhost` ->
+    `/job:chief`), and variables made before that become unreadable
+    ("Client for target /job:localhost/replica:0/task:0 not found").
+    The coordinator's threads (one per worker, plus one) need more
+    inter-op threads than a 2-core machine's default, or it deadlocks.
+    """
+    global _coordinator
+    import tensorflow as tf
+
+    wanted = max(4, len(info.workers) + 2)
+    if tf.config.threading.get_inter_op_parallelism_threads() < wanted:
+        tf.config.threading.set_inter_op_parallelism_threads(wanted)
+    cluster_lib.wait_for_peers(info, timeout=peer_timeout)
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(info.cluster_spec()), task_type=cluster_lib.CHIEF, task_id=0,
+        rpc_layer="grpc")
+    strategy = tf.distribute.ParameterServerStrategy(resolver)
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    _coordinator = (info, strategy, coordinator)
+    return _coordinator
+
+
+def _coordinates(info) -> bool:
+    """The chief of a cluster with parameter servers (it runs the script)."""
+    return getattr(info, "has_ps", False) and getattr(info, "role", "") == cluster_lib.CHIEF
 
 
 def started() -> Optional[cluster_lib.ClusterInfo]:

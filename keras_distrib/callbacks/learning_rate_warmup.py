@@ -9,7 +9,7 @@ import numpy as np
 
 from keras_distrib.callbacks import _common
 from keras_distrib.callbacks import _learning_rate as lr_lib
-from keras_distrib.callbacks.scaled_schedule import ScaledSchedule
+from keras_distrib.callbacks.scaled_schedule import ConstantRate, ScaledSchedule
 
 
 class LearningRateWarmup(keras.callbacks.Callback):
@@ -35,7 +35,9 @@ class LearningRateWarmup(keras.callbacks.Callback):
       schedule's own rate times the warmup factor of the *optimizer step*
       (`optimizer.iterations`, from 0), so resumed training continues the
       warmup where it was. The wrapper is registered with Keras: saved
-      models keep it.
+      models keep it. Under an asynchronous strategy (`"parameter_server"`)
+      a float rate is treated this way too, as a `ConstantRate` schedule:
+      each worker's step then warms up by the true global step.
 
     Warmup already ends at the scaled rate: do not add `LearningRateScaling`
     too (that is an error); use `LearningRateScaling` alone for scaling
@@ -102,6 +104,10 @@ class LearningRateWarmup(keras.callbacks.Callback):
         self.multiplier = float(self.target_multiplier or strategy.num_replicas)
 
         schedule = lr_lib.schedule_of(self._optimizer)
+        if schedule is None and strategy.asynchronous:
+            # Workers apply steps on their own: the warmup must follow the
+            # optimizer's step inside each step, not the batches seen here.
+            schedule = ConstantRate(lr_lib.read_rate(self._optimizer))
         if schedule is None:
             self._schedule = None
             self.initial_lr, _ = lr_lib.claim(

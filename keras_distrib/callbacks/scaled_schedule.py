@@ -73,3 +73,23 @@ class ScaledSchedule(keras.optimizers.schedules.LearningRateSchedule):
         config = dict(config)
         config["schedule"] = keras.saving.deserialize_keras_object(config["schedule"])
         return cls(**config)
+
+
+@keras.saving.register_keras_serializable(package="keras_distrib")
+class ConstantRate(keras.optimizers.schedules.LearningRateSchedule):
+    """A learning rate that does not change: `rate(step) = rate`.
+
+    `LearningRateWarmup` wraps a float rate in it (inside a `ScaledSchedule`)
+    where the warmup must follow the optimizer's own step rather than the
+    batches the callback sees, as under `"parameter_server"`, whose workers
+    apply steps asynchronously.
+    """
+
+    def __init__(self, rate: float):
+        self.rate = float(rate)
+
+    def __call__(self, step):
+        return ops.convert_to_tensor(self.rate, "float32")
+
+    def get_config(self) -> dict:
+        return {"rate": self.rate}

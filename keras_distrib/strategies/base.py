@@ -60,6 +60,9 @@ class Strategy(abc.ABC):
     # TensorFlow allows one collective runtime per process: the registry then
     # hands every later request the first instance.
     one_per_process: ClassVar[bool] = False
+    # Whether workers apply steps on their own schedule (parameter servers):
+    # per-batch callbacks then run ahead of the steps actually applied.
+    asynchronous: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -220,6 +223,14 @@ class Strategy(abc.ABC):
     def metric_results(self, results: dict) -> dict:
         """Metric values as this process should report them (default: as read)."""
         return results
+
+    def settle(self, model) -> None:
+        """Finishes work still running elsewhere and brings its results into
+        `model`'s metric variables, before Keras reads them (engines that
+        schedule steps asynchronously; others have nothing to do)."""
+
+    def metrics_reset(self, model) -> None:
+        """Keras has just reset `model`'s metrics (a new epoch, or evaluate)."""
 
     # -- between steps: eager collectives across processes ------------------------------
     # Called by callbacks on every process, in the same order on all of them.

@@ -24,7 +24,8 @@ _CLASSES: dict[str, type] = {}
 _ALIASES: dict[str, str] = {}
 AUTO = "auto"
 _AUTO_DESCRIPTION = (
-    "multi_worker when a cluster is configured (TF_CONFIG, Slurm), horovod under "
+    "parameter_server when a configured cluster (TF_CONFIG, Slurm) has ps tasks, "
+    "multi_worker when it has none, horovod under "
     "horovodrun, else mirrored when more than one local device is visible, else single."
 )
 
@@ -159,8 +160,9 @@ _HOROVOD_ENV = ("HOROVOD_RANK", "HOROVOD_SIZE")
 
 
 def _auto_name() -> str:
-    if cluster_lib.resolve() is not None:
-        return "multi_worker"
+    info = cluster_lib.resolve()
+    if info is not None:
+        return "parameter_server" if info.has_ps else "multi_worker"
     if all(v in os.environ for v in _HOROVOD_ENV) and int(os.environ["HOROVOD_SIZE"]) > 1:
         return "horovod"
     from keras_distrib import devices as devices_lib

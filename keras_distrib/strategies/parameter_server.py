@@ -1,0 +1,225 @@
+"""`"parameter_server"`: asynchronous training against parameter servers.
+
+Keras 3 dropped parameter-server training from `fit`
+(keras-team/keras#18624); TensorFlow 2.21 still ships the engine,
+`tf.distribute.ParameterServerStrategy` with a
+`tf.distribute.coordinator.ClusterCoordinator`, and this strategy drives
+Keras's `fit` with it:
+
+* the cluster has a `chief` (runs the user's script: the coordinator),
+  `worker`s and `ps` tasks (plain TensorFlow servers; see
+  `keras_distrib.task_server` and `keras-distrib launch --workers N --ps M`);
+* variables live on the ps tasks (round robin, or split over them by
+  `variable_partitioner`);
+* `fit` schedules each `steps_per_execution` steps as one closure that a
+  free worker runs (`keras_distrib.scheduled_training`), reading its input
+  as `keras_distrib.per_worker_input` describes; workers apply their
+  updates without waiting for each other;
+* `evaluate`, `predict` and `fit`'s validation run on the chief, reading
+  the variables from the ps tasks: exact, in order.
+
+Fault tolerance is TensorFlow's: a closure whose worker fails is run again
+on another worker (or on the same one when it is back), so a step can be
+applied twice (at least once, never lost); a lost ps task ends training
+with a one-line error naming it (`ParameterServerLostError`), and a re-run
+with `keras_distrib.callbacks.BackupAndRestore` resumes from the last
+backup.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import numpy as np
+import tensorflow as tf
+
+from keras_distrib import _compat
+from keras_distrib import cluster as cluster_lib
+from keras_distrib import per_worker_input
+from keras_distrib import runtime
+from keras_distrib.scheduled_training import ScheduledTraining
+from keras_distrib.strategies.base import Strategy
+from keras_distrib.topology import Topology
+
+
+class ParameterServerLostError(RuntimeError):
+    """A parameter-server task failed: its variables are gone."""
+
+
+class ParameterServer(Strategy):
+    """Asynchronous data parallelism: workers update variables held by ps tasks.
+
+    Run the script on the chief of a cluster with `ps` tasks, e.g.
+    `keras-distrib launch --workers 2 --ps 1 train.py`. Created on a `worker`
+    or `ps` task (a script run on every task, Kubeflow style), the
+    constructor serves that task and never returns.
+
+    Each optimizer step uses `batch_size` samples (the step's batch; no
+    replica splits it), so the learning rate of a one-device run carries
+    over. `num_replicas` is 1 (no replicas train in sync); `num_workers` is
+    how many workers run steps.
+
+    Args:
+        variable_partitioner: a
+            `tf.distribute.experimental.partitioners.Partitioner` that splits
+            large variables (embeddings) over the ps tasks, as TensorFlow's
+            `ParameterServerStrategy` takes it; default: variables whole.
+        lag: closures in flight before `fit` waits for the oldest (default
+            2 per worker): bounds the queue and how far the per-batch logs
+            trail.
+
+    Example:
+
+    ```python
+    model = keras_distrib.DistributedModel(inputs, outputs, strategy="parameter_server")
+    strategy = keras_distrib.strategies.get(
+        "parameter_server",
+        variable_partitioner=tf.distribute.experimental.partitioners.MinSizePartitioner(
+            min_shard_bytes=256 << 10, max_shards=2))
+    ```
+    """
+
+    name = "parameter_server"
+    aliases = ("ps", "parameter_servers", "async")
+    description = ("Asynchronous: variables on ps tasks, steps scheduled on workers by the "
+                   "chief (tf.distribute.ParameterServerStrategy).")
+    one_per_process = True
+    asynchronous = True
+
+    def __init__(self, variable_partitioner=None, lag: Optional[int] = None):
+        info = cluster_lib.resolve()
+        _check_cluster(info)
+        if info.role in (cluster_lib.WORKER, cluster_lib.PS):
+            from keras_distrib import task_server
+
+            task_server.serve(info)  # never returns
+        self.info = info
+        self.num_workers = len(info.workers) - 1
+        self.num_ps = info.num_ps
+        self.lag = int(lag) if lag else 2 * self.num_workers
+        self._engine, self.coordinator = runtime.ensure_coordinator(
+            info, runtime.DEFAULT_PEER_TIMEOUT)
+        _compat.set_variable_partitioner(self._engine, variable_partitioner)
+        self._topology = Topology(
+            num_replicas=1, num_local_replicas=1, first_local_replica=0,
+            devices=("/job:chief/replica:0/task:0/device:CPU:0",), role="chief",
+            num_data_shards=self.num_workers)
+        self._training: Optional[ScheduledTraining] = None
+        self._plan: Optional[per_worker_input.Plan] = None
+
+    @property
+    def topology(self) -> Topology:
+        return self._topology
+
+    @property
+    def tf_strategy(self) -> tf.distribute.Strategy:
+        """The `tf.distribute.ParameterServerStrategy` that places variables."""
+        return self._engine
+
+    def __repr__(self) -> str:
+        return (f"<ParameterServer workers={self.num_workers} ps={self.num_ps} "
+                f"chief={self.info.workers[0]}>")
+
+    # -- placement ------------------------------------------------------------------
+
+    def scope(self):
+        return self._engine.scope()
+
+    def holds(self, variable: Any) -> bool:
+        value = getattr(variable, "value", variable)
+        return getattr(value, "_distribute_strategy", None) is self._engine
+
+    # -- input ----------------------------------------------------------------------
+
+    def distribute_fit_input(self, fit: dict) -> dict:
+        """Keras's loop gets one ticket per step (`Dataset.range(steps_per_epoch)`);
+        the data itself goes to the workers (see `per_worker_input`)."""
+        self._plan = plan = per_worker_input.plan(fit)
+        tickets = tf.data.Dataset.range(plan.steps_per_epoch)
+        return dict(fit, x=tickets, y=None, sample_weight=None, batch_size=None,
+                    validation_split=0.0, validation_data=plan.validation_data,
+                    steps_per_epoch=plan.steps_per_epoch, shuffle=False,
+                    build_batch=plan.build_batch)
+
+    def distribute_input(self, x, y=None, sample_weight=None, batch_size=None):
+        return x, y, sample_weight, batch_size  # the chief reads it all
+
+    # -- execution --------------------------------------------------------------------
+
+    def make_step_function(self, model, step_fn: Callable, keras_make_function: Callable):
+        if getattr(model.optimizer, "backward_passes_per_step", 1) > 1:
+            raise ValueError("backward_passes_per_step > 1 does not apply to "
+                             "strategy='parameter_server' (each worker step is applied on "
+                             "its own); use a larger batch_size instead.")
+        if step_fn != model.train_step:
+            return keras_make_function(step_fn)  # evaluation, on the chief
+        if self._plan is None:
+            raise ValueError("strategy='parameter_server' trains through model.fit only "
+                             "(no train_on_batch): the workers need fit's input plan.")
+        if model.optimizer is not None and not model.optimizer.built:
+            with self.scope():
+                model.optimizer.build(model.trainable_variables)
+        self._training = ScheduledTraining(
+            model, self._engine, self.coordinator, self._plan, step_fn, self.lag, self.lost)
+        return self._training
+
+    def make_predict_function(self, model, keras_make_predict_function: Callable):
+        return keras_make_predict_function()
+
+    def run(self, replica_fn: Callable, batch: Any):
+        return replica_fn(batch)
+
+    def all_reduce(self, values, op: str = "sum") -> list:
+        return list(values)  # one replica: nothing to reduce
+
+    def settle(self, model) -> None:
+        if self._training is not None:
+            self._training.settle()
+
+    def metrics_reset(self, model) -> None:
+        if self._training is not None:
+            self._training.metrics_reset()
+
+    def lost(self, error: Exception) -> Exception:
+        """A one-line error for a failure the coordinator gave up on."""
+        text = str(error)
+        for index, address in enumerate(self.info.ps):
+            if f"/job:ps/replica:0/task:{index}" in text or address in text:
+                return ParameterServerLostError(
+                    f"parameter server ps {index} ({address}) failed; its variables are "
+                    "lost: restart the job (with keras_distrib.callbacks.BackupAndRestore "
+                    "training resumes from the last backup).")
+        first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+        return RuntimeError(f"parameter-server training failed: {first}")
+
+    @property
+    def steps_applied(self) -> int:
+        """Optimizer steps the last `fit`'s closures reported applied (re-runs count)."""
+        return 0 if self._training is None else self._training.steps_applied
+
+    # -- between steps: one process -------------------------------------------------------
+
+    def _sum_over_processes(self, flat: np.ndarray) -> np.ndarray:
+        return flat
+
+    def local_replica_values(self, variable: Any) -> list[np.ndarray]:
+        return [np.asarray(variable)]
+
+
+def _check_cluster(info) -> None:
+    example = "e.g. keras-distrib launch --workers 2 --ps 1 train.py"
+    if info is None:
+        raise ValueError("strategy='parameter_server' needs a cluster with 'chief', 'worker' "
+                         f"and 'ps' tasks (TF_CONFIG), and none is configured; {example}.")
+    if not info.has_ps:
+        raise ValueError("strategy='parameter_server' needs 'ps' tasks in the cluster, and "
+                         f"it has none; add some ({example}) or use strategy='multi_worker'.")
+    if not info.has_chief:
+        raise ValueError("strategy='parameter_server' needs a 'chief' task to run the script "
+                         f"and coordinate the workers; add one ({example}).")
+    if len(info.workers) < 2:
+        raise ValueError("strategy='parameter_server' needs at least one 'worker' task to "
+                         f"run the steps; add some ({example}).")
+    if info.role == cluster_lib.EVALUATOR:
+        raise ValueError("strategy='parameter_server' has no work for an 'evaluator' task; "
+                         "run it without this strategy.")

@@ -1,0 +1,184 @@
+"""The chief's script for parameter-server tests: `python ps_train.py MODE OUT`.
+
+Started by `keras-distrib launch --workers N --ps M` (the chief runs it; the
+workers and ps tasks are servers). Writes a JSON report to OUT.
+
+Modes:
+    digits    the digits MLP, 20 epochs, and the same model trained by plain
+              Keras in this process for comparison (validation accuracy)
+    inputs    every input form: arrays, a dataset, a dataset function, a
+              PyDataset, steps_per_execution=4, a custom train_step
+    warmup    LearningRateWarmup with a float rate, and a schedule
+    long      many small steps (a worker is killed meanwhile by the test)
+    errors    bad input: one-line error messages
+"""
+
+import json
+import os
+import sys
+import time
+
+import keras_distrib as kd  # first: connects this chief to its cluster
+
+import keras
+import numpy as np
+import tensorflow as tf
+from sklearn.datasets import load_digits
+
+MODE, OUT = sys.argv[1], sys.argv[2]
+report = {}
+
+
+def digits():
+    x, y = load_digits(return_X_y=True)
+    order = np.random.RandomState(0).permutation(len(x))
+    x, y = (x[order] / 16.0).astype("float32"), y[order].astype("int32")
+    return (x[:1500], y[:1500]), (x[1500:], y[1500:])
+
+
+def layers():
+    inputs = keras.Input((64,))
+    hidden = keras.layers.Dense(64, activation="relu")(inputs)
+    return inputs, keras.layers.Dense(10)(hidden)
+
+
+def compile_model(model, optimizer=None, **kwargs):
+    model.compile(optimizer=optimizer or keras.optimizers.SGD(0.05),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=[keras.metrics.SparseCategoricalAccuracy(name="acc")], **kwargs)
+    return model
+
+
+(x, y), (x_val, y_val) = digits()
+
+
+def steps_of(model):
+    return int(model.optimizer.iterations.numpy())
+
+
+if MODE == "digits":
+    model = compile_model(kd.DistributedModel(*layers(), strategy="parameter_server"))
+    report["strategy"] = repr(model.strategy)
+    report["placement"] = sorted({v.value.device.split("/device")[0] for v in model.weights})
+    history = model.fit(x, y, batch_size=32, epochs=20, validation_data=(x_val, y_val),
+                        verbose=2)
+    report["history"] = history.history
+    report["iterations"] = steps_of(model)
+    report["applied"] = model.strategy.steps_applied
+    report["evaluate"] = model.evaluate(x_val, y_val, verbose=0, return_dict=True)
+    plain = compile_model(keras.Model(*layers()))
+    plain.fit(x, y, batch_size=32, epochs=20, verbose=0)
+    report["plain_acc"] = plain.evaluate(x_val, y_val, verbose=0, return_dict=True)["acc"]
+
+elif MODE == "inputs":
+    class Rows(keras.utils.PyDataset):
+        def __len__(self):
+            return 10
+
+        def __getitem__(self, i):
+            return x[i * 50:(i + 1) * 50], y[i * 50:(i + 1) * 50]
+
+    class Custom(kd.DistributedModel):
+        """The Keras guide's custom train_step, with a metric object of its own."""
+
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.hidden = keras.layers.Dense(32, activation="relu")
+            self.out = keras.layers.Dense(10)
+            self.seen = keras.metrics.Sum(name="seen")
+
+        def call(self, inputs):
+            return self.out(self.hidden(inputs))
+
+        def train_step(self, data):
+            features, labels = data
+            with tf.GradientTape() as tape:
+                logits = self(features, training=True)
+                loss = self.compute_loss(y=labels, y_pred=logits)
+            grads = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply(grads, self.trainable_variables)
+            self.seen.update_state(tf.cast(tf.shape(features)[0], "float32"))
+            for metric in self.metrics:
+                if metric.name == "loss":
+                    metric.update_state(loss)
+                elif metric.name != "seen":
+                    metric.update_state(labels, logits)
+            return {m.name: m.result() for m in self.metrics}
+
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(1500).batch(50)
+    cases = {
+        "arrays": dict(x=x, y=y, batch_size=50),
+        "dataset": dict(x=dataset),
+        "dataset_fn": dict(x=lambda: tf.data.Dataset.from_tensor_slices((x, y)).batch(50),
+                           steps_per_epoch=12),
+        "pydataset": dict(x=Rows()),
+    }
+    for name, kwargs in cases.items():
+        model = compile_model(kd.DistributedModel(*layers(), strategy="parameter_server"))
+        history = model.fit(epochs=2, verbose=0, **kwargs)
+        report[name] = {"iterations": steps_of(model), "history": history.history}
+    model = compile_model(kd.DistributedModel(*layers(), strategy="parameter_server"),
+                          steps_per_execution=4)
+    history = model.fit(x, y, batch_size=50, epochs=2, verbose=0)
+    report["steps_per_execution"] = {"iterations": steps_of(model), "history": history.history}
+    model = compile_model(Custom(strategy="parameter_server"))
+    history = model.fit(x, y, batch_size=50, epochs=2, verbose=0)
+    report["custom"] = {"iterations": steps_of(model), "history": history.history}
+    report["predict_rows"] = int(model.predict(x_val, batch_size=64, verbose=0).shape[0])
+
+elif MODE == "warmup":
+    for kind in ("float", "schedule"):
+        rate = 0.05 if kind == "float" else keras.optimizers.schedules.ExponentialDecay(
+            0.05, 100, 1.0)
+        model = compile_model(kd.DistributedModel(*layers(), strategy="parameter_server"),
+                              optimizer=keras.optimizers.SGD(rate))
+        warmup = kd.callbacks.LearningRateWarmup(warmup_epochs=1, target_multiplier=3)
+        model.fit(x, y, batch_size=50, epochs=2, verbose=0, callbacks=[warmup])
+        schedule = model.optimizer.learning_rate if kind == "schedule" else None
+        report[kind] = {"iterations": steps_of(model),
+                        "final_lr": float(np.asarray(model.optimizer.learning_rate)),
+                        "schedule": type(model.optimizer._learning_rate).__name__
+                        if schedule is None else type(schedule).__name__}
+
+elif MODE == "long":
+    model = compile_model(kd.DistributedModel(*layers(), strategy="parameter_server"))
+
+    class Ready(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 0:
+                with open(OUT + ".ready", "w") as f:
+                    f.write("1")
+
+    started = time.time()
+    history = model.fit(x, y, batch_size=16, epochs=int(os.environ.get("PS_EPOCHS", "8")),
+                        verbose=0, callbacks=[Ready()])
+    report["seconds"] = time.time() - started
+    report["iterations"] = steps_of(model)
+    report["applied"] = model.strategy.steps_applied
+    report["scheduled"] = int(history.params["steps"]) * len(history.history["loss"])
+    report["loss"] = history.history["loss"]
+
+elif MODE == "errors":
+    def error_of(call):
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - the message is the test
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    model = compile_model(kd.DistributedModel(*layers(), strategy="parameter_server"))
+
+    def generator():
+        for i in range(10):
+            yield x[i * 10:(i + 1) * 10], y[i * 10:(i + 1) * 10]
+
+    python_data = tf.data.Dataset.from_generator(generator, output_signature=(
+        tf.TensorSpec([None, 64], tf.float32), tf.TensorSpec([None], tf.int32)))
+    report["generator"] = error_of(lambda: model.fit(python_data, epochs=1, verbose=0))
+    endless = tf.data.Dataset.from_tensor_slices((x, y)).batch(32).repeat()
+    report["endless"] = error_of(lambda: model.fit(endless, epochs=1, verbose=0))
+    report["class_weight"] = error_of(lambda: model.fit(
+        x, y, epochs=1, verbose=0, class_weight={0: 2.0}))
+
+with open(OUT, "w") as f:
+    json.dump(report, f, default=str)
