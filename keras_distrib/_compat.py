@@ -239,6 +239,27 @@ def replace_variable_value(variable, value) -> None:
     variable._value = value
 
 
+def convert_sharded_variables_to_numpy() -> None:
+    """Gives TensorFlow's `ShardedVariable` the `__array__` its parts have.
+
+    Keras saves a variable as `np.asarray(variable)` (`.weights.h5` and
+    `.keras`), which calls `variable.value.__array__`; ShardedVariable has
+    `numpy()` (its parts, concatenated) but no `__array__` (TensorFlow
+    2.21.0): saving fails with "'ShardedVariable' object has no attribute
+    '__array__'". The method added is ResourceVariable's, on the whole value.
+    Does nothing when TensorFlow defines it. Verified on TensorFlow 2.21.0
+    with Keras 3.15.1 (save_weights, model.save, get_weights).
+    """
+    cls = sharded_variable_class()
+    if hasattr(cls, "__array__"):
+        return
+
+    def __array__(self, dtype=None):
+        return np.asarray(self.numpy(), dtype=dtype)
+
+    cls.__array__ = __array__
+
+
 def route_sharded_updates(optimizer, is_sharded) -> None:
     """Keras's TF optimizer updates `is_sharded` variables without
     `strategy.extended.update`.
@@ -267,8 +288,12 @@ def route_sharded_updates(optimizer, is_sharded) -> None:
         plain = [(g, v) for g, v in grads_and_vars if not is_sharded(v)]
         if plain:
             update(distribution, plain, learning_rate)
+        # What `extended.update` passes its function: one local value (workers
+        # with several replicas hand the merge call mirrored values).
+        [learning_rate] = distribution.experimental_local_results(learning_rate)[:1]
         for gradient, variable in grads_and_vars:
             if is_sharded(variable):
+                [gradient] = distribution.experimental_local_results(gradient)[:1]
                 optimizer.update_step(gradient, variable, learning_rate)
 
     distributed_update_step._kd_sharded = True

@@ -31,6 +31,7 @@ from keras_distrib import chief_only
 from keras_distrib import data as data_lib
 from keras_distrib import fit_checks
 from keras_distrib import preemption
+from keras_distrib import sharded_variables
 from keras_distrib import saving
 from keras_distrib import strategies
 from keras_distrib.strategies.base import Strategy
@@ -307,7 +308,9 @@ class DistributedModel(keras.Model):
                 scaled = self.optimizer.scale_loss(scaled)
         gradients = None
         if self.trainable_weights:
-            gradients = tape.gradient(scaled, self.trainable_weights)
+            # Variables split over parameter servers need their parts'
+            # gradients put together (see sharded_variables).
+            gradients = sharded_variables.gradients(tape, scaled, self.trainable_weights)
             if self._sums_sample_losses:
                 # Gradient of the sum of per-sample losses (see
                 # reduce_gradients), in the variables' dtype (float32 under

@@ -37,6 +37,7 @@ from keras_distrib import _compat
 from keras_distrib import cluster as cluster_lib
 from keras_distrib import per_worker_input
 from keras_distrib import runtime
+from keras_distrib import sharded_variables
 from keras_distrib.scheduled_training import ScheduledTraining
 from keras_distrib.strategies.base import Strategy
 from keras_distrib.topology import Topology
@@ -156,9 +157,13 @@ class ParameterServer(Strategy):
         if self._plan is None:
             raise ValueError("strategy='parameter_server' trains through model.fit only "
                              "(no train_on_batch): the workers need fit's input plan.")
-        if model.optimizer is not None and not model.optimizer.built:
+        if model.optimizer is not None:
             with self.scope():
-                model.optimizer.build(model.trainable_variables)
+                # Slots and updates of variables split over the ps tasks
+                # (a no-op for whole variables).
+                sharded_variables.install(model.optimizer)
+                if not model.optimizer.built:
+                    model.optimizer.build(model.trainable_variables)
         self._training = ScheduledTraining(
             model, self._engine, self.coordinator, self._plan, step_fn, self.lag, self.lost)
         return self._training
@@ -194,8 +199,16 @@ class ParameterServer(Strategy):
 
     @property
     def steps_applied(self) -> int:
-        """Optimizer steps the last `fit`'s closures reported applied (re-runs count)."""
+        """Optimizer steps of the last `fit` whose results reached the chief
+        (a re-run closure's steps count again)."""
         return 0 if self._training is None else self._training.steps_applied
+
+    @property
+    def lost_results(self) -> int:
+        """Closures of the last `fit` that finished on a worker that died before
+        the chief fetched their metric states: their steps are applied, their
+        share of the epoch's logs is missing."""
+        return 0 if self._training is None else self._training.lost_results
 
     # -- between steps: one process -------------------------------------------------------
 
