@@ -86,7 +86,8 @@ class ScheduledTraining:
         self.metric_variables = list(model.metrics_variables)
         self.initial = [np.asarray(v) for v in self.metric_variables]
         self.totals = [np.zeros_like(v) for v in self.initial]
-        self.steps_applied = 0  # steps this fit applied (duplicates of re-run closures too)
+        self.steps_applied = 0  # steps whose results reached the chief (re-runs too)
+        self.lost_results = 0  # closures that finished on a worker that then died
         self.pending: collections.deque = collections.deque()
         self.dirty = False
         self._iterator = None
@@ -191,7 +192,16 @@ class ScheduledTraining:
         return tuple(batches)
 
     def _fold(self, remote) -> None:
-        increments, applied = remote.fetch()
+        try:
+            increments, applied = remote.fetch()
+        except _REMOTE_ERRORS as error:
+            if "/job:ps" in str(error) or "/job:worker" not in str(error):
+                raise
+            # The closure finished (its steps are applied on the ps) but its
+            # worker died before the chief fetched the result, which stays
+            # on the worker: only its share of the metric logs is lost.
+            self.lost_results += 1
+            return
         for total, inc in zip(self.totals, increments):
             total += np.asarray(inc)
         self.steps_applied += int(applied)
