@@ -19,9 +19,22 @@ $(HOROVOD): $(STAMP) scripts/install_horovod.sh
 	bash scripts/install_horovod.sh $(VENV)
 	touch $(HOROVOD)
 
+# The last two runs are also kept in $(VENV)/demo-*.log for the summary:
+# synchronous (multi_worker, 2 workers) vs asynchronous (parameter server,
+# 2 workers + 1 ps), same model, data and batch size.
+DEMO_LOG := $(VENV)/demo
 demo: $(STAMP)
 	$(PY) examples/train_digits.py --config configs/digits.json
-	$(VENV)/bin/keras-distrib launch -n 2 examples/train_digits.py --config configs/digits_2workers.json
+	{ $(VENV)/bin/keras-distrib launch -n 2 examples/train_digits.py --config configs/digits_2workers.json 2>&1; \
+	  echo $$? > $(DEMO_LOG)-sync.rc; } | tee $(DEMO_LOG)-sync.log; exit $$(cat $(DEMO_LOG)-sync.rc)
+	{ $(VENV)/bin/keras-distrib launch --workers 2 --ps 1 examples/train_digits.py --config configs/digits_ps.json 2>&1; \
+	  echo $$? > $(DEMO_LOG)-async.rc; } | tee $(DEMO_LOG)-async.log; exit $$(cat $(DEMO_LOG)-async.rc)
+	@echo "== sync (multi_worker, 2 workers) vs async (parameter_server, 2 workers + 1 ps) =="
+	@for run in sync async; do \
+	  acc=$$(grep -ho 'validation accuracy: [0-9.]*' $(DEMO_LOG)-$$run.log | tail -1 | cut -d' ' -f3); \
+	  tput=$$(grep -ho 'throughput: [0-9,]* samples/s' $(DEMO_LOG)-$$run.log | tail -1 | cut -d' ' -f2); \
+	  printf '%-6s validation accuracy %s  throughput %s samples/s\n' $$run "$$acc" "$$tput"; \
+	done
 
 test: $(HOROVOD)
 	$(PY) -m pytest -q

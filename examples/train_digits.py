@@ -8,6 +8,7 @@ devices so `"mirrored"` trains two real replicas.
 Run:
   python examples/train_digits.py --config configs/digits.json [--strategy single]
   keras-distrib launch -n 2 examples/train_digits.py --config configs/digits_2workers.json
+  keras-distrib launch --workers 2 --ps 1 examples/train_digits.py --config configs/digits_ps.json
 """
 
 import json
@@ -16,13 +17,15 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+# First: on the chief of a parameter-server cluster the import connects to
+# the cluster, which must happen before TensorFlow makes any tensor.
+import keras_distrib as kd  # noqa: E402
+
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 from sklearn.datasets import load_digits as sklearn_digits  # noqa: E402
-
-import keras_distrib as kd  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "configs/digits.json", "JSON training config.")
@@ -93,9 +96,12 @@ def main(argv):
         metrics=["accuracy"],
     )
     say = print if model.strategy.is_chief else (lambda *a: None)
+    asynchronous = getattr(model.strategy, "asynchronous", False)
+    # Asynchronous: the chief is one process; num_workers counts the worker tasks.
+    workers = model.strategy.num_workers if asynchronous else model.strategy.world_size
     say(
         f"strategy={model.strategy.name} replicas={model.strategy.num_replicas} "
-        f"workers={model.strategy.world_size} devices={list(model.strategy.devices)} "
+        f"workers={workers} devices={list(model.strategy.devices)} "
         f"train={len(x)} val={len(x_val)}"
     )
     timer = EpochTimer()
@@ -111,6 +117,8 @@ def main(argv):
     # The first epoch includes tracing; report the steady state.
     steady = timer.seconds[1:] or timer.seconds
     samples_per_second = len(x) / (sum(steady) / len(steady))
+    if asynchronous:
+        say(f"steps applied (asynchronous): {model.strategy.steps_applied}")
     say(f"validation accuracy: {accuracy:.4f}  loss: {loss:.4f}")
     say(f"throughput: {samples_per_second:,.0f} samples/s in total "
         f"(mean of {len(steady)} epochs after the first)")
