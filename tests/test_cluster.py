@@ -512,6 +512,60 @@ def test_slurm_errors(changes, fragments):
     _assert_one_line_error(excinfo, *fragments)
 
 
+SLURM_PLACES = {0: ("node01", "0"), 1: ("node01", "1"), 2: ("node02", "0"), 3: ("node02", "1")}
+
+
+@pytest.mark.parametrize("num_ps, roles", [
+    ("1", [("chief", 0), ("worker", 0), ("worker", 1), ("ps", 0)]),
+    ("2", [("chief", 0), ("worker", 0), ("ps", 0), ("ps", 1)]),
+])
+def test_slurm_num_ps_makes_task_0_the_chief_and_the_last_tasks_ps(num_ps, roles):
+    all_tasks = ("node01:8888", "node01:8889", "node02:8888", "node02:8889")
+    m = int(num_ps)
+    for procid, (task_type, index) in enumerate(roles):
+        node, local_id = SLURM_PLACES[procid]
+        env = {**SLURM_2x2, "SLURM_PROCID": str(procid), "SLURMD_NODENAME": node,
+               "SLURM_LOCALID": local_id, "KERAS_DISTRIB_NUM_PS": num_ps}
+        info = cluster.from_slurm(env)
+        assert (info.task_type, info.task_index) == (task_type, index)
+        assert info.workers == all_tasks[:-m] and info.ps == all_tasks[-m:]
+        assert info.has_chief and info.address == all_tasks[procid]
+        assert info.cluster_spec() == {"chief": [all_tasks[0]], "worker": list(all_tasks[1:-m]),
+                                       "ps": list(all_tasks[-m:])}
+        assert cluster.resolve(environ=env) == info
+
+
+@pytest.mark.parametrize("num_ps", ["", " ", "0"])
+def test_slurm_without_num_ps_is_all_workers(num_ps):
+    info = cluster.from_slurm({**SLURM_2x2, "KERAS_DISTRIB_NUM_PS": num_ps})
+    assert info == cluster.from_slurm(SLURM_2x2)
+    assert (info.task_type, info.rank, info.ps) == ("worker", 3, ())
+
+
+@pytest.mark.parametrize("num_ps, fragments", [
+    ("3", ["KERAS_DISTRIB_NUM_PS=3 leaves no chief and worker", "4 Slurm tasks",
+           "at least 5 tasks"]),
+    ("x", ["KERAS_DISTRIB_NUM_PS='x' is not a non-negative integer"]),
+    ("-1", ["KERAS_DISTRIB_NUM_PS='-1'"]),
+])
+def test_slurm_bad_num_ps(num_ps, fragments):
+    with pytest.raises(ClusterConfigError) as excinfo:
+        cluster.from_slurm({**SLURM_2x2, "KERAS_DISTRIB_NUM_PS": num_ps})
+    _assert_one_line_error(excinfo, *fragments)
+
+
+@pytest.mark.parametrize("task_type, index", [("chief", 0), ("worker", 0), ("worker", 1),
+                                              ("ps", 0)])
+def test_resolve_reads_a_launcher_parameter_server_tf_config(task_type, index):
+    # As `keras-distrib launch --workers 2 --ps 1` writes it.
+    config = {"cluster": {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2", "127.0.0.1:3"],
+                          "ps": ["127.0.0.1:4"]},
+              "task": {"type": task_type, "index": index}}
+    info = cluster.resolve(environ=_tf_config(config))
+    assert (info.task_type, info.task_index, info.num_ps) == (task_type, index, 1)
+    assert info.to_tf_config() == config
+
+
 def test_slurm_port_base_checked():
     with pytest.raises(ClusterConfigError) as excinfo:
         cluster.from_slurm(SLURM_2x2, port_base=65535)

@@ -10,7 +10,8 @@ index. The cluster comes from, in this order:
    (`from_explicit`),
 2. the `TF_CONFIG` environment variable, as Kubeflow's TFJob and
    `keras-distrib launch` set it (`from_tf_config`),
-3. a Slurm job step started with `srun`, all tasks workers (`from_slurm`),
+3. a Slurm job step started with `srun`, all tasks workers (`from_slurm`;
+   with `KERAS_DISTRIB_NUM_PS=M`, task 0 the chief and the last M ps tasks),
 
 and `resolve()` tries them in that order. Every malformed input fails with a
 `ClusterConfigError` (a `ValueError`) whose one-line message names the field

@@ -2,8 +2,22 @@
 
 Slurm has no roles: every task is a `worker` (no dedicated chief, no `ps`,
 no evaluator), and task `SLURM_PROCID` is the worker of that rank, so rank
-0 is the chief. A job that needs parameter servers or an evaluator
-describes its cluster with `TF_CONFIG` or an explicit dict instead.
+0 is the chief.
+
+Parameter servers: with `KERAS_DISTRIB_NUM_PS=M` (M >= 1) in the step's
+environment, task 0 is a dedicated `chief`, the last M tasks are `ps`
+tasks (`ps` index `SLURM_PROCID - (N - M)` of N tasks) and the others
+`worker` tasks (index `SLURM_PROCID - 1`), as `strategy="parameter_server"`
+needs; so the step needs at least M + 2 tasks. Unset, blank or 0: every
+task is a worker, as above. A job that needs an evaluator describes its
+cluster with `TF_CONFIG` or an explicit dict instead.
+
+Example:
+
+```sh
+# 1 chief, 2 workers, 1 ps:
+KERAS_DISTRIB_NUM_PS=1 srun -N 4 --ntasks-per-node=1 python train.py
+```
 """
 
 from __future__ import annotations
@@ -14,12 +28,16 @@ from typing import Any, Mapping, Optional, Sequence
 from .addresses import check_index, parse_address
 from .errors import ClusterConfigError
 from .info import ClusterInfo
+from .roles import CHIEF, PS, WORKER
 
-__all__ = ["DEFAULT_SLURM_PORT_BASE", "from_slurm"]
+__all__ = ["DEFAULT_SLURM_PORT_BASE", "NUM_PS_ENV", "from_slurm"]
 
 # Same default as tf.distribute.cluster_resolver.SlurmClusterResolver, so a
 # job that moves between the two finds its workers on the same ports.
 DEFAULT_SLURM_PORT_BASE = 8888
+
+# How many of a Slurm step's tasks (the last ones) are parameter servers.
+NUM_PS_ENV = "KERAS_DISTRIB_NUM_PS"
 
 
 def from_slurm(
@@ -36,11 +54,13 @@ def from_slurm(
     when `SLURMD_NODENAME` / `SLURM_LOCALID` say this task landed elsewhere
     (e.g. `--distribution=cyclic`), it fails instead of training with a
     wrong rank. GPUs are not assigned here (`CUDA_VISIBLE_DEVICES` is left
-    alone). All tasks are workers (see the module docstring).
+    alone). All tasks are workers, unless `KERAS_DISTRIB_NUM_PS` asks for
+    a chief and parameter servers (see the module docstring).
 
     Variables read: `SLURM_PROCID`, `SLURM_STEP_NUM_TASKS`,
-    `SLURM_STEP_NODELIST`, `SLURM_STEP_TASKS_PER_NODE`, and, for the check,
-    `SLURMD_NODENAME` and `SLURM_LOCALID`.
+    `SLURM_STEP_NODELIST`, `SLURM_STEP_TASKS_PER_NODE`,
+    `KERAS_DISTRIB_NUM_PS`, and, for the check, `SLURMD_NODENAME` and
+    `SLURM_LOCALID`.
 
     Args:
         environ: where to read the Slurm variables; defaults to `os.environ`.
@@ -52,7 +72,9 @@ def from_slurm(
 
     Raises:
         ClusterConfigError: a missing or malformed Slurm variable, task counts
-            that do not add up, a bad `port_base`, or a non-block placement.
+            that do not add up, a bad `port_base`, a non-block placement, or
+            a `KERAS_DISTRIB_NUM_PS` that is not a count leaving a chief and
+            a worker.
 
     Example:
 
@@ -60,12 +82,15 @@ def from_slurm(
     # srun -N 2 --ntasks-per-node=2 python train.py  on nodes n1, n2:
     info = from_slurm()
     info.workers  # ('n1:8888', 'n1:8889', 'n2:8888', 'n2:8889')
+    # the same with KERAS_DISTRIB_NUM_PS=1, seen from task 3:
+    info.workers, info.ps, info.task_type  # (('n1:8888', 'n1:8889', 'n2:8888'), ('n2:8889',), 'ps')
     ```
     """
     if "SLURM_PROCID" not in environ or "SLURM_STEP_NUM_TASKS" not in environ:
         return None
     rank = _slurm_int(environ, "SLURM_PROCID")
     num_tasks = _slurm_int(environ, "SLURM_STEP_NUM_TASKS")
+    num_ps = _num_ps(environ, num_tasks)
     _check_port_base(port_base)
     task_config = _slurm_task_configuration(environ)
     if sum(task_config.values()) != num_tasks:
@@ -77,7 +102,36 @@ def from_slurm(
     check_index(rank, num_tasks, "SLURM_PROCID", "Slurm tasks")
     workers = _slurm_workers(rank, num_tasks, task_config, port_base)
     _check_slurm_placement(environ, workers, rank, port_base)
-    return ClusterInfo(tuple(workers), rank)
+    if not num_ps:
+        return ClusterInfo(tuple(workers), rank)
+    training, ps = tuple(workers[:-num_ps]), tuple(workers[-num_ps:])
+    if rank == 0:
+        task_type, index = CHIEF, 0
+    elif rank < len(training):
+        task_type, index = WORKER, rank - 1
+    else:
+        task_type, index = PS, rank - len(training)
+    return ClusterInfo(training, index, ps=ps, has_chief=True, task_type=task_type)
+
+
+def _num_ps(environ: Mapping[str, str], num_tasks: int) -> int:
+    """`KERAS_DISTRIB_NUM_PS` as a count (0 when unset or blank), checked."""
+    text = environ.get(NUM_PS_ENV, "")
+    if not text.strip():
+        return 0
+    if not text.strip().isdigit():
+        raise ClusterConfigError(
+            f"{NUM_PS_ENV}={text!r} is not a non-negative integer; set it to the "
+            "number of parameter-server tasks (the last Slurm tasks), or unset it."
+        )
+    num_ps = int(text)
+    if num_ps and num_ps + 2 > num_tasks:
+        raise ClusterConfigError(
+            f"{NUM_PS_ENV}={num_ps} leaves no chief and worker among the step's "
+            f"{num_tasks} Slurm tasks; start at least {num_ps + 2} tasks (a chief, "
+            f"a worker and {num_ps} ps) or lower {NUM_PS_ENV}."
+        )
+    return num_ps
 
 
 def _slurm_int(environ: Mapping[str, str], name: str) -> int:

@@ -6,11 +6,13 @@ The command's user documentation is `keras_distrib.launch.cli`'s docstring
     cli         the command line: absl flags, argv splitting, `main`, `run`,
                 and `launch(config)`, which ties the modules below together
     config      `LaunchConfig`, `check_config`, `LaunchError`
-    plan        who runs where: hosts, ports, TF_CONFIG, dry run, --output_dir
+    plan        who runs where: hosts, ports, TF_CONFIG, dry run, --output_dir;
+                the roles of a parameter-server job (--ps)
     backends    how a rank or job is started: local, ssh, horovodrun; the
-                `Job` whose attempts `supervise` runs
+                `Job` (or `ParameterServerJob`) that `supervise` runs
     supervise   starting and watching the children, stopping them,
-                restarts (--max_restarts), private directories, exit codes
+                restarts (--max_restarts; worker tasks alone with --ps),
+                private directories, exit codes
 
 What the launcher and its workers agree on (exit code `PREEMPTED`, the
 `KERAS_DISTRIB_RESTART` and `KERAS_DISTRIB_SHM_DIR` variables) is in
@@ -40,10 +42,11 @@ from keras_distrib.launch.config import (DEFAULT_SSH_COMMAND, GRACE_SECONDS,
                                          LaunchConfig, LaunchError, check_config)
 from keras_distrib.launch.plan import (DEFAULT_REMOTE_PORT_BASE, RankPlan,
                                        parse_hosts, plan, print_dry_run,
-                                       shell_command, write_output_dir)
+                                       shell_command, task_argv, write_output_dir)
 from keras_distrib.launch.supervise import (EXIT_TIMEOUT, PREEMPTED, ChildExit,
-                                            ChildSpec, Ending, Job, SuperviseResult,
-                                            exit_code, private_directory, supervise)
+                                            ChildSpec, Ending, Job, ParameterServerJob,
+                                            SuperviseResult, exit_code,
+                                            private_directory, supervise)
 from keras_distrib.launch.cli import (EXIT_USAGE, SUBCOMMANDS, USAGE,
                                       config_from_flags, launch, main,
                                       parse_flags, run, split_argv, usage)
@@ -51,8 +54,9 @@ from keras_distrib.launch.cli import (EXIT_USAGE, SUBCOMMANDS, USAGE,
 __all__ = [
     "ChildExit", "ChildSpec", "DEFAULT_REMOTE_PORT_BASE", "DEFAULT_SSH_COMMAND",
     "EXIT_TIMEOUT", "EXIT_USAGE", "Ending", "GRACE_SECONDS", "Job", "LaunchConfig",
-    "LaunchError", "PREEMPTED", "RankPlan", "SUBCOMMANDS", "SuperviseResult", "USAGE",
+    "LaunchError", "PREEMPTED", "ParameterServerJob", "RankPlan", "SUBCOMMANDS",
+    "SuperviseResult", "USAGE",
     "check_config", "config_from_flags", "exit_code", "launch", "main", "parse_flags",
     "parse_hosts", "plan", "print_dry_run", "private_directory", "run",
-    "shell_command", "split_argv", "supervise", "usage", "write_output_dir",
+    "shell_command", "split_argv", "supervise", "task_argv", "usage", "write_output_dir",
 ]

@@ -7,6 +7,10 @@
   its `[N]<stdout>:` prefixes are turned into the launcher's `[rank N] `.
   `horovod_job` has no restarts (`check_config` refuses them).
 
+A parameter-server job (`--ps`, `tf` only) is one child per task, the
+chief running the script and the others `python -m
+keras_distrib.task_server` (`plan.task_argv`): `parameter_server_job`.
+
 Every child gets `KERAS_DISTRIB_RESTART`; those on this host get the
 attempt's private directory in `KERAS_DISTRIB_SHM_DIR`.
 """
@@ -25,8 +29,8 @@ from typing import Optional, Sequence
 from keras_distrib import cluster as cluster_lib
 from keras_distrib.launch.config import LaunchConfig, LaunchError
 from keras_distrib.launch.plan import (RankPlan, parse_hosts, plan, shell_command,
-                                       tf_log_env)
-from keras_distrib.launch.supervise import ChildSpec, Job
+                                       task_argv, tf_log_env)
+from keras_distrib.launch.supervise import ChildSpec, Job, ParameterServerJob
 from keras_distrib.launch_contract import RESTART_ENV, SHM_DIR_ENV
 
 
@@ -42,15 +46,32 @@ def ssh_argv(rank_plan: RankPlan, config: LaunchConfig) -> list[str]:
 
 
 def rank_argv(rank_plan: RankPlan, config: LaunchConfig) -> list[str]:
-    """The argv that starts `rank_plan` from this machine."""
+    """The argv that starts `rank_plan` (a rank, or a task of a
+    parameter-server job) from this machine."""
     if rank_plan.local:
-        return local_argv(config)
+        return task_argv(rank_plan, config)
     return ssh_argv(rank_plan, config)
 
 
 def rank_specs(plans: Sequence[RankPlan], config: LaunchConfig) -> list[ChildSpec]:
-    """One child per rank, labelled `rank N`, with the rank's environment."""
-    return [ChildSpec(f"rank {p.rank}", rank_argv(p, config), p.env()) for p in plans]
+    """One child per rank, labelled `rank N` (`chief`, `worker I`, `ps I` in
+    a parameter-server job), with the rank's environment."""
+    return [ChildSpec(p.label, rank_argv(p, config), p.env()) for p in plans]
+
+
+def parameter_server_job(plans: Sequence[RankPlan], config: LaunchConfig) -> ParameterServerJob:
+    """The tasks of a parameter-server job's `plans`, by role.
+
+    Planned once: a worker task started again keeps its port and
+    `TF_CONFIG` (the chief's coordinator reconnects to that address).
+    """
+    specs = rank_specs(plans, config)
+    roles = [p.info.task_type for p in plans]
+    return ParameterServerJob(
+        chief=specs[roles.index(cluster_lib.CHIEF)],
+        workers=tuple(s for s, r in zip(specs, roles) if r == cluster_lib.WORKER),
+        ps=tuple(s for s, r in zip(specs, roles) if r == cluster_lib.PS),
+    )
 
 
 def rank_job(plans: Sequence[RankPlan], config: LaunchConfig) -> Job:

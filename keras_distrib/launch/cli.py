@@ -4,6 +4,7 @@ Usage:
 
     keras-distrib launch -n 2 train.py --epochs 3
     python -m keras_distrib.launch launch -n 4 --hosts node1:2,node2:2 train.py
+    keras-distrib launch --workers 2 --ps 1 train.py --epochs 3
 
 On one machine, `launch` starts N copies of `python train.py ...`, each
 with its own `TF_CONFIG` (all addresses on `--bind`, 127.0.0.1 by default,
@@ -25,9 +26,12 @@ signal to the launcher never restarts. `--timeout` bounds all of it.
 
 Exit codes:
 
-    0         every rank succeeded
+    0         every rank succeeded (with --ps: the chief did)
     CODE      a rank failed with CODE (128+signal when it was killed), no
-              restarts left
+              restarts left; with --ps: the chief's CODE, or a worker
+              task's when its restarts ran out
+    1         with --ps: a ps task was lost and the chief still ran 60 s
+              later
     75        preempted: a rank exited with 75 and no restarts were left,
               or the launcher got SIGTERM/SIGINT/SIGHUP and every rank then
               exited with 75 or 0 (else 128+signal)
@@ -38,15 +42,40 @@ With `--hosts` naming other machines, nothing is started: the launcher
 prints (and with `--output_dir` writes) each rank's `TF_CONFIG` and the
 command to run on its host; `--ssh` starts them over ssh instead.
 
+Parameter servers (`--ps M`, M >= 1, for `strategy="parameter_server"`):
+the cluster is one `chief`, `--workers N` `worker` tasks and M `ps` tasks,
+each with its `TF_CONFIG` `{"cluster": {"chief": [...], "worker": [...],
+"ps": [...]}, "task": {"type": ROLE, "index": I}}` (free ports on `--bind`;
+with `--hosts`, tasks fill the host slots chief first, then workers, then
+ps). Only the chief runs `python train.py ...`: it is the coordinator and
+sends the work to the others, which run `python -m keras_distrib.task_server`
+(a bare TensorFlow server, same interpreter). With `--ps_tasks_run_script`
+every task runs the script (Kubeflow style) and the strategy serves on the
+worker and ps tasks. Lines are prefixed `[chief] `, `[worker I] `, `[ps I] `.
+Without `--ps`, `--workers N` is `-n N`; `--backend horovod` has no `--ps`.
+
+The job ends when the chief exits, with its exit code; then the servers
+are stopped. A worker task that exits meanwhile is started again alone,
+on the same port with the same `TF_CONFIG` (TensorFlow's coordinator
+re-queues its work and reconnects), with one line `[launcher] worker 1
+exited (signal 9); restarting it (restart 1)`, up to `--max_restarts`
+times over all workers (100 when 0); then the job fails with that
+worker's exit code. A ps task that exits is not restarted (its variables
+are lost): a `[launcher]` line names it, the chief is expected to fail,
+and if it still runs 60 s later the launcher stops all and exits with 1.
+Signals, `--timeout` and `--grace_seconds` work as for ranks.
+
 Every child gets these environment variables:
 
     TF_CONFIG                 {"cluster": {"worker": [...]}, "task": {"type": "worker", "index": RANK}}
-    KERAS_DISTRIB_RANK        its rank, 0..N-1
-    KERAS_DISTRIB_WORLD_SIZE  N
-    KERAS_DISTRIB_LOCAL_RANK  its index among the ranks on its host
+                              (with --ps: the chief, worker and ps tasks, as above)
+    KERAS_DISTRIB_RANK        its rank, 0..N-1 (with --ps: the chief 0, worker
+                              I I+1; ps tasks get none)
+    KERAS_DISTRIB_WORLD_SIZE  N (with --ps: 1 + --workers; ps tasks get none)
+    KERAS_DISTRIB_LOCAL_RANK  its index among the ranks (tasks) on its host
     KERAS_DISTRIB_RESTART     how many times the job was restarted before
-                              this run (0 on the first)
-    KERAS_DISTRIB_SHM_DIR     ranks on this machine only: a private
+                              this run (0 on the first; always 0 with --ps)
+    KERAS_DISTRIB_SHM_DIR     ranks on this machine only (not with --ps): a private
                               directory (mode 0700, in /dev/shm) for
                               shared-memory files, new for each run and
                               removed when it ends
@@ -79,18 +108,28 @@ from keras_distrib.launch.config import (DEFAULT_SSH_COMMAND, GRACE_SECONDS,
                                          LaunchConfig, LaunchError, check_config)
 from keras_distrib.launch.plan import (DEFAULT_REMOTE_PORT_BASE, check_local_ports,
                                        plan, print_dry_run, write_output_dir)
-from keras_distrib.launch.supervise import supervise
+from keras_distrib.launch.supervise import DEFAULT_WORKER_RESTARTS, supervise
 
 SUBCOMMANDS = ("launch",)
-USAGE = "keras-distrib launch -n N [--hosts H1:S1,H2:S2] script.py [script args...]"
+USAGE = ("keras-distrib launch -n N [--hosts H1:S1,H2:S2] script.py [script args...]; "
+         "with parameter servers: keras-distrib launch --workers N --ps M script.py ...")
 EXIT_USAGE = 2
 # absl's own help flags print only main-module flags, which is nothing for
 # the console script; these print our usage instead.
 _HELP_TOKENS = ("-h", "--help", "-help", "--helpshort", "-?")
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("nproc", None, "Number of worker processes (ranks), >= 1.",
-                     short_name="n")
+flags.DEFINE_integer("nproc", None, "Number of worker processes (ranks), >= 1. "
+                     "With --ps: the number of worker tasks.", short_name="n")
+flags.DEFINE_integer("workers", None, "Number of worker tasks; the same as -n "
+                     "(give one of them, or both with the same value).")
+flags.DEFINE_integer("ps", 0, "Number of parameter-server tasks; >= 1 makes a "
+                     "parameter-server job: a chief runs the script, the "
+                     "--workers worker tasks and these ps tasks run "
+                     "`python -m keras_distrib.task_server`.", lower_bound=0)
+flags.DEFINE_bool("ps_tasks_run_script", False, "With --ps: every task (chief, "
+                  "workers, ps) runs the script, as under Kubeflow; the "
+                  "strategy then serves on the worker and ps tasks.")
 flags.DEFINE_list("hosts", [], "Comma list of host or host:slots. Without slots "
                   "-n is split evenly; with slots ranks fill hosts in order. "
                   "Default: all ranks on this machine.")
@@ -115,7 +154,10 @@ flags.DEFINE_integer("tail_lines", 40, "Lines of a failed rank's output "
 flags.DEFINE_integer("max_restarts", 0, "When a rank fails or is preempted, "
                      "stop the others and start all ranks again (new ports, "
                      "KERAS_DISTRIB_RESTART counting up), at most this many "
-                     "times. Not with --backend=horovod.", lower_bound=0)
+                     "times. Not with --backend=horovod. With --ps: how many "
+                     "times, over all worker tasks, an exited worker task is "
+                     f"started again alone (0: up to {DEFAULT_WORKER_RESTARTS}).",
+                     lower_bound=0)
 flags.DEFINE_float("grace_seconds", GRACE_SECONDS, "Seconds a rank gets to "
                    "exit after SIGTERM (time for the chief to write a backup) "
                    "before SIGKILL.", lower_bound=0)
@@ -216,10 +258,8 @@ def config_from_flags(positional: Sequence[str]) -> LaunchConfig:
     """Builds and checks a `LaunchConfig` from parsed FLAGS and `[script, *args]`."""
     if not positional:
         raise LaunchError(f"missing the script to run; usage: {USAGE}")
-    if FLAGS.nproc is None:
-        raise LaunchError("-n/--nproc is required, e.g. `keras-distrib launch -n 2 train.py`.")
     config = LaunchConfig(
-        nproc=FLAGS.nproc,
+        nproc=_nproc(),
         script=positional[0],
         script_args=tuple(positional[1:]),
         hosts=tuple(FLAGS.hosts),
@@ -233,9 +273,27 @@ def config_from_flags(positional: Sequence[str]) -> LaunchConfig:
         tail_lines=FLAGS.tail_lines,
         max_restarts=FLAGS.max_restarts,
         grace_seconds=FLAGS.grace_seconds,
+        ps=FLAGS.ps,
+        ps_tasks_run_script=FLAGS.ps_tasks_run_script,
     )
     check_config(config)
     return config
+
+
+def _nproc() -> int:
+    """-n and --workers, one number: they are the same flag by two names."""
+    nproc, workers = FLAGS.nproc, FLAGS.workers
+    if nproc is not None and workers is not None and nproc != workers:
+        raise LaunchError(
+            f"-n {nproc} and --workers {workers} disagree; they are the same "
+            "setting, give one of them."
+        )
+    if nproc is None and workers is None:
+        if FLAGS.ps:
+            raise LaunchError("--workers is required with --ps, e.g. "
+                              "`keras-distrib launch --workers 2 --ps 1 train.py`.")
+        raise LaunchError("-n/--nproc is required, e.g. `keras-distrib launch -n 2 train.py`.")
+    return nproc if nproc is not None else workers
 
 
 # --------------------------------------------------------------------------
@@ -270,11 +328,18 @@ def launch(config: LaunchConfig, out: Optional[TextIO] = None,
         print_dry_run(plans, config, out)
         return 0
     check_local_ports(plans, config)
-    warn_if_oversubscribed(sum(p.local for p in plans), err)
-    return supervise(backends.rank_job(plans, config), config, out, err).exit_code
+    if config.parameter_server:
+        # The ps tasks mostly wait on the network; the chief and workers compute.
+        training = sum(p.local and p.info.is_training_task for p in plans)
+        warn_if_oversubscribed(training, err, unit="training task")
+        job = backends.parameter_server_job(plans, config)
+    else:
+        warn_if_oversubscribed(sum(p.local for p in plans), err)
+        job = backends.rank_job(plans, config)
+    return supervise(job, config, out, err).exit_code
 
 
-def warn_if_oversubscribed(local_ranks: int, err: TextIO) -> None:
+def warn_if_oversubscribed(local_ranks: int, err: TextIO, unit: str = "rank") -> None:
     """One line on `err` when this machine gets more ranks than CPU cores.
 
     Not an error (it works, slowly): each rank runs a whole TensorFlow
@@ -282,10 +347,11 @@ def warn_if_oversubscribed(local_ranks: int, err: TextIO) -> None:
     """
     cores = os.cpu_count()
     if cores and local_ranks > cores:
+        flag = "--workers" if unit != "rank" else "-n"
         err.write(
-            f"keras-distrib: warning: {local_ranks} ranks on this machine, which has "
+            f"keras-distrib: warning: {local_ranks} {unit}s on this machine, which has "
             f"{cores} CPU cores; they will compete for the cores and train slowly "
-            "(lower -n, or spread the ranks with --hosts).\n"
+            f"(lower {flag}, or spread the {unit}s with --hosts).\n"
         )
         err.flush()
 

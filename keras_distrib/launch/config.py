@@ -51,20 +51,53 @@ class LaunchConfig:
     tail_lines: int = 40
     max_restarts: int = 0
     grace_seconds: float = GRACE_SECONDS
+    # Parameter-server mode (--ps M >= 1): a chief runs the script, `nproc`
+    # worker tasks and `ps` ps tasks run TensorFlow servers
+    # (`keras_distrib.task_server`), or the script too with
+    # `ps_tasks_run_script` (Kubeflow style: the strategy serves there).
+    ps: int = 0
+    ps_tasks_run_script: bool = False
+
+    @property
+    def parameter_server(self) -> bool:
+        """Whether this is a parameter-server job (`--ps` >= 1)."""
+        return self.ps > 0
+
+    @property
+    def num_tasks(self) -> int:
+        """Processes in the cluster: the ranks, or chief + workers + ps."""
+        return 1 + self.nproc + self.ps if self.parameter_server else self.nproc
 
 
 def check_config(config: LaunchConfig) -> None:
     """Raises `LaunchError` naming the first bad setting and its fix."""
+    if config.ps < 0:
+        raise LaunchError(f"--ps={config.ps} must be >= 0 (0: no parameter servers).")
+    if config.nproc < 1 and config.parameter_server:
+        raise LaunchError(
+            f"--workers must be >= 1 with --ps, got {config.nproc}; the chief "
+            "only coordinates, the worker tasks run the training steps."
+        )
     if config.nproc < 1:
         raise LaunchError(f"-n/--nproc must be >= 1, got {config.nproc}.")
+    if config.ps_tasks_run_script and not config.parameter_server:
+        raise LaunchError(
+            "--ps_tasks_run_script needs --ps M (M >= 1); without parameter "
+            "servers every rank runs the script anyway."
+        )
+    if config.parameter_server and config.backend == "horovod":
+        raise LaunchError(
+            f"--ps={config.ps} works with --backend=tf only (Horovod has no "
+            "parameter servers); drop --ps or use --backend=tf."
+        )
     if not os.path.isfile(config.script):
         raise LaunchError(
             f"script {config.script!r} not found (cwd {os.getcwd()}); pass the "
             "path of a Python file as the first argument after the flags."
         )
-    if not 0 <= config.port_base <= 65535 - config.nproc + 1:
+    if not 0 <= config.port_base <= 65535 - config.num_tasks + 1:
         raise LaunchError(
-            f"--port_base={config.port_base} leaves no room for {config.nproc} "
+            f"--port_base={config.port_base} leaves no room for {config.num_tasks} "
             "ports; use 0 (free ports) or a base in 1024..60000."
         )
     if config.timeout < 0:

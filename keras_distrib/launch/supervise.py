@@ -36,6 +36,18 @@ user set `TF_CPP_MIN_LOG_LEVEL`, they are left out of the live output too.
 Watching (`_watch`: what happened?) and ending (`_end`: stop the others,
 say why) are separate steps; the restart policy (`_should_restart`) sits
 after them, in `supervise`'s loop over attempts.
+
+A parameter-server job (`ParameterServerJob`: a chief, worker and ps
+tasks) is supervised differently, in one attempt (`_watch_parameter_server`):
+the job ends when the chief exits, with its exit code, and then the
+servers are stopped. A worker task that exits meanwhile is started again
+at once, alone, with the same argv and environment (the same port): it is
+stateless, and TensorFlow's coordinator re-queues its work and reconnects
+when it is back; at most `--max_restarts` times over all workers (100
+when that is 0). A ps task that exits is not (its variables are gone): the
+chief is expected to fail, and if it still runs `PS_LOSS_GRACE_SECONDS`
+later the launcher stops everything and exits with 1. Those events are
+one `[launcher] ...` line each on `err`.
 """
 
 from __future__ import annotations
@@ -105,6 +117,48 @@ class Job:
         """The same children on every attempt, without a private directory."""
         specs = list(specs)
         return cls(len(specs), lambda restart, shm_dir: specs)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterServerJob:
+    """The tasks of a parameter-server job, each one child, by role.
+
+    The chief runs the script; the worker and ps tasks run TensorFlow
+    servers (or the script, which then serves). `supervise` watches such
+    a job as the module docstring says: no whole-job restarts, worker
+    tasks restarted alone. Labels are `chief`, `worker I`, `ps I`.
+
+    Example:
+
+    ```python
+    job = ParameterServerJob(ChildSpec("chief", chief_argv, env0),
+                             (ChildSpec("worker 0", server_argv, env1),),
+                             (ChildSpec("ps 0", server_argv, env2),))
+    ```
+    """
+
+    chief: ChildSpec
+    workers: tuple[ChildSpec, ...]
+    ps: tuple[ChildSpec, ...]
+
+    def __len__(self) -> int:
+        return 1 + len(self.workers) + len(self.ps)
+
+    @property
+    def specs(self) -> list[ChildSpec]:
+        """Every task's spec: the chief, the workers, the ps tasks."""
+        return [self.chief, *self.workers, *self.ps]
+
+
+# Restarts of worker tasks in a parameter-server job when --max_restarts
+# is 0: a worker lost now and then (preempted VMs) is routine there, but a
+# worker that fails at every start should end the job some time.
+DEFAULT_WORKER_RESTARTS = 100
+
+# Seconds the chief of a parameter-server job gets to exit by itself after a
+# ps task was lost (its coordinator then fails within seconds) before the
+# launcher stops the job with exit code 1.
+PS_LOSS_GRACE_SECONDS = 60.0
 
 
 class Ending(enum.Enum):
@@ -446,14 +500,15 @@ class _SignalTrap:
             signal.signal(signum, handler)
 
 
-def supervise(job: Union[Job, Sequence[ChildSpec]], config: LaunchConfig,
+def supervise(job: Union[Job, ParameterServerJob, Sequence[ChildSpec]], config: LaunchConfig,
               out: TextIO, err: TextIO) -> SuperviseResult:
     """Runs the job's attempts, streams their lines, and returns how the job ended.
 
     `job`: a `Job`, or a list of `ChildSpec`s (the same on every attempt).
     A failed attempt is followed by another while `config.max_restarts`
     allows, the launcher was not signalled and `config.timeout` (which
-    bounds all attempts together) has not passed.
+    bounds all attempts together) has not passed. A `ParameterServerJob`
+    runs once, until its chief exits (see the module docstring).
 
     The result's `exit_code` is 0 when all succeed; the last failed
     child's code (128+signal when killed; `PREEMPTED` when it was
@@ -466,12 +521,14 @@ def supervise(job: Union[Job, Sequence[ChildSpec]], config: LaunchConfig,
         LaunchError: a child could not be started (those already started
             are killed).
     """
-    if not isinstance(job, Job):
-        job = Job.of(job)
     # The banners TF_CPP_MIN_LOG_LEVEL=2 does not silence are left out too,
     # unless the user set the level (then they see what they asked for).
     printer = _Printer(out, hide_tf_noise="TF_CPP_MIN_LOG_LEVEL" not in os.environ)
     deadline = time.monotonic() + config.timeout if config.timeout > 0 else None
+    if isinstance(job, ParameterServerJob):
+        return _supervise_parameter_server(job, config, printer, deadline, err)
+    if not isinstance(job, Job):
+        job = Job.of(job)
     with _SignalTrap() as trap:
         restarts = 0
         while True:
@@ -570,24 +627,26 @@ def _watch(children: Sequence[_Child], trap: _SignalTrap,
 
 
 def _end(result: SuperviseResult, children: Sequence[_Child], config: LaunchConfig,
-         trap: _SignalTrap, printer: _Printer, err: TextIO) -> SuperviseResult:
+         trap: _SignalTrap, printer: _Printer, err: TextIO,
+         unit: str = "rank") -> SuperviseResult:
     """Stops the children still running, and says why.
 
     Returns `result`, for a failed child with the tail of its output and
     the stopped children filled in; after a signal, with `PREEMPTED` as
-    its exit code when every child exited with it or 0.
+    its exit code when every child exited with it or 0. `unit` names the
+    children in messages (`rank`, or `task` in a parameter-server job).
     """
     if result.ending is Ending.INTERRUPTED:
         printer.end_line()  # a progress bar must not swallow the message
-        _say(err, f"got {_signal_name(result.signum)}; stopping all ranks.")
+        _say(err, f"got {_signal_name(result.signum)}; stopping all {unit}s.")
         _stop(children, trap, config.grace_seconds)
         if children and all(c.proc.returncode in (0, PREEMPTED) for c in children):
-            _say(err, f"every rank exited with {PREEMPTED} (preempted) or 0; "
+            _say(err, f"every {unit} exited with {PREEMPTED} (preempted) or 0; "
                       f"exit code {PREEMPTED}.")
             result = dataclasses.replace(result, exit_code=PREEMPTED)
     elif result.ending is Ending.TIMED_OUT:
         printer.end_line()
-        _say(err, f"timed out after {config.timeout:g}s (--timeout); stopping all ranks.")
+        _say(err, f"timed out after {config.timeout:g}s (--timeout); stopping all {unit}s.")
         _stop(children, trap, config.grace_seconds)
     elif result.ending is Ending.CHILD_FAILED:
         stopped = tuple(filter(None, (_stopped(c) for c in children)))
@@ -600,6 +659,115 @@ def _end(result: SuperviseResult, children: Sequence[_Child], config: LaunchConf
         printer.end_line()
         _report_failure(result, err)
     return result
+
+
+# --------------------------------------------------------------------------
+# Parameter-server jobs
+
+
+def _supervise_parameter_server(job: ParameterServerJob, config: LaunchConfig,
+                                printer: _Printer, deadline: Optional[float],
+                                err: TextIO) -> SuperviseResult:
+    """Runs a parameter-server job until its chief exits (module docstring).
+
+    Nothing of it outlives this call, replaced worker tasks included.
+    """
+    specs = job.specs
+    children: list[Optional[_Child]] = [None] * len(specs)
+    replaced: list[_Child] = []  # worker tasks that exited and were started again
+    with _SignalTrap() as trap:
+        try:
+            # The servers first: the chief connects to them as soon as it can.
+            for i in [*range(1, len(specs)), 0]:
+                children[i] = _start(specs[i], config.tail_lines, printer)
+            result = _watch_parameter_server(job, children, replaced, config, trap,
+                                             deadline, printer, err)
+            if result.ending is Ending.SUCCEEDED:  # the servers' work is done
+                _stop(children, trap, config.grace_seconds)
+            return _end(result, children, config, trap, printer, err, unit="task")
+        finally:
+            running = [c for c in children if c is not None]
+            for child in running:
+                child.signal_group(signal.SIGKILL)
+            for child in running + replaced:
+                child.proc.wait()
+                child.reader.join(timeout=5)
+            printer.end_line()
+
+
+def _watch_parameter_server(job: ParameterServerJob, children: list[_Child],
+                            replaced: list[_Child], config: LaunchConfig,
+                            trap: _SignalTrap, deadline: Optional[float],
+                            printer: _Printer, err: TextIO) -> SuperviseResult:
+    """Waits until the chief exits (or a signal, the timeout, a lost cause);
+    meanwhile starts exited worker tasks again and notes lost ps tasks."""
+    specs = job.specs
+    workers = range(1, 1 + len(job.workers))
+    ps_tasks = range(1 + len(job.workers), len(specs))
+    limit = config.max_restarts or DEFAULT_WORKER_RESTARTS
+    restarts = 0
+    lost_ps: list[tuple[float, ChildExit]] = []  # (when it was seen, how it ended)
+    while True:
+        if trap.received:
+            signum = trap.received[0]
+            return SuperviseResult(Ending.INTERRUPTED, 128 + signum, signum=signum,
+                                   restarts=restarts)
+        chief = children[0]
+        if chief.proc.poll() is not None:
+            if chief.proc.returncode == 0:
+                return SuperviseResult(Ending.SUCCEEDED, 0, restarts=restarts)
+            how = ChildExit(0, chief.label, chief.proc.returncode)
+            return SuperviseResult(Ending.CHILD_FAILED, how.exit_code, failed=how,
+                                   restarts=restarts)
+        if deadline is not None and time.monotonic() >= deadline:
+            return SuperviseResult(Ending.TIMED_OUT, EXIT_TIMEOUT, restarts=restarts)
+        for i in workers:
+            child = children[i]
+            if child.proc.poll() is None:
+                continue
+            how = ChildExit(i, child.label, child.proc.returncode)
+            if restarts >= limit:
+                flag = (f"--max_restarts={config.max_restarts}" if config.max_restarts
+                        else f"{DEFAULT_WORKER_RESTARTS} when --max_restarts is 0")
+                _note(printer, err, f"{child.label} exited ({_short(how)}); no restarts "
+                                    f"left ({restarts} used, at most {flag}); stopping the job.")
+                return SuperviseResult(Ending.CHILD_FAILED, how.exit_code, failed=how,
+                                       restarts=restarts)
+            restarts += 1
+            _note(printer, err, f"{child.label} exited ({_short(how)}); "
+                                f"restarting it (restart {restarts})")
+            child.signal_group(signal.SIGKILL)  # whatever it started in its group
+            replaced.append(child)
+            children[i] = _start(specs[i], config.tail_lines, printer)
+        for i in ps_tasks:
+            child = children[i]
+            if child.proc.poll() is None or any(h.index == i for _, h in lost_ps):
+                continue
+            how = ChildExit(i, child.label, child.proc.returncode)
+            lost_ps.append((time.monotonic(), how))
+            _note(printer, err, f"{child.label} exited ({_short(how)}); not restarting it "
+                                "(its variables are lost); the chief should fail, else it is "
+                                f"stopped in {PS_LOSS_GRACE_SECONDS:g}s.")
+        if lost_ps and time.monotonic() - lost_ps[0][0] >= PS_LOSS_GRACE_SECONDS:
+            how = lost_ps[0][1]
+            _note(printer, err, f"the chief still runs {PS_LOSS_GRACE_SECONDS:g}s after "
+                                f"{how.label} was lost; stopping the job (exit code 1).")
+            return SuperviseResult(Ending.CHILD_FAILED, 1, failed=how, restarts=restarts)
+        time.sleep(0.05)
+
+
+def _short(how: ChildExit) -> str:
+    """`signal 9` or `exit code 3`, for the one-line `[launcher]` notes."""
+    if how.returncode < 0:
+        return f"signal {-how.returncode}"
+    return f"exit code {how.returncode}"
+
+
+def _note(printer: _Printer, err: TextIO, message: str) -> None:
+    """One `[launcher] message` line on `err`, after any open redrawn line."""
+    printer.end_line()
+    err.write(f"[launcher] {message}\n")
+    err.flush()
 
 
 def _stop(children: Sequence[_Child], trap: _SignalTrap, grace: float) -> None:
