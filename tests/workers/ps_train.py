@@ -10,6 +10,7 @@ Modes:
               PyDataset, steps_per_execution=4, a custom train_step
     warmup    LearningRateWarmup with a float rate, and a schedule
     long      many small steps (a worker is killed meanwhile by the test)
+    sharded   an embedding split over 2 ps tasks: trains, saves, loads
     errors    bad input: one-line error messages
 """
 
@@ -19,6 +20,7 @@ import sys
 import time
 
 import keras_distrib as kd  # first: connects this chief to its cluster
+from keras_distrib._compat import learning_rate_or_schedule
 
 import keras
 import numpy as np
@@ -134,11 +136,9 @@ elif MODE == "warmup":
                               optimizer=keras.optimizers.SGD(rate))
         warmup = kd.callbacks.LearningRateWarmup(warmup_epochs=1, target_multiplier=3)
         model.fit(x, y, batch_size=50, epochs=2, verbose=0, callbacks=[warmup])
-        schedule = model.optimizer.learning_rate if kind == "schedule" else None
         report[kind] = {"iterations": steps_of(model),
                         "final_lr": float(np.asarray(model.optimizer.learning_rate)),
-                        "schedule": type(model.optimizer._learning_rate).__name__
-                        if schedule is None else type(schedule).__name__}
+                        "schedule": type(learning_rate_or_schedule(model.optimizer)).__name__}
 
 elif MODE == "long":
     model = compile_model(kd.DistributedModel(*layers(), strategy="parameter_server"))
@@ -155,8 +155,41 @@ elif MODE == "long":
     report["seconds"] = time.time() - started
     report["iterations"] = steps_of(model)
     report["applied"] = model.strategy.steps_applied
+    report["lost_results"] = model.strategy.lost_results
     report["scheduled"] = int(history.params["steps"]) * len(history.history["loss"])
     report["loss"] = history.history["loss"]
+
+elif MODE == "sharded":
+    partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
+        min_shard_bytes=256, max_shards=2)
+    strategy = kd.strategies.get("parameter_server", variable_partitioner=partitioner)
+
+    def embedding_layers():
+        tokens = keras.Input((4,), dtype="int32")
+        vectors = keras.layers.Embedding(500, 16)(tokens)
+        return tokens, keras.layers.Dense(3)(keras.layers.Flatten()(vectors))
+
+    rng = np.random.RandomState(1)
+    ids = rng.randint(0, 500, (2000, 4)).astype("int32")
+    labels = (ids[:, 0] % 3).astype("int32")
+    model = kd.DistributedModel(*embedding_layers(), strategy=strategy)
+    compile_model(model, optimizer=keras.optimizers.Adam(0.01))
+    report["parts"] = {v.path: len(getattr(v.value, "variables", [v.value]))
+                       for v in model.weights}
+    history = model.fit(ids, labels, batch_size=50, epochs=3, verbose=0)
+    report["loss"] = history.history["loss"]
+    report["iterations"] = steps_of(model)
+    model.save_weights(OUT + ".weights.h5")
+    model.save(OUT + ".keras")
+    plain = keras.Model(*embedding_layers())
+    plain.load_weights(OUT + ".weights.h5")
+    loaded = keras.saving.load_model(OUT + ".keras", compile=False)
+    mine = model.predict(ids[:64], verbose=0)
+    report["weights_h5_max_diff"] = float(np.abs(plain.predict(ids[:64], verbose=0) - mine).max())
+    report["keras_max_diff"] = float(np.abs(loaded.predict(ids[:64], verbose=0) - mine).max())
+    again = kd.DistributedModel(*embedding_layers(), strategy=strategy)
+    again.load_weights(OUT + ".weights.h5")
+    report["reloaded_max_diff"] = float(np.abs(again.predict(ids[:64], verbose=0) - mine).max())
 
 elif MODE == "errors":
     def error_of(call):
