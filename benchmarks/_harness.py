@@ -192,6 +192,35 @@ class Stopwatch:
         return time.perf_counter() - self.start
 
 
+def chosen_configs(names: Sequence[str], valid) -> list[str]:
+    """The `--configs` names, stripped; an unknown one is a usage error."""
+    from absl import app
+
+    configs = [c.strip() for c in names]
+    unknown = sorted(set(configs) - set(valid))
+    if unknown:
+        raise app.UsageError(f"unknown --configs {unknown}; valid: {sorted(valid)}.")
+    return configs
+
+
+def interleaved(configs: Sequence[str], repeats: int, run_config) -> Optional[dict]:
+    """`{config: [result of run_config(config), ...]}` over `repeats` rounds,
+    the order rotated each round so no config always runs first (or after
+    the same one). A failed run prints its workers' output to stderr and
+    gives None."""
+    runs: dict = {c: [] for c in configs}
+    for rep in range(repeats):
+        shift = rep % len(configs)
+        for name in list(configs[shift:]) + list(configs[:shift]):
+            try:
+                runs[name].append(run_config(name))
+            except WorkersFailed as e:
+                print(f"{name} (repetition {rep + 1}): {e}; worker output:\n{e.output}",
+                      file=sys.stderr)
+                return None
+    return runs
+
+
 def parse_size(text: str) -> int:
     """`"64KB"` -> 65536."""
     text = text.strip().upper().removesuffix("B")

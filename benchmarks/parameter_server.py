@@ -397,19 +397,10 @@ def run_driver() -> int:
             FLAGS.configs = ["ps1", "ps2", "mw2"]
     if FLAGS.epochs < 2:
         raise app.UsageError("--epochs must be >= 2 (the first epoch is not timed).")
-    configs = [c.strip() for c in FLAGS.configs]
-    unknown = sorted(set(configs) - set(_CONFIGS))
-    if unknown:
-        raise app.UsageError(f"unknown --configs {unknown}; valid: {sorted(_CONFIGS)}.")
-    runs = {c: [] for c in configs}
-    for rep in range(FLAGS.repeats):
-        shift = rep % len(configs)
-        for name in configs[shift:] + configs[:shift]:
-            try:
-                runs[name].append(run_config(name))
-            except _harness.WorkersFailed as e:
-                print(f"{name} (repetition {rep + 1}): {e}; output:\n{e.output}", file=sys.stderr)
-                return 1
+    configs = _harness.chosen_configs(FLAGS.configs, _CONFIGS)
+    runs = _harness.interleaved(configs, FLAGS.repeats, run_config)
+    if runs is None:
+        return 1
 
     print(f"parameter server vs sync: digits MLP 64-{FLAGS.hidden}-10, SGD "
           f"lr {FLAGS.learning_rate} momentum 0.9, {FLAGS.batch} samples/step/worker, "

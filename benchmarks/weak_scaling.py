@@ -268,20 +268,10 @@ def run_driver() -> int:
     load = _harness.load_note()
     if FLAGS.epochs < 2:
         raise app.UsageError("--epochs must be >= 2 (the first epoch is not timed).")
-    configs = [c.strip() for c in FLAGS.configs]
-    unknown = sorted(set(configs) - set(_CONFIGS))
-    if unknown:
-        raise app.UsageError(f"unknown --configs {unknown}; valid: {sorted(_CONFIGS)}.")
-    runs = {c: [] for c in configs}
-    for rep in range(FLAGS.repeats):
-        shift = rep % len(configs)
-        for name in configs[shift:] + configs[:shift]:
-            try:
-                runs[name].append(run_config(name))
-            except _harness.WorkersFailed as e:
-                print(f"{name} (repetition {rep + 1}): {e}; worker output:\n{e.output}",
-                      file=sys.stderr)
-                return 1
+    configs = _harness.chosen_configs(FLAGS.configs, _CONFIGS)
+    runs = _harness.interleaved(configs, FLAGS.repeats, run_config)
+    if runs is None:
+        return 1
 
     some = next(iter(runs.values()))[0]
     widths = "-".join([str(FLAGS.input_dim), *FLAGS.hidden, str(FLAGS.classes)])
