@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import keras
 import numpy as np
@@ -170,28 +171,38 @@ def process_alive(pid, zombies_count=True):
         return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def launch(out, n, script, *script_args, launch_flags=(), timeout=300, expect=0):
+def launch(out, n, script, *script_args, launch_flags=(), timeout=300, expect=0, env=None,
+           during=None):
     """Runs `keras-distrib launch -n n script ...` for real; returns its output.
 
     Fails with the output's tail unless the launcher exits with `expect`
     (every rank exited 0, by default); with `expect=None` returns
-    `(exit code, output)` instead. The process group is killed whatever
-    happens, so no worker outlives the test.
+    `(exit code, output)` instead. `env` adds environment variables;
+    `during(proc)`, if given, runs while the job does (to kill a task, say).
+    The process group is killed whatever happens, so no worker outlives the
+    test.
     """
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TMPDIR=str(out))
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TMPDIR=str(out), **(env or {}))
     argv = [sys.executable, "-m", "keras_distrib.launch", "launch", "-n", str(n),
             "--timeout", str(timeout - 30), *launch_flags, script, *script_args]
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
+    chunks = []
+    reader = threading.Thread(target=lambda: chunks.append(proc.stdout.read()), daemon=True)
+    reader.start()
     try:
-        output, _ = proc.communicate(timeout=timeout)
+        if during is not None:
+            during(proc)
+        proc.wait(timeout=timeout)
+        reader.join(timeout=10)
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
         proc.wait()
+    output = "".join(chunks)
     if expect is None:
         return proc.returncode, output
     assert proc.returncode == expect, output[-5000:]

@@ -10,14 +10,11 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
-import threading
 import time
 
 import pytest
 
-from helpers import ROOT
+import helpers
 
 import keras_distrib as kd
 
@@ -27,29 +24,11 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "ps
 def _launch(tmp_path, mode, workers=2, ps=1, timeout=400, env=None, during=None):
     """Runs the chief script in `mode` under the launcher; returns (code, output, report)."""
     out = str(tmp_path / f"{mode}.json")
-    argv = [sys.executable, "-m", "keras_distrib.launch", "launch", "--workers", str(workers),
-            "--ps", str(ps), "--timeout", str(timeout - 30), SCRIPT, mode, out]
-    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TMPDIR=str(tmp_path), **(env or {}))
-    proc = subprocess.Popen(argv, cwd=ROOT, env=environment, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    chunks = []
-    reader = threading.Thread(target=lambda: chunks.append(proc.stdout.read()), daemon=True)
-    reader.start()
-    try:
-        if during is not None:
-            during(proc, out)
-        proc.wait(timeout=timeout)
-        reader.join(timeout=10)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.wait()
-    output = "".join(chunks)
+    code, output = helpers.launch(
+        tmp_path, workers, SCRIPT, mode, out, launch_flags=("--ps", str(ps)), timeout=timeout,
+        expect=None, env=env, during=during and (lambda proc: during(proc, out)))
     report = json.load(open(out)) if os.path.exists(out) else None
-    return proc.returncode, output, report
+    return code, output, report
 
 
 def _task_pids(launcher_pid, task_type, index=None):

@@ -120,10 +120,11 @@ def _layout(variables):
             for v in variables}
 
 
-def _train(strategy, coordinator, model, optimizer, steps, seed, record):
-    """`steps` steps scheduled one at a time (join after each); returns the
-    losses and the batches the workers used, in order. `record` gets the
-    gradient types seen when the step was traced."""
+def _scheduled_step(strategy, coordinator, model, optimizer, seed, shuffle=False,
+                    record=None):
+    """`(step, iterator)`: one training step to schedule on a worker, which
+    returns the loss and the batch it used, and the workers' iterator.
+    `record`, if given, gets the gradient types seen when the step is traced."""
     import tensorflow as tf
 
     from keras_distrib import sharded_variables
@@ -132,7 +133,8 @@ def _train(strategy, coordinator, model, optimizer, steps, seed, record):
 
     def dataset_fn():
         x, y = data(seed)
-        return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(BATCH)
+        dataset = tf.data.Dataset.from_tensor_slices((x, y))
+        return (dataset.shuffle(512) if shuffle else dataset).repeat().batch(BATCH)
 
     iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
 
@@ -141,7 +143,9 @@ def _train(strategy, coordinator, model, optimizer, steps, seed, record):
         with tf.GradientTape() as tape:
             value = loss(y, model(x, training=True))
         grads = sharded_variables.gradients(tape, value, model.trainable_variables)
-        record.update({v.path: type(g).__name__ for v, g in zip(model.trainable_variables, grads)})
+        if record is not None:
+            record.update({v.path: type(g).__name__
+                           for v, g in zip(model.trainable_variables, grads)})
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return value, x, y
 
@@ -149,6 +153,15 @@ def _train(strategy, coordinator, model, optimizer, steps, seed, record):
     def step(iterator):
         return strategy.run(replica_step, args=(next(iterator),))
 
+    return step, iterator
+
+
+def _train(strategy, coordinator, model, optimizer, steps, seed, record):
+    """`steps` steps scheduled one at a time (join after each); returns the
+    losses and the batches the workers used, in order. `record` gets the
+    gradient types seen when the step was traced."""
+    step, iterator = _scheduled_step(strategy, coordinator, model, optimizer, seed,
+                                     record=record)
     losses, xs, ys = [], [], []
     for _ in range(steps):
         result = coordinator.schedule(step, args=(iterator,))
@@ -198,33 +211,10 @@ def chief_train(strategy, coordinator, out):
 
 
 def _train_async(strategy, coordinator, model, optimizer, steps):
-    import tensorflow as tf
-
-    from keras_distrib import sharded_variables
-
-    loss = loss_fn()
-
-    def dataset_fn():
-        x, y = data(2)
-        return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(512).repeat().batch(BATCH)
-
-    iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
-
-    def replica_step(batch):
-        x, y = batch
-        with tf.GradientTape() as tape:
-            value = loss(y, model(x, training=True))
-        grads = sharded_variables.gradients(tape, value, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return value
-
-    @tf.function
-    def step(iterator):
-        return strategy.run(replica_step, args=(next(iterator),))
-
+    step, iterator = _scheduled_step(strategy, coordinator, model, optimizer, 2, shuffle=True)
     results = [coordinator.schedule(step, args=(iterator,)) for _ in range(steps)]
     coordinator.join()
-    return dict(losses=[float(r.fetch()) for r in results],
+    return dict(losses=[float(r.fetch()[0]) for r in results],
                 iterations=int(optimizer.iterations.numpy()))
 
 
