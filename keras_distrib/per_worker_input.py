@@ -79,7 +79,7 @@ def plan(fit: dict) -> Plan:
         steps = steps or count
         if not steps:
             raise ValueError(_unknown_steps("this PyDataset has no len()"))
-        return Plan(steps, None, x, _unpack(x[0]), validation)
+        return Plan(steps, None, x, keras.utils.unpack_x_y_sample_weight(x[0]), validation)
     if isinstance(x, tf.data.Dataset) or (callable(x) and not _is_array(x)):
         _no_split(fit, "a dataset")
         dataset = x if isinstance(x, tf.data.Dataset) else _call_dataset_fn(x)
@@ -91,7 +91,7 @@ def plan(fit: dict) -> Plan:
             if count == tf.data.UNKNOWN_CARDINALITY:
                 raise ValueError(_unknown_steps("the dataset's length is unknown"))
             steps = count
-        build = _unpack(next(iter(dataset)))
+        build = keras.utils.unpack_x_y_sample_weight(next(iter(dataset)))
         if isinstance(x, tf.data.Dataset):
             # A dataset made here is sent as its graph (capturing it in a
             # function would send this process's handle, which workers
@@ -128,7 +128,7 @@ def _arrays_plan(fit, x, y, sample_weight, steps, validation) -> Plan:
         return data.repeat().batch(batch_size).prefetch(2)
 
     first = tuple(keras.tree.map_structure(lambda a: a[:batch_size], a) for a in kept)
-    return Plan(steps, dataset_fn, None, _unpack(first), validation)
+    return Plan(steps, dataset_fn, None, keras.utils.unpack_x_y_sample_weight(first), validation)
 
 
 def _worker_seed() -> tf.Tensor:
@@ -190,13 +190,6 @@ def _known_length(py_dataset) -> Optional[int]:
 def _unknown_steps(why: str) -> str:
     return (f"strategy='parameter_server' cannot know how many steps make an epoch: {why}; "
             "pass steps_per_epoch= to fit.")
-
-
-def _unpack(batch):
-    if isinstance(batch, (tuple, list)):
-        batch = tuple(batch) + (None,) * (3 - len(batch))
-        return batch[:3]
-    return (batch, None, None)
 
 
 def _is_array(x) -> bool:

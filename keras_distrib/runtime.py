@@ -117,17 +117,7 @@ def ensure_started(info: cluster_lib.ClusterInfo, peer_timeout: float) -> None:
                 "cluster= to the strategy."
             )
         return
-    if _failed is not None:
-        raise _failed
-    from keras_distrib import _compat
-
-    if _compat.tensorflow_started():
-        raise cluster_lib.ClusterConfigError(
-            "TensorFlow was used before keras_distrib could start its multi-worker "
-            "runtime; `import keras_distrib` before any TensorFlow tensor, variable or "
-            "layer weight is created (with TF_CONFIG or Slurm set, the import starts "
-            "it), or create the strategy at the top of the script."
-        )
+    _check_not_too_late("start its multi-worker runtime", "starts it")
     start(info, peer_timeout)
 
 
@@ -169,17 +159,23 @@ def ensure_coordinator(info: cluster_lib.ClusterInfo, peer_timeout: float):
                 f"this process already coordinates the cluster {_coordinator[0].cluster_spec()}; "
                 "one cluster per process, so pass no other cluster to the strategy.")
         return _coordinator[1:]
+    _check_not_too_late("connect this chief to its parameter servers", "connects")
+    return start_coordinator(info, peer_timeout)[1:]
+
+
+def _check_not_too_late(what: str, import_does: str) -> None:
+    """Raises the import-time start's error, or a one-line error if
+    TensorFlow already runs (too late to `what`)."""
     if _failed is not None:
         raise _failed
     from keras_distrib import _compat
 
     if _compat.tensorflow_started():
         raise cluster_lib.ClusterConfigError(
-            "TensorFlow was used before keras_distrib could connect this chief to its "
-            "parameter servers; `import keras_distrib` before any TensorFlow tensor, "
-            "variable or layer weight is created (with TF_CONFIG set, the import connects), "
-            "or create the strategy at the top of the script.")
-    return start_coordinator(info, peer_timeout)[1:]
+            f"TensorFlow was used before keras_distrib could {what}; `import keras_distrib` "
+            "before any TensorFlow tensor, variable or layer weight is created (with "
+            f"TF_CONFIG or Slurm set, the import {import_does}), or create the strategy at "
+            "the top of the script.")
 
 
 def start_coordinator(info: cluster_lib.ClusterInfo, peer_timeout: float):

@@ -45,7 +45,7 @@ progress bar's step count.
 from __future__ import annotations
 
 import collections
-from typing import Callable
+from typing import Callable, Optional
 
 import keras
 import numpy as np
@@ -89,6 +89,7 @@ class ScheduledTraining:
         self.steps_applied = 0  # steps whose results reached the chief (re-runs too)
         self.lost_results = 0  # closures that finished on a worker that then died
         self.pending: collections.deque = collections.deque()
+        self._logs: Optional[dict] = None  # running_logs, until a fold or reset changes it
         self.dirty = False
         self._iterator = None
         self._py_state = None  # (Keras's ticket iterator, index into the PyDataset)
@@ -204,15 +205,19 @@ class ScheduledTraining:
             return
         for total, inc in zip(self.totals, increments):
             total += np.asarray(inc)
+        self._logs = None
         self.steps_applied += int(applied)
 
     def running_logs(self) -> dict:
-        """Metric results of the closures finished so far (no remote reads)."""
-        values = [i + t for i, t in zip(self.initial, self.totals)]
-        with keras.StatelessScope(state_mapping=list(zip(self.metric_variables, values))):
-            logs = keras.Model.get_metrics_result(self.model)
-        return {k: float(np.asarray(v)) if np.ndim(v) == 0 else np.asarray(v)
-                for k, v in logs.items()}
+        """Metric results of the closures finished so far (no remote reads;
+        computed again only after new results arrived)."""
+        if self._logs is None:
+            values = [i + t for i, t in zip(self.initial, self.totals)]
+            with keras.StatelessScope(state_mapping=list(zip(self.metric_variables, values))):
+                logs = keras.Model.get_metrics_result(self.model)
+            self._logs = {k: float(np.asarray(v)) if np.ndim(v) == 0 else np.asarray(v)
+                          for k, v in logs.items()}
+        return dict(self._logs)  # callbacks may add keys to the dict they get
 
     # -- epoch boundaries ---------------------------------------------------------------
 
@@ -235,6 +240,7 @@ class ScheduledTraining:
         """Keras reset the metrics (a new epoch, or evaluate): start from zero."""
         for total in self.totals:
             total[...] = 0
+        self._logs = None
 
 
 def _as_tuple(batch) -> tuple:
