@@ -709,9 +709,7 @@ def _rebuild_under(strategy: Strategy, inputs, outputs):
     template = keras.Model(inputs, outputs)
     if all(strategy.holds(v) for v in template.variables):
         return inputs, outputs
-    with strategy.scope():
-        clone = keras.models.clone_model(template)
-    clone.set_weights(template.get_weights())
+    clone = strategy.rebuild(template)
     # Each process set its own values (initializers are unseeded by default,
     # so they differ): worker 0's win, as they would at variable creation.
     strategy.broadcast_variables(clone.weights)

@@ -135,6 +135,22 @@ class Strategy(abc.ABC):
     def holds(self, variable: Any) -> bool:
         """Whether `variable` was created under this strategy's scope."""
 
+    def rebuild(self, template):
+        """A copy of the functional `template` (a `keras.Model`) whose
+        variables live where this strategy wants them, with its weights.
+
+        `DistributedModel(inputs, outputs)` calls it when the layers were
+        built outside the strategy. By default the graph is cloned under
+        `scope()`; strategies that place layers one by one (or split them)
+        override it.
+        """
+        import keras  # not at import: keras_distrib sets up TensorFlow first
+
+        with self.scope():
+            clone = keras.models.clone_model(template)
+        clone.set_weights(template.get_weights())
+        return clone
+
     # -- input ------------------------------------------------------------------
 
     def check_batch_size(self, batch_size: Optional[int], name: str = "batch_size") -> None:
