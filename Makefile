@@ -47,6 +47,7 @@ bench: $(HOROVOD)
 	$(PY) benchmarks/allreduce.py
 	$(PY) benchmarks/weak_scaling.py
 	PATH=$(VENV)/bin:$$PATH $(PY) benchmarks/horovod_vs_tf.py
+	PATH=$(VENV)/bin:$$PATH $(PY) benchmarks/parameter_server.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -347,6 +347,13 @@ def redirect_backup_writes(callback, directory: str) -> None:
     callback._prev_training_metadata_path = f"{callback._training_metadata_path}.bkp"
 
 
+def tensorboard_profiles(callback) -> bool:
+    """Whether a `keras.callbacks.TensorBoard` will profile some batches
+    (`profile_batch` > 0: Keras keeps only the parsed `_start_batch`;
+    keras/src/callbacks/tensorboard.py `_init_profile_batch`, Keras 3.15)."""
+    return getattr(callback, "_start_batch", 0) > 0
+
+
 # -- TensorFlow runtime -------------------------------------------------------------
 
 

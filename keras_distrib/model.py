@@ -470,6 +470,7 @@ class DistributedModel(keras.Model):
             self._strategy, "fit", x, batch_size=batch_size, epochs=epochs,
             initial_epoch=kwargs.get("initial_epoch", 0), steps=given["steps_per_epoch"],
             steps_per_execution=self.steps_per_execution)
+        self._strategy.check_callbacks(_callback_list(callbacks))
         backup = _backup_callback(callbacks)
         start = backup.resume_point(self) if backup is not None else None
         given.update(start=start, resumable=backup is not None)
@@ -487,13 +488,19 @@ class DistributedModel(keras.Model):
         with preemption.watching(), \
                 self._side_effects(callbacks) as callbacks, \
                 self._internal_callbacks(callbacks) as callbacks:
-            history = super().fit(
-                fit["x"], fit["y"], fit["batch_size"], epochs, self._verbose(verbose),
-                callbacks, fit["validation_split"], fit["validation_data"], fit["shuffle"],
-                class_weight, fit["sample_weight"],
-                validation_batch_size=fit["validation_batch_size"],
-                steps_per_epoch=fit["steps_per_epoch"], **kwargs,
-            )
+            try:
+                history = super().fit(
+                    fit["x"], fit["y"], fit["batch_size"], epochs, self._verbose(verbose),
+                    callbacks, fit["validation_split"], fit["validation_data"],
+                    fit["shuffle"], class_weight, fit["sample_weight"],
+                    validation_batch_size=fit["validation_batch_size"],
+                    steps_per_epoch=fit["steps_per_epoch"], **kwargs,
+                )
+            except Exception as error:
+                clearer = self._strategy.failure(error)
+                if clearer is None:
+                    raise
+                raise clearer from None
         if preemption.stopped_at(self) is not None:
             where = (f"; backup in {backup.backup_dir}" if backup is not None else
                      "; nothing was saved (add keras_distrib.callbacks.BackupAndRestore)")
@@ -677,13 +684,18 @@ def _with_resume_and_preemption(model, train_function):
     return function
 
 
+def _callback_list(callbacks) -> list:
+    """`fit`'s `callbacks` argument as a flat list."""
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = callbacks.callbacks
+    return list(keras.tree.flatten(callbacks or []))
+
+
 def _backup_callback(callbacks):
     """The `keras_distrib.callbacks.BackupAndRestore` among `callbacks`, if any."""
     from keras_distrib.callbacks.backup_and_restore import BackupAndRestore
 
-    if isinstance(callbacks, keras.callbacks.CallbackList):
-        callbacks = callbacks.callbacks
-    found = [c for c in keras.tree.flatten(callbacks or []) if isinstance(c, BackupAndRestore)]
+    found = [c for c in _callback_list(callbacks) if isinstance(c, BackupAndRestore)]
     if len(found) > 1:
         raise ValueError("Pass one keras_distrib.callbacks.BackupAndRestore per fit, not "
                          f"{len(found)}.")

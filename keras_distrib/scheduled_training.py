@@ -230,10 +230,11 @@ class ScheduledTraining:
             self.coordinator.join()
             while self.pending:
                 self._fold(self.pending.popleft())
+            for variable, initial, total in zip(self.metric_variables, self.initial,
+                                                self.totals):
+                variable.assign(initial + total)  # on a ps
         except _REMOTE_ERRORS as error:
             raise self.lost(error) from None
-        for variable, initial, total in zip(self.metric_variables, self.initial, self.totals):
-            variable.assign(initial + total)
         self.dirty = False
 
     def metrics_reset(self) -> None:

@@ -76,6 +76,23 @@ def _wait_for(path, proc, timeout=200):
         time.sleep(0.2)
 
 
+def _digits_layers():
+    import keras
+
+    inputs = keras.Input((64,))
+    hidden = keras.layers.Dense(64, activation="relu")(inputs)
+    return inputs, keras.layers.Dense(10)(hidden)
+
+
+def _digits_validation():
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    x, _ = load_digits(return_X_y=True)
+    order = np.random.RandomState(0).permutation(len(x))
+    return (x[order] / 16.0).astype("float32")[1500:]
+
+
 # -- in process: configuration errors ---------------------------------------------
 
 
@@ -175,6 +192,83 @@ def test_variables_split_over_two_ps_train_and_save_whole(tmp_path):
 
 
 @pytest.mark.slow
+def test_epoch_level_callbacks_see_every_step_applied(tmp_path):
+    import csv
+
+    import keras
+    import numpy as np
+
+    code, output, report = _launch(tmp_path, "callbacks")
+    assert code == 0, output[-3000:]
+    files, history = report["files"], report["history"]
+    steps = report["steps_per_epoch"]
+    epochs = len(history["loss"])
+    assert epochs == 3  # EarlyStopping: no epoch improved on the first by 10
+    assert report["iterations"] == epochs * steps
+    # ModelCheckpoint: one file per epoch. EarlyStopping put the first
+    # epoch's weights back into the variables on the ps.
+    x_val = _digits_validation()
+    predictions = []
+    for epoch in range(1, epochs + 1):
+        plain = keras.Model(*_digits_layers())
+        plain.load_weights(f"{files}/epoch-{epoch}.weights.h5")
+        predictions.append(plain.predict(x_val, verbose=0))
+    np.testing.assert_allclose(predictions[0], report["predict"], atol=1e-6)
+    assert np.abs(predictions[-1] - predictions[0]).max() > 1e-3
+    assert keras.saving.load_model(f"{files}/best.keras", compile=False) is not None
+    # BackupAndRestore: the last backup counts every step of the 3 epochs.
+    (backup,) = os.listdir(f"{files}/backup")
+    state = json.load(open(f"{files}/backup/{backup}/state.json"))
+    assert (state["epoch"], state["global_step"]) == (epochs, epochs * steps)
+    # CSVLogger: the exact epoch logs.
+    rows = list(csv.DictReader(open(f"{files}/log.csv")))
+    assert [float(r["loss"]) for r in rows] == pytest.approx(history["loss"])
+    # TensorBoard: the epoch scalars were written.
+    logs = [f for _, _, fs in os.walk(f"{files}/tensorboard") for f in fs]
+    assert any(f.startswith("events.out.tfevents") for f in logs)
+    # ThroughputMonitor: the chief's batches are paced by the workers' steps
+    # (it waits once `lag` closures are in flight), so the rate it reports
+    # is near that of the whole fit, not that of scheduling alone.
+    overall = epochs * steps * 32 / report["seconds"]
+    for rate in history["samples_per_sec"]:
+        assert overall / 3 < rate < overall * 3, (rate, overall)
+    # A batch-level callback that cannot work: a one-line error naming it.
+    assert re.match(r"TensorBoard\(profile_batch=\.\.\.\) profiles the chief", report["profile_error"])
+    assert "\n" not in report["profile_error"]
+
+
+@pytest.mark.slow
+def test_a_rerun_after_a_lost_ps_resumes_from_the_last_backup(tmp_path):
+    backup_dir = str(tmp_path / "backup")
+    env = {"PS_BACKUP_DIR": backup_dir, "PS_EPOCHS": "60"}
+
+    def kill_the_ps(proc, out):
+        _wait_for(out + ".ready", proc)
+        os.kill(_task_pids(proc.pid, "ps")[0], signal.SIGKILL)
+
+    first = tmp_path / "first"
+    first.mkdir()
+    code, output, _ = _launch(first, "resume", env=env, during=kill_the_ps)
+    assert code != 0 and "ParameterServerLostError" in output, output[-3000:]
+    (backup,) = os.listdir(backup_dir)
+    state = json.load(open(f"{backup_dir}/{backup}/state.json"))
+    assert state["global_step"] >= 80  # backups every 20 steps; 47 an epoch
+
+    env["PS_EPOCHS"] = str(state["epoch"] + 2)
+    code, output, report = _launch(tmp_path, "resume", env=env)
+    assert code == 0, output[-3000:]
+    steps = report["steps_per_epoch"]
+    assert state["global_step"] == state["epoch"] * steps + state["step"]
+    # The new ps starts from the backup: weights, optimizer and step count,
+    # which holds every step counted (the steps in flight landed first).
+    assert report["iterations_at_start"] == state["global_step"]
+    assert report["epochs_run"] == 2  # the rest of the backup's epoch, and one more
+    assert report["iterations"] == (state["epoch"] + 2) * steps
+    assert report["val_acc"] > 0.85
+    assert not os.listdir(backup_dir)  # a finished fit removes its backups
+
+
+@pytest.mark.slow
 def test_bad_input_gives_one_line_errors(tmp_path):
     code, output, report = _launch(tmp_path, "errors", workers=1)
     assert code == 0, output[-3000:]
@@ -225,7 +319,8 @@ def test_a_killed_ps_is_a_one_line_error_and_nothing_is_left(tmp_path):
     code, output, report = _launch(tmp_path, "long", env={"PS_EPOCHS": "200"},
                                    during=kill_the_ps)
     assert started and code != 0
-    assert time.monotonic() - started[0] < 90
+    print("seconds from the kill to the end of the job:", time.monotonic() - started[0])
+    assert time.monotonic() - started[0] < 60
     assert re.search(r"ParameterServerLostError: parameter server ps 0 \(127\.0\.0\.1:\d+\) "
                      r"failed; its variables are lost", output), output[-3000:]
     assert report is None

@@ -183,6 +183,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._saved_at = self._global_step
         if not self._strategy.is_chief:
             return
+        # Steps still running elsewhere (parameter servers) land first, so
+        # the backup holds every step counted in its state.
+        self._strategy.settle(self.model)
         state = {
             "format": _FORMAT, "epoch": self._epoch, "step": self._step,
             "global_step": self._global_step, "seed": self._seed,

@@ -28,6 +28,11 @@ class ThroughputMonitor(keras.callbacks.Callback):
     * `scaling_efficiency`: `samples_per_sec / (world_size *
       single_worker_throughput)`, when `single_worker_throughput` is given.
 
+    Under an asynchronous strategy (`"parameter_server"`) a batch is the
+    chief scheduling a step; it waits for the oldest step in flight once
+    `lag` are, so in steady state the batches pace at the rate the workers
+    apply steps, and the figures are those of the applied steps.
+
     The numbers are averaged over processes (one collective per epoch), so
     every rank logs the same values; the chief also writes them with
     `tf.summary` to `log_dir`. Epochs without a timed step add nothing.

@@ -183,6 +183,10 @@ class Strategy(abc.ABC):
         x, batch_size = sharding.shard(self, x, y, sample_weight, batch_size)
         return x, None, None, batch_size
 
+    def check_callbacks(self, callbacks: Sequence[Any]) -> None:
+        """Raises a one-line error for a callback `fit` cannot serve under this
+        strategy (default: every callback works)."""
+
     # -- execution ----------------------------------------------------------------
 
     @abc.abstractmethod
@@ -247,6 +251,11 @@ class Strategy(abc.ABC):
 
     def metrics_reset(self, model) -> None:
         """Keras has just reset `model`'s metrics (a new epoch, or evaluate)."""
+
+    def failure(self, error: Exception) -> Optional[Exception]:
+        """A clearer error to raise from `fit` instead of `error` (a lost
+        task, named), or None to raise `error` as it is."""
+        return None
 
     # -- between steps: eager collectives across processes ------------------------------
     # Called by callbacks on every process, in the same order on all of them.

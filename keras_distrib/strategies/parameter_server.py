@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -145,6 +146,18 @@ class ParameterServer(Strategy):
     def distribute_input(self, x, y=None, sample_weight=None, batch_size=None):
         return x, y, sample_weight, batch_size  # the chief reads it all
 
+    def check_callbacks(self, callbacks) -> None:
+        """Epoch-level callbacks see exact logs and every scheduled step
+        applied; per-batch ones run on the chief as it schedules, with logs
+        `lag` closures behind. A profiler there would trace no step."""
+        for callback in callbacks:
+            if (isinstance(callback, keras.callbacks.TensorBoard)
+                    and _compat.tensorboard_profiles(callback)):
+                raise ValueError(
+                    "TensorBoard(profile_batch=...) profiles the chief, but under "
+                    "strategy='parameter_server' the steps run on the workers; pass "
+                    "profile_batch=0 (and profile a worker with tf.profiler.experimental.client).")
+
     # -- execution --------------------------------------------------------------------
 
     def make_step_function(self, model, step_fn: Callable, keras_make_function: Callable):
@@ -184,6 +197,14 @@ class ParameterServer(Strategy):
     def metrics_reset(self, model) -> None:
         if self._training is not None:
             self._training.metrics_reset()
+
+    def failure(self, error: Exception) -> Optional[Exception]:
+        # A ps may die while a callback reads or writes its variables
+        # (checkpoints, early stopping), outside the scheduled steps.
+        if not isinstance(error, tf.errors.OpError):
+            return None
+        lost = self.lost(error)
+        return lost if isinstance(lost, ParameterServerLostError) else None
 
     def lost(self, error: Exception) -> Exception:
         """A one-line error for a failure the coordinator gave up on."""

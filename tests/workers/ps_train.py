@@ -11,6 +11,8 @@ Modes:
     warmup    LearningRateWarmup with a float rate, and a schedule
     long      many small steps (a worker is killed meanwhile by the test)
     sharded   an embedding split over 2 ps tasks: trains, saves, loads
+    callbacks Keras's epoch-level callbacks and ours in one fit
+    resume    BackupAndRestore; the test kills the ps, then runs it again
     errors    bad input: one-line error messages
 """
 
@@ -190,6 +192,65 @@ elif MODE == "sharded":
     again = kd.DistributedModel(*embedding_layers(), strategy=strategy)
     again.load_weights(OUT + ".weights.h5")
     report["reloaded_max_diff"] = float(np.abs(again.predict(ids[:64], verbose=0) - mine).max())
+
+elif MODE == "callbacks":
+    # Keras's epoch-level callbacks and ours, all in one fit.
+    model = compile_model(kd.DistributedModel(*layers(), strategy="parameter_server"))
+    files = OUT + ".files"
+    report["files"] = files
+    callbacks = [
+        keras.callbacks.ModelCheckpoint(files + "/epoch-{epoch}.weights.h5",
+                                        save_weights_only=True),
+        keras.callbacks.ModelCheckpoint(files + "/best.keras", monitor="val_loss",
+                                        save_best_only=True),
+        kd.callbacks.BackupAndRestore(files + "/backup", delete_checkpoint=False),
+        keras.callbacks.TensorBoard(files + "/tensorboard"),
+        keras.callbacks.CSVLogger(files + "/log.csv"),
+        # The loss never falls by 10 after the first epoch: stops after the
+        # third and puts the first epoch's weights back (on the ps).
+        keras.callbacks.EarlyStopping(monitor="loss", min_delta=10.0, patience=2,
+                                      restore_best_weights=True),
+        kd.callbacks.ThroughputMonitor(global_batch_size=32),
+    ]
+    started = time.time()
+    history = model.fit(x, y, batch_size=32, epochs=10, validation_data=(x_val, y_val),
+                        verbose=0, callbacks=callbacks)
+    report["seconds"] = time.time() - started
+    report["history"] = history.history
+    report["iterations"] = steps_of(model)
+    report["steps_per_epoch"] = history.params["steps"]
+    report["predict"] = model.predict(x_val, verbose=0).tolist()
+    report["profile_error"] = None
+    try:
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0,
+                  callbacks=[keras.callbacks.TensorBoard(files + "/profile", profile_batch=2)])
+    except ValueError as error:
+        report["profile_error"] = str(error)
+
+elif MODE == "resume":
+    # Trains with a backup every 20 steps (mid-epoch too); the test kills the
+    # ps after the second epoch (this run then fails) and runs the job
+    # again, which resumes.
+    model = compile_model(kd.DistributedModel(*layers(), strategy="parameter_server"))
+    backup_dir = os.environ["PS_BACKUP_DIR"]
+
+    class Ready(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                with open(OUT + ".ready", "w") as f:
+                    f.write("1")
+
+    class Begins(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            report["iterations_at_start"] = steps_of(self.model)
+
+    history = model.fit(x, y, batch_size=32, epochs=int(os.environ["PS_EPOCHS"]), verbose=0,
+                        callbacks=[kd.callbacks.BackupAndRestore(backup_dir, save_freq=20), Begins(),
+                                   Ready()])
+    report["epochs_run"] = len(history.history["loss"])
+    report["iterations"] = steps_of(model)
+    report["steps_per_epoch"] = history.params["steps"]
+    report["val_acc"] = model.evaluate(x_val, y_val, verbose=0, return_dict=True)["acc"]
 
 elif MODE == "errors":
     def error_of(call):
