@@ -121,7 +121,7 @@ def shard(strategy, x, y=None, sample_weight=None, batch_size=None, shuffle=Fals
     if isinstance(x, keras.utils.PyDataset):
         _no_extras(y, sample_weight, "a PyDataset")
         return _WorkerPyDataset(x, rows, seed if shuffle else None, first_epoch), None
-    if _is_array_like(x):
+    if is_array_like(x):
         return _shard_arrays(x, y, sample_weight, batch_size or 32, rows,
                              seed if shuffle else None, repeat, first_epoch), None
     raise TypeError(
@@ -166,12 +166,13 @@ class _WorkerRows:
 
 def array_steps(x, batch_size) -> Optional[int]:
     """Batches per epoch when `x` is arrays (the last one may be short), else None."""
-    if not _is_array_like(x):
+    if not is_array_like(x):
         return None
     return -(-int(tf.nest.flatten(x)[0].shape[0]) // (batch_size or 32)) or None
 
 
-def _is_array_like(x) -> bool:
+def is_array_like(x) -> bool:
+    """Whether `x` is numpy arrays or tensors (a structure of them)."""
     leaves = tf.nest.flatten(x)
     return bool(leaves) and all(isinstance(t, (np.ndarray, tf.Tensor)) for t in leaves)
 
