@@ -183,7 +183,9 @@ def _no_extras(y, sample_weight, what):
 
 
 def _shard_arrays(x, y, sample_weight, batch_size, rows, seed, repeat=False, first_epoch=0):
-    arrays = tuple(a for a in (x, y, sample_weight) if a is not None)
+    # tf.data would stack a list of inputs into one tensor: a multi-input
+    # `x=[xa, xb]` stays a structure of separate inputs as a tuple.
+    arrays = tuple(_lists_as_tuples(a) for a in (x, y, sample_weight) if a is not None)
     n = int(tf.nest.flatten(x)[0].shape[0])
     batches = -(-n // batch_size)
 
@@ -220,6 +222,14 @@ def _shard_arrays(x, y, sample_weight, batch_size, rows, seed, repeat=False, fir
     options = tf.data.Options()
     options.autotune.enabled = False
     return dataset.prefetch(2).with_options(options)
+
+
+def _lists_as_tuples(structure):
+    if isinstance(structure, list):
+        return tuple(_lists_as_tuples(item) for item in structure)
+    if isinstance(structure, dict):
+        return {key: _lists_as_tuples(item) for key, item in structure.items()}
+    return structure
 
 
 def _shard_dataset(dataset: tf.data.Dataset, rows: _WorkerRows, strategy) -> tf.data.Dataset:

@@ -99,3 +99,26 @@ def test_shuffled_runs_repeat_under_a_fixed_seed(data):
     for a, b in zip(first, again):
         np.testing.assert_array_equal(a, b)
     assert any(np.abs(a - b).max() > 1e-6 for a, b in zip(first, other))
+
+
+@pytest.mark.parametrize("strategy", ["single", "mirrored"])
+def test_a_list_of_inputs_stays_separate_inputs(strategy):
+    """A multi-input `x=[xa, xb]` (tf.data would stack a list into one tensor)."""
+    rng = np.random.default_rng(1)
+    xa, xb = (rng.random((64, 4, 8), dtype=np.float32) for _ in range(2))
+    y = rng.random((64, 4, 5), dtype=np.float32)
+
+    def model(strategy_name):
+        keras.utils.set_random_seed(1)
+        a, b = keras.Input((4, 8)), keras.Input((4, 8))
+        out = keras.layers.Add()([keras.layers.Dense(5)(a), keras.layers.Dense(5)(b)])
+        made = (keras.Model([a, b], out) if strategy_name is None
+                else kd.DistributedModel([a, b], out, strategy=strategy_name))
+        made.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        return made
+
+    plain, ours = model(None), model(strategy)
+    for m in (plain, ours):
+        m.fit([xa, xb], y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(plain.get_weights(), ours.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
