@@ -554,3 +554,65 @@ def shard_by_file(dataset: tf.data.Dataset, num_shards: int, index: int,
     return distribute._AutoShardDataset(
         dataset.with_options(options), num_shards, index, num_replicas
     )
+
+
+# -- tensor parallel -----------------------------------------------------------------
+# `strategy="tensor_parallel"` replaces the whole variables of a built Dense /
+# Embedding by per-device shards. Keras has no public way to take a variable
+# away from a built layer or to add one after its build. Verified on Keras
+# 3.15.1 / TensorFlow 2.21.0.
+
+# The attributes behind `Dense.kernel` / `Dense.bias` / `Embedding.embeddings`
+# (keras/src/layers/core/dense.py, embedding.py), in the order of the keys
+# ("0", "1") their `save_own_variables` writes.
+_WHOLE_VARIABLE_ATTRIBUTES = {"Dense": ("_kernel", "bias"), "Embedding": ("_embeddings",)}
+
+
+def whole_layer_variables(layer) -> list:
+    """The variables a plain built Dense (kernel, then bias if any) or
+    Embedding (embeddings) saves, in its file order."""
+    names = _WHOLE_VARIABLE_ATTRIBUTES[type(layer).__name__]
+    return [v for v in (getattr(layer, n, None) for n in names) if v is not None]
+
+
+def drop_whole_layer_variables(layer) -> None:
+    """Makes a built Dense / Embedding forget its whole variables.
+
+    `Layer.__delattr__` untracks a variable attribute and TensorFlow's
+    AutoTrackable drops its dependency, so nothing keeps the whole variable
+    alive. `bias` is then None, as with `use_bias=False`.
+    """
+    for name in _WHOLE_VARIABLE_ATTRIBUTES[type(layer).__name__]:
+        if getattr(layer, name, None) is not None:
+            delattr(layer, name)
+    if type(layer).__name__ == "Dense":
+        layer.bias = None
+
+
+@contextlib.contextmanager
+def layer_state_unlocked(layer) -> Iterator[None]:
+    """Lets `layer.add_weight` run on a built layer.
+
+    Keras locks a layer's variable tracker (`layer._tracker`) after `build`;
+    the shard variables are added to the built layer, then it is locked
+    again.
+    """
+    tracker = layer._tracker
+    was_locked = tracker.locked
+    tracker.unlock()
+    try:
+        yield
+    finally:
+        if was_locked:
+            tracker.lock()
+
+
+def optimizer_slot_prefix(variable) -> str:
+    """How the name of an optimizer slot made for `variable` starts.
+
+    Keras names a slot `f"{variable.path.replace('/', '_')}_{slot}"`
+    (`BaseOptimizer.add_variable_from_reference`, Keras 3.15.1; no public
+    map from a variable to its slots, each optimizer keeps its own lists).
+    The tensor-parallel optimizer files gather a split weight's slots by it.
+    """
+    return variable.path.replace("/", "_") + "_"

@@ -1,0 +1,586 @@
+"""`"tensor_parallel"`: Dense and Embedding layers split over the local devices.
+
+One model replica spans all the local devices (Megatron-style tensor
+parallelism, Shoeybi et al., 2019, arXiv:1909.08053). The functional graph
+is rebuilt (`rebuild`) with each Dense / Embedding the layout splits
+holding one shard of its kernel (embeddings) and bias per device, created
+on that device, and a forward pass that computes each part where its shard
+lives (see `keras_distrib.tensor_layout` for the layout and the default
+plan). Other layers are placed whole on one device and run there.
+
+Communication, per split layer, inside the one step (no all-reduce across
+replicas: there is one replica, and autodiff through the per-device ops
+gives the exact gradient):
+
+* column (`y = concat_i(x @ W_i + b_i)`): the input is copied to every
+  device; the parts are concatenated on the first device (a gather), unless
+  the layer's only consumer is a row layer, which then takes the parts
+  where they are (the concatenation is left unused and pruned from the
+  compiled step);
+* row (`y = sum_i(x_i @ W_i) + b`): the partial outputs are summed on the
+  first device (a reduction), and the bias added once there.
+
+So a column-then-row pair (the default for consecutive Dense layers) costs
+one reduction in the forward pass (the row sum) and one in the backward
+pass (the sum of the input's gradient parts), as Megatron's `f`/`g` pair
+does, plus the copy of the pair's input to each device.
+
+Saving writes whole, unsplit variables under the keys a plain Dense /
+Embedding uses (`save_own_variables` concatenates the shards,
+`load_own_variables` splits a whole value), so `.keras` and `.weights.h5`
+files load into a plain Keras model of the same architecture and back.
+The optimizer's slots are created next to their shard (Keras's optimizer
+colocates each slot with its variable) and saved whole too, in the plain
+model's order, so a plain model also resumes from the optimizer state.
+`model.get_weights()` lists the shards; `strategy.whole_weights(model)`
+gives the plain model's list.
+
+Not supported (one-line errors): several processes (hybrid data x tensor
+parallelism), subclassed models (there is no graph to rebuild), and
+`jit_compile` (XLA compiles for one device; the step runs without it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+import weakref
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from keras_distrib import _compat
+from keras_distrib import cluster as cluster_lib
+from keras_distrib import devices as devices_lib
+from keras_distrib import tensor_layout
+from keras_distrib.strategies.base import Strategy
+from keras_distrib.topology import Topology
+
+
+class TensorParallel(Strategy):
+    """Splits Dense and Embedding layers over the local devices (one replica).
+
+    Args:
+        devices: the local devices to split over (default: all local GPUs,
+            else all local CPUs).
+        layout: layer-name pattern (a regular expression matched against
+            the whole name) -> `"column"`, `"row"` or `"whole"`. Layers it
+            does not name follow the default plan (Dense layers alternate
+            column, row; Embeddings split by vocabulary; other layers whole,
+            see `keras_distrib.tensor_layout`).
+
+    Example:
+
+    ```python
+    strategy = kd.strategies.get("tensor_parallel",
+                                 layout={"hidden.*": "column", "logits": "row"})
+    model = kd.DistributedModel(inputs, outputs, strategy=strategy)
+    model.compile(optimizer="adam", loss="mse")
+    print(model.strategy.plan())          # variable -> device, bytes per device
+    model.fit(x, y, batch_size=64)
+    model.save("model.keras")             # whole variables: plain Keras loads it
+    ```
+    """
+
+    name = "tensor_parallel"
+    aliases = ("model_parallel",)
+    description = "Dense/Embedding layers split over the local devices (one replica)."
+
+    def __init__(self, devices: Optional[Sequence[str]] = None,
+                 layout: Optional[Mapping[str, str]] = None):
+        if cluster_lib.resolve() is not None:
+            raise ValueError(
+                "strategy='tensor_parallel' runs in one process, but a cluster is configured "
+                "(TF_CONFIG or Slurm); hybrid data x tensor parallelism is not supported yet."
+            )
+        if devices is None:
+            devices = devices_lib.local_devices()
+        self._devices = tuple(devices_lib.check_devices(devices))
+        self._layout = tensor_layout.check_layout(layout)
+        self._topology = Topology(
+            num_replicas=1, num_local_replicas=1, first_local_replica=0,
+            devices=self._devices, role="chief")
+        # Variables this strategy placed (rebuild) or saw created in scope().
+        self._held: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+        # Layers laid out by `rebuild`, and the split kinds of those with a plan.
+        self._laid_out: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self._kinds: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+        self._last_layers: list = []
+
+    @property
+    def topology(self) -> Topology:
+        return self._topology
+
+    @property
+    def home(self) -> str:
+        """The device where parts are gathered and summed (the first one)."""
+        return self._devices[0]
+
+    # -- placement ----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def scope(self):
+        def record(next_creator, **kwargs):
+            variable = next_creator(**kwargs)
+            self._held[id(variable)] = variable
+            return variable
+
+        with tf.variable_creator_scope(record):
+            yield
+
+    def holds(self, variable: Any) -> bool:
+        value = getattr(variable, "value", variable)
+        return self._held.get(id(value)) is value
+
+    def rebuild(self, template):
+        """A copy of `template` with its layers laid out over the devices.
+
+        Each layer is cloned from its config and called on the clone's graph
+        under its device (building it there), then given the template's
+        weights; layers to split then trade their whole variables for
+        per-device shards. So besides the template, at most one whole layer
+        at a time is held on the first device while the copy is made.
+        """
+        import keras
+
+        plans = tensor_layout.plan_layers(template, self._layout, self._devices)
+        originals: dict[int, Any] = {}
+        done: set[int] = set()
+
+        def device_of(layer) -> str:
+            plan = plans.get(layer.name)
+            return plan.device if plan is not None and plan.device else self.home
+
+        def clone_function(layer):
+            # Under its device: a nested model with a known input shape
+            # builds when made from its config.
+            with tf.device(device_of(layer)):
+                clone = layer.__class__.from_config(layer.get_config())
+            originals[id(clone)] = layer
+            return clone
+
+        def call_function(layer, *args, **kwargs):
+            original = originals.get(id(layer))
+            plan = plans.get(original.name) if original is not None else None
+            with tf.device(device_of(original or layer)):
+                outputs = layer(*args, **kwargs)
+            if original is not None and id(layer) not in done:
+                done.add(id(layer))
+                self._lay_out(layer, original, plan)
+            return outputs
+
+        clone = keras.models.clone_model(template, clone_function=clone_function,
+                                         call_function=call_function)
+        for variable in clone.weights:
+            self._held[id(variable.value)] = variable.value
+        self._last_layers = [weakref.ref(layer) for layer in clone.layers]
+        return clone
+
+    def _lay_out(self, layer, original, plan) -> None:
+        layer.set_weights(whole_layer_weights(original))
+        self._laid_out.add(layer)
+        if plan is None:
+            return
+        self._kinds[layer] = plan.kind
+        if plan.kind == "whole":
+            _run_on(layer, plan.device)
+        else:
+            _Split.install(layer, plan.kind, self._devices)
+
+    # -- execution ----------------------------------------------------------------
+
+    def sync_initial_state(self, model) -> None:
+        # Called once the model and its optimizer are built.
+        _OptimizerFiles.install(model)
+
+    def make_step_function(self, model, step_fn: Callable, keras_make_function: Callable):
+        self._check_laid_out(model)
+        _OptimizerFiles.install(model)
+        model.compile_replicas_separately(False)
+        with _compat.jit_compile_off(model):
+            return keras_make_function(lambda data: self.run(step_fn, data))
+
+    def make_predict_function(self, model, keras_make_predict_function: Callable):
+        self._check_laid_out(model)
+        with _compat.jit_compile_off(model):
+            return keras_make_predict_function()
+
+    def _check_laid_out(self, model) -> None:
+        missing = [layer.name for layer in model.layers
+                   if layer.weights and layer not in self._laid_out]
+        if missing:
+            raise ValueError(
+                f"strategy='tensor_parallel' did not lay out layers {missing} of model "
+                f"{model.name!r}: it splits Functional/Sequential models built outside its "
+                "scope(); use DistributedModel(inputs, outputs, strategy=...) or "
+                "DistributedModel.from_model(model, strategy=...) (subclassed models are not "
+                "supported yet)."
+            )
+
+    def run(self, replica_fn: Callable, batch: Any):
+        # The one replica: split layers place their own parts; the rest (loss,
+        # metrics, optimizer bookkeeping) runs on the first device.
+        with tf.device(self.home):
+            return replica_fn(batch)
+
+    def all_reduce(self, values: Sequence[tf.Tensor], op: str = "sum") -> list:
+        return list(values)  # one replica
+
+    # -- between steps ---------------------------------------------------------------
+
+    def _sum_over_processes(self, flat: np.ndarray) -> np.ndarray:
+        return flat  # one process
+
+    def local_replica_values(self, variable: Any) -> list[np.ndarray]:
+        return [np.asarray(variable)]
+
+    # -- the plan and whole weights ----------------------------------------------------
+
+    def plan(self, model=None) -> tensor_layout.Plan:
+        """Where each weight of `model` (default: the model laid out last)
+        lives, read from the variables; `print()` it for a table with bytes
+        per device."""
+        if model is not None:
+            layers = list(model.layers)
+        else:
+            layers = [layer for layer in (ref() for ref in self._last_layers) if layer is not None]
+        kinds = {layer.name: self._kinds[layer] for layer in layers if layer in self._kinds}
+        return tensor_layout.describe(layers, kinds, self._devices)
+
+    def describe(self, model) -> tensor_layout.Plan:
+        """`plan(model)`: where each weight of `model` lives."""
+        return self.plan(model)
+
+    def whole_weights(self, model) -> list[np.ndarray]:
+        """`model`'s weights as a plain Keras model of the same architecture
+        lists them (`get_weights()` order), with split variables gathered."""
+        return [w for layer in model.layers for w in whole_layer_weights(layer)]
+
+    def set_whole_weights(self, model, weights: Sequence[np.ndarray]) -> None:
+        """Sets `model`'s weights from a plain model's `get_weights()` list."""
+        weights = list(weights)
+        for layer in model.layers:
+            count = len(_whole_shapes(layer))
+            layer_weights, weights = weights[:count], weights[count:]
+            if count:
+                set_whole_layer_weights(layer, layer_weights)
+        if weights:
+            raise ValueError(f"{len(weights)} more weights given than model {model.name!r} has.")
+
+
+# -- split layers -----------------------------------------------------------------------
+
+
+def whole_layer_weights(layer) -> list[np.ndarray]:
+    """`layer.get_weights()`, with a split layer's shards gathered."""
+    split = _Split.of(layer)
+    return split.whole_values() if split is not None else layer.get_weights()
+
+
+def set_whole_layer_weights(layer, weights: Sequence[np.ndarray]) -> None:
+    split = _Split.of(layer)
+    if split is None:
+        layer.set_weights(weights)
+    else:
+        split.assign_whole(weights, where=f"layer {layer.name!r}")
+
+
+def _whole_shapes(layer) -> list:
+    split = _Split.of(layer)
+    return split.whole_shapes() if split is not None else [w.shape for w in layer.weights]
+
+
+def _run_on(layer, device: str) -> None:
+    """Makes a whole layer compute where its variables live."""
+    call = layer.call
+
+    @functools.wraps(call)
+    def call_on_device(*args, **kwargs):
+        with tf.device(device):
+            return call(*args, **kwargs)
+
+    object.__setattr__(layer, "call", call_on_device)
+
+
+# A column layer's latest output -> that layer's `_Split`, which keeps the
+# output's parts for a row layer that consumes it (matched by identity, so a
+# stale entry is never used).
+_PRODUCERS: "weakref.WeakValueDictionary[int, _Split]" = weakref.WeakValueDictionary()
+
+
+class _Split:
+    """One Dense / Embedding split over devices: its shards, forward and saving.
+
+    Installed on the layer object itself (its `call`, `save_own_variables`
+    and `load_own_variables`), so the layer's config stays a plain Dense /
+    Embedding and its files hold the whole variables under their plain keys.
+    """
+
+    _BY_LAYER: "weakref.WeakKeyDictionary[Any, _Split]" = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def of(cls, layer) -> Optional["_Split"]:
+        try:
+            return cls._BY_LAYER.get(layer)
+        except TypeError:
+            return None
+
+    @classmethod
+    def install(cls, layer, kind: str, devices: Sequence[str]) -> "_Split":
+        split = cls(layer, kind, devices)
+        cls._BY_LAYER[layer] = split
+        object.__setattr__(layer, "call", split.call)
+        object.__setattr__(layer, "save_own_variables", split.save_own_variables)
+        object.__setattr__(layer, "load_own_variables", split.load_own_variables)
+        return split
+
+    def __init__(self, layer, kind: str, devices: Sequence[str]):
+        self.layer = weakref.proxy(layer)
+        self.kind, self.devices, self.home = kind, tuple(devices), devices[0]
+        self.is_dense = type(layer).__name__ == "Dense"
+        self.last_output = None  # (output, parts) of the latest column call
+        values = [np.asarray(v) for v in _compat.whole_layer_variables(layer)]
+        axis = tensor_layout.split_axis(kind)
+        self.sizes = tensor_layout.part_sizes(values[0].shape[axis], len(devices))
+        self.offsets = np.cumsum(self.sizes)[:-1]
+        _compat.drop_whole_layer_variables(layer)
+        # Each entry: (shards, axis they split, or None for one whole variable).
+        self.groups: list[tuple[list, Optional[int]]] = []
+        role = "kernel" if self.is_dense else "embeddings"
+        with _compat.layer_state_unlocked(layer):
+            self.groups.append((self._shards(layer, role, values[0], axis), axis))
+            if len(values) > 1:  # a Dense bias
+                if kind == "column":
+                    self.groups.append((self._shards(layer, "bias", values[1], 0), 0))
+                else:
+                    self.groups.append(([self._variable(layer, "bias", values[1], self.home)],
+                                        None))
+
+    def _shards(self, layer, role, value, axis) -> list:
+        parts = np.split(value, self.offsets, axis=axis)
+        return [self._variable(layer, f"{role}_shard{i}", part, device, role)
+                for i, (part, device) in enumerate(zip(parts, self.devices))]
+
+    @staticmethod
+    def _variable(layer, name, value, device, role=None):
+        role = role or name
+        with tf.device(device):
+            variable = layer.add_weight(
+                name=name, shape=value.shape, initializer="zeros",
+                regularizer=getattr(layer, f"{role}_regularizer", None),
+                trainable=layer.trainable)
+            variable.assign(value)
+        return variable
+
+    # -- forward ----------------------------------------------------------------
+
+    def call(self, inputs, *args, **kwargs):
+        if not self.is_dense:
+            return self._embedding_call(inputs)
+        return self._column_call(inputs) if self.kind == "column" else self._row_call(inputs)
+
+    def _column_call(self, inputs):
+        ops = _keras_ops()
+        kernels = self.groups[0][0]
+        biases = self.groups[1][0] if len(self.groups) > 1 else [None] * len(kernels)
+        activation = self.layer.activation
+        parts = []
+        for device, kernel, bias in zip(self.devices, kernels, biases):
+            with tf.device(device):
+                y = ops.matmul(inputs, kernel)
+                if bias is not None:
+                    y = ops.add(y, bias)
+                if activation is not None:
+                    y = activation(y)
+            parts.append(y)
+        return self._gathered(parts)
+
+    def _row_call(self, inputs):
+        kernels = self.groups[0][0]
+        pieces = self._parts_of(inputs)
+        partial = []
+        for device, piece, kernel in zip(self.devices, pieces, kernels):
+            with tf.device(device):
+                partial.append(_keras_ops().matmul(piece, kernel))
+        ops = _keras_ops()
+        with tf.device(self.home):
+            y = functools.reduce(ops.add, partial)
+            if len(self.groups) > 1:
+                y = ops.add(y, self.groups[1][0][0])
+            if self.layer.activation is not None:
+                y = self.layer.activation(y)
+        return y
+
+    def _embedding_call(self, ids):
+        ops = _keras_ops()
+        if _keras().backend.standardize_dtype(ids.dtype) not in ("int32", "int64"):
+            ids = ops.cast(ids, "int32")
+        tables = self.groups[0][0]
+        parts = []
+        start = 0
+        for device, table, size in zip(self.devices, tables, self.sizes):
+            with tf.device(device):
+                if self.kind == "column":
+                    parts.append(ops.take(table, ids, axis=0))
+                else:  # this device's vocabulary rows; ids elsewhere give zeros
+                    local = ids - start
+                    inside = ops.logical_and(local >= 0, local < size)
+                    rows = ops.take(table, ops.where(inside, local, 0), axis=0)
+                    parts.append(rows * ops.expand_dims(ops.cast(inside, rows.dtype), -1))
+            start += size
+        if self.kind == "column":
+            out = self._gathered(parts)
+        else:
+            with tf.device(self.home):
+                out = functools.reduce(ops.add, parts)
+        return ops.cast(out, self.layer.compute_dtype)
+
+    def _gathered(self, parts):
+        with tf.device(self.home):
+            output = _keras_ops().concatenate(parts, axis=-1)
+        self.last_output = (output, parts)
+        _PRODUCERS[id(output)] = self
+        return output
+
+    def _parts_of(self, inputs) -> list:
+        """The row layer's input, one slice per device: the producing column
+        layer's parts when it is that layer's latest output, else slices of it."""
+        producer = _PRODUCERS.get(id(inputs))
+        if (producer is not None and producer.last_output[0] is inputs
+                and producer.sizes == self.sizes and producer.devices == self.devices):
+            return list(producer.last_output[1])
+        pieces, start = [], 0
+        for device, size in zip(self.devices, self.sizes):
+            with tf.device(device):
+                pieces.append(inputs[..., start:start + size])
+            start += size
+        return pieces
+
+    # -- whole values, saving ----------------------------------------------------------
+
+    def whole_values(self) -> list[np.ndarray]:
+        return [np.asarray(shards[0]) if axis is None
+                else np.concatenate([np.asarray(s) for s in shards], axis=axis)
+                for shards, axis in self.groups]
+
+    def whole_shapes(self) -> list[tuple]:
+        shapes = []
+        for shards, axis in self.groups:
+            shape = list(shards[0].shape)
+            if axis is not None:
+                shape[axis] = sum(s.shape[axis] for s in shards)
+            shapes.append(tuple(shape))
+        return shapes
+
+    def assign_whole(self, values: Sequence[Any], where: str) -> None:
+        shapes = self.whole_shapes()
+        if len(values) != len(shapes):
+            raise ValueError(
+                f"{where} holds {len(shapes)} whole variables (shapes {shapes}), "
+                f"got {len(values)} values; save from a model of the same architecture."
+            )
+        for (shards, axis), value, shape in zip(self.groups, values, shapes):
+            value = np.asarray(value)
+            if tuple(value.shape) != shape:
+                raise ValueError(
+                    f"{where}: a value of shape {tuple(value.shape)} was given for a variable "
+                    f"of shape {shape}; save from a model of the same architecture."
+                )
+            parts = [value] if axis is None else np.split(value, self.offsets, axis=axis)
+            for shard, part in zip(shards, parts):
+                shard.assign(part)
+
+    def save_own_variables(self, store) -> None:
+        for i, value in enumerate(self.whole_values()):
+            store[str(i)] = value
+
+    def load_own_variables(self, store) -> None:
+        values = [store[str(i)] for i in range(len(store.keys()))]
+        self.assign_whole(values, where=f"layer {self.layer.name!r} in the file")
+
+
+class _OptimizerFiles:
+    """The optimizer's state saved as a plain model's optimizer saves it.
+
+    Each split weight has one slot per shard (kept on the shard's device);
+    in files they are one whole slot, in the plain model's order: the first
+    shard's slot stands for the gathered slot and the others are left out.
+    So a plain Keras model loads the optimizer state too (and a file of a
+    plain model loads into the split one), as for the weights.
+    """
+
+    _HOOKED: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+    @classmethod
+    def install(cls, model) -> None:
+        optimizer = getattr(model, "optimizer", None)
+        splits = [s for s in (_Split.of(layer) for layer in model.layers) if s is not None]
+        for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+            if opt is None or opt in cls._HOOKED or not splits:
+                continue
+            files = cls(opt, splits)
+            object.__setattr__(opt, "save_own_variables", files.save_own_variables)
+            object.__setattr__(opt, "load_own_variables", files.load_own_variables)
+            cls._HOOKED.add(opt)
+
+    def __init__(self, optimizer, splits):
+        self.optimizer = weakref.proxy(optimizer)
+        self.splits = [weakref.ref(s) for s in splits]
+
+    def _entries(self) -> list[tuple[list, Optional[int]]]:
+        """([variables], axis): one whole value each, in file order."""
+        shard_of = {}  # slot prefix -> (group id, shard index, axis)
+        for split in (ref() for ref in self.splits):
+            for shards, axis in (split.groups if split is not None else []):
+                if axis is not None:
+                    for i, shard in enumerate(shards):
+                        shard_of[_compat.optimizer_slot_prefix(shard)] = (id(shards), i, axis)
+        slots, order = {}, []
+        for variable in self.optimizer.variables:
+            owner = next(((p, shard_of[p]) for p in shard_of if variable.name.startswith(p)),
+                         None)
+            if owner is None:
+                order.append(([variable], None))
+                continue
+            prefix, (group, index, axis) = owner
+            key = (group, variable.name[len(prefix):])
+            slots.setdefault(key, {})[index] = variable
+            if index == 0:
+                order.append((key, axis))
+        return [(entry, None) if axis is None else
+                ([slots[entry][i] for i in sorted(slots[entry])], axis)
+                for entry, axis in order]
+
+    def save_own_variables(self, store) -> None:
+        for i, (variables, axis) in enumerate(self._entries()):
+            store[str(i)] = (np.asarray(variables[0]) if axis is None else
+                             np.concatenate([np.asarray(v) for v in variables], axis=axis))
+
+    def load_own_variables(self, store) -> None:
+        entries = self._entries()
+        if len(store.keys()) != len(entries):
+            warnings.warn(
+                f"Skipping variable loading for optimizer '{self.optimizer.name}', because "
+                f"it has {len(entries)} variables whereas the saved optimizer has "
+                f"{len(store.keys())} variables.", stacklevel=2)
+            return
+        for i, (variables, axis) in enumerate(entries):
+            value = np.asarray(store[str(i)])
+            if axis is None:
+                variables[0].assign(value)
+                continue
+            offsets = np.cumsum([v.shape[axis] for v in variables])[:-1]
+            for variable, part in zip(variables, np.split(value, offsets, axis=axis)):
+                variable.assign(part)
+
+
+def _keras():
+    import keras  # not at import: keras_distrib sets up TensorFlow first
+
+    return keras
+
+
+def _keras_ops():
+    return _keras().ops
