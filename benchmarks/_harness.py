@@ -1,10 +1,13 @@
-"""Shared plumbing of the multi-process benchmarks (allreduce, weak_scaling, horovod_vs_tf).
+"""Shared plumbing of the benchmarks (allreduce, weak_scaling, strong_scaling, ...).
 
 A benchmark script is both the driver and the worker: the driver (no
 `--role` flag) starts N copies of itself as workers through
 `keras-distrib launch`, each worker writes its measurements as JSON into a
 directory the driver names, and the driver reads them back and prints a
-table. Nothing here imports TensorFlow, so the driver stays light.
+table. The driver then saves what it measured as JSON under
+`benchmarks/results/` (`save_results`), from which `benchmarks/_plots.py`
+draws the figures. Nothing here imports TensorFlow, so the driver stays
+light.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ flags.DEFINE_enum("role", "driver", ["driver", "worker"],
 flags.DEFINE_string("out_dir", None, "Worker only: where to write rank{R}.json.")
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Where the drivers save their measurements (JSON) and _plots.py its figures.
+RESULTS_DIR = os.path.join(REPO_ROOT, "benchmarks", "results")
 
 # Environment every worker gets: quiet TensorFlow, and the repository on the
 # path so `keras_distrib` imports from a checkout without installing it.
@@ -219,6 +224,98 @@ def interleaved(configs: Sequence[str], repeats: int, run_config) -> Optional[di
                       file=sys.stderr)
                 return None
     return runs
+
+
+def quick_defaults(**values) -> None:
+    """`--quick`: sets the given flags, except those given on the command line."""
+    for name, value in values.items():
+        if not flags.FLAGS[name].present:
+            setattr(flags.FLAGS, name, value)
+
+
+def paired_ratios(a: Sequence[dict], b: Sequence[dict], scale: float = 1.0,
+                  key: str = "throughput") -> list[float]:
+    """`a[i][key] / (scale * b[i][key])` for each repetition i."""
+    return [x[key] / (scale * y[key]) for x, y in zip(a, b)]
+
+
+def fastest_per_repetition(runs: dict, candidates: Sequence[str],
+                           key: str = "throughput") -> tuple[list[dict], list[str]]:
+    """For each repetition, the run with the highest `key` among the
+    `candidates` present in `runs`, and its configuration's name.
+
+    The honest baseline of a scaling ratio: N workers are compared with the
+    fastest way this run found to train on one worker, not with the slowest.
+    """
+    present = [c for c in candidates if c in runs]
+    if not present:
+        return [], []
+    best, names = [], []
+    for rep in range(min(len(runs[c]) for c in present)):
+        name = max(present, key=lambda c: runs[c][rep][key])
+        best.append(runs[name][rep])
+        names.append(name)
+    return best, names
+
+
+def name_counts(names: Sequence[str]) -> str:
+    """`["single", "raw1", "single"]` -> `"single (2 of 3), raw1 (1 of 3)"`."""
+    counts: dict = {}
+    for n in names:
+        counts[n] = counts.get(n, 0) + 1
+    ordered = sorted(counts.items(), key=lambda kv: -kv[1])
+    return ", ".join(f"{n} ({k} of {len(names)})" for n, k in ordered)
+
+
+def verdict(value: float, target: float, at_least: bool = True) -> bool:
+    """Whether a median `value` meets `target` (`>=` or, `at_least=False`, `<=`)."""
+    return value >= target if at_least else value <= target
+
+
+def target_line(label: str, values: Sequence[float], target: float,
+                at_least: bool = True, width: int = 44) -> tuple[str, bool]:
+    """One printed line `label  median [min, max]  target >= T: target met`
+    (judged on the median) and whether it is met."""
+    met = verdict(stats(values)[0], target, at_least)
+    op = ">=" if at_least else "<="
+    return (f"{label:{width}s} {fmt_stats(values):^22s}  target {op} {target:g}: "
+            f"{'target met' if met else 'TARGET NOT MET'}"), met
+
+
+def run_summary(values: Sequence[float]) -> dict:
+    """`{"median", "min", "max", "values"}` of one measured quantity, for JSON."""
+    med, lo, hi = stats(values)
+    return {"median": med, "min": lo, "max": hi, "values": list(values)}
+
+
+def save_results(path: Optional[str], name: str, payload: dict, quick: bool = False,
+                 load: Optional[str] = None) -> Optional[str]:
+    """Writes a driver's measurements as JSON (atomically) and returns the path.
+
+    `path`: the `--json` flag; None or "" writes nothing. Adds what the
+    figures and a reader need to judge the numbers: the benchmark's name,
+    when, the command line, the machine's cores and load, and whether it was
+    a `--quick` run (whose numbers are for testing the chain, not for
+    reading).
+    """
+    if not path:
+        return None
+    meta = {
+        "benchmark": name,
+        "time": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "argv": sys.argv,
+        "cpus": os.cpu_count(),
+        "load": load if load is not None else load_note(),
+        "quick": bool(quick),
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump({"meta": meta, **payload}, f, indent=1)
+        f.write("\n")
+    os.replace(path + ".tmp", path)
+    shown = os.path.relpath(path)
+    print(f"measurements saved to {path if shown.startswith('..') else shown}")
+    return path
 
 
 def parse_size(text: str) -> int:

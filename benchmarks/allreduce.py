@@ -38,9 +38,15 @@ Targets (from the issue): ours >= raw on every size, >= 1.5x raw on
 many-small. Misses are flagged in the last column. Absolute numbers on a
 shared 2-core machine are noise; read the ratios.
 
+The measurements (every timing, as the slowest rank's, and the bus
+bandwidths) are saved as JSON (`--json`, default
+benchmarks/results/allreduce.json), from which benchmarks/_plots.py draws
+benchmarks/results/allreduce_bandwidth.png.
+
 Run:
     python benchmarks/allreduce.py [--repeats 7] [--bytes_per_pack 4194304,0]
         [--sizes 4K,64K,1M,16M,64M] [--nproc 2] [--pin] [--implementation auto|ring]
+        [--quick] [--json benchmarks/results/allreduce.json]
 """
 
 from __future__ import annotations
@@ -73,6 +79,10 @@ flags.DEFINE_enum("implementation", "auto", ["auto", "ring", "shm"],
                   "implementation= of our multi_worker strategy (auto: shared "
                   "memory here, all workers being on this host).")
 flags.DEFINE_float("timeout", 150.0, "Seconds one launch of the workers may take.")
+flags.DEFINE_bool("quick", False, "About a minute, to test the chain: --repeats 3 "
+                  "--min_timing_ms 20 --sizes 4K,64K,1M,16M (flags given explicitly win).")
+flags.DEFINE_string("json", os.path.join(_harness.RESULTS_DIR, "allreduce.json"),
+                    "Where the driver saves its measurements (empty: nowhere).")
 
 VARIANTS = ("raw", "batched", "ours")
 _ONE_PACK = 2**62
@@ -222,12 +232,15 @@ def worker_args(bytes_per_pack: str) -> list[str]:
     ]
 
 
-def print_table(results: list[dict]) -> list[str]:
-    """Prints one launch's table; returns the target misses."""
+def print_table(results: list[dict]) -> tuple[list[str], dict]:
+    """Prints one launch's table; returns the target misses and the launch's
+    measurements (for the JSON)."""
     world = results[0]["world_size"]
     factor = 2 * (world - 1) / world
     bpp = results[0]["bytes_per_pack"]
     misses = []
+    launch = {"bytes_per_pack": bpp, "implementation": results[0]["implementation"],
+              "world_size": world, "tf_version": results[0]["tf_version"], "cases": []}
     print(f"\nours: multi_worker implementation={results[0]['implementation']} "
           f"bytes_per_pack={bpp}; {world} workers; "
           f"{FLAGS.repeats} interleaved repetitions; TF {results[0]['tf_version']}")
@@ -258,17 +271,27 @@ def print_table(results: list[dict]) -> list[str]:
                           + (" (in noise)" if in_noise else ""))
         if not ok:
             misses.append(f"bytes_per_pack={bpp} {case['name']}: wrong all-reduce result")
+        launch["cases"].append({
+            "name": case["name"], "bytes": case["bytes"], "num_tensors": case["num_tensors"],
+            "calls_per_timing": case["calls_per_timing"], "collectives": case["collectives"],
+            "seconds": times, "bus_gbps": {v: _harness.run_summary(bus[v]) for v in VARIANTS},
+            "ours_over_raw": _harness.run_summary(vs_raw),
+            "ours_over_batched": _harness.run_summary(vs_batched),
+            "checks_ok": ok,
+        })
         colls = "/".join(str(case["collectives"][v]) for v in VARIANTS)
         print(f"{case['name']:>10s} {case['num_tensors']:>7d} {colls:>11s} {case['calls_per_timing']:>4d} | "
               + " ".join(f"{_harness.stats(bus[v])[0]:8.3f}" for v in VARIANTS)
               + f" | {_harness.fmt_stats(vs_raw):^22s} | {_harness.fmt_stats(vs_batched):^22s} | "
               f"{'ok' if ok else 'WRONG':5s}  {target}")
-    return misses
+    return misses, launch
 
 
 def run_driver() -> int:
     watch = _harness.Stopwatch()
     load = _harness.load_note()
+    if FLAGS.quick:
+        _harness.quick_defaults(repeats=3, min_timing_ms=20.0, sizes=["4K", "64K", "1M", "16M"])
     script = os.path.abspath(__file__)
     print(f"all-reduce benchmark: {FLAGS.nproc} worker processes on {os.cpu_count()} cores; "
           "ratios > 1 mean ours is faster; k = calls per timing")
@@ -276,7 +299,7 @@ def run_driver() -> int:
     print(f"many-small = {2 * layers} tensors, {_harness.human(layers * (w * w + w) * 4)}: the kernels "
           f"and biases of {layers} x Dense({w}); collectives = CollectiveReduce ops per call "
           "(raw/batched/ours)")
-    misses = []
+    misses, launches = [], []
     for bpp in FLAGS.bytes_per_pack:
         try:
             out_dir, _ = _harness.launch_workers(
@@ -284,12 +307,22 @@ def run_driver() -> int:
         except _harness.WorkersFailed as e:
             print(f"\nbytes_per_pack={bpp}: {e}; worker output:\n{e.output}", file=sys.stderr)
             return 1
-        misses += print_table(_harness.read_results(out_dir, FLAGS.nproc))
+        launch_misses, launch = print_table(_harness.read_results(out_dir, FLAGS.nproc))
+        misses += launch_misses
+        launches.append(launch)
     print("\ntarget misses: " + ("; ".join(misses) if misses else "none"))
     if any("in noise" in m for m in misses):
         print("(in noise: the median misses but the [min, max] range of the ratio "
               "reaches the target; for one tensor all variants run the same collective)")
     print(f"{load}; total time {watch.elapsed():.0f}s")
+    _harness.save_results(FLAGS.json, "allreduce", {
+        "nproc": FLAGS.nproc, "repeats": FLAGS.repeats, "pin": FLAGS.pin,
+        "variants": {"raw": "raw TF, one all_reduce per tensor",
+                     "batched": "raw TF, one batched all_reduce (one pack)",
+                     "ours": "keras_distrib Strategy.all_reduce"},
+        "launches": launches,
+        "misses": misses,
+    }, quick=FLAGS.quick, load=load)
     return 0
 
 
