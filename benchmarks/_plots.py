@@ -127,8 +127,14 @@ def plot_throughput() -> str | None:
     meta = (weak or strong)["meta"]
     fig.suptitle(f"keras_distrib.DistributedModel.fit, CPU workers ({meta['time'][:10]}, "
                  f"{meta['cpus']} cores, shared machine)", fontsize=10)
+    return _save(fig, "throughput_vs_workers.png")
+
+
+def _save(fig, name: str) -> str:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
-    path = os.path.join(FLAGS.results_dir, "throughput_vs_workers.png")
+    path = os.path.join(FLAGS.results_dir, name)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -200,11 +206,7 @@ def plot_allreduce() -> str | None:
     fig.suptitle(f"all-reduce bus bandwidth, median of {data['repeats']} timings per launch "
                  f"(raw/batched pooled over launches), bars [min, max] ({meta['time'][:10]}, "
                  f"{meta['cpus']} cores, shared machine)", fontsize=9)
-    fig.tight_layout()
-    path = os.path.join(FLAGS.results_dir, "allreduce_bandwidth.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, "allreduce_bandwidth.png")
 
 
 def main(argv):

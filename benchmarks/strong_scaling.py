@@ -69,14 +69,7 @@ def run_config(name: str) -> dict:
 
 
 def run_driver() -> int:
-    watch = _harness.Stopwatch()
-    load = _harness.load_note()
-    if FLAGS.quick:
-        _harness.quick_defaults(repeats=1, steps=10, epochs=2)
-    if FLAGS.epochs < 2:
-        raise app.UsageError("--epochs must be >= 2 (the first epoch is not timed).")
-    configs = _harness.chosen_configs(FLAGS.configs, weak_scaling._CONFIGS)
-    runs = _harness.interleaved(configs, FLAGS.repeats, run_config)
+    watch, load, configs, runs = weak_scaling.measure(run_config)
     if runs is None:
         return 1
 

@@ -328,7 +328,10 @@ def model_description(params: int) -> str:
     return f"MLP {widths} ({params:,} parameters)"
 
 
-def run_driver() -> int:
+def measure(run_one) -> tuple:
+    """Runs the chosen configurations alternately (`run_one(name)` launches
+    one); returns `(stopwatch, load note, configs, runs)`, runs None if one
+    failed. Shared with strong_scaling.py."""
     watch = _harness.Stopwatch()
     load = _harness.load_note()
     if FLAGS.quick:
@@ -336,7 +339,11 @@ def run_driver() -> int:
     if FLAGS.epochs < 2:
         raise app.UsageError("--epochs must be >= 2 (the first epoch is not timed).")
     configs = _harness.chosen_configs(FLAGS.configs, _CONFIGS)
-    runs = _harness.interleaved(configs, FLAGS.repeats, run_config)
+    return watch, load, configs, _harness.interleaved(configs, FLAGS.repeats, run_one)
+
+
+def run_driver() -> int:
+    watch, load, configs, runs = measure(run_config)
     if runs is None:
         return 1
 

@@ -112,6 +112,23 @@ def all_variables_on(model, strategy):
     return all(strategy.holds(v) for v in model.variables)
 
 
+class Crash(Exception):
+    pass
+
+
+class CrashAfter(keras.callbacks.Callback):
+    """Raises after global step `at` (1-based) of its `fit`, as a crash would."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at, self.steps = at, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps += 1
+        if self.steps == self.at:
+            raise Crash(f"crash after step {self.at}")
+
+
 class Batches(keras.utils.PyDataset):
     """A PyDataset over arrays, in order, with a last partial batch."""
 

@@ -16,28 +16,11 @@ import numpy as np
 import pytest
 
 import keras_distrib as kd
-from helpers import Batches, build, make_data
+from helpers import Batches, Crash, CrashAfter, build, make_data
 from keras_distrib import preemption
 from keras_distrib.callbacks import backup_and_restore
 
 EPOCHS, BATCH = 3, 32  # 203 samples: 7 steps per epoch, 21 in all
-
-
-class Crash(Exception):
-    pass
-
-
-class CrashAfter(keras.callbacks.Callback):
-    """Raises after global step `at` (1-based), as a crash would."""
-
-    def __init__(self, at):
-        super().__init__()
-        self.at, self.steps = at, 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.steps += 1
-        if self.steps == self.at:
-            raise Crash(f"crash after step {self.at}")
 
 
 def _model(strategy="single"):

@@ -16,6 +16,8 @@ import tensorflow as tf
 import keras_distrib as kd
 from helpers import (
     FEATURES,
+    Crash,
+    CrashAfter,
     assert_trains_like_single,
     assert_weights_close,
     build,
@@ -362,14 +364,6 @@ def test_callbacks_and_distributed_optimizer(data, tmp_path):
 def test_a_resumed_run_equals_an_uninterrupted_one(data, tmp_path):
     x, y = data
 
-    class Crash(Exception):
-        pass
-
-    class CrashAt(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if batch == 4 and self.model.optimizer.iterations.numpy() == 12:
-                raise Crash()
-
     def fit(model, *extra):
         backup = kd.callbacks.BackupAndRestore(tmp_path / "run", save_freq=4)
         return model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=True, verbose=0,
@@ -379,7 +373,7 @@ def test_a_resumed_run_equals_an_uninterrupted_one(data, tmp_path):
     reference.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=True, verbose=0,
                   callbacks=[kd.callbacks.BackupAndRestore(tmp_path / "ref", save_freq=4)])
     with pytest.raises(Crash):
-        fit(build("functional", pipeline()), CrashAt())
+        fit(build("functional", pipeline()), CrashAfter(12))  # epoch 2, batch 4
     resumed = build("functional", pipeline())
     fit(resumed)
     assert int(resumed.optimizer.iterations.numpy()) == EPOCHS * 7

@@ -15,7 +15,8 @@ import pytest
 import tensorflow as tf
 
 import keras_distrib as kd
-from helpers import CLASSES, FEATURES, build, make_data, plain_model, weights_moved
+from helpers import (CLASSES, FEATURES, Crash, CrashAfter, build, make_data, plain_model,
+                     weights_moved)
 
 DEVICES = ("/device:CPU:0", "/device:CPU:1")
 BATCH, EPOCHS, STEPS = 32, 2, 14  # 203 samples: 7 steps per epoch, the last 11 rows
@@ -318,21 +319,6 @@ def test_plain_keras_files_load_into_the_split_model(data, tmp_path):
 # -- callbacks --------------------------------------------------------------------------------
 
 
-class _Crash(Exception):
-    pass
-
-
-class _CrashAfter(keras.callbacks.Callback):
-    def __init__(self, at):
-        super().__init__()
-        self.at, self.steps = at, 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.steps += 1
-        if self.steps == self.at:
-            raise _Crash()
-
-
 def test_our_callbacks_work_and_backup_and_restore_resumes_exactly(data, tmp_path):
     x, y = data
     fit = dict(batch_size=BATCH, epochs=3, shuffle=True, verbose=0)
@@ -348,8 +334,8 @@ def test_our_callbacks_work_and_backup_and_restore_resumes_exactly(data, tmp_pat
     reference = build("functional", "tensor_parallel", optimizer=keras.optimizers.Adam(0.01))
     run(reference, tmp_path / "ref")
     crashed = build("functional", "tensor_parallel", optimizer=keras.optimizers.Adam(0.01))
-    with pytest.raises(_Crash):
-        run(crashed, tmp_path / "b", _CrashAfter(10))
+    with pytest.raises(Crash):
+        run(crashed, tmp_path / "b", CrashAfter(10))
     resumed = build("functional", "tensor_parallel", optimizer=keras.optimizers.Adam(0.01))
     run(resumed, tmp_path / "b")
     assert int(resumed.optimizer.iterations.numpy()) == 21

@@ -47,15 +47,23 @@ class Lockstep(abc.ABC):
         def predict_step(batch):
             return model.replica_compiled(model.predict_step)(batch)
 
-        def predict_function(steps):
-            outputs = [self.concat(self.run(predict_step, step)) for step in steps]
-            if len(outputs) == 1:
-                return outputs[0]
-            return tf.nest.map_structure(lambda *t: tf.concat(t, axis=0), *outputs)
+        return predict_over_steps(model, lambda step: self.concat(self.run(predict_step, step)))
 
-        if not model.run_eagerly:
-            predict_function = tf.function(predict_function, reduce_retracing=True)
-        return predict_function
+
+def predict_over_steps(model, predict_one: Callable):
+    """The function Keras's predict loop calls with the batches of one
+    execution (`steps_per_execution` of them): `predict_one` on each, the
+    outputs concatenated in order; compiled unless `model.run_eagerly`."""
+
+    def predict_function(steps):
+        outputs = [predict_one(step) for step in steps]
+        if len(outputs) == 1:
+            return outputs[0]
+        return tf.nest.map_structure(lambda *t: tf.concat(t, axis=0), *outputs)
+
+    if not model.run_eagerly:
+        predict_function = tf.function(predict_function, reduce_retracing=True)
+    return predict_function
 
 
 def _stepwise(model, distributed_step):

@@ -74,6 +74,7 @@ from keras_distrib import cluster as cluster_lib
 from keras_distrib import data as data_lib
 from keras_distrib import devices as devices_lib
 from keras_distrib import pipeline_schedule
+from keras_distrib.strategies import lockstep
 from keras_distrib.strategies.base import Strategy
 from keras_distrib.topology import Topology
 
@@ -305,17 +306,9 @@ class Pipeline(Strategy):
         if type(model).predict_step is not DistributedModel.predict_step:
             return keras_make_predict_function()
         stages = self._stages(model)
-
-        def predict_function(data):
-            outputs = [self._forward(stages, keras.utils.unpack_x_y_sample_weight(batch)[0])
-                       for batch in data]
-            if len(outputs) == 1:
-                return outputs[0]
-            return tf.nest.map_structure(lambda *t: tf.concat(t, axis=0), *outputs)
-
-        if not model.run_eagerly:
-            predict_function = tf.function(predict_function, reduce_retracing=True)
-        return predict_function
+        return lockstep.predict_over_steps(
+            model,
+            lambda batch: self._forward(stages, keras.utils.unpack_x_y_sample_weight(batch)[0]))
 
     def run(self, replica_fn: Callable, batch: Any):
         with self.scope():
