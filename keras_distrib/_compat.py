@@ -568,6 +568,23 @@ def shard_by_file(dataset: tf.data.Dataset, num_shards: int, index: int,
 _WHOLE_VARIABLE_ATTRIBUTES = {"Dense": ("_kernel", "bias"), "Embedding": ("_embeddings",)}
 
 
+@contextlib.contextmanager
+def variables_made_at_once() -> Iterator[None]:
+    """Variables created inside exist at once, where `tf.device` says, even
+    within Keras's `StatelessScope` (fit's symbolic build, keras
+    backend/tensorflow/core.py `compute_output_spec`): there Keras defers
+    creating them to the scope's exit, outside any device scope, so a
+    shard made for device 1 would land on device 0."""
+    from keras.src.backend.common import global_state
+
+    scope = global_state.get_global_attribute("stateless_scope")
+    global_state.set_global_attribute("stateless_scope", None)
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute("stateless_scope", scope)
+
+
 def whole_layer_variables(layer) -> list:
     """The variables a plain built Dense (kernel, then bias if any) or
     Embedding (embeddings) saves, in its file order."""

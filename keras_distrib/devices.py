@@ -13,9 +13,28 @@ def normalize(device: str) -> str:
 
 
 def local_devices() -> list[str]:
-    """All local GPUs, or all local (possibly logical) CPUs when no GPU."""
-    gpus = tf.config.list_logical_devices("GPU")
-    return [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]
+    """All local GPUs, or all local (possibly logical) CPUs when no GPU.
+
+    Once the collective runtime has started (multi-worker), TensorFlow lists
+    every worker's devices; only this process's are local.
+    """
+    gpus = _on_this_task(tf.config.list_logical_devices("GPU"))
+    return [d.name for d in (gpus or _on_this_task(tf.config.list_logical_devices("CPU")))]
+
+
+def local_devices_of_all_types() -> list[str]:
+    """Every device of this process (CPUs, GPUs, TPUs...)."""
+    return [d.name for d in _on_this_task(tf.config.list_logical_devices())]
+
+
+def _on_this_task(devices) -> list:
+    here = tf.DeviceSpec.from_string(tf.constant(0).device)
+    return [d for d in devices if _same_task(tf.DeviceSpec.from_string(d.name), here)]
+
+
+def _same_task(spec: tf.DeviceSpec, here: tf.DeviceSpec) -> bool:
+    return spec.job is None or (spec.job, spec.replica, spec.task) == (
+        here.job, here.replica, here.task)
 
 
 def check_devices(devices: Sequence[str], option: str = "devices") -> list[str]:
@@ -27,11 +46,19 @@ def check_devices(devices: Sequence[str], option: str = "devices") -> list[str]:
         )
     if not devices:
         raise ValueError(f"{option} is empty; name at least one device.")
-    visible = {normalize(d.name) for d in tf.config.list_logical_devices()}
+    # This process's devices, by full name or short form, to the short form
+    # ("/device:CPU:1": TensorFlow places it on this process, and it reads
+    # the same with one process and in a cluster).
+    visible = {}
+    for full in (normalize(d) for d in local_devices_of_all_types()):
+        spec = tf.DeviceSpec.from_string(full)
+        short = tf.DeviceSpec(device_type=spec.device_type,
+                              device_index=spec.device_index).to_string()
+        visible[full] = visible[short] = short
     result = []
     for device in devices:
-        name = normalize(device)
-        if name not in visible:
+        name = visible.get(normalize(device))
+        if name is None:
             raise ValueError(
                 f"{option}: device {device!r} does not exist; visible devices "
                 f"are {sorted(visible)}."

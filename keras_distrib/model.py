@@ -167,7 +167,10 @@ class DistributedModel(keras.Model):
         # call; make sure that happens under the strategy.
         if not self.built and not tf.distribute.has_strategy():
             with self._strategy.scope():
-                return super().__call__(*args, **kwargs)
+                outputs = super().__call__(*args, **kwargs)
+            if self.built:
+                self._strategy.place_built(self)
+            return outputs
         return super().__call__(*args, **kwargs)
 
     def compile(self, optimizer="rmsprop", *args, **kwargs):
@@ -203,8 +206,7 @@ class DistributedModel(keras.Model):
         self._strategy.sync_initial_state(self)
 
     def get_metrics_result(self):
-        self._strategy.settle(self)
-        return self._strategy.metric_results(super().get_metrics_result())
+        return self._strategy.read_metrics(self, super().get_metrics_result)
 
     def reset_metrics(self):
         super().reset_metrics()
@@ -236,11 +238,11 @@ class DistributedModel(keras.Model):
                 if apply_gradients:
                     gradients, num_samples = self.optimizer.take_accumulated(gradients)
             if apply_gradients:
-                gradients = self._reduce_with_statistics(gradients, num_samples)
+                gradients = self.reduce_with_statistics(gradients, num_samples)
                 self.apply_reduced_gradients(gradients)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
-    def _reduce_with_statistics(self, gradients: list, num_samples) -> list:
+    def reduce_with_statistics(self, gradients: list, num_samples) -> list:
         """`reduce_gradients`, with moving statistics and the stop vote riding along.
 
         Keras updates non-trainable float variables (BatchNormalization's

@@ -150,7 +150,8 @@ def plan_layers(template, layout: Mapping[str, str], devices: Sequence[str]) -> 
                 f"(its layers: {names}); fix the pattern or remove it."
             )
     n = len(devices)
-    producers, consumers = _graph_links(template)
+    functional = getattr(template, "inputs", None) is not None
+    producers, consumers = _graph_links(template) if functional else _order_links(layers)
     kinds: dict[str, str] = {}
     reasons: dict[str, str] = {}
     for layer in layers:
@@ -194,6 +195,16 @@ def _default_kind(layer, kinds, producers, consumers) -> str:
             and kinds.get(producer.name) == "column" and consumers.get(producer.name) == 1):
         return "row"
     return "column"
+
+
+def _order_links(layers):
+    """`_graph_links` for a subclassed model, which has no graph: each layer
+    is taken to feed the next, in the order the model tracks them. Only the
+    pairing (and so the communication) depends on it: a row layer whose input
+    is not its column producer's output slices that input itself, so the
+    result is exact whatever the model's `call` does."""
+    producers = {b.name: a for a, b in zip(layers, layers[1:])}
+    return producers, {a.name: 1 for a in layers[:-1]}
 
 
 def _graph_links(template):
@@ -291,14 +302,18 @@ class Plan:
     print(plan)
     plan.bytes_per_device    # {"/device:GPU:0": ..., "/device:GPU:1": ...}
     plan.kinds               # {"hidden": "column", "logits": "row", ...}
+    plan.optimizer_bytes_per_device  # the optimizer's slots, next to their shards
     ```
     """
 
     def __init__(self, devices: Sequence[str], placements: Sequence[Placement],
-                 kinds: Mapping[str, str]):
+                 kinds: Mapping[str, str],
+                 optimizer_bytes_per_device: Optional[Mapping[str, int]] = None):
         self.devices = tuple(devices)
         self.placements = tuple(placements)
         self.kinds = dict(kinds)
+        self.optimizer_bytes_per_device = {
+            **dict.fromkeys(self.devices, 0), **(optimizer_bytes_per_device or {})}
 
     @property
     def bytes_per_device(self) -> dict[str, int]:
@@ -329,8 +344,10 @@ class Plan:
         return f"<Plan devices={list(self.devices)} bytes_per_device={self.bytes_per_device}>"
 
 
-def describe(layers: Sequence[Any], kinds: Mapping[str, str], devices: Sequence[str]) -> Plan:
-    """The `Plan` of `layers` as their variables are actually placed."""
+def describe(layers: Sequence[Any], kinds: Mapping[str, str], devices: Sequence[str],
+             optimizer_variables: Sequence[Any] = ()) -> Plan:
+    """The `Plan` of `layers` (and of the optimizer's variables) as their
+    variables are actually placed."""
     placements = []
     for layer in layers:
         for variable in layer.weights:
@@ -338,7 +355,11 @@ def describe(layers: Sequence[Any], kinds: Mapping[str, str], devices: Sequence[
                 layer=layer.name, kind=kinds.get(layer.name, "whole"), path=variable.path,
                 shape=tuple(variable.shape), device=device_of(variable, devices),
                 bytes=variable_bytes(variable)))
-    return Plan(devices, placements, kinds)
+    optimizer: dict[str, int] = {}
+    for variable in optimizer_variables:
+        device = device_of(variable, devices)
+        optimizer[device] = optimizer.get(device, 0) + variable_bytes(variable)
+    return Plan(devices, placements, kinds, optimizer)
 
 
 def device_of(variable, devices: Sequence[str]) -> str:

@@ -6,7 +6,6 @@ evaluate and predict results of `"single"` (atol 1e-5), with its variables
 really on both devices.
 """
 
-import json
 
 import keras
 import numpy as np
@@ -453,13 +452,4 @@ def test_unsupported_uses_are_one_line_errors(data):
         keras.optimizers.SGD(0.1), backward_passes_per_step=2))
     with pytest.raises(ValueError, match="backward_passes_per_step > 1") as excinfo:
         accumulating.fit(x, y, batch_size=BATCH, verbose=0)
-    _one_line(excinfo)
-
-
-def test_a_configured_cluster_is_a_one_line_error(monkeypatch):
-    monkeypatch.setenv("TF_CONFIG", json.dumps({
-        "cluster": {"worker": ["127.0.0.1:20001", "127.0.0.1:20002"]},
-        "task": {"type": "worker", "index": 0}}))
-    with pytest.raises(ValueError, match="hybrid data x pipeline") as excinfo:
-        kd.strategies.get("pipeline")
     _one_line(excinfo)

@@ -15,8 +15,8 @@ import pytest
 import tensorflow as tf
 
 import keras_distrib as kd
-from helpers import (CLASSES, FEATURES, Crash, CrashAfter, build, make_data, plain_model,
-                     weights_moved)
+from helpers import (CLASSES, FEATURES, Crash, CrashAfter, Net, build, make_data,
+                     plain_model, weights_moved)
 
 DEVICES = ("/device:CPU:0", "/device:CPU:1")
 BATCH, EPOCHS, STEPS = 32, 2, 14  # 203 samples: 7 steps per epoch, the last 11 rows
@@ -149,6 +149,14 @@ def test_adam_slots_live_with_their_shards_and_match_single(data):
         for slot in ("momentum", "velocity"):
             path = f"{weight.path.replace('/', '_')}_{slot}"
             assert device_of(slots[path]) == device_of(weight), path
+    # The plan counts them where they are: two slots per weight byte, plus
+    # the optimizer's step counters (on the first device).
+    plan = model.strategy.plan(model)
+    counters = sum(v.numpy().nbytes for v in model.optimizer.variables if len(v.shape) == 0)
+    assert sum(plan.optimizer_bytes_per_device.values()) == 2 * plan.total_bytes + counters
+    for device, weight_bytes in plan.bytes_per_device.items():
+        slot_bytes = plan.optimizer_bytes_per_device[device]
+        assert slot_bytes - 2 * weight_bytes in (0, counters), device
 
 
 def test_sequential_from_model_matches_single(data):
@@ -392,20 +400,33 @@ def test_a_bad_layout_type_and_unknown_device_are_one_line_errors():
         tensor_parallel(devices=["/cpu:0", "/cpu:7"])
 
 
-def test_a_subclassed_model_is_a_one_line_error(data):
+@pytest.mark.parametrize("called_first", [True, False], ids=["called", "built-by-fit"])
+def test_a_subclassed_model_is_split_in_place_and_matches_single(called_first, data, tmp_path):
     x, y = data
-    model = build("subclass", "tensor_parallel")
-    with pytest.raises(ValueError, match=r"did not lay out layers .* \(subclassed models are not "
-                                         r"supported yet") as raised:
-        model.fit(x, y, batch_size=BATCH, verbose=0)
-    assert "\n" not in str(raised.value)
-
-
-def test_a_configured_cluster_is_a_one_line_error(monkeypatch):
-    monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, '
-                                    '"task": {"type": "worker", "index": 0}}')
-    with pytest.raises(ValueError, match="hybrid data x tensor parallelism is not supported yet"):
-        tensor_parallel()
+    reference = plain_model()
+    model = Net(strategy="tensor_parallel")
+    model.compile(optimizer=keras.optimizers.SGD(0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    if called_first:
+        model(x[:1])
+    else:  # fit builds it, then its optimizer: the slots must follow the shards
+        model.fit(x[:32], y[:32], batch_size=BATCH, epochs=1, verbose=0)
+        model.optimizer.iterations.assign(0)
+    model.strategy.set_whole_weights(model, reference.get_weights())
+    # Tracking order pairs hidden (column) with logits (row).
+    assert model.strategy.plan(model).kinds == {"hidden": "column", "logits": "row"}
+    for v in model.trainable_weights:
+        assert "_shard" in v.path or v.path.endswith("logits/bias"), v.path
+    assert devices_of(model) == set(DEVICES)
+    assert_matches_single(build("functional", "single"), model, x, y)
+    # Its files hold whole variables: a plain subclass loads them.
+    model.save_weights(tmp_path / "net.weights.h5")
+    plain = Net(strategy="single")
+    plain(x[:1])
+    plain.load_weights(tmp_path / "net.weights.h5")
+    for a, b in zip(plain.get_weights(), model.strategy.whole_weights(model)):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_the_template_is_left_untouched(data):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import weakref
 from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import numpy as np
@@ -151,6 +152,12 @@ class Strategy(abc.ABC):
         clone.set_weights(template.get_weights())
         return clone
 
+    def place_built(self, model) -> None:
+        """Called when a subclassed `DistributedModel` has just built its
+        layers (its first call, under `scope()`), before its optimizer is
+        built: strategies that place or split layers one by one do it here
+        (default: nothing, `scope()` placed them)."""
+
     # -- input ------------------------------------------------------------------
 
     def check_batch_size(self, batch_size: Optional[int], name: str = "batch_size") -> None:
@@ -246,6 +253,13 @@ class Strategy(abc.ABC):
 
     # -- results ---------------------------------------------------------------------
 
+    def read_metrics(self, model, read: Callable[[], dict]) -> dict:
+        """`model`'s metric results as this process reports them; `read()`
+        reads them from the metric variables (Keras's `get_metrics_result`).
+        By default: `settle`, then `metric_results` of what `read()` gives."""
+        self.settle(model)
+        return self.metric_results(read())
+
     def metric_results(self, results: dict) -> dict:
         """Metric values as this process should report them (default: as read)."""
         return results
@@ -309,6 +323,33 @@ class Strategy(abc.ABC):
         ]
         for variable, value in zip(variables, self.sync_sum(mine)):
             variable.assign(value)
+
+    def broadcast_model_state(self, model) -> None:
+        """Gives every process process 0's weights and optimizer state (eager).
+
+        For engines that do not broadcast when variables are created
+        (Horovod, hybrid), from their `sync_initial_state`: it runs after
+        every build for fit/evaluate/predict, and the broadcast happens only
+        when the model's variables differ from those broadcast last time
+        (the first call, and when the optimizer has been built since).
+        """
+        variables = list(model.variables)
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None and getattr(optimizer, "built", False):
+            known = {id(v) for v in variables}
+            variables += [v for v in optimizer.variables if id(v) not in known]
+        key = tuple(id(v) for v in variables)
+        memo = self.__dict__.setdefault("_broadcast_for", weakref.WeakKeyDictionary())
+        try:
+            if memo.get(model) == key:
+                return
+        except TypeError:  # not weak-referenceable: broadcast every time
+            pass
+        self.broadcast_variables(variables, root=0)
+        try:
+            memo[model] = key
+        except TypeError:
+            pass
 
     def agree_on_seed(self, seed: Optional[int] = None) -> int:
         """A seed every process agrees on: the chief's.

@@ -12,7 +12,6 @@ predictions, `broadcast_variables` for the initial state, and an averaging
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -96,8 +95,6 @@ class Horovod(PerProcessStrategy):
             device = devices_lib.normalize(f"/gpu:{local_rank % len(gpus)}" if gpus else "/cpu:0")
         else:
             device = devices_lib.check_device(device)
-        # model -> the variables last broadcast for it (see sync_initial_state).
-        self._broadcast_for: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         super().__init__(device, rank=int(hvd.rank()), size=self._size, local_rank=local_rank)
 
     # -- the step -----------------------------------------------------------
@@ -148,29 +145,9 @@ class Horovod(PerProcessStrategy):
             super().broadcast_variables(others, root)
 
     def sync_initial_state(self, model) -> None:
-        """Broadcasts rank 0's weights and optimizer state to every rank.
-
-        `DistributedModel` calls this after every build for fit/evaluate/
-        predict; the broadcast runs only when the model's variables differ
-        from those broadcast last time (the first call, and when the
-        optimizer has been built since).
-        """
-        variables = list(model.variables)
-        optimizer = getattr(model, "optimizer", None)
-        if optimizer is not None and getattr(optimizer, "built", False):
-            known = {id(v) for v in variables}
-            variables += [v for v in optimizer.variables if id(v) not in known]
-        key = tuple(id(v) for v in variables)
-        try:
-            if self._broadcast_for.get(model) == key:
-                return
-        except TypeError:  # not weak-referenceable: broadcast every time
-            pass
-        self.broadcast_variables(variables, root=0)
-        try:
-            self._broadcast_for[model] = key
-        except TypeError:
-            pass
+        """Broadcasts rank 0's weights and optimizer state to every rank
+        (`broadcast_model_state`: after every build, when they changed)."""
+        self.broadcast_model_state(model)
 
     def metric_results(self, results: dict) -> dict:
         """Epoch and evaluate metrics (read eagerly) averaged over ranks.

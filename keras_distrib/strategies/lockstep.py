@@ -37,7 +37,7 @@ class Lockstep(abc.ABC):
             return self.step_logs(model, self.run(step_fn, data))
 
         if model.steps_per_execution > 1:
-            return _stepwise(model, distributed_step)
+            return stepwise(model, distributed_step)
         with _compat.jit_compile_off(model):
             return keras_make_function(distributed_step)
 
@@ -66,7 +66,7 @@ def predict_over_steps(model, predict_one: Callable):
     return predict_function
 
 
-def _stepwise(model, distributed_step):
+def stepwise(model, distributed_step):
     """`steps_per_execution` steps per call, one compiled step at a time.
 
     Keras fuses the steps with `tf.while_loop` + `tf.cond`, but

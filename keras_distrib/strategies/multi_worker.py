@@ -188,6 +188,29 @@ class MultiWorker(TFDistributeStrategy):
             out.append(total)
         return out
 
+    def all_reduce_across_processes(self, values: Sequence[tf.Tensor], op: str = "sum") -> list:
+        """`all_reduce` called from outside this strategy's `run`, each process
+        contributing `values` once: the data-parallel collective of a step
+        that spans this worker's devices itself (hybrid data x model
+        parallelism, `keras_distrib.strategies.hybrid`). Eager or in a
+        `tf.function`."""
+        if self._host_reduce is not None:
+            return self.all_reduce(values, op)
+        values = [tf.convert_to_tensor(v) for v in values]
+        first = self.first_local_replica
+
+        def value_fn(ctx):
+            # Zeros from this process's other replicas (its other GPUs).
+            if ctx.replica_id_in_sync_group == first:
+                return values
+            return [tf.zeros_like(v) for v in values]
+
+        engine = self._tf_strategy
+        per_replica = engine.experimental_distribute_values_from_function(value_fn)
+        reduced = engine.run(lambda vs: TFDistributeStrategy.all_reduce(self, vs, op),
+                             args=(per_replica,))
+        return [engine.experimental_local_results(r)[0] for r in reduced]
+
     def concat(self, per_replica: Any) -> Any:
         # Every worker ends with all rows, in global replica order (= the
         # order of the global batch, see keras_distrib.sharding).

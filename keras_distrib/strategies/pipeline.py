@@ -53,9 +53,15 @@ Not supported (one-line errors): subclassed models (the stages are cut
 from a Functional or Sequential graph), a custom `train_step`,
 `DistributedOptimizer(backward_passes_per_step>1)` (raise
 `num_micro_batches` instead: micro-batches already accumulate gradients
-within a step), and several processes (hybrid data x pipeline
-parallelism). Losses added in `call` (`add_loss`, activity regularizers)
+within a step). Losses added in `call` (`add_loss`, activity regularizers)
 are not carried between stages; weight regularizers work.
+
+Under a configured cluster (the launcher) each worker runs the whole
+pipeline on its local devices and the strategy is data-parallel across
+workers (`keras_distrib.strategies.hybrid`): after the last backward pass
+of a step, the summed gradients are all-reduced once with every worker's.
+An explicit `batch_size` must then be divisible by `num_micro_batches`
+times the number of workers.
 """
 
 from __future__ import annotations
@@ -64,24 +70,24 @@ import contextlib
 import dataclasses
 import functools
 import weakref
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
 
 from keras_distrib import _compat
-from keras_distrib import cluster as cluster_lib
 from keras_distrib import data as data_lib
 from keras_distrib import devices as devices_lib
 from keras_distrib import pipeline_schedule
 from keras_distrib.strategies import lockstep
 from keras_distrib.strategies.base import Strategy
+from keras_distrib.strategies.hybrid import WorkerReplicas
 from keras_distrib.topology import Topology
 
 BALANCES = ("params",)
 
 
-class Pipeline(Strategy):
+class Pipeline(WorkerReplicas, Strategy):
     """Pipeline parallelism: stages on devices, micro-batches, GPipe or 1F1B.
 
     Args:
@@ -103,6 +109,9 @@ class Pipeline(Strategy):
             model's order (default: cut automatically).
         balance: how automatic cuts balance the stages: `"params"` (by
             parameter count, the largest stage as small as can be).
+        workers: under a cluster (hybrid data x pipeline parallelism),
+            options of the collectives across workers, as `multi_worker`
+            takes them (e.g. `{"implementation": "ring"}`).
 
     Example:
 
@@ -131,8 +140,8 @@ class Pipeline(Strategy):
                  num_micro_batches: Optional[int] = None,
                  schedule: str = "1f1b",
                  split_at: Optional[Sequence[str]] = None,
-                 balance: str = "params"):
-        _check_one_process()
+                 balance: str = "params",
+                 workers: Optional[Mapping[str, Any]] = None):
         if schedule not in pipeline_schedule.SCHEDULES:
             raise ValueError(f"Unknown schedule {schedule!r}; use one of "
                              f"{list(pipeline_schedule.SCHEDULES)}.")
@@ -173,9 +182,7 @@ class Pipeline(Strategy):
         self.schedule = schedule
         self.split_at = list(split_at) if split_at else None
         self.balance = balance
-        self._topology = Topology(num_replicas=1, num_local_replicas=1,
-                                  first_local_replica=0, devices=tuple(devices),
-                                  role="chief")
+        self._topology = self._join_workers(devices, workers)
         # Variables created under scope() or by rebuild() (ids -> weak refs).
         self._made: dict[int, weakref.ref] = {}
 
@@ -259,13 +266,15 @@ class Pipeline(Strategy):
 
     def check_batch_size(self, batch_size: Optional[int], name: str = "batch_size") -> None:
         super().check_batch_size(batch_size, name)
-        if batch_size is not None and batch_size % self.num_micro_batches:
-            m = self.num_micro_batches
+        m = self.num_micro_batches * self.world_size
+        if batch_size is not None and batch_size % m:
             lower = batch_size - batch_size % m
             examples = " or ".join(str(b) for b in (lower, lower + m) if b > 0)
+            workers = f" x {self.world_size} workers" if self.world_size > 1 else ""
             raise ValueError(
-                f"{name}={batch_size} is not divisible by num_micro_batches={m} of "
-                f"strategy 'pipeline'; use a multiple of {m} (e.g. {examples}).")
+                f"{name}={batch_size} is not divisible by num_micro_batches="
+                f"{self.num_micro_batches}{workers} of strategy 'pipeline'; use a multiple of "
+                f"{m} (e.g. {examples}).")
 
     # -- execution ----------------------------------------------------------------------
 
@@ -294,6 +303,10 @@ class Pipeline(Strategy):
             def step(data):
                 return run(model, stages, data)
 
+        if self.world_size > 1 and model.steps_per_execution > 1:
+            # Keras's fused steps trace the step inside tf.cond, where the
+            # collectives across workers cannot be.
+            return lockstep.stepwise(model, step)
         with _compat.jit_compile_off(model):
             # XLA compiles one device's work; the step spans all stages.
             return keras_make_function(step)
@@ -307,8 +320,8 @@ class Pipeline(Strategy):
             return keras_make_predict_function()
         stages = self._stages(model)
         return lockstep.predict_over_steps(
-            model,
-            lambda batch: self._forward(stages, keras.utils.unpack_x_y_sample_weight(batch)[0]))
+            model, lambda batch: self.gather_rows(
+                self._forward(stages, keras.utils.unpack_x_y_sample_weight(batch)[0])))
 
     def run(self, replica_fn: Callable, batch: Any):
         with self.scope():
@@ -414,24 +427,18 @@ class Pipeline(Strategy):
                                 gradients[k] = [tf.add_n(gradients[k])]
                     done = [g for g in found if g is not None] or [tf.constant(0)]
                 last_pass[s] = done
-        model.apply_reduced_gradients([tf.add_n(g) if g else None for g in gradients])
+        gradients = [tf.add_n(g) if g else None for g in gradients]
+        if self.world_size > 1:
+            # The sum over micro-batches is this worker's mean-loss gradient;
+            # as a sum over its rows it reduces with every worker's (and the
+            # row counts, statistics and stop vote) in one all-reduce.
+            gradients = model.reduce_with_statistics(
+                [None if g is None else g * tf.cast(rows, g.dtype) for g in gradients], rows)
+        model.apply_reduced_gradients(gradients)
         with tf.device(self.devices[-1]):
             y_pred = stages.pack_outputs(_concat(predictions))
             _compat.loss_tracker(model).update_state(tf.add_n(losses), sample_weight=rows)
             return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-
-    # -- gradient reduction: one replica -------------------------------------------------
-
-    def all_reduce(self, values: Sequence[tf.Tensor], op: str = "sum") -> list:
-        return list(values)
-
-    # -- between steps: one process ---------------------------------------------------------
-
-    def _sum_over_processes(self, flat: np.ndarray) -> np.ndarray:
-        return flat
-
-    def local_replica_values(self, variable: Any) -> list[np.ndarray]:
-        return [np.asarray(variable)]
 
 
 @dataclasses.dataclass
@@ -586,15 +593,6 @@ def _check_placement(layer, device: str) -> None:
                 f"Layer {layer.name!r} belongs to a stage on {device} but its variable "
                 f"{variable.path!r} is on {placed}; build the layers outside "
                 "strategy.scope() and let DistributedModel place them.")
-
-
-def _check_one_process() -> None:
-    info = cluster_lib.resolve()
-    if info is not None and len(info.tasks) > 1:
-        raise ValueError(
-            "strategy='pipeline' runs in one process, but a cluster is configured "
-            "(TF_CONFIG/Slurm/launcher): hybrid data x pipeline parallelism is not supported "
-            "yet; run one process, or use a data-parallel strategy.")
 
 
 def _device_of(variable) -> str:

@@ -35,9 +35,18 @@ model's order, so a plain model also resumes from the optimizer state.
 `model.get_weights()` lists the shards; `strategy.whole_weights(model)`
 gives the plain model's list.
 
-Not supported (one-line errors): several processes (hybrid data x tensor
-parallelism), subclassed models (there is no graph to rebuild), and
-`jit_compile` (XLA compiles for one device; the step runs without it).
+Under a configured cluster (the launcher) each worker holds one replica
+split over its local devices, and the strategy is data-parallel across
+workers (`keras_distrib.strategies.hybrid`): the step's one gradient
+all-reduce sums each shard's gradient with the same shard of every worker.
+
+A `DistributedModel` subclass is split in place when its first call has
+built its layers (`place_built`): its direct Dense / Embedding layers, in
+the order it tracks them; layers nested in other layers stay whole on the
+first device.
+
+Not supported: `jit_compile` (XLA compiles for one device; the step runs
+without it).
 """
 
 from __future__ import annotations
@@ -52,14 +61,15 @@ import numpy as np
 import tensorflow as tf
 
 from keras_distrib import _compat
-from keras_distrib import cluster as cluster_lib
 from keras_distrib import devices as devices_lib
 from keras_distrib import tensor_layout
+from keras_distrib.strategies import lockstep
 from keras_distrib.strategies.base import Strategy
+from keras_distrib.strategies.hybrid import WorkerReplicas
 from keras_distrib.topology import Topology
 
 
-class TensorParallel(Strategy):
+class TensorParallel(WorkerReplicas, Strategy):
     """Splits Dense and Embedding layers over the local devices (one replica).
 
     Args:
@@ -70,6 +80,9 @@ class TensorParallel(Strategy):
             does not name follow the default plan (Dense layers alternate
             column, row; Embeddings split by vocabulary; other layers whole,
             see `keras_distrib.tensor_layout`).
+        workers: under a cluster (hybrid data x tensor parallelism), options
+            of the collectives across workers, as `multi_worker` takes them
+            (e.g. `{"implementation": "ring"}`; default: its defaults).
 
     Example:
 
@@ -89,19 +102,13 @@ class TensorParallel(Strategy):
     description = "Dense/Embedding layers split over the local devices (one replica)."
 
     def __init__(self, devices: Optional[Sequence[str]] = None,
-                 layout: Optional[Mapping[str, str]] = None):
-        if cluster_lib.resolve() is not None:
-            raise ValueError(
-                "strategy='tensor_parallel' runs in one process, but a cluster is configured "
-                "(TF_CONFIG or Slurm); hybrid data x tensor parallelism is not supported yet."
-            )
-        if devices is None:
-            devices = devices_lib.local_devices()
-        self._devices = tuple(devices_lib.check_devices(devices))
+                 layout: Optional[Mapping[str, str]] = None,
+                 workers: Optional[Mapping[str, Any]] = None):
         self._layout = tensor_layout.check_layout(layout)
-        self._topology = Topology(
-            num_replicas=1, num_local_replicas=1, first_local_replica=0,
-            devices=self._devices, role="chief")
+        self._topology = self._join_workers(
+            devices_lib.check_devices(devices_lib.local_devices() if devices is None
+                                      else devices), workers)
+        self._devices = self._topology.devices
         # Variables this strategy placed (rebuild) or saw created in scope().
         self._held: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
         # Layers laid out by `rebuild`, and the split kinds of those with a plan.
@@ -178,8 +185,32 @@ class TensorParallel(Strategy):
         self._last_layers = [weakref.ref(layer) for layer in clone.layers]
         return clone
 
+    def place_built(self, model) -> None:
+        """Splits a subclassed model's layers in place, once they are built.
+
+        Its direct Dense / Embedding layers are split by the layout (the
+        default plan pairs them column, row in the order the model tracks
+        them, since there is no graph to follow); every other layer, and any
+        layer nested inside another, stays whole where it was built, on the
+        first device.
+        """
+        if isinstance(model, _compat.functional_class()):
+            return  # laid out by rebuild()
+        plans = tensor_layout.plan_layers(model, self._layout, self._devices)
+        # Eagerly, and at once: the first call may be fit's symbolic build.
+        with tf.init_scope(), _compat.variables_made_at_once():
+            for layer in model.layers:
+                plan = plans.get(layer.name)
+                if layer not in self._laid_out:
+                    self._lay_out(layer, None, None if plan is None or plan.kind == "whole"
+                                  else plan)
+        for variable in model.weights:
+            self._held[id(variable.value)] = variable.value
+        self._last_layers = [weakref.ref(layer) for layer in model.layers]
+
     def _lay_out(self, layer, original, plan) -> None:
-        layer.set_weights(whole_layer_weights(original))
+        if original is not None:
+            layer.set_weights(whole_layer_weights(original))
         self._laid_out.add(layer)
         if plan is None:
             return
@@ -194,16 +225,24 @@ class TensorParallel(Strategy):
     def sync_initial_state(self, model) -> None:
         # Called once the model and its optimizer are built.
         _OptimizerFiles.install(model)
+        super().sync_initial_state(model)  # the broadcast from worker 0, if hybrid
 
     def make_step_function(self, model, step_fn: Callable, keras_make_function: Callable):
         self._check_laid_out(model)
         _OptimizerFiles.install(model)
         model.compile_replicas_separately(False)
+        if self.world_size > 1 and model.steps_per_execution > 1:
+            # Keras's fused steps trace the step inside tf.cond, where the
+            # collectives across workers cannot be.
+            return lockstep.stepwise(model, lambda data: self.run(step_fn, data))
         with _compat.jit_compile_off(model):
             return keras_make_function(lambda data: self.run(step_fn, data))
 
     def make_predict_function(self, model, keras_make_predict_function: Callable):
         self._check_laid_out(model)
+        if self.world_size > 1:  # every worker's rows, in order
+            return lockstep.predict_over_steps(
+                model, lambda batch: self.gather_rows(self.run(model.predict_step, batch)))
         with _compat.jit_compile_off(model):
             return keras_make_predict_function()
 
@@ -213,10 +252,10 @@ class TensorParallel(Strategy):
         if missing:
             raise ValueError(
                 f"strategy='tensor_parallel' did not lay out layers {missing} of model "
-                f"{model.name!r}: it splits Functional/Sequential models built outside its "
-                "scope(); use DistributedModel(inputs, outputs, strategy=...) or "
-                "DistributedModel.from_model(model, strategy=...) (subclassed models are not "
-                "supported yet)."
+                f"{model.name!r}: they were built before the model was given the strategy; "
+                "use DistributedModel(inputs, outputs, strategy=...), "
+                "DistributedModel.from_model(model, strategy=...), or a DistributedModel "
+                "subclass whose layers are built by its first call."
             )
 
     def run(self, replica_fn: Callable, batch: Any):
@@ -225,29 +264,20 @@ class TensorParallel(Strategy):
         with tf.device(self.home):
             return replica_fn(batch)
 
-    def all_reduce(self, values: Sequence[tf.Tensor], op: str = "sum") -> list:
-        return list(values)  # one replica
-
-    # -- between steps ---------------------------------------------------------------
-
-    def _sum_over_processes(self, flat: np.ndarray) -> np.ndarray:
-        return flat  # one process
-
-    def local_replica_values(self, variable: Any) -> list[np.ndarray]:
-        return [np.asarray(variable)]
-
     # -- the plan and whole weights ----------------------------------------------------
 
     def plan(self, model=None) -> tensor_layout.Plan:
         """Where each weight of `model` (default: the model laid out last)
-        lives, read from the variables; `print()` it for a table with bytes
-        per device."""
+        lives, and the bytes of its optimizer's variables per device, read
+        from the variables; `print()` it for a table with bytes per device."""
         if model is not None:
             layers = list(model.layers)
         else:
             layers = [layer for layer in (ref() for ref in self._last_layers) if layer is not None]
         kinds = {layer.name: self._kinds[layer] for layer in layers if layer in self._kinds}
-        return tensor_layout.describe(layers, kinds, self._devices)
+        optimizer = getattr(model, "optimizer", None)
+        return tensor_layout.describe(layers, kinds, self._devices,
+                                      optimizer.variables if optimizer is not None else ())
 
     def describe(self, model) -> tensor_layout.Plan:
         """`plan(model)`: where each weight of `model` lives."""
