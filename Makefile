@@ -35,6 +35,12 @@ demo: $(STAMP)
 	  tput=$$(grep -ho 'throughput: [0-9,]* samples/s' $(DEMO_LOG)-$$run.log | tail -1 | cut -d' ' -f2); \
 	  printf '%-6s validation accuracy %s  throughput %s samples/s\n' $$run "$$acc" "$$tput"; \
 	done
+	# A model whose weights + Adam state exceed one device's budget, trained
+	# split over 2 logical CPUs with each model-parallel strategy in turn.
+	{ $(PY) examples/train_split_model.py --config configs/split_model.json 2>&1; \
+	  echo $$? > $(DEMO_LOG)-split.rc; } | tee $(DEMO_LOG)-split.log; exit $$(cat $(DEMO_LOG)-split.rc)
+	@echo "== too large for one device: pipeline vs tensor_parallel (configs/split_model.json) =="
+	@grep -h -e 'one device would need' -e '^result: ' $(DEMO_LOG)-split.log | sed 's/^result: //'
 
 test: $(HOROVOD)
 	$(PY) -m pytest -q
