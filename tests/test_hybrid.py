@@ -21,7 +21,7 @@ from keras_distrib import cluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "workers", "hybrid_train.py")
-RUNS = ["tensor_parallel", "gpipe", "1f1b", "tensor_parallel_spe3"]
+RUNS = ["tensor_parallel", "gpipe", "1f1b", "tensor_parallel_spe3", "1f1b_ours"]
 BATCH, EPOCHS = 32, 2
 
 
@@ -85,6 +85,15 @@ def test_chief_checkpoint_loads_into_plain_keras(launched, single, run):
     plain.load_weights(out / f"{run}.weights.h5")
     for got, want in zip(plain.get_weights(), single["weights"]):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_our_callbacks_and_optimizer_run_under_hybrid(launched):
+    """`1f1b_ours` (equal to single above) trained with DistributedOptimizer,
+    BackupAndRestore(save_freq=5), ReplicaConsistencyCheck, ThroughputMonitor."""
+    _, out, _ = launched
+    backups = os.listdir(out / "1f1b_ours-backup")
+    assert backups, "the chief wrote no backup"
 
 
 @pytest.mark.slow
