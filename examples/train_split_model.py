@@ -22,17 +22,15 @@ Run:
 
 import json
 import os
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras_distrib as kd  # noqa: E402
 
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
-from sklearn.datasets import load_digits as sklearn_digits  # noqa: E402
+from _digits import EpochTimer, load_digits, split_devices  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "configs/split_model.json", "JSON training config.")
@@ -45,20 +43,6 @@ MB = 1e6
 ADAM_SLOTS = 2  # Adam keeps a first and a second moment per weight
 
 
-class EpochTimer(keras.callbacks.Callback):
-    """Wall time of every training epoch."""
-
-    def __init__(self):
-        super().__init__()
-        self.seconds = []
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._start = time.perf_counter()
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.seconds.append(time.perf_counter() - self._start)
-
-
 def load_config(path):
     with open(path) as f:
         config = json.load(f)
@@ -68,24 +52,6 @@ def load_config(path):
         if FLAGS[name].value is not None:
             config[name] = FLAGS[name].value
     return config
-
-
-def split_devices(logical_cpus):
-    if logical_cpus and not tf.config.list_physical_devices("GPU"):
-        cpu = tf.config.list_physical_devices("CPU")[0]
-        tf.config.set_logical_device_configuration(
-            cpu, [tf.config.LogicalDeviceConfiguration()] * logical_cpus
-        )
-
-
-def load_digits(validation_fraction, seed):
-    x, y = sklearn_digits(return_X_y=True)
-    x = (x / 16.0).astype("float32")
-    y = y.astype("int32")
-    order = np.random.default_rng(seed).permutation(len(x))
-    x, y = x[order], y[order]
-    n_val = int(len(x) * validation_fraction)
-    return (x[n_val:], y[n_val:]), (x[:n_val], y[:n_val])
 
 
 def build_layers(config):
