@@ -9,7 +9,9 @@ and writes there:
       fixed global batch), when that file exists. Lines: ours
       (multi_worker: mw1 -> mw2), the peer (the raw tf.distribute custom
       loop: raw1 -> raw2), and the ideal: 1 and 2 x the fastest one-worker
-      configuration of the run; single (and mw2ring when run) as points.
+      configuration of the run; single (and mw2ring when run) as points,
+      and the ceiling indep2 (two independent raw1 processes at once, no
+      communication) when run, with its ratio under the efficiency.
       Markers at the median over the repetitions, bars from min to max.
   allreduce_bandwidth.png     all-reduce bus bandwidth (GB/s) against the
       message size (allreduce.json), one line per implementation measured
@@ -63,6 +65,17 @@ def _errorbar(ax, xs, summaries, **kwargs):
     return ax.errorbar(xs, med, yerr=[lo, hi], capsize=4, **kwargs)
 
 
+def _ceiling_note(data: dict) -> str:
+    """The ceiling line under the efficiency, when the run measured indep2."""
+    ratios = data.get("ratios") or {}
+    ceiling = ratios.get("ceiling: indep2 / (2 x fastest one-worker)")
+    ours = ratios.get("against the ceiling: mw2 / indep2")
+    if not ceiling:
+        return ""
+    note = f"\nceiling (indep2, no communication): {ceiling['median']:.2f}"
+    return note + (f"; mw2 / indep2: {ours['median']:.2f}" if ours else "")
+
+
 def _scaling_panel(ax, data: dict, title: str, ideal_note: str) -> None:
     configs = data["configs"]
 
@@ -87,13 +100,16 @@ def _scaling_panel(ax, data: dict, title: str, ideal_note: str) -> None:
     if "raw1" in configs and "raw2" in configs:
         _errorbar(ax, [1, 2], [thr("raw1"), thr("raw2")], marker="^", color=_PEER,
                   label="peer: raw tf.distribute loop (raw1, raw2)")
+    if "indep2" in configs:
+        _errorbar(ax, [2], [thr("indep2")], marker="_", markersize=14, color=_IDEAL,
+                  linestyle="none", label="ceiling: 2 independent raw1 at once (indep2)")
     eff = data.get("efficiency") or data.get("speedup")
     if eff:
         word = "efficiency" if "efficiency" in data and data["efficiency"] else "speedup"
         extra = (f" (target {eff['target']:g}: {'met' if eff['met'] else 'NOT MET'})"
                  if "target" in eff else f" (ideal {eff.get('ideal', 2.0):g})")
         ax.text(0.03, 0.97, f"mw2 {word} vs fastest one worker: {eff['median']:.2f} "
-                f"[{eff['min']:.2f}, {eff['max']:.2f}]{extra}",
+                f"[{eff['min']:.2f}, {eff['max']:.2f}]{extra}" + _ceiling_note(data),
                 transform=ax.transAxes, va="top", fontsize=8,
                 bbox={"facecolor": "white", "edgecolor": "0.8", "alpha": 0.9})
     ax.set_title(title + _quick(data), fontsize=10)

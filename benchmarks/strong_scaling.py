@@ -22,6 +22,9 @@ Configurations (weak_scaling.py's names), each its own
   raw1/2   the peer: the hand-written tf.distribute custom loop
            (MultiWorkerMirroredStrategy) on 1 and 2 workers.
   mw2ring  (not run by default) mw2 on TensorFlow's gRPC collectives.
+  indep2   (not run by default) the ceiling: two independent raw1 processes
+           with 256 samples each at the same time, no communication (see
+           weak_scaling.py); its speedup is what two cores allow at all.
 
 Speedup = throughput(mw2) / throughput(fastest one-worker configuration of
 the same repetition: best of single, mw1, raw1), paired per repetition over
@@ -37,7 +40,7 @@ benchmarks/results/throughput_vs_workers.png.
 
 Run:
     python benchmarks/strong_scaling.py [--global_batch 512] [--repeats 3]
-        [--steps 40] [--epochs 4] [--configs single,mw1,mw2,raw1,raw2]
+        [--steps 40] [--epochs 4] [--configs single,mw1,mw2,raw1,raw2[,mw2ring,indep2]]
         [--quick] [--json benchmarks/results/strong_scaling.json]
 """
 
@@ -93,12 +96,17 @@ def run_driver() -> int:
             ("mw2 / mw1", "mw2", runs.get("mw1")),
             ("mw2 / single", "mw2", runs.get("single")),
             ("peer: raw2 / raw1", "raw2", runs.get("raw1")),
-            ("mw2ring / fastest one-worker", "mw2ring", best)]
+            ("mw2ring / fastest one-worker", "mw2ring", best),
+            ("ceiling: indep2 / fastest one-worker", "indep2", best)]
     for label, a, base in rows:
         if a in runs and base:
             ratios[label] = _harness.paired_ratios(runs[a], base)
             eff = [r / IDEAL_SPEEDUP for r in ratios[label]]
             print(f"{label:46s} {_harness.fmt_stats(ratios[label]):^22s}  {_harness.fmt_stats(eff)}")
+    if "mw2" in runs and "indep2" in runs:
+        label = "against the ceiling: mw2 / indep2"
+        ratios[label] = _harness.paired_ratios(runs["mw2"], runs["indep2"])
+        print(f"{label + ' (ideal 1.0)':46s} {_harness.fmt_stats(ratios[label]):^22s}")
     if best:
         print(f"fastest one-worker configuration per repetition: {_harness.name_counts(best_names)}")
     speedup = ratios.get("mw2 / fastest one-worker")

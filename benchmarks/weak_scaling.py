@@ -23,6 +23,12 @@ Configurations, each its own `keras-distrib launch`:
            (MultiWorkerMirroredStrategy, Keras optimizer doing the gradient
            all-reduce, one tf.function per step) with 1 and 2 workers; its
            efficiency raw2 / (2 x raw1) is what raw TF collectives allow here.
+  indep2   the hardware ceiling: two raw1 processes at the same time, one
+           per core, each a one-worker cluster of its own with its own data:
+           no collective, nothing shared but the machine (caches, memory
+           bus, the kernel). Its throughput is the sum of the two; what two
+           workers lose here is lost to sharing the machine, not to
+           communication: two workers running raw1's step cannot beat it.
 
 Efficiency, the figure the target is on, is honest: throughput(mw2) /
 (2 x the FASTEST one-worker throughput measured in the same repetition),
@@ -31,7 +37,10 @@ the driver names which one it was. Target (issue 13): >= 0.9 with 2
 workers, judged on the median; "target met" or "TARGET NOT MET" is printed
 and the exit code is 0 either way, unless --strict. The other ratios
 (against single alone, against mw1, the peer's raw2 / (2 x raw1), ...) are
-printed too. All ratios are paired per repetition; the configurations run
+printed too, and with indep2 the ceiling: indep2 / (2 x fastest
+one-worker), what two cores of this machine allow at all, and mw2 / indep2,
+our efficiency against that ceiling (information only: the target stays
+the one above). All ratios are paired per repetition; the configurations run
 alternately (order rotated every repetition) `--repeats` times. Each run
 fits `--epochs` epochs of `--steps` steps with `verbose=0`; the first epoch
 (tracing, warm-up) is dropped, and a run's epoch time is the median over
@@ -48,14 +57,17 @@ runs this script's workers with a fixed global batch instead.
 Run:
     python benchmarks/weak_scaling.py [--repeats 3] [--steps 40] [--epochs 4]
         [--bytes_per_pack 0] [--inter_op 2]
-        [--configs single,mw1,mw2,mw2ring,raw1,raw2] [--quick] [--strict]
+        [--configs single,mw1,mw2,mw2ring,raw1,raw2,indep2] [--quick] [--strict]
         [--json benchmarks/results/weak_scaling.json]
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import socket
+import statistics
 import sys
 import time
 
@@ -66,13 +78,15 @@ from absl import app, flags  # noqa: E402
 import _harness  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("strategy", "multi_worker", ["single", "multi_worker", "raw_tf"],
-                  "Worker only: the strategy to train with.")
+flags.DEFINE_enum("strategy", "multi_worker", ["single", "multi_worker", "raw_tf", "independent"],
+                  "Worker only: the strategy to train with (independent: raw_tf in a "
+                  "one-worker cluster of its own, for indep2).")
 flags.DEFINE_string("implementation", "auto", "Worker only: multi_worker implementation=.")
-flags.DEFINE_list("configs", ["single", "mw1", "mw2", "mw2ring", "raw1", "raw2"],
-                  "Configurations to run (single, mw1, mw2, mw2ring, raw1, raw2); mw2 and "
-                  "one of single/mw1/raw1 are needed for our efficiency (against "
-                  "the fastest of those run), raw1 and raw2 for the peer's.")
+flags.DEFINE_list("configs", ["single", "mw1", "mw2", "mw2ring", "raw1", "raw2", "indep2"],
+                  "Configurations to run (single, mw1, mw2, mw2ring, raw1, raw2, indep2); "
+                  "mw2 and one of single/mw1/raw1 are needed for our efficiency "
+                  "(against the fastest of those run), raw1 and raw2 for the peer's, "
+                  "indep2 for the ceiling.")
 flags.DEFINE_integer("repeats", 3, "Alternating repetitions of every configuration.")
 flags.DEFINE_integer("per_worker_batch", 256, "Samples per worker per step.")
 flags.DEFINE_integer("steps", 40, "Steps per epoch.")
@@ -110,7 +124,10 @@ _CONFIGS = {  # name -> (processes, strategy, multi_worker implementation)
     "mw2ring": (2, "multi_worker", "ring"),
     "raw1": (1, "raw_tf", "auto"),
     "raw2": (2, "raw_tf", "auto"),
+    "indep2": (2, "independent", "auto"),
 }
+# Strategies whose processes train independently: their throughputs add up.
+INDEPENDENT = ("independent",)
 
 
 # ----------------------------------------------------------------------------
@@ -128,10 +145,10 @@ def run_worker() -> None:
     tf.config.threading.set_inter_op_parallelism_threads(FLAGS.inter_op)
     import keras
 
-    if FLAGS.strategy == "raw_tf":
+    if FLAGS.strategy in ("raw_tf", "independent"):
         # The peer does not import keras_distrib (whose import would start the
         # collective runtime the peer's own strategy starts).
-        _run_raw_tf_worker(rank, np, tf, keras)
+        _run_raw_tf_worker(rank, np, tf, keras, independent=FLAGS.strategy == "independent")
         return
     import keras_distrib as kd
 
@@ -189,11 +206,24 @@ def run_worker() -> None:
     })
 
 
-def _run_raw_tf_worker(rank, np, tf, keras) -> None:
-    """The peer: the custom loop a tf.distribute user writes by hand."""
+def _run_raw_tf_worker(rank, np, tf, keras, independent=False) -> None:
+    """The peer: the custom loop a tf.distribute user writes by hand.
+
+    `independent` (indep2): this process is raw1 on its own, in a one-worker
+    cluster of its own (a port of its own), with its own data; its epochs
+    start together with the other processes' (a barrier through files in
+    --out_dir, outside the timed epoch), so that they really run at the same
+    time.
+    """
+    processes = 1
+    if independent:
+        processes = int(os.environ.get("KERAS_DISTRIB_WORLD_SIZE", "1"))
+        os.environ["TF_CONFIG"] = json.dumps({
+            "cluster": {"worker": [f"localhost:{_free_port()}"]},
+            "task": {"type": "worker", "index": 0}})
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     world = strategy.num_replicas_in_sync
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(rank if independent else 0)
     samples = FLAGS.steps * FLAGS.per_worker_batch * world
     x = rng.standard_normal((samples, FLAGS.input_dim), dtype=np.float32)
     y = rng.integers(0, FLAGS.classes, size=(samples,)).astype(np.int32)
@@ -224,14 +254,16 @@ def _run_raw_tf_worker(rank, np, tf, keras) -> None:
         return strategy.reduce("SUM", strategy.run(replica, args=(xb, yb)), axis=None)
 
     times, losses = [], []
-    for _ in range(FLAGS.epochs):
+    for epoch in range(FLAGS.epochs):
+        if independent:
+            _file_barrier(FLAGS.out_dir, f"epoch{epoch}", rank, processes)
         start = time.perf_counter()
         for xb, yb in batches:
             loss = step(xb, yb)
         losses.append(float(loss))
         times.append(time.perf_counter() - start)
     _harness.write_result(FLAGS.out_dir, rank, {
-        "rank": rank, "world_size": world, "strategy": "raw_tf",
+        "rank": rank, "world_size": world, "strategy": FLAGS.strategy,
         "params": int(model.count_params()),
         "global_batch": FLAGS.per_worker_batch * world, "steps": FLAGS.steps,
         "epoch_times": times, "loss": losses,
@@ -239,6 +271,25 @@ def _run_raw_tf_worker(rank, np, tf, keras) -> None:
         "threads": [tf.config.threading.get_intra_op_parallelism_threads(),
                     tf.config.threading.get_inter_op_parallelism_threads()],
     })
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _file_barrier(directory: str, name: str, rank: int, processes: int,
+                  timeout: float = 60.0) -> None:
+    """Returns once all `processes` ranks have called it with this `name`."""
+    open(os.path.join(directory, f"{name}.barrier{rank}"), "w").close()
+    deadline = time.monotonic() + timeout
+    while not all(os.path.exists(os.path.join(directory, f"{name}.barrier{r}"))
+                  for r in range(processes)):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"indep2: barrier {name!r}: not all {processes} ranks "
+                               f"arrived within {timeout:g}s")
+        time.sleep(0.001)
 
 
 # ----------------------------------------------------------------------------
@@ -273,17 +324,28 @@ def run_config(name: str, per_worker_batch: int | None = None) -> dict:
         os.path.abspath(__file__), nproc, worker_args(strategy, implementation, batch),
         timeout=FLAGS.timeout)
     results = _harness.read_results(out_dir, nproc)
-    timed = [max(r["epoch_times"][e] for r in results)
-             for e in range(1, len(results[0]["epoch_times"]))]
-    epoch = _harness.stats(timed)[0]
     first = results[0]
+    epochs = range(1, len(first["epoch_times"]))
+    global_batch = first["global_batch"]
+    if strategy in INDEPENDENT:
+        # No collectives: each process trains on its own, so the throughputs
+        # of the processes add up (epoch by epoch: their epochs start together).
+        global_batch = sum(r["global_batch"] for r in results)
+        throughput = statistics.median(
+            sum(r["global_batch"] * r["steps"] / r["epoch_times"][e] for r in results)
+            for e in epochs)
+        epoch = global_batch * first["steps"] / throughput  # the pair's time per epoch
+    else:
+        timed = [max(r["epoch_times"][e] for r in results) for e in epochs]
+        epoch = _harness.stats(timed)[0]
+        throughput = global_batch * first["steps"] / epoch
     return {
         "workers": nproc,
         "epoch": epoch,
         "step_ms": epoch / first["steps"] * 1e3,
-        "throughput": first["global_batch"] * first["steps"] / epoch,
+        "throughput": throughput,
         "params": first["params"],
-        "global_batch": first["global_batch"],
+        "global_batch": global_batch,
         "loss": first["loss"],
         "cpus": [r["cpus"] for r in results],
         "threads": first["threads"],
@@ -366,6 +428,9 @@ def run_driver() -> int:
         ("throughput single / raw1", "single", "raw1", 1),
         ("peer: raw TF loop raw2 / (2 x raw1)", "raw2", "raw1", 2),
         ("our mw2 / peer raw2 (throughput)", "mw2", "raw2", 1),
+        ("ceiling: indep2 / (2 x raw1)", "indep2", "raw1", 2),
+        ("against the ceiling: mw2 / indep2", "mw2", "indep2", 1),
+        ("against the ceiling: raw2 / indep2", "raw2", "indep2", 1),
     ]
     for label, a, b, scale in rows:
         if a in runs and b in runs:
@@ -373,8 +438,14 @@ def run_driver() -> int:
             print(f"{label:44s} {_harness.fmt_stats(ratios[label]):^22s}")
     if "mw2" in runs and "single" in runs:
         extra = [x["step_ms"] - y["step_ms"] for x, y in zip(runs["mw2"], runs["single"])]
-        print(f"{'mw2 step - single step (ms): the all-reduce':44s} {_harness.fmt_stats(extra, 1):^22s}"
-              f"  of {some['params'] * 4 / 2**20:.1f} MB of float32 gradients per step")
+        print(f"{'mw2 step - single step (ms)':44s} {_harness.fmt_stats(extra, 1):^22s}"
+              f"  all-reduce of {some['params'] * 4 / 2**20:.1f} MB of float32 gradients, "
+              "and two processes sharing the machine")
+    if "mw2" in runs and "indep2" in runs:
+        # indep2's step: the time in which the pair trains 2 x per-worker batch.
+        extra = [x["step_ms"] - y["step_ms"] for x, y in zip(runs["mw2"], runs["indep2"])]
+        print(f"{'mw2 step - indep2 step (ms)':44s} {_harness.fmt_stats(extra, 1):^22s}"
+              "  all-reduce, sync, and our step's cost over raw1's step")
 
     # The target: against the fastest one-worker configuration of each repetition.
     misses, efficiency = [], None
@@ -390,6 +461,17 @@ def run_driver() -> int:
             peer = _harness.paired_ratios(runs["raw2"], best, 2)
             ratios["peer: raw2 / (2 x fastest one-worker)"] = peer
             print(f"{'peer: raw2 / (2 x fastest one-worker)':44s} {_harness.fmt_stats(peer):^22s}")
+        if "indep2" in runs:
+            # Information, not the target: what two cores allow with no
+            # communication at all, and how close mw2 comes to that.
+            ceiling = _harness.paired_ratios(runs["indep2"], best, 2)
+            ratios["ceiling: indep2 / (2 x fastest one-worker)"] = ceiling
+            print(f"{'ceiling: indep2 / (2 x fastest one-worker)':44s} "
+                  f"{_harness.fmt_stats(ceiling):^22s}  (no communication: the most "
+                  "two workers can reach here)")
+            if _harness.stats(ceiling)[0] < TARGET_EFFICIENCY:
+                print(f"{'':44s} the ceiling itself is below the target {TARGET_EFFICIENCY:g}: "
+                      "two processes sharing this machine cannot reach it")
         if not met:
             misses.append(f"efficiency mw2 / (2 x fastest one-worker) = "
                           f"{_harness.stats(efficiency)[0]:.2f} < {TARGET_EFFICIENCY}")
