@@ -206,6 +206,7 @@ def chief_train(strategy, coordinator, out):
     # parts race, as in any asynchronous PS training; the loss still falls.
     model, optimizer = _sharded_model(strategy, initial_weights(), "sgd_momentum")
     report["async"] = _train_async(strategy, coordinator, model, optimizer, STEPS)
+    np.savez(os.path.join(out, "async.npz"), *model.get_weights())
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump(report, f)
 
@@ -413,13 +414,25 @@ def test_sharded_training_equals_plain_training(trained, name):
 
 @pytest.mark.slow
 def test_asynchronous_workers_train_sharded_variables(trained):
-    _, report = trained
+    out, report = trained
     run = report["async"]
     # Keras counts steps with `iterations.assign(iterations + 1)`, which
     # concurrent steps can overlap (measured: 26 of 30); weights are written
     # by TF assign_sub/assign_add only.
     assert 0 < run["iterations"] <= STEPS
-    assert np.mean(run["losses"][-5:]) < np.mean(run["losses"][:5]) - 0.2, run["losses"]
+    # Learned: the loss over the whole training set (not the racing steps'
+    # own 16-row batch losses, whose first/last means are too noisy to
+    # compare) falls from the initial weights to the trained ones.
+    x, y = data(2)
+    model = build_model()
+    trained_weights = np.load(out / "async.npz")
+    whole_set_loss = {}
+    for when, weights in (("initial", initial_weights()),
+                          ("trained", [trained_weights[f"arr_{i}"]
+                                       for i in range(len(trained_weights.files))])):
+        model.set_weights(weights)
+        whole_set_loss[when] = float(loss_fn()(y, model(x)))
+    assert whole_set_loss["trained"] < whole_set_loss["initial"] - 0.1, whole_set_loss
 
 
 @pytest.mark.slow
