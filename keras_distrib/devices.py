@@ -13,28 +13,35 @@ def normalize(device: str) -> str:
 
 
 def local_devices() -> list[str]:
-    """All local GPUs, or all local (possibly logical) CPUs when no GPU.
+    """All local GPUs, or all local (possibly logical) CPUs when no GPU."""
+    mine = this_process_devices()
+    gpus = [d for d in mine if tf.DeviceSpec.from_string(d).device_type == "GPU"]
+    return gpus or [d for d in mine if tf.DeviceSpec.from_string(d).device_type == "CPU"]
+
+
+def this_process_devices() -> list[str]:
+    """Every device of this process (CPUs, GPUs, TPUs...), in short form
+    (`"/device:CPU:1"`), which TensorFlow places on this process and which
+    reads the same with one process and in a cluster.
 
     Once the collective runtime has started (multi-worker), TensorFlow lists
-    every worker's devices; only this process's are local.
+    every worker's devices as logical devices; only this process's task's
+    (that of a fresh tensor) are local.
     """
-    gpus = _on_this_task(tf.config.list_logical_devices("GPU"))
-    return [d.name for d in (gpus or _on_this_task(tf.config.list_logical_devices("CPU")))]
+    specs = [tf.DeviceSpec.from_string(d.name) for d in tf.config.list_logical_devices()]
+    return [_short(spec) for spec in specs if _is_mine(spec)]
 
 
-def local_devices_of_all_types() -> list[str]:
-    """Every device of this process (CPUs, GPUs, TPUs...)."""
-    return [d.name for d in _on_this_task(tf.config.list_logical_devices())]
-
-
-def _on_this_task(devices) -> list:
+def _is_mine(spec: tf.DeviceSpec) -> bool:
+    """Whether `spec` names a device of this process (no job: it does)."""
+    if spec.job is None:
+        return True
     here = tf.DeviceSpec.from_string(tf.constant(0).device)
-    return [d for d in devices if _same_task(tf.DeviceSpec.from_string(d.name), here)]
+    return (spec.job, spec.replica, spec.task) == (here.job, here.replica, here.task)
 
 
-def _same_task(spec: tf.DeviceSpec, here: tf.DeviceSpec) -> bool:
-    return spec.job is None or (spec.job, spec.replica, spec.task) == (
-        here.job, here.replica, here.task)
+def _short(spec: tf.DeviceSpec) -> str:
+    return tf.DeviceSpec(device_type=spec.device_type, device_index=spec.device_index).to_string()
 
 
 def check_devices(devices: Sequence[str], option: str = "devices") -> list[str]:
@@ -46,19 +53,14 @@ def check_devices(devices: Sequence[str], option: str = "devices") -> list[str]:
         )
     if not devices:
         raise ValueError(f"{option} is empty; name at least one device.")
-    # This process's devices, by full name or short form, to the short form
-    # ("/device:CPU:1": TensorFlow places it on this process, and it reads
-    # the same with one process and in a cluster).
-    visible = {}
-    for full in (normalize(d) for d in local_devices_of_all_types()):
-        spec = tf.DeviceSpec.from_string(full)
-        short = tf.DeviceSpec(device_type=spec.device_type,
-                              device_index=spec.device_index).to_string()
-        visible[full] = visible[short] = short
+    # This process's devices (short form, see `this_process_devices`); a
+    # full name of one of them ("/job:worker/.../device:CPU:1") names it too.
+    visible = set(this_process_devices())
     result = []
     for device in devices:
-        name = visible.get(normalize(device))
-        if name is None:
+        spec = tf.DeviceSpec.from_string(normalize(device))
+        name = _short(spec) if _is_mine(spec) else None
+        if name not in visible:
             raise ValueError(
                 f"{option}: device {device!r} does not exist; visible devices "
                 f"are {sorted(visible)}."

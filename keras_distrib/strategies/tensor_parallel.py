@@ -180,9 +180,7 @@ class TensorParallel(WorkerReplicas, Strategy):
 
         clone = keras.models.clone_model(template, clone_function=clone_function,
                                          call_function=call_function)
-        for variable in clone.weights:
-            self._held[id(variable.value)] = variable.value
-        self._last_layers = [weakref.ref(layer) for layer in clone.layers]
+        self._adopt(clone)
         return clone
 
     def place_built(self, model) -> None:
@@ -204,6 +202,11 @@ class TensorParallel(WorkerReplicas, Strategy):
                 if layer not in self._laid_out:
                     self._lay_out(layer, None, None if plan is None or plan.kind == "whole"
                                   else plan)
+        self._adopt(model)
+
+    def _adopt(self, model) -> None:
+        """Records `model`, just laid out, as this strategy's: its variables
+        (`holds`) and its layers (`plan()` without a model)."""
         for variable in model.weights:
             self._held[id(variable.value)] = variable.value
         self._last_layers = [weakref.ref(layer) for layer in model.layers]
