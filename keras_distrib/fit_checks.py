@@ -8,16 +8,24 @@ Cheap checks that turn silent failures into one-line errors:
 * `check_same_call`: every worker makes the same call (fit, evaluate or
   predict) with the same batch size and amount of data; otherwise each
   would wait in a collective the others never join;
+* `check_same_model` / `same_model_or_error`: every worker built the same
+  variables (count, shapes, dtypes); otherwise the broadcast of worker 0's
+  values fails deep in TensorFlow ("Shape mismatch in the collective") or
+  waits for a variable the other workers never create;
 * `ReplicasAgree`: at the start of `fit`, every replica holds the same
   weights (naming the first variable that differs).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import re
+import zlib
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 
 def sparse_categorical_classes(model):
@@ -167,6 +175,90 @@ def _describe(row) -> str:
         f"{name}={int(value)}" for name, value in zip(_FACTS, row[1:]) if value != -1
     )
     return f"{call}({facts})"
+
+
+# -- every worker builds the same model -----------------------------------------
+
+
+def check_same_model(strategy, variables) -> None:
+    """Raises `WorkersDisagreeError` on every worker unless all hold variables
+    of the same count, shapes and dtypes, in the same order (names may differ).
+
+    Two small collectives (counts, then one row per variable), before the
+    variables are broadcast: a script that builds another architecture on
+    one rank (a flag read differently, a file only one host has) would
+    otherwise fail inside the broadcast with TensorFlow's "Shape mismatch"
+    or, with an extra variable on one side, wait for it until the
+    collective timeout.
+    """
+    if strategy.world_size == 1:
+        return
+    variables = list(variables)
+    ndim = max((len(v.shape) for v in variables), default=0)
+    head = strategy.sync_gather(np.array([len(variables), ndim], np.float64))
+    count, width = int(head[:, 0].max()), int(head[:, 1].max())
+    rows = np.full((count, 2 + width), -2.0)  # -2: no such variable / dimension
+    for i, variable in enumerate(variables):
+        shape = [(-1 if d is None else d) for d in variable.shape]
+        rows[i, :2 + len(shape)] = [_dtype_code(variable), len(shape), *shape]
+    table = strategy.sync_gather(rows)  # [process, variable, 2 + width]
+    for rank in range(1, len(table)):
+        differs = np.flatnonzero(np.any(table[rank] != table[0], axis=-1))
+        if differs.size:
+            i = int(differs[0])
+            here = f" ({variables[i].path!r} here)" if i < len(variables) else ""
+            raise WorkersDisagreeError(
+                f"worker {rank} built a different model than worker 0: variable "
+                f"{i + 1}{here} is {_describe_variable(table[rank, i])} on worker "
+                f"{rank} but {_describe_variable(table[0, i])} on worker 0 (worker "
+                f"{rank} has {int(head[rank, 0])} variables, worker 0 "
+                f"{int(head[0, 0])}); every worker must build the same model "
+                "(same code, arguments and input shapes)."
+            )
+
+
+@contextlib.contextmanager
+def same_model_or_error(strategy):
+    """Turns TensorFlow's failed broadcast of a variable of another shape on
+    another worker into `WorkersDisagreeError`, for variables created under
+    a multi-worker strategy without `check_same_model` first (a subclassed
+    model's first call, or `fit`'s build). A variable that exists on one
+    worker only still waits until the collective timeout names the worker
+    that did not arrive."""
+    try:
+        yield
+    except (tf.errors.InvalidArgumentError, RuntimeError) as error:
+        # RuntimeError: Keras's "Unable to automatically build the model"
+        # around TensorFlow's error, when `fit` builds the model.
+        found = re.search(r"Shape mismatch in the collective.*?expected shape (\S+) but "
+                          r"another member in the group expected shape (\S+?)\.",
+                          str(error))
+        if found is None:
+            raise
+        raise WorkersDisagreeError(
+            f"workers built different models: worker {strategy.rank} made a variable of "
+            f"shape {found.group(1)} where another worker's has shape {found.group(2)}; "
+            "every worker must build the same model (same code, arguments and input "
+            "shapes)."
+        ) from None
+
+
+_DTYPES = ("float32", "float16", "bfloat16", "float64", "int32", "int64", "int8",
+           "uint8", "int16", "bool", "string")
+
+
+def _dtype_code(variable) -> float:
+    name = keras.backend.standardize_dtype(variable.dtype)
+    return float(_DTYPES.index(name) if name in _DTYPES else 100 + zlib.crc32(name.encode()))
+
+
+def _describe_variable(row) -> str:
+    if row[0] == -2:
+        return "missing"
+    code, ndim = int(row[0]), int(row[1])
+    dtype = _DTYPES[code] if code < len(_DTYPES) else "another dtype"
+    shape = tuple(None if d == -1 else int(d) for d in row[2:2 + ndim])
+    return f"{dtype} {shape}"
 
 
 # -- every replica starts fit from the same weights -----------------------------

@@ -166,7 +166,7 @@ class DistributedModel(keras.Model):
         # Lazily built (subclassed) models create their variables on the first
         # call; make sure that happens under the strategy.
         if not self.built and not tf.distribute.has_strategy():
-            with self._strategy.scope():
+            with self._strategy.scope(), fit_checks.same_model_or_error(self._strategy):
                 outputs = super().__call__(*args, **kwargs)
             if self.built:
                 self._strategy.place_built(self)
@@ -193,7 +193,7 @@ class DistributedModel(keras.Model):
                 self.optimizer.build(self.trainable_variables)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        with self._strategy.scope():
+        with self._strategy.scope(), fit_checks.same_model_or_error(self._strategy):
             try:
                 self._symbolic_build(iterator=iterator, data_batch=data_batch)
             except StopIteration:
@@ -723,6 +723,7 @@ def _rebuild_under(strategy: Strategy, inputs, outputs):
     template = keras.Model(inputs, outputs)
     if all(strategy.holds(v) for v in template.variables):
         return inputs, outputs
+    fit_checks.check_same_model(strategy, template.weights)
     clone = strategy.rebuild(template)
     # Each process set its own values (initializers are unseeded by default,
     # so they differ): worker 0's win, as they would at variable creation.

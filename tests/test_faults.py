@@ -48,6 +48,14 @@ def _last_error_line(output):
     ("data_length", r"worker 1 called fit\(.*samples=96.* while worker 0 called fit\(.*"
                     r"samples=128"),
     ("changed_weights", r"replicas disagree at the start of fit: '.*kernel' on worker 1 "),
+    ("wider_layer", r"worker 1 built a different model than worker 0: variable 1 "
+                    r"\('.*kernel' here\) is float32 \(8, 5\) on worker 1 but float32 "
+                    r"\(8, 4\) on worker 0"),
+    ("extra_layer", r"worker 1 built a different model than worker 0: variable 3 .*is "
+                    r"float32 \(8, 8\) on worker 1 but float32 \(8, 2\) on worker 0 "
+                    r"\(worker 1 has 6 variables, worker 0 4\)"),
+    ("wider_subclass", r"workers built different models: worker \d made a variable of shape "
+                       r"\[8,[45]\] where another worker's has shape \[8,[45]\]"),
 ])
 def test_mismatched_work_is_a_one_line_error(tmp_path, case, expected):
     start = time.monotonic()

@@ -9,7 +9,12 @@ instead of hanging:
 * `data_length`: rank 1 fits on fewer samples;
 * `early_exit`: rank 1 exits 0 before rank 0's second fit;
 * `changed_weights`: rank 1 changes its weights after the model is built
-  (without `BroadcastInitialWeights`): `fit` refuses to start.
+  (without `BroadcastInitialWeights`): `fit` refuses to start;
+* `wider_layer`: rank 1 builds its functional model with a wider hidden
+  layer (TensorFlow's broadcast would fail with "Shape mismatch");
+* `extra_layer`: rank 1's functional model has one more layer, of shapes
+  rank 0 also has (the broadcast would wait for it until the timeout);
+* `wider_subclass`: `wider_layer` for a subclassed model, built by `fit`.
 """
 
 import os
@@ -24,7 +29,32 @@ from absl import app, flags  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("case", None, ["fit_vs_evaluate", "batch_size", "data_length",
-                                 "early_exit", "changed_weights"], "How rank 1 departs.")
+                                 "early_exit", "changed_weights", "wider_layer",
+                                 "extra_layer", "wider_subclass"], "How rank 1 departs.")
+
+
+class Net(kd.DistributedModel):
+    def __init__(self, width, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(width)
+        self.out = keras.layers.Dense(2)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+def build(case, odd, strategy):
+    """The model rank 0 (`odd` False) or rank 1 builds for `case`."""
+    if case == "wider_subclass":
+        return Net(5 if odd else 4, strategy=strategy)
+    inputs = keras.Input((8,))
+    hidden = inputs
+    if case == "wider_layer":
+        hidden = keras.layers.Dense(5 if odd else 4)(hidden)
+    if case == "extra_layer":
+        for _ in range(2 if odd else 1):
+            hidden = keras.layers.Dense(8)(hidden)
+    return kd.DistributedModel(inputs, keras.layers.Dense(2)(hidden), strategy=strategy)
 
 
 def main(argv):
@@ -32,10 +62,10 @@ def main(argv):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(128, 8)).astype("float32")
     y = (x[:, 0] > 0).astype("int32")
-    inputs = keras.Input((8,))
-    model = kd.DistributedModel(inputs, keras.layers.Dense(2)(inputs), strategy="multi_worker")
+    strategy = kd.strategies.get("multi_worker")
+    odd = strategy.rank == 1
+    model = build(FLAGS.case, odd, strategy)
     model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(True))
-    odd = model.strategy.rank == 1
     fit = dict(batch_size=32, epochs=1, verbose=0)
     if FLAGS.case == "fit_vs_evaluate":
         (model.evaluate if odd else model.fit)(x, y, batch_size=32, verbose=0)
@@ -51,6 +81,8 @@ def main(argv):
     elif FLAGS.case == "changed_weights":
         if odd:
             model.layers[-1].kernel.assign(np.ones((8, 2), "float32"))
+        model.fit(x, y, **fit)
+    else:  # the models differ
         model.fit(x, y, **fit)
     print(f"rank {model.strategy.rank} done")
 
