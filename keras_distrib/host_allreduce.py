@@ -351,6 +351,22 @@ class HostAllReduce:
         Arrays of one dtype travel in one contiguous region; the results are
         new arrays, identical on every worker.
         """
+        return self._reduce(arrays, divide_by_last=False)
+
+    def mean_by_count(self, *arrays: np.ndarray) -> list:
+        """`all_reduce` of float32 arrays whose last is a sample count, the
+        others' sums divided by the summed count (at least 1).
+
+        The division rides in the copy that gathers the results (no extra
+        pass over the gradients), with the same float32 operations as
+        `Strategy.reduce_gradients`: `sum * (1 / max(count, 1))`. The count
+        comes back summed.
+        """
+        if any(np.asarray(a).dtype != np.float32 for a in arrays):
+            raise TypeError("mean_by_count takes float32 arrays only")
+        return self._reduce(arrays, divide_by_last=True)
+
+    def _reduce(self, arrays, divide_by_last: bool) -> list:
         arrays = [np.asarray(a) for a in arrays]
         groups, nbytes = self._layout(arrays)
         self._reserve(nbytes)
@@ -373,12 +389,25 @@ class HostAllReduce:
             for peer in self._peers:
                 np.add(mine_chunk, views[-1][peer][lo:hi], out=mine_chunk)
         self._barrier()
+        scale = None
+        if divide_by_last:  # one group (float32); the count is its last element
+            count = groups[0][3]
+            owner = next(q for q in range(self.world_size)
+                         if _chunk(count, self.world_size, q)[0] <= count - 1
+                         < _chunk(count, self.world_size, q)[1])
+            summed = views[0][owner][count - 1]
+            scale = np.float32(1.0) / np.maximum(summed, np.float32(1.0))
         results = [None] * len(arrays)
         for (dtype, members, offset, count), per_slot in zip(groups, views):
             total = np.empty(count, dtype)
             for q in range(self.world_size):
                 lo, hi = _chunk(count, self.world_size, q)
-                total[lo:hi] = per_slot[q][lo:hi]
+                if scale is None:
+                    total[lo:hi] = per_slot[q][lo:hi]
+                else:
+                    np.multiply(per_slot[q][lo:hi], scale, out=total[lo:hi])
+            if scale is not None:
+                total[-1] = summed
             start = 0
             for i in members:
                 size = arrays[i].size

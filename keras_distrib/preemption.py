@@ -149,7 +149,10 @@ class PreemptionWatch(keras.callbacks.Callback):
         if self._vote is None:
             return _requested
         if self._step_carries_vote():
-            return float(self._vote.numpy()) > 0
+            # Every local copy holds the reduced vote: read one (reading a
+            # mirrored variable as a whole costs a cross-replica read).
+            copies = getattr(self._vote, "values", None)
+            return float((copies[0] if copies else self._vote).numpy()) > 0
         if self._steps % CUSTOM_STEP_INTERVAL:
             return False
         (total,) = self.model.strategy.sync_sum([np.float64(_requested)])

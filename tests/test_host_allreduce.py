@@ -18,7 +18,7 @@ from keras_distrib import host_allreduce, launch_contract
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "workers"))
-from host_reduce import inputs  # noqa: E402  (after the real package is imported)
+from host_reduce import inputs, mean_inputs  # noqa: E402  (after the real package is imported)
 
 WORKER = os.path.join(HERE, "workers", "host_reduce.py")
 OTHER_UID = 65534  # "nobody": stands for another user where we may chown (root)
@@ -86,6 +86,25 @@ def test_sums_are_exact_identical_and_leave_no_files(tmp_path, world):
             for other in results[1:]:  # each element is summed by one worker only
                 np.testing.assert_array_equal(other[f"c{call}_{i}"], got)
     assert sorted(os.listdir(tmp_path)) == sorted(f"rank{r}.npz" for r in range(world))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_mean_by_count_is_the_sum_times_the_inverse_count_bit_for_bit(tmp_path, world):
+    # What Strategy.reduce_gradients computes after a plain all-reduce, in
+    # float32: sum * (1 / max(total, 1)); the fused path must not differ.
+    assert _run(tmp_path, world, "means") == [0] * world
+    results = [np.load(tmp_path / f"rank{r}.npz") for r in range(world)]
+    for call in range(3):
+        total = np.float32(sum(mean_inputs(r, call)[-1] for r in range(world)))
+        scale = np.float32(1.0) / np.maximum(total, np.float32(1.0))
+        for i in range(2):
+            summed = results[0][f"s{call}_{i}"]  # the plain all-reduce's sum
+            want = sum(np.asarray(mean_inputs(r, call)[i], np.float64) for r in range(world))
+            np.testing.assert_allclose(summed, want, rtol=1e-5, atol=1e-5)
+            for result in results:  # identical on every worker
+                np.testing.assert_array_equal(result[f"c{call}_{i}"], summed * scale)
+        for result in results:
+            assert result[f"c{call}_2"] == total
 
 
 def test_a_peer_that_exits_is_named(tmp_path):

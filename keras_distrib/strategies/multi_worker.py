@@ -188,6 +188,20 @@ class MultiWorker(TFDistributeStrategy):
             out.append(total)
         return out
 
+    def reduce_gradients(self, gradients: list, num_samples, compression=None) -> list:
+        if (self._host_reduce is None or compression is not None
+                or any(g.dtype != tf.float32 for g in gradients)):
+            return super().reduce_gradients(gradients, num_samples, compression)
+        # Shared memory: the division by the global count rides in the
+        # all-reduce's last copy (same float32 math as the base class).
+        values = [*gradients, tf.cast(num_samples, tf.float32)]
+        reduced = tf.numpy_function(
+            self._host_reduce.mean_by_count, values, [tf.float32] * len(values),
+            stateful=True, name="kd_host_mean_by_count")
+        for value, mean in zip(values, reduced):
+            mean.set_shape(value.shape)
+        return reduced[:-1]
+
     def all_reduce_across_processes(self, values: Sequence[tf.Tensor], op: str = "sum") -> list:
         """`all_reduce` called from outside this strategy's `run`, each process
         contributing `values` once: the data-parallel collective of a step

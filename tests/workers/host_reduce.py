@@ -5,6 +5,9 @@ Usage: host_reduce.py RANK WORLD JOB_ID DIRECTORY OUT MODE [TIMEOUT [CONNECT_TIM
 MODE:
   sums     several all-reduces of mixed dtypes and growing sizes; writes
            every result to OUT (npz).
+  means    mean_by_count of float32 gradients and a count (0 on some
+           ranks, and 0 in total on the last call), then all_reduce of the
+           same arrays (keys "s<call>_<i>"); writes the results.
   exit1    rank 1 exits after the first all-reduce; the others try a second.
   stall1   rank 1 sleeps 6 s before the second all-reduce.
 Errors are written to OUT + ".err" (type and message).
@@ -41,6 +44,14 @@ def inputs(rank, call):
     ]
 
 
+def mean_inputs(rank, call):
+    """float32 "gradients" and a sample count last (all counts 0 on call 2)."""
+    rng = np.random.default_rng(5000 * call + rank)
+    count = [rank * 7 + 3, 0 if rank else 5, 0][call]
+    return [rng.standard_normal((301, 3)).astype(np.float32),
+            rng.standard_normal(11).astype(np.float32), np.float32(count)]
+
+
 def main():
     rank, world, job, directory, out, mode = sys.argv[1:7]
     timeout = float(sys.argv[7]) if len(sys.argv) > 7 and sys.argv[7] != "none" else None
@@ -50,13 +61,19 @@ def main():
         reducer = host_allreduce.HostAllReduce(
             rank, world, job, timeout=timeout, connect_timeout=connect_timeout, directory=directory)
         results = {}
-        calls = 4 if mode == "sums" else 2
+        calls = {"sums": 4, "means": 3}.get(mode, 2)
         for call in range(calls):
             if call == 1 and rank == 1 and mode == "exit1":
                 os._exit(3)
             if call == 1 and rank == 1 and mode == "stall1":
                 time.sleep(6)
-            for i, value in enumerate(reducer.all_reduce(*inputs(rank, call))):
+            if mode == "means":
+                reduced = reducer.mean_by_count(*mean_inputs(rank, call))
+                for i, value in enumerate(reducer.all_reduce(*mean_inputs(rank, call))):
+                    results[f"s{call}_{i}"] = value
+            else:
+                reduced = reducer.all_reduce(*inputs(rank, call))
+            for i, value in enumerate(reduced):
                 results[f"c{call}_{i}"] = value
         reducer.close()
         np.savez(out, **results)
