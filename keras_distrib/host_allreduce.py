@@ -390,12 +390,10 @@ class HostAllReduce:
                 np.add(mine_chunk, views[-1][peer][lo:hi], out=mine_chunk)
         self._barrier()
         scale = None
-        if divide_by_last:  # one group (float32); the count is its last element
+        if divide_by_last:  # one group (float32); the count is its last element,
+            # in the last worker's chunk (`_chunk`'s last part always ends there)
             count = groups[0][3]
-            owner = next(q for q in range(self.world_size)
-                         if _chunk(count, self.world_size, q)[0] <= count - 1
-                         < _chunk(count, self.world_size, q)[1])
-            summed = views[0][owner][count - 1]
+            summed = views[0][self.world_size - 1][count - 1]
             scale = np.float32(1.0) / np.maximum(summed, np.float32(1.0))
         results = [None] * len(arrays)
         for (dtype, members, offset, count), per_slot in zip(groups, views):

@@ -175,14 +175,9 @@ class MultiWorker(TFDistributeStrategy):
             return super().all_reduce(values, op)
         reduce_op_name(op)  # validates op, as TF's path does
         values = [tf.convert_to_tensor(v) for v in values]
-        # stateful: never pruned, and kept in program order with any other
-        # all-reduce of the same function (every worker must agree on it).
-        reduced = tf.numpy_function(
-            self._host_reduce.all_reduce, values, [v.dtype for v in values],
-            stateful=True, name="kd_host_all_reduce")
+        reduced = self._on_host(self._host_reduce.all_reduce, values, "kd_host_all_reduce")
         out = []
-        for value, total in zip(values, reduced):
-            total.set_shape(value.shape)
+        for total in reduced:
             if op == "mean":
                 total = total / tf.cast(self.world_size, total.dtype)
             out.append(total)
@@ -195,12 +190,21 @@ class MultiWorker(TFDistributeStrategy):
         # Shared memory: the division by the global count rides in the
         # all-reduce's last copy (same float32 math as the base class).
         values = [*gradients, tf.cast(num_samples, tf.float32)]
-        reduced = tf.numpy_function(
-            self._host_reduce.mean_by_count, values, [tf.float32] * len(values),
-            stateful=True, name="kd_host_mean_by_count")
-        for value, mean in zip(values, reduced):
-            mean.set_shape(value.shape)
+        reduced = self._on_host(self._host_reduce.mean_by_count, values,
+                                "kd_host_mean_by_count")
         return reduced[:-1]
+
+    @staticmethod
+    def _on_host(function, values: list, name: str) -> list:
+        """`function(*values)` (a shared-memory collective) in the step, with
+        each result shaped like its input. Stateful: never pruned, and kept
+        in program order with any other collective of the same function
+        (every worker must agree on it)."""
+        reduced = tf.numpy_function(function, values, [v.dtype for v in values],
+                                    stateful=True, name=name)
+        for value, result in zip(values, reduced):
+            result.set_shape(value.shape)
+        return reduced
 
     def all_reduce_across_processes(self, values: Sequence[tf.Tensor], op: str = "sum") -> list:
         """`all_reduce` called from outside this strategy's `run`, each process
