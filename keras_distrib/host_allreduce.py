@@ -69,7 +69,7 @@ import numpy as np
 
 from keras_distrib import launch_contract
 
-_ALIGN = 64  # bytes: each dtype region starts on a cache line
+_ALIGN = 64  # bytes: each dtype region, and each array in it, starts on a cache line
 _POLL = 1.0  # seconds between liveness checks of the peers in a barrier
 _FILE_POLL_MAX = 0.02  # seconds: longest sleep while waiting for a file
 MAX_WORKERS = 256  # a barrier token is one byte: the sender's rank
@@ -375,11 +375,11 @@ class HostAllReduce:
         mine = buffers[self.rank]
         for dtype, members, offset, count in groups:
             region = mine[offset:offset + count * dtype.itemsize].view(dtype)
-            start = 0
-            for i in members:
-                size = arrays[i].size
-                region[start:start + size] = arrays[i].reshape(-1)
-                start += size
+            end = 0
+            for i, start in members:
+                region[end:start] = 0  # the padding, summed like the rest
+                end = start + arrays[i].size
+                region[start:end] = arrays[i].reshape(-1)
         self._barrier()
         views = []
         for dtype, members, offset, count in groups:
@@ -397,7 +397,7 @@ class HostAllReduce:
             scale = np.float32(1.0) / np.maximum(summed, np.float32(1.0))
         results = [None] * len(arrays)
         for (dtype, members, offset, count), per_slot in zip(groups, views):
-            total = np.empty(count, dtype)
+            total = _aligned_empty(count, dtype)
             for q in range(self.world_size):
                 lo, hi = _chunk(count, self.world_size, q)
                 if scale is None:
@@ -406,11 +406,8 @@ class HostAllReduce:
                     np.multiply(per_slot[q][lo:hi], scale, out=total[lo:hi])
             if scale is not None:
                 total[-1] = summed
-            start = 0
-            for i in members:
-                size = arrays[i].size
-                results[i] = total[start:start + size].reshape(arrays[i].shape)
-                start += size
+            for i, start in members:
+                results[i] = total[start:start + arrays[i].size].reshape(arrays[i].shape)
         return results
 
     def _layout(self, arrays: Sequence[np.ndarray]):
@@ -421,8 +418,14 @@ class HostAllReduce:
                 members.setdefault(a.dtype, []).append(i)
             groups, offset = [], 0
             for dtype, indices in members.items():
-                count = sum(arrays[i].size for i in indices)
-                groups.append((dtype, indices, offset, count))
+                # Every array starts on a cache line (padding between them):
+                # its result is then a view TensorFlow takes without a copy.
+                step = max(1, _ALIGN // dtype.itemsize)
+                starts, count = [], 0
+                for i in indices:
+                    starts.append((i, _round_up(count, step)))
+                    count = starts[-1][1] + arrays[i].size
+                groups.append((dtype, starts, offset, count))
                 offset = _round_up(offset + count * dtype.itemsize, _ALIGN)
             self._layouts[key] = (groups, offset)
         return self._layouts[key]
@@ -681,6 +684,18 @@ def _process_state(pid: Optional[int]) -> str:
 
 def _chunk(count: int, parts: int, index: int) -> tuple:
     return count * index // parts, count * (index + 1) // parts
+
+
+def _aligned_empty(count: int, dtype) -> np.ndarray:
+    """An uninitialised array whose data starts on a cache line (`_ALIGN`).
+
+    TensorFlow takes a `numpy_function` result without copying it only when
+    its data is aligned (`EIGEN_MAX_ALIGN_BYTES`, at most 64): NumPy's own
+    allocations of large arrays start 16 bytes into a page.
+    """
+    raw = np.empty(count * dtype.itemsize + _ALIGN, np.uint8)
+    skip = -raw.ctypes.data % _ALIGN
+    return raw[skip:skip + count * dtype.itemsize].view(dtype)
 
 
 def _round_up(value: int, multiple: int) -> int:

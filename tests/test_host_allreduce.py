@@ -3,7 +3,6 @@
 import contextlib
 import os
 import re
-import signal
 import stat
 import subprocess
 import sys
@@ -85,6 +84,9 @@ def test_sums_are_exact_identical_and_leave_no_files(tmp_path, world):
             np.testing.assert_allclose(got.astype(np.float64), want, atol=tol, rtol=tol)
             for other in results[1:]:  # each element is summed by one worker only
                 np.testing.assert_array_equal(other[f"c{call}_{i}"], got)
+            # On a cache line: TensorFlow takes a numpy_function's result
+            # without a copy only then (4 MB less copying per step).
+            assert all(result[f"a{call}_{i}"] == 0 for result in results), (call, i)
     assert sorted(os.listdir(tmp_path)) == sorted(f"rank{r}.npz" for r in range(world))
 
 

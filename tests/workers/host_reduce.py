@@ -4,7 +4,7 @@ Usage: host_reduce.py RANK WORLD JOB_ID DIRECTORY OUT MODE [TIMEOUT [CONNECT_TIM
 
 MODE:
   sums     several all-reduces of mixed dtypes and growing sizes; writes
-           every result to OUT (npz).
+           every result to OUT (npz), and its address modulo 64 ("a...").
   means    mean_by_count of float32 gradients and a count (0 on some
            ranks, and 0 in total on the last call), then all_reduce of the
            same arrays (keys "s<call>_<i>"); writes the results.
@@ -75,6 +75,7 @@ def main():
                 reduced = reducer.all_reduce(*inputs(rank, call))
             for i, value in enumerate(reduced):
                 results[f"c{call}_{i}"] = value
+                results[f"a{call}_{i}"] = np.int64(value.ctypes.data % 64 if value.size else 0)
         reducer.close()
         np.savez(out, **results)
     except Exception as e:  # noqa: BLE001 - reported to the test
