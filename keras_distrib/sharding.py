@@ -222,7 +222,7 @@ def _shard_arrays(x, y, sample_weight, batch_size, rows, seed, repeat=False, fir
 
     @tf.autograph.experimental.do_not_convert
     def this_workers_rows(batch_indices, source):
-        mine = rows.cut(batch_indices)
+        mine = batch_indices if rows.local == rows.total else rows.cut(batch_indices)
         return tf.nest.map_structure(lambda t: tf.gather(t, mine), source)
 
     # The arrays enter as one element repeated (not captured by the
