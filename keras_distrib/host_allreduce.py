@@ -70,6 +70,7 @@ import numpy as np
 from keras_distrib import launch_contract
 
 _ALIGN = 64  # bytes: each dtype region, and each array in it, starts on a cache line
+_RESULT_BUFFERS = 4  # kept for reuse (see HostAllReduce._result_buffer)
 _POLL = 1.0  # seconds between liveness checks of the peers in a barrier
 _FILE_POLL_MAX = 0.02  # seconds: longest sleep while waiting for a file
 MAX_WORKERS = 256  # a barrier token is one byte: the sender's rank
@@ -169,6 +170,7 @@ class HostAllReduce:
         self._generation = 0
         self._calls = 0
         self._layouts: dict = {}
+        self._results: list = []  # buffers the results are views of (see _result_buffer)
         try:
             self._connect(connect_timeout)
         except BaseException:
@@ -396,8 +398,9 @@ class HostAllReduce:
             summed = views[0][self.world_size - 1][count - 1]
             scale = np.float32(1.0) / np.maximum(summed, np.float32(1.0))
         results = [None] * len(arrays)
+        out = self._result_buffer(nbytes)
         for (dtype, members, offset, count), per_slot in zip(groups, views):
-            total = _aligned_empty(count, dtype)
+            total = out[offset:offset + count * dtype.itemsize].view(dtype)
             for q in range(self.world_size):
                 lo, hi = _chunk(count, self.world_size, q)
                 if scale is None:
@@ -409,6 +412,32 @@ class HostAllReduce:
             for i, start in members:
                 results[i] = total[start:start + arrays[i].size].reshape(arrays[i].shape)
         return results
+
+    def _result_buffer(self, nbytes: int) -> np.ndarray:
+        """`nbytes` bytes starting on a cache line, that no earlier result
+        still uses, for this call's results (views of it).
+
+        TensorFlow takes a `numpy_function` result without a copy only when
+        its data is aligned (`EIGEN_MAX_ALIGN_BYTES`, at most 64), and memory
+        fresh from the system costs a page fault per 4 KB on first write
+        (~1 ms for 4 MB); so up to `_RESULT_BUFFERS` buffers are kept and
+        reused once nothing refers to them (TensorFlow drops a step's
+        results before the next step's `numpy_function` runs).
+        """
+        for i in range(len(self._results)):
+            raw = self._results[i]
+            # Unused: the list, `raw` and getrefcount's argument (a result
+            # array, whatever view it is, refers to `raw` as its base).
+            if sys.getrefcount(raw) == 3:
+                if raw.nbytes < nbytes + _ALIGN:
+                    raw = self._results[i] = np.empty(nbytes + _ALIGN, np.uint8)
+                break
+        else:
+            raw = np.empty(nbytes + _ALIGN, np.uint8)
+            if len(self._results) < _RESULT_BUFFERS:
+                self._results.append(raw)
+        skip = -raw.ctypes.data % _ALIGN
+        return raw[skip:skip + nbytes]
 
     def _layout(self, arrays: Sequence[np.ndarray]):
         key = tuple((a.dtype.str, a.dtype.name, a.size) for a in arrays)
@@ -684,18 +713,6 @@ def _process_state(pid: Optional[int]) -> str:
 
 def _chunk(count: int, parts: int, index: int) -> tuple:
     return count * index // parts, count * (index + 1) // parts
-
-
-def _aligned_empty(count: int, dtype) -> np.ndarray:
-    """An uninitialised array whose data starts on a cache line (`_ALIGN`).
-
-    TensorFlow takes a `numpy_function` result without copying it only when
-    its data is aligned (`EIGEN_MAX_ALIGN_BYTES`, at most 64): NumPy's own
-    allocations of large arrays start 16 bytes into a page.
-    """
-    raw = np.empty(count * dtype.itemsize + _ALIGN, np.uint8)
-    skip = -raw.ctypes.data % _ALIGN
-    return raw[skip:skip + count * dtype.itemsize].view(dtype)
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -8,6 +8,9 @@ MODE:
   means    mean_by_count of float32 gradients and a count (0 on some
            ranks, and 0 in total on the last call), then all_reduce of the
            same arrays (keys "s<call>_<i>"); writes the results.
+  reuse    four all-reduces of the same arrays, each result dropped before
+           the next call; writes the last results and every call's
+           result addresses ("addresses").
   exit1    rank 1 exits after the first all-reduce; the others try a second.
   stall1   rank 1 sleeps 6 s before the second all-reduce.
 Errors are written to OUT + ".err" (type and message).
@@ -61,6 +64,18 @@ def main():
         reducer = host_allreduce.HostAllReduce(
             rank, world, job, timeout=timeout, connect_timeout=connect_timeout, directory=directory)
         results = {}
+        if mode == "reuse":
+            addresses = []
+            for call in range(4):
+                reduced = reducer.all_reduce(*inputs(rank, 0))
+                addresses.append([value.ctypes.data for value in reduced])
+                if call < 3:
+                    del reduced
+            results = {f"c0_{i}": value for i, value in enumerate(reduced)}
+            results["addresses"] = np.array(addresses, np.int64)
+            reducer.close()
+            np.savez(out, **results)
+            return
         calls = {"sums": 4, "means": 3}.get(mode, 2)
         for call in range(calls):
             if call == 1 and rank == 1 and mode == "exit1":
