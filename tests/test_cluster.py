@@ -478,6 +478,18 @@ def test_slurm_two_nodes_two_tasks_each():
     assert (info.task_type, info.has_chief, info.ps, info.evaluators) == ("worker", False, (), ())
 
 
+def test_slurm_works_in_a_script_that_has_not_imported_keras():
+    # Importing Keras imports keras_distrib.model, which needs the module
+    # from_slurm uses complete: it used to be half-imported here.
+    code = ("import keras_distrib\n"
+            "from keras_distrib.cluster import from_slurm\n"
+            f"print(from_slurm({SLURM_2x2!r}).address)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "node02:8889"
+
+
 def test_slurm_uneven_tasks_per_node():
     env = {"SLURM_PROCID": "2", "SLURM_STEP_NUM_TASKS": "4",
            "SLURM_STEP_NODELIST": "gpu-a,gpu-b", "SLURM_STEP_TASKS_PER_NODE": "3,1",

@@ -22,6 +22,7 @@ KERAS_DISTRIB_NUM_PS=1 srun -N 4 --ntasks-per-node=1 python train.py
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any, Mapping, Optional, Sequence
 
@@ -153,10 +154,22 @@ def _check_port_base(port_base: Any) -> None:
         )
 
 
+def _tensorflow_helpers():
+    """`keras_distrib._compat` (it imports TensorFlow: only under Slurm).
+
+    Keras first: once `keras_distrib` is imported, importing Keras imports
+    `keras_distrib.model` (see the package's `_RegisterAfterKeras`), which
+    needs `_compat` whole; were `_compat` the module bringing Keras in, the
+    model would find it half-imported (an AttributeError at `from_slurm()`
+    in a script that had not imported Keras yet).
+    """
+    importlib.import_module("keras")
+    return importlib.import_module("keras_distrib._compat")
+
+
 def _slurm_task_configuration(environ: Mapping[str, str]) -> dict[str, int]:
     """Node name -> number of tasks, from the step's node list."""
-    from keras_distrib import _compat  # imports TensorFlow: only under Slurm
-
+    _compat = _tensorflow_helpers()
     values = {}
     for name in ("SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE"):
         if not environ.get(name):
@@ -182,8 +195,7 @@ def _slurm_task_configuration(environ: Mapping[str, str]) -> dict[str, int]:
 def _slurm_workers(
     rank: int, num_tasks: int, task_config: dict[str, int], port_base: int
 ) -> list[str]:
-    from keras_distrib import _compat  # imports TensorFlow: only under Slurm
-
+    _compat = _tensorflow_helpers()
     max_per_node = max(task_config.values())
     last_port = port_base + max_per_node - 1
     if last_port > 65535:
