@@ -425,12 +425,12 @@ class HostAllReduce:
         results before the next step's `numpy_function` runs).
         """
         for i in range(len(self._results)):
-            raw = self._results[i]
-            # Unused: the list, `raw` and getrefcount's argument (a result
-            # array, whatever view it is, refers to `raw` as its base).
-            if sys.getrefcount(raw) == 3:
-                if raw.nbytes < nbytes + _ALIGN:
-                    raw = self._results[i] = np.empty(nbytes + _ALIGN, np.uint8)
+            # A result array, whatever view it is, refers to its buffer as
+            # its base: a buffer nothing else refers to has no result alive.
+            if _references(self._results, i) == _UNREFERENCED:
+                if self._results[i].nbytes < nbytes + _ALIGN:
+                    self._results[i] = np.empty(nbytes + _ALIGN, np.uint8)
+                raw = self._results[i]
                 break
         else:
             raw = np.empty(nbytes + _ALIGN, np.uint8)
@@ -713,6 +713,17 @@ def _process_state(pid: Optional[int]) -> str:
 
 def _chunk(count: int, parts: int, index: int) -> tuple:
     return count * index // parts, count * (index + 1) // parts
+
+
+def _references(items: list, index: int) -> int:
+    """`sys.getrefcount` of `items[index]`."""
+    return sys.getrefcount(items[index])
+
+
+# What `_references` counts for an object only a list refers to, measured
+# the same way (so that an interpreter counting temporaries differently
+# cannot make a buffer in use look unused).
+_UNREFERENCED = _references([object()], 0)
 
 
 def _round_up(value: int, multiple: int) -> int:
