@@ -15,8 +15,10 @@ same order):
 * any other `tf.data.Dataset`: each element (a global batch) is cut to this
   worker's rows.
 
-All of this runs only when more than one worker trains (the strategy's
-`topology.num_data_shards > 1`; see `Strategy.distribute_fit_input`).
+All of this runs when more than one worker trains (the strategy's
+`topology.num_data_shards > 1`); numpy arrays and tensors, and any input
+of a resumable `fit`, take this path with one worker too (see
+`Strategy.distribute_fit_input`).
 """
 
 from __future__ import annotations
