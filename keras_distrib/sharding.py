@@ -151,7 +151,14 @@ class _WorkerRows:
         count = tf.add_n(sizes[self.first : self.first + self.local])
         return start, count
 
+    @property
+    def whole(self) -> bool:
+        """Whether this worker holds every replica (it keeps whole batches)."""
+        return self.local == self.total
+
     def cut(self, batch):
+        if self.whole:
+            return batch  # nothing to trace or compute
         leaves = [t for t in tf.nest.flatten(batch) if t is not None]
         start, count = self.bounds(tf.shape(leaves[0], out_type=tf.int64)[0])
         return tf.nest.map_structure(
@@ -159,6 +166,8 @@ class _WorkerRows:
         )
 
     def cut_numpy(self, batch):
+        if self.whole:
+            return batch
         leaves = [t for t in tf.nest.flatten(batch) if t is not None]
         start, count = (int(v) for v in self.bounds(tf.constant(len(leaves[0]), tf.int64)))
         return tf.nest.map_structure(
@@ -224,7 +233,7 @@ def _shard_arrays(x, y, sample_weight, batch_size, rows, seed, repeat=False, fir
 
     @tf.autograph.experimental.do_not_convert
     def this_workers_rows(batch_indices, source):
-        mine = batch_indices if rows.local == rows.total else rows.cut(batch_indices)
+        mine = rows.cut(batch_indices)
         return tf.nest.map_structure(lambda t: tf.gather(t, mine), source)
 
     # The arrays enter as one element repeated (not captured by the
