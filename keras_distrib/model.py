@@ -24,6 +24,7 @@ import threading
 from typing import Union
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_distrib import _compat
@@ -823,17 +824,30 @@ def _can_write_atomically(filepath, overwrite, kwargs) -> bool:
 
 
 def _copy_optimizer_state(source: keras.Model, target: DistributedModel) -> None:
+    """Gives `target`'s optimizer the state of `source`'s (step count, slots).
+
+    The state travels as a saved file would carry it (the optimizer's
+    `save_own_variables` / `load_own_variables`), in the plain model's
+    layout: a strategy that splits weights (tensor_parallel) splits the
+    slots on the way in, as it does when loading a file.
+    """
     src = source.optimizer
     if src is None or not src.built:
         return
     with target.strategy.scope():
         target.optimizer.build(target.trainable_variables)
-    if len(src.variables) != len(target.optimizer.variables):
+    # The strategy's hooks for a built optimizer (tensor_parallel: the file layout).
+    target.strategy.sync_initial_state(target)
+    saved, layout = {}, {}
+    src.save_own_variables(saved)
+    target.optimizer.save_own_variables(layout)
+    shapes = [np.shape(saved[str(i)]) for i in range(len(saved))]
+    expected = [np.shape(layout[str(i)]) for i in range(len(layout))]
+    if shapes != expected:
         raise ValueError(
-            "Cannot carry the optimizer state over: the wrapped model's optimizer "
-            f"has {len(src.variables)} variables, the copy's has "
-            f"{len(target.optimizer.variables)}."
+            "Cannot carry the optimizer state over: the wrapped model's optimizer holds "
+            f"{len(shapes)} variables of shapes {shapes}, the copy's "
+            f"{len(expected)} of shapes {expected}; compile the copy afresh instead."
         )
-    for new, old in zip(target.optimizer.variables, src.variables):
-        new.assign(old)
+    target.optimizer.load_own_variables(saved)
     target.strategy.broadcast_variables(target.optimizer.variables)
