@@ -188,6 +188,16 @@ def process_alive(pid, zombies_count=True):
         return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
+# TensorFlow's gRPC server answers a request it fails to parse with INTERNAL
+# "Unable to parse request" (tensorflow/core/distributed_runtime/rpc/
+# grpc_call.h). CI saw it once, in a parameter-server job on a loaded
+# 2-core machine (a remote copy from a worker to the chief; the coordinator
+# does not count it as a worker failure, so `fit` fails); no other run of
+# this suite has shown it, and no upstream issue was found. A job that
+# fails with it, and nothing was done to it meanwhile, runs once more.
+_TRANSPORT_FLAKE = 'grpc_message:"Unable to parse request"'
+
+
 def launch(out, n, script, *script_args, launch_flags=(), timeout=300, expect=0, env=None,
            during=None):
     """Runs `keras-distrib launch -n n script ...` for real; returns its output.
@@ -197,8 +207,22 @@ def launch(out, n, script, *script_args, launch_flags=(), timeout=300, expect=0,
     `(exit code, output)` instead. `env` adds environment variables;
     `during(proc)`, if given, runs while the job does (to kill a task, say).
     The process group is killed whatever happens, so no worker outlives the
-    test.
+    test. A job that fails with TensorFlow's rare transport error (see
+    `_TRANSPORT_FLAKE`) runs once more, unless `during` acted on it.
     """
+    code, output = _launch_once(out, n, script, script_args, launch_flags, timeout, env, during)
+    if code != 0 and during is None and _TRANSPORT_FLAKE in output:
+        print(f"helpers.launch: {_TRANSPORT_FLAKE} (TensorFlow's gRPC transport); "
+              "running the job once more", file=sys.stderr)
+        code, output = _launch_once(out, n, script, script_args, launch_flags, timeout, env,
+                                    during)
+    if expect is None:
+        return code, output
+    assert code == expect, output[-5000:]
+    return output
+
+
+def _launch_once(out, n, script, script_args, launch_flags, timeout, env, during):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TMPDIR=str(out), **(env or {}))
     argv = [sys.executable, "-m", "keras_distrib.launch", "launch", "-n", str(n),
             "--timeout", str(timeout - 30), *launch_flags, script, *script_args]
@@ -219,8 +243,4 @@ def launch(out, n, script, *script_args, launch_flags=(), timeout=300, expect=0,
         except (ProcessLookupError, PermissionError):
             pass
         proc.wait()
-    output = "".join(chunks)
-    if expect is None:
-        return proc.returncode, output
-    assert proc.returncode == expect, output[-5000:]
-    return output
+    return proc.returncode, "".join(chunks)
