@@ -133,6 +133,30 @@ def test_auto_picks_parameter_server_when_the_cluster_has_ps(monkeypatch):
     assert registry._auto_name() == "multi_worker"
 
 
+def test_a_remote_failure_is_summed_up_in_one_line():
+    from keras_distrib.cluster import ClusterInfo
+    from keras_distrib.strategies.parameter_server import failure_summary
+
+    info = ClusterInfo(("c:2222", "w0:2222", "w1:2222"), 0, ps=("p:2222",), has_chief=True,
+                       task_type="chief")
+    # What TensorFlow raised in a CI run (a chief's fetch from worker 1).
+    text = (
+        "2 root error(s) found.\n"
+        "  (0) INTERNAL: {{function_node __wrapped__Identity_device_/job:chief/replica:0/"
+        "task:0/device:CPU:0}} Unable to parse request\n"
+        "Additional GRPC error information from remote target /job:worker/replica:0/task:1/"
+        "device:CPU:0 while calling /tensorflow.eager.EagerService/RunComponentFunction:\n"
+        ":UNKNOWN:Error received from peer  {grpc_status:13, grpc_message:\"Unable to parse "
+        "request\"}\n"
+        "  (1) CANCELLED: {{function_node __wrapped__Identity_device_/job:chief/replica:0/"
+        "task:0/device:CPU:0}} RecvFromRemoteAsync is cancelled.\n"
+        "0 successful operations.\n0 derived errors ignored. [Op:Identity] name: ")
+    assert failure_summary(text, info) == (
+        "INTERNAL: Unable to parse request (reported by worker 1, w1:2222)")
+    assert failure_summary("Socket closed", info) == "Socket closed"
+    assert failure_summary("", info) == "unknown error"
+
+
 # -- real clusters -------------------------------------------------------------------
 
 

@@ -28,6 +28,7 @@ backup.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Optional
 
 import keras
@@ -215,8 +216,10 @@ class ParameterServer(Strategy):
                     f"parameter server ps {index} ({address}) failed; its variables are "
                     "lost: restart the job (with keras_distrib.callbacks.BackupAndRestore "
                     "training resumes from the last backup).")
-        first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
-        return RuntimeError(f"parameter-server training failed: {first}")
+        return RuntimeError(
+            f"parameter-server training failed: {failure_summary(text, self.info)}; restart "
+            "the job (with keras_distrib.callbacks.BackupAndRestore training resumes from "
+            "the last backup).")
 
     @property
     def steps_applied(self) -> int:
@@ -238,6 +241,35 @@ class ParameterServer(Strategy):
 
     def local_replica_values(self, variable: Any) -> list[np.ndarray]:
         return [np.asarray(variable)]
+
+
+# TensorFlow's remote errors: "2 root error(s) found.", then "(0) INTERNAL:
+# {{function_node ...}} the message", and "... from remote target
+# /job:worker/replica:0/task:1/device:CPU:0 ..." naming the task that failed.
+_ROOT_COUNT = re.compile(r"\d+ root error\(s\) found\.?")
+_ROOT_INDEX = re.compile(r"^\(\d+\)\s+")
+_FUNCTION_NODE = re.compile(r"\{\{[^}]*\}\}\s*")
+_REMOTE_TASK = re.compile(r"remote target /job:(\w+)/replica:\d+/task:(\d+)")
+
+
+def failure_summary(text: str, info) -> str:
+    """One line for a failure TensorFlow reported in many: the first root
+    error, without TensorFlow's tags, and the task that reported it (its
+    address from `info`, a `ClusterInfo`), if the text names one.
+
+    Example: `"INTERNAL: Unable to parse request (reported by worker 1,
+    localhost:2223)"`.
+    """
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    lines = [line for line in lines if not _ROOT_COUNT.fullmatch(line)]
+    first = _FUNCTION_NODE.sub("", _ROOT_INDEX.sub("", lines[0])) if lines else "unknown error"
+    remote = _REMOTE_TASK.search(text)
+    if remote is not None:
+        job, index = remote.group(1), int(remote.group(2))
+        addresses = info.cluster_spec().get(job, ())
+        where = f", {addresses[index]}" if index < len(addresses) else ""
+        first += f" (reported by {job} {index}{where})"
+    return first
 
 
 def _check_cluster(info) -> None:
