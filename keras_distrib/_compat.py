@@ -378,6 +378,15 @@ def set_collective_key_base(tf_strategy: Any, base: int) -> None:
     tf_strategy._collective_key_base = base
 
 
+def abort_collective_ops(message: str) -> None:
+    """Fails every collective of this process, running or to come, with
+    DEADLINE_EXCEEDED and `message` (what TensorFlow's own health check
+    does on a lost peer; the eager context has no public call for it)."""
+    from tensorflow.python.eager import context
+
+    context.context().abort_collective_ops(tf.errors.DEADLINE_EXCEEDED, message)
+
+
 @contextlib.contextmanager
 def reuse_collective_server() -> Iterator[None]:
     """MultiWorkerMirroredStrategy objects built inside reuse the running server.

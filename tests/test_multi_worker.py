@@ -196,3 +196,38 @@ def test_shm_across_hosts_is_a_clear_error():
                              r"worker 1 at 192.0.2.7:2222 is not"):
         kd.strategies.get("multi_worker", cluster=["127.0.0.1:2222", "192.0.2.7:2222"],
                           task_index=0, implementation="shm")
+
+
+# -- collective_timeout on TensorFlow's collectives -----------------------------------
+
+RING_WATCHDOG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers",
+                             "ring_watchdog.py")
+
+
+@pytest.mark.slow
+def test_ring_steps_do_not_pile_up_timeout_threads(tmp_path):
+    # TensorFlow's own timeout would leave a thread sleeping 300 s per
+    # collective: ~2 per step, 400 over these 200 steps.
+    from helpers import launch
+
+    out = str(tmp_path / "threads")
+    launch(tmp_path, 2, RING_WATCHDOG, "threads", out, timeout=300)
+    for rank in range(2):
+        with open(f"{out}.rank{rank}.json") as f:
+            report = json.load(f)
+        assert report["steps"] == 220
+        assert report["after"] - report["before"] < 40, report
+
+
+@pytest.mark.slow
+def test_a_stuck_worker_fails_the_ring_step_at_the_collective_timeout(tmp_path):
+    from helpers import launch
+
+    out = str(tmp_path / "stuck")
+    code, output = launch(tmp_path, 2, RING_WATCHDOG, "stuck", out, timeout=200, expect=None)
+    assert code != 0, output[-3000:]
+    with open(f"{out}.rank0.json") as f:
+        error = json.load(f)["error"]
+    assert error.startswith("PeerLostError: multi_worker: a collective of the training step "
+                            "did not complete within collective_timeout=5s"), error
+    assert "\n" not in error

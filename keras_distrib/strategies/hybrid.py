@@ -94,6 +94,9 @@ class WorkerReplicas:
             return list(values)  # one replica
         return self._workers.all_reduce_across_processes(values, op)
 
+    def failure(self, error: Exception) -> Optional[Exception]:
+        return None if self._workers is None else self._workers.failure(error)
+
     def gather_rows(self, structure: Any) -> Any:
         """Every worker's rows of each tensor in `structure`, in rank order
         (= global batch order, see `keras_distrib.sharding`), on every

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import tensorflow as tf
@@ -13,6 +13,7 @@ from keras_distrib import _compat
 from keras_distrib import cluster as cluster_lib
 from keras_distrib import host_allreduce
 from keras_distrib import runtime
+from keras_distrib.collective_watchdog import CollectiveWatchdog
 from keras_distrib.strategies.base import reduce_op_name
 from keras_distrib.strategies.tf_distribute import TFDistributeStrategy
 
@@ -75,6 +76,10 @@ class MultiWorker(TFDistributeStrategy):
             `DEFAULT_COLLECTIVE_TIMEOUT`, 300; None: wait forever). On
             shared memory a peer that exits is detected within a second
             and one stopped by SIGSTOP within seconds, whatever this is.
+            On TensorFlow's collectives the training step's are timed by
+            one watchdog thread (`keras_distrib.collective_watchdog`),
+            not by TensorFlow's thread per collective, which would pile
+            up (its error says the step timed out, not which worker).
         peer_timeout: Seconds to wait for all workers to join at start-up;
             a worker that never answers is named in the error.
 
@@ -147,6 +152,13 @@ class MultiWorker(TFDistributeStrategy):
             self._host_reduce = host_allreduce.HostAllReduce(
                 info.rank, info.world_size, self._secret_job_id(), timeout=collective_timeout,
                 connect_timeout=peer_timeout)
+        self._watchdog = None
+        if collective_timeout is not None and not shared_memory:
+            # The step's collectives: our one watchdog thread, not a
+            # TensorFlow thread per collective (see collective_watchdog).
+            self._watchdog = CollectiveWatchdog(collective_timeout)
+            self._step_collective_options = tf.distribute.experimental.CommunicationOptions(
+                timeout_seconds=0)
 
     @property
     def cluster(self) -> cluster_lib.ClusterInfo:
@@ -172,7 +184,7 @@ class MultiWorker(TFDistributeStrategy):
 
     def all_reduce(self, values: Sequence[tf.Tensor], op: str = "sum") -> list:
         if self._host_reduce is None:
-            return super().all_reduce(values, op)
+            return self._watched(values, lambda vs: TFDistributeStrategy.all_reduce(self, vs, op))
         reduce_op_name(op)  # validates op, as TF's path does
         values = [tf.convert_to_tensor(v) for v in values]
         reduced = self._on_host(self._host_reduce.all_reduce, values, "kd_host_all_reduce")
@@ -214,20 +226,34 @@ class MultiWorker(TFDistributeStrategy):
         `tf.function`."""
         if self._host_reduce is not None:
             return self.all_reduce(values, op)
-        values = [tf.convert_to_tensor(v) for v in values]
         first = self.first_local_replica
-
-        def value_fn(ctx):
-            # Zeros from this process's other replicas (its other GPUs).
-            if ctx.replica_id_in_sync_group == first:
-                return values
-            return [tf.zeros_like(v) for v in values]
-
         engine = self._tf_strategy
-        per_replica = engine.experimental_distribute_values_from_function(value_fn)
-        reduced = engine.run(lambda vs: TFDistributeStrategy.all_reduce(self, vs, op),
-                             args=(per_replica,))
-        return [engine.experimental_local_results(r)[0] for r in reduced]
+
+        def across(values):
+            def value_fn(ctx):
+                # Zeros from this process's other replicas (its other GPUs).
+                if ctx.replica_id_in_sync_group == first:
+                    return values
+                return [tf.zeros_like(v) for v in values]
+
+            per_replica = engine.experimental_distribute_values_from_function(value_fn)
+            reduced = engine.run(lambda vs: TFDistributeStrategy.all_reduce(self, vs, op),
+                                 args=(per_replica,))
+            return [engine.experimental_local_results(r)[0] for r in reduced]
+
+        return self._watched([tf.convert_to_tensor(v) for v in values], across)
+
+    def _watched(self, values: list, collective: Callable[[list], list]) -> list:
+        """`collective(values)` (TensorFlow's collectives, in a step) under the
+        watchdog that enforces `collective_timeout`, if there is one."""
+        if self._watchdog is None:
+            return collective(list(values))
+        return self._watchdog.around(values, collective, "a collective of the training step")
+
+    def failure(self, error: Exception) -> Optional[Exception]:
+        if self._watchdog is not None and self._watchdog.fired is not None:
+            return host_allreduce.PeerLostError(f"multi_worker: {self._watchdog.fired}.")
+        return None
 
     def concat(self, per_replica: Any) -> Any:
         # Every worker ends with all rows, in global replica order (= the

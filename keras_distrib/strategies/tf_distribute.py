@@ -56,6 +56,9 @@ class TFDistributeStrategy(Lockstep, Strategy):
     # processes each would cost a collective per metric and step, so
     # multi-process engines report the process's own per-batch values.
     exact_batch_logs: ClassVar[bool] = True
+    # Options of the collectives inside a step (`all_reduce`), over the
+    # engine's own; None: the engine's.
+    _step_collective_options: ClassVar[Optional[Any]] = None
 
     def __init__(self, tf_strategy: tf.distribute.Strategy, num_processes: int = 1,
                  process_index: int = 0, local_rank: int = 0):
@@ -109,7 +112,8 @@ class TFDistributeStrategy(Lockstep, Strategy):
         reduced = list(values)
         for dtype in dict.fromkeys(v.dtype for v in values):
             positions = [i for i, v in enumerate(values) if v.dtype == dtype]
-            group = ctx.all_reduce(_REDUCE_OPS[reduce_op_name(op)], [values[i] for i in positions])
+            group = ctx.all_reduce(_REDUCE_OPS[reduce_op_name(op)], [values[i] for i in positions],
+                                   options=self._step_collective_options)
             for i, value in zip(positions, group):
                 reduced[i] = value
         return reduced
