@@ -14,7 +14,8 @@ processes, on the same `tf.distribute.MultiWorkerMirroredStrategy`:
 
   raw      the peer: what a naive custom loop does, one
            `get_replica_context().all_reduce("sum", t, options=
-           CommunicationOptions(bytes_per_pack=0))` call per tensor.
+           CommunicationOptions(bytes_per_pack=0, timeout_seconds=0))` call
+           per tensor (no timeout, as a plain custom loop has none).
   batched  second peer: raw TF batched all-reduce of the whole list in one
            call with TF's default packing (one pack). TF merges call options
            over the strategy's and ignores bytes_per_pack=0 in a call, so
@@ -120,8 +121,11 @@ def run_worker() -> None:
     world = strategy.world_size
     SUM = tf.distribute.ReduceOp.SUM
     CommunicationOptions = tf.distribute.experimental.CommunicationOptions
-    per_tensor = CommunicationOptions(bytes_per_pack=0)
-    one_pack = CommunicationOptions(bytes_per_pack=_ONE_PACK)
+    # timeout_seconds=0: no TensorFlow timeout, as in a plain custom loop
+    # (our strategy's engine has one, whose thread per collective would
+    # pile up here: keras_distrib/collective_watchdog.py).
+    per_tensor = CommunicationOptions(bytes_per_pack=0, timeout_seconds=0)
+    one_pack = CommunicationOptions(bytes_per_pack=_ONE_PACK, timeout_seconds=0)
 
     @tf.function
     def all_sum_scalar(x):
