@@ -387,6 +387,16 @@ def abort_collective_ops(message: str) -> None:
     context.context().abort_collective_ops(tf.errors.DEADLINE_EXCEEDED, message)
 
 
+def gather(tf_strategy: Any, value: Any, axis: int, options: Any) -> Any:
+    """`tf_strategy.gather(value, axis)` with collective `options` (the
+    public call takes none; this is its body, with them)."""
+    from tensorflow.python.distribute import device_util
+
+    extended = tf_strategy.extended
+    destination = device_util.current() or extended._default_device or "/device:CPU:0"
+    return extended._local_results(extended._gather_to(value, destination, axis, options))[0]
+
+
 @contextlib.contextmanager
 def reuse_collective_server() -> Iterator[None]:
     """MultiWorkerMirroredStrategy objects built inside reuse the running server.

@@ -11,12 +11,12 @@ timeout gained 2 threads per training step, and a benchmark issuing
 collectives faster died at ~16,000 threads with `std::system_error:
 Resource temporarily unavailable`. A long training run would too.
 
-So the training step's collectives get no TensorFlow timeout (0: no
-thread) and this watchdog enforces `collective_timeout` on them instead:
-the step arms it just before its collectives start and disarms it when
-they are done (`around`, two `tf.numpy_function`s in the step's graph, so
-the clock starts when this worker reaches the collective, as TensorFlow's
-does). One thread per process sleeps until the earliest deadline; a
+So the collectives of the training and predict steps get no TensorFlow
+timeout (0: no thread) and this watchdog enforces `collective_timeout` on
+them instead: the step arms it just before its collectives start and
+disarms it when they are done (`around`, `around_call`: two
+`tf.numpy_function`s in the step's graph, so the clock starts when this
+worker reaches the collective, as TensorFlow's does). One thread per process sleeps until the earliest deadline; a
 collective still running then makes it abort this process's collectives
 (`_compat.abort_collective_ops`), which fails the waiting step with the
 watchdog's message instead of hanging.
@@ -76,13 +76,29 @@ class CollectiveWatchdog:
 
     def around(self, values: Sequence[tf.Tensor], collective: Callable[[list], list],
                what: str) -> list:
-        """`collective(values)`, armed while it runs (eager or in a graph)."""
-        values = list(values)
-        token = tf.numpy_function(lambda: np.int64(self.arm(what)), [], tf.int64,
-                                  stateful=True, name="kd_watchdog_arm")
+        """`collective(values)`, armed while it runs (eager or in a graph):
+        its inputs wait for the arming, its results for the disarming."""
+        token = self._arm_op(what)
         with tf.control_dependencies([token]):
             values = [tf.identity(v) for v in values]
-        results = collective(values)
+        return self._disarmed_after(token, collective(values))
+
+    def around_call(self, collective: Callable[[], object], what: str):
+        """`collective()` (in cross-replica context, e.g. a gather of a
+        step's per-replica outputs), armed while it runs: the ops it makes
+        wait for the arming (control dependencies), its results for the
+        disarming."""
+        token = self._arm_op(what)
+        with tf.control_dependencies([token]):
+            results = collective()
+        flat = self._disarmed_after(token, tf.nest.flatten(results))
+        return tf.nest.pack_sequence_as(results, flat)
+
+    def _arm_op(self, what: str) -> tf.Tensor:
+        return tf.numpy_function(lambda: np.int64(self.arm(what)), [], tf.int64,
+                                 stateful=True, name="kd_watchdog_arm")
+
+    def _disarmed_after(self, token: tf.Tensor, results: list) -> list:
         with tf.control_dependencies(results):
             done = tf.numpy_function(lambda t: np.int64(self.disarm(t) or 0), [token], tf.int64,
                                      stateful=True, name="kd_watchdog_disarm")

@@ -205,18 +205,21 @@ RING_WATCHDOG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker
 
 
 @pytest.mark.slow
-def test_ring_steps_do_not_pile_up_timeout_threads(tmp_path):
+@pytest.mark.parametrize("implementation", ["ring", "auto"])
+def test_steps_do_not_pile_up_timeout_threads(tmp_path, implementation):
     # TensorFlow's own timeout would leave a thread sleeping 300 s per
-    # collective: ~2 per step, 400 over these 200 steps.
+    # collective: ~2 per training step on the ring (415 over these 200
+    # steps), ~4 per predict step (800) on either path.
     from helpers import launch
 
     out = str(tmp_path / "threads")
-    launch(tmp_path, 2, RING_WATCHDOG, "threads", out, timeout=300)
+    launch(tmp_path, 2, RING_WATCHDOG, "threads", out, implementation, timeout=300)
     for rank in range(2):
         with open(f"{out}.rank{rank}.json") as f:
             report = json.load(f)
         assert report["steps"] == 220
         assert report["after"] - report["before"] < 40, report
+        assert report["after_predict"] - report["after"] < 40, report
 
 
 @pytest.mark.slow

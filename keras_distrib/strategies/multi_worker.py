@@ -153,8 +153,9 @@ class MultiWorker(TFDistributeStrategy):
                 info.rank, info.world_size, self._secret_job_id(), timeout=collective_timeout,
                 connect_timeout=peer_timeout)
         self._watchdog = None
-        if collective_timeout is not None and not shared_memory:
-            # The step's collectives: our one watchdog thread, not a
+        if collective_timeout is not None:
+            # The steps' collectives on TensorFlow (gradients off shared
+            # memory, predict's gathers): our one watchdog thread, not a
             # TensorFlow thread per collective (see collective_watchdog).
             self._watchdog = CollectiveWatchdog(collective_timeout)
             self._step_collective_options = tf.distribute.experimental.CommunicationOptions(
@@ -258,9 +259,14 @@ class MultiWorker(TFDistributeStrategy):
     def concat(self, per_replica: Any) -> Any:
         # Every worker ends with all rows, in global replica order (= the
         # order of the global batch, see keras_distrib.sharding).
-        return tf.nest.map_structure(
-            lambda v: self._tf_strategy.gather(v, axis=0), per_replica
-        )
+        if self._watchdog is None:
+            return tf.nest.map_structure(lambda v: self._tf_strategy.gather(v, axis=0),
+                                         per_replica)
+        options = self._step_collective_options
+        return self._watchdog.around_call(
+            lambda: tf.nest.map_structure(
+                lambda v: _compat.gather(self._tf_strategy, v, 0, options), per_replica),
+            "a collective of the predict step")
 
 
 def _communication_options(implementation, bytes_per_pack, collective_timeout):

@@ -1,11 +1,14 @@
-"""A worker of the collective-timeout tests: `ring_watchdog.py MODE OUT`.
+"""A worker of the collective-timeout tests: `ring_watchdog.py MODE OUT [IMPL]`.
 
-Strategy `multi_worker` on TensorFlow's gRPC ring (the path between hosts).
+Strategy `multi_worker` with implementation IMPL (default "ring": TensorFlow's
+gRPC ring, the path between hosts; "auto": gradients through shared memory,
+predict's gathers on TensorFlow's collectives).
 
 Modes:
     threads  fits 1 epoch, counts this process's threads, fits 1 epoch of
              200 steps more with the default collective_timeout (300 s),
-             counts again; writes {"before", "after", "steps"} to OUT.rankR.json
+             counts again, predicts 200 batches, counts again; writes
+             {"before", "after", "steps", "after_predict"} to OUT.rankR.json
     stuck    collective_timeout=5; rank 1 sleeps 120 s in a callback at the
              4th batch; rank 0 writes the error `fit` raised to OUT.rank0.json
 """
@@ -23,6 +26,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 MODE, OUT = sys.argv[1], sys.argv[2]
+IMPLEMENTATION = sys.argv[3] if len(sys.argv) > 3 else "ring"
 
 
 def threads() -> int:
@@ -30,7 +34,8 @@ def threads() -> int:
 
 
 timeout = 5.0 if MODE == "stuck" else kd.strategies.multi_worker.DEFAULT_COLLECTIVE_TIMEOUT
-strategy = kd.strategies.get("multi_worker", implementation="ring", collective_timeout=timeout)
+strategy = kd.strategies.get("multi_worker", implementation=IMPLEMENTATION,
+                             collective_timeout=timeout)
 rank = strategy.cluster.rank
 inputs = keras.Input((8,))
 outputs = keras.layers.Dense(3)(keras.layers.Dense(16, activation="relu")(inputs))
@@ -49,6 +54,8 @@ if MODE == "threads":
     model.fit(np.tile(x, (10, 1)), np.tile(y, 10), batch_size=32, epochs=1, verbose=0)
     report["after"] = threads()
     report["steps"] = int(model.optimizer.iterations.numpy())
+    model.predict(np.tile(x, (10, 1)), batch_size=32, verbose=0)  # 200 steps
+    report["after_predict"] = threads()
 
 
 class SleepOnRankOne(keras.callbacks.Callback):
