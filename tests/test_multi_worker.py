@@ -220,6 +220,7 @@ def test_steps_do_not_pile_up_timeout_threads(tmp_path, implementation):
         assert report["steps"] == 220
         assert report["after"] - report["before"] < 40, report
         assert report["after_predict"] - report["after"] < 40, report
+        assert report["after_evaluate"] - report["after_predict"] < 40, report
 
 
 @pytest.mark.slow

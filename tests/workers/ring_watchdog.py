@@ -7,8 +7,9 @@ predict's gathers on TensorFlow's collectives).
 Modes:
     threads  fits 1 epoch, counts this process's threads, fits 1 epoch of
              200 steps more with the default collective_timeout (300 s),
-             counts again, predicts 200 batches, counts again; writes
-             {"before", "after", "steps", "after_predict"} to OUT.rankR.json
+             counts again, predicts 200 batches, counts, evaluates 200
+             batches, counts; writes {"before", "after", "steps",
+             "after_predict", "after_evaluate"} to OUT.rankR.json
     stuck    collective_timeout=5; rank 1 sleeps 120 s in a callback at the
              4th batch; rank 0 writes the error `fit` raised to OUT.rank0.json
 """
@@ -56,6 +57,8 @@ if MODE == "threads":
     report["steps"] = int(model.optimizer.iterations.numpy())
     model.predict(np.tile(x, (10, 1)), batch_size=32, verbose=0)  # 200 steps
     report["after_predict"] = threads()
+    model.evaluate(np.tile(x, (10, 1)), np.tile(y, 10), batch_size=32, verbose=0)
+    report["after_evaluate"] = threads()
 
 
 class SleepOnRankOne(keras.callbacks.Callback):
