@@ -16,8 +16,9 @@ timeout (0: no thread) and this watchdog enforces `collective_timeout` on
 them instead: the step arms it just before its collectives start and
 disarms it when they are done (`around`, `around_call`: two
 `tf.numpy_function`s in the step's graph, so the clock starts when this
-worker reaches the collective, as TensorFlow's does). One thread per process sleeps until the earliest deadline; a
-collective still running then makes it abort this process's collectives
+worker reaches the collective, as TensorFlow's does). One thread per
+process sleeps until the earliest deadline; a collective still running
+then makes it abort this process's collectives
 (`_compat.abort_collective_ops`), which fails the waiting step with the
 watchdog's message instead of hanging.
 """
@@ -111,7 +112,7 @@ class CollectiveWatchdog:
                 if not self._armed:
                     self._changed.wait()
                     continue
-                token, (deadline, what) = min(self._armed.items(), key=lambda kv: kv[1][0])
+                deadline, what = min(self._armed.values())
                 left = deadline - time.monotonic()
                 if left > 0:
                     self._changed.wait(left)
@@ -123,4 +124,3 @@ class CollectiveWatchdog:
                 self._armed.clear()
                 break
         _compat.abort_collective_ops(self.fired)
-

@@ -76,10 +76,11 @@ class MultiWorker(TFDistributeStrategy):
             `DEFAULT_COLLECTIVE_TIMEOUT`, 300; None: wait forever). On
             shared memory a peer that exits is detected within a second
             and one stopped by SIGSTOP within seconds, whatever this is.
-            On TensorFlow's collectives the training step's are timed by
-            one watchdog thread (`keras_distrib.collective_watchdog`),
-            not by TensorFlow's thread per collective, which would pile
-            up (its error says the step timed out, not which worker).
+            The TensorFlow collectives of the training and predict steps
+            are timed by one watchdog thread
+            (`keras_distrib.collective_watchdog`), not by TensorFlow's
+            thread per collective, which would pile up (its error says the
+            step timed out, not which worker).
         peer_timeout: Seconds to wait for all workers to join at start-up;
             a worker that never answers is named in the error.
 
