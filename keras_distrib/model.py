@@ -490,20 +490,15 @@ class DistributedModel(keras.Model):
         preemption.clear(self)
         with preemption.watching(), \
                 self._side_effects(callbacks) as callbacks, \
-                self._internal_callbacks(callbacks) as callbacks:
-            try:
-                history = super().fit(
-                    fit["x"], fit["y"], fit["batch_size"], epochs, self._verbose(verbose),
-                    callbacks, fit["validation_split"], fit["validation_data"],
-                    fit["shuffle"], class_weight, fit["sample_weight"],
-                    validation_batch_size=fit["validation_batch_size"],
-                    steps_per_epoch=fit["steps_per_epoch"], **kwargs,
-                )
-            except Exception as error:
-                clearer = self._strategy.failure(error)
-                if clearer is None:
-                    raise
-                raise clearer from None
+                self._internal_callbacks(callbacks) as callbacks, \
+                self._clearer_failure():
+            history = super().fit(
+                fit["x"], fit["y"], fit["batch_size"], epochs, self._verbose(verbose),
+                callbacks, fit["validation_split"], fit["validation_data"],
+                fit["shuffle"], class_weight, fit["sample_weight"],
+                validation_batch_size=fit["validation_batch_size"],
+                steps_per_epoch=fit["steps_per_epoch"], **kwargs,
+            )
         if preemption.stopped_at(self) is not None:
             where = (f"; backup in {backup.backup_dir}" if backup is not None else
                      "; nothing was saved (add keras_distrib.callbacks.BackupAndRestore)")
@@ -588,7 +583,7 @@ class DistributedModel(keras.Model):
                                    steps=steps, steps_per_execution=self.steps_per_execution)
         x, y, sample_weight, batch_size = self._strategy.distribute_input(
             x, y, sample_weight, batch_size)
-        with self._side_effects(callbacks) as callbacks:
+        with self._side_effects(callbacks) as callbacks, self._clearer_failure():
             return super().evaluate(x, y, batch_size, self._verbose(verbose),
                                     sample_weight, steps, callbacks, **kwargs)
 
@@ -599,13 +594,25 @@ class DistributedModel(keras.Model):
         if not self.built:
             self._maybe_symbolic_build(iterator=_compat.epoch_iterator(x, batch_size))
         x, _, _, batch_size = self._strategy.distribute_input(x, batch_size=batch_size)
-        with self._side_effects(callbacks) as callbacks:
+        with self._side_effects(callbacks) as callbacks, self._clearer_failure():
             return super().predict(x, batch_size, self._verbose(verbose), steps, callbacks)
 
     def _verbose(self, verbose):
         if self.chief_only_side_effects and not self._strategy.is_chief:
             return 0
         return verbose
+
+    @contextlib.contextmanager
+    def _clearer_failure(self):
+        """The strategy's one-line error (a lost or stuck peer, named) in
+        place of what TensorFlow raised, where the strategy has one."""
+        try:
+            yield
+        except Exception as error:
+            clearer = self._strategy.failure(error)
+            if clearer is None:
+                raise
+            raise clearer from None
 
     def _side_effects(self, callbacks):
         return chief_only.redirected(

@@ -224,14 +224,22 @@ def test_steps_do_not_pile_up_timeout_threads(tmp_path, implementation):
 
 
 @pytest.mark.slow
-def test_a_stuck_worker_fails_the_ring_step_at_the_collective_timeout(tmp_path):
+@pytest.mark.parametrize("mode,implementation,step", [
+    ("stuck", "ring", "training"),
+    # predict's gathers are TensorFlow collectives on every path (here with
+    # the gradients on shared memory); fit's error is also predict's.
+    ("stuck_predict", "auto", "predict"),
+])
+def test_a_stuck_worker_fails_the_step_at_the_collective_timeout(
+        tmp_path, mode, implementation, step):
     from helpers import launch
 
     out = str(tmp_path / "stuck")
-    code, output = launch(tmp_path, 2, RING_WATCHDOG, "stuck", out, timeout=200, expect=None)
+    code, output = launch(tmp_path, 2, RING_WATCHDOG, mode, out, implementation,
+                          timeout=200, expect=None)
     assert code != 0, output[-3000:]
     with open(f"{out}.rank0.json") as f:
         error = json.load(f)["error"]
-    assert error.startswith("PeerLostError: multi_worker: a collective of the training step "
+    assert error.startswith(f"PeerLostError: multi_worker: a collective of the {step} step "
                             "did not complete within collective_timeout=5s"), error
     assert "\n" not in error

@@ -273,8 +273,9 @@ class Strategy(abc.ABC):
         """Keras has just reset `model`'s metrics (a new epoch, or evaluate)."""
 
     def failure(self, error: Exception) -> Optional[Exception]:
-        """A clearer error to raise from `fit` instead of `error` (a lost
-        task, named), or None to raise `error` as it is."""
+        """A clearer error to raise from `fit`, `evaluate` or `predict`
+        instead of `error` (a lost task, named), or None to raise `error` as
+        it is."""
         return None
 
     # -- between steps: eager collectives across processes ------------------------------

@@ -12,6 +12,8 @@ Modes:
              "after_predict", "after_evaluate"} to OUT.rankR.json
     stuck    collective_timeout=5; rank 1 sleeps 120 s in a callback at the
              4th batch; rank 0 writes the error `fit` raised to OUT.rank0.json
+    stuck_predict  the same in `predict` (whose gathers are watched on
+             every path), the error `predict` raised
 """
 
 import json
@@ -34,7 +36,7 @@ def threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-timeout = 5.0 if MODE == "stuck" else kd.strategies.multi_worker.DEFAULT_COLLECTIVE_TIMEOUT
+timeout = 5.0 if MODE.startswith("stuck") else kd.strategies.multi_worker.DEFAULT_COLLECTIVE_TIMEOUT
 strategy = kd.strategies.get("multi_worker", implementation=IMPLEMENTATION,
                              collective_timeout=timeout)
 rank = strategy.cluster.rank
@@ -66,10 +68,15 @@ class SleepOnRankOne(keras.callbacks.Callback):
         if rank == 1 and batch == 3:
             time.sleep(120)
 
+    on_predict_batch_begin = on_train_batch_begin
 
-if MODE == "stuck":
+
+if MODE.startswith("stuck"):
     try:
-        model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[SleepOnRankOne()])
+        if MODE == "stuck":
+            model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[SleepOnRankOne()])
+        else:
+            model.predict(x, batch_size=32, verbose=0, callbacks=[SleepOnRankOne()])
     except Exception as error:  # what the user sees
         report["error"] = f"{type(error).__name__}: {error}"
         with open(f"{OUT}.rank{rank}.json", "w") as f:
