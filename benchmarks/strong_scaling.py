@@ -25,6 +25,9 @@ Configurations (weak_scaling.py's names), each its own
   indep2   (not run by default) the ceiling: two independent raw1 processes
            with 256 samples each at the same time, no communication (see
            weak_scaling.py); its speedup is what two cores allow at all.
+  lock2    (not run by default) the synchronous ceiling: indep2's two
+           processes waiting for each other after every step, no data moved
+           (see weak_scaling.py).
 
 Speedup = throughput(mw2) / throughput(fastest one-worker configuration of
 the same repetition: best of single, mw1, raw1), paired per repetition over
@@ -40,7 +43,7 @@ benchmarks/results/throughput_vs_workers.png.
 
 Run:
     python benchmarks/strong_scaling.py [--global_batch 512] [--repeats 3]
-        [--steps 40] [--epochs 4] [--configs single,mw1,mw2,raw1,raw2[,mw2ring,indep2]]
+        [--steps 40] [--epochs 4] [--configs single,mw1,mw2,raw1,raw2[,mw2ring,indep2,lock2]]
         [--quick] [--json benchmarks/results/strong_scaling.json]
 """
 
@@ -97,7 +100,8 @@ def run_driver() -> int:
             ("mw2 / single", "mw2", runs.get("single")),
             ("peer: raw2 / raw1", "raw2", runs.get("raw1")),
             ("mw2ring / fastest one-worker", "mw2ring", best),
-            ("ceiling: indep2 / fastest one-worker", "indep2", best)]
+            ("ceiling: indep2 / fastest one-worker", "indep2", best),
+            ("synchronous ceiling: lock2 / fastest one-worker", "lock2", best)]
     for label, a, base in rows:
         if a in runs and base:
             ratios[label] = _harness.paired_ratios(runs[a], base)
@@ -107,6 +111,10 @@ def run_driver() -> int:
         label = "against the ceiling: mw2 / indep2"
         ratios[label] = _harness.paired_ratios(runs["mw2"], runs["indep2"])
         print(f"{label + ' (ideal 1.0)':46s} {_harness.fmt_stats(ratios[label]):^22s}")
+    if "mw2" in runs and "lock2" in runs:
+        label = "against the synchronous ceiling: mw2 / lock2"
+        ratios[label] = _harness.paired_ratios(runs["mw2"], runs["lock2"])
+        print(f"{label:46s} {_harness.fmt_stats(ratios[label]):^22s}")
     if best:
         print(f"fastest one-worker configuration per repetition: {_harness.name_counts(best_names)}")
     speedup = ratios.get("mw2 / fastest one-worker")

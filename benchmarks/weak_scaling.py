@@ -29,6 +29,13 @@ Configurations, each its own `keras-distrib launch`:
            bus, the kernel). Its throughput is the sum of the two; what two
            workers lose here is lost to sharing the machine, not to
            communication: two workers running raw1's step cannot beat it.
+  lock2    the synchronous ceiling: indep2's two processes, but after every
+           step each waits for the other (one byte each way through named
+           pipes), as every synchronous data-parallel step must, moving no
+           data. What it loses against indep2 is the lock-step itself: each
+           step lasts as long as the slower of the two workers' steps, and on
+           a machine whose cores run unevenly (a VM) that costs time no
+           all-reduce, however fast, can win back.
 
 Efficiency, the figure the target is on, is honest: throughput(mw2) /
 (2 x the FASTEST one-worker throughput measured in the same repetition),
@@ -39,8 +46,10 @@ and the exit code is 0 either way, unless --strict. The other ratios
 (against single alone, against mw1, the peer's raw2 / (2 x raw1), ...) are
 printed too, and with indep2 the ceiling: indep2 / (2 x fastest
 one-worker), what two cores of this machine allow at all, and mw2 / indep2,
-our efficiency against that ceiling (information only: the target stays
-the one above). All ratios are paired per repetition; the configurations run
+our efficiency against that ceiling; with lock2 the synchronous ceiling
+lock2 / (2 x fastest one-worker), what two cores allow a step that waits
+for both workers, and mw2 / lock2, what our all-reduce and step cost beyond
+the lock-step (information only: the target stays the one above). All ratios are paired per repetition; the configurations run
 alternately (order rotated every repetition) `--repeats` times. Each run
 fits `--epochs` epochs of `--steps` steps with `verbose=0`; the first epoch
 (tracing, warm-up) is dropped, and a run's epoch time is the median over
@@ -57,7 +66,7 @@ runs this script's workers with a fixed global batch instead.
 Run:
     python benchmarks/weak_scaling.py [--repeats 3] [--steps 40] [--epochs 4]
         [--bytes_per_pack 0] [--inter_op 2]
-        [--configs single,mw1,mw2,mw2ring,raw1,raw2,indep2] [--quick] [--strict]
+        [--configs single,mw1,mw2,mw2ring,raw1,raw2,indep2,lock2] [--quick] [--strict]
         [--json benchmarks/results/weak_scaling.json]
 """
 
@@ -78,15 +87,18 @@ from absl import app, flags  # noqa: E402
 import _harness  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("strategy", "multi_worker", ["single", "multi_worker", "raw_tf", "independent"],
+flags.DEFINE_enum("strategy", "multi_worker",
+                  ["single", "multi_worker", "raw_tf", "independent", "lockstep"],
                   "Worker only: the strategy to train with (independent: raw_tf in a "
-                  "one-worker cluster of its own, for indep2).")
+                  "one-worker cluster of its own, for indep2; lockstep: the same, "
+                  "waiting for the other processes after every step, for lock2).")
 flags.DEFINE_string("implementation", "auto", "Worker only: multi_worker implementation=.")
-flags.DEFINE_list("configs", ["single", "mw1", "mw2", "mw2ring", "raw1", "raw2", "indep2"],
-                  "Configurations to run (single, mw1, mw2, mw2ring, raw1, raw2, indep2); "
-                  "mw2 and one of single/mw1/raw1 are needed for our efficiency "
+flags.DEFINE_list("configs",
+                  ["single", "mw1", "mw2", "mw2ring", "raw1", "raw2", "indep2", "lock2"],
+                  "Configurations to run (single, mw1, mw2, mw2ring, raw1, raw2, indep2, "
+                  "lock2); mw2 and one of single/mw1/raw1 are needed for our efficiency "
                   "(against the fastest of those run), raw1 and raw2 for the peer's, "
-                  "indep2 for the ceiling.")
+                  "indep2 and lock2 for the ceilings.")
 flags.DEFINE_integer("repeats", 3, "Alternating repetitions of every configuration.")
 flags.DEFINE_integer("per_worker_batch", 256, "Samples per worker per step.")
 flags.DEFINE_integer("steps", 40, "Steps per epoch.")
@@ -125,9 +137,13 @@ _CONFIGS = {  # name -> (processes, strategy, multi_worker implementation)
     "raw1": (1, "raw_tf", "auto"),
     "raw2": (2, "raw_tf", "auto"),
     "indep2": (2, "independent", "auto"),
+    "lock2": (2, "lockstep", "auto"),
 }
 # Strategies whose processes train independently: their throughputs add up.
 INDEPENDENT = ("independent",)
+# Strategies whose processes are one-worker clusters of their own that wait
+# for each other every step: their batches add up, their pace is the slower's.
+LOCKSTEP = ("lockstep",)
 
 
 # ----------------------------------------------------------------------------
@@ -145,10 +161,11 @@ def run_worker() -> None:
     tf.config.threading.set_inter_op_parallelism_threads(FLAGS.inter_op)
     import keras
 
-    if FLAGS.strategy in ("raw_tf", "independent"):
+    if FLAGS.strategy in ("raw_tf", "independent", "lockstep"):
         # The peer does not import keras_distrib (whose import would start the
         # collective runtime the peer's own strategy starts).
-        _run_raw_tf_worker(rank, np, tf, keras, independent=FLAGS.strategy == "independent")
+        _run_raw_tf_worker(rank, np, tf, keras, independent=FLAGS.strategy != "raw_tf",
+                           lockstep=FLAGS.strategy == "lockstep")
         return
     import keras_distrib as kd
 
@@ -206,14 +223,15 @@ def run_worker() -> None:
     })
 
 
-def _run_raw_tf_worker(rank, np, tf, keras, independent=False) -> None:
+def _run_raw_tf_worker(rank, np, tf, keras, independent=False, lockstep=False) -> None:
     """The peer: the custom loop a tf.distribute user writes by hand.
 
     `independent` (indep2): this process is raw1 on its own, in a one-worker
     cluster of its own (a port of its own), with its own data; its epochs
     start together with the other processes' (a barrier through files in
     --out_dir, outside the timed epoch), so that they really run at the same
-    time.
+    time. `lockstep` (lock2, with `independent`): besides, after every step
+    it waits for the other processes' same step (`_PipeBarrier`).
     """
     processes = 1
     if independent:
@@ -253,13 +271,16 @@ def _run_raw_tf_worker(rank, np, tf, keras, independent=False) -> None:
 
         return strategy.reduce("SUM", strategy.run(replica, args=(xb, yb)), axis=None)
 
+    barrier = _PipeBarrier(FLAGS.out_dir, rank, processes) if lockstep else None
     times, losses = [], []
     for epoch in range(FLAGS.epochs):
         if independent:
             _file_barrier(FLAGS.out_dir, f"epoch{epoch}", rank, processes)
         start = time.perf_counter()
         for xb, yb in batches:
-            loss = step(xb, yb)
+            loss = step(xb, yb)  # returns once the step has run (eager)
+            if barrier:
+                barrier.wait()
         losses.append(float(loss))
         times.append(time.perf_counter() - start)
     _harness.write_result(FLAGS.out_dir, rank, {
@@ -277,6 +298,29 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))
         return s.getsockname()[1]
+
+
+class _PipeBarrier:
+    """lock2's per-step barrier: one byte to every other process through its
+    named pipe in `directory`, then one byte from each through our own. The
+    launch's --timeout ends a run whose peer died."""
+
+    def __init__(self, directory: str, rank: int, processes: int):
+        self._peers = processes - 1
+        path = os.path.join(directory, "lockstep.fifo{}")
+        os.mkfifo(path.format(rank))
+        # O_RDWR: opening a pipe never blocks waiting for the other end.
+        self._mine = os.open(path.format(rank), os.O_RDWR)
+        _file_barrier(directory, "lockstep", rank, processes)  # every pipe exists
+        self._others = [os.open(path.format(r), os.O_RDWR)
+                        for r in range(processes) if r != rank]
+
+    def wait(self) -> None:
+        for fd in self._others:
+            os.write(fd, b"x")
+        received = 0
+        while received < self._peers:
+            received += len(os.read(self._mine, self._peers - received))
 
 
 def _file_barrier(directory: str, name: str, rank: int, processes: int,
@@ -336,6 +380,8 @@ def run_config(name: str, per_worker_batch: int | None = None) -> dict:
             for e in epochs)
         epoch = global_batch * first["steps"] / throughput  # the pair's time per epoch
     else:
+        if strategy in LOCKSTEP:
+            global_batch = sum(r["global_batch"] for r in results)
         timed = [max(r["epoch_times"][e] for r in results) for e in epochs]
         epoch = _harness.stats(timed)[0]
         throughput = global_batch * first["steps"] / epoch
@@ -431,6 +477,9 @@ def run_driver() -> int:
         ("ceiling: indep2 / (2 x raw1)", "indep2", "raw1", 2),
         ("against the ceiling: mw2 / indep2", "mw2", "indep2", 1),
         ("against the ceiling: raw2 / indep2", "raw2", "indep2", 1),
+        ("synchronous ceiling: lock2 / (2 x raw1)", "lock2", "raw1", 2),
+        ("against the synchronous ceiling: mw2 / lock2", "mw2", "lock2", 1),
+        ("lock-step cost: lock2 / indep2", "lock2", "indep2", 1),
     ]
     for label, a, b, scale in rows:
         if a in runs and b in runs:
@@ -469,9 +518,22 @@ def run_driver() -> int:
             print(f"{'ceiling: indep2 / (2 x fastest one-worker)':44s} "
                   f"{_harness.fmt_stats(ceiling):^22s}  (no communication: the most "
                   "two workers can reach here)")
-            if _harness.stats(ceiling)[0] < TARGET_EFFICIENCY:
-                print(f"{'':44s} the ceiling itself is below the target {TARGET_EFFICIENCY:g}: "
-                      "two processes sharing this machine cannot reach it")
+            median = _harness.stats(ceiling)[0]
+            if median < TARGET_EFFICIENCY:
+                print(f"{'':44s} the ceiling itself ({median:.3f}) is below the target "
+                      f"{TARGET_EFFICIENCY:g}: two processes sharing this machine cannot reach it")
+        if "lock2" in runs:
+            sync_ceiling = _harness.paired_ratios(runs["lock2"], best, 2)
+            ratios["synchronous ceiling: lock2 / (2 x fastest one-worker)"] = sync_ceiling
+            print(f"{'synchronous ceiling: lock2 / (2 x fastest':44s} "
+                  f"{_harness.fmt_stats(sync_ceiling):^22s}  (raw1's step, both workers "
+                  "waiting for each other every step,")
+            print(f"{'  one-worker)':44s} {'':22s}  no data moved: the most a synchronous "
+                  "step can reach here)")
+            median = _harness.stats(sync_ceiling)[0]
+            if median < TARGET_EFFICIENCY:
+                print(f"{'':44s} the synchronous ceiling ({median:.3f}) is below the target "
+                      f"{TARGET_EFFICIENCY:g}: no synchronous all-reduce can reach it here")
         if not met:
             misses.append(f"efficiency mw2 / (2 x fastest one-worker) = "
                           f"{_harness.stats(efficiency)[0]:.2f} < {TARGET_EFFICIENCY}")
