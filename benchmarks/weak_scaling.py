@@ -49,9 +49,10 @@ one-worker), what two cores of this machine allow at all, and mw2 / indep2,
 our efficiency against that ceiling; with lock2 the synchronous ceiling
 lock2 / (2 x fastest one-worker), what two cores allow a step that waits
 for both workers, and mw2 / lock2, what our all-reduce and step cost beyond
-the lock-step (information only: the target stays the one above). All ratios are paired per repetition; the configurations run
-alternately (order rotated every repetition) `--repeats` times. Each run
-fits `--epochs` epochs of `--steps` steps with `verbose=0`; the first epoch
+the lock-step (information only: the target stays the one above). All
+ratios are paired per repetition; the configurations run alternately
+(order rotated every repetition) `--repeats` times. Each run fits
+`--epochs` epochs of `--steps` steps with `verbose=0`; the first epoch
 (tracing, warm-up) is dropped, and a run's epoch time is the median over
 the rest of the slowest rank's epoch (timed by a Keras callback,
 on_epoch_begin/on_epoch_end). Strategy "single" is a one-core baseline
