@@ -10,9 +10,10 @@ and writes there:
       (multi_worker: mw1 -> mw2), the peer (the raw tf.distribute custom
       loop: raw1 -> raw2), and the ideal: 1 and 2 x the fastest one-worker
       configuration of the run; single (and mw2ring when run) as points,
-      and the ceilings when run, with their ratios under the efficiency:
-      indep2 (two independent raw1 processes at once, no communication) and
-      lock2 (the same two waiting for each other after every step).
+      and, when run, the ceiling indep2 (two independent raw1 processes at
+      once, no communication) and the lock-step reference lock2 (the same
+      two waiting for each other after every step), with their ratios under
+      the efficiency.
       Markers at the median over the repetitions, bars from min to max.
   allreduce_bandwidth.png     all-reduce bus bandwidth (GB/s) against the
       message size (allreduce.json), one line per implementation measured
@@ -73,11 +74,12 @@ def _ceiling_note(data: dict) -> str:
     for ceiling_key, ours_key, words in (
             ("ceiling: indep2 / (2 x fastest one-worker)",
              "against the ceiling: mw2 / indep2", "indep2, no communication"),
-            ("synchronous ceiling: lock2 / (2 x fastest one-worker)",
-             "against the synchronous ceiling: mw2 / lock2", "lock2, lock-step, no data")):
+            ("lock-step reference: lock2 / (2 x fastest one-worker)",
+             "against the lock-step reference: mw2 / lock2", "lock2, lock-step, no data")):
         ceiling, ours = ratios.get(ceiling_key), ratios.get(ours_key)
         if ceiling:
-            note += f"\nceiling ({words}): {ceiling['median']:.2f}"
+            name = "ceiling" if "indep2" in words else "reference"
+            note += f"\n{name} ({words}): {ceiling['median']:.2f}"
             note += f"; mw2 / {words.split(',')[0]}: {ours['median']:.2f}" if ours else ""
     return note
 
@@ -111,7 +113,7 @@ def _scaling_panel(ax, data: dict, title: str, ideal_note: str) -> None:
                   linestyle="none", label="ceiling: 2 independent raw1 at once (indep2)")
     if "lock2" in configs:
         _errorbar(ax, [2], [thr("lock2")], marker="x", markersize=9, color=_IDEAL,
-                  linestyle="none", label="synchronous ceiling: indep2 in lock-step (lock2)")
+                  linestyle="none", label="reference: indep2 in lock-step (lock2)")
     eff = data.get("efficiency") or data.get("speedup")
     if eff:
         word = "efficiency" if "efficiency" in data and data["efficiency"] else "speedup"

@@ -25,7 +25,7 @@ Configurations (weak_scaling.py's names), each its own
   indep2   (not run by default) the ceiling: two independent raw1 processes
            with 256 samples each at the same time, no communication (see
            weak_scaling.py); its speedup is what two cores allow at all.
-  lock2    (not run by default) the synchronous ceiling: indep2's two
+  lock2    (not run by default) the lock-step reference: indep2's two
            processes waiting for each other after every step, no data moved
            (see weak_scaling.py).
 
@@ -101,7 +101,7 @@ def run_driver() -> int:
             ("peer: raw2 / raw1", "raw2", runs.get("raw1")),
             ("mw2ring / fastest one-worker", "mw2ring", best),
             ("ceiling: indep2 / fastest one-worker", "indep2", best),
-            ("synchronous ceiling: lock2 / fastest one-worker", "lock2", best)]
+            ("lock-step reference: lock2 / fastest one-worker", "lock2", best)]
     for label, a, base in rows:
         if a in runs and base:
             ratios[label] = _harness.paired_ratios(runs[a], base)
@@ -112,7 +112,7 @@ def run_driver() -> int:
         ratios[label] = _harness.paired_ratios(runs["mw2"], runs["indep2"])
         print(f"{label + ' (ideal 1.0)':46s} {_harness.fmt_stats(ratios[label]):^22s}")
     if "mw2" in runs and "lock2" in runs:
-        label = "against the synchronous ceiling: mw2 / lock2"
+        label = "against the lock-step reference: mw2 / lock2"
         ratios[label] = _harness.paired_ratios(runs["mw2"], runs["lock2"])
         print(f"{label:46s} {_harness.fmt_stats(ratios[label]):^22s}")
     if best:

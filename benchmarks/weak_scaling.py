@@ -29,13 +29,14 @@ Configurations, each its own `keras-distrib launch`:
            bus, the kernel). Its throughput is the sum of the two; what two
            workers lose here is lost to sharing the machine, not to
            communication: two workers running raw1's step cannot beat it.
-  lock2    the synchronous ceiling: indep2's two processes, but after every
+  lock2    the lock-step reference: indep2's two processes, but after every
            step each waits for the other (one byte each way through named
            pipes), as every synchronous data-parallel step must, moving no
            data. What it loses against indep2 is the lock-step itself: each
-           step lasts as long as the slower of the two workers' steps, and on
-           a machine whose cores run unevenly (a VM) that costs time no
-           all-reduce, however fast, can win back.
+           step lasts as long as the slower of the two workers' steps, which
+           costs most on a machine whose cores run unevenly (a VM). A
+           reference, not a bound: it is measured like the others, with
+           their noise (mw2 has come out faster than lock2 in a run).
 
 Efficiency, the figure the target is on, is honest: throughput(mw2) /
 (2 x the FASTEST one-worker throughput measured in the same repetition),
@@ -46,8 +47,8 @@ and the exit code is 0 either way, unless --strict. The other ratios
 (against single alone, against mw1, the peer's raw2 / (2 x raw1), ...) are
 printed too, and with indep2 the ceiling: indep2 / (2 x fastest
 one-worker), what two cores of this machine allow at all, and mw2 / indep2,
-our efficiency against that ceiling; with lock2 the synchronous ceiling
-lock2 / (2 x fastest one-worker), what two cores allow a step that waits
+our efficiency against that ceiling; with lock2 the lock-step reference
+lock2 / (2 x fastest one-worker), what raw1's step gets here when it waits
 for both workers, and mw2 / lock2, what our all-reduce and step cost beyond
 the lock-step (information only: the target stays the one above). All
 ratios are paired per repetition; the configurations run alternately
@@ -478,8 +479,8 @@ def run_driver() -> int:
         ("ceiling: indep2 / (2 x raw1)", "indep2", "raw1", 2),
         ("against the ceiling: mw2 / indep2", "mw2", "indep2", 1),
         ("against the ceiling: raw2 / indep2", "raw2", "indep2", 1),
-        ("synchronous ceiling: lock2 / (2 x raw1)", "lock2", "raw1", 2),
-        ("against the synchronous ceiling: mw2 / lock2", "mw2", "lock2", 1),
+        ("lock-step reference: lock2 / (2 x raw1)", "lock2", "raw1", 2),
+        ("against the lock-step reference: mw2 / lock2", "mw2", "lock2", 1),
         ("lock-step cost: lock2 / indep2", "lock2", "indep2", 1),
     ]
     for label, a, b, scale in rows:
@@ -524,17 +525,16 @@ def run_driver() -> int:
                 print(f"{'':44s} the ceiling itself ({median:.3f}) is below the target "
                       f"{TARGET_EFFICIENCY:g}: two processes sharing this machine cannot reach it")
         if "lock2" in runs:
-            sync_ceiling = _harness.paired_ratios(runs["lock2"], best, 2)
-            ratios["synchronous ceiling: lock2 / (2 x fastest one-worker)"] = sync_ceiling
-            print(f"{'synchronous ceiling: lock2 / (2 x fastest':44s} "
-                  f"{_harness.fmt_stats(sync_ceiling):^22s}  (raw1's step, both workers "
+            lockstep = _harness.paired_ratios(runs["lock2"], best, 2)
+            ratios["lock-step reference: lock2 / (2 x fastest one-worker)"] = lockstep
+            print(f"{'lock-step reference: lock2 / (2 x fastest':44s} "
+                  f"{_harness.fmt_stats(lockstep):^22s}  (raw1's step, both workers "
                   "waiting for each other every step,")
-            print(f"{'  one-worker)':44s} {'':22s}  no data moved: the most a synchronous "
-                  "step can reach here)")
-            median = _harness.stats(sync_ceiling)[0]
+            print(f"{'  one-worker)':44s} {'':22s}  no data moved)")
+            median = _harness.stats(lockstep)[0]
             if median < TARGET_EFFICIENCY:
-                print(f"{'':44s} the synchronous ceiling ({median:.3f}) is below the target "
-                      f"{TARGET_EFFICIENCY:g}: no synchronous all-reduce can reach it here")
+                print(f"{'':44s} the raw loop in lock-step ({median:.3f}) is itself below "
+                      f"the target {TARGET_EFFICIENCY:g} in this run")
         if not met:
             misses.append(f"efficiency mw2 / (2 x fastest one-worker) = "
                           f"{_harness.stats(efficiency)[0]:.2f} < {TARGET_EFFICIENCY}")
