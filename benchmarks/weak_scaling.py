@@ -508,33 +508,29 @@ def run_driver() -> int:
         line, met = _harness.target_line(
             "efficiency mw2 / (2 x fastest one-worker)", efficiency, TARGET_EFFICIENCY)
         print(line)
-        if "raw2" in runs:
-            peer = _harness.paired_ratios(runs["raw2"], best, 2)
-            ratios["peer: raw2 / (2 x fastest one-worker)"] = peer
-            print(f"{'peer: raw2 / (2 x fastest one-worker)':44s} {_harness.fmt_stats(peer):^22s}")
-        if "indep2" in runs:
-            # Information, not the target: what two cores allow with no
-            # communication at all, and how close mw2 comes to that.
-            ceiling = _harness.paired_ratios(runs["indep2"], best, 2)
-            ratios["ceiling: indep2 / (2 x fastest one-worker)"] = ceiling
-            print(f"{'ceiling: indep2 / (2 x fastest one-worker)':44s} "
-                  f"{_harness.fmt_stats(ceiling):^22s}  (no communication: the most "
-                  "two workers can reach here)")
-            median = _harness.stats(ceiling)[0]
-            if median < TARGET_EFFICIENCY:
-                print(f"{'':44s} the ceiling itself ({median:.3f}) is below the target "
-                      f"{TARGET_EFFICIENCY:g}: two processes sharing this machine cannot reach it")
-        if "lock2" in runs:
-            lockstep = _harness.paired_ratios(runs["lock2"], best, 2)
-            ratios["lock-step reference: lock2 / (2 x fastest one-worker)"] = lockstep
-            print(f"{'lock-step reference: lock2 / (2 x fastest':44s} "
-                  f"{_harness.fmt_stats(lockstep):^22s}  (raw1's step, both workers "
-                  "waiting for each other every step,")
-            print(f"{'  one-worker)':44s} {'':22s}  no data moved)")
-            median = _harness.stats(lockstep)[0]
-            if median < TARGET_EFFICIENCY:
-                print(f"{'':44s} the raw loop in lock-step ({median:.3f}) is itself below "
-                      f"the target {TARGET_EFFICIENCY:g} in this run")
+        # Information, not the target: the peer, and what two cores allow
+        # with no communication at all (indep2) or in lock-step, moving no
+        # data (lock2).
+        references = [
+            ("raw2", "peer: raw2 / (2 x fastest one-worker)", "", None),
+            ("indep2", "ceiling: indep2 / (2 x fastest one-worker)",
+             "  (no communication: the most two workers can reach here)",
+             "the ceiling itself ({median:.3f}) is below the target {target:g}: "
+             "two processes sharing this machine cannot reach it"),
+            ("lock2", "lock-step reference: lock2 / (2 x fastest one-worker)",
+             "  (raw1's step, both workers waiting for each other every step, "
+             "no data moved)",
+             "the raw loop in lock-step ({median:.3f}) is itself below the target "
+             "{target:g} in this run"),
+        ]
+        for config, label, note, below in references:
+            if config not in runs:
+                continue
+            ratios[label] = _harness.paired_ratios(runs[config], best, 2)
+            print(f"{label:44s} {_harness.fmt_stats(ratios[label]):^22s}{note}")
+            median = _harness.stats(ratios[label])[0]
+            if below and median < TARGET_EFFICIENCY:
+                print(f"{'':44s} " + below.format(median=median, target=TARGET_EFFICIENCY))
         if not met:
             misses.append(f"efficiency mw2 / (2 x fastest one-worker) = "
                           f"{_harness.stats(efficiency)[0]:.2f} < {TARGET_EFFICIENCY}")
