@@ -90,6 +90,16 @@ def test_sums_are_exact_identical_and_leave_no_files(tmp_path, world):
     assert sorted(os.listdir(tmp_path)) == sorted(f"rank{r}.npz" for r in range(world))
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_slow_reader_never_sees_the_next_calls_data(tmp_path, world):
+    # A fast worker must not write its next call's data into a slot a slow
+    # one still reads (the two alternating sets of slots are what prevents
+    # it: with one set this fails). The last rank sleeps after every barrier.
+    assert _run(tmp_path, world, "skewed") == [0] * world
+    for rank in range(world):
+        assert np.load(tmp_path / f"rank{rank}.npz")["bad"].tolist() == [], rank
+
+
 def test_results_reuse_memory_nothing_refers_to_any_more(tmp_path):
     # Fresh memory costs a page fault per 4 KB on first write (~1 ms for the
     # 4 MB of gradients of the weak-scaling MLP, every step); a result still

@@ -13,6 +13,10 @@ MODE:
            result addresses ("addresses").
   exit1    rank 1 exits after the first all-reduce; the others try a second.
   stall1   rank 1 sleeps 6 s before the second all-reduce.
+  skewed   many all-reduces of large arrays while the last rank sleeps at
+           random after each barrier (a reader slower than its peers);
+           every worker checks every result against the sum it computes
+           itself and writes the calls that differ ("bad").
 Errors are written to OUT + ".err" (type and message).
 """
 
@@ -55,6 +59,35 @@ def mean_inputs(rank, call):
             rng.standard_normal(11).astype(np.float32), np.float32(count)]
 
 
+def skewed_inputs(rank, call):
+    rng = np.random.default_rng(9000 * call + rank)
+    return [rng.standard_normal(300_001).astype(np.float32),
+            rng.standard_normal(17).astype(np.float32)]
+
+
+def _skewed(reducer, rank, world):
+    """Mode "skewed": returns the calls whose result was not the sum."""
+    if rank == world - 1:
+        barrier, rng = reducer._barrier, np.random.default_rng()
+
+        def slow_barrier(*args, **kwargs):
+            barrier(*args, **kwargs)
+            time.sleep(rng.uniform(0, 0.002))  # the others run ahead
+
+        reducer._barrier = slow_barrier
+    calls = 40
+    mine = [skewed_inputs(rank, call) for call in range(calls)]
+    got = [[np.copy(v) for v in reducer.all_reduce(*mine[call])] for call in range(calls)]
+    bad = []
+    for call in range(calls):  # checked afterwards: the calls follow each other closely
+        per_rank = [skewed_inputs(r, call) for r in range(world)]
+        for i, value in enumerate(got[call]):
+            want = sum(np.asarray(p[i], np.float64) for p in per_rank)
+            if not np.allclose(value, want, rtol=1e-6, atol=1e-6):
+                bad.append(call)
+    return np.array(bad, np.int64)
+
+
 def main():
     rank, world, job, directory, out, mode = sys.argv[1:7]
     timeout = float(sys.argv[7]) if len(sys.argv) > 7 and sys.argv[7] != "none" else None
@@ -73,6 +106,11 @@ def main():
                     del reduced
             results = {f"c0_{i}": value for i, value in enumerate(reduced)}
             results["addresses"] = np.array(addresses, np.int64)
+            reducer.close()
+            np.savez(out, **results)
+            return
+        if mode == "skewed":
+            results = {"bad": _skewed(reducer, rank, world)}
             reducer.close()
             np.savez(out, **results)
             return
