@@ -32,15 +32,22 @@ def _given(x, y, **overrides):
     return given
 
 
-def test_arrays_become_one_endless_iterator(data):
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_arrays_become_one_endless_iterator(data, shuffle):
     x, y = data
-    fit = kd.strategies.get("single").distribute_fit_input(_given(x, y))
+    fit = kd.strategies.get("single").distribute_fit_input(_given(x, y, shuffle=shuffle))
     assert isinstance(fit["x"], tf.data.Dataset)
     # Batches of epoch after epoch without end (no per-epoch iterator).
     assert fit["steps_per_epoch"] == 7  # 203 samples, batch 32
-    sizes = [int(b[0].shape[0]) for b in fit["x"].take(15)]
-    assert sizes == [32] * 6 + [11] + [32] * 6 + [11] + [32]
+    batches = list(fit["x"].take(15))
+    assert [int(b[0].shape[0]) for b in batches] == [32] * 6 + [11] + [32] * 6 + [11] + [32]
     assert fit["y"] is None and fit["shuffle"] is False
+    epochs = [np.concatenate([b[0] for b in batches[e * 7:(e + 1) * 7]]) for e in range(2)]
+    for epoch in epochs:  # every sample once an epoch, in order unless shuffled
+        order = np.argsort(epoch[:, 0])
+        np.testing.assert_array_equal(epoch[order], x[np.argsort(x[:, 0])])
+        assert (epoch == x).all() != shuffle
+    assert (epochs[0] == epochs[1]).all() != shuffle  # reshuffled every epoch
 
 
 def test_our_array_pipelines_do_not_autotune_or_rewrite(data):
