@@ -87,6 +87,23 @@ def functional_class() -> type:
     return Functional
 
 
+def clone_functional(template, **kwargs):
+    """`keras.models.clone_model(template, **kwargs)` for a Functional
+    `template`, whose inputs keep their kind.
+
+    Keras 3.15 makes each input of a Functional clone as
+    `Input(batch_shape=..., dtype=..., name=...)`
+    (`keras/src/models/cloning.py`, `_clone_functional_model`): a sparse or
+    ragged input comes back dense, and the clone then densifies sparse
+    batches (more memory, dense math) and fails on layers that read the
+    ragged structure (`row_lengths`). Here each input is made from its
+    `InputLayer`'s config (shape, dtype, sparse, ragged, name, optional).
+    """
+    inputs = tf.nest.map_structure(
+        lambda x: keras.Input(**x._keras_history.operation.get_config()), template.input)
+    return keras.models.clone_model(template, input_tensors=inputs, **kwargs)
+
+
 def is_functional_call(args, kwargs) -> bool:
     """Whether `Model(*args, **kwargs)` is the functional form (inputs, outputs).
 

@@ -63,8 +63,9 @@ def split_batch(batch: Any, num_replicas: int) -> list:
     """Splits a batch into `num_replicas` shards, in replica order.
 
     Args:
-        batch: A nested structure of tensors sharing the first (batch)
-            dimension; `None` leaves are kept as `None` in every shard.
+        batch: A nested structure of tensors (dense or `tf.SparseTensor`)
+            sharing the first (batch) dimension; `None` leaves are kept as
+            `None` in every shard.
         num_replicas: How many shards to make.
 
     Returns:
@@ -74,24 +75,44 @@ def split_batch(batch: Any, num_replicas: int) -> list:
     tensors = [t for t in leaves if t is not None]
     if not tensors:
         raise ValueError("Cannot split a batch that holds no tensors.")
-    for t in tensors:
-        if isinstance(t, (tf.SparseTensor, tf.RaggedTensor)):
-            raise ValueError(
-                "Sparse and ragged inputs cannot be split across replicas yet; "
-                "densify them in the input pipeline or use strategy='single'."
-            )
+    if any(isinstance(t, tf.RaggedTensor) for t in tensors):
+        raise ValueError(
+            "Ragged inputs cannot be split across replicas yet; pad them in the input "
+            "pipeline (e.g. `.map(lambda x, y: (x.to_tensor(), y))`)."
+        )
     if num_replicas == 1:
         return [batch]
     global_size = tf.shape(tensors[0], out_type=tf.int32)[0]
-    size_vector = tf.stack(replica_sizes(global_size, num_replicas))
-    parts = [
-        [None] * num_replicas if t is None else tf.split(t, size_vector, num=num_replicas)
-        for t in leaves
-    ]
+    sizes = replica_sizes(global_size, num_replicas)
+    parts = [[None] * num_replicas if t is None else _split(t, sizes) for t in leaves]
     return [
         tf.nest.pack_sequence_as(batch, [p[r] for p in parts])
         for r in range(num_replicas)
     ]
+
+
+def _split(tensor, sizes: list) -> list:
+    """`tensor` cut into consecutive runs of rows of the given `sizes`."""
+    if not isinstance(tensor, tf.SparseTensor):
+        return tf.split(tensor, tf.stack(sizes), num=len(sizes))
+    parts, start = [], tf.zeros([], sizes[0].dtype)
+    for size in sizes:
+        parts.append(take_rows(tensor, start, size))
+        start += size
+    return parts
+
+
+def take_rows(tensor, start, count):
+    """Rows `[start, start + count)` of a dense or sparse tensor (a sparse
+    part's indices start again at row 0, with the same inner shape)."""
+    if not isinstance(tensor, tf.SparseTensor):
+        return tensor[start:start + count]
+    start, count = tf.cast(start, tf.int64), tf.cast(count, tf.int64)
+    inner = tensor.dense_shape[1:]
+    part = tf.sparse.slice(tensor, tf.concat([[start], tf.zeros_like(inner)], 0),
+                           tf.concat([[count], inner], 0))
+    part.set_shape(tf.TensorShape([None]).concatenate(tensor.shape[1:]))
+    return part
 
 
 # -- bad input caught before training (numpy arrays and static facts only) ------

@@ -162,7 +162,7 @@ class _WorkerRows:
         leaves = [t for t in tf.nest.flatten(batch) if t is not None]
         start, count = self.bounds(tf.shape(leaves[0], out_type=tf.int64)[0])
         return tf.nest.map_structure(
-            lambda t: None if t is None else t[start : start + count], batch
+            lambda t: None if t is None else data_lib.take_rows(t, start, count), batch
         )
 
     def cut_numpy(self, batch):
@@ -171,7 +171,7 @@ class _WorkerRows:
         leaves = [t for t in tf.nest.flatten(batch) if t is not None]
         start, count = (int(v) for v in self.bounds(tf.constant(len(leaves[0]), tf.int64)))
         return tf.nest.map_structure(
-            lambda t: None if t is None else t[start : start + count], batch
+            lambda t: None if t is None else data_lib.take_rows(t, start, count), batch
         )
 
 

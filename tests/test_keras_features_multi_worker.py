@@ -15,7 +15,8 @@ import pytest
 from helpers import ROOT, launch
 
 WORKER = os.path.join(ROOT, "tests", "workers", "keras_features.py")
-PROBES = ("metric_objects", "unseeded_shuffle", "load_model", "batch_norm", "seeded_shuffle")
+PROBES = ("metric_objects", "unseeded_shuffle", "load_model", "batch_norm", "seeded_shuffle",
+          "sparse_input")
 
 pytestmark = pytest.mark.slow
 
@@ -73,3 +74,15 @@ def test_batch_norm_moving_statistics_agree_across_workers(probes):
     for key in ("moving_mean", "moving_variance", "predict"):
         np.testing.assert_array_equal(ranks[0][key], ranks[1][key], err_msg=key)
     assert np.any(np.asarray(ranks[0]["moving_mean"]) != 0.0)
+
+
+def test_sparse_input_trains_like_plain_keras(probes):
+    # Each global batch of a `tf.SparseTensor` dataset is cut to the
+    # worker's rows with `tf.sparse.slice`.
+    ranks = _results(probes, "sparse_input")
+    assert ranks[0] == ranks[1]
+    result = ranks[0]
+    assert result["sparse"]
+    for key in ("loss", "accuracy"):
+        np.testing.assert_allclose(result["ours"][key], result["twin"][key], atol=1e-5)
+    assert result["gap"] < 1e-5

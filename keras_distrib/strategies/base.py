@@ -145,10 +145,11 @@ class Strategy(abc.ABC):
         `scope()`; strategies that place layers one by one (or split them)
         override it.
         """
-        import keras  # not at import: keras_distrib sets up TensorFlow first
+        # Not at import: keras_distrib sets up TensorFlow before Keras loads.
+        from keras_distrib import _compat
 
         with self.scope():
-            clone = keras.models.clone_model(template)
+            clone = _compat.clone_functional(template)
         clone.set_weights(template.get_weights())
         return clone
 

@@ -216,8 +216,6 @@ class Pipeline(WorkerReplicas, Strategy):
 
     def rebuild(self, template):
         """Clones `template` with each layer's variables on its stage's device."""
-        import keras
-
         stage_of = _stage_of_layers(template, self.num_stages, self.split_at)
 
         def clone_layer(layer):
@@ -233,7 +231,7 @@ class Pipeline(WorkerReplicas, Strategy):
             return clone
 
         with self.scope():
-            clone = keras.models.clone_model(template, clone_function=clone_layer)
+            clone = _compat.clone_functional(template, clone_function=clone_layer)
         clone.set_weights(template.get_weights())
         return clone
 

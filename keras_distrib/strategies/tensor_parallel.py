@@ -150,7 +150,6 @@ class TensorParallel(WorkerReplicas, Strategy):
         per-device shards. So besides the template, at most one whole layer
         at a time is held on the first device while the copy is made.
         """
-        import keras
 
         plans = tensor_layout.plan_layers(template, self._layout, self._devices)
         originals: dict[int, Any] = {}
@@ -178,7 +177,7 @@ class TensorParallel(WorkerReplicas, Strategy):
                 self._lay_out(layer, original, plan)
             return outputs
 
-        clone = keras.models.clone_model(template, clone_function=clone_function,
+        clone = _compat.clone_functional(template, clone_function=clone_function,
                                          call_function=call_function)
         self._adopt(clone)
         return clone
