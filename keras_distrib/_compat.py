@@ -104,6 +104,27 @@ def clone_functional(template, **kwargs):
     return keras.models.clone_model(template, input_tensors=inputs, **kwargs)
 
 
+def first_batch_of_enqueued_pydataset(iterator):
+    """The first batch of the `keras.utils.PyDataset` behind Keras's epoch
+    `iterator`, read directly, when Keras feeds it through its enqueuer
+    (`workers > 0`); else None.
+
+    Keras reads one batch to build a model for a strategy (`_symbolic_build`
+    through the epoch iterator). For a PyDataset with workers that starts
+    the enqueuer, which queues the whole epoch; `on_epoch_end` then stops it
+    and keeps the batches not yet read for "the next run"
+    (`PyDatasetEnqueuer.stop(drain_queue_and_join=True)` in
+    `keras/src/trainers/data_adapters/py_dataset_adapter.py`). From then on
+    every epoch starts with the previous epoch's leftovers and ends early:
+    epochs that show some batches twice and others not at all (shuffled),
+    or in a rotated order. Read here, the batch leaves the enqueuer alone.
+    """
+    adapter = getattr(iterator, "data_adapter", None)
+    if getattr(adapter, "enqueuer", None) is None:
+        return None
+    return adapter._standardize_batch(adapter.py_dataset[0])
+
+
 def is_functional_call(args, kwargs) -> bool:
     """Whether `Model(*args, **kwargs)` is the functional form (inputs, outputs).
 
