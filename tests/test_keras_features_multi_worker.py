@@ -16,7 +16,7 @@ from helpers import ROOT, launch
 
 WORKER = os.path.join(ROOT, "tests", "workers", "keras_features.py")
 PROBES = ("metric_objects", "unseeded_shuffle", "load_model", "batch_norm", "seeded_shuffle",
-          "sparse_input")
+          "sparse_input", "pydataset_workers")
 
 pytestmark = pytest.mark.slow
 
@@ -86,3 +86,10 @@ def test_sparse_input_trains_like_plain_keras(probes):
     for key in ("loss", "accuracy"):
         np.testing.assert_allclose(result["ours"][key], result["twin"][key], atol=1e-5)
     assert result["gap"] < 1e-5
+
+
+def test_a_pydataset_with_workers_shows_every_sample_once_per_epoch(probes):
+    # Sum and count of the sample ids trained on, over both workers.
+    ranks = _results(probes, "pydataset_workers")
+    assert ranks[0] == ranks[1]
+    assert ranks[0]["ids"] == [sum(range(101)) * 1000.0 + 101] * 4
