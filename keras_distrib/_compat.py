@@ -125,6 +125,24 @@ def first_batch_of_enqueued_pydataset(iterator):
     return adapter._standardize_batch(adapter.py_dataset[0])
 
 
+def class_weight_as_sample_weight(y, sample_weight, class_weight):
+    """The per-sample weights Keras's array input makes of `class_weight`.
+
+    Keras weighs arrays with `class_weight.get(label, 1.0)` (any label), but
+    a `tf.data` input through a lookup table that ends at the largest key,
+    so a label without a weight fails deep in the input pipeline. Array
+    input fed to Keras as our pipeline keeps the array rule, with its checks
+    (`keras/src/trainers/data_adapters/array_data_adapter.py`).
+    """
+    from keras.src.trainers.data_adapters import data_adapter_utils
+
+    if sample_weight is not None:
+        raise ValueError("You cannot `class_weight` and `sample_weight` at the same time.")
+    if keras.tree.is_nested(y):
+        raise ValueError("`class_weight` is only supported for Models with a single output.")
+    return data_adapter_utils.class_weight_to_sample_weights(y, class_weight)
+
+
 def is_functional_call(args, kwargs) -> bool:
     """Whether `Model(*args, **kwargs)` is the functional form (inputs, outputs).
 

@@ -142,6 +142,23 @@ def check_not_empty(x: Any) -> None:
             )
 
 
+def check_same_length(**arrays: Any) -> None:
+    """Rejects arrays (`x=..., y=..., sample_weight=...`, each possibly a
+    structure of arrays) whose first dimensions differ: one row per sample."""
+    rows = {}
+    for name, value in arrays.items():
+        found = sorted({int(leaf.shape[0]) for leaf in tf.nest.flatten(value)
+                        if leaf is not None and len(getattr(leaf, "shape", ())) >= 1})
+        if found:
+            rows[name] = found
+    if len({n for found in rows.values() for n in found}) > 1:
+        listed = ", ".join(f"{name} {'/'.join(map(str, found))}" for name, found in rows.items())
+        raise ValueError(
+            f"The input arrays do not have one row per sample (rows: {listed}); pass x, y "
+            "and sample_weight with the same number of samples."
+        )
+
+
 def check_sparse_labels(y: Any, num_classes: int, ignore_class: Optional[int] = None) -> None:
     """Rejects integer numpy labels outside `[0, num_classes)` (one pass).
 

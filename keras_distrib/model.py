@@ -35,6 +35,7 @@ from keras_distrib import preemption
 from keras_distrib import sharded_variables
 from keras_distrib import saving
 from keras_distrib import strategies
+from keras_distrib.strategies import registry
 from keras_distrib.strategies.base import Strategy
 
 _compat.warn_if_untested()
@@ -109,6 +110,7 @@ class DistributedModel(keras.Model):
 
     def __init__(self, *args, strategy: StrategyLike = "auto", **kwargs):
         resolved = strategies.get(strategy)
+        registry.check_not_model_options(kwargs, resolved)
         super().__init__(*args, **kwargs)
         self._init_distribution(resolved)
 
@@ -469,7 +471,7 @@ class DistributedModel(keras.Model):
             validation_batch_size=kwargs.pop("validation_batch_size", None),
             steps_per_epoch=kwargs.pop("steps_per_epoch", None),
             steps_per_execution=self.steps_per_execution,  # read only
-            class_weight=class_weight,  # read only
+            class_weight=class_weight,  # with arrays: made sample weights (sharding.fit_input)
         )
         fit_checks.check_same_call(
             self._strategy, "fit", x, batch_size=batch_size, epochs=epochs,
@@ -497,7 +499,7 @@ class DistributedModel(keras.Model):
             history = super().fit(
                 fit["x"], fit["y"], fit["batch_size"], epochs, self._verbose(verbose),
                 callbacks, fit["validation_split"], fit["validation_data"],
-                fit["shuffle"], class_weight, fit["sample_weight"],
+                fit["shuffle"], fit.get("class_weight"), fit["sample_weight"],
                 validation_batch_size=fit["validation_batch_size"],
                 steps_per_epoch=fit["steps_per_epoch"], **kwargs,
             )
@@ -653,6 +655,7 @@ class FunctionalDistributedModel(DistributedModel, Functional):
 
     def __init__(self, inputs, outputs, name=None, *, strategy: StrategyLike = "auto", **kwargs):
         resolved = strategies.get(strategy)
+        registry.check_not_model_options(kwargs, resolved)
         inputs, outputs = _rebuild_under(resolved, inputs, outputs)
         Functional.__init__(self, inputs, outputs, name=name, **kwargs)
         self._init_distribution(resolved)

@@ -62,6 +62,9 @@ def fit_input(strategy, fit: dict) -> dict:
         (x, y, sample_weight), fit["validation_data"] = _compat.train_validation_split(
             (x, y, sample_weight), fit["validation_split"])
         fit["validation_split"] = 0.0
+    if fit.get("class_weight") is not None and is_array_like(x):
+        sample_weight = _compat.class_weight_as_sample_weight(y, sample_weight, fit["class_weight"])
+        fit["class_weight"] = None
     seed = None
     if fit["shuffle"]:
         seed = start.seed if start.seed is not None else strategy.agree_on_seed()
@@ -197,6 +200,7 @@ def _shard_arrays(x, y, sample_weight, batch_size, rows, seed, repeat=False, fir
     # tf.data would stack a list of inputs into one tensor: a multi-input
     # `x=[xa, xb]` stays a structure of separate inputs as a tuple.
     arrays = tuple(_lists_as_tuples(a) for a in (x, y, sample_weight) if a is not None)
+    data_lib.check_same_length(x=x, y=y, sample_weight=sample_weight)
     n = int(tf.nest.flatten(x)[0].shape[0])
     batches = -(-n // batch_size)
 

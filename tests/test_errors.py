@@ -81,6 +81,39 @@ def test_optimizer_made_outside_scope_is_recreated_inside():
     assert float(model.optimizer.learning_rate.numpy()) == pytest.approx(0.05)
 
 
+@pytest.mark.parametrize("option,value", [("devices", ["/cpu:0"]), ("num_stages", 2)])
+def test_strategy_options_given_to_the_model_are_refused(option, value):
+    # Keras's Functional model ignores unknown keyword arguments: the
+    # strategy would silently run with its defaults.
+    import keras
+
+    import keras_distrib as kd
+
+    inputs = keras.Input((4,))
+    with pytest.raises(ValueError, match=rf"^{option}= is an option of the strategy, not of "
+                                         rf"the model; pass strategy=keras_distrib.strategies"
+                                         rf"\.get\('mirrored', {option}=\.\.\.\) instead\.$") as e:
+        kd.DistributedModel(inputs, keras.layers.Dense(1)(inputs), strategy="mirrored",
+                            **{option: value})
+    _one_line(e)
+
+
+@pytest.mark.parametrize("strategy", ["single", "mirrored"])
+@pytest.mark.parametrize("bad", ["y", "sample_weight"])
+def test_arrays_of_different_lengths_are_refused(strategy, bad):
+    x, y = make_data()
+    weights = np.ones(len(x), "float32")
+    if bad == "y":
+        y = y[:50]
+    else:
+        weights = weights[:10]
+    model = build("functional", strategy)
+    with pytest.raises(ValueError, match=r"do not have one row per sample \(rows: x 203, y "
+                                         rf"{len(y)}, sample_weight {len(weights)}\)") as e:
+        model.fit(x, y, sample_weight=weights, batch_size=32, verbose=0)
+    _one_line(e)
+
+
 def test_ragged_input_is_refused_clearly():
     import tensorflow as tf
 

@@ -71,7 +71,7 @@ def test_other_input_is_left_to_keras(data):
 
 
 @pytest.mark.parametrize("extras", ["plain", "sample_weight", "validation_split",
-                                    "class_weight"])
+                                    "class_weight", "class_weight_of_some_classes"])
 def test_single_trains_exactly_like_plain_keras(extras, data):
     x, y = data
     kwargs = dict(batch_size=32, epochs=3, shuffle=False, verbose=0)
@@ -81,6 +81,8 @@ def test_single_trains_exactly_like_plain_keras(extras, data):
         kwargs["validation_split"] = 0.2
     elif extras == "class_weight":
         kwargs["class_weight"] = {c: 1.0 + c for c in range(CLASSES)}
+    elif extras == "class_weight_of_some_classes":  # the others weigh 1, as Keras does
+        kwargs["class_weight"] = {0: 2.0}
     plain = plain_model()
     plain.compile(optimizer=keras.optimizers.SGD(0.1),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

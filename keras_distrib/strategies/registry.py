@@ -143,6 +143,25 @@ def _one_per_process(key, cls, options):
     return strategy
 
 
+def check_not_model_options(kwargs: dict, strategy: "Strategy") -> None:
+    """Rejects strategy options passed to the model constructor.
+
+    Keras's Functional model ignores keyword arguments it does not know, so
+    `DistributedModel(inputs, outputs, strategy="mirrored", devices=[...])`
+    would silently train on the default devices.
+    """
+    _load_builtin()
+    options = {p for cls in _CLASSES.values() for p in inspect.signature(cls).parameters}
+    misplaced = sorted(set(kwargs) & options)
+    if misplaced:
+        names = ", ".join(f"{k}=" for k in misplaced)
+        raise ValueError(
+            f"{names} {'is an option' if len(misplaced) == 1 else 'are options'} of the "
+            f"strategy, not of the model; pass strategy=keras_distrib.strategies.get("
+            f"{strategy.name!r}, {misplaced[0]}=...) instead."
+        )
+
+
 def _check_options(name: str, cls: type, options: dict) -> None:
     params = inspect.signature(cls).parameters
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
