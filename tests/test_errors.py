@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import keras_distrib as kd
-from helpers import build, make_data
+from helpers import FEATURES, build, make_data
 
 
 def _one_line(excinfo):
@@ -112,6 +112,22 @@ def test_arrays_of_different_lengths_are_refused(strategy, bad):
                                          rf"{len(y)}, sample_weight {len(weights)}\)") as e:
         model.fit(x, y, sample_weight=weights, batch_size=32, verbose=0)
     _one_line(e)
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 2])
+def test_a_wrong_input_shape_in_predict_is_keras_s_one_line_error(steps_per_execution):
+    # Our replicated predict (and fused-steps) functions are not converted
+    # by AutoGraph, as Keras's are not: the error raised while tracing is
+    # Keras's own, not wrapped in "in user code:" frames.
+    model = build("functional", "mirrored", steps_per_execution=steps_per_execution)
+    x = np.zeros((6, FEATURES + 1), "float32")
+    with pytest.raises(ValueError, match="is incompatible with the layer") as e:
+        model.predict(x, verbose=0)
+    _one_line(e)
+    if steps_per_execution == 2:
+        with pytest.raises(ValueError, match="is incompatible with the layer") as e:
+            model.fit(x, np.zeros(6), batch_size=2, verbose=0)
+        _one_line(e)
 
 
 def test_ragged_input_is_refused_clearly():

@@ -62,7 +62,11 @@ def predict_over_steps(model, predict_one: Callable):
         return tf.nest.map_structure(lambda *t: tf.concat(t, axis=0), *outputs)
 
     if not model.run_eagerly:
-        predict_function = tf.function(predict_function, reduce_retracing=True)
+        # Not converted by AutoGraph, as Keras's own step functions are not
+        # (`do_not_convert`): the same semantics, and errors raised while
+        # tracing (a wrong input shape) reach the user as Keras raised them.
+        predict_function = tf.function(predict_function, reduce_retracing=True,
+                                       autograph=False)
     return predict_function
 
 
@@ -76,7 +80,8 @@ def stepwise(model, distributed_step):
     """
     one_step = distributed_step
     if not model.run_eagerly:
-        one_step = tf.function(distributed_step, reduce_retracing=True)
+        one_step = tf.function(distributed_step, reduce_retracing=True,
+                               autograph=False)  # as Keras's (see predict_over_steps)
 
     def function(iterator):
         outputs = None
