@@ -751,6 +751,13 @@ def _adopt_optimizer(optimizer, strategy: Strategy):
     constructed; made outside the scope they are not replicated, and every
     replica would bump the step counter.
     """
+    steps = getattr(optimizer, "gradient_accumulation_steps", None)
+    if steps and steps > 1 and not strategy.keras_gradient_accumulation:
+        raise ValueError(
+            f"gradient_accumulation_steps={steps} of a Keras optimizer cannot run under "
+            f"strategy {strategy.name!r}; use keras_distrib.optimizers.DistributedOptimizer("
+            f"optimizer, backward_passes_per_step={steps}) instead."
+        )
     if not all(strategy.holds(v) for v in optimizer.variables):
         if optimizer.built:
             raise ValueError(

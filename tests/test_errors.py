@@ -130,6 +130,22 @@ def test_a_wrong_input_shape_in_predict_is_keras_s_one_line_error(steps_per_exec
         _one_line(e)
 
 
+@pytest.mark.parametrize("strategy", ["mirrored", "central_storage"])
+def test_keras_gradient_accumulation_under_tf_distribute_points_to_ours(strategy):
+    # Keras accumulates inside a tf.cond, where a tf.distribute replica
+    # cannot merge_call: it failed at the first step with a long RuntimeError.
+    import keras
+
+    model = build("functional", strategy, compile_model=False)
+    optimizer = keras.optimizers.SGD(0.1, gradient_accumulation_steps=2)
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps=2 of a Keras optimizer "
+                                         rf"cannot run under strategy '{strategy}'; use "
+                                         r"keras_distrib\.optimizers\.DistributedOptimizer\("
+                                         r"optimizer, backward_passes_per_step=2\) instead\.") as e:
+        model.compile(optimizer=optimizer, loss="mse")
+    _one_line(e)
+
+
 def test_ragged_input_is_refused_clearly():
     import tensorflow as tf
 

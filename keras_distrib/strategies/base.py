@@ -64,6 +64,9 @@ class Strategy(abc.ABC):
     # Whether workers apply steps on their own schedule (parameter servers):
     # per-batch callbacks then run ahead of the steps actually applied.
     asynchronous: ClassVar[bool] = False
+    # Whether a Keras optimizer's own `gradient_accumulation_steps` works in
+    # this strategy's step (see TFDistributeStrategy).
+    keras_gradient_accumulation: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

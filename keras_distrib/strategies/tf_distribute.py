@@ -56,6 +56,10 @@ class TFDistributeStrategy(Lockstep, Strategy):
     # processes each would cost a collective per metric and step, so
     # multi-process engines report the process's own per-batch values.
     exact_batch_logs: ClassVar[bool] = True
+    # Keras accumulates inside a `tf.cond`, where a tf.distribute replica
+    # cannot `merge_call` ("`merge_call` called while defining a new graph
+    # or a tf.function"; keras-team/keras#20582): `compile` refuses it.
+    keras_gradient_accumulation: ClassVar[bool] = False
     # Options of the collectives inside a step (`all_reduce`), over the
     # engine's own; None: the engine's.
     _step_collective_options: ClassVar[Optional[Any]] = None
