@@ -71,6 +71,41 @@ def build(form, strategy, compile_model=True, seed=7, **compile_kwargs):
     return model
 
 
+class IdBatches(keras.utils.PyDataset):
+    """5 batches of 101 samples (the last one short); y is the sample id.
+    With `SampleIds`: which samples an epoch trained on."""
+
+    SUM = sum(range(101)) * 1000.0 + 101  # SampleIds of a whole epoch
+
+    def __len__(self):
+        return 5
+
+    def __getitem__(self, i):
+        ids = np.arange(101, dtype="float32")[i * 21:(i + 1) * 21]
+        return np.stack([ids / 100.0, np.ones_like(ids)], axis=1), ids[:, None]
+
+
+class SampleIds(keras.metrics.Metric):
+    """Sum x 1000 + count of `y_true` (sample ids) over an epoch; exact in
+    float32 for `IdBatches`."""
+
+    def __init__(self, name="ids", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.total = self.add_variable((), initializer="zeros", name="total")
+        self.count = self.add_variable((), initializer="zeros", name="count")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.total.assign_add(tf.reduce_sum(tf.cast(y_true, "float32")))
+        self.count.assign_add(tf.cast(tf.size(y_true), "float32"))
+
+    def result(self):
+        return self.total * 1000.0 + self.count
+
+    def reset_state(self):
+        self.total.assign(0.0)
+        self.count.assign(0.0)
+
+
 def assert_weights_close(a, b, atol=1e-5):
     wa, wb = a.get_weights(), b.get_weights()
     assert len(wa) == len(wb)

@@ -11,6 +11,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import IdBatches, SampleIds
 
 import keras_distrib as kd
 
@@ -232,37 +233,6 @@ def test_sparse_input_trains_like_plain_keras(strategy):
     np.testing.assert_allclose(p_ours, p_plain, atol=1e-5)
 
 
-class _SumOfTrue(keras.metrics.Metric):
-    """Sum and count of `y_true` (here the sample ids) over an epoch."""
-
-    def __init__(self, name="ids", **kwargs):
-        super().__init__(name=name, **kwargs)
-        self.total = self.add_variable((), initializer="zeros", name="total")
-        self.count = self.add_variable((), initializer="zeros", name="count")
-
-    def update_state(self, y_true, y_pred, sample_weight=None):
-        self.total.assign_add(tf.reduce_sum(tf.cast(y_true, "float32")))
-        self.count.assign_add(tf.cast(tf.size(y_true), "float32"))
-
-    def result(self):
-        return self.total * 1000.0 + self.count  # both exact in float32 here
-
-    def reset_state(self):
-        self.total.assign(0.0)
-        self.count.assign(0.0)
-
-
-class _IdBatches(keras.utils.PyDataset):
-    """5 batches of 101 samples (the last one short); y is the sample id."""
-
-    def __len__(self):
-        return 5
-
-    def __getitem__(self, i):
-        ids = np.arange(101, dtype="float32")[i * 21:(i + 1) * 21]
-        return np.stack([ids / 100.0, np.ones_like(ids)], axis=1), ids[:, None]
-
-
 @pytest.mark.parametrize("strategy", ["single", "mirrored"])
 def test_a_pydataset_with_workers_shows_every_batch_once_per_epoch(strategy):
     """Keras reads one batch to build the model; from a PyDataset with
@@ -271,11 +241,10 @@ def test_a_pydataset_with_workers_shows_every_batch_once_per_epoch(strategy):
     batches twice, some never)."""
     inputs = keras.Input((2,))
     model = kd.DistributedModel(inputs, keras.layers.Dense(1)(inputs), strategy=strategy)
-    model.compile(keras.optimizers.SGD(0.01), "mse", metrics=[_SumOfTrue()])
-    whole = sum(range(101)) * 1000.0 + 101
-    history = model.fit(_IdBatches(workers=2), epochs=5, shuffle=True, verbose=0).history
-    assert history["ids"] == [whole] * 5
-    assert model.evaluate(_IdBatches(workers=2), verbose=0, return_dict=True)["ids"] == whole
+    model.compile(keras.optimizers.SGD(0.01), "mse", metrics=[SampleIds()])
+    history = model.fit(IdBatches(workers=2), epochs=5, shuffle=True, verbose=0).history
+    assert history["ids"] == [IdBatches.SUM] * 5
+    assert model.evaluate(IdBatches(workers=2), verbose=0, return_dict=True)["ids"] == IdBatches.SUM
 
 
 def test_embedding_gradients_are_reduced_dense():

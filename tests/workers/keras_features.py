@@ -18,6 +18,7 @@ import keras_distrib as kd  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
+from helpers import IdBatches, SampleIds  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Directory for results.")
@@ -164,42 +165,14 @@ def sparse_input():
     return model.strategy.rank, results
 
 
-class _IdBatches(keras.utils.PyDataset):
-    """5 global batches of 101 samples (the last one short); y is the id."""
-
-    def __len__(self):
-        return 5
-
-    def __getitem__(self, i):
-        ids = np.arange(101, dtype="float32")[i * 21:(i + 1) * 21]
-        return np.stack([ids / 100.0, np.ones_like(ids)], axis=1), ids[:, None]
-
-
 def pydataset_workers():
     """A PyDataset read by Keras's enqueuer (`workers=2`), shuffled: per
     epoch, the sum and count of the sample ids every worker trained on."""
 
-    class Ids(keras.metrics.Metric):
-        def __init__(self, name="ids", **kwargs):
-            super().__init__(name=name, **kwargs)
-            self.total = self.add_variable((), initializer="zeros", name="total")
-            self.count = self.add_variable((), initializer="zeros", name="count")
-
-        def update_state(self, y_true, y_pred, sample_weight=None):
-            self.total.assign_add(tf.reduce_sum(tf.cast(y_true, "float32")))
-            self.count.assign_add(tf.cast(tf.size(y_true), "float32"))
-
-        def result(self):
-            return self.total * 1000.0 + self.count
-
-        def reset_state(self):
-            self.total.assign(0.0)
-            self.count.assign(0.0)
-
     inputs = keras.Input((2,))
     model = kd.DistributedModel(inputs, keras.layers.Dense(1)(inputs), strategy="multi_worker")
-    model.compile(keras.optimizers.SGD(0.01), "mse", metrics=[Ids()])
-    history = model.fit(_IdBatches(workers=2), epochs=4, shuffle=True, verbose=0).history
+    model.compile(keras.optimizers.SGD(0.01), "mse", metrics=[SampleIds()])
+    history = model.fit(IdBatches(workers=2), epochs=4, shuffle=True, verbose=0).history
     return model.strategy.rank, {"ids": history["ids"]}
 
 
