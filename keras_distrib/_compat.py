@@ -104,10 +104,10 @@ def clone_functional(template, **kwargs):
     return keras.models.clone_model(template, input_tensors=inputs, **kwargs)
 
 
-def first_batch_of_enqueued_pydataset(iterator):
-    """The first batch of the `keras.utils.PyDataset` behind Keras's epoch
-    `iterator`, read directly, when Keras feeds it through its enqueuer
-    (`workers > 0`); else None.
+def build_source_of_enqueued_pydataset(iterator):
+    """What Keras's `_symbolic_build` may read its one batch from in place of
+    its epoch `iterator`, when that feeds a `keras.utils.PyDataset` through
+    Keras's enqueuer (`workers > 0`); else None.
 
     Keras reads one batch to build a model for a strategy (`_symbolic_build`
     through the epoch iterator). For a PyDataset with workers that starts
@@ -117,12 +117,15 @@ def first_batch_of_enqueued_pydataset(iterator):
     `keras/src/trainers/data_adapters/py_dataset_adapter.py`). From then on
     every epoch starts with the previous epoch's leftovers and ends early:
     epochs that show some batches twice and others not at all (shuffled),
-    or in a rotated order. Read here, the batch leaves the enqueuer alone.
+    or in a rotated order. The source returned reads `dataset[0]` directly,
+    leaving the enqueuer alone, and only if the build reads it (a model
+    already built reads nothing): it is shaped as `_symbolic_build` iterates
+    an epoch iterator, `(begin, end, [batch])`.
     """
     adapter = getattr(iterator, "data_adapter", None)
     if getattr(adapter, "enqueuer", None) is None:
         return None
-    return adapter._standardize_batch(adapter.py_dataset[0])
+    return ((0, 0, [adapter._standardize_batch(adapter.py_dataset[0])]) for _ in range(1))
 
 
 def class_weight_as_sample_weight(y, sample_weight, class_weight):

@@ -196,8 +196,8 @@ class DistributedModel(keras.Model):
                 self.optimizer.build(self.trainable_variables)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        if data_batch is None and iterator is not None:
-            data_batch = _compat.first_batch_of_enqueued_pydataset(iterator)
+        if iterator is not None:
+            iterator = _compat.build_source_of_enqueued_pydataset(iterator) or iterator
         with self._strategy.scope(), fit_checks.same_model_or_error(self._strategy):
             try:
                 self._symbolic_build(iterator=iterator, data_batch=data_batch)
