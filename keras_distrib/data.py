@@ -84,17 +84,20 @@ def split_batch(batch: Any, num_replicas: int) -> list:
         return [batch]
     global_size = tf.shape(tensors[0], out_type=tf.int32)[0]
     sizes = replica_sizes(global_size, num_replicas)
-    parts = [[None] * num_replicas if t is None else _split(t, sizes) for t in leaves]
+    size_vector = tf.stack(sizes)
+    parts = [[None] * num_replicas if t is None else _split(t, sizes, size_vector)
+             for t in leaves]
     return [
         tf.nest.pack_sequence_as(batch, [p[r] for p in parts])
         for r in range(num_replicas)
     ]
 
 
-def _split(tensor, sizes: list) -> list:
-    """`tensor` cut into consecutive runs of rows of the given `sizes`."""
+def _split(tensor, sizes: list, size_vector: tf.Tensor) -> list:
+    """`tensor` cut into consecutive runs of rows of the given `sizes`
+    (`size_vector` is `tf.stack(sizes)`)."""
     if not isinstance(tensor, tf.SparseTensor):
-        return tf.split(tensor, tf.stack(sizes), num=len(sizes))
+        return tf.split(tensor, size_vector, num=len(sizes))
     parts, start = [], tf.zeros([], sizes[0].dtype)
     for size in sizes:
         parts.append(take_rows(tensor, start, size))

@@ -150,7 +150,6 @@ class TensorParallel(WorkerReplicas, Strategy):
         per-device shards. So besides the template, at most one whole layer
         at a time is held on the first device while the copy is made.
         """
-
         plans = tensor_layout.plan_layers(template, self._layout, self._devices)
         originals: dict[int, Any] = {}
         done: set[int] = set()
