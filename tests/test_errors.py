@@ -87,8 +87,6 @@ def test_strategy_options_given_to_the_model_are_refused(option, value):
     # strategy would silently run with its defaults.
     import keras
 
-    import keras_distrib as kd
-
     inputs = keras.Input((4,))
     with pytest.raises(ValueError, match=rf"^{option}= is an option of the strategy, not of "
                                          rf"the model; pass strategy=keras_distrib.strategies"
