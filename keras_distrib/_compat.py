@@ -23,6 +23,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_distrib import data as data_lib
+
 # Minor versions the whole suite ran on (setup.cfg pins the same ranges).
 TESTED = {"tensorflow": "2.21", "keras": "3.15"}
 
@@ -104,28 +106,46 @@ def clone_functional(template, **kwargs):
     return keras.models.clone_model(template, input_tensors=inputs, **kwargs)
 
 
-def build_source_of_enqueued_pydataset(iterator):
-    """What Keras's `_symbolic_build` may read its one batch from in place of
-    its epoch `iterator`, when that feeds a `keras.utils.PyDataset` through
-    Keras's enqueuer (`workers > 0`); else None.
+class EmptyInput(Exception):
+    """The input gave no batch to build the model from (see `build_source`)."""
 
-    Keras reads one batch to build a model for a strategy (`_symbolic_build`
-    through the epoch iterator). For a PyDataset with workers that starts
-    the enqueuer, which queues the whole epoch; `on_epoch_end` then stops it
-    and keeps the batches not yet read for "the next run"
-    (`PyDatasetEnqueuer.stop(drain_queue_and_join=True)` in
-    `keras/src/trainers/data_adapters/py_dataset_adapter.py`). From then on
-    every epoch starts with the previous epoch's leftovers and ends early:
-    epochs that show some batches twice and others not at all (shuffled),
-    or in a rotated order. The source returned reads `dataset[0]` directly,
-    leaving the enqueuer alone, and only if the build reads it (a model
-    already built reads nothing): it is shaped as `_symbolic_build` iterates
-    an epoch iterator, `(begin, end, [batch])`.
+
+def build_source(iterator):
+    """What Keras's `_symbolic_build` reads its one batch from in place of its
+    epoch `iterator`: the same first batch, read only if the build reads it
+    (a model already built reads nothing), shaped as `_symbolic_build`
+    iterates an epoch iterator, `(begin, end, [batch])`. Two things differ:
+
+    - A `keras.utils.PyDataset` fed through Keras's enqueuer (`workers > 0`)
+      is read as `dataset[0]`. Reading through the epoch iterator would start
+      the enqueuer, which queues the whole epoch; `on_epoch_end` then stops
+      it and keeps the batches not yet read for "the next run"
+      (`PyDatasetEnqueuer.stop(drain_queue_and_join=True)` in
+      `keras/src/trainers/data_adapters/py_dataset_adapter.py`), and every
+      later epoch starts with the previous one's leftovers and ends early
+      (batches seen twice or never).
+    - Absent elements (a generator's `(x, y, None)`, an empty
+      `tf.experimental.Optional`) are None, as the step sees them
+      (`data.absent_as_none`); Keras's build would read the Optional's shape.
+
+    Raises `EmptyInput` (not a StopIteration, which would end the build's
+    loop silently) when the input has no batch.
     """
     adapter = getattr(iterator, "data_adapter", None)
-    if getattr(adapter, "enqueuer", None) is None:
-        return None
-    return ((0, 0, [adapter._standardize_batch(adapter.py_dataset[0])]) for _ in range(1))
+
+    def first_batch():
+        if getattr(adapter, "enqueuer", None) is not None:
+            return adapter._standardize_batch(adapter.py_dataset[0])
+        for _, _, batches in iterator:
+            if isinstance(batches, (list, tuple)):  # as `_symbolic_build` reads them
+                return batches[0]
+            try:
+                return next(batches)
+            except StopIteration:
+                break
+        raise EmptyInput
+
+    return ((0, 0, [data_lib.absent_as_none(first_batch())]) for _ in range(1))
 
 
 def class_weight_as_sample_weight(y, sample_weight, class_weight):

@@ -34,6 +34,7 @@ from keras_distrib import fit_checks
 from keras_distrib import preemption
 from keras_distrib import sharded_variables
 from keras_distrib import saving
+from keras_distrib import step_call
 from keras_distrib import strategies
 from keras_distrib.strategies import registry
 from keras_distrib.strategies.base import Strategy
@@ -197,13 +198,12 @@ class DistributedModel(keras.Model):
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         if iterator is not None:
-            iterator = _compat.build_source_of_enqueued_pydataset(iterator) or iterator
+            iterator = _compat.build_source(iterator)
         with self._strategy.scope(), fit_checks.same_model_or_error(self._strategy):
             try:
                 self._symbolic_build(iterator=iterator, data_batch=data_batch)
-            except StopIteration:
-                # Keras reads one batch to build; an empty input has none
-                # (and a bare StopIteration says nothing).
+            except _compat.EmptyInput:
+                # Keras reads one batch to build; an empty input has none.
                 raise ValueError(
                     "The input data is empty: it gave no batch; check its source and "
                     "any filter/take/skip/shard that could remove every element."
@@ -439,9 +439,10 @@ class DistributedModel(keras.Model):
     def _make_function(self, step_function):
         # Keras's hook (see _compat.KERAS_HOOKS): the strategy decides how
         # the per-replica step becomes the function Keras's loop calls.
-        return self._strategy.make_step_function(
-            self, step_function, super()._make_function
-        )
+        # Keras's maker, one compiled call per step where it can (step_call).
+        keras_make_function = functools.partial(
+            step_call.one_call_per_step, self, keras_make_function=super()._make_function)
+        return self._strategy.make_step_function(self, step_function, keras_make_function)
 
     def make_predict_function(self, force=False):
         if self.predict_function is not None and not force:
@@ -681,6 +682,7 @@ def _with_resume_and_preemption(model, train_function):
     replay count says) only pull their batches: the steps the run did
     before its backup (see `keras_distrib.callbacks.BackupAndRestore`)."""
 
+    @functools.wraps(train_function)  # keeps its attributes (step_call's `compiled`)
     def function(iterator):
         if not model.__dict__.get("_kd_replay"):
             logs = train_function(iterator)
