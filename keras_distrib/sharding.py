@@ -202,31 +202,72 @@ def _shard_arrays(x, y, sample_weight, batch_size, rows, seed, repeat=False, fir
     arrays = tuple(_lists_as_tuples(a) for a in (x, y, sample_weight) if a is not None)
     data_lib.check_same_length(x=x, y=y, sample_weight=sample_weight)
     n = int(tf.nest.flatten(x)[0].shape[0])
-    batches = -(-n // batch_size)
+    if seed is None:
+        dataset = _in_order(arrays, n, batch_size, rows)
+        if repeat:
+            dataset = dataset.repeat()
+    else:
+        dataset = _shuffled(arrays, n, batch_size, rows, seed, repeat, first_epoch)
+    # No autotuning: this pipeline only slices or gathers rows, and tearing
+    # down an iterator that a compiled step has read waits for tf.data's
+    # autotune thread (~0.5 s on TF 2.21, measured), each time Keras drops
+    # one (every epoch's validation, every evaluate). No static rewrites
+    # either: there is nothing here for them to fuse, and they run at every
+    # iterator's creation.
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    options.experimental_optimization.apply_default_optimizations = False
+    return dataset.prefetch(2).with_options(options)
 
+
+def _in_order(arrays, n, batch_size, rows) -> tf.data.Dataset:
+    """This worker's rows of each batch of one epoch, in order, with no
+    function to trace (tracing one is most of what a new pipeline costs,
+    ~10 ms on 2 cores, at every `fit`, validation and `evaluate`): the whole
+    batches are one tensor `[batches, batch_size, ...]` sliced by tf.data,
+    the short last batch one more element."""
+    whole = n // batch_size
+
+    def mine(size):
+        start, count = (int(v) for v in rows.bounds(tf.constant(size, tf.int64)))
+        return slice(start, start + count)
+
+    pieces = []
+    if whole:
+        cut = mine(batch_size)
+        pieces.append(tf.data.Dataset.from_tensor_slices(tf.nest.map_structure(
+            lambda t: tf.reshape(t[:whole * batch_size], [whole, batch_size, *t.shape[1:]])[:, cut],
+            arrays)))
+    if n % batch_size:
+        cut = mine(n % batch_size)
+        pieces.append(tf.data.Dataset.from_tensors(tf.nest.map_structure(
+            lambda t: t[whole * batch_size:][cut], arrays)))
+    dataset = pieces[0]
+    for piece in pieces[1:]:
+        dataset = dataset.concatenate(piece)
+    return dataset
+
+
+def _shuffled(arrays, n, batch_size, rows, seed, repeat, first_epoch) -> tf.data.Dataset:
+    """This worker's rows of each batch, epoch `e` in the order drawn from
+    `(seed, e)` alone (the same on every worker, and again on resume)."""
     # Every `fit` builds this pipeline anew, and tracing its functions is most
     # of what that costs (~25 ms each on 2 cores): there are two, neither
     # converted by AutoGraph (plain TensorFlow, nothing to convert), and
     # one batch of indices is one row of a ragged tensor (no function at all).
+    batches = -(-n // batch_size)
+
     @tf.autograph.experimental.do_not_convert
     def epoch_indices(epoch):
-        order = tf.range(n, dtype=tf.int64)
-        if seed is not None:
-            # Epoch e's order depends on (seed, e) only: the same on every
-            # worker, and again when a run resumes at epoch e.
-            order = tf.random.experimental.stateless_shuffle(
-                order, seed=tf.stack([tf.constant(seed, tf.int64), epoch]))
+        order = tf.random.experimental.stateless_shuffle(
+            tf.range(n, dtype=tf.int64), seed=tf.stack([tf.constant(seed, tf.int64), epoch]))
         # Whole batches cut from the order (not element by element then
         # batched: the same batches, ~0.1 ms less per batch, measured).
         limits = tf.concat([tf.range(0, n, batch_size, dtype=tf.int64), [n]], 0)
         return tf.data.Dataset.from_tensor_slices(
             tf.RaggedTensor.from_row_splits(order, limits, validate=False))
 
-    if seed is None:
-        indices = epoch_indices(tf.constant(0, tf.int64))  # the same every epoch
-        if repeat:
-            indices = indices.repeat()  # no per-epoch function to trace (~10 ms a fit)
-    elif repeat:
+    if repeat:
         indices = tf.data.Dataset.range(first_epoch, _NO_END).flat_map(epoch_indices)
     else:
         # Keras iterates the dataset once per epoch: each iteration asks a
@@ -245,17 +286,7 @@ def _shard_arrays(x, y, sample_weight, batch_size, rows, seed, repeat=False, fir
     # The arrays enter as one element repeated (not captured by the
     # function, which would copy them into its graph).
     source = tf.data.Dataset.from_tensors(arrays).repeat()
-    dataset = tf.data.Dataset.zip((indices, source)).map(this_workers_rows)
-    # No autotuning: this pipeline only gathers rows, and tearing down an
-    # iterator that a compiled step has read waits for tf.data's autotune
-    # thread (~0.5 s on TF 2.21, measured), each time Keras drops one
-    # (every epoch's validation, every evaluate). No static rewrites either:
-    # there is nothing here for them to fuse, and they run at every
-    # iterator's creation.
-    options = tf.data.Options()
-    options.autotune.enabled = False
-    options.experimental_optimization.apply_default_optimizations = False
-    return dataset.prefetch(2).with_options(options)
+    return tf.data.Dataset.zip((indices, source)).map(this_workers_rows)
 
 
 def _lists_as_tuples(structure):

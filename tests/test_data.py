@@ -60,3 +60,32 @@ def test_repeated_array_shards_cover_every_sample_once_per_epoch():
         epochs.append(epoch)
     assert epochs[0] != epochs[1] != epochs[2]
     assert sharding.array_steps(tf.data.Dataset.range(3), 4) is None
+
+
+@pytest.mark.parametrize("n", [10, 8, 3])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_array_shards_of_two_workers_make_each_global_batch(n, shuffle):
+    """Worker k of 2 gets its rows of every global batch (the split rule),
+    the short last batch included, in order or in the agreed shuffle."""
+    import types
+
+    from keras_distrib import sharding
+    from keras_distrib.topology import Topology
+
+    x = np.arange(n, dtype=np.float32)[:, None] * np.ones((1, 3), np.float32)
+    per_worker = []
+    for rank in range(2):
+        worker = types.SimpleNamespace(topology=Topology.data_parallel(
+            ("/cpu:0",), num_processes=2, process_index=rank))
+        dataset, _ = sharding.shard(worker, x, np.arange(n), None, 4, shuffle=shuffle, seed=3)
+        per_worker.append([(b[0].numpy(), b[1].numpy()) for b in dataset])
+    expected_batches = -(-n // 4)
+    assert [len(batches) for batches in per_worker] == [expected_batches] * 2
+    seen = []
+    for (x0, y0), (x1, y1) in zip(*per_worker):
+        ids = np.concatenate([y0, y1])
+        assert [len(y0), len(y1)] == [len(ids) - len(ids) // 2, len(ids) // 2]
+        np.testing.assert_array_equal(np.concatenate([x0, x1]), x[ids])
+        seen.extend(ids.tolist())
+    assert sorted(seen) == list(range(n))
+    assert (seen == list(range(n))) != (shuffle and n > 1)
