@@ -6,10 +6,11 @@ training steps of a 1M-parameter MLP (docs/design.md section 1.2). When every
 worker of a job runs on this host, the `"multi_worker"` strategy reduces
 gradients here instead, the way NCCL uses shared memory inside a node:
 
-1. every worker copies its tensors into its own slot of a shared segment;
-2. barrier; worker `r` sums chunk `r` of every slot into its own slot
-   (reduce-scatter: each element is summed by exactly one worker, so all
-   workers get bit-identical results);
+1. every worker copies its tensors into its own slot of a shared segment,
+   except its own chunk (chunk `r` of worker `r`: only `r` reads it);
+2. barrier; worker `r` sums its tensors' chunk `r` and chunk `r` of every
+   other slot into its own slot (reduce-scatter: each element is summed by
+   exactly one worker, so all workers get bit-identical results);
 3. barrier; every worker copies chunk `q` out of slot `q` (all-gather).
 
 Data moves through a memory-mapped file (two alternating buffers, so a fast
@@ -370,26 +371,39 @@ class HostAllReduce:
 
     def _reduce(self, arrays, divide_by_last: bool) -> list:
         arrays = [np.asarray(a) for a in arrays]
+        flats = [a.reshape(-1) for a in arrays]
         groups, nbytes = self._layout(arrays)
         self._reserve(nbytes)
         buffers = self._slots[self._calls % 2]
         self._calls += 1
-        mine = buffers[self.rank]
-        for dtype, members, offset, count in groups:
-            region = mine[offset:offset + count * dtype.itemsize].view(dtype)
+        views = [[b[offset:offset + count * dtype.itemsize].view(dtype) for b in buffers]
+                 for dtype, members, offset, count in groups]
+        # Copy in what the peers sum: everything but this worker's own chunk,
+        # which it sums straight from its inputs (half the copying, with two).
+        for (dtype, members, offset, count), per_slot in zip(groups, views):
+            region, own = per_slot[self.rank], _chunk(count, self.world_size, self.rank)
             end = 0
             for i, start in members:
-                region[end:start] = 0  # the padding, summed like the rest
-                end = start + arrays[i].size
-                region[start:end] = arrays[i].reshape(-1)
+                for lo, hi in _outside(end, start, own):
+                    region[lo:hi] = 0  # the padding, summed like the rest
+                end = start + flats[i].size
+                for lo, hi in _outside(start, end, own):
+                    region[lo:hi] = flats[i][lo - start:hi - start]
         self._barrier()
-        views = []
-        for dtype, members, offset, count in groups:
-            views.append([b[offset:offset + count * dtype.itemsize].view(dtype) for b in buffers])
-            lo, hi = _chunk(count, self.world_size, self.rank)
-            mine_chunk = views[-1][self.rank][lo:hi]
-            for peer in self._peers:
-                np.add(mine_chunk, views[-1][peer][lo:hi], out=mine_chunk)
+        for (dtype, members, offset, count), per_slot in zip(groups, views):
+            own_lo, own_hi = _chunk(count, self.world_size, self.rank)
+            end = 0
+            for i, start in members:
+                lo, hi = max(end, own_lo), min(start, own_hi)
+                per_slot[self.rank][lo:hi] = 0  # padding (empty when lo >= hi)
+                end = start + flats[i].size
+                lo, hi = max(start, own_lo), min(end, own_hi)
+                if lo >= hi:
+                    continue
+                out = per_slot[self.rank][lo:hi]
+                np.add(flats[i][lo - start:hi - start], per_slot[self._peers[0]][lo:hi], out=out)
+                for peer in self._peers[1:]:
+                    np.add(out, per_slot[peer][lo:hi], out=out)
         self._barrier()
         scale = None
         if divide_by_last:  # one group (float32); the count is its last element,
@@ -713,6 +727,13 @@ def _process_state(pid: Optional[int]) -> str:
 
 def _chunk(count: int, parts: int, index: int) -> tuple:
     return count * index // parts, count * (index + 1) // parts
+
+
+def _outside(start: int, end: int, chunk: tuple) -> list:
+    """The parts of `[start, end)` outside `chunk` (`(lo, hi)`), as ranges."""
+    lo, hi = chunk
+    parts = [(start, min(end, lo)), (max(start, hi), end)]
+    return [(a, b) for a, b in parts if a < b]
 
 
 def _references(items: list, index: int) -> int:
