@@ -302,26 +302,30 @@ class DistributedModel(keras.Model):
         return self._strategy.num_replicas > 1 or self._accumulation_steps > 1
 
     def _loss_and_gradients(self, x, y, sample_weight):
+        # Gradients of the sum of per-sample losses (see reduce_gradients):
+        # without float16 layers the tape gives them directly, the count
+        # multiplying the loss; otherwise the backward pass runs on the
+        # replica's mean loss, as Keras would on one device (a sum over
+        # samples could overflow float16 there), and the gradients, in the
+        # variables' float32, are multiplied afterwards (one more pass over
+        # all of them).
+        count_in_loss = self._sums_sample_losses and not _has_float16_layers(self)
         with tf.GradientTape() as tape:
             y_pred = self._forward(x, training=True)
             loss = _compat.compute_loss(
                 self, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
             )
-            # The replica's mean loss, as Keras would differentiate it on one
-            # device: a loss-scale optimizer multiplies it by its scale, and
-            # a sum over samples would overflow float16 in the backward pass.
             scaled = _unscale_replica_loss(loss) if self._sums_sample_losses else loss
-            if self.optimizer is not None:
+            if count_in_loss:
+                scaled = scaled * tf.cast(_batch_size(x), scaled.dtype)
+            if self.optimizer is not None:  # a loss-scale optimizer's scale
                 scaled = self.optimizer.scale_loss(scaled)
         gradients = None
         if self.trainable_weights:
             # Variables split over parameter servers need their parts'
             # gradients put together (see sharded_variables).
             gradients = sharded_variables.gradients(tape, scaled, self.trainable_weights)
-            if self._sums_sample_losses:
-                # Gradient of the sum of per-sample losses (see
-                # reduce_gradients), in the variables' dtype (float32 under
-                # mixed precision, where this product cannot overflow).
+            if self._sums_sample_losses and not count_in_loss:
                 gradients = [_times(g, _batch_size(x)) for g in gradients]
         return loss, y_pred, gradients
 
@@ -822,6 +826,10 @@ def _install_reduction_switch(optimizer) -> None:
         return all_reduce_unless_reduced
 
     _compat.wrap_optimizer_all_reduce(optimizer, unless_reduced)
+
+
+def _has_float16_layers(model) -> bool:
+    return any(layer.compute_dtype == "float16" for layer in _compat.all_layers(model))
 
 
 def _times(gradient, count):

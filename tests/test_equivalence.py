@@ -11,6 +11,7 @@ from helpers import (
     assert_weights_close,
     build,
     make_data,
+    plain_model,
     tf_dataset,
 )
 
@@ -137,3 +138,42 @@ def test_regularization_loss_counted_once(data):
     single.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     mirrored.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     assert_weights_close(single, mirrored)
+
+
+@pytest.mark.parametrize("batch", [6, 10])
+def test_replica_gradients_are_those_of_the_summed_loss_bit_for_bit(batch, data):
+    """Each replica hands `reduce_gradients` the gradient of the *sum* of its
+    samples' losses. Without float16 layers the tape computes it directly
+    (the sample count scales the loss, not every gradient afterwards: one
+    pass over the gradients less per step), so it is exactly the gradient of
+    a sum-reduced loss, whatever the shard size (3 and 5 here)."""
+    import keras_distrib as kd
+    import tensorflow as tf
+
+    x, y = data[0][:batch], data[1][:batch]
+    seen = []
+
+    class Recording(kd.DistributedModel):
+        def reduce_gradients(self, gradients, num_samples):
+            seen.append([g.numpy() for g in gradients])
+            return super().reduce_gradients(gradients, num_samples)
+
+    reference = plain_model()
+    model = Recording(reference.input, reference.output, strategy="mirrored")
+    model.compile(optimizer=keras.optimizers.SGD(0.1), run_eagerly=True,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    summed = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
+
+    def gradient_of_sum(rows):
+        with tf.GradientTape() as tape:
+            loss = summed(y[rows], reference(x[rows], training=True))
+        return [g.numpy() for g in tape.gradient(loss, reference.trainable_weights)]
+
+    half = batch // 2
+    want = [gradient_of_sum(slice(0, half)), gradient_of_sum(slice(half, batch))]
+    model.train_on_batch(x, y)
+    assert len(seen) == 2
+    for got in seen:  # the replicas' order of arrival varies
+        matches = [all(np.array_equal(g, w) for g, w in zip(got, shard)) for shard in want]
+        assert any(matches), [max(float(np.abs(g - w).max()) for g, w in zip(got, shard))
+                              for shard in want]
