@@ -1,10 +1,14 @@
 """The global-batch split rule (keras_distrib.data)."""
 
+import types
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_distrib import data
+import keras_distrib as kd
+from keras_distrib import data, sharding
+from keras_distrib.topology import Topology
 
 
 @pytest.mark.parametrize("n,num,sizes", [
@@ -42,9 +46,6 @@ def test_check_batch_size():
 def test_repeated_array_shards_cover_every_sample_once_per_epoch():
     # What fit feeds Keras under several workers: one endless iterator whose
     # consecutive array_steps() batches are one epoch, reshuffled each time.
-    import keras_distrib as kd
-    from keras_distrib import sharding
-
     x = np.arange(10, dtype=np.float32)[:, None]
     steps = sharding.array_steps(x, 4)
     assert steps == 3  # 4 + 4 + 2: the short batch is kept
@@ -67,11 +68,6 @@ def test_repeated_array_shards_cover_every_sample_once_per_epoch():
 def test_array_shards_of_two_workers_make_each_global_batch(n, shuffle):
     """Worker k of 2 gets its rows of every global batch (the split rule),
     the short last batch included, in order or in the agreed shuffle."""
-    import types
-
-    from keras_distrib import sharding
-    from keras_distrib.topology import Topology
-
     x = np.arange(n, dtype=np.float32)[:, None] * np.ones((1, 3), np.float32)
     per_worker = []
     for rank in range(2):

@@ -3,6 +3,9 @@
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
+
+import keras_distrib as kd
 
 from helpers import (
     Batches,
@@ -125,7 +128,6 @@ def test_regularization_loss_counted_once(data):
     x, y = data
 
     def make(strategy):
-        import keras_distrib as kd
         keras.utils.set_random_seed(3)
         inputs = keras.Input((x.shape[1],))
         outputs = keras.layers.Dense(3, kernel_regularizer=keras.regularizers.L2(0.1))(inputs)
@@ -147,9 +149,6 @@ def test_replica_gradients_are_those_of_the_summed_loss_bit_for_bit(batch, data)
     (the sample count scales the loss, not every gradient afterwards: one
     pass over the gradients less per step), so it is exactly the gradient of
     a sum-reduced loss, whatever the shard size (3 and 5 here)."""
-    import keras_distrib as kd
-    import tensorflow as tf
-
     x, y = data[0][:batch], data[1][:batch]
     seen = []
 
