@@ -382,26 +382,21 @@ class HostAllReduce:
         # which it sums straight from its inputs (half the copying, with two).
         for (dtype, members, offset, count), per_slot in zip(groups, views):
             region, own = per_slot[self.rank], _chunk(count, self.world_size, self.rank)
-            end = 0
-            for i, start in members:
-                for lo, hi in _outside(end, start, own):
-                    region[lo:hi] = 0  # the padding, summed like the rest
-                end = start + flats[i].size
+            for start, end, flat in _pieces(members, flats):
                 for lo, hi in _outside(start, end, own):
-                    region[lo:hi] = flats[i][lo - start:hi - start]
+                    region[lo:hi] = 0 if flat is None else flat[lo - start:hi - start]
         self._barrier()
         for (dtype, members, offset, count), per_slot in zip(groups, views):
             own_lo, own_hi = _chunk(count, self.world_size, self.rank)
-            end = 0
-            for i, start in members:
-                lo, hi = max(end, own_lo), min(start, own_hi)
-                per_slot[self.rank][lo:hi] = 0  # padding (empty when lo >= hi)
-                end = start + flats[i].size
+            for start, end, flat in _pieces(members, flats):
                 lo, hi = max(start, own_lo), min(end, own_hi)
                 if lo >= hi:
                     continue
                 out = per_slot[self.rank][lo:hi]
-                np.add(flats[i][lo - start:hi - start], per_slot[self._peers[0]][lo:hi], out=out)
+                if flat is None:
+                    out[:] = 0
+                    continue
+                np.add(flat[lo - start:hi - start], per_slot[self._peers[0]][lo:hi], out=out)
                 for peer in self._peers[1:]:
                     np.add(out, per_slot[peer][lo:hi], out=out)
         self._barrier()
@@ -727,6 +722,17 @@ def _process_state(pid: Optional[int]) -> str:
 
 def _chunk(count: int, parts: int, index: int) -> tuple:
     return count * index // parts, count * (index + 1) // parts
+
+
+def _pieces(members: list, flats: list):
+    """`(start, end, flat)` for each range of a dtype region in order: the
+    padding before each member array (`flat` None; zeros, summed like the
+    rest), then the array's elements."""
+    end = 0
+    for i, start in members:
+        yield end, start, None
+        end = start + flats[i].size
+        yield start, end, flats[i]
 
 
 def _outside(start: int, end: int, chunk: tuple) -> list:
