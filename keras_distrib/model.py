@@ -633,6 +633,17 @@ class DistributedModel(keras.Model):
             self._maybe_symbolic_build(data_batch=(x, None, None))
         return super().predict_on_batch(x)
 
+    # -- weights: whole values, as a plain model's --------------------------------
+
+    def get_weights(self):
+        """`keras.Model.get_weights()`: a plain model's list, also where the
+        strategy splits variables (`tensor_parallel`: each comes whole)."""
+        return self.strategy.whole_weights(self)
+
+    def set_weights(self, weights):
+        """`keras.Model.set_weights()`, from a plain model's list."""
+        self.strategy.set_whole_weights(self, weights)
+
     # -- saving: atomic files -------------------------------------------------
 
     def save(self, filepath, overwrite=True, **kwargs):

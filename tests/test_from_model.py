@@ -8,12 +8,6 @@ import keras_distrib as kd
 from helpers import make_data, plain_model
 
 
-def _whole_weights(model):
-    strategy = getattr(model, "strategy", None)
-    return (strategy.whole_weights(model) if hasattr(strategy, "whole_weights")
-            else model.get_weights())
-
-
 def _optimizer_state(model):
     """The optimizer's state as a file holds it (the plain model's layout)."""
     store = {}
@@ -33,7 +27,7 @@ def test_from_trained_model_keeps_weights_and_optimizer_state(strategy):
     wrapped = kd.DistributedModel.from_model(plain, strategy=strategy)
     assert wrapped.compiled and wrapped.strategy.name == strategy
     assert all(wrapped.strategy.holds(v) for v in wrapped.variables)
-    for a, b in zip(_whole_weights(wrapped), plain.get_weights(), strict=True):
+    for a, b in zip(wrapped.get_weights(), plain.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
     assert int(wrapped.optimizer.iterations.numpy()) == int(plain.optimizer.iterations.numpy())
     # Every slot carried, split like its weight where the strategy splits weights.
@@ -43,7 +37,7 @@ def test_from_trained_model_keeps_weights_and_optimizer_state(strategy):
     # Continuing to train gives what the plain model gives (Adam moments carried).
     plain.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
     wrapped.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
-    for a, b in zip(_whole_weights(wrapped), plain.get_weights(), strict=True):
+    for a, b in zip(wrapped.get_weights(), plain.get_weights(), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
     np.testing.assert_allclose(wrapped.evaluate(x, y, verbose=0), plain.evaluate(x, y, verbose=0),
                                atol=1e-5)

@@ -47,7 +47,7 @@ def assert_matches_single(single, model, x, y, atol=1e-5, steps=STEPS, **fit):
     h_single, h_model = single.fit(x, y, **fit), model.fit(x, y, **fit)
     assert any(not np.allclose(a, b) for a, b in zip(single.get_weights(), initial))
     assert int(model.optimizer.iterations.numpy()) == steps >= 10
-    whole = model.strategy.whole_weights(model)
+    whole = model.get_weights()
     assert [w.shape for w in whole] == [w.shape for w in single.get_weights()]
     for a, b in zip(single.get_weights(), whole):
         np.testing.assert_allclose(a, b, atol=atol, rtol=0)
@@ -267,7 +267,7 @@ def test_files_hold_whole_variables_plain_keras_loads_and_back(name, data, tmp_p
     plain.load_weights(path)
     expected = model.predict(x, verbose=0)
     np.testing.assert_allclose(plain.predict(x, verbose=0), expected, atol=1e-6)
-    for a, b in zip(plain.get_weights(), model.strategy.whole_weights(model)):
+    for a, b in zip(plain.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(a, b)
 
     # And back: into a fresh tensor-parallel model with other initial weights.
@@ -303,8 +303,8 @@ def test_optimizer_state_is_saved_whole_and_plain_keras_continues_from_it(data, 
     # All three go on from the same state: same weights one epoch later.
     for m in (plain, fresh, model):
         m.fit(x, y, **fit)
-    for a, b, c in zip(plain.get_weights(), model.strategy.whole_weights(model),
-                       fresh.strategy.whole_weights(fresh)):
+    for a, b, c in zip(plain.get_weights(), model.get_weights(),
+                       fresh.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
         np.testing.assert_allclose(c, b, atol=1e-6, rtol=0)
 
@@ -319,9 +319,40 @@ def test_plain_keras_files_load_into_the_split_model(data, tmp_path):
     np.testing.assert_allclose(model.predict(x, verbose=0), plain.predict(x, verbose=0),
                                atol=1e-6)
     other = plain_model(seed=22).get_weights()
-    model.strategy.set_whole_weights(model, other)
-    for a, b in zip(other, model.strategy.whole_weights(model)):
+    model.set_weights(other)
+    for a, b in zip(other, model.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+
+@pytest.mark.parametrize("form", ["functional", "subclass"])
+def test_get_and_set_weights_give_and_take_a_plain_models_list(data, form):
+    """As in Keras: `set_weights(plain.get_weights())` works and `get_weights()`
+    gives the plain model's list (they used to list the split model's shards,
+    so this failed with "expecting 7 weights"), also per layer."""
+    x, _ = data
+    model = build(form, "tensor_parallel", compile_model=False, seed=24)
+    plain = plain_model(seed=25)
+    assert len(model.weights) > len(plain.weights)  # the shards are really there
+    model.set_weights(plain.get_weights())
+    assert [w.shape for w in model.get_weights()] == [w.shape for w in plain.get_weights()]
+    for a, b in zip(model.get_weights(), plain.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(model.predict(x, verbose=0), plain.predict(x, verbose=0), atol=1e-6)
+    # Per layer too: the split "hidden" layer takes and gives whole values.
+    other = plain_model(seed=26).get_layer("hidden").get_weights()
+    model.get_layer("hidden").set_weights(other)
+    for a, b in zip(model.get_layer("hidden").get_weights(), other, strict=True):
+        np.testing.assert_array_equal(a, b)
+    # A list of the wrong length or shape: one line naming the fix.
+    with pytest.raises(ValueError, match=r"has 4 weights .* got 3; pass the get_weights\(\)"):
+        model.set_weights(plain.get_weights()[:3])
+    wrong = plain.get_weights()
+    wrong[3] = np.zeros((CLASSES + 1,), "float32")
+    with pytest.raises(ValueError, match=r"shape \(4,\) .* same architecture"):
+        model.set_weights(wrong)
+    with pytest.raises(ValueError, match=r"layer 'hidden' holds 2 whole variables"):
+        model.get_layer("hidden").set_weights(other[:1])
 
 
 # -- callbacks --------------------------------------------------------------------------------
@@ -413,7 +444,7 @@ def test_a_subclassed_model_is_split_in_place_and_matches_single(called_first, d
     else:  # fit builds it, then its optimizer: the slots must follow the shards
         model.fit(x[:32], y[:32], batch_size=BATCH, epochs=1, verbose=0)
         model.optimizer.iterations.assign(0)
-    model.strategy.set_whole_weights(model, reference.get_weights())
+    model.set_weights(reference.get_weights())
     # Tracking order pairs hidden (column) with logits (row).
     assert model.strategy.plan(model).kinds == {"hidden": "column", "logits": "row"}
     for v in model.trainable_weights:
@@ -425,7 +456,7 @@ def test_a_subclassed_model_is_split_in_place_and_matches_single(called_first, d
     plain = Net(strategy="single")
     plain(x[:1])
     plain.load_weights(tmp_path / "net.weights.h5")
-    for a, b in zip(plain.get_weights(), model.strategy.whole_weights(model)):
+    for a, b in zip(plain.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(a, b)
 
 

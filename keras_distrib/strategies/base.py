@@ -4,7 +4,8 @@
 gradients) and asks its strategy for everything else:
 
 * topology: `topology` (replicas, devices, processes, data shards, role);
-* placement: `scope()`, `holds(variable)`;
+* placement: `scope()`, `holds(variable)`, and `whole_weights` /
+  `set_whole_weights` behind `model.get_weights()` / `set_weights()`;
 * input: `distribute_fit_input` / `distribute_input` turn what the user
   passed to `fit` / `evaluate` / `predict` into what each step consumes;
 * execution: `make_step_function` / `make_predict_function` turn the
@@ -155,6 +156,20 @@ class Strategy(abc.ABC):
             clone = _compat.clone_functional(template)
         clone.set_weights(template.get_weights())
         return clone
+
+    def whole_weights(self, model) -> list[np.ndarray]:
+        """`model.get_weights()`: its weights as a plain Keras model of the
+        same architecture lists them (Keras's own list by default; strategies
+        that split variables gather each one's parts)."""
+        import keras  # not at import, as in rebuild()
+
+        return keras.layers.Layer.get_weights(model)
+
+    def set_whole_weights(self, model, weights: Sequence[Any]) -> None:
+        """`model.set_weights(weights)`, from such a list."""
+        import keras
+
+        keras.layers.Layer.set_weights(model, weights)
 
     def place_built(self, model) -> None:
         """Called when a subclassed `DistributedModel` has just built its

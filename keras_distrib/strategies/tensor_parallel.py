@@ -32,8 +32,8 @@ files load into a plain Keras model of the same architecture and back.
 The optimizer's slots are created next to their shard (Keras's optimizer
 colocates each slot with its variable) and saved whole too, in the plain
 model's order, so a plain model also resumes from the optimizer state.
-`model.get_weights()` lists the shards; `strategy.whole_weights(model)`
-gives the plain model's list.
+`model.get_weights()` / `set_weights()` (and a split layer's) take and give
+whole values, the plain model's list; `model.weights` are the shards.
 
 Under a configured cluster (the launcher) each worker holds one replica
 split over its local devices, and the strategy is data-parallel across
@@ -211,7 +211,7 @@ class TensorParallel(WorkerReplicas, Strategy):
 
     def _lay_out(self, layer, original, plan) -> None:
         if original is not None:
-            layer.set_weights(whole_layer_weights(original))
+            layer.set_weights(original.get_weights())  # whole, also from a split layer
         self._laid_out.add(layer)
         if plan is None:
             return
@@ -285,42 +285,54 @@ class TensorParallel(WorkerReplicas, Strategy):
         return self.plan(model)
 
     def whole_weights(self, model) -> list[np.ndarray]:
-        """`model`'s weights as a plain Keras model of the same architecture
-        lists them (`get_weights()` order), with split variables gathered."""
-        return [w for layer in model.layers for w in whole_layer_weights(layer)]
+        """`model.get_weights()`: a plain Keras model's list, each split
+        variable's shards gathered into the whole value."""
+        return [value for entry in _whole_entries(model)
+                for value in (entry.whole_values() if isinstance(entry, _Split)
+                              else [entry.numpy()])]
 
     def set_whole_weights(self, model, weights: Sequence[np.ndarray]) -> None:
-        """Sets `model`'s weights from a plain model's `get_weights()` list."""
-        weights = list(weights)
-        for layer in model.layers:
-            count = len(_whole_shapes(layer))
-            layer_weights, weights = weights[:count], weights[count:]
-            if count:
-                set_whole_layer_weights(layer, layer_weights)
-        if weights:
-            raise ValueError(f"{len(weights)} more weights given than model {model.name!r} has.")
+        """`model.set_weights(weights)`, from a plain model's `get_weights()` list."""
+        entries, weights = _whole_entries(model), list(weights)
+        counts = [len(e.whole_shapes()) if isinstance(e, _Split) else 1 for e in entries]
+        if len(weights) != sum(counts):
+            raise ValueError(
+                f"model {model.name!r} has {sum(counts)} weights (a plain Keras model's "
+                f"`get_weights()` list), got {len(weights)}; {_SAME_ARCHITECTURE}.")
+        for entry, count in zip(entries, counts):
+            values, weights = weights[:count], weights[count:]
+            if isinstance(entry, _Split):
+                entry.assign_whole(values, where=f"layer {entry.layer.name!r}",
+                                   fix=_SAME_ARCHITECTURE)
+                continue
+            value = np.asarray(values[0])
+            if tuple(value.shape) != tuple(entry.shape):
+                raise ValueError(
+                    f"weight {entry.path!r} of model {model.name!r} has shape "
+                    f"{tuple(entry.shape)}, got a value of shape {tuple(value.shape)}; "
+                    f"{_SAME_ARCHITECTURE}.")
+            entry.assign(value)
 
 
 # -- split layers -----------------------------------------------------------------------
 
-
-def whole_layer_weights(layer) -> list[np.ndarray]:
-    """`layer.get_weights()`, with a split layer's shards gathered."""
-    split = _Split.of(layer)
-    return split.whole_values() if split is not None else layer.get_weights()
+_SAME_ARCHITECTURE = "pass the get_weights() of a model of the same architecture"
 
 
-def set_whole_layer_weights(layer, weights: Sequence[np.ndarray]) -> None:
-    split = _Split.of(layer)
-    if split is None:
-        layer.set_weights(weights)
-    else:
-        split.assign_whole(weights, where=f"layer {layer.name!r}")
-
-
-def _whole_shapes(layer) -> list:
-    split = _Split.of(layer)
-    return split.whole_shapes() if split is not None else [w.shape for w in layer.weights]
+def _whole_entries(model) -> list:
+    """`model.weights` in order, with each split layer's shards standing
+    once, as that layer's `_Split`, where its first shard is."""
+    owners = {id(variable): split for layer in model.layers
+              if (split := _Split.of(layer)) is not None for variable in split.variables()}
+    entries, done = [], set()
+    for variable in model.weights:
+        split = owners.get(id(variable))
+        if split is None:
+            entries.append(variable)
+        elif split not in done:
+            done.add(split)
+            entries.append(split)
+    return entries
 
 
 def _run_on(layer, device: str) -> None:
@@ -365,6 +377,9 @@ class _Split:
         object.__setattr__(layer, "call", split.call)
         object.__setattr__(layer, "save_own_variables", split.save_own_variables)
         object.__setattr__(layer, "load_own_variables", split.load_own_variables)
+        object.__setattr__(layer, "get_weights", split.whole_values)
+        object.__setattr__(layer, "set_weights", functools.partial(
+            split.assign_whole, where=f"layer {layer.name!r}", fix=_SAME_ARCHITECTURE))
         return split
 
     def __init__(self, layer, kind: str, devices: Sequence[str]):
@@ -505,19 +520,23 @@ class _Split:
             shapes.append(tuple(shape))
         return shapes
 
-    def assign_whole(self, values: Sequence[Any], where: str) -> None:
+    def variables(self) -> list:
+        return [shard for shards, _ in self.groups for shard in shards]
+
+    def assign_whole(self, values: Sequence[Any], where: str,
+                     fix: str = "save from a model of the same architecture") -> None:
         shapes = self.whole_shapes()
         if len(values) != len(shapes):
             raise ValueError(
                 f"{where} holds {len(shapes)} whole variables (shapes {shapes}), "
-                f"got {len(values)} values; save from a model of the same architecture."
+                f"got {len(values)} values; {fix}."
             )
         for (shards, axis), value, shape in zip(self.groups, values, shapes):
             value = np.asarray(value)
             if tuple(value.shape) != shape:
                 raise ValueError(
                     f"{where}: a value of shape {tuple(value.shape)} was given for a variable "
-                    f"of shape {shape}; save from a model of the same architecture."
+                    f"of shape {shape}; {fix}."
                 )
             parts = [value] if axis is None else np.split(value, self.offsets, axis=axis)
             for shard, part in zip(shards, parts):
