@@ -229,9 +229,6 @@ def test_collectives(trained):
         for key in ("eager_sum", "graph_sum"):  # mixed dtypes: order and dtypes kept
             assert c[key] == [[d, [3.0, 3.0, 3.0]] for d in dtypes], key
         assert c["graph_mean"] == [1.0, 4.0]
-        assert c["graph_metrics"] == {"a": 1.0, "b": 0.5}
-        assert c["eager_metrics"] == {"a": 1.0, "b": 0.5}
-        assert c["eager_metric_keys"] == ["b", "a"]  # the caller's order is kept
         assert c["concat_rows"] == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]  # rank order
         assert c["concat_scalars"] == [0.0, 1.0]
         assert c["sync_sum"] == [3.0, [0, 1, 2]]
@@ -260,10 +257,12 @@ def test_launch_backend_horovod_trains_like_one_process(launched):
         assert r["iterations"] == EPOCHS * 7
         _assert_weights(r["final"], model.get_weights())
         np.testing.assert_allclose(r["predict"], want_pred, atol=1e-5)
-        # Metrics are averaged over ranks (Horovod's MetricAverage): exact
-        # for equal shares only, here 102 vs 101 samples.
-        np.testing.assert_allclose(r["evaluate"], want_eval, atol=5e-3)
-        np.testing.assert_allclose(r["history"]["loss"], history["loss"], atol=5e-3)
+        # Metrics are exact, also for the unequal shares here (102 and 101
+        # samples; averaging each rank's value, as Horovod does, was 5e-3 off).
+        np.testing.assert_allclose(r["evaluate"], want_eval, atol=1e-5)
+        assert sorted(r["history"]) == sorted(history)
+        for key in history:
+            np.testing.assert_allclose(r["history"][key], history[key], atol=1e-5, err_msg=key)
     assert "[rank 0] Epoch 1/2" in output and "<stdout>:" not in output
 
 

@@ -13,7 +13,8 @@ gradients) and asks its strategy for everything else:
   every replica, or scheduled elsewhere), and `run` runs a per-replica
   function on this process's replicas;
 * gradient reduction: `all_reduce` and `reduce_gradients` (replica context);
-* results: `metric_results` (what metric values every process reports);
+* results: `read_metrics` / `metric_results` (what metric values every
+  process reports; `read_summed_metrics` for exact values across processes);
 * cross-process helpers for callbacks, eager and between steps:
   `sync_sum`, `sync_gather`, `broadcast_variables`, `agree_on_seed`,
   `local_replica_values`, and `sync_initial_state(model)`.
@@ -282,6 +283,22 @@ class Strategy(abc.ABC):
     def metric_results(self, results: dict) -> dict:
         """Metric values as this process should report them (default: as read)."""
         return results
+
+    def read_summed_metrics(self, model, read: Callable[[], dict]) -> dict:
+        """`read()` while every metric variable of `model` holds its sum over
+        the processes (one collective, eager): what one device reports for
+        all their samples, since metric states are sums (totals and counts,
+        confusion counts). The variables then get this process's own values
+        back, to which its next steps add."""
+        variables = [v for metric in model.metrics for v in metric.variables]
+        local = [np.asarray(v) for v in variables]
+        for variable, total in zip(variables, self.sync_sum(local)):
+            variable.assign(total)
+        try:
+            return read()
+        finally:
+            for variable, value in zip(variables, local):
+                variable.assign(value)
 
     def settle(self, model) -> None:
         """Finishes work still running elsewhere and brings its results into

@@ -5,8 +5,9 @@ crashes and its `DistributedOptimizer` never averages; see docs/design.md 1.3, r
 2), but the low-level `horovod.tensorflow` ops do. This strategy uses only
 those: `grouped_allreduce` for the gradients (with the sample count riding
 along, see `DistributedModel.reduce_gradients`), `allgather` for
-predictions, `broadcast_variables` for the initial state, and an averaging
-`grouped_allreduce` for metrics. Keras itself sees the default
+predictions, `broadcast_variables` for the initial state, and one
+`allreduce` of the metric variables when epoch or `evaluate` metrics are
+read (`read_summed_metrics`). Keras itself sees the default
 `tf.distribute` strategy: nothing of `tf.distribute` replicates here.
 """
 
@@ -52,10 +53,11 @@ class Horovod(PerProcessStrategy):
     for `fit`/`evaluate`/`predict` (and again whenever its set of variables
     grows, e.g. when the optimizer is built).
 
-    Metrics are averaged over ranks (Horovod's `MetricAverageCallback`
-    semantics): exact when every rank sees the same number of samples, a
-    close approximation otherwise (e.g. a last partial batch that splits
-    unevenly).
+    Epoch, validation and `evaluate` metrics are exact: read with every
+    metric variable summed over the ranks, they are what one device reports
+    for the global batches, also when the ranks' shares differ (Horovod's
+    `MetricAverageCallback` averages each rank's value instead, which is
+    exact only for equal shares). Per-batch logs are this rank's own.
 
     Works without `horovodrun` too, as a single process (size 1).
 
@@ -149,28 +151,13 @@ class Horovod(PerProcessStrategy):
         (`broadcast_model_state`: after every build, when they changed)."""
         self.broadcast_model_state(model)
 
-    def metric_results(self, results: dict) -> dict:
-        """Epoch and evaluate metrics (read eagerly) averaged over ranks.
-
-        Per-batch logs (read inside the step) are this rank's own: averaging
-        them would add an all-reduce to every step.
-        """
-        if not tf.executing_eagerly():
-            return results
-        return self.combine_metric_results(results)
-
-    def combine_metric_results(self, results: dict) -> dict:
-        """Every metric averaged over ranks, in one collective per dtype.
-
-        Keys are reduced in sorted order, so every rank issues the same
-        collective. Works eagerly and inside `tf.function`.
-        """
-        if self._size == 1 or not results:
-            return results
-        keys = sorted(results)
-        values = [tf.convert_to_tensor(results[k]) for k in keys]
-        averaged = dict(zip(keys, _grouped_all_reduce(self._hvd, values, self._hvd.Average)))
-        return {k: averaged[k] for k in results}
+    def read_metrics(self, model, read):
+        """Epoch and evaluate metrics (read eagerly) summed over ranks
+        (`read_summed_metrics`). Per-batch logs (read inside the step) are
+        this rank's own: summing them would add a collective to every step."""
+        if self._size == 1 or not tf.executing_eagerly():
+            return super().read_metrics(model, read)
+        return self.read_summed_metrics(model, read)
 
     def _hvd_op(self, op: str):
         return {"sum": self._hvd.Sum, "mean": self._hvd.Average}[reduce_op_name(op)]

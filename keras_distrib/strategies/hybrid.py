@@ -126,17 +126,7 @@ class WorkerReplicas:
     def read_metrics(self, model, read):
         if self._workers is None or not tf.executing_eagerly():
             return super().read_metrics(model, read)
-        # Summed over workers for the read, then put back: the step goes on
-        # adding this worker's own values.
-        variables = [v for metric in model.metrics for v in metric.variables]
-        local = [np.asarray(v) for v in variables]
-        for variable, total in zip(variables, self.sync_sum(local)):
-            variable.assign(total)
-        try:
-            return read()
-        finally:
-            for variable, value in zip(variables, local):
-                variable.assign(value)
+        return self.read_summed_metrics(model, read)
 
     # -- between steps ----------------------------------------------------------------
 

@@ -52,17 +52,13 @@ def collectives(strategy):
     def in_graph():
         return (strategy.all_reduce(mixed(), "sum"),
                 strategy.all_reduce({"m": tf.constant([2.0 * r, 4.0])}, "mean"),
-                strategy.combine_metric_results({"b": tf.constant(float(r)),
-                                                 "a": tf.constant(2.0 * r)}),
                 strategy.concat(tf.fill([r + 1, 2], float(r))),
                 strategy.concat(tf.constant(float(r))))
 
     def listed(values):
         return [[str(v.dtype.name), np.asarray(tf.cast(v, "float64")).tolist()] for v in values]
 
-    graph_sum, graph_mean, graph_metrics, rows, scalars = in_graph()
-    eager_metrics = strategy.combine_metric_results({"b": tf.constant(float(r)),
-                                                     "a": tf.constant(2.0 * r)})
+    graph_sum, graph_mean, rows, scalars = in_graph()
     variables = [keras.Variable(np.full([2], 10.0 * (r + 1), "float32")),
                  tf.Variable(np.int64(r + 7)), tf.Variable(r == 0)]
     strategy.broadcast_variables(variables, root=0)
@@ -70,9 +66,6 @@ def collectives(strategy):
         "eager_sum": listed(strategy.all_reduce(mixed(), "sum")),
         "graph_sum": listed(graph_sum),
         "graph_mean": np.asarray(graph_mean["m"]).tolist(),
-        "graph_metrics": {k: float(v) for k, v in graph_metrics.items()},
-        "eager_metrics": {k: float(v) for k, v in eager_metrics.items()},
-        "eager_metric_keys": list(eager_metrics),
         "concat_rows": np.asarray(rows).tolist(),
         "concat_scalars": np.asarray(scalars).tolist(),
         "sync_sum": [np.asarray(v).tolist()
