@@ -43,6 +43,23 @@ def test_from_trained_model_keeps_weights_and_optimizer_state(strategy):
                                atol=1e-5)
 
 
+@pytest.mark.parametrize("strategy", ["mirrored", "pipeline", "tensor_parallel"])
+def test_from_a_split_model_takes_its_whole_weights(strategy):
+    """A `tensor_parallel` model wrapped under another strategy: the copy of
+    its graph used to get the shards' list ("a weight list of length 7, but
+    the layer was expecting 4 weights")."""
+    x, _ = make_data()
+    plain = plain_model(seed=31)
+    split = kd.DistributedModel.from_model(plain, strategy="tensor_parallel")
+    assert len(split.weights) > len(plain.weights)  # really split
+    wrapped = kd.DistributedModel.from_model(split, strategy=strategy)
+    assert wrapped.strategy.name == strategy
+    for a, b in zip(wrapped.get_weights(), plain.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(wrapped.predict(x, verbose=0), plain.predict(x, verbose=0),
+                               atol=1e-6)
+
+
 def test_optimizer_state_that_does_not_fit_is_a_one_line_error():
     x, y = make_data()
     plain = plain_model()

@@ -155,7 +155,7 @@ class Strategy(abc.ABC):
 
         with self.scope():
             clone = _compat.clone_functional(template)
-        clone.set_weights(template.get_weights())
+        copy_layer_weights(template, clone)
         return clone
 
     def whole_weights(self, model) -> list[np.ndarray]:
@@ -406,6 +406,15 @@ class Strategy(abc.ABC):
         Engines that broadcast initial values when variables are created
         (tf.distribute) need nothing here; others override it.
         """
+
+
+def copy_layer_weights(source, clone) -> None:
+    """Gives each layer of `clone` (a copy of `source`'s graph) the weights of
+    the same layer of `source`, layer by layer: a layer split by
+    `tensor_parallel` gives its whole values, where `source.get_weights()`
+    of a plain `keras.Model` over a split graph would list the shards."""
+    for layer, copy in zip(source.layers, clone.layers, strict=True):
+        copy.set_weights(layer.get_weights())
 
 
 def np_dtype(variable) -> np.dtype:

@@ -80,7 +80,7 @@ from keras_distrib import data as data_lib
 from keras_distrib import devices as devices_lib
 from keras_distrib import pipeline_schedule
 from keras_distrib.strategies import lockstep
-from keras_distrib.strategies.base import Strategy
+from keras_distrib.strategies.base import Strategy, copy_layer_weights
 from keras_distrib.strategies.hybrid import WorkerReplicas
 from keras_distrib.topology import Topology
 
@@ -232,7 +232,7 @@ class Pipeline(WorkerReplicas, Strategy):
 
         with self.scope():
             clone = _compat.clone_functional(template, clone_function=clone_layer)
-        clone.set_weights(template.get_weights())
+        copy_layer_weights(template, clone)
         return clone
 
     def describe(self, model) -> "PipelinePlan":
