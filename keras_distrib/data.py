@@ -64,8 +64,8 @@ def split_batch(batch: Any, num_replicas: int) -> list:
     """Splits a batch into `num_replicas` shards, in replica order.
 
     Args:
-        batch: A nested structure of tensors (dense or `tf.SparseTensor`)
-            sharing the first (batch) dimension; `None` leaves are kept as
+        batch: A nested structure of tensors (dense, `tf.SparseTensor` or
+            `tf.RaggedTensor`) sharing the first (batch) dimension; `None` leaves are kept as
             `None` in every shard.
         num_replicas: How many shards to make.
 
@@ -76,14 +76,9 @@ def split_batch(batch: Any, num_replicas: int) -> list:
     tensors = [t for t in leaves if t is not None]
     if not tensors:
         raise ValueError("Cannot split a batch that holds no tensors.")
-    if any(isinstance(t, tf.RaggedTensor) for t in tensors):
-        raise ValueError(
-            "Ragged inputs cannot be split across replicas yet; pad them in the input "
-            "pipeline (e.g. `.map(lambda x, y: (x.to_tensor(), y))`)."
-        )
     if num_replicas == 1:
         return [batch]
-    global_size = tf.shape(tensors[0], out_type=tf.int32)[0]
+    global_size = num_rows(tensors[0])
     sizes = replica_sizes(global_size, num_replicas)
     size_vector = tf.stack(sizes)
     parts = [[None] * num_replicas if t is None else _split(t, sizes, size_vector)
@@ -94,10 +89,17 @@ def split_batch(batch: Any, num_replicas: int) -> list:
     ]
 
 
+def num_rows(tensor) -> tf.Tensor:
+    """The batch dimension of a dense, sparse or ragged tensor (int32)."""
+    if isinstance(tensor, tf.RaggedTensor):
+        return tensor.nrows(out_type=tf.int32)
+    return tf.shape(tensor, out_type=tf.int32)[0]
+
+
 def _split(tensor, sizes: list, size_vector: tf.Tensor) -> list:
     """`tensor` cut into consecutive runs of rows of the given `sizes`
     (`size_vector` is `tf.stack(sizes)`)."""
-    if not isinstance(tensor, tf.SparseTensor):
+    if not isinstance(tensor, (tf.SparseTensor, tf.RaggedTensor)):
         return tf.split(tensor, size_vector, num=len(sizes))
     parts, start = [], tf.zeros([], sizes[0].dtype)
     for size in sizes:
@@ -107,8 +109,8 @@ def _split(tensor, sizes: list, size_vector: tf.Tensor) -> list:
 
 
 def take_rows(tensor, start, count):
-    """Rows `[start, start + count)` of a dense or sparse tensor (a sparse
-    part's indices start again at row 0, with the same inner shape)."""
+    """Rows `[start, start + count)` of a dense, ragged or sparse tensor (a
+    sparse part's indices start again at row 0, with the same inner shape)."""
     if not isinstance(tensor, tf.SparseTensor):
         return tensor[start:start + count]
     start, count = tf.cast(start, tf.int64), tf.cast(count, tf.int64)

@@ -144,16 +144,6 @@ def test_keras_gradient_accumulation_under_tf_distribute_points_to_ours(strategy
     _one_line(e)
 
 
-def test_ragged_input_is_refused_clearly():
-    import tensorflow as tf
-
-    model = build("functional", "mirrored")
-    ragged = tf.ragged.constant([[1.0] * 8, [2.0] * 8, [3.0] * 8, [4.0] * 8])
-    with pytest.raises(Exception, match="Ragged inputs cannot be split across replicas yet; "
-                                        "pad them in the input pipeline"):
-        model.predict_on_batch(ragged)
-
-
 # -- issue 10, item 7: bad input the adversarial user tried ----------------------
 
 

@@ -16,7 +16,7 @@ from helpers import ROOT, launch
 
 WORKER = os.path.join(ROOT, "tests", "workers", "keras_features.py")
 PROBES = ("metric_objects", "unseeded_shuffle", "load_model", "batch_norm", "seeded_shuffle",
-          "sparse_input", "pydataset_workers")
+          "sparse_input", "pydataset_workers", "ragged_input")
 
 pytestmark = pytest.mark.slow
 
@@ -86,6 +86,18 @@ def test_sparse_input_trains_like_plain_keras(probes):
     for key in ("loss", "accuracy"):
         np.testing.assert_allclose(result["ours"][key], result["twin"][key], atol=1e-5)
     assert result["gap"] < 1e-5
+
+
+def test_ragged_input_trains_like_plain_keras(probes):
+    # Each worker takes its rows of every ragged batch: a row slice of a
+    # dataset's batch, or gathered from a ragged tensor passed as x.
+    ranks = _results(probes, "ragged_input")
+    assert ranks[0] == ranks[1]
+    for feed in ("dataset", "tensor"):
+        for key in ("loss", "accuracy"):
+            np.testing.assert_allclose(ranks[0][f"{feed}_ours"][key], ranks[0][f"{feed}_twin"][key],
+                                       atol=1e-5, err_msg=f"{feed} {key}")
+        assert ranks[0][f"{feed}_gap"] < 1e-5, feed
 
 
 def test_a_pydataset_with_workers_shows_every_sample_once_per_epoch(probes):

@@ -165,6 +165,31 @@ def sparse_input():
     return model.strategy.rank, results
 
 
+def ragged_input():
+    """`keras.Input(ragged=True)` fed `tf.RaggedTensor` token ids, as a
+    dataset and as a tensor (each worker gathers its rows): per feed, the
+    twin's and our logs and the largest weight gap."""
+    rng = np.random.default_rng(0)
+    sequences = [rng.integers(1, 50, size=rng.integers(1, 10)).tolist() for _ in range(203)]
+    x, y = tf.ragged.constant(sequences), np.array([len(s) % 2 for s in sequences], "int32")
+    feeds = {"dataset": dict(x=tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)),
+             "tensor": dict(x=x, y=y, batch_size=BATCH, shuffle=False)}
+    results = {}
+    for feed, fit in feeds.items():
+        inputs = keras.Input((None,), ragged=True, dtype="int32")
+        pooled = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(50, 8)(inputs))
+        outputs = keras.layers.Dense(2)(keras.layers.Dense(16, activation="relu")(pooled))
+        model = kd.DistributedModel(inputs, outputs, strategy="multi_worker")
+        twin = keras.Model(inputs, outputs)  # the graph built outside: the plain model
+        twin.set_weights(model.get_weights())
+        for name, m in (("twin", twin), ("ours", model)):
+            m.compile(optimizer=keras.optimizers.SGD(0.5), loss=_loss(), metrics=["accuracy"])
+            results[f"{feed}_{name}"] = m.fit(epochs=2, verbose=0, **fit).history
+        results[f"{feed}_gap"] = max(float(np.abs(a - b).max())
+                                     for a, b in zip(model.get_weights(), twin.get_weights()))
+    return model.strategy.rank, results
+
+
 def pydataset_workers():
     """A PyDataset read by Keras's enqueuer (`workers=2`), shuffled: per
     epoch, the sum and count of the sample ids every worker trained on."""
