@@ -65,8 +65,8 @@ def split_batch(batch: Any, num_replicas: int) -> list:
 
     Args:
         batch: A nested structure of tensors (dense, `tf.SparseTensor` or
-            `tf.RaggedTensor`) sharing the first (batch) dimension; `None` leaves are kept as
-            `None` in every shard.
+            `tf.RaggedTensor`) sharing the first (batch) dimension; `None`
+            leaves are kept as `None` in every shard.
         num_replicas: How many shards to make.
 
     Returns:
