@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import weakref
+from typing import Any, Optional, Sequence
 
 import tensorflow as tf
+
+# Variables of layers that tensor_parallel split over devices (by id; a
+# variable's `==` is elementwise, so no WeakSet). No other strategy takes
+# such a layer as its own: `from_model` copies it whole instead.
+_SPLIT_LAYER_VARIABLES: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+
+
+def mark_split(variable) -> None:
+    """Records `variable` as a part of a layer split over devices."""
+    value = getattr(variable, "value", variable)
+    _SPLIT_LAYER_VARIABLES[id(value)] = value
 
 
 def normalize(device: str) -> str:
@@ -78,9 +90,12 @@ def check_device(device: Optional[str], option: str = "device") -> Optional[str]
 
 
 def holds_plain(variable, device: Optional[str]) -> bool:
-    """Whether `variable` is an unreplicated variable on `device` (any if None)."""
+    """Whether `variable` is an unreplicated variable on `device` (any if
+    None), and not a part of a layer split over devices (`mark_split`)."""
     value = getattr(variable, "value", variable)
     if isinstance(value, tf.distribute.DistributedValues):
+        return False
+    if _SPLIT_LAYER_VARIABLES.get(id(value)) is value:
         return False
     placed = getattr(value, "device", "")
     if device is None or not placed:

@@ -43,17 +43,20 @@ def test_from_trained_model_keeps_weights_and_optimizer_state(strategy):
                                atol=1e-5)
 
 
-@pytest.mark.parametrize("strategy", ["mirrored", "pipeline", "tensor_parallel"])
+@pytest.mark.parametrize("strategy", ["single", "mirrored", "pipeline", "tensor_parallel"])
 def test_from_a_split_model_takes_its_whole_weights(strategy):
     """A `tensor_parallel` model wrapped under another strategy: the copy of
     its graph used to get the shards' list ("a weight list of length 7, but
-    the layer was expecting 4 weights")."""
+    the layer was expecting 4 weights"), and `single` (any per-process
+    strategy) kept the split layers, its `get_weights()` listing shards."""
     x, _ = make_data()
     plain = plain_model(seed=31)
     split = kd.DistributedModel.from_model(plain, strategy="tensor_parallel")
     assert len(split.weights) > len(plain.weights)  # really split
     wrapped = kd.DistributedModel.from_model(split, strategy=strategy)
     assert wrapped.strategy.name == strategy
+    if strategy != "tensor_parallel":  # whole layers again
+        assert len(wrapped.weights) == len(plain.weights)
     for a, b in zip(wrapped.get_weights(), plain.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_allclose(wrapped.predict(x, verbose=0), plain.predict(x, verbose=0),

@@ -418,6 +418,7 @@ class _Split:
                 regularizer=getattr(layer, f"{role}_regularizer", None),
                 trainable=layer.trainable)
             variable.assign(value)
+        devices_lib.mark_split(variable)
         return variable
 
     # -- forward ----------------------------------------------------------------
