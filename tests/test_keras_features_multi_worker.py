@@ -1,4 +1,5 @@
-"""Keras behaviours that must survive `multi_worker` (issue 9), real processes.
+"""Keras behaviours that must survive `multi_worker` (issue 9), real processes
+(the sparse and ragged inputs under `horovod` too).
 
 One `keras-distrib launch -n 2` run of tests/workers/keras_features.py runs
 every probe (shared by the tests below); each rank writes its results, and
@@ -16,7 +17,7 @@ from helpers import ROOT, launch
 
 WORKER = os.path.join(ROOT, "tests", "workers", "keras_features.py")
 PROBES = ("metric_objects", "unseeded_shuffle", "load_model", "batch_norm", "seeded_shuffle",
-          "sparse_input", "pydataset_workers", "ragged_input")
+          "sparse_input", "pydataset_workers", "ragged_input", "metric_aggregation")
 
 pytestmark = pytest.mark.slow
 
@@ -30,6 +31,22 @@ def probes(tmp_path_factory):
     out = tmp_path_factory.mktemp("keras_features")
     launch(out, 2, WORKER, "--out", str(out), "--probes", ",".join(PROBES))
     return out
+
+
+@pytest.fixture(scope="module")
+def horovod_probes(tmp_path_factory):
+    """The probes of `BY_STRATEGY` tests under `horovod`, 2 ranks (Gloo)."""
+    pytest.importorskip("horovod.tensorflow")
+    out = tmp_path_factory.mktemp("keras_features_horovod")
+    launch(out, 2, WORKER, "--out", str(out), "--probes",
+           "sparse_input,ragged_input,metric_aggregation",
+           "--strategy", "horovod", launch_flags=("--backend", "horovod"))
+    return out
+
+
+# Tests run for both strategies (by fixture).
+BY_STRATEGY = pytest.mark.parametrize("runs", ["probes", "horovod_probes"],
+                                      ids=["multi_worker", "horovod"])
 
 
 def test_metric_objects_made_outside_scope_report_global_values(probes):
@@ -76,10 +93,11 @@ def test_batch_norm_moving_statistics_agree_across_workers(probes):
     assert np.any(np.asarray(ranks[0]["moving_mean"]) != 0.0)
 
 
-def test_sparse_input_trains_like_plain_keras(probes):
+@BY_STRATEGY
+def test_sparse_input_trains_like_plain_keras(runs, request):
     # Each global batch of a `tf.SparseTensor` dataset is cut to the
     # worker's rows with `tf.sparse.slice`.
-    ranks = _results(probes, "sparse_input")
+    ranks = _results(request.getfixturevalue(runs), "sparse_input")
     assert ranks[0] == ranks[1]
     result = ranks[0]
     assert result["sparse"]
@@ -88,16 +106,35 @@ def test_sparse_input_trains_like_plain_keras(probes):
     assert result["gap"] < 1e-5
 
 
-def test_ragged_input_trains_like_plain_keras(probes):
+@BY_STRATEGY
+def test_ragged_input_trains_like_plain_keras(runs, request):
     # Each worker takes its rows of every ragged batch: a row slice of a
     # dataset's batch, or gathered from a ragged tensor passed as x.
-    ranks = _results(probes, "ragged_input")
+    ranks = _results(request.getfixturevalue(runs), "ragged_input")
     assert ranks[0] == ranks[1]
     for feed in ("dataset", "tensor"):
         for key in ("loss", "accuracy"):
             np.testing.assert_allclose(ranks[0][f"{feed}_ours"][key], ranks[0][f"{feed}_twin"][key],
                                        atol=1e-5, err_msg=f"{feed} {key}")
         assert ranks[0][f"{feed}_gap"] < 1e-5, feed
+
+
+@BY_STRATEGY
+def test_custom_metric_variables_are_read_by_their_aggregation(runs, request):
+    # 203 samples, shared 102 / 101: a "sum" variable reads as one device's
+    # count, a "mean" one as the workers' mean (as tf.distribute reads
+    # them). Each metric's `result()` returns its variable itself: under
+    # horovod that reported each worker's own count (102 and 101).
+    ranks = _results(request.getfixturevalue(runs), "metric_aggregation")
+    for rank in ranks:
+        for logs in (rank["evaluate"], {k: v[0] for k, v in rank["history"].items()}):
+            assert (logs["seen_sum"], logs["seen_mean"]) == (203, 101.5), logs
+    first = [[r["evaluate"]["seen_only_first_replica"], r["history"]["seen_only_first_replica"][0]]
+             for r in ranks]
+    if runs == "horovod_probes":  # worker 0's, on every worker
+        assert first == [[102, 102], [102, 102]]
+    else:  # TensorFlow's read: each worker's own first replica
+        assert first == [[102, 102], [101, 101]]
 
 
 def test_a_pydataset_with_workers_shows_every_sample_once_per_epoch(probes):

@@ -289,13 +289,26 @@ class Strategy(abc.ABC):
         the processes (one collective, eager): what one device reports for
         all their samples, since metric states are sums (totals and counts,
         confusion counts). The variables then get this process's own values
-        back, to which its next steps add."""
+        back, to which its next steps add.
+
+        A variable declaring another tf.distribute `aggregation` (Keras's
+        `Metric.add_variable(..., aggregation=...)`) is read as such: "mean"
+        its mean over the processes, "only_first_replica" worker 0's value
+        (on every worker, so that callbacks decide alike), "none" this
+        process's own. Results are taken before the values go back (a
+        `result()` may return its variable itself).
+        """
         variables = [v for metric in model.metrics for v in metric.variables]
         local = [np.asarray(v) for v in variables]
-        for variable, total in zip(variables, self.sync_sum(local)):
-            variable.assign(total)
+        kinds = [_aggregation(v) for v in variables]
+        sent = [np.zeros_like(value) if kind == "only_first_replica" and self.rank != 0 else value
+                for value, kind in zip(local, kinds)]
+        for variable, value, kind, total in zip(variables, local, kinds, self.sync_sum(sent)):
+            if kind == "mean":
+                total = (total / self.world_size).astype(value.dtype)
+            variable.assign(value if kind == "none" else total)
         try:
-            return read()
+            return {name: _read_now(value) for name, value in read().items()}
         finally:
             for variable, value in zip(variables, local):
                 variable.assign(value)
@@ -426,3 +439,18 @@ def reduce_op_name(op: str) -> str:
     if op not in ("sum", "mean"):
         raise ValueError(f"Unknown reduce op {op!r}; use one of ['mean', 'sum'].")
     return op
+
+
+def _aggregation(variable) -> str:
+    """A variable's tf.distribute aggregation, as Keras names it ("sum",
+    "mean", "only_first_replica", "none"); Keras's and TensorFlow's
+    variables both say."""
+    kind = getattr(variable, "aggregation", "sum")
+    return str(getattr(kind, "name", kind)).lower()
+
+
+def _read_now(value):
+    """`value`, or a variable's current value (a tensor) if it is one."""
+    if isinstance(value, tf.Variable) or hasattr(value, "assign_add"):
+        return tf.convert_to_tensor(value)
+    return value

@@ -25,6 +25,9 @@ flags.DEFINE_string("out", None, "Directory for results.")
 flags.DEFINE_list("probes", ["metric_objects", "unseeded_shuffle", "load_model",
                              "batch_norm"], "Probes to run.")
 flags.DEFINE_integer("seed", 1, "Seed for the `seeded_shuffle` probe.")
+flags.DEFINE_string("strategy", "multi_worker",
+                    "Strategy of the `sparse_input` and `ragged_input` probes (`horovod`: run "
+                    "by `keras-distrib launch --backend horovod`).")
 
 BATCH = 32
 
@@ -143,17 +146,32 @@ def batch_norm():
     }
 
 
+def _ours_and_twin(graph):
+    """Ours (under `--strategy`) and a plain Keras model, each on its own
+    `graph()`, both starting from one set of weights drawn from a fixed
+    seed, the same on every worker (horovod broadcasts rank 0's weights at
+    the first build, after a twin would have copied its rank's own)."""
+    model = kd.DistributedModel(*graph(), strategy=FLAGS.strategy)
+    twin = keras.Model(*graph())
+    rng = np.random.default_rng(7)
+    start = [rng.normal(scale=0.3, size=w.shape).astype(w.dtype) for w in twin.get_weights()]
+    model.set_weights(start)
+    twin.set_weights(start)
+    return model, twin
+
+
 def sparse_input():
     """`keras.Input(sparse=True)` fed `tf.SparseTensor` global batches: each
     worker trains on its rows, as the plain twin does on all of them."""
     rng = np.random.default_rng(0)
     dense = ((rng.random((203, 40)) < 0.1) * rng.random((203, 40))).astype("float32")
     y = (dense.sum(1) > 0.4).astype("int32")
-    inputs = keras.Input((40,), sparse=True)
-    outputs = keras.layers.Dense(3)(keras.layers.Dense(16, activation="relu")(inputs))
-    model = kd.DistributedModel(inputs, outputs, strategy="multi_worker")
-    twin = keras.Model(inputs, outputs)  # the graph built outside: the plain model
-    twin.set_weights(model.get_weights())
+
+    def graph():
+        inputs = keras.Input((40,), sparse=True)
+        return inputs, keras.layers.Dense(3)(keras.layers.Dense(16, activation="relu")(inputs))
+
+    model, twin = _ours_and_twin(graph)
     data = tf.data.Dataset.from_tensor_slices((tf.sparse.from_dense(dense), y)).batch(BATCH)
     results = {}
     for name, m in (("twin", twin), ("ours", model)):
@@ -175,19 +193,52 @@ def ragged_input():
     feeds = {"dataset": dict(x=tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)),
              "tensor": dict(x=x, y=y, batch_size=BATCH, shuffle=False)}
     results = {}
-    for feed, fit in feeds.items():
+
+    def graph():
         inputs = keras.Input((None,), ragged=True, dtype="int32")
         pooled = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(50, 8)(inputs))
-        outputs = keras.layers.Dense(2)(keras.layers.Dense(16, activation="relu")(pooled))
-        model = kd.DistributedModel(inputs, outputs, strategy="multi_worker")
-        twin = keras.Model(inputs, outputs)  # the graph built outside: the plain model
-        twin.set_weights(model.get_weights())
+        return inputs, keras.layers.Dense(2)(keras.layers.Dense(16, activation="relu")(pooled))
+
+    for feed, fit in feeds.items():
+        model, twin = _ours_and_twin(graph)
         for name, m in (("twin", twin), ("ours", model)):
             m.compile(optimizer=keras.optimizers.SGD(0.5), loss=_loss(), metrics=["accuracy"])
             results[f"{feed}_{name}"] = m.fit(epochs=2, verbose=0, **fit).history
         results[f"{feed}_gap"] = max(float(np.abs(a - b).max())
                                      for a, b in zip(model.get_weights(), twin.get_weights()))
     return model.strategy.rank, results
+
+
+class _SamplesSeen(keras.metrics.Metric):
+    """The samples this process has counted, in one variable of the given
+    tf.distribute `aggregation` (how replicas' values combine on a read)."""
+
+    def __init__(self, aggregation, name=None, dtype=None):
+        super().__init__(name=name or f"seen_{aggregation}", dtype=dtype)
+        self.aggregation = aggregation
+        self.seen = self.add_variable((), "zeros", aggregation=aggregation, name="seen")
+
+    def get_config(self):
+        return {**super().get_config(), "aggregation": self.aggregation}
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.seen.assign_add(tf.cast(tf.shape(y_true)[0], self.dtype))
+
+    def result(self):
+        return self.seen
+
+
+def metric_aggregation():
+    """Custom metrics whose variable declares `aggregation` "sum", "mean" or
+    "only_first_replica": what `fit` and `evaluate` report (203 samples,
+    shared 102 / 101 by the workers)."""
+    x, y = _data()
+    model = kd.DistributedModel(*_graph(), strategy=FLAGS.strategy)
+    metrics = [_SamplesSeen(a) for a in ("sum", "mean", "only_first_replica")]
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=_loss(), metrics=metrics)
+    history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
+    evaluated = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    return model.strategy.rank, {"history": history, "evaluate": evaluated}
 
 
 def pydataset_workers():
