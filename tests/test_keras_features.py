@@ -274,6 +274,49 @@ def test_ragged_input_trains_like_plain_keras(strategy, feed):
     _close(plain, ours)
 
 
+def _adapted_preprocessing_graph(numbers, words, sentences):
+    """Inputs through an adapted `Normalization`, `StringLookup` and
+    `TextVectorization` (state outside their weights), then Dense layers."""
+    norm = keras.layers.Normalization()
+    norm.adapt(numbers)
+    lookup = keras.layers.StringLookup(output_mode="one_hot")
+    lookup.adapt(words)
+    vectorize = keras.layers.TextVectorization(max_tokens=8, output_mode="multi_hot")
+    vectorize.adapt(sentences)
+    inputs = [keras.Input((4,)), keras.Input((1,), dtype="string"), keras.Input((), dtype="string")]
+    h = keras.layers.Concatenate()([norm(inputs[0]), lookup(inputs[1]), vectorize(inputs[2])])
+    return inputs, keras.layers.Dense(2)(keras.layers.Dense(8, activation="relu")(h))
+
+
+@pytest.mark.parametrize("strategy", ["mirrored", "central_storage", "pipeline",
+                                      "tensor_parallel"])
+def test_adapted_preprocessing_layers_keep_their_state(strategy):
+    """Strategies that rebuild the graph copy each layer: an adapted
+    `Normalization` then normalized with 0 and 1 (its mean and variance are
+    computed when its variables load), and an adapted vocabulary was lost
+    ("Table not initialized"). Predictions, training and `evaluate` match
+    plain Keras."""
+    rng = np.random.default_rng(0)
+    numbers = rng.normal(3.0, 2.0, size=(96, 4)).astype("float32")
+    words = tf.constant([["a", "b", "c", "d", "e"][i % 5] for i in range(96)])[:, None]
+    sentences = tf.constant([" ".join(["x", "y", "z"][(i + j) % 3] for j in range(i % 4 + 1))
+                             for i in range(96)])
+    x, y = [numbers, words, sentences], (numbers[:, 0] > 3.0).astype("int32")
+    plain, ours = _twins(lambda: _adapted_preprocessing_graph(numbers, words, sentences),
+                         strategy)
+    np.testing.assert_allclose(ours.predict(x, verbose=0), plain.predict(x, verbose=0), atol=1e-5)
+    results = []
+    for m in (plain, ours):
+        m.compile(keras.optimizers.SGD(0.1), _loss(), metrics=["accuracy"])
+        history = m.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history
+        results.append((history, m.evaluate(x, y, batch_size=32, verbose=0)))
+    (h_plain, e_plain), (h_ours, e_ours) = results
+    for key in h_plain:
+        np.testing.assert_allclose(h_ours[key], h_plain[key], atol=1e-5, err_msg=key)
+    np.testing.assert_allclose(e_ours, e_plain, atol=1e-5)
+    _close(plain, ours)
+
+
 @pytest.mark.parametrize("strategy", ["single", "mirrored"])
 def test_a_pydataset_with_workers_shows_every_batch_once_per_epoch(strategy):
     """Keras reads one batch to build the model; from a PyDataset with

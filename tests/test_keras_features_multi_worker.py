@@ -17,7 +17,8 @@ from helpers import ROOT, launch
 
 WORKER = os.path.join(ROOT, "tests", "workers", "keras_features.py")
 PROBES = ("metric_objects", "unseeded_shuffle", "load_model", "batch_norm", "seeded_shuffle",
-          "sparse_input", "pydataset_workers", "ragged_input", "metric_aggregation")
+          "sparse_input", "pydataset_workers", "ragged_input", "metric_aggregation",
+          "adapted_per_worker")
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +40,7 @@ def horovod_probes(tmp_path_factory):
     pytest.importorskip("horovod.tensorflow")
     out = tmp_path_factory.mktemp("keras_features_horovod")
     launch(out, 2, WORKER, "--out", str(out), "--probes",
-           "sparse_input,ragged_input,metric_aggregation",
+           "sparse_input,ragged_input,metric_aggregation,adapted_per_worker",
            "--strategy", "horovod", launch_flags=("--backend", "horovod"))
     return out
 
@@ -135,6 +136,19 @@ def test_custom_metric_variables_are_read_by_their_aggregation(runs, request):
         assert first == [[102, 102], [102, 102]]
     else:  # TensorFlow's read: each worker's own first replica
         assert first == [[102, 102], [101, 101]]
+
+
+@BY_STRATEGY
+def test_a_normalization_adapted_per_worker_takes_worker_0s_statistics(runs, request):
+    # Worker 0's weights reach every worker (a broadcast of the variables);
+    # a Normalization's mean and variance are computed from its variables
+    # when they load, so worker 1 normalized with its own statistics.
+    # The same after `BroadcastInitialWeights` (adapted again once built),
+    # and after `BackupAndRestore` resumed from statistics of another run.
+    ranks = _results(request.getfixturevalue(runs), "adapted_per_worker")
+    for prefix in ("", "callback_", "restored_"):
+        assert ranks[0][f"{prefix}predict"] == ranks[1][f"{prefix}predict"], prefix
+        assert max(r[f"{prefix}gap"] for r in ranks) < 1e-5, prefix
 
 
 def test_a_pydataset_with_workers_shows_every_sample_once_per_epoch(probes):

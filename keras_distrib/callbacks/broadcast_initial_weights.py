@@ -5,6 +5,7 @@ from __future__ import annotations
 import keras
 
 from keras_distrib.callbacks import _common
+from keras_distrib.strategies.base import reload_derived_state
 
 
 class BroadcastInitialWeights(keras.callbacks.Callback):
@@ -61,3 +62,4 @@ class BroadcastInitialWeights(keras.callbacks.Callback):
                 seen.add(id(variable))
                 variables.append(variable)
         strategy.broadcast_variables(variables, root=self.root)
+        reload_derived_state(self.model)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import tempfile
 import weakref
 from typing import Any, Callable, ClassVar, Optional, Sequence
 
@@ -396,6 +397,7 @@ class Strategy(abc.ABC):
         except TypeError:  # not weak-referenceable: broadcast every time
             pass
         self.broadcast_variables(variables, root=0)
+        reload_derived_state(model)
         try:
             memo[model] = key
         except TypeError:
@@ -427,7 +429,61 @@ def copy_layer_weights(source, clone) -> None:
     `tensor_parallel` gives its whole values, where `source.get_weights()`
     of a plain `keras.Model` over a split graph would list the shards."""
     for layer, copy in zip(source.layers, clone.layers, strict=True):
-        copy.set_weights(layer.get_weights())
+        copy_layer_state(layer, copy)
+
+
+def copy_layer_state(layer, copy) -> None:
+    """Makes `copy` (a clone of `layer` from its config) hold `layer`'s state:
+    its weights (whole, from a split layer), and what Keras keeps besides
+    them, as a `.keras` file carries it over.
+
+    An adapted preprocessing layer's state is not all in its weights:
+    `Normalization` computes its mean and variance from its variables when
+    it loads them (`set_weights` left the clone normalizing with 0 and 1),
+    and an adapted `StringLookup` / `TextVectorization` vocabulary is an
+    asset (the clone's table was empty: "Table not initialized"). Layers
+    that have such state (they define `finalize_state` or `load_assets`)
+    go through Keras's own saving hooks, `save_own_variables` /
+    `load_own_variables` and `save_assets` / `load_assets`, here through a
+    temporary directory.
+    """
+    copy.set_weights(layer.get_weights())
+    for part, twin in zip(_layer_tree(layer), _layer_tree(copy), strict=True):
+        if not _has_derived_state(twin):
+            continue
+        store: dict = {}
+        part.save_own_variables(store)
+        twin.load_own_variables(store)
+        if hasattr(part, "save_assets") and hasattr(twin, "load_assets"):
+            with tempfile.TemporaryDirectory(prefix="kd-assets-") as directory:
+                part.save_assets(directory)
+                twin.load_assets(directory)
+
+
+def reload_derived_state(model) -> None:
+    """After `model`'s variables were assigned directly (a broadcast of
+    process 0's values), has each layer that derives state from them
+    reload them through Keras's hook, as loading a file does: an adapted
+    `Normalization` then normalizes with the values its variables now hold,
+    not with those it computed from its own `adapt`."""
+    for layer in _layer_tree(model):
+        if _has_derived_state(layer):
+            store: dict = {}
+            layer.save_own_variables(store)
+            layer.load_own_variables(store)
+
+
+def _layer_tree(layer) -> list:
+    # Not at import: keras_distrib sets up TensorFlow before Keras loads.
+    from keras_distrib import _compat
+
+    return [layer, *_compat.all_layers(layer)]
+
+
+def _has_derived_state(layer) -> bool:
+    """Keras's adaptable preprocessing layers (`Normalization`,
+    `Discretization`, `StringLookup`, `TextVectorization`, ...)."""
+    return hasattr(layer, "finalize_state") or hasattr(layer, "load_assets")
 
 
 def np_dtype(variable) -> np.dtype:

@@ -64,7 +64,7 @@ from keras_distrib import _compat
 from keras_distrib import devices as devices_lib
 from keras_distrib import tensor_layout
 from keras_distrib.strategies import lockstep
-from keras_distrib.strategies.base import Strategy
+from keras_distrib.strategies.base import Strategy, copy_layer_state
 from keras_distrib.strategies.hybrid import WorkerReplicas
 from keras_distrib.topology import Topology
 
@@ -211,7 +211,7 @@ class TensorParallel(WorkerReplicas, Strategy):
 
     def _lay_out(self, layer, original, plan) -> None:
         if original is not None:
-            layer.set_weights(original.get_weights())  # whole, also from a split layer
+            copy_layer_state(original, layer)  # whole weights, also from a split layer
         self._laid_out.add(layer)
         if plan is None:
             return

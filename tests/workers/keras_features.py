@@ -241,6 +241,51 @@ def metric_aggregation():
     return model.strategy.rank, {"history": history, "evaluate": evaluated}
 
 
+def adapted_per_worker():
+    """A `Normalization` each worker adapted on its own data (shifted by its
+    rank): after `fit`, every worker's model predicts as a plain one
+    normalizing with worker 0's statistics, with the trained Dense layer."""
+    strategy = kd.strategies.get(FLAGS.strategy)
+    x, y = _data(64)
+    x = x[:, :4]
+
+    def graph(shift):
+        norm = keras.layers.Normalization()
+        norm.adapt(x + shift)
+        inputs = keras.Input((4,))
+        return inputs, keras.layers.Dense(3)(norm(inputs))
+
+    def against_worker_0(model, shift):
+        twin = keras.Model(*graph(shift))  # worker 0's statistics
+        twin.layers[-1].set_weights(model.layers[-1].get_weights())
+        ours = model.predict(x, verbose=0)
+        return ours.tolist(), float(np.abs(ours - twin.predict(x, verbose=0)).max())
+
+    model = kd.DistributedModel(*graph(10.0 * strategy.rank), strategy=strategy)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=_loss())
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    result = dict(zip(("predict", "gap"), against_worker_0(model, 0.0)))
+    # Adapted per worker once built (before anything traced it): under
+    # multi_worker `BroadcastInitialWeights` is what gives every worker
+    # worker 0's values then.
+    model = kd.DistributedModel(*graph(0.0), strategy=strategy)
+    model.layers[1].adapt(x + 5.0 + 10.0 * strategy.rank)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=_loss())
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
+              callbacks=[kd.callbacks.BroadcastInitialWeights()])
+    result.update(zip(("callback_predict", "callback_gap"), against_worker_0(model, 5.0)))
+    # Resumed from a backup (worker 0 loads it, the others receive it) made
+    # with other statistics.
+    backup = os.path.join(FLAGS.out, "adapted_backup")
+    for shift in (7.0, 0.0):
+        model = kd.DistributedModel(*graph(shift), strategy=strategy)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=_loss())
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[
+            kd.callbacks.BackupAndRestore(backup, delete_checkpoint=False)])
+    result.update(zip(("restored_predict", "restored_gap"), against_worker_0(model, 7.0)))
+    return strategy.rank, result
+
+
 def pydataset_workers():
     """A PyDataset read by Keras's enqueuer (`workers=2`), shuffled: per
     epoch, the sum and count of the sample ids every worker trained on."""
