@@ -137,6 +137,28 @@ def test_embedding_split_by_vocabulary_or_features_matches_single(embed_kind):
     assert_matches_single(_embedding_model("single"), model, x, y)
 
 
+def _masked_lstm_model(strategy):
+    """A graph with operations that are not layers: the mask of
+    `Embedding(mask_zero=True)` (`NotEqual`) and a `keras.ops` call."""
+    keras.utils.set_random_seed(12)
+    inputs = keras.Input((5,), dtype="int32")
+    h = keras.layers.LSTM(8)(keras.layers.Embedding(11, 6, mask_zero=True)(inputs))
+    h = keras.layers.Dense(16, activation="relu")(keras.ops.cast(h, "float32") * 2.0)
+    model = kd.DistributedModel(inputs, keras.layers.Dense(CLASSES)(h), strategy=strategy)
+    model.compile(optimizer=keras.optimizers.SGD(0.5),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_a_graph_with_operations_that_are_not_layers_matches_single():
+    # Laying out the copy asked each node for its weights: "'NotEqual' object
+    # has no attribute 'set_weights'".
+    x, y = _sequence_data()
+    x[:, 3:] = 0  # masked steps
+    assert_matches_single(_masked_lstm_model("single"), _masked_lstm_model(tensor_parallel()),
+                          x, y)
+
+
 def test_adam_slots_live_with_their_shards_and_match_single(data):
     x, y = data
     model = build("functional", "tensor_parallel", optimizer=keras.optimizers.Adam(0.01))

@@ -447,6 +447,8 @@ def copy_layer_state(layer, copy) -> None:
     `load_own_variables` and `save_assets` / `load_assets`, here through a
     temporary directory.
     """
+    if not hasattr(copy, "set_weights"):
+        return  # an operation of the graph, not a layer (`keras.ops.cast(x)`): no state
     copy.set_weights(layer.get_weights())
     for part, twin in zip(_layer_tree(layer), _layer_tree(copy), strict=True):
         if not _has_derived_state(twin):
