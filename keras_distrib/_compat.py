@@ -191,6 +191,17 @@ def loss_tracker(model):
     return model._loss_tracker
 
 
+def take_added_losses(model) -> list:
+    """The losses `model`'s layers added in their latest call (`add_loss`,
+    activity regularizers: `Layer._get_own_losses`), which are then cleared
+    (`Layer._clear_losses`), so that `model.losses` of an enclosing model
+    no longer lists them (weight regularization losses are not among them:
+    Keras computes those from the weights when asked)."""
+    losses = [loss for layer in [model, *all_layers(model)] for loss in layer._get_own_losses()]
+    model._clear_losses()
+    return losses
+
+
 def all_layers(model) -> list:
     """Every layer nested in `model` (`Layer._flatten_layers`), found through
     custom layers too, which `model.layers` does not descend into."""

@@ -54,7 +54,10 @@ from a Functional or Sequential graph), a custom `train_step`,
 `DistributedOptimizer(backward_passes_per_step>1)` (raise
 `num_micro_batches` instead: micro-batches already accumulate gradients
 within a step). Losses added in `call` (`add_loss`, activity regularizers)
-are not carried between stages; weight regularizers work.
+count where they were added: each stage's pass differentiates its own
+(weighted by the micro-batch's share of the rows), and the loss log and
+`evaluate` include them, as one device's; weight regularizers are counted
+by the last stage.
 
 Under a configured cluster (the launcher) each worker runs the whole
 pipeline on its local devices and the strategy is data-parallel across
@@ -319,7 +322,7 @@ class Pipeline(WorkerReplicas, Strategy):
         stages = self._stages(model)
         return lockstep.predict_over_steps(
             model, lambda batch: self.gather_rows(
-                self._forward(stages, keras.utils.unpack_x_y_sample_weight(batch)[0])))
+                self._forward(stages, keras.utils.unpack_x_y_sample_weight(batch)[0])[0]))
 
     def run(self, replica_fn: Callable, batch: Any):
         with self.scope():
@@ -341,26 +344,33 @@ class Pipeline(WorkerReplicas, Strategy):
         return stages
 
     def _forward(self, stages: "_Stages", x, training: bool = False):
-        """The model's output on `x`, stage by stage, micro-batch by micro-batch."""
-        outputs = []
+        """The model's output on `x`, stage by stage, micro-batch by
+        micro-batch, and the losses its layers added on the way (weighted
+        over the micro-batches as `take_added_losses` does), or None."""
+        outputs, added, rows = [], [], _rows(x)
         for x_part in data_lib.split_batch(x, self.num_micro_batches):
             values = None
+            share = tf.cast(_rows(x_part), tf.float32) / tf.cast(rows, tf.float32)
             for s in range(self.num_stages):
                 with tf.device(self.devices[s]):
                     values = stages.forward(s, x_part if s == 0 else values, training)
+                    added.append(stages.take_added_losses(s, share))
             outputs.append(values)
+        added = [loss for loss in added if loss is not None]
         with tf.device(self.devices[-1]):
-            return stages.pack_outputs(_concat(outputs))
+            return stages.pack_outputs(_concat(outputs)), (tf.add_n(added) if added else None)
 
     def _test_step(self, model, stages: "_Stages", data):
         import keras
 
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        y_pred = self._forward(stages, x)
+        y_pred, added = self._forward(stages, x)
         with tf.device(self.devices[-1]):
             # As DistributedModel.test_step, on the whole batch.
             loss = _compat.compute_loss(model, x=x, y=y, y_pred=y_pred,
                                         sample_weight=sample_weight, training=False)
+            if added is not None:
+                loss = loss + tf.cast(added, loss.dtype)
             _compat.loss_tracker(model).update_state(loss, sample_weight=_rows(x))
             return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
@@ -375,6 +385,7 @@ class Pipeline(WorkerReplicas, Strategy):
         gradients: list = [[] for _ in variables]  # per variable, to be summed
         values = [dict() for _ in range(m)]  # (stage, i) -> that stage's inputs
         tapes, upstream, losses, predictions = {}, {}, [None] * m, [None] * m
+        added = [[] for _ in range(m)]  # per micro-batch: earlier stages' added losses
         last_pass = [None] * p  # per stage: what its next pass waits for
         orders = pipeline_schedule.stage_orders(self.schedule, m, p)
         for _, s, kind, i in pipeline_schedule.emission_order(orders):
@@ -390,25 +401,39 @@ class Pipeline(WorkerReplicas, Strategy):
                         outputs = stages.forward(s, inputs, training=True)
                         if s == p - 1:
                             y_pred = stages.pack_outputs(outputs)
+                            # Counts the losses this stage added in this pass.
                             loss = _compat.compute_loss(model, x=x_i, y=y_i, y_pred=y_pred,
                                                         sample_weight=w_i, training=True)
                             # This micro-batch's share of the global mean loss.
                             loss = loss * tf.cast(_rows(x_i), loss.dtype) / tf.cast(
                                 rows, loss.dtype)
                             target = model.optimizer.scale_loss(loss)
-                            losses[i], predictions[i] = loss, outputs
+                            losses[i] = tf.add_n([loss, *(tf.cast(a, loss.dtype)
+                                                          for a in added[i])])
+                            predictions[i] = outputs
                         else:
                             values[i][s + 1] = outputs
                             target = _differentiable(outputs)
+                            # Losses this stage added (activity regularizers):
+                            # differentiated in this stage's tape, one more
+                            # target with its own output gradient.
+                            extra = stages.take_added_losses(
+                                s, tf.cast(_rows(x_i), tf.float32) / tf.cast(rows, tf.float32))
+                            if extra is not None:
+                                added[i].append(extra)
+                                target = [*target, model.optimizer.scale_loss(extra)]
                     tapes[s, i] = (tape, target, sources)
                     done = tf.nest.flatten(outputs) + ([target] if s == p - 1 else [])
                 else:
                     tape, target, sources = tapes.pop((s, i))
                     output_gradients = None
                     if s < p - 1:
+                        arriving = list(upstream.pop((s + 1, i)))
+                        # An added loss's target (after the outputs) gets 1.
+                        arriving += [tf.ones_like(t) for t in target[len(arriving):]]
                         output_gradients = [
                             tf.zeros_like(t) if g is None else g
-                            for t, g in zip(target, upstream.pop((s + 1, i)))]
+                            for t, g in zip(target, arriving)]
                     found = tape.gradient(target, variables + sources,
                                           output_gradients=output_gradients)
                     upstream[s, i] = found[len(variables):]
@@ -545,6 +570,19 @@ class _Stages:
         entering = {id(t): v for t, v in zip(self.boundary[s], inputs)}
         return [by_id[id(t)] if id(t) in by_id else tf.identity(entering[id(t)])
                 for t in self.boundary[s + 1]]
+
+    def take_added_losses(self, s: int, share):
+        """The losses stage `s`'s layers added in its latest call (`add_loss`,
+        activity regularizers), summed and weighted by `share` (the
+        micro-batch's rows over the batch's: Keras normalizes an activity
+        loss by the rows it saw), or None; cleared from the layers, so that
+        the last stage's `compute_loss` counts only its own (a loss added
+        in another stage's pass is a tensor of that pass's tape)."""
+        losses = _compat.take_added_losses(self.models[s])
+        if not losses:
+            return None
+        total = tf.add_n([tf.cast(loss, tf.float32) for loss in losses])
+        return total * tf.cast(share, tf.float32)
 
     def pack_outputs(self, flat: list):
         """The model's outputs as `model(x)` returns them."""
