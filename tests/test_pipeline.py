@@ -458,6 +458,19 @@ def test_bad_cuts_are_one_line_errors():
     with pytest.raises(ValueError, match=r"\(1 layers\) into 2 stages") as excinfo:
         kd.DistributedModel(inputs, outputs, strategy=pipeline())
     _one_line(excinfo)
+    # A mask crossing the cut (Keras said "Output with path `0` is not
+    # connected to `inputs`"); cut after the masked LSTM instead, it trains.
+    ids = keras.Input((5,), dtype="int32")
+    masked = keras.layers.LSTM(4, name="lstm")(keras.layers.Embedding(9, 3, mask_zero=True)(ids))
+    outputs = keras.layers.Dense(2, name="out")(masked)
+    with pytest.raises(ValueError, match=r"stage 1 \(layers \['lstm', 'out'\]\) computes from a "
+                       "tensor that no layer hands over.*split_at") as excinfo:
+        kd.DistributedModel(ids, outputs, strategy=pipeline(split_at=["lstm"])).predict(
+            np.ones((8, 5), "int32"), batch_size=8, verbose=0)
+    _one_line(excinfo)
+    model = kd.DistributedModel(ids, outputs, strategy=pipeline(split_at=["out"]))
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(np.ones((8, 5), "int32"), np.ones((8, 2), "float32"), batch_size=8, verbose=0)
 
 
 def test_batch_not_divisible_by_micro_batches_is_a_one_line_error(data):

@@ -555,7 +555,20 @@ class _Stages:
                 raise ValueError(
                     f"Pipeline stage {s} makes none of the tensors later stages use; "
                     "choose split_at (or num_stages) differently.")
-            self.models.append(keras.Model(inputs, mine, name=f"{model.name}_stage_{s}"))
+            try:
+                stage = keras.Model(inputs, mine, name=f"{model.name}_stage_{s}")
+            except ValueError as error:
+                if "not connected" not in str(error):
+                    raise
+                # Keras: "Output with path `0` is not connected to `inputs`".
+                names = [layer.name for layer, stage_ in self.layers if stage_ == s]
+                raise ValueError(
+                    f"Pipeline stage {s} (layers {names}) computes from a tensor that no "
+                    "layer hands over from the stage before it: a mask (Embedding("
+                    "mask_zero=True), Masking) or an operation outside the layers; "
+                    "choose split_at so that the layers it joins are in one stage."
+                ) from None
+            self.models.append(stage)
             self.inputs.append([self.boundary[s].index(t) for t in _flat(inputs)]
                                if s else None)
             self.made.append([id(t) for t in mine])
