@@ -37,7 +37,7 @@ from keras_distrib import saving
 from keras_distrib import step_call
 from keras_distrib import strategies
 from keras_distrib.strategies import registry
-from keras_distrib.strategies.base import Strategy, reload_derived_state
+from keras_distrib.strategies.base import Strategy
 
 _compat.warn_if_untested()
 _compat.check_hooks()
@@ -758,7 +758,7 @@ def _rebuild_under(strategy: Strategy, inputs, outputs):
     # Each process set its own values (initializers are unseeded by default,
     # so they differ): worker 0's win, as they would at variable creation.
     strategy.broadcast_variables(clone.weights)
-    reload_derived_state(clone)
+    strategy.broadcast_derived_state(clone)
     return clone.input, clone.output
 
 

@@ -18,7 +18,7 @@ from helpers import ROOT, launch
 WORKER = os.path.join(ROOT, "tests", "workers", "keras_features.py")
 PROBES = ("metric_objects", "unseeded_shuffle", "load_model", "batch_norm", "seeded_shuffle",
           "sparse_input", "pydataset_workers", "ragged_input", "metric_aggregation",
-          "adapted_per_worker")
+          "adapted_per_worker", "vocabulary_per_worker")
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,8 @@ def horovod_probes(tmp_path_factory):
     pytest.importorskip("horovod.tensorflow")
     out = tmp_path_factory.mktemp("keras_features_horovod")
     launch(out, 2, WORKER, "--out", str(out), "--probes",
-           "sparse_input,ragged_input,metric_aggregation,adapted_per_worker",
+           "sparse_input,ragged_input,metric_aggregation,adapted_per_worker,"
+           "vocabulary_per_worker",
            "--strategy", "horovod", launch_flags=("--backend", "horovod"))
     return out
 
@@ -149,6 +150,16 @@ def test_a_normalization_adapted_per_worker_takes_worker_0s_statistics(runs, req
     for prefix in ("", "callback_", "restored_"):
         assert ranks[0][f"{prefix}predict"] == ranks[1][f"{prefix}predict"], prefix
         assert max(r[f"{prefix}gap"] for r in ranks) < 1e-5, prefix
+
+
+@BY_STRATEGY
+def test_a_vocabulary_adapted_per_worker_is_worker_0s(runs, request):
+    # Vocabularies of one size in another order passed every check, and a
+    # word had another id on the other worker.
+    ranks = _results(request.getfixturevalue(runs), "vocabulary_per_worker")
+    assert [r["vocabulary"] for r in ranks] == [["[UNK]", "a", "b", "c"]] * 2
+    assert ranks[0]["predict"] == ranks[1]["predict"]
+    assert max(r["gap"] for r in ranks) < 1e-5
 
 
 def test_a_pydataset_with_workers_shows_every_sample_once_per_epoch(probes):

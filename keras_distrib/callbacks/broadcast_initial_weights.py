@@ -5,7 +5,6 @@ from __future__ import annotations
 import keras
 
 from keras_distrib.callbacks import _common
-from keras_distrib.strategies.base import reload_derived_state
 
 
 class BroadcastInitialWeights(keras.callbacks.Callback):
@@ -62,4 +61,4 @@ class BroadcastInitialWeights(keras.callbacks.Callback):
                 seen.add(id(variable))
                 variables.append(variable)
         strategy.broadcast_variables(variables, root=self.root)
-        reload_derived_state(self.model)
+        strategy.broadcast_derived_state(self.model, root=self.root)

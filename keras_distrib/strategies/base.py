@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import json
+import os
 import tempfile
 import weakref
 from typing import Any, Callable, ClassVar, Optional, Sequence
@@ -375,6 +377,46 @@ class Strategy(abc.ABC):
         for variable, value in zip(variables, self.sync_sum(mine)):
             variable.assign(value)
 
+    def broadcast_derived_state(self, model, root: int = 0) -> None:
+        """Called once `model`'s variables hold `root`'s values: what its
+        layers keep besides variables comes from `root` too, then they
+        reload (`reload_derived_state`).
+
+        An adapted vocabulary (`StringLookup`, `TextVectorization`) is an
+        asset, not a variable. Workers that each adapted on their own data
+        can hold different vocabularies of one size, which no shape check
+        sees: a token would have other ids on other workers. Each such
+        layer's asset files travel from `root` (two collectives) and load.
+        """
+        if self.world_size > 1:
+            for layer in _layer_tree(model):
+                if hasattr(layer, "save_assets") and hasattr(layer, "load_assets"):
+                    self._broadcast_assets(layer, root)
+        reload_derived_state(model)
+
+    def _broadcast_assets(self, layer, root: int) -> None:
+        with tempfile.TemporaryDirectory(prefix="kd-assets-") as directory:
+            payload = b""
+            if self.rank == root:
+                layer.save_assets(directory)
+                files = {}
+                for name in sorted(os.listdir(directory)):
+                    with open(os.path.join(directory, name), "rb") as f:
+                        files[name] = f.read().decode("latin-1")
+                payload = json.dumps(files).encode()
+            (size,) = self.sync_sum([np.int64(len(payload))])
+            mine = np.zeros(int(size), np.int32)
+            if self.rank == root:
+                mine[:] = np.frombuffer(payload, np.uint8)
+            (received,) = self.sync_sum([mine])
+            if self.rank == root:
+                return
+            files = json.loads(received.astype(np.uint8).tobytes())
+            for name, content in files.items():
+                with open(os.path.join(directory, name), "wb") as f:
+                    f.write(content.encode("latin-1"))
+            layer.load_assets(directory)
+
     def broadcast_model_state(self, model) -> None:
         """Gives every process process 0's weights and optimizer state (eager).
 
@@ -397,7 +439,7 @@ class Strategy(abc.ABC):
         except TypeError:  # not weak-referenceable: broadcast every time
             pass
         self.broadcast_variables(variables, root=0)
-        reload_derived_state(model)
+        self.broadcast_derived_state(model)
         try:
             memo[model] = key
         except TypeError:

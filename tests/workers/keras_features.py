@@ -286,6 +286,33 @@ def adapted_per_worker():
     return strategy.rank, result
 
 
+def vocabulary_per_worker():
+    """A `StringLookup` each worker adapted on its own words: the same three
+    words, counted in another order, make vocabularies of one size with
+    other ids. After `fit`, every worker's model predicts as a plain one
+    with worker 0's vocabulary and the trained Dense layer."""
+    strategy = kd.strategies.get(FLAGS.strategy)
+    words = tf.constant([["a", "b", "c", "a", "b", "a"][i % 6] for i in range(96)])[:, None]
+    y = np.array([i % 3 for i in range(96)], "int32")
+
+    def graph(order):
+        lookup = keras.layers.StringLookup(output_mode="one_hot")
+        lookup.adapt(tf.constant([w for w, n in zip(order, (3, 2, 1)) for _ in range(n)]))
+        inputs = keras.Input((1,), dtype="string")
+        return inputs, keras.layers.Dense(3)(lookup(inputs))
+
+    mine = ["abc", "cba"][strategy.rank % 2]
+    model = kd.DistributedModel(*graph(mine), strategy=strategy)
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss=_loss())
+    model.fit(words, y, batch_size=BATCH, epochs=1, verbose=0)
+    twin = keras.Model(*graph("abc"))  # worker 0's vocabulary
+    twin.layers[-1].set_weights(model.layers[-1].get_weights())
+    ours = model.predict(words, verbose=0)
+    return strategy.rank, {
+        "vocabulary": model.layers[1].get_vocabulary(), "predict": ours.tolist(),
+        "gap": float(np.abs(ours - twin.predict(words, verbose=0)).max())}
+
+
 def pydataset_workers():
     """A PyDataset read by Keras's enqueuer (`workers=2`), shuffled: per
     epoch, the sum and count of the sample ids every worker trained on."""
