@@ -1,5 +1,5 @@
 """Keras behaviours that must survive `multi_worker` (issue 9), real processes
-(the sparse and ragged inputs under `horovod` too).
+(the `BY_STRATEGY` tests under `horovod` too).
 
 One `keras-distrib launch -n 2` run of tests/workers/keras_features.py runs
 every probe (shared by the tests below); each rank writes its results, and

@@ -46,7 +46,6 @@ import numpy as np
 from keras_distrib import preemption
 from keras_distrib import sharding
 from keras_distrib.callbacks import _common
-from keras_distrib.strategies.base import reload_derived_state
 
 WEIGHTS = "weights.weights.h5"
 STATE = "state.json"
@@ -226,7 +225,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         optimizer = getattr(model, "optimizer", None)
         variables = list(model.weights) + list(getattr(optimizer, "variables", []))
         strategy.broadcast_variables(variables)
-        reload_derived_state(model)
+        strategy.broadcast_derived_state(model)
 
 
 def _backups(directory: str) -> list:

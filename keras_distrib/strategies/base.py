@@ -390,32 +390,19 @@ class Strategy(abc.ABC):
         """
         if self.world_size > 1:
             for layer in _layer_tree(model):
-                if hasattr(layer, "save_assets") and hasattr(layer, "load_assets"):
+                if _has_assets(layer):
                     self._broadcast_assets(layer, root)
         reload_derived_state(model)
 
     def _broadcast_assets(self, layer, root: int) -> None:
-        with tempfile.TemporaryDirectory(prefix="kd-assets-") as directory:
-            payload = b""
-            if self.rank == root:
-                layer.save_assets(directory)
-                files = {}
-                for name in sorted(os.listdir(directory)):
-                    with open(os.path.join(directory, name), "rb") as f:
-                        files[name] = f.read().decode("latin-1")
-                payload = json.dumps(files).encode()
-            (size,) = self.sync_sum([np.int64(len(payload))])
-            mine = np.zeros(int(size), np.int32)
-            if self.rank == root:
-                mine[:] = np.frombuffer(payload, np.uint8)
-            (received,) = self.sync_sum([mine])
-            if self.rank == root:
-                return
-            files = json.loads(received.astype(np.uint8).tobytes())
-            for name, content in files.items():
-                with open(os.path.join(directory, name), "wb") as f:
-                    f.write(content.encode("latin-1"))
-            layer.load_assets(directory)
+        payload = json.dumps(_asset_files(layer)).encode() if self.rank == root else b""
+        (size,) = self.sync_sum([np.int64(len(payload))])
+        mine = np.zeros(int(size), np.int32)
+        if self.rank == root:
+            mine[:] = np.frombuffer(payload, np.uint8)
+        (received,) = self.sync_sum([mine])
+        if self.rank != root:
+            _load_asset_files(layer, json.loads(received.astype(np.uint8).tobytes()))
 
     def broadcast_model_state(self, model) -> None:
         """Gives every process process 0's weights and optimizer state (eager).
@@ -493,15 +480,10 @@ def copy_layer_state(layer, copy) -> None:
         return  # an operation of the graph, not a layer (`keras.ops.cast(x)`): no state
     copy.set_weights(layer.get_weights())
     for part, twin in zip(_layer_tree(layer), _layer_tree(copy), strict=True):
-        if not _has_derived_state(twin):
-            continue
-        store: dict = {}
-        part.save_own_variables(store)
-        twin.load_own_variables(store)
-        if hasattr(part, "save_assets") and hasattr(twin, "load_assets"):
-            with tempfile.TemporaryDirectory(prefix="kd-assets-") as directory:
-                part.save_assets(directory)
-                twin.load_assets(directory)
+        if _has_derived_state(twin):
+            _load_own_variables(twin, part)
+            if _has_assets(part):
+                _load_asset_files(twin, _asset_files(part))
 
 
 def reload_derived_state(model) -> None:
@@ -512,9 +494,34 @@ def reload_derived_state(model) -> None:
     not with those it computed from its own `adapt`."""
     for layer in _layer_tree(model):
         if _has_derived_state(layer):
-            store: dict = {}
-            layer.save_own_variables(store)
-            layer.load_own_variables(store)
+            _load_own_variables(layer, layer)
+
+
+def _load_own_variables(layer, source) -> None:
+    """`layer.load_own_variables` of what `source.save_own_variables` gives."""
+    store: dict = {}
+    source.save_own_variables(store)
+    layer.load_own_variables(store)
+
+
+def _asset_files(layer) -> dict:
+    """The files `layer.save_assets` writes, name -> content (latin-1 text)."""
+    with tempfile.TemporaryDirectory(prefix="kd-assets-") as directory:
+        layer.save_assets(directory)
+        files = {}
+        for name in sorted(os.listdir(directory)):
+            with open(os.path.join(directory, name), "rb") as f:
+                files[name] = f.read().decode("latin-1")
+        return files
+
+
+def _load_asset_files(layer, files: dict) -> None:
+    """`layer.load_assets` of a directory holding `files` (`_asset_files`)."""
+    with tempfile.TemporaryDirectory(prefix="kd-assets-") as directory:
+        for name, content in files.items():
+            with open(os.path.join(directory, name), "wb") as f:
+                f.write(content.encode("latin-1"))
+        layer.load_assets(directory)
 
 
 def _layer_tree(layer) -> list:
@@ -527,7 +534,12 @@ def _layer_tree(layer) -> list:
 def _has_derived_state(layer) -> bool:
     """Keras's adaptable preprocessing layers (`Normalization`,
     `Discretization`, `StringLookup`, `TextVectorization`, ...)."""
-    return hasattr(layer, "finalize_state") or hasattr(layer, "load_assets")
+    return hasattr(layer, "finalize_state") or _has_assets(layer)
+
+
+def _has_assets(layer) -> bool:
+    """Whether `layer` keeps files besides its variables (a vocabulary)."""
+    return hasattr(layer, "save_assets") and hasattr(layer, "load_assets")
 
 
 def np_dtype(variable) -> np.dtype:
@@ -551,6 +563,6 @@ def _aggregation(variable) -> str:
 
 def _read_now(value):
     """`value`, or a variable's current value (a tensor) if it is one."""
-    if isinstance(value, tf.Variable) or hasattr(value, "assign_add"):
+    if hasattr(value, "assign_add"):  # a Keras or TensorFlow variable
         return tf.convert_to_tensor(value)
     return value

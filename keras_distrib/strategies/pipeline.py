@@ -350,11 +350,10 @@ class Pipeline(WorkerReplicas, Strategy):
         outputs, added, rows = [], [], _rows(x)
         for x_part in data_lib.split_batch(x, self.num_micro_batches):
             values = None
-            share = tf.cast(_rows(x_part), tf.float32) / tf.cast(rows, tf.float32)
             for s in range(self.num_stages):
                 with tf.device(self.devices[s]):
                     values = stages.forward(s, x_part if s == 0 else values, training)
-                    added.append(stages.take_added_losses(s, share))
+                    added.append(stages.take_added_losses(s, _share(x_part, rows)))
             outputs.append(values)
         added = [loss for loss in added if loss is not None]
         with tf.device(self.devices[-1]):
@@ -417,8 +416,7 @@ class Pipeline(WorkerReplicas, Strategy):
                             # Losses this stage added (activity regularizers):
                             # differentiated in this stage's tape, one more
                             # target with its own output gradient.
-                            extra = stages.take_added_losses(
-                                s, tf.cast(_rows(x_i), tf.float32) / tf.cast(rows, tf.float32))
+                            extra = stages.take_added_losses(s, _share(x_i, rows))
                             if extra is not None:
                                 added[i].append(extra)
                                 target = [*target, model.optimizer.scale_loss(extra)]
@@ -669,6 +667,11 @@ def _differentiable(tensors: list) -> list:
 def _concat(per_micro_batch: list) -> list:
     """Flat outputs of each micro-batch -> flat outputs of the batch."""
     return [tf.concat(parts, axis=0) for parts in zip(*per_micro_batch)]
+
+
+def _share(x_part, rows):
+    """A micro-batch's rows over the batch's `rows` (float32)."""
+    return tf.cast(_rows(x_part), tf.float32) / tf.cast(rows, tf.float32)
 
 
 def _rows(x):
