@@ -106,11 +106,15 @@ def launched(hvd, tmp_path_factory):
 
     `--n` also proves the script's flags reach it untouched: horovodrun
     itself would reject `--n` as an ambiguous abbreviation of its options.
+    Rank 0 makes a model of its own first (`--rank0_extra_model`), so its
+    layers and model are named `dense_1`, `functional_1`, ... where rank 1's
+    are `dense`, `functional`: Horovod named its collectives after them, and
+    the ranks waited for each other for good.
     """
     out = tmp_path_factory.mktemp("hvd_launch")
     argv = [sys.executable, "-m", "keras_distrib.launch", "launch", "--backend", "horovod",
             "-n", "2", "--timeout", "220", WORKER, "--out", str(out), "--n", "203",
-            "--seed_per_rank"]
+            "--seed_per_rank", "--rank0_extra_model"]
     return _run(argv, out, timeout=240)
 
 
@@ -245,6 +249,8 @@ def test_collectives(trained):
 def test_launch_backend_horovod_trains_like_one_process(launched):
     ranks, output = launched
     assert [r["rank"] for r in ranks] == [0, 1]
+    names = [r["names"] for r in ranks]
+    assert len(names[0]) == len(names[1]) and names[0] != names[1], names
     assert any(not np.allclose(a, b) for a, b in zip(ranks[0]["initial"], ranks[1]["initial"]))
     for got, want in zip(ranks[1]["final"], ranks[0]["final"]):
         np.testing.assert_array_equal(got, want)

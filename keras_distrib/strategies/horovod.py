@@ -9,10 +9,24 @@ predictions, `broadcast_variables` for the initial state, and one
 `allreduce` of the metric variables when epoch or `evaluate` metrics are
 read (`read_summed_metrics`). Keras itself sees the default
 `tf.distribute` strategy: nothing of `tf.distribute` replicates here.
+
+Horovod pairs the collectives of the ranks by name, and by default names a
+traced one after its input tensor, whose name holds the Keras layer's
+(`HorovodGroupedAllreduce_gradient_tape_functional_1_dense_1_...`). Keras
+numbers layer and model names per process, so a rank that made one more
+layer or model before (a chief-only summary model, a second model of a
+sweep) named every collective differently, and all ranks waited for each
+other for good, silently. Every collective traced here is named by its kind
+and its position in the traced function instead (`_collective_name`), the
+same on every rank whatever the Keras names; the broadcast of variables is
+our own traced loop for the same reason (`horovod.tensorflow`'s
+`broadcast_variables` names each broadcast after its variable).
 """
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -30,6 +44,9 @@ NOT_INSTALLED = (
 # Dtypes Horovod 0.28.1's TensorFlow allreduce kernels take (not bfloat16);
 # others travel as a wider dtype and are cast back (see _wire_dtype).
 _ALLREDUCE_DTYPES = {tf.uint8, tf.int8, tf.int32, tf.int64, tf.float16, tf.float32, tf.float64}
+
+# Traced graph -> the count of Horovod collectives named in it so far.
+_NAMED: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
 class HorovodUnavailableError(ImportError, ValueError):
@@ -113,7 +130,8 @@ class Horovod(PerProcessStrategy):
             value = tf.convert_to_tensor(value)
             if value.shape.rank == 0:
                 value = tf.reshape(value, [1])
-            return self._hvd.allgather(value)
+            return self._hvd.allgather(value, name=_collective_name("allgather"),
+                                       ignore_name_scope=True)
 
         return tf.nest.map_structure(gather, per_replica)
 
@@ -142,7 +160,7 @@ class Horovod(PerProcessStrategy):
             else:
                 others.append(v)
         if native:
-            self._hvd.broadcast_variables(native, root_rank=root)
+            _broadcast_in_place(self._hvd, native, root)
         if others:  # e.g. bool: the generic (sum-based) path of the base class
             super().broadcast_variables(others, root)
 
@@ -215,9 +233,38 @@ def _grouped_all_reduce(hvd, tensors: Sequence[Any], op) -> list:
     out: list = [None] * len(tensors)
     for wire, indices in groups.items():
         sent = [tf.cast(tensors[i], wire) for i in indices]
-        summed = hvd.grouped_allreduce(sent, op=hvd.Sum)
+        summed = hvd.grouped_allreduce(sent, op=hvd.Sum, name=_collective_name("sum"),
+                                       ignore_name_scope=True)
         for i, got in zip(indices, summed):
             if kind == "mean":
                 got = got / tf.cast(hvd.size(), wire)
             out[i] = tf.cast(got, tensors[i].dtype)
     return out
+
+
+def _collective_name(kind: str) -> Optional[str]:
+    """The name of a Horovod collective traced now: `kind` and its position
+    among those traced into the same graph (None when eager: Horovod pairs
+    eager collectives in the order they run).
+
+    Tracing runs the same code on every rank, so the n-th collective of a
+    step gets the same name everywhere, unlike a name taken from a tensor
+    (which carries Keras's per-process layer numbering).
+    """
+    if tf.executing_eagerly():
+        return None
+    graph = tf.compat.v1.get_default_graph()
+    counter = _NAMED.setdefault(graph, itertools.count())
+    return f"kd_{kind}_{next(counter)}"
+
+
+def _broadcast_in_place(hvd, variables: Sequence[tf.Variable], root: int) -> None:
+    """Sets every variable to its value on rank `root`: one traced function,
+    its broadcasts named by position (`_collective_name`)."""
+    @tf.function(autograph=False)
+    def broadcast():
+        for variable in variables:
+            variable.assign(hvd.broadcast(variable, root, name=_collective_name("broadcast"),
+                                          ignore_name_scope=True))
+
+    broadcast()

@@ -8,7 +8,9 @@ produced.
 
 Modes:
   default    strategy "horovod"; with --seed_per_rank every rank starts from
-             different random weights (the broadcast must make them equal).
+             different random weights (the broadcast must make them equal);
+             with --rank0_extra_model rank 0's Keras names differ from the
+             others' (the collectives must still pair up).
   --control  no strategy: plain "single" on this rank's shard of the data,
              every rank from the same initial weights (they must diverge).
 """
@@ -38,6 +40,9 @@ flags.DEFINE_integer("seed", 100, "Seed of the initial weights (of rank 0).")
 flags.DEFINE_bool("seed_per_rank", False, "Rank r builds its weights from seed + r.")
 flags.DEFINE_bool("control", False, "Train plain 'single' on this rank's shard.")
 flags.DEFINE_integer("validation", 0, "Validate on the first N samples during fit.")
+flags.DEFINE_bool("rank0_extra_model", False,
+                  "Rank 0 makes a model of its own first, so Keras numbers its layer and "
+                  "model names differently from the other ranks'.")
 
 
 def collectives(strategy):
@@ -83,6 +88,9 @@ def main(argv):
     x, y = make_data(FLAGS.samples)
     seed = FLAGS.seed + (rank if FLAGS.seed_per_rank else 0)
     broadcasts = []
+    if FLAGS.rank0_extra_model and rank == 0:
+        inputs = keras.Input((3,))
+        kd.DistributedModel(inputs, keras.layers.Dense(1)(inputs), strategy="single")
     broadcast = hvd_strategy.broadcast_variables
     hvd_strategy.broadcast_variables = lambda v, root=0: (broadcasts.append(len(v)), broadcast(v, root))
     model = build("functional", "single" if FLAGS.control else hvd_strategy, seed=seed)
@@ -102,6 +110,7 @@ def main(argv):
         "num_replicas": hvd_strategy.num_replicas,
         "history": history.history,
         "iterations": int(model.optimizer.iterations.numpy()),
+        "names": [model.name] + [w.path for w in model.weights],
     }
     arrays = {f"initial_{i}": w for i, w in enumerate(initial)}
     arrays.update({f"final_{i}": w for i, w in enumerate(model.get_weights())})
