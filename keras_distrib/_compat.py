@@ -279,6 +279,50 @@ def wrap_optimizer_all_reduce(optimizer, wrapper) -> None:
     optimizer._all_reduce_sum_gradients = replaced
 
 
+def sum_gradients_across_replicas(optimizer, grads_and_vars) -> list:
+    """Keras's own sum of gradients across the replicas of a replica context
+    (`TFOptimizer._all_reduce_sum_gradients`, with `wrap_optimizer_all_reduce`'s
+    switch: our step's already reduced gradients pass through unchanged)."""
+    return optimizer._all_reduce_sum_gradients(grads_and_vars)
+
+
+def apply_loss_scaled(optimizer, grads, variables) -> None:
+    """A `LossScaleOptimizer`'s update in a cross-replica context.
+
+    Its `apply` refuses that context (keras/src/optimizers/loss_scale_optimizer.py,
+    `_tf_apply`) for strategies whose replicas update variables themselves;
+    `_common_apply` is the backend-neutral update it runs without one:
+    skip or apply, then adjust the scale.
+    """
+    optimizer._common_apply(grads, trainable_variables=variables)
+
+
+@contextlib.contextmanager
+def updates_in_cross_replica_context(engine):
+    """Lets Keras's optimizer update variables from `engine`'s cross-replica context.
+
+    Keras 3's TF optimizer reaches the cross-replica context through
+    `tf.__internal__.distribute.interim.maybe_merge_call`, which, for a
+    strategy that uses merge calls, asks the *replica* context for one: in
+    the cross-replica context there is none ("'NoneType' object has no
+    attribute 'merge_call'"). With `extended._use_merge_call()` False it
+    calls the update directly, which is what the cross-replica context
+    needs (TensorFlow's own strategy tests set it so:
+    tensorflow/python/distribute/strategy_combinations.py). Trace time only.
+    """
+    extended = engine.extended
+    had_own = "_use_merge_call" in vars(extended)
+    previous = vars(extended).get("_use_merge_call")
+    extended._use_merge_call = lambda: False
+    try:
+        yield
+    finally:
+        if had_own:
+            extended._use_merge_call = previous
+        else:
+            del extended._use_merge_call
+
+
 def add_through_tensorflow(variable) -> None:
     """Makes `variable.assign_add(v)` TensorFlow's own `assign_add`.
 

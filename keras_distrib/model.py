@@ -787,6 +787,7 @@ def _adopt_optimizer(optimizer, strategy: Strategy):
     for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
         if opt is not None:
             _install_reduction_switch(opt)
+    strategy.adopt_optimizer(optimizer)
     return optimizer
 
 

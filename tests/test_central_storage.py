@@ -1,7 +1,9 @@
 """`central_storage`: variables on one device, 2 replicas == one device."""
 
+import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import keras_distrib as kd
 from helpers import assert_trains_like_single, build, make_data
@@ -27,6 +29,54 @@ def test_matches_single(form, data):
     assert all(strategy.holds(v) for v in central.variables)
     assert {v.value.device for v in central.trainable_variables} == {
         "/job:localhost/replica:0/task:0/device:CPU:0"}
+
+
+_OPTIMIZERS = {
+    "nadam": lambda: keras.optimizers.Nadam(0.01),
+    "ema": lambda: keras.optimizers.SGD(0.1, use_ema=True, ema_momentum=0.9),
+    "loss_scale": lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01)),
+    "muon": lambda: keras.optimizers.Muon(0.01),
+}
+
+
+class GuideStepModel(kd.DistributedModel):
+    """The train_step of Keras's guide: the optimizer is called by the user."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(y=y, y_pred=self(x, training=True))
+            scaled = self.optimizer.scale_loss(loss)  # a LossScaleOptimizer's scale
+        self.optimizer.apply(tape.gradient(scaled, self.trainable_variables),
+                             self.trainable_variables)
+        return {"loss": loss}
+
+
+@pytest.mark.parametrize("custom_step", [False, True], ids=["our_step", "guide_step"])
+@pytest.mark.parametrize("name", sorted(_OPTIMIZERS))
+def test_optimizers_that_assign_their_own_variables(name, custom_step, data):
+    """Nadam (its u_product), Muon, EMA copies and a LossScaleOptimizer's
+    scale assign variables of their own in the replica context; on one
+    aggregating copy that failed ("You must specify an aggregation method
+    to update a AggregatingVariable in Replica Context"). The update now
+    runs once, from the cross-replica context, as on one device."""
+    x, y = data
+    if custom_step:  # Keras's custom steps average per replica: equal shares only
+        x, y = x[:192], y[:192]
+    plain = build("functional", "single", compile_model=False)
+    central = (GuideStepModel(plain.inputs, plain.outputs, strategy="central_storage")
+               if custom_step else build("functional", "central_storage", compile_model=False))
+    central.set_weights(plain.get_weights())
+    for model in (plain, central):
+        model.compile(optimizer=_OPTIMIZERS[name](),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    assert int(central.optimizer.iterations.numpy()) == EPOCHS * (6 if custom_step else 7)
+    for a, b in zip(plain.get_weights(), central.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    for a, b in zip(plain.optimizer.variables, central.optimizer.variables):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0,
+                                   err_msg=a.path)
 
 
 def test_metrics_accumulate_over_batches(data):

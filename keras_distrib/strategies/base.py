@@ -444,6 +444,11 @@ class Strategy(abc.ABC):
             seed = int(tf.random.uniform([], 0, 2**31 - 1, dtype=tf.int64))
         return int(self.sync_sum([np.int64(seed if self.is_chief else 0)])[0])
 
+    def adopt_optimizer(self, optimizer) -> None:
+        """Called by `compile` with the optimizer (made under `scope()`) before
+        Keras sees it; strategies that must change how it applies updates
+        do it here."""
+
     def sync_initial_state(self, model) -> None:
         """Makes every replica start from the same weights (after builds).
 

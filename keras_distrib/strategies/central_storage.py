@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import keras
 import tensorflow as tf
 
 from keras_distrib import _compat
@@ -48,6 +49,48 @@ class CentralStorage(TFDistributeStrategy):
         super().__init__(tf.distribute.experimental.CentralStorageStrategy(
             compute_devices=compute, parameter_device=parameters))
         self.parameter_device = parameters
+
+    def adopt_optimizer(self, optimizer) -> None:
+        """Makes the optimizer apply its update once, in the cross-replica context.
+
+        Here every variable is one `AggregatingVariable` on the parameter
+        device, which a replica may assign only through an aggregation, and
+        Keras's optimizers assign some of theirs in the replica context with
+        none: Nadam's `u_product`, Muon's, the EMA copies (`use_ema=True`),
+        a LossScaleOptimizer's scale and counter (the last inside a
+        `tf.cond`, where a replica cannot hand over to the cross-replica
+        context at all). All failed with TensorFlow's "You must specify an
+        aggregation method to update a AggregatingVariable in Replica
+        Context". So `apply`, called in a replica context, sums the
+        gradients across replicas as Keras does (not again when our step
+        has), then runs the whole update once from the cross-replica
+        context (`merge_call`), as Keras 2's optimizers did under
+        tf.distribute: every assignment there goes straight to the one copy.
+        """
+        keras_apply = optimizer.apply
+
+        def apply(grads, trainable_variables=None):
+            context = tf.distribute.get_replica_context()
+            if (context is None or trainable_variables is None
+                    or context.strategy is not self.tf_strategy):
+                return keras_apply(grads, trainable_variables)
+            variables = list(trainable_variables)
+            summed = [g for g, _ in _compat.sum_gradients_across_replicas(
+                optimizer, list(zip(grads, variables)))]
+
+            def update_once(engine, per_replica):
+                # Every replica holds the same sum: take the first one's.
+                first = [None if g is None else engine.experimental_local_results(g)[0]
+                         for g in per_replica]
+                with _compat.updates_in_cross_replica_context(engine):
+                    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+                        _compat.apply_loss_scaled(optimizer, first, variables)
+                    else:
+                        keras_apply(first, variables)
+
+            context.merge_call(update_once, args=(summed,))
+
+        optimizer.apply = apply
 
     def sync_initial_state(self, model) -> None:
         # Metric variables are single aggregating copies here: their
