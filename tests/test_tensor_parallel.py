@@ -181,6 +181,51 @@ def test_adam_slots_live_with_their_shards_and_match_single(data):
         assert slot_bytes - 2 * weight_bytes in (0, counters), device
 
 
+_CLIPPING = {
+    "adam": lambda: keras.optimizers.Adam(0.01, clipnorm=0.02),
+    "loss_scale": lambda: keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.Adam(0.01, clipnorm=0.02)),
+    "sgd": lambda: keras.optimizers.SGD(0.5, clipnorm=0.05),
+}
+
+
+@pytest.mark.parametrize("model_kind,optimizer", [
+    ("mlp", "adam"), ("mlp", "loss_scale"), ("embedding", "sgd")])
+def test_clipnorm_clips_a_split_variable_by_its_whole_norm(model_kind, optimizer, data):
+    """Keras clips each variable by its own norm; each part of a split
+    kernel was clipped by the part's (3e-2 off one device). The embedding's
+    gradients are sparse (IndexedSlices)."""
+    def compiled(strategy):
+        if model_kind == "mlp":
+            model = build("functional", strategy, compile_model=False)
+        else:
+            model = _embedding_model(strategy)
+        model.compile(optimizer=_CLIPPING[optimizer](),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    x, y = data if model_kind == "mlp" else _sequence_data()
+    model = compiled("tensor_parallel")
+    assert len(model.strategy.plan().kinds) >= 2 and "column" in model.strategy.plan().kinds.values()
+    single = compiled("single")
+    single.set_weights(model.get_weights())
+    assert_matches_single(single, model, x, y, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["Adafactor", "Lamb", "Muon"])
+def test_optimizers_reading_whole_variables_are_one_line_errors(name, data):
+    x, y = data
+    model = build("functional", "tensor_parallel",
+                  optimizer=getattr(keras.optimizers, name)(learning_rate=0.01))
+    with pytest.raises(ValueError, match=f"optimizer {name} updates each variable") as error:
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    assert "\n" not in str(error.value) and "element-wise optimizer" in str(error.value)
+    # Kept whole, the same layers train with it.
+    whole = build("functional", tensor_parallel(layout={".*": "whole"}),
+                  optimizer=getattr(keras.optimizers, name)(learning_rate=0.01))
+    whole.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+
+
 def test_sequential_from_model_matches_single(data):
     x, y = data
 

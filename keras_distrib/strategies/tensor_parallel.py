@@ -228,8 +228,59 @@ class TensorParallel(WorkerReplicas, Strategy):
         _OptimizerFiles.install(model)
         super().sync_initial_state(model)  # the broadcast from worker 0, if hybrid
 
+    def adopt_optimizer(self, optimizer) -> None:
+        """Makes `clipnorm` clip each split variable by its whole norm.
+
+        Keras clips each variable's gradient by that variable's own norm; the
+        parts of a split kernel are variables of their own, so each part
+        was clipped by its part's norm (weights 3e-2 off one device with
+        Adam(clipnorm=0.02) in 3 epochs). Before Keras's update, the parts'
+        gradients are clipped together by their joint norm (the whole
+        variable's), with the formula of `tf.clip_by_norm` that Keras uses;
+        Keras's own clip then finds each part within the limit. Also for a
+        LossScaleOptimizer's and a MultiOptimizer's inner optimizers, and in
+        custom train steps (it wraps `apply`).
+        """
+        for opt in _optimizers_in(optimizer):
+            opt.apply = self._clipping_split_norms(opt, opt.apply)
+
+    def _clipping_split_norms(self, optimizer, keras_apply):
+        def apply(grads, trainable_variables=None):
+            if optimizer.clipnorm and trainable_variables is not None:
+                grads = _clip_by_joint_norms(grads, list(trainable_variables),
+                                             self._split_groups(), optimizer.clipnorm)
+            return keras_apply(grads, trainable_variables)
+
+        return apply
+
+    def _split_groups(self) -> list[list]:
+        """The variables of each split kernel, embedding or bias, part by part."""
+        groups = []
+        for layer in list(self._laid_out):
+            split = _Split.of(layer)
+            if split is not None:
+                groups += [shards for shards, axis in split.groups if axis is not None]
+        return groups
+
+    def _check_optimizer(self, model) -> None:
+        """A one-line error for optimizers whose update reads whole variables."""
+        if not self._split_groups():
+            return
+        for opt in _optimizers_in(getattr(model, "optimizer", None)):
+            name = next((c.__name__ for c in type(opt).__mro__
+                         if c.__name__ in _WHOLE_VARIABLE_OPTIMIZERS), None)
+            if name:
+                raise ValueError(
+                    f"strategy='tensor_parallel': optimizer {name} updates each variable from "
+                    f"statistics of the whole variable ({_WHOLE_VARIABLE_OPTIMIZERS[name]}), "
+                    "which on a split kernel would be each part's and differ from one device; "
+                    "use an element-wise optimizer (SGD, Adam, AdamW, Nadam, RMSprop, Lion, ...), "
+                    "or keep the split layers whole with layout={'<layer name pattern>': 'whole'}."
+                )
+
     def make_step_function(self, model, step_fn: Callable, keras_make_function: Callable):
         self._check_laid_out(model)
+        self._check_optimizer(model)
         _OptimizerFiles.install(model)
         model.compile_replicas_separately(False)
         if self.world_size > 1 and model.steps_per_execution > 1:
@@ -317,6 +368,69 @@ class TensorParallel(WorkerReplicas, Strategy):
 # -- split layers -----------------------------------------------------------------------
 
 _SAME_ARCHITECTURE = "pass the get_weights() of a model of the same architecture"
+
+
+# Keras optimizers whose update of a variable reads statistics of the whole
+# variable, not of each element alone: name -> what it reads.
+_WHOLE_VARIABLE_OPTIMIZERS = {
+    "Adafactor": "factored second moments and the update's RMS",
+    "Lamb": "the trust ratio of the variable's and the update's norms",
+    "Muon": "the orthogonalization of the whole matrix",
+}
+
+
+def _optimizers_in(optimizer) -> list:
+    """`optimizer` and the optimizers it applies through (a LossScaleOptimizer's
+    inner one, a MultiOptimizer's), each once."""
+    found: list = []
+    pending = [optimizer]
+    while pending:
+        opt = pending.pop()
+        if opt is None or any(opt is seen for seen in found):
+            continue
+        found.append(opt)
+        pending.append(getattr(opt, "inner_optimizer", None))
+        if isinstance(opt, _keras().optimizers.MultiOptimizer):
+            pending += list(opt.optimizers)
+    return found
+
+
+def _clip_by_joint_norms(grads, variables, groups, clipnorm) -> list:
+    """`grads` (one per variable) with the gradients of each group of parts
+    scaled by `clipnorm / max(joint norm, clipnorm)`, as `tf.clip_by_norm`
+    scales a whole variable's (`values * clip_norm / maximum(l2norm, clip_norm)`,
+    a zero norm left zero). Sparse gradients count their values' rows, as
+    `tf.clip_by_norm` counts an `IndexedSlices`'s."""
+    grads = list(grads)
+    position = {id(v): i for i, v in enumerate(variables)}
+    for parts in groups:
+        where = [position.get(id(v)) for v in parts]
+        if None in where or any(grads[i] is None for i in where):
+            continue
+        squares = [tf.reduce_sum(tf.square(_values(grads[i]))) for i in where]
+        with tf.device(squares[0].device):
+            l2sum = tf.add_n(squares)
+            positive = l2sum > 0
+            l2norm = tf.where(positive, tf.sqrt(tf.where(positive, l2sum, tf.ones_like(l2sum))),
+                              l2sum)
+            limit = tf.cast(clipnorm, l2norm.dtype)
+            denominator = tf.maximum(l2norm, limit)
+        for i in where:
+            grads[i] = _clipped(grads[i], limit, denominator)
+    return grads
+
+
+def _values(gradient):
+    return gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+
+
+def _clipped(gradient, limit, denominator):
+    def scale(values):
+        return values * tf.cast(limit, values.dtype) / tf.cast(denominator, values.dtype)
+
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(scale(gradient.values), gradient.indices, gradient.dense_shape)
+    return scale(gradient)
 
 
 def _whole_entries(model) -> list:
