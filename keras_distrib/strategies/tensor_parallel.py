@@ -45,8 +45,14 @@ built its layers (`place_built`): its direct Dense / Embedding layers, in
 the order it tracks them; layers nested in other layers stay whole on the
 first device.
 
+The optimizer updates each part as its own variable, which equals one
+device's update for element-wise optimizers; `clipnorm` is applied to the
+parts together (`adopt_optimizer`).
+
 Not supported: `jit_compile` (XLA compiles for one device; the step runs
-without it).
+without it); optimizers whose update reads statistics of the whole
+variable (Adafactor, Lamb, Muon) while any layer is split, a one-line
+error at `fit`.
 """
 
 from __future__ import annotations
