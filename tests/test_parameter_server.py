@@ -304,6 +304,8 @@ def test_bad_input_gives_one_line_errors(tmp_path):
     assert "pass steps_per_epoch= to fit" in report["endless"]
     assert "the dataset repeats forever" in report["endless"]
     assert "class_weight is not supported" in report["class_weight"]
+    assert "Muon(weight_decay=None, adam_weight_decay=None)" in report["muon"]
+    assert report.pop("muon_without_decay") is None  # it trains
     for message in report.values():
         assert "\n" not in message
 

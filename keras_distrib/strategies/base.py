@@ -457,6 +457,24 @@ class Strategy(abc.ABC):
         """
 
 
+def optimizers_in(optimizer) -> list:
+    """`optimizer` and the optimizers it applies through (a LossScaleOptimizer's
+    inner one, a MultiOptimizer's), each once."""
+    import keras  # by now imported (a compiled model exists)
+
+    found: list = []
+    pending = [optimizer]
+    while pending:
+        opt = pending.pop()
+        if opt is None or any(opt is seen for seen in found):
+            continue
+        found.append(opt)
+        pending.append(getattr(opt, "inner_optimizer", None))
+        if isinstance(opt, keras.optimizers.MultiOptimizer):
+            pending += list(opt.optimizers)
+    return found
+
+
 def copy_layer_weights(source, clone) -> None:
     """Gives each layer of `clone` (a copy of `source`'s graph) the weights of
     the same layer of `source`, layer by layer: a layer split by

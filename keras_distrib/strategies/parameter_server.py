@@ -41,7 +41,7 @@ from keras_distrib import per_worker_input
 from keras_distrib import runtime
 from keras_distrib import sharded_variables
 from keras_distrib.scheduled_training import ScheduledTraining
-from keras_distrib.strategies.base import Strategy
+from keras_distrib.strategies.base import Strategy, optimizers_in
 from keras_distrib.topology import Topology
 
 
@@ -158,6 +158,25 @@ class ParameterServer(Strategy):
                     "TensorBoard(profile_batch=...) profiles the chief, but under "
                     "strategy='parameter_server' the steps run on the workers; pass "
                     "profile_batch=0 (and profile a worker with tf.profiler.experimental.client).")
+
+    def adopt_optimizer(self, optimizer) -> None:
+        """A one-line error for Muon with weight decay.
+
+        Muon decays the weights with Keras-level assignments
+        (`variable.assign(...)` in its own `_apply_weight_decay`), which
+        inside a closure's `StatelessScope` become the scope's values: the
+        update then read a weight as a tensor and failed inside TensorFlow
+        ("You can not update `var` <tf.Tensor 'while/muon/Sub:0' ...>. It
+        must be a Variable."). Muon without weight decay trains here.
+        """
+        for opt in optimizers_in(optimizer):
+            if (any(c.__name__ == "Muon" for c in type(opt).__mro__)
+                    and (opt.weight_decay or getattr(opt, "adam_weight_decay", None))):
+                raise ValueError(
+                    "strategy='parameter_server' cannot apply Muon's weight decay (Muon "
+                    "assigns the weights through Keras variables, which a parameter-server "
+                    "step does not apply); pass Muon(weight_decay=None, adam_weight_decay=None), "
+                    "or use AdamW.")
 
     # -- execution --------------------------------------------------------------------
 

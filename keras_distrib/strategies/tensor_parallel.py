@@ -70,7 +70,7 @@ from keras_distrib import _compat
 from keras_distrib import devices as devices_lib
 from keras_distrib import tensor_layout
 from keras_distrib.strategies import lockstep
-from keras_distrib.strategies.base import Strategy, copy_layer_state
+from keras_distrib.strategies.base import Strategy, copy_layer_state, optimizers_in
 from keras_distrib.strategies.hybrid import WorkerReplicas
 from keras_distrib.topology import Topology
 
@@ -247,7 +247,7 @@ class TensorParallel(WorkerReplicas, Strategy):
         LossScaleOptimizer's and a MultiOptimizer's inner optimizers, and in
         custom train steps (it wraps `apply`).
         """
-        for opt in _optimizers_in(optimizer):
+        for opt in optimizers_in(optimizer):
             opt.apply = self._clipping_split_norms(opt, opt.apply)
 
     def _clipping_split_norms(self, optimizer, keras_apply):
@@ -272,7 +272,7 @@ class TensorParallel(WorkerReplicas, Strategy):
         """A one-line error for optimizers whose update reads whole variables."""
         if not self._split_groups():
             return
-        for opt in _optimizers_in(getattr(model, "optimizer", None)):
+        for opt in optimizers_in(getattr(model, "optimizer", None)):
             name = next((c.__name__ for c in type(opt).__mro__
                          if c.__name__ in _WHOLE_VARIABLE_OPTIMIZERS), None)
             if name:
@@ -383,22 +383,6 @@ _WHOLE_VARIABLE_OPTIMIZERS = {
     "Lamb": "the trust ratio of the variable's and the update's norms",
     "Muon": "the orthogonalization of the whole matrix",
 }
-
-
-def _optimizers_in(optimizer) -> list:
-    """`optimizer` and the optimizers it applies through (a LossScaleOptimizer's
-    inner one, a MultiOptimizer's), each once."""
-    found: list = []
-    pending = [optimizer]
-    while pending:
-        opt = pending.pop()
-        if opt is None or any(opt is seen for seen in found):
-            continue
-        found.append(opt)
-        pending.append(getattr(opt, "inner_optimizer", None))
-        if isinstance(opt, _keras().optimizers.MultiOptimizer):
-            pending += list(opt.optimizers)
-    return found
 
 
 def _clip_by_joint_norms(grads, variables, groups, clipnorm) -> list:

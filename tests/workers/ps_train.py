@@ -273,6 +273,16 @@ elif MODE == "errors":
     report["endless"] = error_of(lambda: model.fit(endless, epochs=1, verbose=0))
     report["class_weight"] = error_of(lambda: model.fit(
         x, y, epochs=1, verbose=0, class_weight={0: 2.0}))
+    report["muon"] = error_of(lambda: model.compile(
+        optimizer=keras.optimizers.Muon(0.01), loss="sparse_categorical_crossentropy"))
+
+    def muon_without_decay():
+        model.compile(optimizer=keras.optimizers.Muon(0.01, weight_decay=None,
+                                                      adam_weight_decay=None),
+                      loss="sparse_categorical_crossentropy")
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+
+    report["muon_without_decay"] = error_of(muon_without_decay)
 
 with open(OUT, "w") as f:
     json.dump(report, f, default=str)
