@@ -37,7 +37,7 @@ from keras_distrib import saving
 from keras_distrib import step_call
 from keras_distrib import strategies
 from keras_distrib.strategies import registry
-from keras_distrib.strategies.base import Strategy
+from keras_distrib.strategies.base import Strategy, optimizers_in
 
 _compat.warn_if_untested()
 _compat.check_hooks()
@@ -784,9 +784,10 @@ def _adopt_optimizer(optimizer, strategy: Strategy):
             )
         with strategy.scope():
             optimizer = type(optimizer).from_config(optimizer.get_config())
-    for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
-        if opt is not None:
-            _install_reduction_switch(opt)
+    # Every optimizer that applies gradients: a LossScaleOptimizer's inner
+    # one and a MultiOptimizer's each reduce them again otherwise.
+    for opt in optimizers_in(optimizer):
+        _install_reduction_switch(opt)
     strategy.adopt_optimizer(optimizer)
     return optimizer
 

@@ -76,6 +76,27 @@ def test_mixed_float16_applies_every_step_plain_keras_applies(mixed_float16):
     _close(plain, model, atol=1e-4)
 
 
+def test_a_multi_optimizer_applies_gradients_reduced_once():
+    """A MultiOptimizer's sub-optimizers each reduced the (already reduced)
+    gradients across replicas again: 0.1 off one device in 2 epochs."""
+    def multi():
+        by_path = keras.optimizers.OptimizerMap(default_optimizer=keras.optimizers.SGD(0.1))
+        by_path["hidden.*"] = keras.optimizers.Adam(0.01)
+        return keras.optimizers.MultiOptimizer(by_path)
+
+    def graph():
+        inputs = keras.Input((8,))
+        h = keras.layers.Dense(16, activation="relu", name="hidden")(inputs)
+        return inputs, keras.layers.Dense(3, name="logits")(h)
+
+    x, y = _data()
+    plain, model = _twins(graph)
+    for m in (plain, model):
+        m.compile(optimizer=multi(), loss=_loss())
+        m.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    _close(plain, model)
+
+
 # -- item 8: functional model with a custom train_step ------------------------------
 
 
