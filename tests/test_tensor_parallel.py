@@ -348,19 +348,33 @@ def test_files_hold_whole_variables_plain_keras_loads_and_back(name, data, tmp_p
         np.testing.assert_allclose(loaded.predict(x, verbose=0), expected, atol=1e-6)
 
 
-def test_optimizer_state_is_saved_whole_and_plain_keras_continues_from_it(data, tmp_path):
-    """Adam's slots live per shard, but files hold the plain model's slots."""
+def _adam():
+    return keras.optimizers.Adam(0.01)
+
+
+def _adam_by_layer():
+    """A MultiOptimizer: Adam for the hidden layer, Adam with another rate for the rest."""
+    by_path = keras.optimizers.OptimizerMap(default_optimizer=keras.optimizers.Adam(0.005))
+    by_path["hidden.*"] = keras.optimizers.Adam(0.01)
+    return keras.optimizers.MultiOptimizer(by_path)
+
+
+@pytest.mark.parametrize("optimizer", [_adam, _adam_by_layer])
+def test_optimizer_state_is_saved_whole_and_plain_keras_continues_from_it(
+        optimizer, data, tmp_path):
+    """Adam's slots live per shard, but files hold the plain model's slots
+    (a MultiOptimizer's sub-optimizers' too: each saves its own)."""
     x, y = data
     fit = dict(batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    model = build("functional", "tensor_parallel", optimizer=keras.optimizers.Adam(0.01))
+    model = build("functional", "tensor_parallel", optimizer=optimizer())
     model.fit(x, y, **fit)
     path = str(tmp_path / "m.keras")
     model.save(path)
     plain = plain_model(seed=99)
-    plain.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
+    plain.compile(optimizer=optimizer(), loss=loss)
     plain.optimizer.build(plain.trainable_variables)
-    fresh = build("functional", "tensor_parallel", seed=5, optimizer=keras.optimizers.Adam(0.01))
+    fresh = build("functional", "tensor_parallel", seed=5, optimizer=optimizer())
     fresh.fit(x[:BATCH], y[:BATCH], **fit)  # builds its optimizer
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # Keras warns when it skips optimizer state

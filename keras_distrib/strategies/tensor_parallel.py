@@ -670,10 +670,11 @@ class _OptimizerFiles:
 
     @classmethod
     def install(cls, model) -> None:
-        optimizer = getattr(model, "optimizer", None)
         splits = [s for s in (_Split.of(layer) for layer in model.layers) if s is not None]
-        for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
-            if opt is None or opt in cls._HOOKED or not splits:
+        # Keras saves each of these on its own (a LossScaleOptimizer's inner
+        # one, a MultiOptimizer's and its sub-optimizers: each their `variables`).
+        for opt in optimizers_in(getattr(model, "optimizer", None)):
+            if opt in cls._HOOKED or not splits:
                 continue
             files = cls(opt, splits)
             object.__setattr__(opt, "save_own_variables", files.save_own_variables)
