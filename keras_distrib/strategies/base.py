@@ -475,6 +475,13 @@ def optimizers_in(optimizer) -> list:
     return found
 
 
+def keras_class_among(optimizer, names) -> Optional[str]:
+    """The first of `optimizer`'s classes (its own, then its bases) whose name
+    is in `names`, else None: Keras's optimizer classes by name, so that a
+    subclass counts and an optimizer this Keras lacks needs no import."""
+    return next((c.__name__ for c in type(optimizer).__mro__ if c.__name__ in names), None)
+
+
 def copy_layer_weights(source, clone) -> None:
     """Gives each layer of `clone` (a copy of `source`'s graph) the weights of
     the same layer of `source`, layer by layer: a layer split by

@@ -41,7 +41,7 @@ from keras_distrib import per_worker_input
 from keras_distrib import runtime
 from keras_distrib import sharded_variables
 from keras_distrib.scheduled_training import ScheduledTraining
-from keras_distrib.strategies.base import Strategy, optimizers_in
+from keras_distrib.strategies.base import Strategy, keras_class_among, optimizers_in
 from keras_distrib.topology import Topology
 
 
@@ -170,7 +170,7 @@ class ParameterServer(Strategy):
         must be a Variable."). Muon without weight decay trains here.
         """
         for opt in optimizers_in(optimizer):
-            if (any(c.__name__ == "Muon" for c in type(opt).__mro__)
+            if (keras_class_among(opt, ("Muon",))
                     and (opt.weight_decay or getattr(opt, "adam_weight_decay", None))):
                 raise ValueError(
                     "strategy='parameter_server' cannot apply Muon's weight decay (Muon "

@@ -70,7 +70,8 @@ from keras_distrib import _compat
 from keras_distrib import devices as devices_lib
 from keras_distrib import tensor_layout
 from keras_distrib.strategies import lockstep
-from keras_distrib.strategies.base import Strategy, copy_layer_state, optimizers_in
+from keras_distrib.strategies.base import (Strategy, copy_layer_state, keras_class_among,
+                                           optimizers_in)
 from keras_distrib.strategies.hybrid import WorkerReplicas
 from keras_distrib.topology import Topology
 
@@ -273,8 +274,7 @@ class TensorParallel(WorkerReplicas, Strategy):
         if not self._split_groups():
             return
         for opt in optimizers_in(getattr(model, "optimizer", None)):
-            name = next((c.__name__ for c in type(opt).__mro__
-                         if c.__name__ in _WHOLE_VARIABLE_OPTIMIZERS), None)
+            name = keras_class_among(opt, _WHOLE_VARIABLE_OPTIMIZERS)
             if name:
                 raise ValueError(
                     f"strategy='tensor_parallel': optimizer {name} updates each variable from "
