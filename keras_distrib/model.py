@@ -21,6 +21,7 @@ import inspect
 import itertools
 import os
 import threading
+import warnings
 from typing import Union
 
 import keras
@@ -182,6 +183,7 @@ class DistributedModel(keras.Model):
         arguments.pop("self")
         arguments.update(arguments.pop("kwargs", {}))
         _check_steps_per_execution(arguments.get("steps_per_execution", 1))
+        _jit_compile_if_possible(arguments, self._strategy)
         with self._strategy.scope():
             arguments["optimizer"] = _adopt_optimizer(
                 keras.optimizers.get(arguments["optimizer"]), self._strategy)
@@ -740,6 +742,19 @@ def _check_steps_per_execution(steps) -> None:
             f"steps_per_execution={steps!r} must be an integer >= 1 (training steps "
             "per call of the compiled function; 1 is the default)."
         )
+
+
+def _jit_compile_if_possible(arguments: dict, strategy: Strategy) -> None:
+    """Sets `jit_compile` False in `compile`'s arguments where the strategy's
+    step cannot be compiled by XLA (`Strategy.without_xla`), warning when it
+    was asked for explicitly."""
+    reason = strategy.without_xla()
+    if reason is None or arguments.get("jit_compile", "auto") is False:
+        return
+    if arguments.get("jit_compile", "auto") is True:
+        warnings.warn(f"jit_compile=True is not possible with strategy={strategy.name!r}: "
+                      f"{reason}; proceeding with jit_compile=False.", stacklevel=3)
+    arguments["jit_compile"] = False
 
 
 def _unscale_replica_loss(loss):

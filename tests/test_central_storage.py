@@ -79,6 +79,38 @@ def test_optimizers_that_assign_their_own_variables(name, custom_step, data):
                                    err_msg=a.path)
 
 
+def test_jit_compile_true_runs_without_xla_and_says_why(data):
+    """XLA cannot read variables on another device than the replica's: the
+    first step failed ("Trying to access resource ... located in device
+    CPU:0 from device CPU:1"); Keras's jit_compile="auto" asks for XLA on
+    GPU machines. Now the step runs without XLA, with a warning for True."""
+    x, y = data
+    plain = build("functional", "single", jit_compile=True)
+    central = build("functional", "central_storage", compile_model=False)
+    central.set_weights(plain.get_weights())
+    with pytest.warns(UserWarning, match=r"jit_compile=True is not possible with "
+                      r"strategy='central_storage': XLA cannot read the variables"):
+        central.compile(optimizer=keras.optimizers.SGD(0.1), jit_compile=True,
+                        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    assert central.jit_compile is False
+    for model in (plain, central):
+        model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    for a, b in zip(plain.get_weights(), central.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(plain.predict(x, verbose=0), central.predict(x, verbose=0),
+                               atol=1e-5)
+
+
+def test_jit_compile_with_variables_on_the_one_compute_device(data):
+    """Where the one replica computes beside the variables, XLA compiles its step."""
+    strategy = kd.strategies.get("central_storage", compute_devices=["/cpu:1"],
+                                 parameter_device="/cpu:1")
+    model = build("functional", strategy, jit_compile=True)
+    assert model.jit_compile is True
+    x, y = data
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+
+
 def test_metrics_accumulate_over_batches(data):
     """Keras adds to metric variables by assign(self + v); on one aggregating
     copy for two replicas that would count the running total twice."""

@@ -100,6 +100,21 @@ def test_jit_compile(data):
     )
 
 
+@pytest.mark.parametrize("strategy", ["pipeline", "tensor_parallel"])
+def test_jit_compile_where_xla_cannot_compile_the_step(strategy, data):
+    """A step over several devices runs without XLA: `jit_compile` reads
+    False, with a warning saying why when True was asked for."""
+    x, y = data
+    single = build("functional", "single", jit_compile=True)
+    with pytest.warns(UserWarning, match=rf"jit_compile=True is not possible with "
+                      rf"strategy='{strategy}': XLA compiles the work of one device"):
+        model = build("functional", strategy, jit_compile=True)
+    assert model.jit_compile is False
+    single.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert_weights_close(single, model)
+
+
 def test_steps_per_execution_and_adam(data):
     x, y = data
     options = dict(optimizer="adam", steps_per_execution=3)

@@ -157,6 +157,25 @@ def test_a_remote_failure_is_summed_up_in_one_line():
     assert failure_summary("", info) == "unknown error"
 
 
+def test_only_errors_of_a_lost_task_are_called_a_lost_ps():
+    """An error of the program that names a ps variable (XLA's "Trying to
+    access resource ... located in device /job:ps/...") was reported as
+    "parameter server ps 0 failed; its variables are lost"."""
+    import tensorflow as tf
+
+    from keras_distrib.strategies.parameter_server import _looks_like_a_lost_task
+
+    where = "/job:ps/replica:0/task:0/device:CPU:0"
+    assert not _looks_like_a_lost_task(tf.errors.InvalidArgumentError(
+        None, None, f"Trying to access resource dense/kernel/0 located in device {where} "
+        "from device /job:chief/replica:0/task:0/device:CPU:0"))
+    assert not _looks_like_a_lost_task(ValueError(where))
+    assert _looks_like_a_lost_task(tf.errors.UnavailableError(
+        None, None, f"failed to connect to all addresses; {where}"))
+    assert _looks_like_a_lost_task(tf.errors.InvalidArgumentError(
+        None, None, f"Unable to find the relevant tensor remote_handle: {where}"))
+
+
 # -- real clusters -------------------------------------------------------------------
 
 
@@ -309,6 +328,11 @@ def test_bad_input_gives_one_line_errors(tmp_path):
     assert "class_weight is not supported" in report["class_weight"]
     assert "Muon(weight_decay=None, adam_weight_decay=None)" in report["muon"]
     assert report.pop("muon_without_decay") is None  # it trains
+    # jit_compile=True: evaluate failed inside XLA ("Trying to access resource
+    # ... located in device /job:ps/...") and was reported as a lost ps.
+    assert report.pop("jit_compile") is None
+    (warned,) = report.pop("jit_compile_warnings")
+    assert "XLA cannot read the variables kept on the ps tasks" in warned
     for message in report.values():
         assert "\n" not in message
 

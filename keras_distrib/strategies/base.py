@@ -449,6 +449,15 @@ class Strategy(abc.ABC):
         Keras sees it; strategies that must change how it applies updates
         do it here."""
 
+    def without_xla(self) -> Optional[str]:
+        """Why XLA cannot compile this strategy's step, or None when it can.
+
+        `compile` then runs the step without XLA: silently for
+        `jit_compile="auto"` (as Keras does under tf.distribute), with a
+        warning naming this reason for `jit_compile=True`.
+        """
+        return None
+
     def sync_initial_state(self, model) -> None:
         """Makes every replica start from the same weights (after builds).
 

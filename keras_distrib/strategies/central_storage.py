@@ -50,6 +50,20 @@ class CentralStorage(TFDistributeStrategy):
             compute_devices=compute, parameter_device=parameters))
         self.parameter_device = parameters
 
+    def without_xla(self) -> Optional[str]:
+        """XLA cannot read a variable kept on another device than the one it
+        computes on (TensorFlow's XLA known issue "tf.Variable on a different
+        device": "Trying to access resource ... located in device CPU:0 from
+        device CPU:1"), which is what every replica here does unless its one
+        compute device holds the variables. Keras's "auto" turned XLA on for
+        us on GPU machines, where this failed the first step."""
+        compute = self.tf_strategy.extended.worker_devices
+        if len(compute) == 1 and _same_device(compute[0], self.parameter_device):
+            return None
+        return (f"XLA cannot read the variables kept on {self.parameter_device} from the "
+                "replicas' devices (TensorFlow's XLA known issue 'tf.Variable on a different "
+                "device'); use strategy='mirrored' for XLA")
+
     def adopt_optimizer(self, optimizer) -> None:
         """Makes the optimizer apply its update once, in the cross-replica context.
 
@@ -98,3 +112,9 @@ class CentralStorage(TFDistributeStrategy):
         # (see _compat.add_through_tensorflow).
         for variable in model.metrics_variables:
             _compat.add_through_tensorflow(variable)
+
+
+def _same_device(a: str, b: str) -> bool:
+    a, b = tf.DeviceSpec.from_string(a), tf.DeviceSpec.from_string(b)
+    return ((a.device_type or "").upper(), a.device_index or 0) == (
+        (b.device_type or "").upper(), b.device_index or 0)

@@ -218,10 +218,20 @@ class ParameterServer(Strategy):
         if self._training is not None:
             self._training.metrics_reset()
 
+    def without_xla(self) -> Optional[str]:
+        """XLA cannot read a variable kept on another task: `evaluate` and
+        `predict` on the chief failed with "Trying to access resource ...
+        located in device /job:ps/... from device /job:chief/..."
+        (TensorFlow's XLA known issue "tf.Variable on a different device")."""
+        return ("XLA cannot read the variables kept on the ps tasks (TensorFlow's XLA known "
+                "issue 'tf.Variable on a different device')")
+
     def failure(self, error: Exception) -> Optional[Exception]:
         # A ps may die while a callback reads or writes its variables
-        # (checkpoints, early stopping), outside the scheduled steps.
-        if not isinstance(error, tf.errors.OpError):
+        # (checkpoints, early stopping), outside the scheduled steps. Errors
+        # of the program itself (an InvalidArgumentError naming a variable on
+        # the ps, say) are not a lost ps: TensorFlow's message stays.
+        if not _looks_like_a_lost_task(error):
             return None
         lost = self.lost(error)
         return lost if isinstance(lost, ParameterServerLostError) else None
@@ -269,6 +279,20 @@ _ROOT_COUNT = re.compile(r"\d+ root error\(s\) found\.?")
 _ROOT_INDEX = re.compile(r"^\(\d+\)\s+")
 _FUNCTION_NODE = re.compile(r"\{\{[^}]*\}\}\s*")
 _REMOTE_TASK = re.compile(r"remote target /job:(\w+)/replica:\d+/task:(\d+)")
+
+
+def _looks_like_a_lost_task(error: Exception) -> bool:
+    """Whether TensorFlow's `error` is what a lost peer task gives, as its
+    coordinator judges a ps failure (`_is_ps_failure` in
+    tensorflow/python/distribute/coordinator/cluster_coordinator.py):
+    unreachable or aborted, or a restarted task's unknown device or handle."""
+    if isinstance(error, (tf.errors.UnavailableError, tf.errors.AbortedError,
+                          tf.errors.DeadlineExceededError, tf.errors.CancelledError)):
+        return True
+    text = str(error)
+    return isinstance(error, tf.errors.InvalidArgumentError) and (
+        "unknown device" in text.lower()
+        or "Unable to find the relevant tensor remote_handle" in text)
 
 
 def failure_summary(text: str, info) -> str:

@@ -279,6 +279,9 @@ class Pipeline(WorkerReplicas, Strategy):
 
     # -- execution ----------------------------------------------------------------------
 
+    def without_xla(self) -> Optional[str]:
+        return "XLA compiles the work of one device, and a pipeline step spans every stage's device"
+
     def make_step_function(self, model, step_fn: Callable, keras_make_function: Callable):
         from keras_distrib.model import DistributedModel
 

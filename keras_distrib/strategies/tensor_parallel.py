@@ -50,7 +50,7 @@ device's update for element-wise optimizers; `clipnorm` is applied to the
 parts together (`adopt_optimizer`).
 
 Not supported: `jit_compile` (XLA compiles for one device; the step runs
-without it); optimizers whose update reads statistics of the whole
+without it, `compile` says so); optimizers whose update reads statistics of the whole
 variable (Adafactor, Lamb, Muon) while any layer is split, a one-line
 error at `fit`.
 """
@@ -283,6 +283,9 @@ class TensorParallel(WorkerReplicas, Strategy):
                     "use an element-wise optimizer (SGD, Adam, AdamW, Nadam, RMSprop, Lion, ...), "
                     "or keep the split layers whole with layout={'<layer name pattern>': 'whole'}."
                 )
+
+    def without_xla(self) -> Optional[str]:
+        return "XLA compiles the work of one device, and a split layer's step spans all devices"
 
     def make_step_function(self, model, step_fn: Callable, keras_make_function: Callable):
         self._check_laid_out(model)

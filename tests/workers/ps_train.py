@@ -20,6 +20,7 @@ import json
 import os
 import sys
 import time
+import warnings
 
 import keras_distrib as kd  # first: connects this chief to its cluster
 from keras_distrib._compat import learning_rate_or_schedule
@@ -283,6 +284,20 @@ elif MODE == "errors":
         model.fit(x, y, batch_size=32, epochs=1, verbose=0)
 
     report["muon_without_decay"] = error_of(muon_without_decay)
+
+    def jit_compile():  # XLA cannot read the ps's variables: runs without, says so
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy",
+                          jit_compile=True)
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+        model.evaluate(x, y, batch_size=32, verbose=0)
+        model.predict(x[:40], batch_size=32, verbose=0)
+        return [str(w.message) for w in caught if "jit_compile" in str(w.message)]
+
+    jit_warnings = []
+    report["jit_compile"] = error_of(lambda: jit_warnings.extend(jit_compile()))
+    report["jit_compile_warnings"] = jit_warnings
 
 with open(OUT, "w") as f:
     json.dump(report, f, default=str)
