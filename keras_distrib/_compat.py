@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import uuid
 import warnings
 from typing import Any, Iterator
@@ -200,6 +201,57 @@ def take_added_losses(model) -> list:
     losses = [loss for layer in [model, *all_layers(model)] for loss in layer._get_own_losses()]
     model._clear_losses()
     return losses
+
+
+def added_losses_per_thread(model) -> None:
+    """Gives `model` and each of its layers one list of added losses per
+    thread (`Layer._losses`: what `add_loss` and activity regularizers add,
+    cleared by the outermost call, read by `Layer.losses`).
+
+    tf.distribute runs each in-process replica in a thread of its own, one
+    at a time, switching at every `merge_call`; under CentralStorage every
+    assignment to a variable in a replica (a metric's update inside Keras's
+    `compute_loss`, a BatchNormalization or seed update in the forward pass)
+    is one. The next replica's forward pass then cleared and refilled the
+    shared lists, and the first replica's `compute_loss` read the other's
+    losses: weights 1e-3 off one device with an activity regularizer and
+    two outputs. With a list per thread each replica reads its own.
+    """
+    for layer in [model, *all_layers(model)]:
+        if not isinstance(layer._losses, _PerThreadList):
+            object.__setattr__(layer, "_losses", _PerThreadList(layer._losses))
+
+
+class _PerThreadList:
+    """The list operations Keras's `Layer` uses on `_losses`, on a list of
+    the calling thread's own (the creating thread starts with `items`)."""
+
+    def __init__(self, items):
+        self._local = threading.local()
+        self._local.items = list(items)
+
+    def _items(self) -> list:
+        if not hasattr(self._local, "items"):
+            self._local.items = []
+        return self._local.items
+
+    def append(self, item):
+        self._items().append(item)
+
+    def extend(self, items):
+        self._items().extend(items)
+
+    def clear(self):
+        self._items().clear()
+
+    def __getitem__(self, index):
+        return self._items()[index]
+
+    def __iter__(self):
+        return iter(self._items())
+
+    def __len__(self):
+        return len(self._items())
 
 
 def all_layers(model) -> list:

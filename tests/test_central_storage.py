@@ -111,6 +111,79 @@ def test_jit_compile_with_variables_on_the_one_compute_device(data):
     model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
 
 
+def _twins(graph, strategies, seed=3):
+    """One DistributedModel per strategy over `graph()`, all with the same weights."""
+    models = []
+    for strategy in strategies:
+        keras.utils.set_random_seed(seed)
+        models.append(kd.DistributedModel(*graph(), strategy=strategy))
+    for model in models[1:]:
+        model.set_weights(models[0].get_weights())
+    return models
+
+
+def test_layers_with_state_train_like_mirrored():
+    """BatchNormalization's moving statistics and the seed state of Dropout
+    and GaussianNoise have no aggregation; one copy of them failed the first
+    step ("You must specify an aggregation method to update a
+    AggregatingVariable in Replica Context"). Each replica normalizes by its
+    own shard's statistics, as under mirrored: the same weights and moving
+    statistics as mirrored, and the random layers train."""
+    x, y = make_data(n=128)
+
+    def batch_norm():
+        inputs = keras.Input((x.shape[1],))
+        h = keras.layers.BatchNormalization()(keras.layers.Dense(16, activation="relu")(inputs))
+        return inputs, keras.layers.Dense(3)(h)
+
+    mirrored, central = _twins(batch_norm, ["mirrored", "central_storage"])
+    for model in (mirrored, central):
+        model.compile(optimizer=keras.optimizers.SGD(0.1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    for a, b in zip(mirrored.get_weights(), central.get_weights()):  # moving stats too
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+    def noisy():
+        inputs = keras.Input((x.shape[1],))
+        h = keras.layers.Dropout(0.3)(keras.layers.Dense(16, activation="relu")(inputs))
+        return inputs, keras.layers.Dense(3)(keras.layers.GaussianNoise(0.1)(h))
+
+    (model,) = _twins(noisy, ["central_storage"])
+    seeds = [v for v in model.non_trainable_variables if "seed" in v.path]
+    assert len(seeds) == 2
+    before = [np.asarray(v).copy() for v in seeds]
+    model.compile(optimizer=keras.optimizers.SGD(0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0).history
+    assert np.all(np.isfinite(history["loss"]))
+    assert all(not np.array_equal(a, np.asarray(b)) for a, b in zip(before, seeds))
+
+
+def test_each_replica_reads_its_own_added_losses():
+    """Replicas take turns at every variable update; one replica's forward
+    pass replaced the other's activity-regularizer losses before Keras's
+    compute_loss read them (it updates the per-output loss metrics first):
+    weights 1e-3 off one device with two outputs."""
+    x, y = make_data(n=128)
+
+    def two_outputs():
+        inputs = keras.Input((x.shape[1],))
+        h = keras.layers.Dense(16, activation="relu",
+                               activity_regularizer=keras.regularizers.L1(0.01))(inputs)
+        return inputs, {"a": keras.layers.Dense(3, name="a")(h),
+                        "b": keras.layers.Dense(1, name="b")(h)}
+
+    single, central = _twins(two_outputs, ["single", "central_storage"])
+    targets = {"a": y, "b": x[:, :1]}
+    for model in (single, central):
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss={
+            "a": keras.losses.SparseCategoricalCrossentropy(from_logits=True), "b": "mse"})
+        model.fit(x, targets, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    for a, b in zip(single.get_weights(), central.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
 def test_metrics_accumulate_over_batches(data):
     """Keras adds to metric variables by assign(self + v); on one aggregating
     copy for two replicas that would count the running total twice."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Sequence
 
 import keras
@@ -49,6 +50,25 @@ class CentralStorage(TFDistributeStrategy):
         super().__init__(tf.distribute.experimental.CentralStorageStrategy(
             compute_devices=compute, parameter_device=parameters))
         self.parameter_device = parameters
+
+    @contextlib.contextmanager
+    def scope(self):
+        """TensorFlow's scope, where Keras's state variables can be assigned
+        by the replicas.
+
+        Here every variable is one `AggregatingVariable`, which a replica may
+        assign only through an aggregation; Keras makes its state variables
+        with none (BatchNormalization's moving statistics, the seed state of
+        Dropout, GaussianNoise and every random layer), and their first
+        training step failed ("You must specify an aggregation method to
+        update a AggregatingVariable in Replica Context"). Made here, they
+        get one: float state the replicas' mean (BatchNormalization's
+        moving statistics: the mean of the replicas' updates, what
+        `mirrored` keeps), other state the first replica's (a seed state
+        advances once per step, as on one device).
+        """
+        with self.tf_strategy.scope(), tf.variable_creator_scope(_aggregated_state):
+            yield
 
     def without_xla(self) -> Optional[str]:
         """XLA cannot read a variable kept on another device than the one it
@@ -112,9 +132,25 @@ class CentralStorage(TFDistributeStrategy):
         # (see _compat.add_through_tensorflow).
         for variable in model.metrics_variables:
             _compat.add_through_tensorflow(variable)
+        # Replicas switch at every such update, mid-step: each keeps its own
+        # added losses (activity regularizers, add_loss).
+        _compat.added_losses_per_thread(model)
 
 
 def _same_device(a: str, b: str) -> bool:
     a, b = tf.DeviceSpec.from_string(a), tf.DeviceSpec.from_string(b)
     return ((a.device_type or "").upper(), a.device_index or 0) == (
         (b.device_type or "").upper(), b.device_index or 0)
+
+
+def _aggregated_state(next_creator, **kwargs):
+    """A variable creator giving state variables without an aggregation one
+    (see `CentralStorage.scope`); trainable variables, updated once by the
+    optimizer from the cross-replica context, keep theirs."""
+    if (not kwargs.get("trainable", True)
+            and kwargs.get("aggregation") in (None, tf.VariableAggregation.NONE)):
+        dtype = kwargs.get("dtype")
+        floating = dtype is not None and tf.as_dtype(dtype).is_floating
+        kwargs["aggregation"] = (tf.VariableAggregation.MEAN if floating
+                                 else tf.VariableAggregation.ONLY_FIRST_REPLICA)
+    return next_creator(**kwargs)
