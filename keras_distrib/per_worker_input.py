@@ -114,8 +114,11 @@ def _arrays_plan(fit, x, y, sample_weight, steps, validation) -> Plan:
             split = 0.0  # Keras: validation_data wins
         else:
             arrays, validation = _split(arrays, split)
-    arrays = tuple(None if a is None else np.asarray(a) if not tf.is_tensor(a) else a
-                   for a in arrays)
+    # Leaf by leaf: x and y may be dicts or lists of arrays (several inputs
+    # or outputs), which np.asarray would make one object array (or stack).
+    arrays = tuple(None if a is None else keras.tree.map_structure(
+        lambda leaf: leaf if tf.is_tensor(leaf) else np.asarray(leaf),
+        keras.tree.lists_to_tuples(a)) for a in arrays)
     size = int(keras.tree.flatten(arrays[0])[0].shape[0])
     steps = steps or math.ceil(size / batch_size)
     shuffle = bool(fit.get("shuffle", True)) and fit.get("shuffle") != "batch"

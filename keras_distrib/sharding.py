@@ -200,7 +200,7 @@ def _no_extras(y, sample_weight, what):
 def _shard_arrays(x, y, sample_weight, batch_size, rows, seed, repeat=False, first_epoch=0):
     # tf.data would stack a list of inputs into one tensor: a multi-input
     # `x=[xa, xb]` stays a structure of separate inputs as a tuple.
-    arrays = tuple(_lists_as_tuples(a) for a in (x, y, sample_weight) if a is not None)
+    arrays = tuple(keras.tree.lists_to_tuples(a) for a in (x, y, sample_weight) if a is not None)
     data_lib.check_same_length(x=x, y=y, sample_weight=sample_weight)
     n = int(tf.nest.flatten(x)[0].shape[0])
     ragged = any(isinstance(t, tf.RaggedTensor) for t in tf.nest.flatten(arrays))
@@ -292,14 +292,6 @@ def _gathered(arrays, n, batch_size, rows, seed, repeat, first_epoch) -> tf.data
     # function, which would copy them into its graph).
     source = tf.data.Dataset.from_tensors(arrays).repeat()
     return tf.data.Dataset.zip((indices, source)).map(this_workers_rows)
-
-
-def _lists_as_tuples(structure):
-    if isinstance(structure, list):
-        return tuple(_lists_as_tuples(item) for item in structure)
-    if isinstance(structure, dict):
-        return {key: _lists_as_tuples(item) for key, item in structure.items()}
-    return structure
 
 
 def _shard_dataset(dataset: tf.data.Dataset, rows: _WorkerRows, strategy) -> tf.data.Dataset:

@@ -331,6 +331,9 @@ def test_bad_input_gives_one_line_errors(tmp_path):
     # jit_compile=True: evaluate failed inside XLA ("Trying to access resource
     # ... located in device /job:ps/...") and was reported as a lost ps.
     assert report.pop("jit_compile") is None
+    # Several inputs (a list) and outputs (a dict) of arrays: np.asarray made
+    # the dict one 0-d object array ("too many indices for array").
+    assert report.pop("list_and_dict") is None
     (warned,) = report.pop("jit_compile_warnings")
     assert "XLA cannot read the variables kept on the ps tasks" in warned
     for message in report.values():

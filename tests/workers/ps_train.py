@@ -295,6 +295,20 @@ elif MODE == "errors":
         model.predict(x[:40], batch_size=32, verbose=0)
         return [str(w.message) for w in caught if "jit_compile" in str(w.message)]
 
+    def inputs_and_outputs_as_list_and_dict():  # each leaf an array of its own
+        a, b = keras.Input((64,), name="a"), keras.Input((4,), name="b")
+        h = keras.layers.Dense(8, activation="relu")(keras.layers.Concatenate()([a, b]))
+        two = kd.DistributedModel([a, b], {"c": keras.layers.Dense(10, name="c")(h),
+                                           "r": keras.layers.Dense(1, name="r")(h)},
+                                  strategy="parameter_server")
+        two.compile(optimizer="sgd", loss={
+            "c": keras.losses.SparseCategoricalCrossentropy(from_logits=True), "r": "mse"})
+        inputs, targets = [x, x[:, :4]], {"c": y, "r": x[:, :1]}
+        two.fit(inputs, targets, batch_size=32, epochs=1, verbose=0)
+        two.evaluate(inputs, targets, batch_size=32, verbose=0)
+
+    report["list_and_dict"] = error_of(inputs_and_outputs_as_list_and_dict)
+
     jit_warnings = []
     report["jit_compile"] = error_of(lambda: jit_warnings.extend(jit_compile()))
     report["jit_compile_warnings"] = jit_warnings
