@@ -186,10 +186,23 @@ class DistributedModel(keras.Model):
         _jit_compile_if_possible(arguments, self._strategy)
         with self._strategy.scope():
             arguments["optimizer"] = _adopt_optimizer(
-                keras.optimizers.get(arguments["optimizer"]), self._strategy)
+                self._loss_scaled_if_mixed(keras.optimizers.get(arguments["optimizer"]),
+                                           arguments.get("auto_scale_loss", True)),
+                self._strategy)
             for key in ("metrics", "weighted_metrics"):
                 arguments[key] = _adopt_metrics(arguments.get(key), self._strategy)
             super().compile(**arguments)
+
+    def _loss_scaled_if_mixed(self, optimizer, auto_scale_loss: bool):
+        """`optimizer` in a LossScaleOptimizer where Keras's `compile` would
+        wrap it (policy "mixed_float16"), so that the strategy adopts the
+        optimizer that applies the updates: wrapped after `adopt_optimizer`,
+        its loss-scale update ran unadopted (under central_storage it failed:
+        "`merge_call` called while defining a new graph")."""
+        if (auto_scale_loss and optimizer and self.dtype_policy.name == "mixed_float16"
+                and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)):
+            return keras.optimizers.LossScaleOptimizer(optimizer, name="loss_scale_optimizer")
+        return optimizer
 
     def compile_from_config(self, config):
         # Keras skips compiling on load when `compile` is overridden.

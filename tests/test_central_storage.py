@@ -184,6 +184,33 @@ def test_each_replica_reads_its_own_added_losses():
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
 
 
+def test_mixed_float16_policy_wraps_the_optimizer_it_adopts():
+    """Keras's compile wraps the optimizer in a LossScaleOptimizer under the
+    "mixed_float16" policy, after the strategy adopted the inner one: its
+    loss-scale update failed the first step ("`merge_call` called while
+    defining a new graph or a tf.function")."""
+    x, y = make_data(n=128)
+
+    def graph():
+        inputs = keras.Input((x.shape[1],))
+        logits = keras.layers.Dense(3)(keras.layers.Dense(16, activation="relu")(inputs))
+        return inputs, keras.layers.Activation("linear", dtype="float32")(logits)
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        single, central = _twins(graph, ["single", "central_storage"])
+        for model in (single, central):
+            model.compile(optimizer=keras.optimizers.SGD(0.1),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert type(central.optimizer).__name__ == "LossScaleOptimizer"
+    assert int(central.optimizer.iterations.numpy()) == EPOCHS * 4
+    for a, b in zip(single.get_weights(), central.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
+
+
 def test_metrics_accumulate_over_batches(data):
     """Keras adds to metric variables by assign(self + v); on one aggregating
     copy for two replicas that would count the running total twice."""
