@@ -50,6 +50,7 @@ class CentralStorage(TFDistributeStrategy):
         super().__init__(tf.distribute.experimental.CentralStorageStrategy(
             compute_devices=compute, parameter_device=parameters))
         self.parameter_device = parameters
+        self._compute_devices = compute  # short names, as parameter_device (devices_lib)
 
     @contextlib.contextmanager
     def scope(self):
@@ -77,8 +78,7 @@ class CentralStorage(TFDistributeStrategy):
         device CPU:1"), which is what every replica here does unless its one
         compute device holds the variables. Keras's "auto" turned XLA on for
         us on GPU machines, where this failed the first step."""
-        compute = self.tf_strategy.extended.worker_devices
-        if len(compute) == 1 and _same_device(compute[0], self.parameter_device):
+        if self._compute_devices == [self.parameter_device]:
             return None
         return (f"XLA cannot read the variables kept on {self.parameter_device} from the "
                 "replicas' devices (TensorFlow's XLA known issue 'tf.Variable on a different "
@@ -135,12 +135,6 @@ class CentralStorage(TFDistributeStrategy):
         # Replicas switch at every such update, mid-step: each keeps its own
         # added losses (activity regularizers, add_loss).
         _compat.added_losses_per_thread(model)
-
-
-def _same_device(a: str, b: str) -> bool:
-    a, b = tf.DeviceSpec.from_string(a), tf.DeviceSpec.from_string(b)
-    return ((a.device_type or "").upper(), a.device_index or 0) == (
-        (b.device_type or "").upper(), b.device_index or 0)
 
 
 def _aggregated_state(next_creator, **kwargs):
