@@ -62,6 +62,7 @@ KERAS_HOOKS = (
     "_maybe_symbolic_build",  # builds model, metrics and optimizer before fit
     "_symbolic_build",
     "_compute_loss",  # compute_loss, adapted to overrides without `training`
+    "_resolve_auto_jit_compile",  # jit_compile="auto", off where XLA cannot compile
 )
 
 

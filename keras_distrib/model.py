@@ -131,6 +131,29 @@ class DistributedModel(keras.Model):
         """The strategy this model trains on."""
         return self._strategy
 
+    def _resolve_auto_jit_compile(self):
+        """Keras's `jit_compile="auto"` (True on GPU machines, in `compile` and
+        for `predict` before it), but False where the strategy's step cannot
+        be compiled by XLA (`Strategy.without_xla`)."""
+        strategy = getattr(self, "_strategy", None)
+        if strategy is not None and strategy.without_xla():
+            return False
+        return super()._resolve_auto_jit_compile()
+
+    def _set_jit_compile(self, value):
+        # Keras's setter, also reached from `compile`: an explicit True where
+        # XLA cannot compile the step warns with the reason and stays off.
+        reason = value is True and self._strategy.without_xla()
+        if reason:
+            warnings.warn(f"jit_compile=True is not possible with strategy="
+                          f"{self._strategy.name!r}: {reason}; proceeding with "
+                          "jit_compile=False.", stacklevel=2)
+            value = False
+        keras.Model.jit_compile.fset(self, value)
+
+    jit_compile = property(keras.Model.jit_compile.fget, _set_jit_compile,
+                           doc=keras.Model.jit_compile.__doc__)
+
     @classmethod
     def from_model(
         cls, model: keras.Model, strategy: StrategyLike = "auto"
@@ -183,7 +206,6 @@ class DistributedModel(keras.Model):
         arguments.pop("self")
         arguments.update(arguments.pop("kwargs", {}))
         _check_steps_per_execution(arguments.get("steps_per_execution", 1))
-        _jit_compile_if_possible(arguments, self._strategy)
         with self._strategy.scope():
             arguments["optimizer"] = _adopt_optimizer(
                 self._loss_scaled_if_mixed(keras.optimizers.get(arguments["optimizer"]),
@@ -755,19 +777,6 @@ def _check_steps_per_execution(steps) -> None:
             f"steps_per_execution={steps!r} must be an integer >= 1 (training steps "
             "per call of the compiled function; 1 is the default)."
         )
-
-
-def _jit_compile_if_possible(arguments: dict, strategy: Strategy) -> None:
-    """Sets `jit_compile` False in `compile`'s arguments where the strategy's
-    step cannot be compiled by XLA (`Strategy.without_xla`), warning when it
-    was asked for explicitly."""
-    reason = strategy.without_xla()
-    if reason is None or arguments.get("jit_compile", "auto") is False:
-        return
-    if arguments.get("jit_compile", "auto") is True:
-        warnings.warn(f"jit_compile=True is not possible with strategy={strategy.name!r}: "
-                      f"{reason}; proceeding with jit_compile=False.", stacklevel=3)
-    arguments["jit_compile"] = False
 
 
 def _unscale_replica_loss(loss):

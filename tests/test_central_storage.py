@@ -1,5 +1,7 @@
 """`central_storage`: variables on one device, 2 replicas == one device."""
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -99,6 +101,43 @@ def test_jit_compile_true_runs_without_xla_and_says_why(data):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
     np.testing.assert_allclose(plain.predict(x, verbose=0), central.predict(x, verbose=0),
                                atol=1e-5)
+
+
+def test_jit_compile_set_true_after_compile_warns_and_stays_off(data):
+    """`model.jit_compile = True` after `compile` (Keras's public setter)
+    made the next step function with XLA, which failed as above."""
+    x, y = data
+    plain = build("functional", "single")
+    central = build("functional", "central_storage", compile_model=False)
+    central.set_weights(plain.get_weights())
+    central.compile(optimizer=keras.optimizers.SGD(0.1),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.warns(UserWarning, match=r"jit_compile=True is not possible with "
+                      r"strategy='central_storage'"):
+        central.jit_compile = True
+    assert central.jit_compile is False
+    for model in (plain, central):
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    for a, b in zip(plain.get_weights(), central.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
+def test_predict_before_compile_on_a_machine_where_keras_picks_xla(data, monkeypatch):
+    """Uncompiled, `jit_compile` is Keras's "auto", which resolves to True on
+    GPU machines (stood in for here by Keras's own resolver answering True):
+    `predict` then compiled with XLA and failed."""
+    monkeypatch.setattr(keras.Model, "_resolve_auto_jit_compile", lambda self: True)
+    x, _ = data
+    plain = build("functional", "single", compile_model=False)
+    central = build("functional", "central_storage", compile_model=False)
+    central.set_weights(plain.get_weights())
+    assert plain.jit_compile is True and central.jit_compile is False
+    np.testing.assert_allclose(plain.predict(x, verbose=0), central.predict(x, verbose=0),
+                               atol=1e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "auto" turns XLA off silently
+        central.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    assert central.jit_compile is False
 
 
 def test_jit_compile_with_variables_on_the_one_compute_device(data):

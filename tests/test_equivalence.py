@@ -110,6 +110,9 @@ def test_jit_compile_where_xla_cannot_compile_the_step(strategy, data):
                       rf"strategy='{strategy}': XLA compiles the work of one device"):
         model = build("functional", strategy, jit_compile=True)
     assert model.jit_compile is False
+    with pytest.warns(UserWarning, match=rf"strategy='{strategy}'"):
+        model.jit_compile = True  # Keras's public setter, after compile
+    assert model.jit_compile is False
     single.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     assert_weights_close(single, model)

@@ -452,9 +452,10 @@ class Strategy(abc.ABC):
     def without_xla(self) -> Optional[str]:
         """Why XLA cannot compile this strategy's step, or None when it can.
 
-        `compile` then runs the step without XLA: silently for
+        The model then runs the step without XLA: silently for
         `jit_compile="auto"` (as Keras does under tf.distribute), with a
-        warning naming this reason for `jit_compile=True`.
+        warning naming this reason for `jit_compile=True` (in `compile` or
+        set on the model).
         """
         return None
 

@@ -311,9 +311,7 @@ class Pipeline(WorkerReplicas, Strategy):
             # Keras's fused steps trace the step inside tf.cond, where the
             # collectives across workers cannot be.
             return lockstep.stepwise(model, step)
-        with _compat.jit_compile_off(model):
-            # XLA compiles one device's work; the step spans all stages.
-            return keras_make_function(step)
+        return keras_make_function(step)  # without XLA: see `without_xla`
 
     def make_predict_function(self, model, keras_make_predict_function: Callable):
         import keras

@@ -296,16 +296,14 @@ class TensorParallel(WorkerReplicas, Strategy):
             # Keras's fused steps trace the step inside tf.cond, where the
             # collectives across workers cannot be.
             return lockstep.stepwise(model, lambda data: self.run(step_fn, data))
-        with _compat.jit_compile_off(model):
-            return keras_make_function(lambda data: self.run(step_fn, data))
+        return keras_make_function(lambda data: self.run(step_fn, data))
 
     def make_predict_function(self, model, keras_make_predict_function: Callable):
         self._check_laid_out(model)
         if self.world_size > 1:  # every worker's rows, in order
             return lockstep.predict_over_steps(
                 model, lambda batch: self.gather_rows(self.run(model.predict_step, batch)))
-        with _compat.jit_compile_off(model):
-            return keras_make_predict_function()
+        return keras_make_predict_function()
 
     def _check_laid_out(self, model) -> None:
         missing = [layer.name for layer in model.layers
