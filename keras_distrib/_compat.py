@@ -839,3 +839,25 @@ def optimizer_slot_prefix(variable) -> str:
     The tensor-parallel optimizer files gather a split weight's slots by it.
     """
     return variable.path.replace("/", "_") + "_"
+
+
+def wrap_backend_draw_seed(wrapper) -> None:
+    """Routes the TensorFlow backend's seed draws through
+    `wrapper(keras_draw_seed, seed)` (see `keras_distrib.replica_seeds`).
+
+    Every random op of the backend (`keras/src/backend/tensorflow/random.py`
+    and `image.py`) turns its `seed` argument into a seed tensor with
+    `draw_seed`, imported by name into those modules; no public hook sees
+    the seed between the generator and the op.
+    """
+    from keras.src.backend.tensorflow import image as tf_image
+    from keras.src.backend.tensorflow import random as tf_random
+
+    def wrapped(keras_draw_seed):
+        @functools.wraps(keras_draw_seed)
+        def draw_seed(seed):
+            return wrapper(keras_draw_seed, seed)
+        return draw_seed
+
+    for module in (tf_random, tf_image):
+        module.draw_seed = wrapped(module.draw_seed)

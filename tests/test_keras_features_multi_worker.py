@@ -18,7 +18,7 @@ from helpers import ROOT, launch
 WORKER = os.path.join(ROOT, "tests", "workers", "keras_features.py")
 PROBES = ("metric_objects", "unseeded_shuffle", "load_model", "batch_norm", "seeded_shuffle",
           "sparse_input", "pydataset_workers", "ragged_input", "metric_aggregation",
-          "adapted_per_worker", "vocabulary_per_worker")
+          "adapted_per_worker", "vocabulary_per_worker", "replica_dropout")
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +41,7 @@ def horovod_probes(tmp_path_factory):
     out = tmp_path_factory.mktemp("keras_features_horovod")
     launch(out, 2, WORKER, "--out", str(out), "--probes",
            "sparse_input,ragged_input,metric_aggregation,adapted_per_worker,"
-           "vocabulary_per_worker",
+           "vocabulary_per_worker,replica_dropout",
            "--strategy", "horovod", launch_flags=("--backend", "horovod"))
     return out
 
@@ -167,3 +167,20 @@ def test_a_pydataset_with_workers_shows_every_sample_once_per_epoch(probes):
     ranks = _results(probes, "pydataset_workers")
     assert ranks[0] == ranks[1]
     assert ranks[0]["ids"] == [sum(range(101)) * 1000.0 + 101] * 4
+
+
+@BY_STRATEGY
+def test_dropout_masks_differ_between_workers(runs, request):
+    """Each worker held an equal copy of every layer's seed state (worker
+    0's broadcast) and drew the same dropout masks: both workers' rows of
+    the global batch repeated one mask (see tests/test_replica_seeds.py)."""
+    ranks = _results(request.getfixturevalue(runs), "replica_dropout")
+    assert ranks[0] == ranks[1]  # the gathered predictions, the trained weights
+    dropped = np.asarray(ranks[0]["masks"])
+    assert 0.4 < dropped.mean() < 0.6
+    # Rank 0's 16 rows against rank 1's: independent masks agree on about
+    # half of the 1,024 entries (the same mask on all of them before).
+    assert 0.4 < np.mean(dropped[:16] == dropped[16:]) < 0.6
+    kept = np.asarray(ranks[0]["kept"])
+    assert 8 < kept.mean() < 24
+    assert np.any(kept % 2 == 1), kept  # all even: one mask, twice

@@ -16,6 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_distrib import devices as devices_lib
+from keras_distrib import replica_seeds
 from keras_distrib.strategies.base import Strategy
 from keras_distrib.strategies.lockstep import Lockstep
 from keras_distrib.topology import Topology
@@ -72,7 +73,7 @@ class PerProcessStrategy(Lockstep, Strategy):
 
     def run(self, replica_fn: Callable, batch: Any):
         # One replica per process: this process's rows are the replica's.
-        with self.scope():
+        with self.scope(), replica_seeds.as_replica(self.rank):
             return replica_fn(batch)
 
     def step_logs(self, model, outputs: Any) -> Any:

@@ -80,6 +80,7 @@ import tensorflow as tf
 
 from keras_distrib import _compat
 from keras_distrib import data as data_lib
+from keras_distrib import replica_seeds
 from keras_distrib import devices as devices_lib
 from keras_distrib import pipeline_schedule
 from keras_distrib.strategies import lockstep
@@ -326,7 +327,7 @@ class Pipeline(WorkerReplicas, Strategy):
                 self._forward(stages, keras.utils.unpack_x_y_sample_weight(batch)[0])[0]))
 
     def run(self, replica_fn: Callable, batch: Any):
-        with self.scope():
+        with self.scope(), replica_seeds.as_replica(self.rank):
             return replica_fn(batch)
 
     def _stages(self, model) -> "_Stages":

@@ -68,6 +68,7 @@ import tensorflow as tf
 
 from keras_distrib import _compat
 from keras_distrib import devices as devices_lib
+from keras_distrib import replica_seeds
 from keras_distrib import tensor_layout
 from keras_distrib.strategies import lockstep
 from keras_distrib.strategies.base import (Strategy, copy_layer_state, keras_class_among,
@@ -320,7 +321,7 @@ class TensorParallel(WorkerReplicas, Strategy):
     def run(self, replica_fn: Callable, batch: Any):
         # The one replica: split layers place their own parts; the rest (loss,
         # metrics, optimizer bookkeeping) runs on the first device.
-        with tf.device(self.home):
+        with tf.device(self.home), replica_seeds.as_replica(self.rank):
             return replica_fn(batch)
 
     # -- the plan and whole weights ----------------------------------------------------

@@ -18,6 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_distrib import data as data_lib
+from keras_distrib import replica_seeds
 from keras_distrib.strategies.base import Strategy, reduce_op_name
 from keras_distrib.strategies.lockstep import Lockstep
 from keras_distrib.topology import Topology
@@ -105,8 +106,13 @@ class TFDistributeStrategy(Lockstep, Strategy):
         def value_fn(ctx):
             return shards[ctx.replica_id_in_sync_group - first]
 
+        def seeded_fn(shard):
+            index = tf.distribute.get_replica_context().replica_id_in_sync_group
+            with replica_seeds.as_replica(index):
+                return replica_fn(shard)
+
         per_replica = self._tf_strategy.experimental_distribute_values_from_function(value_fn)
-        return self._tf_strategy.run(replica_fn, args=(per_replica,))
+        return self._tf_strategy.run(seeded_fn, args=(per_replica,))
 
     def all_reduce(self, values: Sequence[tf.Tensor], op: str = "sum") -> list:
         ctx = tf.distribute.get_replica_context()
