@@ -46,6 +46,16 @@ def horovod_probes(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def hybrid_probes(tmp_path_factory):
+    """The `replica_dropout` probe under `pipeline` across 2 workers (hybrid:
+    one replica of the split model per worker)."""
+    out = tmp_path_factory.mktemp("keras_features_hybrid")
+    launch(out, 2, WORKER, "--out", str(out), "--probes", "replica_dropout",
+           "--strategy", "pipeline")
+    return out
+
+
 # Tests run for both strategies (by fixture).
 BY_STRATEGY = pytest.mark.parametrize("runs", ["probes", "horovod_probes"],
                                       ids=["multi_worker", "horovod"])
@@ -169,7 +179,8 @@ def test_a_pydataset_with_workers_shows_every_sample_once_per_epoch(probes):
     assert ranks[0]["ids"] == [sum(range(101)) * 1000.0 + 101] * 4
 
 
-@BY_STRATEGY
+@pytest.mark.parametrize("runs", ["probes", "horovod_probes", "hybrid_probes"],
+                         ids=["multi_worker", "horovod", "hybrid"])
 def test_dropout_masks_differ_between_workers(runs, request):
     """Each worker held an equal copy of every layer's seed state (worker
     0's broadcast) and drew the same dropout masks: both workers' rows of

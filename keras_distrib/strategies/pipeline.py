@@ -308,6 +308,7 @@ class Pipeline(WorkerReplicas, Strategy):
             def step(data):
                 return run(model, stages, data)
 
+        step = self._as_this_replica(step)
         if self.world_size > 1 and model.steps_per_execution > 1:
             # Keras's fused steps trace the step inside tf.cond, where the
             # collectives across workers cannot be.
@@ -322,13 +323,21 @@ class Pipeline(WorkerReplicas, Strategy):
         if type(model).predict_step is not DistributedModel.predict_step:
             return keras_make_predict_function()
         stages = self._stages(model)
-        return lockstep.predict_over_steps(
-            model, lambda batch: self.gather_rows(
-                self._forward(stages, keras.utils.unpack_x_y_sample_weight(batch)[0])[0]))
+        return lockstep.predict_over_steps(model, self._as_this_replica(
+            lambda batch: self.gather_rows(
+                self._forward(stages, keras.utils.unpack_x_y_sample_weight(batch)[0])[0])))
 
     def run(self, replica_fn: Callable, batch: Any):
-        with self.scope(), replica_seeds.as_replica(self.rank):
-            return replica_fn(batch)
+        with self.scope():
+            return self._as_this_replica(replica_fn)(batch)
+
+    def _as_this_replica(self, step: Callable) -> Callable:
+        """`step`, drawing this worker's random numbers (`replica_seeds`):
+        the schedule runs the stages itself, not through `run`."""
+        def seeded_step(data):
+            with replica_seeds.as_replica(self.rank):
+                return step(data)
+        return seeded_step
 
     def _stages(self, model) -> "_Stages":
         """The model's stages as sub-models (made once per model: each

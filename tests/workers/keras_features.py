@@ -26,8 +26,8 @@ flags.DEFINE_list("probes", ["metric_objects", "unseeded_shuffle", "load_model",
                              "batch_norm"], "Probes to run.")
 flags.DEFINE_integer("seed", 1, "Seed for the `seeded_shuffle` probe.")
 flags.DEFINE_string("strategy", "multi_worker",
-                    "Strategy of the `sparse_input` and `ragged_input` probes (`horovod`: run "
-                    "by `keras-distrib launch --backend horovod`).")
+                    "Strategy of the `sparse_input`, `ragged_input` and later probes "
+                    "(`horovod`: run by `keras-distrib launch --backend horovod`).")
 
 BATCH = 32
 
