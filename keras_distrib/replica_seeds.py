@@ -66,10 +66,9 @@ def _install() -> None:
 def _offset_by_replica(keras_draw_seed, seed):
     value = keras_draw_seed(seed)
     index = getattr(_current, "index", None)
-    if index is None or isinstance(index, int) and index == 0:
+    if index is None or (isinstance(index, int) and index == 0):
         return value
     if seed is not None and not isinstance(seed, keras.random.SeedGenerator):
         return value  # an explicit integer seed: the same stream everywhere
     offset = tf.cast(index, tf.int64) * _STRIDE
     return value + tf.cast(tf.stack([offset, tf.zeros_like(offset)]), value.dtype)
-

@@ -80,9 +80,9 @@ import tensorflow as tf
 
 from keras_distrib import _compat
 from keras_distrib import data as data_lib
-from keras_distrib import replica_seeds
 from keras_distrib import devices as devices_lib
 from keras_distrib import pipeline_schedule
+from keras_distrib import replica_seeds
 from keras_distrib.strategies import lockstep
 from keras_distrib.strategies.base import Strategy, copy_layer_weights
 from keras_distrib.strategies.hybrid import WorkerReplicas
