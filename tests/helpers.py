@@ -279,3 +279,53 @@ def _launch_once(out, n, script, script_args, launch_flags, timeout, env, during
             pass
         proc.wait()
     return proc.returncode, "".join(chunks)
+
+
+# -- each replica's own random numbers (keras_distrib.replica_seeds) ---------------
+
+class MCDropout(keras.layers.Dropout):
+    """Dropout also in `predict`: Keras's recipe for Monte Carlo dropout."""
+
+    def call(self, inputs, training=None):
+        return super().call(inputs, training=True)
+
+
+def monte_carlo_dropped(strategy) -> np.ndarray:
+    """Which inputs `MCDropout(0.5)` drops in `predict` of one global batch
+    of 32 rows of 64 ones (the two replicas' rows: 16 each)."""
+    inputs = keras.Input((64,))
+    model = kd.DistributedModel(inputs, MCDropout(0.5)(inputs), strategy=strategy)
+    return model.predict(np.ones((32, 64), "float32"), batch_size=32, verbose=0) == 0
+
+
+def dropout_kept_counts(strategy) -> tuple[np.ndarray, int]:
+    """How many of the 32 rows of one training step keep each of 64 inputs
+    (and this process's rank):
+    one SGD step (learning rate 1) of the mean absolute output of
+    `Dense(1, kernel ones, no bias)` after `Dropout(0.5)` on rows of ones
+    moves kernel[j] by (rows keeping input j) / 16."""
+    inputs = keras.Input((64,))
+    dense = keras.layers.Dense(1, use_bias=False, kernel_initializer="ones")
+    model = kd.DistributedModel(inputs, dense(keras.layers.Dropout(0.5)(inputs)),
+                                strategy=strategy)
+    model.compile(optimizer=keras.optimizers.SGD(1.0), loss="mae")
+    model.fit(np.ones((32, 64), "float32"), np.zeros((32, 1), "float32"),
+              batch_size=32, epochs=1, shuffle=False, verbose=0)
+    return np.rint(16 * (1 - model.get_weights()[0][:, 0])).astype(int), model.strategy.rank
+
+
+def assert_replicas_drop_alike_only_by_chance(dropped) -> None:
+    """The first 16 rows' masks against the last 16's: independent masks
+    agree on about half of the 1,024 entries (0.5 +- 0.016); one mask for
+    both replicas on all of them."""
+    dropped = np.asarray(dropped)
+    assert 0.4 < dropped.mean() < 0.6
+    assert 0.4 < np.mean(dropped[:16] == dropped[16:]) < 0.6
+
+
+def assert_kept_counts_from_own_masks(kept) -> None:
+    """With one mask for both replicas, every count was twice one replica's:
+    even for all 64 inputs (by chance: 2**-64)."""
+    kept = np.asarray(kept)
+    assert 8 < kept.mean() < 24  # about half of the 32 rows keep each input
+    assert np.any(kept % 2 == 1), kept

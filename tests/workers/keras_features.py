@@ -18,7 +18,8 @@ import keras_distrib as kd  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
-from helpers import IdBatches, SampleIds  # noqa: E402
+from helpers import (IdBatches, SampleIds, dropout_kept_counts,  # noqa: E402
+                     monte_carlo_dropped)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Directory for results.")
@@ -324,32 +325,13 @@ def pydataset_workers():
     return model.strategy.rank, {"ids": history["ids"]}
 
 
-class _MCDropout(keras.layers.Dropout):
-    """Dropout also in `predict` (Keras's Monte Carlo dropout recipe)."""
-
-    def call(self, inputs, training=None):
-        return super().call(inputs, training=True)
-
-
 def replica_dropout():
-    """Dropout masks of the two workers' rows, in `predict` (Monte Carlo
-    dropout over rows of ones: the global batch's masks, gathered) and in
-    one SGD step of the mean absolute output of `Dense(1, kernel ones, no
-    bias)` after `Dropout(0.5)` on rows of ones, whose kernel[j] moves by
-    (rows keeping input j) / 16 on the global batch of 32 (see
-    tests/test_replica_seeds.py). No seed anywhere."""
-    inputs = keras.Input((64,))
-    mc = kd.DistributedModel(inputs, _MCDropout(0.5)(inputs), strategy=FLAGS.strategy)
-    masks = mc.predict(np.ones((32, 64), "float32"), batch_size=32, verbose=0)
-    inputs = keras.Input((64,))
-    dense = keras.layers.Dense(1, use_bias=False, kernel_initializer="ones")
-    model = kd.DistributedModel(inputs, dense(keras.layers.Dropout(0.5)(inputs)),
-                                strategy=FLAGS.strategy)
-    model.compile(optimizer=keras.optimizers.SGD(1.0), loss="mae")
-    model.fit(np.ones((32, 64), "float32"), np.zeros((32, 1), "float32"),
-              batch_size=32, epochs=1, shuffle=False, verbose=0)
-    kept = np.rint(16 * (1 - model.get_weights()[0][:, 0])).astype(int)
-    return model.strategy.rank, {"masks": (masks == 0).tolist(), "kept": kept.tolist()}
+    """Dropout masks of the two workers' rows in Monte Carlo dropout
+    `predict` (gathered) and the kept counts of one training step (see
+    tests/helpers.py). No seed anywhere."""
+    dropped = monte_carlo_dropped(FLAGS.strategy)
+    kept, rank = dropout_kept_counts(FLAGS.strategy)
+    return rank, {"masks": dropped.tolist(), "kept": kept.tolist()}
 
 
 def main(argv):
