@@ -246,8 +246,10 @@ def test_mixed_float16_policy_wraps_the_optimizer_it_adopts():
         keras.mixed_precision.set_global_policy("float32")
     assert type(central.optimizer).__name__ == "LossScaleOptimizer"
     assert int(central.optimizer.iterations.numpy()) == EPOCHS * 4
+    # float16 forward passes round differently over 1 and 2 replicas (its
+    # epsilon is ~1e-3); a reduction gone wrong is off by ~1e-1.
     for a, b in zip(single.get_weights(), central.get_weights()):
-        np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
+        np.testing.assert_allclose(a, b, atol=1e-3, rtol=0)
 
 
 def test_metrics_accumulate_over_batches(data):
