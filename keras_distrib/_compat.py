@@ -171,11 +171,132 @@ def class_weight_as_sample_weight(y, sample_weight, class_weight):
 def is_functional_call(args, kwargs) -> bool:
     """Whether `Model(*args, **kwargs)` is the functional form (inputs, outputs).
 
-    Keras decides this with the same private helper in `Model.__new__`.
+    Keras's own test (`functional_init_arguments`, used by `Model.__new__`)
+    counts arguments only; a subclass taking two models (the keras-io VAE:
+    `VAE(encoder, decoder)`) passes it too. Keras itself decides in
+    `Model.__init__`, from what the subclass passes up; here the inputs
+    must also be Keras tensors.
     """
     from keras.src.models.model import functional_init_arguments
 
-    return functional_init_arguments(args, kwargs)
+    if not functional_init_arguments(args, kwargs):
+        return False
+    inputs = args[0] if args else kwargs.get("inputs")
+    return all(isinstance(t, keras.KerasTensor) for t in keras.tree.flatten(inputs))
+
+
+_OUTPUT_LOSSES = threading.local()
+
+
+def compile_arguments(model) -> dict:
+    """The arguments `model.compile` was called with, as given (Keras keeps
+    them to serialize `get_compile_config`: `Trainer._compile_config`)."""
+    return dict(model._compile_config.config)
+
+
+def output_loss_metrics(model) -> list:
+    """The per-output loss metrics of `model`'s compiled loss
+    (`CompileLoss.metrics`: one `Mean` per output, logged as
+    `<output>_loss`, when the model has several)."""
+    compile_loss = getattr(model, "_compile_loss", None)
+    return list(getattr(compile_loss, "metrics", None) or [])
+
+
+@contextlib.contextmanager
+def captured_output_losses(model) -> Iterator[list]:
+    """Yields a list that collects, in order, the values Keras's compiled
+    loss hands its per-output loss metrics in this thread while inside,
+    instead of recording them (`CompileLoss.call` updates each metric
+    itself, keras/src/trainers/compile_utils.py; no hook sees the value
+    first). Each metric's `update_state` is wrapped once."""
+    for metric in output_loss_metrics(model):
+        if not getattr(metric.update_state, "_kd_wrapped", False):
+            metric.update_state = _collected_or_recorded(metric.update_state)
+    stack = _OUTPUT_LOSSES.__dict__.setdefault("stack", [])
+    stack.append([])
+    try:
+        yield stack[-1]
+    finally:
+        stack.pop()
+
+
+def _collected_or_recorded(keras_update_state):
+    @functools.wraps(keras_update_state)
+    def update_state(values, sample_weight=None):
+        stack = getattr(_OUTPUT_LOSSES, "stack", None)
+        if stack:
+            stack[-1].append(values)
+            return None
+        return keras_update_state(values, sample_weight=sample_weight)
+
+    update_state._kd_wrapped = True
+    return update_state
+
+
+def unscaled_losses_where(is_ours) -> None:
+    """Keras's losses stay per-replica means wherever `is_ours()` says the
+    current tf.distribute strategy is one of keras_distrib's engines.
+
+    Under a tf.distribute strategy Keras divides every reduced loss by the
+    number of replicas (`keras.src.losses.loss.scale_loss_for_distribution`,
+    called by `reduce_values`, the TF trainer's `_aggregate_additional_loss`,
+    and undone for the loss logs by `unscale_loss_for_distribution`), so
+    that its optimizer's sum over replicas is the mean. Our engines hide
+    from Keras (see `hide_distribute_strategy`) but are current inside each
+    replica's step: there a custom `train_step`'s loss, and the values it
+    logs, came out divided (a GAN's `d_loss` logged half of one device's
+    over 2 replicas). Ours reduce gradients themselves (the mean over
+    replicas for a custom step's `apply_gradients`, see
+    `Strategy.reduce_applied_gradients`), so Keras's division is skipped
+    under them; under a user's own tf.distribute strategy Keras's code runs
+    as it is. Idempotent.
+    """
+    from keras.src.losses import loss as loss_module
+
+    for name in ("scale_loss_for_distribution", "unscale_loss_for_distribution"):
+        keras_function = getattr(loss_module, name)
+        if getattr(keras_function, "_kd_wrapped", False):
+            continue
+
+        def unless_ours(value, keras_function=keras_function):
+            return value if is_ours() else keras_function(value)
+
+        unless_ours._kd_wrapped = True
+        functools.update_wrapper(unless_ours, keras_function)
+        setattr(loss_module, name, unless_ours)
+
+
+def save_as_keras_model(cls: type, marker: str, load: Any) -> None:
+    """Files of `cls` name Keras's public `keras.Model` as their class, and
+    `keras.Model.from_config` of a config holding `marker` is `load(config,
+    custom_objects)`.
+
+    Keras writes a model's class into its `.keras` file: its public name
+    when it has one (`serialize_with_public_class`, from the symbol table
+    `api_export.REGISTERED_OBJS_TO_NAMES`), else its module and registered
+    name, which a process without that module cannot load ("Could not
+    locate class 'FunctionalDistributedModel'"). Registered as the public
+    `keras.Model`, a file loads anywhere as Keras's own Functional model
+    (`Model.from_config` of a Functional config). Loading it where
+    keras_distrib is imported, the marker key routes it back to `load`
+    (Horovod keeps a wrapped optimizer's class name for the same reason).
+    Idempotent.
+    """
+    from keras.src import api_export
+
+    api_export.REGISTERED_OBJS_TO_NAMES[cls] = "keras.Model"
+    keras_from_config = keras.Model.__dict__["from_config"].__func__
+    if getattr(keras_from_config, "_kd_wrapped", False):
+        return
+
+    def from_config(model_cls, config, custom_objects=None):
+        if model_cls is keras.Model and isinstance(config, dict) and marker in config:
+            return load(config, custom_objects)
+        return keras_from_config(model_cls, config, custom_objects=custom_objects)
+
+    from_config._kd_wrapped = True
+    functools.update_wrapper(from_config, keras_from_config)
+    keras.Model.from_config = classmethod(from_config)
 
 
 def compute_loss(model, **kwargs):
@@ -253,6 +374,23 @@ class _PerThreadList:
 
     def __len__(self):
         return len(self._items())
+
+
+def layer_tensors(model) -> dict:
+    """`id(layer) -> (input tensors, output tensors)` of each layer's calls
+    in `model`'s own graph (all its calls, for a shared layer), read from
+    the graph's nodes (`Function._nodes_by_depth`; `node.input_tensors`,
+    `node.outputs`). A nested model's `input` / `output` properties give the
+    tensors of its own graph instead, which are not in `model`'s."""
+    found: dict = {}
+    for depth in sorted(model._nodes_by_depth, reverse=True):
+        for node in model._nodes_by_depth[depth]:
+            if not node.operation or node.is_input:
+                continue
+            inputs, outputs = found.setdefault(id(node.operation), ([], []))
+            inputs.extend(node.input_tensors)
+            outputs.extend(node.outputs)
+    return found
 
 
 def all_layers(model) -> list:
@@ -376,6 +514,56 @@ def updates_in_cross_replica_context(engine):
             del extended._use_merge_call
 
 
+@contextlib.contextmanager
+def without_default_strategy_creator() -> Iterator[None]:
+    """Variables made inside skip the default tf.distribute strategy's
+    variable creator.
+
+    Keras runs each step inside the default strategy's `run`
+    (`TensorFlowTrainer._make_function`, and `keras_distrib.step_call` as
+    Keras does), whose scope installs a creator that refuses any other
+    strategy (`_DefaultDistributionContext`, tensorflow/python/distribute/
+    distribute_lib.py: "Mixing different tf.distribute.Strategy objects");
+    `tf.init_scope` carries it out of the step. No public API removes a
+    creator: the graph's creator stack (`Graph._variable_creator_stack`)
+    is set without it while the variables are made, then restored.
+    """
+    graph = tf.compat.v1.get_default_graph()
+    stack = graph._variable_creator_stack
+    graph._variable_creator_stack = [
+        entry for entry in stack
+        if not getattr(entry[-1], "__qualname__", "").startswith("_DefaultDistributionContext.")]
+    try:
+        yield
+    finally:
+        graph._variable_creator_stack = stack
+
+
+@contextlib.contextmanager
+def outside_strategy_scopes() -> Iterator[None]:
+    """Runs the body as if no tf.distribute strategy scope were entered.
+
+    Code written for tf.distribute calls `fit`, `evaluate`, `predict` and
+    `compile` inside `with strategy.scope():`. Keras then reads that
+    strategy (`Trainer.distribute_strategy` falls back to
+    `tf.distribute.get_strategy()`) and runs its own distribution code,
+    which fails ("'PerReplica' object has no attribute 'shape'",
+    keras-team/keras#20585); our model does the distribution itself and
+    enters its strategy's scope where it makes variables. A scope is the
+    graph's strategy stack (`Graph._distribution_strategy_stack`) and the
+    variable creators it pushed (`Graph._variable_creator_stack`); both
+    are set aside for the body and put back after it (TensorFlow has no
+    public way to leave a scope from inside it).
+    """
+    graph = tf.compat.v1.get_default_graph()
+    modes, creators = graph._distribution_strategy_stack, graph._variable_creator_stack
+    graph._distribution_strategy_stack, graph._variable_creator_stack = [], []
+    try:
+        yield
+    finally:
+        graph._distribution_strategy_stack, graph._variable_creator_stack = modes, creators
+
+
 def add_through_tensorflow(variable) -> None:
     """Makes `variable.assign_add(v)` TensorFlow's own `assign_add`.
 
@@ -413,6 +601,55 @@ def optimizer_strategy(optimizer):
     """The tf.distribute strategy a Keras TF optimizer was made under
     (`optimizer._distribution_strategy`), in whose scope its slots live."""
     return optimizer._distribution_strategy
+
+
+def variable_value(variable):
+    """The whole value of Keras variable `variable` (numpy), or None when
+    it is not initialized yet (`_value` None: it is made where it is first
+    used, so it needs no moving)."""
+    if variable._value is None:
+        return None
+    return np.asarray(variable.numpy())
+
+
+def set_variable_value(variable, value) -> None:
+    """Makes the TensorFlow variable under Keras variable `variable` again,
+    holding `value`, where the current scope and device say: Keras's TF
+    `Variable._initialize` (keras/src/backend/tensorflow/core.py), which is
+    how Keras made it first, with its name, trainability, aggregation and
+    synchronization.
+
+    Keras has no public way to move a variable under a tf.distribute
+    strategy or onto a device other than a config round trip of the whole
+    layer (`clone_model`); this keeps the Keras variable object, so every
+    layer, optimizer list and saving path that refers to it stays right.
+    """
+    variable._initialize(value)
+
+
+def reindex_optimizer(optimizer) -> None:
+    """Makes a built optimizer find its trainable variables again after
+    the TensorFlow variables under them were made anew (`set_variable_value`).
+
+    Keras's TF optimizer finds a variable's slots through
+    `_trainable_variables_indices`, keyed by the TensorFlow variable's
+    `_unique_id` (`TFOptimizer._var_key`), not by the Keras variable.
+    """
+    optimizer._trainable_variables_indices = {
+        optimizer._var_key(variable): i
+        for i, variable in enumerate(optimizer._trainable_variables)}
+
+
+def set_optimizer_strategy(optimizer, tf_strategy) -> None:
+    """Makes a Keras TF optimizer made outside `tf_strategy` act under it.
+
+    The optimizer records the strategy current at its construction
+    (`TFOptimizer._distribution_strategy`) and makes its slots and updates
+    through it; one adopted by a model on another strategy must use that
+    model's.
+    """
+    if hasattr(optimizer, "_distribution_strategy"):
+        optimizer._distribution_strategy = tf_strategy
 
 
 def replace_variable_value(variable, value) -> None:
@@ -565,6 +802,24 @@ def set_collective_key_base(tf_strategy: Any, base: int) -> None:
     tf_strategy._collective_key_base = base
 
 
+def rekey_collectives(tf_strategy: Any, base: int) -> None:
+    """Gives a `MirroredStrategy` made by the user (with the default key
+    range, see `set_collective_key_base`) its own collective key range, by
+    making its collective ops again as its constructor did
+    (`MirroredExtended._make_collective_ops_with_fallbacks`, which reads
+    `_collective_key_base`); its cross-device ops become them unless the
+    user chose others. Two such strategies in one process otherwise shared
+    instance keys: "Shape mismatch in the collective instance 100"."""
+    extended = tf_strategy.extended
+    if getattr(extended, "_collective_key_base", None) != 0:
+        return  # already its own range
+    chosen = extended._cross_device_ops is not extended._collective_ops
+    extended._collective_key_base = base
+    extended._collective_ops = extended._make_collective_ops_with_fallbacks()
+    if not chosen:
+        extended._cross_device_ops = extended._collective_ops
+
+
 def abort_collective_ops(message: str) -> None:
     """Fails every collective of this process, running or to come, with
     DEADLINE_EXCEEDED and `message` (what TensorFlow's own health check
@@ -661,7 +916,49 @@ def set_variable_partitioner(strategy: Any, partitioner: Any) -> None:
     strategy.extended._variable_partitioner = partitioner
 
 
+def cross_device_ops(strategy: Any) -> Any:
+    """A `MirroredStrategy`'s cross-device ops object (its extended's
+    `_cross_device_ops`; None: TensorFlow's choice, made at first use)."""
+    return getattr(strategy.extended, "_cross_device_ops", None)
+
+
+def variable_partitioner(strategy: Any) -> Any:
+    """A `ParameterServerStrategy`'s partitioner (see `set_variable_partitioner`)."""
+    return getattr(strategy.extended, "_variable_partitioner", None)
+
+
+def communication_options(strategy: Any) -> Any:
+    """A `MultiWorkerMirroredStrategy`'s `CommunicationOptions` (its
+    extended's `_communication_options`, set by the constructor; no public
+    getter, verified TF 2.21)."""
+    return strategy.extended._communication_options
+
+
 # -- tf.data ------------------------------------------------------------------------
+
+
+def undistributed(data: Any) -> Any:
+    """The `tf.data.Dataset` of global batches behind a tf.distribute
+    distributed dataset, or `data` itself.
+
+    `strategy.experimental_distribute_dataset(ds)` keeps `ds` (its
+    `_original_dataset`, before TensorFlow splits each batch over the
+    replicas); `strategy.distribute_datasets_from_function(fn)` keeps `fn`
+    (`_dataset_fn`), which called with a one-pipeline, one-replica
+    `tf.distribute.InputContext` gives global batches
+    (`ctx.get_per_replica_batch_size(global_batch)` is then the global
+    batch). Our strategies split batches themselves; TensorFlow's
+    `DistributedDataset` has no public accessor for either (verified TF
+    2.21, tensorflow/python/distribute/input_lib.py).
+    """
+    from tensorflow.python.distribute import input_lib
+
+    if isinstance(data, input_lib.DistributedDataset) and hasattr(data, "_original_dataset"):
+        return data._original_dataset
+    if isinstance(data, input_lib.DistributedDatasetsFromFunction) and hasattr(data, "_dataset_fn"):
+        return data._dataset_fn(tf.distribute.InputContext(
+            num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1))
+    return data
 
 
 def _dataset_graph(dataset: tf.data.Dataset):
@@ -801,13 +1098,18 @@ def whole_layer_variables(layer) -> list:
 def drop_whole_layer_variables(layer) -> None:
     """Makes a built Dense / Embedding forget its whole variables.
 
-    `Layer.__delattr__` untracks a variable attribute and TensorFlow's
-    AutoTrackable drops its dependency, so nothing keeps the whole variable
-    alive. `bias` is then None, as with `use_bias=False`.
+    What `Layer.__delattr__` does for a variable attribute: Keras's tracker
+    forgets it (`_untrack_variable`) and TensorFlow's AutoTrackable drops
+    its dependency, so nothing keeps the whole variable alive; but not the
+    `gc.collect()` Keras then runs, which costs ~0.2 s per variable in a
+    process holding many objects (and a split layer drops two). `bias` is
+    then None, as with `use_bias=False`.
     """
     for name in _WHOLE_VARIABLE_ATTRIBUTES[type(layer).__name__]:
-        if getattr(layer, name, None) is not None:
-            delattr(layer, name)
+        variable = getattr(layer, name, None)
+        if variable is not None:
+            layer._untrack_variable(variable)
+            super(keras.layers.Layer, layer).__delattr__(name)
     if type(layer).__name__ == "Dense":
         layer.bias = None
 

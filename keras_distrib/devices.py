@@ -19,6 +19,12 @@ def mark_split(variable) -> None:
     _SPLIT_LAYER_VARIABLES[id(value)] = value
 
 
+def is_split(variable) -> bool:
+    """Whether `variable` is a part of a layer split over devices."""
+    value = getattr(variable, "value", variable)
+    return _SPLIT_LAYER_VARIABLES.get(id(value)) is value
+
+
 def normalize(device: str) -> str:
     """`"/gpu:1"` -> `"/device:GPU:1"`; job/task parts are kept if given."""
     return tf.DeviceSpec.from_string(device).to_string()
@@ -50,6 +56,11 @@ def _is_mine(spec: tf.DeviceSpec) -> bool:
         return True
     here = tf.DeviceSpec.from_string(tf.constant(0).device)
     return (spec.job, spec.replica, spec.task) == (here.job, here.replica, here.task)
+
+
+def short(device: str) -> str:
+    """`"/job:localhost/replica:0/task:0/device:CPU:1"` -> `"/device:CPU:1"`."""
+    return _short(tf.DeviceSpec.from_string(device))
 
 
 def _short(spec: tf.DeviceSpec) -> str:

@@ -22,6 +22,7 @@ import itertools
 import os
 import threading
 import warnings
+import weakref
 from typing import Union
 
 import keras
@@ -32,16 +33,19 @@ from keras_distrib import _compat
 from keras_distrib import chief_only
 from keras_distrib import data as data_lib
 from keras_distrib import fit_checks
+from keras_distrib import placement
 from keras_distrib import preemption
 from keras_distrib import sharded_variables
 from keras_distrib import saving
 from keras_distrib import step_call
 from keras_distrib import strategies
 from keras_distrib.strategies import registry
-from keras_distrib.strategies.base import Strategy, optimizers_in
+from keras_distrib.strategies import tf_distribute
+from keras_distrib.strategies.base import Strategy, optimizers_in, scaled_gradient
 
 _compat.warn_if_untested()
 _compat.check_hooks()
+_compat.unscaled_losses_where(lambda: tf_distribute.entered() is not None)
 Functional = _compat.functional_class()
 
 StrategyLike = Union[str, Strategy]
@@ -54,6 +58,24 @@ _reduced_applies = [0]
 _reduced_applies_lock = threading.Lock()
 
 _COMPILE_SIGNATURE = inspect.signature(keras.Model.compile)
+
+# Optimizer -> the strategy that adopted it (see `_adopt_optimizer`).
+_ADOPTED: "weakref.WeakKeyDictionary[keras.optimizers.Optimizer, Strategy]" = (
+    weakref.WeakKeyDictionary())
+
+
+def _outside_scopes(method):
+    """`method`, run outside any tf.distribute scope the caller is in (see
+    `_compat.outside_strategy_scopes`): the model distributes itself."""
+
+    @functools.wraps(method)
+    def run_outside(self, *args, **kwargs):
+        if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
+            with _compat.outside_strategy_scopes():
+                return method(self, *args, **kwargs)
+        return method(self, *args, **kwargs)
+
+    return run_outside
 
 
 @keras.saving.register_keras_serializable(package="keras_distrib")
@@ -158,11 +180,14 @@ class DistributedModel(keras.Model):
     def from_model(
         cls, model: keras.Model, strategy: StrategyLike = "auto"
     ) -> "DistributedModel":
-        """Wraps a Functional or Sequential Keras model, keeping its state.
+        """Wraps a copy of a Functional or Sequential Keras model, keeping its state.
 
-        The graph is rebuilt under the strategy with the same weights; if the
-        model was compiled, the copy is compiled the same way and the
-        optimizer's state (step count, slots) is carried over too.
+        Each layer is copied as it is (not re-created from its config, so
+        `Lambda` layers and layers without `get_config` copy too), its
+        variables made under the strategy with the same values; the model
+        passed in is left as it was. If it was compiled, the copy is
+        compiled the same way and the optimizer's state (step count,
+        slots) is carried over too.
 
         Raises:
             ValueError: for subclassed or unbuilt models.
@@ -180,11 +205,12 @@ class DistributedModel(keras.Model):
                 f"{type(model).__name__}; for a subclassed model, subclass "
                 "keras_distrib.DistributedModel instead of keras.Model."
             )
+        copied = placement.copy_functional(model)
         wrapped = FunctionalDistributedModel(
-            graph.input, graph.output, name=model.name, strategy=strategy
+            copied.input, copied.output, name=model.name, strategy=strategy
         )
         if model.compiled:
-            wrapped.compile_from_config(model.get_compile_config())
+            _compile_like(model, wrapped)
             _copy_optimizer_state(model, wrapped)
         return wrapped
 
@@ -197,10 +223,45 @@ class DistributedModel(keras.Model):
             with self._strategy.scope(), fit_checks.same_model_or_error(self._strategy):
                 outputs = super().__call__(*args, **kwargs)
             if self.built:
-                self._strategy.place_built(self)
+                self._take_variables()
             return outputs
         return super().__call__(*args, **kwargs)
 
+    @_outside_scopes
+    def _take_variables(self) -> None:
+        """Makes the variables of the model's layers this strategy's, in
+        place (`Strategy.place`): layers built outside the strategy (the
+        graph a Functional model is made from, sub-models a subclass was
+        given) keep their objects and values, and no layer is re-created
+        from its config. With several processes the moved variables then
+        hold worker 0's values (initializers are unseeded by default, so
+        each process drew its own), as at creation under the strategy.
+        """
+        unheld = [v for v in self.variables if not self._strategy.holds(v)]
+        if unheld:
+            fit_checks.check_same_model(self._strategy, unheld)
+        moved = {id(v) for v in self._strategy.place(self)}
+        placement.claim(self.variables, self._strategy, self)
+        moved = [v for v in self.variables if id(v) in moved]
+        if moved:
+            self._strategy.broadcast_variables(moved)
+            self._strategy.broadcast_derived_state(self)
+
+    def _adopt_state(self) -> None:
+        """Everything the model trains with becomes the strategy's before
+        `fit`, `evaluate` or `predict` builds: its layers (`_take_variables`),
+        its metrics (those a custom `compile` or `__init__` made, as Keras's
+        guides write them) and every optimizer it holds (one passed to
+        `compile`, and others set as attributes, as a GAN's `d_optimizer`
+        and `g_optimizer`)."""
+        self._take_variables()
+        metric_variables = [v for metric in self.metrics for v in metric.variables]
+        placement.remake(placement.unheld(self._strategy, metric_variables, self),
+                         self._strategy, self)
+        for optimizer in _optimizer_attributes(self):
+            _adopt_optimizer(optimizer, self._strategy, self)
+
+    @_outside_scopes
     def compile(self, optimizer="rmsprop", *args, **kwargs):
         arguments = _COMPILE_SIGNATURE.bind(self, optimizer, *args, **kwargs).arguments
         arguments.pop("self")
@@ -210,9 +271,9 @@ class DistributedModel(keras.Model):
             arguments["optimizer"] = _adopt_optimizer(
                 self._loss_scaled_if_mixed(keras.optimizers.get(arguments["optimizer"]),
                                            arguments.get("auto_scale_loss", True)),
-                self._strategy)
+                self._strategy, self)
             for key in ("metrics", "weighted_metrics"):
-                arguments[key] = _adopt_metrics(arguments.get(key), self._strategy)
+                arguments[key] = _adopt_metrics(arguments.get(key), self._strategy, self)
             super().compile(**arguments)
 
     def _loss_scaled_if_mixed(self, optimizer, auto_scale_loss: bool):
@@ -236,6 +297,16 @@ class DistributedModel(keras.Model):
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         if iterator is not None:
             iterator = _compat.build_source(iterator)
+        self._adopt_state()
+        if not _defines_call(self):
+            # A model with no `call` (the keras-io GAN): nothing to run
+            # forward, and Keras itself builds nothing before the first step
+            # (without a tf.distribute strategy it skips this build). Its
+            # sub-models were built by their inputs and adopted above; the
+            # optimizers build their slots at their first `apply_gradients`.
+            _check_built_without_call(self)
+            self._strategy.sync_initial_state(self)
+            return
         with self._strategy.scope(), fit_checks.same_model_or_error(self._strategy):
             try:
                 self._symbolic_build(iterator=iterator, data_batch=data_batch)
@@ -269,23 +340,27 @@ class DistributedModel(keras.Model):
     def _train_step(self, data, apply_gradients: bool):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         loss_and_gradients = self.replica_compiled(self._loss_and_gradients)
-        loss, y_pred, gradients = loss_and_gradients(x, y, sample_weight)
+        loss, y_pred, gradients, output_losses = loss_and_gradients(x, y, sample_weight)
         num_samples = _batch_size(x)
-        _compat.loss_tracker(self).update_state(
-            _unscale_replica_loss(loss), sample_weight=num_samples
-        )
-        if gradients:
-            if self._accumulation_steps > 1:
-                self.optimizer.accumulate(gradients, num_samples)
-                if apply_gradients:
-                    gradients, num_samples = self.optimizer.take_accumulated(gradients)
+        _compat.loss_tracker(self).update_state(loss, sample_weight=num_samples)
+        if gradients and self._accumulation_steps == 1:
+            gradients = self.reduce_with_statistics(gradients, num_samples, output_losses, x)
+            self.apply_reduced_gradients(gradients)
+        elif gradients:
+            self.record_output_losses(output_losses, x)  # this replica's, as Keras does
+            self.optimizer.accumulate(gradients, num_samples)
             if apply_gradients:
+                gradients, num_samples = self.optimizer.take_accumulated(gradients)
                 gradients = self.reduce_with_statistics(gradients, num_samples)
                 self.apply_reduced_gradients(gradients)
+        else:
+            self.record_output_losses(output_losses, x)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
-    def reduce_with_statistics(self, gradients: list, num_samples) -> list:
-        """`reduce_gradients`, with moving statistics and the stop vote riding along.
+    def reduce_with_statistics(self, gradients: list, num_samples, output_losses=(),
+                               x=None) -> list:
+        """`reduce_gradients`, with moving statistics, per-output losses and
+        the stop vote riding along.
 
         Keras updates non-trainable float variables (BatchNormalization's
         moving mean and variance) on each replica from that replica's shard;
@@ -293,15 +368,19 @@ class DistributedModel(keras.Model):
         depend on its replica. Their sample-weighted mean over the replicas
         travels in the gradients' all-reduce (no extra collective) and is
         assigned to every copy, so all replicas and workers keep one value.
-        With several processes each replica's preemption vote travels in
-        it too (see `keras_distrib.preemption`).
+        So do the per-output losses of a model with several outputs (the
+        replica's values, `_output_losses`), recorded once for the global
+        batch (`record_output_losses`). With several processes each
+        replica's preemption vote travels in it too (see
+        `keras_distrib.preemption`).
         """
         statistics = self._replica_statistics() if self._sums_sample_losses else []
         vote = self.__dict__.get("_kd_vote")
-        if not statistics and vote is None:
+        output_losses = list(output_losses)
+        if not statistics and vote is None and not output_losses:
             return self.reduce_gradients(gradients, num_samples)
         count = tf.cast(num_samples, tf.float32)
-        extras = [tf.cast(v, tf.float32) * count for v in statistics]
+        extras = [tf.cast(v, tf.float32) * count for v in [*statistics, *output_losses]]
         if vote is not None:
             mine = tf.numpy_function(preemption.local_vote, [], tf.float32, stateful=True,
                                      name="kd_preemption_vote")
@@ -310,9 +389,45 @@ class DistributedModel(keras.Model):
         reduced = self.reduce_gradients([*gradients, *extras], num_samples)
         for variable, value in zip(statistics, reduced[len(gradients):]):
             variable.assign(tf.cast(value, variable.dtype))
+        start = len(gradients) + len(statistics)
+        self.record_output_losses(reduced[start:start + len(output_losses)], x, summed=True)
         if vote is not None:
             vote.assign(reduced[-1])
         return reduced[: len(gradients)]
+
+    def _output_losses(self):
+        """Within it, the per-output loss values Keras's compiled loss
+        computes (a model with several outputs logs `<output>_loss` for
+        each) are collected, not recorded: with several replicas each would
+        be one replica's mean, recorded once per replica, so the logs held
+        another average than one device's (1.4124 for 1.4062). Recorded by
+        `record_output_losses` once the replicas' values are combined."""
+        if not self._sums_sample_losses:
+            return contextlib.nullcontext([])
+        return _compat.captured_output_losses(self)
+
+    def record_output_losses(self, values, x, summed: bool = False) -> None:
+        """Records per-output loss values in Keras's per-output metrics.
+
+        `summed`: the global batch's means (combined over the replicas),
+        recorded once, as one device records them: with weight the global
+        batch's static size (Keras weighs each batch by
+        `y_pred.shape[0]`, 1 where unknown), by the first replica. Else:
+        this replica's own values, as Keras would.
+        """
+        metrics = _compat.output_loss_metrics(self)
+        if not metrics or not values:
+            return
+        if not summed:
+            rows = _static_rows(x)
+            for metric, value in zip(metrics, values):
+                metric.update_state(value, sample_weight=rows)
+            return
+        rows = _static_rows(x)
+        weight = 1.0 if rows is None else float(rows * self._strategy.num_replicas)
+        first = tf.equal(self._strategy.replica_index(), 0)
+        for metric, value in zip(metrics, values):
+            metric.update_state(value, sample_weight=tf.where(first, weight, 0.0))
 
     def _replica_statistics(self) -> list:
         # Only layers known to update statistics per replica: other
@@ -347,12 +462,12 @@ class DistributedModel(keras.Model):
         # variables' float32, are multiplied afterwards (one more pass over
         # all of them).
         count_in_loss = self._sums_sample_losses and not _has_float16_layers(self)
-        with tf.GradientTape() as tape:
+        with tf.GradientTape() as tape, self._output_losses() as output_losses:
             y_pred = self._forward(x, training=True)
             loss = _compat.compute_loss(
                 self, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
             )
-            scaled = _unscale_replica_loss(loss) if self._sums_sample_losses else loss
+            scaled = loss
             if count_in_loss:
                 scaled = scaled * tf.cast(_batch_size(x), scaled.dtype)
             if self.optimizer is not None:  # a loss-scale optimizer's scale
@@ -363,8 +478,8 @@ class DistributedModel(keras.Model):
             # gradients put together (see sharded_variables).
             gradients = sharded_variables.gradients(tape, scaled, self.trainable_weights)
             if self._sums_sample_losses and not count_in_loss:
-                gradients = [_times(g, _batch_size(x)) for g in gradients]
-        return loss, y_pred, gradients
+                gradients = [scaled_gradient(g, _batch_size(x)) for g in gradients]
+        return loss, y_pred, gradients, list(output_losses)
 
     def reduce_gradients(self, gradients: list, num_samples) -> list:
         """The one cross-replica reduction of the step.
@@ -373,20 +488,35 @@ class DistributedModel(keras.Model):
         (see `_loss_and_gradients`); the strategy sums them over replicas
         together with the sample counts and divides by the global count
         (`Strategy.reduce_gradients`): exactly the gradient of the mean loss
-        over the global batch, whatever the split. `None` entries (variables
-        the loss does not reach) stay `None`.
+        over the global batch, whatever the split. Sparse gradients (an
+        Embedding's) travel as rows instead (`Strategy.gather_sparse_gradients`).
+        `None` entries (variables the loss does not reach) stay `None`.
         """
-        present = [g for g in gradients if g is not None]
-        if not present:
+        if not any(g is not None for g in gradients):
             raise ValueError(
                 "No gradients reach any trainable variable; check that the "
                 "loss depends on the model's outputs."
             )
-        if self._sums_sample_losses:
+        if not self._sums_sample_losses:
+            return list(gradients)
+        reduced = list(gradients)
+        dense = [i for i, g in enumerate(gradients)
+                 if g is not None and not isinstance(g, tf.IndexedSlices)]
+        sparse = [i for i, g in enumerate(gradients) if isinstance(g, tf.IndexedSlices)]
+        if sparse:
+            # Only the batch's rows travel, and Keras applies them as on one
+            # device (see Strategy.gather_sparse_gradients).
+            gathered = self._strategy.gather_sparse_gradients(
+                [gradients[i] for i in sparse], num_samples)
+            for i, g in zip(sparse, gathered):
+                reduced[i] = g
+        if dense:
             compression = getattr(self.optimizer, "compression", None)
-            present = self._strategy.reduce_gradients(present, num_samples, compression)
-        reduced = iter(present)
-        return [None if g is None else next(reduced) for g in gradients]
+            summed = self._strategy.reduce_gradients(
+                [gradients[i] for i in dense], num_samples, compression)
+            for i, g in zip(dense, summed):
+                reduced[i] = g
+        return reduced
 
     def apply_reduced_gradients(self, gradients: list) -> None:
         """Applies already-reduced gradients without Keras reducing again."""
@@ -402,12 +532,17 @@ class DistributedModel(keras.Model):
     def test_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         y_pred = self.replica_compiled(self._forward)(x, training=False)
-        loss = _compat.compute_loss(
-            self, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False
-        )
-        _compat.loss_tracker(self).update_state(
-            _unscale_replica_loss(loss), sample_weight=_batch_size(x)
-        )
+        with self._output_losses() as output_losses:
+            loss = _compat.compute_loss(
+                self, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False
+            )
+        rows = _batch_size(x)
+        _compat.loss_tracker(self).update_state(loss, sample_weight=rows)
+        if output_losses:
+            count = tf.cast(rows, tf.float32)
+            *sums, total = self._strategy.all_reduce(
+                [tf.cast(v, tf.float32) * count for v in output_losses] + [count])
+            self.record_output_losses([s / total for s in sums], x, summed=True)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _forward(self, x, training):
@@ -500,9 +635,12 @@ class DistributedModel(keras.Model):
 
     # -- entry points: input to the strategy, lazy builds ----------------------
 
+    @_outside_scopes
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
             callbacks=None, validation_split=0.0, validation_data=None,
             shuffle=True, class_weight=None, sample_weight=None, **kwargs):
+        x = _compat.undistributed(x)
+        validation_data = _compat.undistributed(validation_data)
         self._strategy.check_batch_size(batch_size)
         self._strategy.check_batch_size(kwargs.get("validation_batch_size"),
                                         "validation_batch_size")
@@ -616,8 +754,10 @@ class DistributedModel(keras.Model):
             self.__dict__["_kd_vote"] = vote
         return vote
 
+    @_outside_scopes
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto",
                  sample_weight=None, steps=None, callbacks=None, **kwargs):
+        x = _compat.undistributed(x)
         self._strategy.check_batch_size(batch_size)
         if kwargs.get("_use_cached_eval_dataset"):
             # Validation inside fit: the input was distributed by fit already.
@@ -633,7 +773,9 @@ class DistributedModel(keras.Model):
             return super().evaluate(x, y, batch_size, self._verbose(verbose),
                                     sample_weight, steps, callbacks, **kwargs)
 
+    @_outside_scopes
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
+        x = _compat.undistributed(x)
         self._strategy.check_batch_size(batch_size)
         fit_checks.check_same_call(self._strategy, "predict", x, batch_size=batch_size,
                                    steps=steps, steps_per_execution=self.steps_per_execution)
@@ -665,6 +807,15 @@ class DistributedModel(keras.Model):
             callbacks, self._strategy.is_chief, self.chief_only_side_effects
         )
 
+    @_outside_scopes
+    def train_on_batch(self, *args, **kwargs):
+        return super().train_on_batch(*args, **kwargs)
+
+    @_outside_scopes
+    def test_on_batch(self, *args, **kwargs):
+        return super().test_on_batch(*args, **kwargs)
+
+    @_outside_scopes
     def predict_on_batch(self, x):
         if not self.built:
             self._maybe_symbolic_build(data_batch=(x, None, None))
@@ -702,16 +853,66 @@ class DistributedModel(keras.Model):
 class FunctionalDistributedModel(DistributedModel, Functional):
     """What `DistributedModel(inputs, outputs, ...)` returns.
 
-    The layer graph between `inputs` and `outputs` is rebuilt under the
-    strategy (same weights) unless its variables already live there.
+    The model is made of the layers between `inputs` and `outputs`, as
+    `keras.Model(inputs, outputs)` is (shared with any plain model of
+    them); their variables are moved under the strategy, same values.
+    Layers that another live `DistributedModel` trains are copied instead
+    (a variable lives under one strategy).
     """
 
     def __init__(self, inputs, outputs, name=None, *, strategy: StrategyLike = "auto", **kwargs):
         resolved = strategies.get(strategy)
         registry.check_not_model_options(kwargs, resolved)
-        inputs, outputs = _rebuild_under(resolved, inputs, outputs)
+        if placement.owned_by_another(keras.Model(inputs, outputs).variables):
+            # Layers another DistributedModel trains: this one gets its own
+            # copies (a variable lives under one strategy).
+            inputs, outputs = placement.copy_graph(inputs, outputs)
         Functional.__init__(self, inputs, outputs, name=name, **kwargs)
         self._init_distribution(resolved)
+        self._take_variables()
+
+    def get_config(self):
+        """Keras's Functional config, and the strategy's name (`"strategy"`).
+
+        The file names Keras's own public `keras.Model` as its class (see
+        `_compat.save_as_keras_model`), so plain Keras loads it where
+        keras_distrib is not installed (its Functional ignores the
+        `"strategy"` key); where keras_distrib is imported, the key makes
+        `keras.models.load_model` return a `DistributedModel` on that
+        strategy (`_strategy_for_loading`).
+        """
+        config = super().get_config()
+        if type(self) is FunctionalDistributedModel:
+            config[_SAVED_STRATEGY_KEY] = self._strategy.name
+        return config
+
+
+_SAVED_STRATEGY_KEY = "strategy"
+
+
+def _strategy_for_loading(name):
+    """The strategy a loaded model trains on: the one it was saved with,
+    unless a strategy's scope is entered (then that one, as Keras loads
+    into a scope), or it cannot run here (a cluster strategy in a notebook:
+    then `"auto"`, with a warning naming why)."""
+    if tf.distribute.has_strategy() or not isinstance(name, str):
+        return "auto"
+    try:
+        return strategies.get(name)
+    except (ValueError, ImportError) as error:
+        warnings.warn(f"The model was saved with strategy {name!r}, which cannot run here "
+                      f"({error}); loading it with strategy='auto'.", stacklevel=3)
+        return "auto"
+
+
+def _load_saved(config, custom_objects=None):
+    """`keras.Model.from_config` of a file written by a FunctionalDistributedModel."""
+    config = dict(config)
+    config[_SAVED_STRATEGY_KEY] = _strategy_for_loading(config.get(_SAVED_STRATEGY_KEY))
+    return FunctionalDistributedModel.from_config(config, custom_objects=custom_objects)
+
+
+_compat.save_as_keras_model(FunctionalDistributedModel, _SAVED_STRATEGY_KEY, _load_saved)
 
 
 @functools.lru_cache(maxsize=None)
@@ -753,6 +954,23 @@ def _with_resume_and_preemption(model, train_function):
     return function
 
 
+def _defines_call(model) -> bool:
+    """Whether `model` has a forward pass (`keras.Model.call` is abstract)."""
+    return type(model).call is not keras.Model.call
+
+
+def _check_built_without_call(model) -> None:
+    """A one-line error naming a sub-layer of a model with no `call` that
+    is not built: with no forward pass there is no way to build it before
+    the first step, where the strategy cannot make variables."""
+    unbuilt = [layer.name for layer in _compat.all_layers(model) if not layer.built]
+    if unbuilt:
+        raise ValueError(
+            f"Model {model.name!r} has no call(), so fit cannot build its layer "
+            f"{unbuilt[0]!r}; build it before fit (give its model a keras.Input shape, "
+            "or call it on a batch).")
+
+
 def _callback_list(callbacks) -> list:
     """`fit`'s `callbacks` argument as a flat list."""
     if isinstance(callbacks, keras.callbacks.CallbackList):
@@ -779,32 +997,16 @@ def _check_steps_per_execution(steps) -> None:
         )
 
 
-def _unscale_replica_loss(loss):
-    """The replica's mean loss from Keras's, which divided it by the number of
-    replicas of the enclosing tf.distribute strategy (`scale_loss_for_distribution`)."""
-    replicas = tf.distribute.get_strategy().num_replicas_in_sync
-    return loss * tf.cast(replicas, loss.dtype) if replicas > 1 else loss
-
-
-def _rebuild_under(strategy: Strategy, inputs, outputs):
-    template = keras.Model(inputs, outputs)
-    if all(strategy.holds(v) for v in template.variables):
-        return inputs, outputs
-    fit_checks.check_same_model(strategy, template.weights)
-    clone = strategy.rebuild(template)
-    # Each process set its own values (initializers are unseeded by default,
-    # so they differ): worker 0's win, as they would at variable creation.
-    strategy.broadcast_variables(clone.weights)
-    strategy.broadcast_derived_state(clone)
-    return clone.input, clone.output
-
-
-def _adopt_optimizer(optimizer, strategy: Strategy):
-    """Returns `optimizer`, re-created under the strategy if made outside it.
+def _adopt_optimizer(optimizer, strategy: Strategy, model):
+    """Returns `optimizer`, made this strategy's in place if it was made
+    outside it.
 
     An optimizer creates its step counter and learning-rate variables when
-    constructed; made outside the scope they are not replicated, and every
-    replica would bump the step counter.
+    constructed (and its slots when built); made outside the scope they are
+    not replicated, and every replica would bump the step counter. They are
+    made again under the scope with their values (no config round trip, so
+    a user optimizer without `get_config` adopts too), and the optimizer
+    then makes its slots and updates through the strategy's engine.
     """
     steps = getattr(optimizer, "gradient_accumulation_steps", None)
     if steps and steps > 1 and not strategy.keras_gradient_accumulation:
@@ -813,66 +1015,120 @@ def _adopt_optimizer(optimizer, strategy: Strategy):
             f"strategy {strategy.name!r}; use keras_distrib.optimizers.DistributedOptimizer("
             f"optimizer, backward_passes_per_step={steps}) instead."
         )
-    if not all(strategy.holds(v) for v in optimizer.variables):
-        if optimizer.built:
+    if _ADOPTED.get(optimizer) is strategy:
+        return optimizer
+    inner = optimizers_in(optimizer)
+    if optimizer.built:
+        mine = {id(v) for v in model.trainable_variables}
+        if not all(id(v) in mine for opt in inner
+                   for v in _compat.optimizer_trainable_variables(opt)):
             raise ValueError(
                 "The optimizer was already used outside this model's strategy; "
                 "pass a new optimizer (or its name) to compile()."
             )
-        with strategy.scope():
-            optimizer = type(optimizer).from_config(optimizer.get_config())
-    # Every optimizer that applies gradients: a LossScaleOptimizer's inner
-    # one and a MultiOptimizer's each reduce them again otherwise.
-    for opt in optimizers_in(optimizer):
-        _install_reduction_switch(opt)
+    moving = placement.unheld(strategy, [v for opt in inner for v in opt.variables], model)
+    placement.remake(moving, strategy, model)
+    with strategy.scope():
+        engine = tf.distribute.get_strategy()
+    for opt in inner:
+        _compat.set_optimizer_strategy(opt, engine)
+    for opt in inner:
+        if opt.built:
+            _compat.reindex_optimizer(opt)
+        # Every optimizer that applies gradients: a LossScaleOptimizer's
+        # inner one and a MultiOptimizer's each reduce them again otherwise.
+        _install_reduction_switch(opt, strategy)
+        _build_under(opt, strategy)
     strategy.adopt_optimizer(optimizer)
+    _ADOPTED[optimizer] = strategy
     return optimizer
 
 
-def _adopt_metrics(metrics, strategy: Strategy):
-    """`metrics` (as passed to `compile`) with metric objects made outside the
-    strategy re-created under it from their config.
+def _build_under(optimizer, strategy: Strategy) -> None:
+    """Makes `optimizer` create its slots under the strategy, eagerly, also
+    when its first `apply_gradients` builds it inside a replica's step.
+
+    `fit` builds the compiled optimizer before the first step; an optimizer
+    only a custom `train_step` uses (a GAN's two) builds at its first
+    `apply_gradients`, inside the traced step and a replica context, where
+    variables cannot be made ("Mixing different tf.distribute.Strategy
+    objects": Keras runs every step inside its default strategy's `run`).
+    Once for all replicas (`merge_call`), lifted out of the trace
+    (`tf.init_scope`) and into the strategy's scope, the slots are made as
+    `fit`'s build would make them.
+    """
+    keras_build = optimizer.build
+
+    def build_eagerly(variables):
+        with tf.init_scope(), _compat.without_default_strategy_creator(), strategy.scope():
+            keras_build(variables)
+
+    @functools.wraps(keras_build)
+    def build(variables):
+        context = tf.distribute.get_replica_context()
+        if tf.distribute.has_strategy() and context is not None:
+            # In a replica: once, from the cross-replica context.
+            context.merge_call(lambda _: build_eagerly(variables))
+        else:
+            build_eagerly(variables)
+
+    optimizer.build = build
+
+
+def _optimizer_attributes(model) -> list:
+    """The optimizers `model` holds: the compiled one and any set as an
+    attribute (a GAN's `d_optimizer`, in a list or dict too)."""
+    found = [model.optimizer] if getattr(model, "optimizer", None) is not None else []
+    for value in list(vars(model).values()):
+        for item in (value.values() if isinstance(value, dict) else
+                     value if isinstance(value, (list, tuple)) else [value]):
+            if isinstance(item, keras.optimizers.Optimizer) and not any(
+                    item is seen for seen in found):
+                found.append(item)
+    return found
+
+
+def _adopt_metrics(metrics, strategy: Strategy, model):
+    """`metrics` (as passed to `compile`), each metric object made outside
+    the strategy made its own in place.
 
     A metric object creates its variables when constructed; made outside
     the scope they are plain per-process variables, and each worker would
-    report its own value instead of the global one.
+    report its own value instead of the global one. They are made again
+    under the scope (no config round trip: a metric without `get_config`
+    or `**kwargs` adopts too).
     """
     if isinstance(metrics, dict):
-        return {k: _adopt_metrics(v, strategy) for k, v in metrics.items()}
+        return {k: _adopt_metrics(v, strategy, model) for k, v in metrics.items()}
     if isinstance(metrics, (list, tuple)):
-        return type(metrics)(_adopt_metrics(m, strategy) for m in metrics)
-    if not isinstance(metrics, keras.metrics.Metric) or all(
-        strategy.holds(v) for v in metrics.variables
-    ):
-        return metrics
-    try:
-        with strategy.scope():
-            return type(metrics).from_config(metrics.get_config())
-    except Exception as error:
-        raise ValueError(
-            f"Metric {metrics.name!r} ({type(metrics).__name__}) was created outside the "
-            f"strategy's scope and cannot be re-created from its config ({error}); create "
-            "it inside `with model.strategy.scope():` or give it a get_config()."
-        ) from error
+        return type(metrics)(_adopt_metrics(m, strategy, model) for m in metrics)
+    if isinstance(metrics, keras.metrics.Metric):
+        placement.remake(placement.unheld(strategy, metrics.variables, model), strategy, model)
+    return metrics
 
 
-def _install_reduction_switch(optimizer) -> None:
-    """Lets our step make Keras's optimizer skip its own gradient all-reduce.
+def _install_reduction_switch(optimizer, strategy: Strategy) -> None:
+    """Lets our step make Keras's optimizer skip its own gradient all-reduce,
+    and gives a custom `train_step`'s `apply_gradients` the strategy's.
 
     Keras's TF optimizer sums gradients across replicas inside
     `apply_gradients` when called in a replica context. `train_step` has
     already reduced them (reducing twice multiplies them by the replica
     count), so while `apply_reduced_gradients` runs the sum is skipped, in
     whichever thread the optimizer applies them (a `LossScaleOptimizer`
-    applies through `merge_call` and `call_for_each_replica`). Custom
-    `train_step`s that call `apply_gradients` themselves keep Keras's
-    reduction. The switch acts at trace time.
+    applies through `merge_call` and `call_for_each_replica`). Gradients a
+    custom `train_step` applies itself are averaged over the replicas
+    instead (`Strategy.reduce_applied_gradients`: Keras's losses are not
+    divided by the replica count under our engines, so its sum would be
+    too large). The switch acts at trace time.
     """
-    def unless_reduced(keras_all_reduce):
+    def unless_reduced(_keras_sum):
         def all_reduce_unless_reduced(grads_and_vars):
-            if _reduced_applies[0] > 0:
+            if _reduced_applies[0] > 0 or tf.distribute.in_cross_replica_context():
+                # Reduced by our step, or applied once for all replicas
+                # (central_storage reduced them in the replicas first).
                 return list(grads_and_vars)
-            return keras_all_reduce(grads_and_vars)
+            return strategy.reduce_applied_gradients(list(grads_and_vars))
 
         return all_reduce_unless_reduced
 
@@ -883,14 +1139,12 @@ def _has_float16_layers(model) -> bool:
     return any(layer.compute_dtype == "float16" for layer in _compat.all_layers(model))
 
 
-def _times(gradient, count):
-    """`gradient * count`, for dense and sparse (`IndexedSlices`) gradients."""
-    if gradient is None:
-        return None
-    if isinstance(gradient, tf.IndexedSlices):
-        values = gradient.values * tf.cast(count, gradient.values.dtype)
-        return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
-    return gradient * tf.cast(count, gradient.dtype)
+def _static_rows(x):
+    """The static number of rows of `x` (None when unknown)."""
+    for t in tf.nest.flatten(x):
+        if t is not None:
+            return t.shape[0]
+    return None
 
 
 def _batch_size(x):
@@ -901,6 +1155,30 @@ def _can_write_atomically(filepath, overwrite, kwargs) -> bool:
     if not saving.is_local(filepath) or kwargs.get("max_shard_size"):
         return False
     return overwrite or not os.path.exists(os.fspath(filepath))
+
+
+def _compile_like(source: keras.Model, target: DistributedModel) -> None:
+    """Compiles `target` as `source` was: from `source`'s compile config, or,
+    where that does not deserialize (a metric or loss class Keras cannot
+    locate, as a user's written without `get_config` or registration),
+    with copies of the objects `source` was compiled with (metrics copied
+    object by object, their state reset; the optimizer made from its
+    config, its state carried over afterwards by `_copy_optimizer_state`)."""
+    try:
+        target.compile_from_config(source.get_compile_config())
+        return
+    except (TypeError, ValueError):
+        pass
+    arguments = dict(_compat.compile_arguments(source))
+    optimizer = arguments.get("optimizer")
+    if isinstance(optimizer, keras.optimizers.Optimizer):
+        arguments["optimizer"] = type(optimizer).from_config(optimizer.get_config())
+    for key in ("loss", "metrics", "weighted_metrics"):
+        arguments[key] = placement.copy_objects(arguments.get(key))
+    target.compile(**arguments)
+    if target.built:
+        with target.strategy.scope():
+            target.optimizer.build(target.trainable_variables)
 
 
 def _copy_optimizer_state(source: keras.Model, target: DistributedModel) -> None:

@@ -90,6 +90,27 @@ def split_problem(layer, kind: str, num_devices: int) -> Optional[str]:
     return None
 
 
+# Keras activations that act on each element alone (so on each device's
+# columns of a column-split layer); any other (softmax, log_softmax, glu,
+# sparsemax, a user's function) runs on the gathered output.
+_ELEMENTWISE_ACTIVATIONS = (
+    "linear", "relu", "relu6", "leaky_relu", "elu", "selu", "gelu", "celu", "silu",
+    "swish", "hard_silu", "hard_swish", "sigmoid", "hard_sigmoid", "log_sigmoid", "tanh",
+    "tanh_shrink", "hard_tanh", "softplus", "softsign", "soft_shrink", "hard_shrink",
+    "exponential", "mish", "sparse_plus", "sparse_sigmoid", "squareplus", "threshold")
+
+
+def is_elementwise(activation) -> bool:
+    """Whether a layer's `activation` (a Keras activation function, or None)
+    acts on each element alone."""
+    import keras
+
+    if activation is None:
+        return True
+    return any(activation is getattr(keras.activations, name, None)
+               for name in _ELEMENTWISE_ACTIVATIONS)
+
+
 def check_layout(layout: Optional[Mapping[str, str]]) -> dict[str, str]:
     """`layout` validated (one-line errors): patterns that compile, known kinds."""
     if layout is None:

@@ -352,39 +352,54 @@ def test_a_pydataset_with_workers_shows_every_batch_once_per_epoch(strategy):
     assert model.evaluate(IdBatches(workers=2), verbose=0, return_dict=True)["ids"] == IdBatches.SUM
 
 
-def test_embedding_gradients_are_reduced_dense():
-    """Embedding gradients are all-reduced dense (README: traffic grows with
-    the vocabulary). With SGD that is plain Keras exactly; with Adam, plain
-    Keras updates only the rows in the batch (a sparse update) while here
-    rows seen in earlier batches keep moving with their moments, as under
-    tf.distribute and Horovod. Rows never seen stay put in both."""
+def test_embedding_gradients_travel_as_rows_and_adam_is_plain_keras():
+    """An Embedding's gradient is sparse (`tf.IndexedSlices`): the replicas'
+    rows are gathered, not summed into the whole table, and Keras's
+    optimizer applies them as on one device (Adam adds each row's squares
+    into its second moment). Before, the table went dense: Adam then moved
+    rows differently from plain Keras (0.16 off after 4 epochs) and every
+    step carried the whole table. Rows never seen stay put."""
     def graph():
         inputs = keras.Input((4,), dtype="int32")
         h = keras.layers.Embedding(50, 8)(inputs)
         return inputs, keras.layers.Dense(3)(keras.layers.Flatten()(h))
 
     rng = np.random.default_rng(1)
+    # Ids repeat within a batch: the case where a dense sum changes Adam.
     x, y = rng.integers(0, 40, size=(128, 4)).astype("int32"), rng.integers(0, 3, size=128)
     for optimizer in (keras.optimizers.SGD, keras.optimizers.Adam):
         plain, model = _twins(graph)
         initial = model.get_weights()[0]
+        reduced_shapes = _all_reduce_shapes(model)
         for m in (plain, model):
             m.compile(optimizer=optimizer(0.01), loss=_loss())
             m.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
-        if optimizer is keras.optimizers.SGD:
-            _close(plain, model)
-        else:
-            moved = np.abs(model.get_weights()[0] - plain.get_weights()[0]).max(axis=1)
-            assert moved[:40].max() > 1e-4
+        _close(plain, model)
         for m in (plain, model):
             np.testing.assert_array_equal(m.get_weights()[0][40:], initial[40:])
+        # The step's all-reduces carried the batch's rows, never the table.
+        assert reduced_shapes and (50, 8) not in reduced_shapes
+        assert any(shape[-1:] == (8,) and shape[:1] == (2,) for shape in reduced_shapes)
+
+
+def _all_reduce_shapes(model) -> list:
+    """Records the static shape of every tensor `model.strategy.all_reduce`
+    is given from now on (at trace time)."""
+    shapes = []
+    all_reduce = model.strategy.all_reduce
+
+    def recording(values, op="sum"):
+        shapes.extend(tuple(tf.TensorShape(v.shape).as_list()) for v in values)
+        return all_reduce(values, op)
+
+    model.strategy.all_reduce = recording
+    return shapes
 
 
 def test_multi_output_loss_logs():
-    """The total loss log is exact whatever the split; per-output loss logs
-    are exact with equal shards (here 203 samples, batch 32: the last batch
-    splits 6/5, and the per-output logs are then a mean of replica means,
-    as README says)."""
+    """The total loss log and the per-output loss logs are exact whatever
+    the split (203 samples, batch 32: the last batch splits 6/5; see
+    tests/test_output_losses.py)."""
     def graph():
         inputs = keras.Input((8,))
         h = keras.layers.Dense(16, activation="relu")(inputs)
@@ -403,10 +418,8 @@ def test_multi_output_loss_logs():
         _close(plain, model)
         np.testing.assert_allclose(histories[0]["loss"], histories[1]["loss"], atol=1e-5)
         for key in ("a_loss", "b_loss"):
-            assert key in histories[1]
-            if n == 192:
-                np.testing.assert_allclose(histories[0][key], histories[1][key], atol=1e-5,
-                                           err_msg=key)
+            np.testing.assert_allclose(histories[0][key], histories[1][key], atol=1e-5,
+                                       err_msg=key)
 
 
 # -- item 7: load_model inside a strategy's scope ----------------------------------------
@@ -454,18 +467,21 @@ class _Threshold(keras.metrics.Mean):
         return super().update_state(tf.cast(y_pred[:, 0] > self.threshold, "float32"))
 
 
-def test_metric_objects_are_recreated_under_the_strategy():
+def test_metric_objects_made_outside_are_adopted_in_place():
+    """Metric objects made outside the scope keep their identity and come
+    under the strategy (their variables made again there): also a metric
+    whose constructor needs an argument its config lacks, which a config
+    round trip could not re-create."""
     model = kd.DistributedModel(*_mlp(), strategy="mirrored")
     outside = keras.metrics.SparseTopKCategoricalAccuracy(k=2, name="top2")
     with model.strategy.scope():
         inside = keras.metrics.SparseCategoricalAccuracy(name="inside")
-    model.compile(optimizer="sgd", loss=_loss(), metrics=[outside, inside])
+    threshold = _Threshold(0.5)
+    model.compile(optimizer="sgd", loss=_loss(), metrics=[outside, inside, threshold])
     x, y = _data()
-    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
-    by_name = {m.name: m for m in model.metrics[1].metrics} if hasattr(
-        model.metrics[1], "metrics") else {}
+    history = model.fit(x, y, batch_size=32, epochs=1, verbose=0).history
+    by_name = {m.name: m for m in model.metrics[1].metrics}
+    assert by_name["top2"] is outside and by_name["inside"] is inside
+    assert by_name["threshold"] is threshold
     assert all(model.strategy.holds(v) for m in model.metrics for v in m.variables)
-    assert inside in by_name.values() and outside not in by_name.values()
-    assert by_name["top2"].get_config()["k"] == 2
-    with pytest.raises(ValueError, match="threshold.*created outside the strategy's scope"):
-        model.compile(optimizer="sgd", loss=_loss(), metrics=[_Threshold(0.5)])
+    assert 0.0 <= history["threshold"][0] <= 1.0

@@ -131,6 +131,39 @@ def test_two_inputs_two_outputs_and_skips_match_single(schedule, data):
         np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+def test_nested_models_and_attention_blocks_cut_by_default_match_single(data):
+    """A nested model's `output` is that of its own graph: the default cut
+    of a model whose second stage is a nested model (a classifier head as a
+    Functional model) failed with "Pipeline stage 0 makes none of the
+    tensors later stages use". Each layer's tensors now come from this
+    model's own graph. An attention block with residuals cuts by default
+    too."""
+    x, y = data
+
+    def nested_head():
+        head_in = keras.Input((8,))
+        head = keras.Model(head_in, keras.layers.Dense(3)(
+            keras.layers.Dense(16, activation="relu")(head_in)), name="head")
+        inputs = keras.Input((FEATURES,))
+        return keras.Model(inputs, head(keras.layers.Dense(8, activation="relu")(inputs)))
+
+    def attention_block():
+        inputs = keras.Input((FEATURES,))
+        h = keras.layers.Reshape((2, FEATURES // 2))(inputs)
+        h = keras.layers.LayerNormalization()(
+            h + keras.layers.MultiHeadAttention(2, 4)(h, h, use_causal_mask=True))
+        return keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Flatten()(h)))
+
+    for graph in (nested_head, attention_block):
+        plain = graph()
+        piped = kd.DistributedModel.from_model(plain, strategy=pipeline())
+        for model in (plain, piped):
+            model.compile(optimizer=keras.optimizers.SGD(0.1),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        assert_weights_close(plain, piped)
+
+
 class _PenalizeActivations(keras.layers.Layer):
     """A layer that adds a loss in `call` (the mean square of its input)."""
 
@@ -458,19 +491,31 @@ def test_bad_cuts_are_one_line_errors():
     with pytest.raises(ValueError, match=r"\(1 layers\) into 2 stages") as excinfo:
         kd.DistributedModel(inputs, outputs, strategy=pipeline())
     _one_line(excinfo)
-    # A mask crossing the cut (Keras said "Output with path `0` is not
-    # connected to `inputs`"); cut after the masked LSTM instead, it trains.
-    ids = keras.Input((5,), dtype="int32")
-    masked = keras.layers.LSTM(4, name="lstm")(keras.layers.Embedding(9, 3, mask_zero=True)(ids))
-    outputs = keras.layers.Dense(2, name="out")(masked)
-    with pytest.raises(ValueError, match=r"stage 1 \(layers \['lstm', 'out'\]\) computes from a "
-                       "tensor that no layer hands over.*split_at") as excinfo:
-        kd.DistributedModel(ids, outputs, strategy=pipeline(split_at=["lstm"])).predict(
-            np.ones((8, 5), "int32"), batch_size=8, verbose=0)
-    _one_line(excinfo)
-    model = kd.DistributedModel(ids, outputs, strategy=pipeline(split_at=["out"]))
-    model.compile(optimizer="sgd", loss="mse")
-    model.fit(np.ones((8, 5), "int32"), np.ones((8, 2), "float32"), batch_size=8, verbose=0)
+
+
+def test_a_mask_crossing_the_cut_is_handed_over():
+    """`Embedding(mask_zero=True)` in one stage, the LSTM that reads its mask
+    in the next: the mask (an operation's output in the graph) crosses the
+    cut with the values. It failed ("Output with path `0` is not connected
+    to `inputs`") when only layers' outputs could cross."""
+    def graph():
+        ids = keras.Input((5,), dtype="int32")
+        masked = keras.layers.LSTM(4, name="lstm")(
+            keras.layers.Embedding(9, 3, mask_zero=True)(ids))
+        return keras.Model(ids, keras.layers.Dense(2, name="out")(masked))
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(1, 9, (32, 5)).astype("int32")
+    x[::2, 2:] = 0  # padded rows: the mask matters
+    y = rng.normal(size=(32, 2)).astype("float32")
+    plain = graph()
+    piped = kd.DistributedModel.from_model(plain, strategy=pipeline(split_at=["lstm"]))
+    np.testing.assert_allclose(piped.predict(x, batch_size=8, verbose=0),
+                               plain.predict(x, batch_size=8, verbose=0), atol=1e-6)
+    for model in (plain, piped):
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    assert_weights_close(plain, piped)
 
 
 def test_batch_not_divisible_by_micro_batches_is_a_one_line_error(data):

@@ -63,6 +63,56 @@ def test_loading_needs_keras_distrib_imported(data, tmp_path):
     np.testing.assert_allclose(np.load(tmp_path / "p.npy"), model.predict(x[:5], verbose=0), atol=1e-6)
 
 
+_WITHOUT_KERAS_DISTRIB = textwrap.dedent("""
+    import sys
+
+    class NotInstalled:  # the serving box: keras_distrib cannot be imported
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] == "keras_distrib":
+                raise ImportError("keras_distrib is not installed here")
+
+    sys.meta_path.insert(0, NotInstalled())
+""")
+
+
+@pytest.mark.parametrize("strategy", ["mirrored", "tensor_parallel", "pipeline"])
+def test_a_file_loads_where_keras_distrib_is_not_installed(strategy, data, tmp_path):
+    """A `.keras` file of a Functional or Sequential DistributedModel names
+    Keras's own `keras.Model`: plain Keras loads it (as its Functional
+    model, same predictions, trainable); with keras_distrib imported it
+    loads back on the strategy it was saved with."""
+    x, y = data
+    sequential = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(16, "relu"),
+                                   keras.layers.Lambda(lambda t: t * 2.0),
+                                   keras.layers.Dense(3, activation="softmax")])
+    model = kd.DistributedModel.from_model(sequential, strategy=strategy)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    path = tmp_path / "m.keras"
+    model.save(path)
+    np.save(tmp_path / "x.npy", x[:5])
+    code = _WITHOUT_KERAS_DISTRIB + textwrap.dedent(f"""
+        import numpy as np, keras
+        m = keras.models.load_model({str(path)!r}, safe_mode=False)
+        assert type(m).__name__ == "Functional", type(m)
+        assert "keras_distrib" not in sys.modules
+        x = np.load({str(tmp_path / "x.npy")!r})
+        np.save({str(tmp_path / "p.npy")!r}, m.predict(x, verbose=0))
+        m.fit(x, np.zeros(5), verbose=0)  # its optimizer state loaded too
+        print(int(m.optimizer.iterations.numpy()))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], timeout=180, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert int(done.stdout.split()[-1]) == int(model.optimizer.iterations.numpy()) + 1
+    np.testing.assert_allclose(np.load(tmp_path / "p.npy"), model.predict(x[:5], verbose=0),
+                               atol=1e-6)
+    loaded = keras.models.load_model(path, safe_mode=False)
+    assert isinstance(loaded, kd.DistributedModel) and loaded.strategy.name == strategy
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0),
+                               atol=1e-6)
+
+
 def test_weights_interchange_with_plain_keras(data, tmp_path):
     x, y = data
     model = build("functional", "mirrored")

@@ -541,13 +541,21 @@ def test_a_subclassed_model_is_split_in_place_and_matches_single(called_first, d
         np.testing.assert_array_equal(a, b)
 
 
-def test_the_template_is_left_untouched(data):
+def test_from_model_leaves_the_model_untouched_and_the_constructor_takes_its_layers(data):
+    """`from_model` splits a copy; `DistributedModel(inputs, outputs)` is
+    made of the layers themselves, as `keras.Model(inputs, outputs)` is, so
+    they are split in place and a plain model of the same graph computes
+    on their shards, with the same results."""
     x, _ = data
     reference = plain_model()
     before = reference.predict(x, verbose=0)
-    kd.DistributedModel(reference.input, reference.output, strategy="tensor_parallel")
+    kd.DistributedModel.from_model(reference, strategy="tensor_parallel")
     assert [tuple(w.shape) for w in reference.get_weights()] == [(8, 16), (16,), (16, 3), (3,)]
     np.testing.assert_array_equal(reference.predict(x, verbose=0), before)
+    model = kd.DistributedModel(reference.input, reference.output, strategy="tensor_parallel")
+    assert model.layers[1] is reference.layers[1]
+    assert model.strategy.plan(model).kinds == {"hidden": "column", "logits": "row"}
+    np.testing.assert_allclose(reference.predict(x, verbose=0), before, atol=1e-6)
 
 
 def test_topology_is_one_replica_over_both_devices():

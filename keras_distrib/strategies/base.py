@@ -144,28 +144,30 @@ class Strategy(abc.ABC):
     def holds(self, variable: Any) -> bool:
         """Whether `variable` was created under this strategy's scope."""
 
-    def rebuild(self, template):
-        """A copy of the functional `template` (a `keras.Model`) whose
-        variables live where this strategy wants them, with its weights.
+    def place(self, model) -> list:
+        """Makes `model`'s variables this strategy's, in place, and returns
+        the variables it moved.
 
-        `DistributedModel(inputs, outputs)` calls it when the layers were
-        built outside the strategy. By default the graph is cloned under
-        `scope()`; strategies that place layers one by one (or split them)
+        `DistributedModel` calls it when it is made from a graph built
+        outside the strategy, when a subclassed one has built its layers
+        (its first call), and before `fit`, `evaluate` and `predict` build
+        (sub-models or layers made outside, as a GAN's). Each variable not
+        held yet is made again, with its value, under `scope()`
+        (`keras_distrib.placement`): no layer is re-created from its
+        config. Strategies that place layers one by one, or split them,
         override it.
         """
-        # Not at import: keras_distrib sets up TensorFlow before Keras loads.
-        from keras_distrib import _compat
+        from keras_distrib import placement  # not at import: it loads Keras
 
-        with self.scope():
-            clone = _compat.clone_functional(template)
-        copy_layer_weights(template, clone)
-        return clone
+        moving = placement.unheld(self, model.variables, model)
+        placement.remake(moving, self, model)
+        return moving
 
     def whole_weights(self, model) -> list[np.ndarray]:
         """`model.get_weights()`: its weights as a plain Keras model of the
         same architecture lists them (Keras's own list by default; strategies
         that split variables gather each one's parts)."""
-        import keras  # not at import, as in rebuild()
+        import keras  # not at import, as in place()
 
         return keras.layers.Layer.get_weights(model)
 
@@ -174,12 +176,6 @@ class Strategy(abc.ABC):
         import keras
 
         keras.layers.Layer.set_weights(model, weights)
-
-    def place_built(self, model) -> None:
-        """Called when a subclassed `DistributedModel` has just built its
-        layers (its first call, under `scope()`), before its optimizer is
-        built: strategies that place or split layers one by one do it here
-        (default: nothing, `scope()` placed them)."""
 
     # -- input ------------------------------------------------------------------
 
@@ -273,6 +269,76 @@ class Strategy(abc.ABC):
             gradients = [compression.decompress(g, d) for g, d in zip(gradients, dtypes)]
         scale = 1.0 / tf.maximum(total, 1.0)
         return [g * tf.cast(scale, g.dtype) for g in gradients]
+
+    def gather_sparse_gradients(self, gradients: Sequence[tf.IndexedSlices],
+                                num_samples) -> list:
+        """Sparse gradients (`tf.IndexedSlices`: an `Embedding`'s, any
+        `tf.gather`'s) of every replica, as one device holds them for the
+        global batch: each replica's rows, concatenated in replica order
+        (= the global batch's order, see `keras_distrib.sharding`), the
+        values divided by the global sample count (each replica's are of its
+        loss *sum*, as in `reduce_gradients`).
+
+        Keras's optimizers apply a sparse gradient as it is: duplicate rows
+        are added where the update densifies (Adam's second moment adds
+        each row's squares, not the square of their sum), and rows not in
+        the batch are not touched by SGD. Summing the replicas' gradients
+        into one dense tensor would change both (and carry the whole table
+        every step); here only the batch's rows travel: two all-reduces,
+        the row counts (with the sample counts), then each replica's rows
+        in its own slot.
+        """
+        slots, slot = self.num_replicas, self.replica_index()
+        here = tf.one_hot(slot, slots, dtype=tf.float32)
+        counts = tf.stack([tf.cast(tf.shape(g.indices)[0], tf.float32) for g in gradients]
+                          + [tf.cast(num_samples, tf.float32)])
+        (table,) = self.all_reduce([here[:, None] * counts[None]], "sum")
+        total = tf.reduce_sum(table[:, -1])
+        rows = tf.cast(table[:, :-1], tf.int32)  # [slot, gradient]
+        sent = []
+        for k, g in enumerate(gradients):
+            longest = tf.reduce_max(rows[:, k])
+            for part in (g.values, tf.cast(g.indices, tf.float64)):
+                padding = [[0, longest - tf.shape(part)[0]]] + [[0, 0]] * (part.shape.rank - 1)
+                mask = tf.reshape(tf.cast(here, part.dtype), [slots] + [1] * part.shape.rank)
+                sent.append(mask * tf.pad(part, padding)[None])
+        received = self.all_reduce(sent, "sum")
+        out = []
+        for k, g in enumerate(gradients):
+            values, indices = received[2 * k], received[2 * k + 1]
+            values = tf.concat([values[r, :rows[r, k]] for r in range(slots)], axis=0)
+            indices = tf.concat([indices[r, :rows[r, k]] for r in range(slots)], axis=0)
+            scale = tf.cast(1.0 / tf.maximum(total, 1.0), values.dtype)
+            out.append(tf.IndexedSlices(values * scale, tf.cast(indices, g.indices.dtype),
+                                        g.dense_shape))
+        return out
+
+    def replica_index(self):
+        """This replica's global index, in a replica's step (one replica per
+        process by default: the rank)."""
+        return self.rank
+
+    def reduce_applied_gradients(self, grads_and_vars: list) -> list:
+        """The gradients an optimizer applies when a custom `train_step` (or
+        a GAN's, with several optimizers) calls `apply_gradients` itself,
+        from the replica's own `(gradient, variable)` pairs: each gradient
+        averaged over all replicas, in one all-reduce (`None` stays).
+
+        The replica's gradient is of its loss on its rows (Keras's losses
+        are not divided by the replica count under our engines, see
+        `_compat.unscaled_losses_where`); for equal shards the mean over
+        replicas is one device's gradient of the global batch, and every
+        replica applies the same update.
+        """
+        present = [i for i, (g, _) in enumerate(grads_and_vars) if g is not None]
+        if not present:
+            return list(grads_and_vars)
+        reduced = self.all_reduce(
+            [tf.convert_to_tensor(grads_and_vars[i][0]) for i in present], "mean")
+        pairs = list(grads_and_vars)
+        for i, g in zip(present, reduced):
+            pairs[i] = (g, pairs[i][1])
+        return pairs
 
     # -- results ---------------------------------------------------------------------
 
@@ -467,6 +533,29 @@ class Strategy(abc.ABC):
         """
 
 
+def scaled_gradient(gradient, factor):
+    """`gradient * factor`, for dense and sparse (`tf.IndexedSlices`) gradients."""
+    if gradient is None:
+        return None
+    if isinstance(gradient, tf.IndexedSlices):
+        values = gradient.values * tf.cast(factor, gradient.values.dtype)
+        return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
+    return gradient * tf.cast(factor, gradient.dtype)
+
+
+def summed_gradients(gradients: Sequence[Any]):
+    """The sum of several gradients of one variable; sparse ones stay
+    sparse, their rows concatenated in order (the sum Keras's optimizers
+    apply as one device would: see `Strategy.gather_sparse_gradients`)."""
+    if len(gradients) == 1:
+        return gradients[0]
+    if all(isinstance(g, tf.IndexedSlices) for g in gradients):
+        return tf.IndexedSlices(tf.concat([g.values for g in gradients], axis=0),
+                                tf.concat([g.indices for g in gradients], axis=0),
+                                gradients[0].dense_shape)
+    return tf.add_n([tf.convert_to_tensor(g) for g in gradients])
+
+
 def optimizers_in(optimizer) -> list:
     """`optimizer` and the optimizers it applies through (a LossScaleOptimizer's
     inner one, a MultiOptimizer's), each once."""
@@ -490,40 +579,6 @@ def keras_class_among(optimizer, names) -> Optional[str]:
     is in `names`, else None: Keras's optimizer classes by name, so that a
     subclass counts and an optimizer this Keras lacks needs no import."""
     return next((c.__name__ for c in type(optimizer).__mro__ if c.__name__ in names), None)
-
-
-def copy_layer_weights(source, clone) -> None:
-    """Gives each layer of `clone` (a copy of `source`'s graph) the weights of
-    the same layer of `source`, layer by layer: a layer split by
-    `tensor_parallel` gives its whole values, where `source.get_weights()`
-    of a plain `keras.Model` over a split graph would list the shards."""
-    for layer, copy in zip(source.layers, clone.layers, strict=True):
-        copy_layer_state(layer, copy)
-
-
-def copy_layer_state(layer, copy) -> None:
-    """Makes `copy` (a clone of `layer` from its config) hold `layer`'s state:
-    its weights (whole, from a split layer), and what Keras keeps besides
-    them, as a `.keras` file carries it over.
-
-    An adapted preprocessing layer's state is not all in its weights:
-    `Normalization` computes its mean and variance from its variables when
-    it loads them (`set_weights` left the clone normalizing with 0 and 1),
-    and an adapted `StringLookup` / `TextVectorization` vocabulary is an
-    asset (the clone's table was empty: "Table not initialized"). Layers
-    that have such state (they define `finalize_state` or `load_assets`)
-    go through Keras's own saving hooks, `save_own_variables` /
-    `load_own_variables` and `save_assets` / `load_assets`, here through a
-    temporary directory.
-    """
-    if not hasattr(copy, "set_weights"):
-        return  # an operation of the graph, not a layer (`keras.ops.cast(x)`): no state
-    copy.set_weights(layer.get_weights())
-    for part, twin in zip(_layer_tree(layer), _layer_tree(copy), strict=True):
-        if _has_derived_state(twin):
-            _load_own_variables(twin, part)
-            if _has_assets(part):
-                _load_asset_files(twin, _asset_files(part))
 
 
 def reload_derived_state(model) -> None:

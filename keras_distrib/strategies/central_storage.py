@@ -52,6 +52,17 @@ class CentralStorage(TFDistributeStrategy):
         self.parameter_device = parameters
         self._compute_devices = compute  # short names, as parameter_device (devices_lib)
 
+    @classmethod
+    def around(cls, engine) -> "CentralStorage":
+        """The strategy on a `tf.distribute.experimental.CentralStorageStrategy`
+        the user made (its devices, see `strategies.from_tf`)."""
+        strategy = cls.__new__(cls)
+        TFDistributeStrategy.__init__(strategy, engine)
+        (parameters,) = engine.extended.parameter_devices
+        strategy.parameter_device = devices_lib.short(parameters)
+        strategy._compute_devices = [devices_lib.short(d) for d in engine.extended.worker_devices]
+        return strategy
+
     @contextlib.contextmanager
     def scope(self):
         """TensorFlow's scope, where Keras's state variables can be assigned
@@ -70,6 +81,15 @@ class CentralStorage(TFDistributeStrategy):
         """
         with self.tf_strategy.scope(), tf.variable_creator_scope(_aggregated_state):
             yield
+
+    def holds(self, variable) -> bool:
+        """Made under the engine, and by `scope()` if it is state (made in
+        the engine's own scope, as a user's `tf.distribute` code does, a
+        state variable has no aggregation and is made again here)."""
+        if not super().holds(variable):
+            return False
+        value = getattr(variable, "value", variable)
+        return value.trainable or value.aggregation != tf.VariableAggregation.NONE
 
     def without_xla(self) -> Optional[str]:
         """XLA cannot read a variable kept on another device than the one it

@@ -72,6 +72,20 @@ class Mirrored(TFDistributeStrategy):
         )
         self.cross_device_ops = cross_device_ops
 
+    @classmethod
+    def around(cls, engine: tf.distribute.MirroredStrategy) -> "Mirrored":
+        """The strategy on a `tf.distribute.MirroredStrategy` the user made
+        (its devices and cross-device ops, see `strategies.from_tf`)."""
+        _compat.rekey_collectives(engine, next(_KEY_RANGES))
+        strategy = cls.__new__(cls)
+        TFDistributeStrategy.__init__(strategy, engine)
+        ops = type(_compat.cross_device_ops(engine)).__name__
+        strategy.cross_device_ops = {"NcclAllReduce": "nccl",
+                                     "HierarchicalCopyAllReduce": "hierarchical_copy",
+                                     "ReductionToOneDevice": "reduction_to_one_device"
+                                     }.get(ops, "auto")
+        return strategy
+
 
 def _cross_device_ops(name: str, devices: Sequence[str]):
     if name == "auto":

@@ -84,7 +84,7 @@ from keras_distrib import devices as devices_lib
 from keras_distrib import pipeline_schedule
 from keras_distrib import replica_seeds
 from keras_distrib.strategies import lockstep
-from keras_distrib.strategies.base import Strategy, copy_layer_weights
+from keras_distrib.strategies.base import Strategy, scaled_gradient, summed_gradients
 from keras_distrib.strategies.hybrid import WorkerReplicas
 from keras_distrib.topology import Topology
 
@@ -187,7 +187,7 @@ class Pipeline(WorkerReplicas, Strategy):
         self.split_at = list(split_at) if split_at else None
         self.balance = balance
         self._topology = self._join_workers(devices, workers)
-        # Variables created under scope() or by rebuild() (ids -> weak refs).
+        # Variables created under scope() or moved by place() (ids -> weak refs).
         self._made: dict[int, weakref.ref] = {}
 
     @property
@@ -210,7 +210,7 @@ class Pipeline(WorkerReplicas, Strategy):
 
     def scope(self):
         # Optimizer step counters and metrics: with the loss and metrics,
-        # on the last stage. Layers go on their stage's device (rebuild).
+        # on the last stage. Layers go on their stage's device (place).
         return self._creating_on(self.devices[-1])
 
     def holds(self, variable: Any) -> bool:
@@ -218,26 +218,23 @@ class Pipeline(WorkerReplicas, Strategy):
         ref = self._made.get(id(value))
         return ref is not None and ref() is value
 
-    def rebuild(self, template):
-        """Clones `template` with each layer's variables on its stage's device."""
-        stage_of = _stage_of_layers(template, self.num_stages, self.split_at)
+    def place(self, model) -> list:
+        """Moves each layer's variables (those of the layers nested in it
+        too) to its stage's device, in place; the model's own (a seed
+        generator) and anything else go with the loss, on the last stage."""
+        from keras_distrib import placement  # not at import: it loads Keras
 
-        def clone_layer(layer):
-            if layer.name not in stage_of:  # an input layer
-                return layer.__class__.from_config(layer.get_config())
-            # Some layers make variables in __init__ (Dropout's seed state),
-            # most in build: both on the stage's device.
-            with self._creating_on(self.devices[stage_of[layer.name]]):
-                clone = layer.__class__.from_config(layer.get_config())
-                config = layer.get_build_config()
-                if config is not None:
-                    clone.build_from_config(config)
-            return clone
-
-        with self.scope():
-            clone = _compat.clone_functional(template, clone_function=clone_layer)
-        copy_layer_weights(template, clone)
-        return clone
+        moved = []
+        if isinstance(model, _compat.functional_class()):
+            stage_of = _stage_of_layers(model, self.num_stages, self.split_at)
+            for layer in _pipelined_layers(model):
+                moving = placement.unheld(self, layer.variables, model)
+                device = self.devices[stage_of[layer.name]]
+                placement.remake(moving, self, model, where=lambda d=device: self._creating_on(d))
+                moved += moving
+        moving = placement.unheld(self, model.variables, model)
+        placement.remake(moving, self, model)
+        return moved + moving
 
     def describe(self, model) -> "PipelinePlan":
         """Which layer and variable lives on which device, and bytes per device.
@@ -397,6 +394,7 @@ class Pipeline(WorkerReplicas, Strategy):
         tapes, upstream, losses, predictions = {}, {}, [None] * m, [None] * m
         added = [[] for _ in range(m)]  # per micro-batch: earlier stages' added losses
         last_pass = [None] * p  # per stage: what its next pass waits for
+        output_sums = []  # per micro-batch: its per-output losses times its rows
         orders = pipeline_schedule.stage_orders(self.schedule, m, p)
         for _, s, kind, i in pipeline_schedule.emission_order(orders):
             x_i, y_i, w_i = parts[i]
@@ -412,8 +410,11 @@ class Pipeline(WorkerReplicas, Strategy):
                         if s == p - 1:
                             y_pred = stages.pack_outputs(outputs)
                             # Counts the losses this stage added in this pass.
-                            loss = _compat.compute_loss(model, x=x_i, y=y_i, y_pred=y_pred,
-                                                        sample_weight=w_i, training=True)
+                            with _compat.captured_output_losses(model) as per_output:
+                                loss = _compat.compute_loss(model, x=x_i, y=y_i, y_pred=y_pred,
+                                                            sample_weight=w_i, training=True)
+                            output_sums.append([tf.cast(v, tf.float32) * tf.cast(
+                                _rows(x_i), tf.float32) for v in per_output])
                             # This micro-batch's share of the global mean loss.
                             loss = loss * tf.cast(_rows(x_i), loss.dtype) / tf.cast(
                                 rows, loss.dtype)
@@ -453,19 +454,24 @@ class Pipeline(WorkerReplicas, Strategy):
                                 # A running sum: one gradient per variable is
                                 # kept, as 1F1B bounds memory. GPipe holds every
                                 # micro-batch anyway; one sum at the end saves
-                                # it m-2 passes over the gradients (measured on 2
-                                # logical CPUs, batch 1024, m=8: 1.05x -> 1.40x the
-                                # throughput of one device).
-                                gradients[k] = [tf.add_n(gradients[k])]
+                                # it m-2 passes over the gradients.
+                                gradients[k] = [summed_gradients(gradients[k])]
                     done = [g for g in found if g is not None] or [tf.constant(0)]
                 last_pass[s] = done
-        gradients = [tf.add_n(g) if g else None for g in gradients]
+        gradients = [summed_gradients(g) if g else None for g in gradients]
+        # Per-output losses (a model with several outputs): the batch's
+        # means, recorded once as one device records them.
+        output_losses = [tf.add_n(list(sums)) / tf.cast(rows, tf.float32)
+                         for sums in zip(*output_sums)]
         if self.world_size > 1:
             # The sum over micro-batches is this worker's mean-loss gradient;
             # as a sum over its rows it reduces with every worker's (and the
-            # row counts, statistics and stop vote) in one all-reduce.
+            # row counts, statistics, per-output losses and stop vote) in one
+            # all-reduce.
             gradients = model.reduce_with_statistics(
-                [None if g is None else g * tf.cast(rows, g.dtype) for g in gradients], rows)
+                [scaled_gradient(g, rows) for g in gradients], rows, output_losses, x)
+        else:
+            model.record_output_losses(output_losses, x, summed=True)
         model.apply_reduced_gradients(gradients)
         with tf.device(self.devices[-1]):
             y_pred = stages.pack_outputs(_concat(predictions))
@@ -527,23 +533,36 @@ class _Stages:
         p = strategy.num_stages
         stage_of = _stage_of_layers(model, p, strategy.split_at)
         self.layers = [(layer, stage_of[layer.name]) for layer in _pipelined_layers(model)]
+        layers = {id(layer): layer for layer, _ in self.layers}
         made_at = {id(t): -1 for t in model.inputs}
         used_at = {}
-        for layer, stage in self.layers:
-            _check_placement(layer, strategy.devices[stage])
-            for t in _flat(layer.input):
+        consumed_at: dict = {}  # stage -> ids of the tensors its calls take
+        known = list(model.inputs)
+        # Every call in this model's graph, inputs first, with its tensors
+        # there (a nested model's `input`/`output` are those of its own
+        # graph): the layers', and the operations between them (`h + a`),
+        # which are computed in the stage of their latest input.
+        for operation, (inputs, outputs) in _compat.layer_tensors(model).items():
+            layer = layers.get(operation)
+            if layer is not None:
+                stage = stage_of[layer.name]
+                _check_placement(layer, strategy.devices[stage])
+            else:
+                stage = max([made_at.get(id(t), -1) for t in inputs] + [0])
+            for t in inputs:
                 if made_at.get(id(t), -1) > stage:
                     raise ValueError(
                         f"Layer {layer.name!r} (stage {stage}) uses a tensor made in a later "
                         "stage; pipeline stages must follow the layer graph (a shared layer "
                         "called at two depths cannot be cut); choose split_at differently.")
                 used_at[id(t)] = max(used_at.get(id(t), -1), stage)
-            for t in _flat(layer.output):
+                consumed_at.setdefault(stage, set()).add(id(t))
+            for t in outputs:
                 made_at[id(t)] = stage
+                known.append(t)
         outputs = list(model.outputs)
         for t in outputs:
             used_at[id(t)] = p
-        known = list(model.inputs) + [t for layer, _ in self.layers for t in _flat(layer.output)]
         self.boundary = [list(model.inputs)]
         for s in range(1, p):
             self.boundary.append([t for t in known
@@ -557,8 +576,7 @@ class _Stages:
                 # The model's own input structure: Keras maps x onto it.
                 inputs, mine = model.input, self.boundary[1]
             else:
-                consumed = {id(t) for layer, stage in self.layers if stage == s
-                            for t in _flat(layer.input)}
+                consumed = consumed_at.get(s, set())
                 inputs = [t for t in self.boundary[s] if id(t) in consumed]
             if not mine:
                 raise ValueError(
@@ -573,8 +591,7 @@ class _Stages:
                 names = [layer.name for layer, stage_ in self.layers if stage_ == s]
                 raise ValueError(
                     f"Pipeline stage {s} (layers {names}) computes from a tensor that no "
-                    "layer hands over from the stage before it: a mask (Embedding("
-                    "mask_zero=True), Masking) or an operation outside the layers; "
+                    "call of the model's graph hands over from the stage before it; "
                     "choose split_at so that the layers it joins are in one stage."
                 ) from None
             self.models.append(stage)

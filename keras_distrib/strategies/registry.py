@@ -62,12 +62,25 @@ def get(strategy: Union[str, "Strategy"] = AUTO, **options) -> "Strategy":
         ValueError: unknown name (the message lists the valid ones) or an
             option the strategy does not take.
     """
+    import tensorflow as tf
+
+    from keras_distrib.strategies import from_tf
     from keras_distrib.strategies.base import Strategy
     from keras_distrib.strategies.tf_distribute import entered
 
     scope = entered()
+    if scope is None and tf.distribute.has_strategy() and not isinstance(strategy, Strategy):
+        # A tf.distribute strategy's scope (the user's): models built there
+        # train on it, as Keras's do.
+        scope = from_tf.adopt(tf.distribute.get_strategy())
     if scope is not None and not options:
         return _the_entered(scope, strategy)
+    if isinstance(strategy, tf.distribute.Strategy):
+        if options:
+            raise ValueError(
+                f"Options {sorted(options)} were given with a tf.distribute strategy object; "
+                "pass them to its constructor instead.")
+        return from_tf.adopt(strategy)
     if isinstance(strategy, Strategy):
         if options:
             raise ValueError(
@@ -77,8 +90,9 @@ def get(strategy: Union[str, "Strategy"] = AUTO, **options) -> "Strategy":
         return strategy
     if not isinstance(strategy, str):
         raise TypeError(
-            "strategy must be a name from keras_distrib.strategies.available() "
-            f"or a keras_distrib Strategy object, got {type(strategy).__name__}."
+            "strategy must be a name from keras_distrib.strategies.available(), "
+            f"a keras_distrib Strategy object or a tf.distribute strategy, got "
+            f"{type(strategy).__name__}."
         )
     _load_builtin()
     key = _canonical(strategy)
@@ -103,9 +117,15 @@ def _the_entered(scope: "Strategy", strategy: Union[str, "Strategy"]) -> "Strate
     """Inside a strategy's `scope()` (e.g. `keras.models.load_model` there, as
     TensorFlow's tutorials do) models use that strategy, as Keras's do.
     """
+    import tensorflow as tf
+
+    from keras_distrib.strategies import from_tf
+
     if strategy is scope:
         return scope
     if isinstance(strategy, str) and _canonical(strategy) in (AUTO, scope.name):
+        return scope
+    if isinstance(strategy, tf.distribute.Strategy) and from_tf.adopt(strategy) is scope:
         return scope
     named = strategy if isinstance(strategy, str) else getattr(strategy, "name", strategy)
     raise ValueError(
@@ -127,6 +147,11 @@ def _canonical(name: str) -> str:
 # TensorFlow allows one collective runtime per process: later requests for
 # such a strategy get the first instance (with the same options).
 _STARTED: dict[str, tuple[dict, "Strategy"]] = {}
+
+
+def started(name: str) -> bool:
+    """Whether the one-per-process strategy `name` already runs here."""
+    return _canonical(name) in _STARTED
 
 
 def _one_per_process(key, cls, options):

@@ -1,11 +1,11 @@
 """`"tensor_parallel"`: Dense and Embedding layers split over the local devices.
 
 One model replica spans all the local devices (Megatron-style tensor
-parallelism, Shoeybi et al., 2019, arXiv:1909.08053). The functional graph
-is rebuilt (`rebuild`) with each Dense / Embedding the layout splits
-holding one shard of its kernel (embeddings) and bias per device, created
-on that device, and a forward pass that computes each part where its shard
-lives (see `keras_distrib.tensor_layout` for the layout and the default
+parallelism, Shoeybi et al., 2019, arXiv:1909.08053). The model's own
+layers are laid out in place (`place`): each Dense / Embedding the layout
+splits then holds one shard of its kernel (embeddings) and bias per
+device, created on that device, and a forward pass that computes each part
+where its shard lives (see `keras_distrib.tensor_layout` for the layout and the default
 plan). Other layers are placed whole on one device and run there.
 
 Communication, per split layer, inside the one step (no all-reduce across
@@ -40,8 +40,8 @@ split over its local devices, and the strategy is data-parallel across
 workers (`keras_distrib.strategies.hybrid`): the step's one gradient
 all-reduce sums each shard's gradient with the same shard of every worker.
 
-A `DistributedModel` subclass is split in place when its first call has
-built its layers (`place_built`): its direct Dense / Embedding layers, in
+A `DistributedModel` subclass is split when its first call has built its
+layers (`place`): its direct Dense / Embedding layers, in
 the order it tracks them; layers nested in other layers stay whole on the
 first device.
 
@@ -71,8 +71,7 @@ from keras_distrib import devices as devices_lib
 from keras_distrib import replica_seeds
 from keras_distrib import tensor_layout
 from keras_distrib.strategies import lockstep
-from keras_distrib.strategies.base import (Strategy, copy_layer_state, keras_class_among,
-                                           optimizers_in)
+from keras_distrib.strategies.base import Strategy, keras_class_among, optimizers_in
 from keras_distrib.strategies.hybrid import WorkerReplicas
 from keras_distrib.topology import Topology
 
@@ -117,9 +116,9 @@ class TensorParallel(WorkerReplicas, Strategy):
             devices_lib.check_devices(devices_lib.local_devices() if devices is None
                                       else devices), workers)
         self._devices = self._topology.devices
-        # Variables this strategy placed (rebuild) or saw created in scope().
+        # Variables this strategy placed (place) or saw created in scope().
         self._held: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
-        # Layers laid out by `rebuild`, and the split kinds of those with a plan.
+        # Layers laid out by `place`, and the split kinds of those with a plan.
         self._laid_out: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self._kinds: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
         self._last_layers: list = []
@@ -149,66 +148,50 @@ class TensorParallel(WorkerReplicas, Strategy):
         value = getattr(variable, "value", variable)
         return self._held.get(id(value)) is value
 
-    def rebuild(self, template):
-        """A copy of `template` with its layers laid out over the devices.
+    @contextlib.contextmanager
+    def _on(self, device: str):
+        """Variables made inside go on `device` and are this strategy's."""
+        with tf.device(device), self.scope():
+            yield
 
-        Each layer is cloned from its config and called on the clone's graph
-        under its device (building it there), then given the template's
-        weights; layers to split then trade their whole variables for
-        per-device shards. So besides the template, at most one whole layer
-        at a time is held on the first device while the copy is made.
-        """
-        plans = tensor_layout.plan_layers(template, self._layout, self._devices)
-        originals: dict[int, Any] = {}
-        done: set[int] = set()
+    def place(self, model) -> list:
+        """Lays `model`'s layers out over the devices, in place.
 
-        def device_of(layer) -> str:
-            plan = plans.get(layer.name)
-            return plan.device if plan is not None and plan.device else self.home
+        Each layer not laid out yet has its variables moved to its device
+        (a whole layer's: the one its plan names; a layer to split: the
+        first) and is then split, trading its whole variables for
+        per-device shards. So besides the shards, at most one whole layer
+        at a time is held on the first device.
 
-        def clone_function(layer):
-            # Under its device: a nested model with a known input shape
-            # builds when made from its config.
-            with tf.device(device_of(layer)):
-                clone = layer.__class__.from_config(layer.get_config())
-            originals[id(clone)] = layer
-            return clone
-
-        def call_function(layer, *args, **kwargs):
-            original = originals.get(id(layer))
-            plan = plans.get(original.name) if original is not None else None
-            with tf.device(device_of(original or layer)):
-                outputs = layer(*args, **kwargs)
-            if original is not None and id(layer) not in done:
-                done.add(id(layer))
-                self._lay_out(layer, original, plan)
-            return outputs
-
-        clone = _compat.clone_functional(template, clone_function=clone_function,
-                                         call_function=call_function)
-        self._adopt(clone)
-        return clone
-
-    def place_built(self, model) -> None:
-        """Splits a subclassed model's layers in place, once they are built.
-
-        Its direct Dense / Embedding layers are split by the layout (the
-        default plan pairs them column, row in the order the model tracks
-        them, since there is no graph to follow); every other layer, and any
-        layer nested inside another, stays whole where it was built, on the
+        A subclassed model has no graph to plan from: its direct Dense /
+        Embedding layers are split by the layout (the default plan pairs
+        them column, row in the order the model tracks them); every other
+        layer, and any layer nested inside another, stays whole on the
         first device.
         """
-        if isinstance(model, _compat.functional_class()):
-            return  # laid out by rebuild()
+        from keras_distrib import placement  # not at import: it loads Keras
+
+        functional = isinstance(model, _compat.functional_class())
         plans = tensor_layout.plan_layers(model, self._layout, self._devices)
-        # Eagerly, and at once: the first call may be fit's symbolic build.
+        moved = []
+        # Eagerly, and at once: this may run inside fit's symbolic build.
         with tf.init_scope(), _compat.variables_made_at_once():
             for layer in model.layers:
+                if layer in self._laid_out or not layer.built:
+                    continue  # a subclass's layer is laid out once its first call built it
                 plan = plans.get(layer.name)
-                if layer not in self._laid_out:
-                    self._lay_out(layer, None, None if plan is None or plan.kind == "whole"
-                                  else plan)
+                if not functional and plan is not None and plan.kind == "whole":
+                    plan = None  # stays where it was built
+                device = plan.device if plan is not None and plan.device else self.home
+                moving = placement.unheld(self, layer.variables, model)
+                placement.remake(moving, self, model, where=lambda d=device: self._on(d))
+                moved += moving
+                with self.scope():  # the shards it makes are this strategy's
+                    self._lay_out(layer, plan)
+            moving = placement.unheld(self, model.variables, model)
+            placement.remake(moving, self, model, where=lambda: self._on(self.home))
         self._adopt(model)
+        return moved + moving
 
     def _adopt(self, model) -> None:
         """Records `model`, just laid out, as this strategy's: its variables
@@ -217,9 +200,7 @@ class TensorParallel(WorkerReplicas, Strategy):
             self._held[id(variable.value)] = variable.value
         self._last_layers = [weakref.ref(layer) for layer in model.layers]
 
-    def _lay_out(self, layer, original, plan) -> None:
-        if original is not None:
-            copy_layer_state(original, layer)  # whole weights, also from a split layer
+    def _lay_out(self, layer, plan) -> None:
         self._laid_out.add(layer)
         if plan is None:
             return
@@ -450,6 +431,7 @@ def _run_on(layer, device: str) -> None:
         with tf.device(device):
             return call(*args, **kwargs)
 
+    call_on_device._kd_pinned = True  # from_model's copy takes the class's call back
     object.__setattr__(layer, "call", call_on_device)
 
 
@@ -539,16 +521,23 @@ class _Split:
         kernels = self.groups[0][0]
         biases = self.groups[1][0] if len(self.groups) > 1 else [None] * len(kernels)
         activation = self.layer.activation
+        # Only an elementwise activation may run on each device's columns:
+        # softmax over a shard's columns is not a slice of softmax over all.
+        on_parts = tensor_layout.is_elementwise(activation)
         parts = []
         for device, kernel, bias in zip(self.devices, kernels, biases):
             with tf.device(device):
                 y = ops.matmul(inputs, kernel)
                 if bias is not None:
                     y = ops.add(y, bias)
-                if activation is not None:
+                if activation is not None and on_parts:
                     y = activation(y)
             parts.append(y)
-        return self._gathered(parts)
+        if on_parts:
+            return self._gathered(parts)
+        output = self._gathered(parts, keep_parts=False)
+        with tf.device(self.home):
+            return activation(output)
 
     def _row_call(self, inputs):
         kernels = self.groups[0][0]
@@ -590,11 +579,14 @@ class _Split:
                 out = functools.reduce(ops.add, parts)
         return ops.cast(out, self.layer.compute_dtype)
 
-    def _gathered(self, parts):
+    def _gathered(self, parts, keep_parts: bool = True):
+        """The parts concatenated on the first device; kept for a row layer
+        that consumes this output as it is (`_parts_of`)."""
         with tf.device(self.home):
             output = _keras_ops().concatenate(parts, axis=-1)
-        self.last_output = (output, parts)
-        _PRODUCERS[id(output)] = self
+        if keep_parts:
+            self.last_output = (output, parts)
+            _PRODUCERS[id(output)] = self
         return output
 
     def _parts_of(self, inputs) -> list:

@@ -31,12 +31,17 @@ _OWNERS: "weakref.WeakKeyDictionary[tf.distribute.Strategy, weakref.ref]" = (
     weakref.WeakKeyDictionary())
 
 
+def owner_of(engine: tf.distribute.Strategy) -> Optional["TFDistributeStrategy"]:
+    """The keras_distrib strategy built on `engine`, if any."""
+    owner = _OWNERS.get(engine)
+    return owner() if owner is not None else None
+
+
 def entered() -> Optional["TFDistributeStrategy"]:
     """The keras_distrib strategy whose `scope()` the caller is in, if any."""
     if not tf.distribute.has_strategy():
         return None
-    owner = _OWNERS.get(tf.distribute.get_strategy())
-    return owner() if owner is not None else None
+    return owner_of(tf.distribute.get_strategy())
 
 
 class TFDistributeStrategy(Lockstep, Strategy):
@@ -113,6 +118,9 @@ class TFDistributeStrategy(Lockstep, Strategy):
 
         per_replica = self._tf_strategy.experimental_distribute_values_from_function(value_fn)
         return self._tf_strategy.run(seeded_fn, args=(per_replica,))
+
+    def replica_index(self):
+        return tf.distribute.get_replica_context().replica_id_in_sync_group
 
     def all_reduce(self, values: Sequence[tf.Tensor], op: str = "sum") -> list:
         ctx = tf.distribute.get_replica_context()
