@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # then a cached wheel under .venv/horovod-wheels.
 HOROVOD := $(VENV)/.horovod
 
-.PHONY: demo test test-fast bench clean
+.PHONY: demo test test-fast zoo-matrix bench clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,11 @@ test: $(HOROVOD)
 
 test-fast: $(HOROVOD)
 	$(PY) -m pytest -q -m "not slow"
+
+# Runs the model zoo (tests/zoo) and writes its zoo x strategy matrix into
+# README.md (make test checks that the README says what the zoo found).
+zoo-matrix: $(HOROVOD)
+	KD_ZOO_WRITE_README=1 $(PY) -m pytest -q tests/zoo
 
 # Each benchmark prints its table and saves its measurements as JSON under
 # benchmarks/results/; _plots.py then draws the PNG figures from those files

@@ -207,6 +207,20 @@ def collective_dtypes(model, x, y):
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KERAS_FEATURES_WORKER = os.path.join(ROOT, "tests", "workers", "keras_features.py")
+
+# The model zoo's patterns (tests/zoo/patterns.py) each multi-process
+# strategy runs, in the launches of tests/conftest.py (`probes`,
+# `horovod_probes`) and tests/zoo/test_zoo_processes.py (parameter_server).
+_DATA_PARALLEL_ZOO = ("lambda", "user_layer", "user_metric", "gan", "gan_random", "wgan_gp",
+                      "guide_train_step", "embeddings_adam", "multi_io", "dropout_noise",
+                      "tf_distribute_scope")
+ZOO_PROCESS_PATTERNS = {
+    "multi_worker": _DATA_PARALLEL_ZOO,
+    "horovod": _DATA_PARALLEL_ZOO,
+    "parameter_server": ("lambda", "user_layer", "user_metric", "embeddings_adam", "gan",
+                         "guide_train_step"),
+}
 
 
 def process_alive(pid, zombies_count=True):

@@ -13,13 +13,8 @@ import os
 import numpy as np
 import pytest
 
-from helpers import (ROOT, assert_kept_counts_from_own_masks,
+from helpers import (KERAS_FEATURES_WORKER as WORKER, assert_kept_counts_from_own_masks,
                      assert_replicas_drop_alike_only_by_chance, launch)
-
-WORKER = os.path.join(ROOT, "tests", "workers", "keras_features.py")
-PROBES = ("metric_objects", "unseeded_shuffle", "load_model", "batch_norm", "seeded_shuffle",
-          "sparse_input", "pydataset_workers", "ragged_input", "metric_aggregation",
-          "adapted_per_worker", "vocabulary_per_worker", "replica_dropout")
 
 pytestmark = pytest.mark.slow
 
@@ -28,23 +23,8 @@ def _results(out, probe):
     return [json.load(open(out / f"{probe}-rank{r}.json")) for r in range(2)]
 
 
-@pytest.fixture(scope="module")
-def probes(tmp_path_factory):
-    out = tmp_path_factory.mktemp("keras_features")
-    launch(out, 2, WORKER, "--out", str(out), "--probes", ",".join(PROBES))
-    return out
-
-
-@pytest.fixture(scope="module")
-def horovod_probes(tmp_path_factory):
-    """The probes of `BY_STRATEGY` tests under `horovod`, 2 ranks (Gloo)."""
-    pytest.importorskip("horovod.tensorflow")
-    out = tmp_path_factory.mktemp("keras_features_horovod")
-    launch(out, 2, WORKER, "--out", str(out), "--probes",
-           "sparse_input,ragged_input,metric_aggregation,adapted_per_worker,"
-           "vocabulary_per_worker,replica_dropout",
-           "--strategy", "horovod", launch_flags=("--backend", "horovod"))
-    return out
+# `probes` and `horovod_probes` (tests/conftest.py) are one launch each for
+# these tests and the model zoo's (tests/zoo/test_zoo_processes.py).
 
 
 @pytest.fixture(scope="module")

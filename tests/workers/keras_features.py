@@ -12,6 +12,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "zoo"))
 
 import keras  # noqa: E402
 import keras_distrib as kd  # noqa: E402
@@ -26,6 +28,7 @@ flags.DEFINE_string("out", None, "Directory for results.")
 flags.DEFINE_list("probes", ["metric_objects", "unseeded_shuffle", "load_model",
                              "batch_norm"], "Probes to run.")
 flags.DEFINE_integer("seed", 1, "Seed for the `seeded_shuffle` probe.")
+flags.DEFINE_list("zoo", [], "Zoo patterns (tests/zoo/patterns.py) of the `zoo` probe.")
 flags.DEFINE_string("strategy", "multi_worker",
                     "Strategy of the `sparse_input`, `ragged_input` and later probes "
                     "(`horovod`: run by `keras-distrib launch --backend horovod`).")
@@ -332,6 +335,25 @@ def replica_dropout():
     dropped = monte_carlo_dropped(FLAGS.strategy)
     kept, rank = dropout_kept_counts(FLAGS.strategy)
     return rank, {"masks": dropped.tolist(), "kept": kept.tolist()}
+
+
+def zoo():
+    """Each pattern of `--zoo` under `--strategy`: the weights it started
+    from and ended with (`zoo-<pattern>-rank<r>.npz`) and its logs or
+    error (`zoo-<pattern>-rank<r>.json`); the test trains plain Keras from
+    the same start and compares."""
+    import patterns
+
+    rank = 0
+    for name in FLAGS.zoo:
+        result = patterns.run_pattern(patterns.BY_NAME[name], FLAGS.strategy)
+        rank = kd.strategies.get(FLAGS.strategy).rank
+        if "error" not in result:
+            arrays = {f"initial_{i}": w for i, w in enumerate(result.pop("initial"))}
+            arrays.update({f"final_{i}": w for i, w in enumerate(result.pop("weights"))})
+            np.savez(os.path.join(FLAGS.out, f"zoo-{name}-rank{rank}.npz"), **arrays)
+        _write(f"zoo-{name}", rank, result)
+    return rank, {"patterns": FLAGS.zoo}
 
 
 def main(argv):
