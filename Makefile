@@ -69,6 +69,7 @@ bench: $(HOROVOD)
 	PATH=$(VENV)/bin:$$PATH $(PY) benchmarks/horovod_vs_tf.py
 	PATH=$(VENV)/bin:$$PATH $(PY) benchmarks/parameter_server.py
 	$(PY) benchmarks/model_parallel.py $(BENCH_FLAGS)
+	$(PY) benchmarks/sparse_embeddings.py $(BENCH_FLAGS)
 	$(PY) benchmarks/_plots.py
 
 clean:
