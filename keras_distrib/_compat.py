@@ -376,6 +376,34 @@ class _PerThreadList:
         return len(self._items())
 
 
+def graph_of(layer):
+    """The Functional graph of a nested Functional or Sequential model
+    (`Sequential._functional`), or None for another layer."""
+    functional = functional_class()
+    if isinstance(layer, functional):
+        return layer
+    inner = getattr(layer, "_functional", None) if isinstance(layer, keras.Sequential) else None
+    return inner if isinstance(inner, functional) else None
+
+
+def inlined_functional(model):
+    """A Functional model computing what Functional `model` computes, with
+    each nested Functional or Sequential model replaced by the calls of
+    its own layers (recursively), on `model`'s inputs. The layers are the
+    same objects (each gets one more call in its node list); Keras's
+    `Function._run_through_graph` replays a graph with a `call_fn` per
+    operation, which here replays a nested model's graph instead of calling
+    it."""
+    def call(operation, *args, **kwargs):
+        inner = graph_of(operation)
+        if inner is None:
+            return operation(*args, **kwargs)
+        return inner._run_through_graph(args[0] if len(args) == 1 else args, call_fn=call)
+
+    outputs = model._run_through_graph(model.input, call_fn=call)
+    return keras.Model(model.input, outputs, name=f"{model.name}_inlined")
+
+
 def layer_tensors(model) -> dict:
     """`id(layer) -> (input tensors, output tensors)` of each layer's calls
     in `model`'s own graph (all its calls, for a shared layer), read from

@@ -493,6 +493,34 @@ def test_bad_cuts_are_one_line_errors():
     _one_line(excinfo)
 
 
+def test_a_nested_model_is_cut_through_where_its_own_layers_are_needed():
+    """A model that is one nested model (`Model(inputs, backbone(inputs))`)
+    has one layer for two stages ("Cannot cut model ... (1 layers) into 2
+    stages"), and `split_at` could not name a layer inside a nested model:
+    the stages are now cut from the same computation with the nested
+    model's own layers, which end on their stages' devices."""
+    x, y = make_data()
+
+    def one_nested():
+        backbone = keras.Sequential([keras.Input((FEATURES,)),
+                                     keras.layers.Dense(16, activation="relu", name="inner_a"),
+                                     keras.layers.Dense(16, activation="relu", name="inner_b"),
+                                     keras.layers.Dense(3, name="inner_out")], name="backbone")
+        inputs = keras.Input((FEATURES,))
+        return keras.Model(inputs, backbone(inputs))
+
+    for strategy in (pipeline(), pipeline(split_at=["inner_out"])):
+        plain = one_nested()
+        piped = kd.DistributedModel.from_model(plain, strategy=strategy)
+        for model in (plain, piped):
+            model.compile(optimizer=keras.optimizers.SGD(0.1),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        assert_weights_close(plain, piped)
+        assert device_of(piped.get_layer("backbone").get_layer("inner_a").kernel) == CPU0
+        assert device_of(piped.get_layer("backbone").get_layer("inner_out").kernel) == CPU1
+
+
 def test_a_mask_crossing_the_cut_is_handed_over():
     """`Embedding(mask_zero=True)` in one stage, the LSTM that reads its mask
     in the next: the mask (an operation's output in the graph) crosses the

@@ -226,8 +226,9 @@ class Pipeline(WorkerReplicas, Strategy):
 
         moved = []
         if isinstance(model, _compat.functional_class()):
-            stage_of = _stage_of_layers(model, self.num_stages, self.split_at)
-            for layer in _pipelined_layers(model):
+            graph = self._cut_graph(model)
+            stage_of = _stage_of_layers(graph, self.num_stages, self.split_at)
+            for layer in _pipelined_layers(graph):
                 moving = placement.unheld(self, layer.variables, model)
                 device = self.devices[stage_of[layer.name]]
                 placement.remake(moving, self, model, where=lambda d=device: self._creating_on(d))
@@ -347,9 +348,27 @@ class Pipeline(WorkerReplicas, Strategy):
                 f"strategy='pipeline' needs a Functional or Sequential model, got subclassed "
                 f"{type(model).__name__}; build it with DistributedModel(inputs, outputs) or "
                 "DistributedModel.from_model(model).")
-        stages = _Stages(self, model)
+        stages = _Stages(self, model, self._cut_graph(model))
         model.__dict__["_kd_pipeline_stages"] = stages
         return stages
+
+    def _cut_graph(self, model):
+        """The graph the stages are cut from: the model's own, or, where it
+        has too few layers for the stages or `split_at` names a layer inside
+        a nested model, the same computation with each nested Functional or
+        Sequential model replaced by the layers inside it (the same layers,
+        called again: the same variables). Made once per model."""
+        cached = model.__dict__.get("_kd_pipeline_graph")
+        if cached is not None:
+            return cached
+        graph = model
+        names = {layer.name for layer in _pipelined_layers(model)}
+        wants_inside = any(name not in names for name in self.split_at or ())
+        if ((len(names) < self.num_stages or wants_inside)
+                and any(_compat.graph_of(layer) is not None for layer in model.layers)):
+            graph = _compat.inlined_functional(model)
+        model.__dict__["_kd_pipeline_graph"] = graph
+        return graph
 
     def _forward(self, stages: "_Stages", x, training: bool = False):
         """The model's output on `x`, stage by stage, micro-batch by
@@ -526,11 +545,14 @@ class _Stages:
     the others pass through.
     """
 
-    def __init__(self, strategy: Pipeline, model):
+    def __init__(self, strategy: Pipeline, model, graph):
+        """`graph`: what the stages are cut from (`Pipeline._cut_graph`:
+        `model`, or the same computation with nested models inlined)."""
         import keras
 
         self.strategy = strategy
         p = strategy.num_stages
+        model = graph
         stage_of = _stage_of_layers(model, p, strategy.split_at)
         self.layers = [(layer, stage_of[layer.name]) for layer in _pipelined_layers(model)]
         layers = {id(layer): layer for layer, _ in self.layers}
