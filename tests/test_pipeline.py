@@ -493,7 +493,7 @@ def test_bad_cuts_are_one_line_errors():
     _one_line(excinfo)
 
 
-def test_a_nested_model_is_cut_through_where_its_own_layers_are_needed():
+def test_a_nested_model_is_cut_through_where_its_own_layers_are_needed(tmp_path):
     """A model that is one nested model (`Model(inputs, backbone(inputs))`)
     has one layer for two stages ("Cannot cut model ... (1 layers) into 2
     stages"), and `split_at` could not name a layer inside a nested model:
@@ -519,6 +519,14 @@ def test_a_nested_model_is_cut_through_where_its_own_layers_are_needed():
         assert_weights_close(plain, piped)
         assert device_of(piped.get_layer("backbone").get_layer("inner_a").kernel) == CPU0
         assert device_of(piped.get_layer("backbone").get_layer("inner_out").kernel) == CPU1
+    # The file holds the model's own weights only (not a second copy from the
+    # inlined graph) and loads back into a fresh model of either kind.
+    path = tmp_path / "nested.weights.h5"
+    piped.save_weights(path)
+    for fresh in (one_nested(), kd.DistributedModel.from_model(one_nested(), strategy=pipeline())):
+        fresh.load_weights(path)
+        np.testing.assert_allclose(fresh.predict(x, verbose=0), piped.predict(x, verbose=0),
+                                   atol=1e-6)
 
 
 def test_a_mask_crossing_the_cut_is_handed_over():

@@ -72,6 +72,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import types
 import weakref
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -357,17 +358,20 @@ class Pipeline(WorkerReplicas, Strategy):
         has too few layers for the stages or `split_at` names a layer inside
         a nested model, the same computation with each nested Functional or
         Sequential model replaced by the layers inside it (the same layers,
-        called again: the same variables). Made once per model."""
+        called again: the same variables). Made once per model, and kept
+        in a plain holder: Keras's saving walks a model's attributes, and
+        an attribute holding the model itself (or the inlined copy) would
+        send it round in circles."""
         cached = model.__dict__.get("_kd_pipeline_graph")
         if cached is not None:
-            return cached
+            return cached.graph
         graph = model
         names = {layer.name for layer in _pipelined_layers(model)}
         wants_inside = any(name not in names for name in self.split_at or ())
         if ((len(names) < self.num_stages or wants_inside)
                 and any(_compat.graph_of(layer) is not None for layer in model.layers)):
             graph = _compat.inlined_functional(model)
-        model.__dict__["_kd_pipeline_graph"] = graph
+        model.__dict__["_kd_pipeline_graph"] = types.SimpleNamespace(graph=graph)
         return graph
 
     def _forward(self, stages: "_Stages", x, training: bool = False):
