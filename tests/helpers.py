@@ -219,7 +219,7 @@ ZOO_PROCESS_PATTERNS = {
     "multi_worker": _DATA_PARALLEL_ZOO,
     "horovod": _DATA_PARALLEL_ZOO,
     "parameter_server": ("lambda", "user_layer", "user_metric", "embeddings_adam", "gan",
-                         "guide_train_step"),
+                         "guide_train_step", "tf_distribute_scope"),
 }
 
 

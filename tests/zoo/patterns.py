@@ -11,8 +11,10 @@ is the plain Keras model, `build(strategy)` the same model on
 * `AGREES`: the math is not one device's by design (random layers draw
   per replica, BatchNormalization normalizes each replica's or micro-batch's
   rows, as tf.distribute does), or float rounding grows past any useful
-  tolerance (ResNet50, see `_DEEP_NOTE`), so the run trains (finite loss,
-  weights moved) and every replica and worker ends with the same weights;
+  tolerance (the keras.applications models, see `_DEEP_NOTE`), so the run
+  trains (finite loss, weights moved) and every replica and worker ends with
+  the same weights; for those models the predictions at the initial
+  weights must equal plain Keras's (`forward`);
 * `refused(label, pattern)`: a one-line error matching `pattern`;
 * `SKIPPED`: not run in the zoo, to keep it within minutes: the
   keras.applications models take 6-100 s each to build and trace on the
@@ -66,6 +68,13 @@ class Pattern:
     batch_size: int = 8
     steps: int = 2
     atol: float = 1e-5  # `EXACT`'s tolerance on the weights
+    # Its train_step logs values other than the model's metrics: across
+    # processes each worker's last batch's, as every per-batch log is (see
+    # README, "exact_batch_logs"), so only its weights are compared there.
+    batch_logs: bool = False
+    # Its forward pass at the initial weights is compared with plain Keras's
+    # too (where the training itself is `AGREES`).
+    forward: bool = False
 
     def outcome(self, strategy: str) -> str:
         if strategy == "parameter_server":
@@ -418,8 +427,8 @@ def _pairs():
 
 def _in_user_scope(strategy):
     """Keras's integration test: the model built in the user's own
-    `tf.distribute.MirroredStrategy` scope (`MultiWorkerMirroredStrategy`
-    across processes), `strategy="auto"`."""
+    `tf.distribute.MirroredStrategy` scope (`MultiWorkerMirroredStrategy`,
+    `ParameterServerStrategy` across processes), `strategy="auto"`."""
     def graph():
         inputs = keras.Input((6,))
         h = keras.layers.Dense(8, activation="relu")(inputs)
@@ -431,6 +440,9 @@ def _in_user_scope(strategy):
         user = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
     elif strategy == "multi_worker":  # TF_CONFIG, as the launcher sets it
         user = tf.distribute.MultiWorkerMirroredStrategy()
+    elif strategy == "parameter_server":  # on the chief
+        user = tf.distribute.ParameterServerStrategy(
+            tf.distribute.cluster_resolver.TFConfigClusterResolver())
     else:
         return _functional(graph)(strategy)
     with user.scope():
@@ -672,11 +684,13 @@ _SUBCLASSED = refused("subclassed model",
                       r"strategy='pipeline' needs a Functional or Sequential model")
 _CUSTOM_STEP = refused("custom train_step", r"strategy='pipeline' runs its own train step "
                        r"and cannot run a custom train_step")
-# _DEEP_NOTE: ResNet50 on 8 images of 32x32: its last BatchNormalization layers
-# normalize 8 values each, which turns float rounding in another summation
-# order (tensor_parallel computes on two devices, in an order TensorFlow
-# does not fix from run to run) into up to ~1e-2 after one step: no
-# tolerance both holds and means anything, so its row asserts `AGREES`.
+# _DEEP_NOTE: a keras.applications model on 8 images of 32x32: its last
+# BatchNormalization layers normalize 8 values each, which turns float
+# rounding in another summation order (tensor_parallel computes on two
+# devices, in an order TensorFlow does not fix from run to run) into up to
+# ~1e-2 after one step: no tolerance both holds and means anything. Their
+# rows assert `AGREES`, and their forward pass before training must equal
+# plain Keras's (a softmax head applied per shard was 0.1 off there).
 _BN = {"mirrored": AGREES, "central_storage": AGREES, "pipeline": AGREES}
 _APPLICATION = {"single": SKIPPED, "mirrored": SKIPPED, "central_storage": SKIPPED,
                 "pipeline": SKIPPED}
@@ -706,25 +720,27 @@ PATTERNS = [
             lambda m: m.compile(optimizer=keras.optimizers.Adam(1e-3)),
             {**_RANDOM, "pipeline": _CUSTOM_STEP}),
     Pattern("wgan_gp", "keras-io WGAN-GP: a nested tape for the gradient penalty",
-            _wgan, lambda: (_classes()[0],), _wgan_compile, {"pipeline": _CUSTOM_STEP}),
+            _wgan, lambda: (_classes()[0],), _wgan_compile, {"pipeline": _CUSTOM_STEP},
+            batch_logs=True),
     Pattern("siamese", "keras-io Siamese network: one tower on two inputs, contrastive loss",
             _functional(_siamese_graph), _pairs,
             lambda m: m.compile(optimizer=keras.optimizers.SGD(0.1), loss=_contrastive_loss)),
     Pattern("tf_distribute_scope", "Keras's tf.distribute test: built in the user's "
-            "`MirroredStrategy` (`MultiWorkerMirroredStrategy`) scope, `strategy=\"auto\"`",
+            "`MirroredStrategy` scope (across processes: `MultiWorkerMirroredStrategy`, "
+            "`ParameterServerStrategy`), `strategy=\"auto\"`",
             _in_user_scope, _classes,
             lambda m: _sgd(m, metrics=[keras.metrics.SparseCategoricalAccuracy()])),
     Pattern("softmax_head", "`Dense(4, activation=\"softmax\")` head",
             _functional(_softmax_graph), lambda: _classes(classes=4), _softmax_sgd),
     Pattern("mobilenet_v2", "`keras.applications.MobileNetV2(weights=None)`",
-            _application("MobileNetV2", alpha=0.35), _app_images, _deep_sgd, _APPLICATION,
-            steps=1),
+            _application("MobileNetV2", alpha=0.35), _app_images, _deep_sgd,
+            {**_APPLICATION, "tensor_parallel": AGREES}, steps=1, forward=True),
     Pattern("resnet50", "`keras.applications.ResNet50(weights=None)`",
             _application("ResNet50"), _app_images, _deep_sgd,
-            {**_APPLICATION, "tensor_parallel": AGREES}, steps=1),
+            {**_APPLICATION, "tensor_parallel": AGREES}, steps=1, forward=True),
     Pattern("efficientnet_b0", "`keras.applications.EfficientNetB0(weights=None)`",
             _application("EfficientNetB0"), _app_images, _deep_sgd,
-            {**_UNSEEDED, **_APPLICATION, "tensor_parallel": AGREES}, steps=1),
+            {**_UNSEEDED, **_APPLICATION, "tensor_parallel": AGREES}, steps=1, forward=True),
     Pattern("transformer", "keras-io Transformer text classifier (layers without "
             "`get_config`)", _functional(_transformer_graph),
             lambda: _tokens(vocab=40), _softmax_sgd),
@@ -757,10 +773,8 @@ PATTERNS = [
             lambda m: _sgd(m, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)),
             {"pipeline": _SUBCLASSED}),
     Pattern("guide_train_step", "the Keras guide's custom `train_step`",
-            _subclassed(_guide_step_class), _classes,
-            lambda m: _sgd(m, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                           metrics=["accuracy"]),
-            {"pipeline": _CUSTOM_STEP}),
+            _subclassed(_guide_step_class), _classes, lambda m: _sgd(m, metrics=["accuracy"]),
+            {"pipeline": _CUSTOM_STEP}, batch_logs=True),
 ]
 
 BY_NAME = {p.name: p for p in PATTERNS}
@@ -799,10 +813,16 @@ def reference(pattern: Pattern, initial=None, strategies=IN_PROCESS):
     if initial is not None:
         model.set_weights(initial)
     initial = model.get_weights()
+    if pattern.forward:
+        _FORWARD[pattern.name] = model.predict(pattern.data()[0], verbose=0)
     if all(pattern.outcome(s) != EXACT for s in strategies):
         return initial, None, None
     logs = train(pattern, model, pattern.data())
     return initial, model.get_weights(), logs
+
+
+# Pattern name -> plain Keras's predictions at the initial weights (`forward`).
+_FORWARD: dict = {}
 
 
 def run_pattern(pattern: Pattern, strategy: str, initial=None) -> dict:
@@ -814,6 +834,7 @@ def run_pattern(pattern: Pattern, strategy: str, initial=None) -> dict:
         model = pattern.build(strategy)
         if initial is not None:
             model.set_weights(initial)
+        predictions = model.predict(pattern.data()[0], verbose=0) if pattern.forward else None
         logs = train(pattern, model, pattern.data(), callbacks=[start])
     except Exception as error:  # noqa: BLE001 (the zoo records refusals)
         return {"error": f"{type(error).__name__}: {error}"}
@@ -821,11 +842,13 @@ def run_pattern(pattern: Pattern, strategy: str, initial=None) -> dict:
         all(np.array_equal(values[0], other) for other in values[1:])
         for values in (model.strategy.local_replica_values(v) for v in model.trainable_variables))
     return {"initial": start.weights, "weights": model.get_weights(), "logs": logs,
-            "replicas_agree": replicas_agree}
+            "replicas_agree": replicas_agree, "predictions": predictions}
 
 
-def check(pattern: Pattern, strategy: str, initial, expected_weights, result) -> str:
-    """Asserts `result` is `pattern.outcome(strategy)`; returns the outcome."""
+def check(pattern: Pattern, strategy: str, initial, expected_weights, result,
+          expected_logs=None) -> str:
+    """Asserts `result` is `pattern.outcome(strategy)`; returns the outcome.
+    `EXACT` also compares the epoch's logs with plain Keras's, if given."""
     outcome = pattern.outcome(strategy)
     if outcome == SKIPPED:
         return outcome
@@ -843,8 +866,17 @@ def check(pattern: Pattern, strategy: str, initial, expected_weights, result) ->
         for i, (a, b) in enumerate(zip(expected_weights, weights, strict=True)):
             np.testing.assert_allclose(b, a, atol=pattern.atol, rtol=0,
                                        err_msg=f"{pattern.name} under {strategy}: weight {i}")
+        if expected_logs is not None:
+            assert set(result["logs"]) == set(expected_logs), (result["logs"], expected_logs)
+            for key, value in expected_logs.items():
+                np.testing.assert_allclose(result["logs"][key], value, atol=1e-5, rtol=1e-6,
+                                           err_msg=f"{pattern.name} under {strategy}: {key}")
     else:
         assert result["replicas_agree"], f"{pattern.name} under {strategy}: replicas differ"
+        if pattern.forward and result.get("predictions") is not None:
+            np.testing.assert_allclose(result["predictions"], _FORWARD[pattern.name],
+                                       atol=1e-5, rtol=0,
+                                       err_msg=f"{pattern.name} under {strategy}: predictions")
         moved = any(not np.array_equal(a, b) for a, b in zip(initial, weights))
         assert moved, f"{pattern.name} under {strategy}: no weight moved"
     return outcome
