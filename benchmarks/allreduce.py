@@ -26,7 +26,7 @@ processes, on the same `tf.distribute.MultiWorkerMirroredStrategy`:
            `strategies.get("multi_worker", bytes_per_pack=B,
            implementation=I)`. With `--implementation auto` (the default)
            all workers are on this host, so that is the shared-memory
-           all-reduce (keras_distrib/host_allreduce.py, 0 TF collectives);
+           all-reduce (keras_distrib/collectives/host_allreduce.py, 0 TF collectives);
            `--implementation ring` measures our path on TF's collectives.
 
 Each variant is a `tf.function` that `strategy.run`s the replica function,
@@ -123,7 +123,7 @@ def run_worker() -> None:
     CommunicationOptions = tf.distribute.experimental.CommunicationOptions
     # timeout_seconds=0: no TensorFlow timeout, as in a plain custom loop
     # (our strategy's engine has one, whose thread per collective would
-    # pile up here: keras_distrib/collective_watchdog.py).
+    # pile up here: keras_distrib/collectives/watchdog.py).
     per_tensor = CommunicationOptions(bytes_per_pack=0, timeout_seconds=0)
     one_pack = CommunicationOptions(bytes_per_pack=_ONE_PACK, timeout_seconds=0)
 

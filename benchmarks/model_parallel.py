@@ -24,7 +24,7 @@ Target (the pipeline's issue): >= 1.5x `one` at m = 8, judged on the
 median; "target met" or "TARGET NOT MET" is printed, exit code 0 either
 way unless --strict. The peak number of micro-batches whose activations a
 stage holds (GPipe vs 1F1B at m = 8) is printed from the schedule
-(`keras_distrib.pipeline_schedule`), with what that is in bytes for this
+(`keras_distrib.strategies.pipeline.schedule`), with what that is in bytes for this
 model (the inputs a stage's layers keep for their backward pass).
 
 The configurations run alternately (order rotated every repetition)
@@ -234,7 +234,7 @@ def run_config(name: str) -> dict:
 
 def ideal(m: int, p: int = STAGES) -> float:
     """Throughput of a perfect p-stage pipeline over one device: p (1 - bubble)."""
-    from keras_distrib import pipeline_schedule
+    from keras_distrib.strategies.pipeline import schedule as pipeline_schedule
 
     return p * (1 - pipeline_schedule.bubble_fraction(m, p))
 
@@ -291,7 +291,7 @@ def run_driver() -> int:
         versus = _harness.paired_ratios(runs["m8"], runs["gpipe8"])
         print(f"{'1F1B / GPipe throughput at m=8':44s} {_harness.fmt_stats(versus):^22s}")
 
-    from keras_distrib import pipeline_schedule
+    from keras_distrib.strategies.pipeline import schedule as pipeline_schedule
 
     # A stage's layers keep their inputs for the backward pass: per micro-batch,
     # (batch / m) rows x width floats x its layers (about depth / 2 + 1).

@@ -24,7 +24,7 @@ Configurations (processes this driver starts; all on this host):
 
   ps1     1 ps + 1 worker (+ the chief, which runs fit and validation):
           strategy "parameter_server"; the ps and worker run
-          `python -m keras_distrib.task_server` with their TF_CONFIG.
+          `python -m keras_distrib.strategies.parameter_server.task_server` with their TF_CONFIG.
   ps2     1 ps + 2 workers, the configuration under test.
   mw2     the synchronous peer: strategy "multi_worker" through
           `keras-distrib launch -n 2`, global batch 2 x `--batch` (each worker
@@ -60,7 +60,7 @@ at a time and updated one variable at a time, so "the" read is the
 interval after r0; that is what asynchronous SGD means by staleness.)
 `optimizer.iterations` cannot serve as the clock: inside a step it reads
 as the step's start value and is incremented only after `train_step`
-returns (`keras_distrib.scheduled_training`), so the clock is a plain
+returns (`keras_distrib.strategies.parameter_server.scheduled_training`), so the clock is a plain
 `tf.Variable` on the ps that each step increments (TensorFlow's atomic
 `assign_add`) right after its weight updates, which a re-read of the
 weights orders it after. The measurement costs the ps configurations
@@ -165,7 +165,7 @@ def run_worker() -> None:
         def train_step(self, data):
             features, labels, _ = keras.utils.unpack_x_y_sample_weight(data)
             # Not optimizer.iterations: inside a step it reads as the step's
-            # start value (keras_distrib.scheduled_training), and is bumped
+            # start value (keras_distrib.strategies.parameter_server.scheduled_training), and is bumped
             # after the step returns. A plain tf.Variable on the ps is not.
             count = hist["count"]
             r0 = count.read_value()
@@ -304,7 +304,7 @@ def run_ps(workers: int) -> dict:
             log = open(os.path.join(out_dir, f"{kind}{index}.log"), "w+")
             logs.append(log)
             servers.append(subprocess.Popen(
-                [sys.executable, "-m", "keras_distrib.task_server"], cwd=_harness.REPO_ROOT,
+                [sys.executable, "-m", "keras_distrib.strategies.parameter_server.task_server"], cwd=_harness.REPO_ROOT,
                 env={**env, "TF_CONFIG": tf_config(kind, index)}, stdin=subprocess.DEVNULL,
                 stdout=log, stderr=subprocess.STDOUT, preexec_fn=_pinned(core)))
         chief = subprocess.Popen(

@@ -76,7 +76,7 @@ def main(argv):
         epochs=config["epochs"],
         validation_data=(x_val, y_val),
         callbacks=[timer],
-        verbose=2,  # non-chief workers print nothing (keras_distrib.chief_only)
+        verbose=2,  # non-chief workers print nothing (keras_distrib.training.chief_only)
     )
     loss, accuracy = model.evaluate(x_val, y_val, batch_size=config["batch_size"], verbose=0)
     # The first epoch includes tracing; report the steady state.

@@ -19,7 +19,7 @@ imports it. The one exception is a process that is part of a configured cluster 
 Slurm): there the import starts TensorFlow's collective runtime at once,
 before anything else can start TensorFlow, so that `strategy="multi_worker"`
 (or `"auto"`) works as a plain string wherever the model is built (see
-`keras_distrib.runtime`).
+`keras_distrib.collectives.runtime`).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class _RegisterAfterKeras(importlib.abc.MetaPathFinder):
 
 
 def _start() -> None:
-    from keras_distrib import runtime
+    from keras_distrib.collectives import runtime
 
     runtime.bootstrap()  # first: it may import Keras, which must not recurse here
     if "keras" in sys.modules:

@@ -24,7 +24,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_distrib import data as data_lib
+from keras_distrib.input import data as data_lib
 
 # Minor versions the whole suite ran on (setup.cfg pins the same ranges).
 TESTED = {"tensorflow": "2.21", "keras": "3.15"}
@@ -548,7 +548,7 @@ def without_default_strategy_creator() -> Iterator[None]:
     variable creator.
 
     Keras runs each step inside the default strategy's `run`
-    (`TensorFlowTrainer._make_function`, and `keras_distrib.step_call` as
+    (`TensorFlowTrainer._make_function`, and `keras_distrib.training.step_call` as
     Keras does), whose scope installs a creator that refuses any other
     strategy (`_DefaultDistributionContext`, tensorflow/python/distribute/
     distribute_lib.py: "Mixing different tf.distribute.Strategy objects");
@@ -871,7 +871,7 @@ def gather(tf_strategy: Any, value: Any, axis: int, options: Any) -> Any:
 def reuse_collective_server() -> Iterator[None]:
     """MultiWorkerMirroredStrategy objects built inside reuse the running server.
 
-    `keras_distrib.runtime` starts this process's collective server once;
+    `keras_distrib.collectives.runtime` starts this process's collective server once;
     a strategy built later must not start a second one (TensorFlow checks
     `_std_server_started` on the strategy's extended object), and, as when
     TensorFlow starts the server itself with its coordination service, must
@@ -938,7 +938,7 @@ def set_variable_partitioner(strategy: Any, partitioner: Any) -> None:
     sets and variable creation reads; verified TF 2.21).
 
     The chief must connect to its cluster before TensorFlow makes any
-    tensor (see `keras_distrib.runtime.start_coordinator`), which is before
+    tensor (see `keras_distrib.collectives.runtime.start_coordinator`), which is before
     the user's script names its partitioner; TensorFlow offers no setter.
     """
     strategy.extended._variable_partitioner = partitioner

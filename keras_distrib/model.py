@@ -30,14 +30,14 @@ import numpy as np
 import tensorflow as tf
 
 from keras_distrib import _compat
-from keras_distrib import chief_only
-from keras_distrib import data as data_lib
-from keras_distrib import fit_checks
+from keras_distrib.training import chief_only
+from keras_distrib.input import data as data_lib
+from keras_distrib.training import fit_checks
 from keras_distrib import placement
 from keras_distrib import preemption
-from keras_distrib import sharded_variables
-from keras_distrib import saving
-from keras_distrib import step_call
+from keras_distrib.strategies.parameter_server import sharded_variables
+from keras_distrib.training import saving
+from keras_distrib.training import step_call
 from keras_distrib import strategies
 from keras_distrib.strategies import registry
 from keras_distrib.strategies import tf_distribute
@@ -115,7 +115,7 @@ class DistributedModel(keras.Model):
             `keras_distrib.strategies.Strategy` object. Default `"auto"`.
     """
 
-    # Only the chief prints and writes files (see keras_distrib.chief_only).
+    # Only the chief prints and writes files (see keras_distrib.training.chief_only).
     chief_only_side_effects = True
     # `fit` refuses float numpy input holding NaN/Inf and stops, naming the
     # step, when the training loss is NaN/Inf (see `fit_checks.FiniteLossCheck`).

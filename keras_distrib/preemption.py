@@ -38,7 +38,7 @@ from typing import Optional
 import keras
 import numpy as np
 
-from keras_distrib import launch_contract
+from keras_distrib.cluster import launch_contract
 
 EXIT_CODE = launch_contract.PREEMPTED
 # Steps between the flag collectives of a custom train_step (see above).

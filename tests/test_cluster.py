@@ -786,7 +786,7 @@ def fake_dns(monkeypatch):
 
 
 def test_runtime_probe_listens_on_the_own_address_only():
-    from keras_distrib import runtime
+    from keras_distrib.collectives import runtime
 
     (port,) = cluster.free_ports(1)
     with runtime._listening_on(f"127.0.0.1:{port}"):
@@ -811,7 +811,7 @@ def test_runtime_probe_listens_on_the_own_address_only():
 def test_runtime_probe_on_ipv6_loopback():
     if not _ipv6_loopback():
         pytest.skip("no IPv6 loopback")
-    from keras_distrib import runtime
+    from keras_distrib.collectives import runtime
 
     (port,) = cluster.free_ports(1, "::1")
     with runtime._listening_on(f"[::1]:{port}"):
@@ -844,7 +844,7 @@ def test_listen_address(fake_dns):
     if own:
         fake_dns["node-a.test"] = ["198.51.100.7", "127.0.1.1", own]
         assert listen_address("node-a.test") == own
-        from keras_distrib import runtime
+        from keras_distrib.collectives import runtime
 
         (port,) = cluster.free_ports(1, "node-a.test")
         with runtime._listening_on(f"node-a.test:{port}"):

@@ -1,4 +1,4 @@
-"""The global-batch split rule (keras_distrib.data)."""
+"""The global-batch split rule (keras_distrib.input.data)."""
 
 import types
 
@@ -7,7 +7,8 @@ import pytest
 import tensorflow as tf
 
 import keras_distrib as kd
-from keras_distrib import data, sharding
+from keras_distrib.input import data
+from keras_distrib.input import sharding
 from keras_distrib.topology import Topology
 
 

@@ -301,7 +301,7 @@ def test_non_finite_loss_is_checked_at_epoch_end_with_several_processes():
     # check reads the (global) epoch logs: every worker stops together.
     from keras.src.utils import python_utils
 
-    from keras_distrib import fit_checks
+    from keras_distrib.training import fit_checks
 
     check = fit_checks.FiniteLossCheck(per_batch=False)
     assert python_utils.is_default(check.on_train_batch_end)

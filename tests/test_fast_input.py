@@ -3,7 +3,7 @@
 Keras's own array input builds a tf.data iterator per epoch; tearing down one
 that a compiled step has read waits on tf.data's autotuning thread (~0.5 s
 an epoch on TF 2.21, measured). `DistributedModel.fit` therefore feeds
-arrays through `keras_distrib.sharding` even with one process: one endless
+arrays through `keras_distrib.input.sharding` even with one process: one endless
 iterator, `steps_per_epoch` from the data. These tests pin that path and
 that it trains exactly as plain Keras does.
 """

@@ -13,7 +13,8 @@ import uuid
 import numpy as np
 import pytest
 
-from keras_distrib import host_allreduce, launch_contract
+from keras_distrib.collectives import host_allreduce
+from keras_distrib.cluster import launch_contract
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "workers"))
@@ -424,7 +425,7 @@ import os, signal, sys, time
 sys.path.insert(0, sys.argv[1])
 import host_reduce  # noqa: F401  registers keras_distrib without TensorFlow
 import numpy as np
-from keras_distrib import host_allreduce
+from keras_distrib.collectives import host_allreduce
 
 rank, job, directory, out = int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 stopped = int(sys.argv[6])

@@ -7,7 +7,7 @@ Three kinds of test:
   `--ps_tasks_run_script` and plain-Python scripts that act out each role
   by their `TF_CONFIG` task type, so they take a second, not TensorFlow's
   start-up;
-* real clusters: servers run `python -m keras_distrib.task_server` and the
+* real clusters: servers run `python -m keras_distrib.strategies.parameter_server.task_server` and the
   chief script below connects to them with
   `tf.distribute.ParameterServerStrategy` + `ClusterCoordinator` directly
   (not through keras_distrib's strategy), ~10-25 s each on 2 cores.
@@ -37,7 +37,8 @@ import uuid
 
 import pytest
 
-from keras_distrib import cluster, launch, task_server
+from keras_distrib import cluster, launch
+from keras_distrib.strategies.parameter_server import task_server
 from keras_distrib.launch import LaunchConfig, LaunchError
 
 # The module, for its PS_LOSS_GRACE_SECONDS; `launch.supervise` is the function.
@@ -45,7 +46,7 @@ supervise_lib = importlib.import_module("keras_distrib.launch.supervise")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARKER = "KD_PS_TEST"
-SERVER_MODULE = ["-m", "keras_distrib.task_server"]
+SERVER_MODULE = ["-m", "keras_distrib.strategies.parameter_server.task_server"]
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -244,7 +245,7 @@ def test_multi_host_dry_run_names_each_task_by_role(tmp_path, capfd):
         assert json.loads((out_dir / f"{name}.tf_config.json").read_text()) == tf_config
         command = lines[at + 1].strip()
         runs_script = label == "chief"
-        assert command.endswith(script if runs_script else "-m keras_distrib.task_server"), command
+        assert command.endswith(script if runs_script else "-m keras_distrib.strategies.parameter_server.task_server"), command
     host_b = (out_dir / "host-b.invalid.sh").read_text()
     assert "tasks worker 1, ps 0 of 4" in host_b and host_b.count("task_server") == 2
     assert not (tmp_path / "ran").exists()
@@ -287,7 +288,7 @@ def test_workers_flag_without_ps_is_n(tmp_path, token):
 
 def test_usage_documents_parameter_servers():
     text = launch.usage()
-    for fragment in ("--workers", "--ps", "--ps_tasks_run_script", "keras_distrib.task_server",
+    for fragment in ("--workers", "--ps", "--ps_tasks_run_script", "keras_distrib.strategies.parameter_server.task_server",
                      "[chief]", "[worker I]", "[ps I]", "(100 when 0)", "0: up to 100"):
         assert fragment in text, fragment
 
@@ -520,7 +521,7 @@ def test_task_server_without_a_cluster_is_a_one_line_error(tmp_path):
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [
-        "keras_distrib.task_server: error: no cluster in the environment; set TF_CONFIG to "
+        "keras_distrib.strategies.parameter_server.task_server: error: no cluster in the environment; set TF_CONFIG to "
         "this task's cluster and task (type 'worker' or 'ps')."]
 
 

@@ -20,7 +20,7 @@ import time
 import pytest
 from helpers import process_alive
 
-from keras_distrib.launch_contract import PREEMPTED
+from keras_distrib.cluster.launch_contract import PREEMPTED
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 

@@ -44,7 +44,7 @@ def _task_pids(launcher_pid, task_type, index=None):
                 cmdline = f.read()
         except OSError:
             continue
-        if b"keras_distrib.task_server" not in cmdline:
+        if b"keras_distrib.strategies.parameter_server.task_server" not in cmdline:
             continue
         config = [e for e in environ if e.startswith(b"TF_CONFIG=")]
         if not config:
@@ -135,7 +135,7 @@ def test_auto_picks_parameter_server_when_the_cluster_has_ps(monkeypatch):
 
 def test_a_remote_failure_is_summed_up_in_one_line():
     from keras_distrib.cluster import ClusterInfo
-    from keras_distrib.strategies.parameter_server import failure_summary
+    from keras_distrib.strategies.parameter_server.strategy import failure_summary
 
     info = ClusterInfo(("c:2222", "w0:2222", "w1:2222"), 0, ps=("p:2222",), has_chief=True,
                        task_type="chief")
@@ -163,7 +163,7 @@ def test_only_errors_of_a_lost_task_are_called_a_lost_ps():
     "parameter server ps 0 failed; its variables are lost"."""
     import tensorflow as tf
 
-    from keras_distrib.strategies.parameter_server import _looks_like_a_lost_task
+    from keras_distrib.strategies.parameter_server.strategy import _looks_like_a_lost_task
 
     where = "/job:ps/replica:0/task:0/device:CPU:0"
     assert not _looks_like_a_lost_task(tf.errors.InvalidArgumentError(

@@ -24,7 +24,7 @@ from helpers import (
     plain_model,
     weights_moved,
 )
-from keras_distrib import pipeline_schedule
+from keras_distrib.strategies.pipeline import schedule as pipeline_schedule
 
 CPU0, CPU1 = "/device:CPU:0", "/device:CPU:1"
 BATCH, EPOCHS = 32, 2  # 203 samples: 7 steps per epoch, the last one 11 rows

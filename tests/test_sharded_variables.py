@@ -1,4 +1,4 @@
-"""Keras 3 variables sharded over parameter servers (keras_distrib.sharded_variables).
+"""Keras 3 variables sharded over parameter servers (keras_distrib.strategies.parameter_server.sharded_variables).
 
 A real cluster: 2 ps and 2 worker TF servers, processes shared by the tests
 of this file; each test's coordinator ("chief") is a fresh process running
@@ -113,7 +113,7 @@ def _connect(cluster):
 
 def _layout(variables):
     """{path: [[rows, device], ...]} of each variable's parts."""
-    from keras_distrib import sharded_variables
+    from keras_distrib.strategies.parameter_server import sharded_variables
 
     return {v.path: [[int(p.shape[0]) if p.shape.rank else 0, p.device]
                      for p in sharded_variables.shards(v)]
@@ -127,7 +127,7 @@ def _scheduled_step(strategy, coordinator, model, optimizer, seed, shuffle=False
     `record`, if given, gets the gradient types seen when the step is traced."""
     import tensorflow as tf
 
-    from keras_distrib import sharded_variables
+    from keras_distrib.strategies.parameter_server import sharded_variables
 
     loss = loss_fn()
 
@@ -174,7 +174,7 @@ def _train(strategy, coordinator, model, optimizer, steps, seed, record):
 
 
 def _sharded_model(strategy, weights, optimizer_name=None, install_first=True):
-    from keras_distrib import sharded_variables
+    from keras_distrib.strategies.parameter_server import sharded_variables
 
     with strategy.scope():
         model = build_model()
@@ -238,7 +238,7 @@ def chief_save(strategy, coordinator, out):
     keras.utils.set_random_seed(11)
     plain = build_model()
     plain.save_weights(os.path.join(out, "plain.weights.h5"))
-    from keras_distrib import sharded_variables
+    from keras_distrib.strategies.parameter_server import sharded_variables
 
     loaded = {}
     for name in ("plain", "sharded"):
@@ -504,7 +504,7 @@ def _split_in_two(next_creator, **kwargs):
 def _sharded_in_process(optimizer_name=None, install_first=True):
     import tensorflow as tf
 
-    from keras_distrib import sharded_variables
+    from keras_distrib.strategies.parameter_server import sharded_variables
 
     with tf.variable_creator_scope(_split_in_two):
         model = build_model()
@@ -542,7 +542,7 @@ def _writes(function, variables):
 
 
 def _parts(variable):
-    from keras_distrib import sharded_variables
+    from keras_distrib.strategies.parameter_server import sharded_variables
 
     return sharded_variables.shards(variable)
 
@@ -550,7 +550,7 @@ def _parts(variable):
 def test_gradients_of_sharded_variables_are_whole_variable_gradients():
     import tensorflow as tf
 
-    from keras_distrib import sharded_variables
+    from keras_distrib.strategies.parameter_server import sharded_variables
 
     model, _ = _sharded_in_process()
     assert [sharded_variables.is_sharded(v) for v in model.weights] == [
@@ -577,7 +577,7 @@ def test_gradients_of_sharded_variables_are_whole_variable_gradients():
 def test_sharded_updates_are_assign_sub_or_scatter_sub_of_parts(name, monkeypatch):
     import tensorflow as tf
 
-    from keras_distrib import sharded_variables
+    from keras_distrib.strategies.parameter_server import sharded_variables
 
     monkeypatch.setitem(OPTIMIZERS, name, IN_PROCESS_OPTIMIZERS[name])
     model, optimizer = _sharded_in_process(name)
@@ -613,7 +613,7 @@ def test_sharded_updates_are_assign_sub_or_scatter_sub_of_parts(name, monkeypatc
 def test_install_after_build_shards_the_slots_keeping_values():
     import tensorflow as tf
 
-    from keras_distrib import sharded_variables
+    from keras_distrib.strategies.parameter_server import sharded_variables
 
     model, optimizer = _sharded_in_process("adam", install_first=False)
     slots = list(optimizer.variables)
@@ -636,7 +636,7 @@ def test_install_after_build_shards_the_slots_keeping_values():
 def test_gradients_is_tape_gradient_when_nothing_is_sharded():
     import tensorflow as tf
 
-    from keras_distrib import sharded_variables
+    from keras_distrib.strategies.parameter_server import sharded_variables
 
     model = build_model()
     model.set_weights(initial_weights())
@@ -655,7 +655,7 @@ def test_gradients_is_tape_gradient_when_nothing_is_sharded():
 def test_install_leaves_unsharded_training_unchanged():
     import tensorflow as tf
 
-    from keras_distrib import sharded_variables
+    from keras_distrib.strategies.parameter_server import sharded_variables
 
     x, y = data(n=64)
     results = []

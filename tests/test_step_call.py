@@ -1,4 +1,4 @@
-"""One compiled call per step (`keras_distrib.step_call`): Keras's math, fewer ops.
+"""One compiled call per step (`keras_distrib.training.step_call`): Keras's math, fewer ops.
 
 Keras's own train/test function nests the step in a second compiled
 function and wraps the logs in a `tf.experimental.Optional`; ours is one

@@ -98,25 +98,43 @@ def test_auto_takes_no_options():
         kd.strategies.get("auto", devices=["/cpu:0"])
 
 
-def test_a_new_strategy_is_one_file(tmp_path):
-    """Dropping a module into keras_distrib/strategies makes it available by name."""
-    package = os.path.join(ROOT, "keras_distrib", "strategies")
-    path = os.path.join(package, "zz_test_plugin.py")
-    with open(path, "w") as f:
-        f.write(textwrap.dedent("""\
-            from keras_distrib.strategies.per_process import PerProcessStrategy
+def test_a_strategy_is_imported_when_first_asked_for(tmp_path):
+    """Registration is lazy: importing `keras_distrib.strategies` imports no
+    strategy module (nor TensorFlow); asking for a built-in name imports
+    that strategy's module only (`registry.BUILTIN`); a user's module that
+    subclasses `Strategy` with a `name` is available by that name once
+    imported."""
+    (tmp_path / "my_plugin.py").write_text(textwrap.dedent("""\
+        from keras_distrib.strategies.per_process import PerProcessStrategy
 
-            class Plugin(PerProcessStrategy):
-                name = "zz_test_plugin"
-                description = "A strategy added as one file."
-        """))
-    try:
-        code = ("import keras_distrib as kd\n"
-                "print(kd.strategies.available()['zz_test_plugin'])\n"
-                "print(type(kd.strategies.get('zz_test_plugin')).__name__)\n")
-        proc = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), capture_output=True,
-                              text=True, timeout=120)
-    finally:
-        os.remove(path)
+        class Plugin(PerProcessStrategy):
+            name = "zz_test_plugin"
+            description = "A strategy of the user's own."
+    """))
+    code = textwrap.dedent("""\
+        import sys
+        import keras_distrib as kd
+        from keras_distrib import strategies
+        loaded = lambda: sorted(m for m in sys.modules if m.startswith("keras_distrib.strategies."))
+        print("tensorflow" in sys.modules, loaded())
+        strategies.get("single")
+        print(loaded())
+        import my_plugin
+        print(strategies.available()["zz_test_plugin"], type(strategies.get("zz_test_plugin")).__name__)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.splitlines()[-2:] == ["A strategy added as one file.", "Plugin"]
+    lines = proc.stdout.splitlines()[-3:]
+    assert lines[0] == "False []"
+    assert "keras_distrib.strategies.single" in lines[1]
+    assert "keras_distrib.strategies.mirrored" not in lines[1]
+    assert "keras_distrib.strategies.pipeline.strategy" not in lines[1]
+    assert lines[2] == "A strategy of the user's own. Plugin"
+
+
+def test_the_builtin_table_names_each_strategy_where_it_lives():
+    for name, module in registry.BUILTIN.items():
+        cls = registry.strategy_class(name)
+        assert (cls.name, cls.__module__) == (name, module)
+    assert sorted(registry.available()) == sorted([registry.AUTO, *registry.BUILTIN])

@@ -44,7 +44,7 @@ import keras
 import numpy as np
 
 from keras_distrib import preemption
-from keras_distrib import sharding
+from keras_distrib.input import sharding
 from keras_distrib.callbacks import _common
 
 WEIGHTS = "weights.weights.h5"

@@ -21,7 +21,9 @@ trains on workers only calls `require_training_workers(info, name)`.
 One module per concern: `errors`, `roles` (task type names), `addresses`
 (`parse_address` and the shared checks), `info` (`ClusterInfo`,
 `require_training_workers`), the sources `explicit`, `tf_config` and
-`slurm`, `resolve`, and `network` (port and peer checks).
+`slurm`, `resolve`, `network` (port and peer checks), and
+`launch_contract` (the environment variables and exit codes
+`keras-distrib launch` and its workers agree on).
 
 This package is pure Python on purpose: the launcher and the tests import it
 without paying for TensorFlow's import. Only `from_slurm` imports TensorFlow,
@@ -46,6 +48,7 @@ from __future__ import annotations
 from .addresses import parse_address
 from .errors import ClusterConfigError
 from .explicit import from_explicit
+from . import launch_contract  # noqa: F401  (what the launcher and its workers agree on)
 from .info import ClusterInfo, require_training_workers
 from .network import check_own_port_free, free_ports, is_local_host, wait_for_peers
 from .resolve import resolve

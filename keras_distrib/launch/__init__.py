@@ -16,11 +16,11 @@ The command's user documentation is `keras_distrib.launch.cli`'s docstring
 
 What the launcher and its workers agree on (exit code `PREEMPTED`, the
 `KERAS_DISTRIB_RESTART` and `KERAS_DISTRIB_SHM_DIR` variables) is in
-`keras_distrib.launch_contract`.
+`keras_distrib.cluster.launch_contract`.
 
 This package never imports TensorFlow or Keras (only `keras_distrib.cluster`,
-`keras_distrib.launch_contract`, the standard library and absl; and, once
-ranks run on this machine, the NumPy-only `keras_distrib.host_allreduce`
+`keras_distrib.cluster.launch_contract`, the standard library and absl; and, once
+ranks run on this machine, the NumPy-only `keras_distrib.collectives.host_allreduce`
 for its shared-memory directory), so the launcher starts in a fraction of a
 second; tests/test_launch.py checks that.
 

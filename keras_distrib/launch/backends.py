@@ -9,7 +9,7 @@
 
 A parameter-server job (`--ps`, `tf` only) is one child per task, the
 chief running the script and the others `python -m
-keras_distrib.task_server` (`plan.task_argv`): `parameter_server_job`.
+keras_distrib.strategies.parameter_server.task_server` (`plan.task_argv`): `parameter_server_job`.
 
 Every child gets `KERAS_DISTRIB_RESTART`; those on this host get the
 attempt's private directory in `KERAS_DISTRIB_SHM_DIR`.
@@ -31,7 +31,7 @@ from keras_distrib.launch.config import LaunchConfig, LaunchError
 from keras_distrib.launch.plan import (RankPlan, parse_hosts, plan, shell_command,
                                        task_argv, tf_log_env)
 from keras_distrib.launch.supervise import ChildSpec, Job, ParameterServerJob
-from keras_distrib.launch_contract import RESTART_ENV, SHM_DIR_ENV
+from keras_distrib.cluster.launch_contract import RESTART_ENV, SHM_DIR_ENV
 
 
 def local_argv(config: LaunchConfig) -> list[str]:

@@ -48,7 +48,7 @@ each with its `TF_CONFIG` `{"cluster": {"chief": [...], "worker": [...],
 "ps": [...]}, "task": {"type": ROLE, "index": I}}` (free ports on `--bind`;
 with `--hosts`, tasks fill the host slots chief first, then workers, then
 ps). Only the chief runs `python train.py ...`: it is the coordinator and
-sends the work to the others, which run `python -m keras_distrib.task_server`
+sends the work to the others, which run `python -m keras_distrib.strategies.parameter_server.task_server`
 (a bare TensorFlow server, same interpreter). With `--ps_tasks_run_script`
 every task runs the script (Kubeflow style) and the strategy serves on the
 worker and ps tasks. Lines are prefixed `[chief] `, `[worker I] `, `[ps I] `.
@@ -126,7 +126,7 @@ flags.DEFINE_integer("workers", None, "Number of worker tasks; the same as -n "
 flags.DEFINE_integer("ps", 0, "Number of parameter-server tasks; >= 1 makes a "
                      "parameter-server job: a chief runs the script, the "
                      "--workers worker tasks and these ps tasks run "
-                     "`python -m keras_distrib.task_server`.", lower_bound=0)
+                     "`python -m keras_distrib.strategies.parameter_server.task_server`.", lower_bound=0)
 flags.DEFINE_bool("ps_tasks_run_script", False, "With --ps: every task (chief, "
                   "workers, ps) runs the script, as under Kubeflow; the "
                   "strategy then serves on the worker and ps tasks.")

@@ -53,7 +53,7 @@ class LaunchConfig:
     grace_seconds: float = GRACE_SECONDS
     # Parameter-server mode (--ps M >= 1): a chief runs the script, `nproc`
     # worker tasks and `ps` ps tasks run TensorFlow servers
-    # (`keras_distrib.task_server`), or the script too with
+    # (`keras_distrib.strategies.parameter_server.task_server`), or the script too with
     # `ps_tasks_run_script` (Kubeflow style: the strategy serves there).
     ps: int = 0
     ps_tasks_run_script: bool = False

@@ -9,7 +9,7 @@ attempt's private shared-memory directory (`RankPlan.restart`, `shm_dir`).
 A parameter-server job (`--ps M`) plans one `chief`, `--workers N` `worker`
 tasks and M `ps` tasks, laid out in that order over the host slots; each
 `RankPlan` is then one task (`label`: `chief`, `worker 0`, `ps 0`), and
-the worker and ps tasks run `python -m keras_distrib.task_server` instead
+the worker and ps tasks run `python -m keras_distrib.strategies.parameter_server.task_server` instead
 of the script unless `--ps_tasks_run_script` (`task_argv`).
 """
 
@@ -25,7 +25,7 @@ from typing import Collection, Optional, Sequence, TextIO
 
 from keras_distrib import cluster as cluster_lib
 from keras_distrib.launch.config import LaunchConfig, LaunchError
-from keras_distrib.launch_contract import RESTART_ENV, SHM_DIR_ENV
+from keras_distrib.cluster.launch_contract import RESTART_ENV, SHM_DIR_ENV
 
 # Ports on remote hosts cannot be probed from here, so multi-host launches
 # without --port_base use fixed ones (base + index of the rank on its host).
@@ -49,7 +49,7 @@ def tf_log_env() -> dict[str, str]:
 
 # What the worker and ps tasks of a parameter-server job run (a bare
 # TensorFlow server) unless --ps_tasks_run_script.
-TASK_SERVER_MODULE = "keras_distrib.task_server"
+TASK_SERVER_MODULE = "keras_distrib.strategies.parameter_server.task_server"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,7 +262,7 @@ def runs_script(rank_plan: RankPlan, config: LaunchConfig) -> bool:
 
 def task_argv(rank_plan: RankPlan, config: LaunchConfig) -> list[str]:
     """`python script.py *args`, or for a bare server task
-    `python -m keras_distrib.task_server`, with this interpreter."""
+    `python -m keras_distrib.strategies.parameter_server.task_server`, with this interpreter."""
     if runs_script(rank_plan, config):
         return [sys.executable, config.script, *config.script_args]
     return [sys.executable, "-m", TASK_SERVER_MODULE]

@@ -69,7 +69,7 @@ import time
 from typing import Callable, Iterator, Optional, Sequence, TextIO, Union
 
 from keras_distrib.launch.config import LaunchConfig, LaunchError
-from keras_distrib.launch_contract import PREEMPTED
+from keras_distrib.cluster.launch_contract import PREEMPTED
 
 EXIT_TIMEOUT = 124
 
@@ -590,7 +590,7 @@ def private_directory(wanted: bool = True) -> Iterator[Optional[str]]:
         yield None
         return
     # Imported here: NumPy (no TensorFlow), paid only when ranks run here.
-    from keras_distrib import host_allreduce
+    from keras_distrib.collectives import host_allreduce
     path = tempfile.mkdtemp(prefix="kd-", dir=host_allreduce.default_directory())
     try:
         os.chmod(path, 0o700)  # mkdtemp's 0700 may have been narrowed by the umask

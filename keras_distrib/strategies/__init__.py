@@ -1,8 +1,5 @@
 """Distribution strategies, by name or as objects.
 
-Every module of this package is imported here, so each strategy class
-registers itself (see `registry`): adding a strategy is adding one file.
-
 Example:
 
 ```python
@@ -10,19 +7,39 @@ from keras_distrib import strategies
 print(strategies.available())
 strategy = strategies.get("mirrored", cross_device_ops="reduction_to_one_device")
 ```
+
+The names below are imported when first used, and a built-in strategy's
+module when the strategy is first asked for (`registry.BUILTIN`): importing
+this package imports neither TensorFlow nor any strategy, so
+`python -m keras_distrib.strategies.parameter_server.task_server` and the
+launcher pay for none of them.
 """
 
 import importlib
-import pkgutil
+from typing import Any
 
-from keras_distrib.strategies.base import Strategy
-from keras_distrib.strategies.registry import available, get, register
+# Public name -> module that defines it.
+_LAZY = {
+    "Strategy": "keras_distrib.strategies.base",
+    "available": "keras_distrib.strategies.registry",
+    "register": "keras_distrib.strategies.registry",
+    "get": "keras_distrib.strategies.resolve",
+    "Mirrored": "keras_distrib.strategies.mirrored",
+    "MultiWorker": "keras_distrib.strategies.multi_worker",
+    "SingleDevice": "keras_distrib.strategies.single",
+}
 
-for _module in pkgutil.iter_modules(__path__):
-    importlib.import_module(f"{__name__}.{_module.name}")
+__all__ = list(_LAZY)
 
-from keras_distrib.strategies.mirrored import Mirrored  # noqa: E402
-from keras_distrib.strategies.multi_worker import MultiWorker  # noqa: E402
-from keras_distrib.strategies.single import SingleDevice  # noqa: E402
 
-__all__ = ["Strategy", "Mirrored", "MultiWorker", "SingleDevice", "available", "get", "register"]
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

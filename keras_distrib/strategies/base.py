@@ -40,8 +40,8 @@ from typing import Any, Callable, ClassVar, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from keras_distrib import data as data_lib
-from keras_distrib import sharding
+from keras_distrib.input import data as data_lib
+from keras_distrib.input import sharding
 from keras_distrib.topology import Topology
 
 
@@ -191,7 +191,7 @@ class Strategy(abc.ABC):
         `validation_split`, `validation_data`, `validation_batch_size` and
         `steps_per_epoch` as the user passed them, and the model's
         `steps_per_execution` (read only). By default each process
-        that reads input gets its data shard (`keras_distrib.sharding`:
+        that reads input gets its data shard (`keras_distrib.input.sharding`:
         every sample of an epoch seen once, `batch_size` global). With
         `fit["resumable"]` (a `BackupAndRestore` is in the callbacks) the
         input goes through that pipeline even with one process, so that
@@ -242,7 +242,7 @@ class Strategy(abc.ABC):
         """Runs `replica_fn(shard)` on this process's replicas.
 
         `batch` is this process's part of the global batch; it is split over
-        the local replicas by the rule of `keras_distrib.data.split_batch`.
+        the local replicas by the rule of `keras_distrib.input.data.split_batch`.
         """
 
     # -- gradient reduction (replica context) ----------------------------------------
@@ -275,7 +275,7 @@ class Strategy(abc.ABC):
         """Sparse gradients (`tf.IndexedSlices`: an `Embedding`'s, any
         `tf.gather`'s) of every replica, as one device holds them for the
         global batch: each replica's rows, concatenated in replica order
-        (= the global batch's order, see `keras_distrib.sharding`), the
+        (= the global batch's order, see `keras_distrib.input.sharding`), the
         values divided by the global sample count (each replica's are of its
         loss *sum*, as in `reduce_gradients`).
 

@@ -67,16 +67,16 @@ def adopt(engine: tf.distribute.Strategy):
 def _counterpart(engine, registry):
     """Our strategy for an engine we do not wrap, with its options."""
     if isinstance(engine, tf.distribute.OneDeviceStrategy):
-        return registry.get("single", device=devices_lib.short(engine.extended.worker_devices[0]))
+        return registry.create("single", device=devices_lib.short(engine.extended.worker_devices[0]))
     if isinstance(engine, tf.distribute.MultiWorkerMirroredStrategy):
-        return registry.get("multi_worker", **_multi_worker_options(engine, registry))
+        return registry.create("multi_worker", **_multi_worker_options(engine, registry))
     if isinstance(engine, (tf.distribute.ParameterServerStrategy,
                            tf.distribute.experimental.ParameterServerStrategy)):
         partitioner = _compat.variable_partitioner(engine)
-        return registry.get("parameter_server",
+        return registry.create("parameter_server",
                             **({"variable_partitioner": partitioner} if partitioner else {}))
     if isinstance(engine, (tf.distribute.TPUStrategy, tf.distribute.experimental.TPUStrategy)):
-        return registry.get("tpu")
+        return registry.create("tpu")
     raise TypeError(
         f"keras_distrib has no strategy for {type(engine).__name__}; pass one of "
         f"{sorted(registry.available())} by name (or a keras_distrib Strategy object).")

@@ -125,7 +125,7 @@ class Horovod(PerProcessStrategy):
 
     def concat(self, per_replica: Any) -> Any:
         # Rank r holds rows [start_r, start_r + count_r) of every global batch
-        # (keras_distrib.sharding), so rank order is the global batch order.
+        # (keras_distrib.input.sharding), so rank order is the global batch order.
         def gather(value):
             value = tf.convert_to_tensor(value)
             if value.shape.rank == 0:

@@ -9,7 +9,7 @@ DeepSpeed combine them:
   devices as with one process (`num_replicas` = `world_size`, one replica
   per worker; `rank`, `is_chief` as with `multi_worker`);
 * each worker reads its shard of every global batch
-  (`keras_distrib.sharding`, as `multi_worker`: every sample of an epoch
+  (`keras_distrib.input.sharding`, as `multi_worker`: every sample of an epoch
   seen once, `batch_size` global);
 * each gradient, a shard's included, is summed with the same gradient of
   every other worker. Every worker splits the model the same way, so the
@@ -73,7 +73,7 @@ class WorkerReplicas:
                             devices=tuple(devices), role="chief")
         from keras_distrib.strategies import registry
 
-        self._workers = registry.get("multi_worker", **dict(workers or {}))
+        self._workers = registry.create("multi_worker", **dict(workers or {}))
         rank, size = self._workers.rank, self._workers.world_size
         return Topology(
             num_replicas=size, num_local_replicas=1, first_local_replica=rank,
@@ -99,7 +99,7 @@ class WorkerReplicas:
 
     def gather_rows(self, structure: Any) -> Any:
         """Every worker's rows of each tensor in `structure`, in rank order
-        (= global batch order, see `keras_distrib.sharding`), on every
+        (= global batch order, see `keras_distrib.input.sharding`), on every
         worker. In a step: two all-reduces per tensor (row counts, rows)."""
         if self._workers is None:
             return structure

@@ -11,9 +11,9 @@ import tensorflow as tf
 
 from keras_distrib import _compat
 from keras_distrib import cluster as cluster_lib
-from keras_distrib import host_allreduce
-from keras_distrib import runtime
-from keras_distrib.collective_watchdog import CollectiveWatchdog
+from keras_distrib.collectives import host_allreduce
+from keras_distrib.collectives import runtime
+from keras_distrib.collectives.watchdog import CollectiveWatchdog
 from keras_distrib.strategies.base import reduce_op_name
 from keras_distrib.strategies.tf_distribute import TFDistributeStrategy
 
@@ -23,7 +23,7 @@ _IMPLEMENTATIONS = {
     "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
 }
 # Not TensorFlow's: gradients go through shared memory between the workers
-# of one host (keras_distrib/host_allreduce.py).
+# of one host (keras_distrib/collectives/host_allreduce.py).
 _SHARED_MEMORY = "shm"
 _KEY_RANGES = itertools.count(start=500_000, step=1_000)
 # Seconds a collective may wait for a worker that never joins it: long
@@ -54,7 +54,7 @@ class MultiWorker(TFDistributeStrategy):
 
     TensorFlow's collective runtime must start before TensorFlow is first
     used; when `TF_CONFIG` or Slurm describes the cluster, `import
-    keras_distrib` starts it (`keras_distrib.runtime`), so this strategy can
+    keras_distrib` starts it (`keras_distrib.collectives.runtime`), so this strategy can
     be named as a string wherever the model is built.
 
     Args:
@@ -78,7 +78,7 @@ class MultiWorker(TFDistributeStrategy):
             and one stopped by SIGSTOP within seconds, whatever this is.
             The TensorFlow collectives of the training and predict steps
             are timed by one watchdog thread
-            (`keras_distrib.collective_watchdog`), not by TensorFlow's
+            (`keras_distrib.collectives.watchdog`), not by TensorFlow's
             thread per collective, which would pile up (its error says the
             step timed out, not which worker).
         peer_timeout: Seconds to wait for all workers to join at start-up;
@@ -259,7 +259,7 @@ class MultiWorker(TFDistributeStrategy):
 
     def concat(self, per_replica: Any) -> Any:
         # Every worker ends with all rows, in global replica order (= the
-        # order of the global batch, see keras_distrib.sharding).
+        # order of the global batch, see keras_distrib.input.sharding).
         if self._watchdog is None:
             return tf.nest.map_structure(lambda v: self._tf_strategy.gather(v, axis=0),
                                          per_replica)

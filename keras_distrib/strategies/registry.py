@@ -1,24 +1,40 @@
-"""Strategies by name: `available()`, `get(name, **options)`, aliases.
+"""Strategies by name: `available()`, `create(name, **options)`, aliases.
 
 Strategy classes register themselves when their module is imported: a
 subclass of `Strategy` that sets `name` (and optionally `aliases`,
-`description`, `one_per_process`) is added here by `Strategy.__init_subclass__`,
-and `keras_distrib.strategies` imports every module of its package. Adding
-a strategy is adding one file. A name or alias that is already taken is an
-error. An instance always beats a string: `get(strategy_object)` returns it
-as is.
+`description`, `one_per_process`) is added here by `Strategy.__init_subclass__`.
+The built-in ones are imported when first asked for, from `BUILTIN` (name
+-> module): asking for `"mirrored"` imports the mirrored strategy's module
+only, and this module imports no strategy (so nothing under
+`keras_distrib.strategies` imports back up through it). Adding a built-in
+strategy is adding its module and one line in `BUILTIN`; a user's own
+strategy registers itself by subclassing. A name or alias that is already
+taken is an error.
+
+What `strategy=` may also be (a Strategy object, a tf.distribute strategy,
+"auto" inside a strategy's scope) is resolved above this, in
+`keras_distrib.strategies.resolve`.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import os
-from typing import TYPE_CHECKING, Union
-
 from keras_distrib import cluster as cluster_lib
 
-if TYPE_CHECKING:
-    from keras_distrib.strategies.base import Strategy
+# Built-in strategies: registered name -> the module that defines the class.
+BUILTIN = {
+    "single": "keras_distrib.strategies.single",
+    "mirrored": "keras_distrib.strategies.mirrored",
+    "central_storage": "keras_distrib.strategies.central_storage",
+    "multi_worker": "keras_distrib.strategies.multi_worker",
+    "horovod": "keras_distrib.strategies.horovod",
+    "parameter_server": "keras_distrib.strategies.parameter_server.strategy",
+    "tpu": "keras_distrib.strategies.tpu",
+    "pipeline": "keras_distrib.strategies.pipeline.strategy",
+    "tensor_parallel": "keras_distrib.strategies.tensor_parallel.strategy",
+}
 
 _CLASSES: dict[str, type] = {}
 _ALIASES: dict[str, str] = {}
@@ -55,90 +71,54 @@ def available() -> dict[str, str]:
     return {AUTO: _AUTO_DESCRIPTION, **{n: c.description for n, c in _CLASSES.items()}}
 
 
-def get(strategy: Union[str, "Strategy"] = AUTO, **options) -> "Strategy":
-    """Builds the strategy registered as `strategy` with `options`.
+def create(name: str, **options) -> "Strategy":
+    """Builds the strategy registered as `name` (any case, an alias, or
+    `"auto"`) with `options`.
 
     Raises:
         ValueError: unknown name (the message lists the valid ones) or an
             option the strategy does not take.
     """
-    import tensorflow as tf
-
-    from keras_distrib.strategies import from_tf
-    from keras_distrib.strategies.base import Strategy
-    from keras_distrib.strategies.tf_distribute import entered
-
-    scope = entered()
-    if scope is None and tf.distribute.has_strategy() and not isinstance(strategy, Strategy):
-        # A tf.distribute strategy's scope (the user's): models built there
-        # train on it, as Keras's do.
-        scope = from_tf.adopt(tf.distribute.get_strategy())
-    if scope is not None and not options:
-        return _the_entered(scope, strategy)
-    if isinstance(strategy, tf.distribute.Strategy):
-        if options:
-            raise ValueError(
-                f"Options {sorted(options)} were given with a tf.distribute strategy object; "
-                "pass them to its constructor instead.")
-        return from_tf.adopt(strategy)
-    if isinstance(strategy, Strategy):
-        if options:
-            raise ValueError(
-                f"Options {sorted(options)} were given with a strategy object; "
-                "pass them to the strategy's constructor instead."
-            )
-        return strategy
-    if not isinstance(strategy, str):
-        raise TypeError(
-            "strategy must be a name from keras_distrib.strategies.available(), "
-            f"a keras_distrib Strategy object or a tf.distribute strategy, got "
-            f"{type(strategy).__name__}."
-        )
-    _load_builtin()
-    key = _canonical(strategy)
+    key = canonical(name)
     if key == AUTO:
         if options:
             raise ValueError(
                 f"Strategy 'auto' takes no options (got {sorted(options)}); name the "
                 "strategy the options are for."
             )
-        return get(_auto_name())
-    if key not in _CLASSES:
-        valid = sorted([AUTO, *_CLASSES, *_ALIASES])
-        raise ValueError(f"Unknown strategy {strategy!r}; valid names: {valid}.")
-    cls = _CLASSES[key]
+        return create(_auto_name())
+    cls = strategy_class(name)
     _check_options(key, cls, options)
     if cls.one_per_process:
         return _one_per_process(key, cls, options)
     return cls(**options)
 
 
-def _the_entered(scope: "Strategy", strategy: Union[str, "Strategy"]) -> "Strategy":
-    """Inside a strategy's `scope()` (e.g. `keras.models.load_model` there, as
-    TensorFlow's tutorials do) models use that strategy, as Keras's do.
+def strategy_class(name: str) -> type:
+    """The class registered as `name` (any case, an alias), importing its
+    module when it is a built-in one not imported yet.
+
+    Raises:
+        ValueError: unknown name (the message lists the valid ones).
     """
-    import tensorflow as tf
-
-    from keras_distrib.strategies import from_tf
-
-    if strategy is scope:
-        return scope
-    if isinstance(strategy, str) and _canonical(strategy) in (AUTO, scope.name):
-        return scope
-    if isinstance(strategy, tf.distribute.Strategy) and from_tf.adopt(strategy) is scope:
-        return scope
-    named = strategy if isinstance(strategy, str) else getattr(strategy, "name", strategy)
-    raise ValueError(
-        f"Strategy {named!r} was asked for inside the scope of strategy {scope.name!r}; "
-        "build the model outside that scope, or leave strategy= out to use the scope's."
-    )
+    key = canonical(name)
+    if key not in _CLASSES and key in BUILTIN:
+        importlib.import_module(BUILTIN[key])
+    key = canonical(name)
+    if key not in _CLASSES:
+        _load_builtin()  # an alias of a built-in strategy not imported yet
+        key = canonical(name)
+    if key not in _CLASSES:
+        valid = sorted([AUTO, *_CLASSES, *_ALIASES])
+        raise ValueError(f"Unknown strategy {name!r}; valid names: {valid}.")
+    return _CLASSES[key]
 
 
 def _key(name: str) -> str:
     return name.strip().lower().replace("-", "_")
 
 
-def _canonical(name: str) -> str:
+def canonical(name: str) -> str:
     """The registered name that `name` (any case, an alias) stands for."""
     key = _key(name)
     return _ALIASES.get(key, key)
@@ -151,7 +131,7 @@ _STARTED: dict[str, tuple[dict, "Strategy"]] = {}
 
 def started(name: str) -> bool:
     """Whether the one-per-process strategy `name` already runs here."""
-    return _canonical(name) in _STARTED
+    return canonical(name) in _STARTED
 
 
 def _one_per_process(key, cls, options):
@@ -215,4 +195,5 @@ def _auto_name() -> str:
 
 
 def _load_builtin() -> None:
-    import keras_distrib.strategies  # noqa: F401  (imports every strategy module)
+    for module in BUILTIN.values():
+        importlib.import_module(module)

@@ -17,7 +17,7 @@ from typing import Any, Callable, ClassVar, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from keras_distrib import data as data_lib
+from keras_distrib.input import data as data_lib
 from keras_distrib import replica_seeds
 from keras_distrib.strategies.base import Strategy, reduce_op_name
 from keras_distrib.strategies.lockstep import Lockstep

@@ -34,7 +34,7 @@ if "keras_distrib" not in sys.modules:
     _package = types.ModuleType("keras_distrib")
     _package.__path__ = [os.path.join(_ROOT, "keras_distrib")]
     sys.modules["keras_distrib"] = _package
-from keras_distrib import host_allreduce  # noqa: E402
+from keras_distrib.collectives import host_allreduce# noqa: E402
 
 
 def inputs(rank, call):

@@ -18,7 +18,7 @@ import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 import keras_distrib as kd  # noqa: E402
-from keras_distrib import sharding  # noqa: E402
+from keras_distrib.input import sharding# noqa: E402
 from helpers import Batches, build, make_data  # noqa: E402
 
 FLAGS = flags.FLAGS

@@ -27,6 +27,7 @@ import keras_distrib as kd  # noqa: E402  (first: connects this worker to its cl
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from keras_distrib.strategies import multi_worker  # noqa: E402
 
 MODE, OUT = sys.argv[1], sys.argv[2]
 IMPLEMENTATION = sys.argv[3] if len(sys.argv) > 3 else "ring"
@@ -36,7 +37,7 @@ def threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-timeout = 5.0 if MODE.startswith("stuck") else kd.strategies.multi_worker.DEFAULT_COLLECTIVE_TIMEOUT
+timeout = 5.0 if MODE.startswith("stuck") else multi_worker.DEFAULT_COLLECTIVE_TIMEOUT
 strategy = kd.strategies.get("multi_worker", implementation=IMPLEMENTATION,
                              collective_timeout=timeout)
 rank = strategy.cluster.rank

@@ -21,7 +21,7 @@ Pure Python, so it can be read, tested and reasoned about on its own:
 Example:
 
 ```python
-from keras_distrib import pipeline_schedule as ps
+from keras_distrib.strategies.pipeline import schedule as ps
 ps.partition([10, 0, 10, 10], 2)              # [0, 0, 0, 1]: stage per item
 orders = ps.stage_orders("1f1b", num_micro_batches=8, num_stages=2)
 ps.peak_live_activations(orders)             # [2, 1]

@@ -14,7 +14,7 @@ so the sum over micro-batches is the mean loss over the global batch
 `optimizer.apply_gradients` per step; metrics and the loss log are
 computed on the whole batch, as with one device.
 
-How a step runs (`keras_distrib.pipeline_schedule` holds the orders):
+How a step runs (`keras_distrib.strategies.pipeline.schedule` holds the orders):
 
 * each stage is a Keras sub-model of the model's own layers, from the
   tensors entering the stage to those leaving it (skip connections that
@@ -80,9 +80,9 @@ import numpy as np
 import tensorflow as tf
 
 from keras_distrib import _compat
-from keras_distrib import data as data_lib
+from keras_distrib.input import data as data_lib
 from keras_distrib import devices as devices_lib
-from keras_distrib import pipeline_schedule
+from keras_distrib.strategies.pipeline import schedule as pipeline_schedule
 from keras_distrib import replica_seeds
 from keras_distrib.strategies import lockstep
 from keras_distrib.strategies.base import Strategy, scaled_gradient, summed_gradients

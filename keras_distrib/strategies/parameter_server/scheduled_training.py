@@ -51,7 +51,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_distrib.per_worker_input import Plan
+from keras_distrib.strategies.parameter_server.per_worker_input import Plan
 
 # What the coordinator raises once it gives up on a task (a ps, usually:
 # closures of a failed worker run again elsewhere).
@@ -67,7 +67,7 @@ class ScheduledTraining:
         model: the `DistributedModel` (built, compiled, optimizer built).
         engine: the `tf.distribute.ParameterServerStrategy`.
         coordinator: its `ClusterCoordinator`.
-        plan: the input plan of this `fit` (`keras_distrib.per_worker_input`).
+        plan: the input plan of this `fit` (`keras_distrib.strategies.parameter_server.per_worker_input`).
         step_fn: the per-step function (`model.train_step`).
         lag: closures in flight before a call waits for the oldest.
         lost: turns an error the coordinator gave up on (a lost ps) into

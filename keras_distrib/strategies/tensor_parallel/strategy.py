@@ -5,7 +5,7 @@ parallelism, Shoeybi et al., 2019, arXiv:1909.08053). The model's own
 layers are laid out in place (`place`): each Dense / Embedding the layout
 splits then holds one shard of its kernel (embeddings) and bias per
 device, created on that device, and a forward pass that computes each part
-where its shard lives (see `keras_distrib.tensor_layout` for the layout and the default
+where its shard lives (see `keras_distrib.strategies.tensor_parallel.layout` for the layout and the default
 plan). Other layers are placed whole on one device and run there.
 
 Communication, per split layer, inside the one step (no all-reduce across
@@ -69,7 +69,7 @@ import tensorflow as tf
 from keras_distrib import _compat
 from keras_distrib import devices as devices_lib
 from keras_distrib import replica_seeds
-from keras_distrib import tensor_layout
+from keras_distrib.strategies.tensor_parallel import layout as tensor_layout
 from keras_distrib.strategies import lockstep
 from keras_distrib.strategies.base import Strategy, keras_class_among, optimizers_in
 from keras_distrib.strategies.hybrid import WorkerReplicas
@@ -86,7 +86,7 @@ class TensorParallel(WorkerReplicas, Strategy):
             the whole name) -> `"column"`, `"row"` or `"whole"`. Layers it
             does not name follow the default plan (Dense layers alternate
             column, row; Embeddings split by vocabulary; other layers whole,
-            see `keras_distrib.tensor_layout`).
+            see `keras_distrib.strategies.tensor_parallel.layout`).
         workers: under a cluster (hybrid data x tensor parallelism), options
             of the collectives across workers, as `multi_worker` takes them
             (e.g. `{"implementation": "ring"}`; default: its defaults).

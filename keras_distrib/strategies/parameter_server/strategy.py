@@ -8,12 +8,12 @@ Keras's `fit` with it:
 
 * the cluster has a `chief` (runs the user's script: the coordinator),
   `worker`s and `ps` tasks (plain TensorFlow servers; see
-  `keras_distrib.task_server` and `keras-distrib launch --workers N --ps M`);
+  `keras_distrib.strategies.parameter_server.task_server` and `keras-distrib launch --workers N --ps M`);
 * variables live on the ps tasks (round robin, or split over them by
   `variable_partitioner`);
 * `fit` schedules each `steps_per_execution` steps as one closure that a
-  free worker runs (`keras_distrib.scheduled_training`), reading its input
-  as `keras_distrib.per_worker_input` describes; workers apply their
+  free worker runs (`keras_distrib.strategies.parameter_server.scheduled_training`), reading its input
+  as `keras_distrib.strategies.parameter_server.per_worker_input` describes; workers apply their
   updates without waiting for each other;
 * `evaluate`, `predict` and `fit`'s validation run on the chief, reading
   the variables from the ps tasks: exact, in order.
@@ -37,10 +37,10 @@ import tensorflow as tf
 
 from keras_distrib import _compat
 from keras_distrib import cluster as cluster_lib
-from keras_distrib import per_worker_input
-from keras_distrib import runtime
-from keras_distrib import sharded_variables
-from keras_distrib.scheduled_training import ScheduledTraining
+from keras_distrib.strategies.parameter_server import per_worker_input
+from keras_distrib.collectives import runtime
+from keras_distrib.strategies.parameter_server import sharded_variables
+from keras_distrib.strategies.parameter_server.scheduled_training import ScheduledTraining
 from keras_distrib.strategies.base import Strategy, keras_class_among, optimizers_in
 from keras_distrib.topology import Topology
 
@@ -93,7 +93,7 @@ class ParameterServer(Strategy):
         info = cluster_lib.resolve()
         _check_cluster(info)
         if info.role in (cluster_lib.WORKER, cluster_lib.PS):
-            from keras_distrib import task_server
+            from keras_distrib.strategies.parameter_server import task_server
 
             task_server.serve(info)  # never returns
         self.info = info

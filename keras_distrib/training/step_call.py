@@ -25,7 +25,7 @@ from typing import Callable
 
 import tensorflow as tf
 
-from keras_distrib import data as data_lib
+from keras_distrib.input import data as data_lib
 
 
 def one_call_per_step(model, step_function: Callable, keras_make_function: Callable):

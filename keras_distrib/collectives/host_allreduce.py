@@ -47,7 +47,7 @@ regularly: a peer that exited fails the wait naming it, and so does a late
 peer that has been stopped (SIGSTOP, a debugger) for `STOPPED_GRACE` seconds,
 even with `timeout=None`.
 
-The module needs no TensorFlow (NumPy and `keras_distrib.launch_contract`
+The module needs no TensorFlow (NumPy and `keras_distrib.cluster.launch_contract`
 only): `keras_distrib.strategies.multi_worker` calls it from the training
 step through `tf.numpy_function`.
 """
@@ -68,7 +68,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from keras_distrib import launch_contract
+from keras_distrib.cluster import launch_contract
 
 _ALIGN = 64  # bytes: each dtype region, and each array in it, starts on a cache line
 _RESULT_BUFFERS = 4  # kept for reuse (see HostAllReduce._result_buffer)

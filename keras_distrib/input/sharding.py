@@ -2,7 +2,7 @@
 
 `batch_size` stays the global batch. Worker w keeps, from every global batch,
 the contiguous rows of its replicas under the split rule of
-`keras_distrib.data` (so N workers see exactly what one process would, in the
+`keras_distrib.input.data` (so N workers see exactly what one process would, in the
 same order):
 
 * numpy arrays / tensors: a `tf.data` pipeline shuffles indices with a seed
@@ -32,7 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_distrib import _compat
-from keras_distrib import data as data_lib
+from keras_distrib.input import data as data_lib
 
 _NO_END = 2**62  # epochs of an endless input
 

@@ -6,7 +6,7 @@ the coordinator, and it sends the functions to run to the `worker` tasks
 and keeps the variables on the `ps` tasks. Those tasks run no user code,
 only a TensorFlow gRPC server, which this module starts:
 
-    python -m keras_distrib.task_server   # the cluster and task from TF_CONFIG
+    python -m keras_distrib.strategies.parameter_server.task_server   # the cluster and task from TF_CONFIG
 
 That is what `keras-distrib launch --workers N --ps M train.py` runs on
 the worker and ps tasks; with `--ps_tasks_run_script` (Kubeflow style,
@@ -20,7 +20,8 @@ TensorFlow is imported when a server starts.
 Example:
 
 ```python
-from keras_distrib import cluster, task_server
+from keras_distrib import cluster
+from keras_distrib.strategies.parameter_server import task_server
 
 info = cluster.resolve()
 if info is not None and info.task_type in ("worker", "ps"):
@@ -136,21 +137,21 @@ def _exit_quietly(signum, frame) -> None:
 
 
 def main() -> int:
-    """`python -m keras_distrib.task_server`: serves the task `TF_CONFIG` names."""
+    """`python -m keras_distrib.strategies.parameter_server.task_server`: serves the task `TF_CONFIG` names."""
     try:
         info = cluster_lib.resolve()
     except cluster_lib.ClusterConfigError as e:
-        print(f"keras_distrib.task_server: error: {e}", file=sys.stderr, flush=True)
+        print(f"keras_distrib.strategies.parameter_server.task_server: error: {e}", file=sys.stderr, flush=True)
         return 2
     if info is None:
-        print("keras_distrib.task_server: error: no cluster in the environment; set "
+        print("keras_distrib.strategies.parameter_server.task_server: error: no cluster in the environment; set "
               "TF_CONFIG to this task's cluster and task (type 'worker' or 'ps').",
               file=sys.stderr, flush=True)
         return 2
     try:
         serve(info)
     except ValueError as e:
-        print(f"keras_distrib.task_server: error: {e}", file=sys.stderr, flush=True)
+        print(f"keras_distrib.strategies.parameter_server.task_server: error: {e}", file=sys.stderr, flush=True)
         return 2
 
 

@@ -1,0 +1,10 @@
+"""How processes reduce tensors together.
+
+* `runtime`: this process's TensorFlow collective runtime, started before
+  TensorFlow is used (imported by `import keras_distrib`: keep it light);
+* `host_allreduce`: all-reduce through shared memory between the worker
+  processes of one host (no TensorFlow);
+* `watchdog`: `collective_timeout` with one thread per process.
+
+Importing this package imports none of them.
+"""
