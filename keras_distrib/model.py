@@ -23,7 +23,7 @@ import os
 import threading
 import warnings
 import weakref
-from typing import Union
+from typing import Optional, Union
 
 import keras
 import numpy as np
@@ -32,7 +32,9 @@ import tensorflow as tf
 from keras_distrib import _compat
 from keras_distrib.training import chief_only
 from keras_distrib.input import data as data_lib
+from keras_distrib.input.fit_input import FitInput
 from keras_distrib.training import fit_checks
+from keras_distrib.training import fit_state as fit_state_lib
 from keras_distrib import placement
 from keras_distrib import preemption
 from keras_distrib.strategies.parameter_server import sharded_variables
@@ -41,7 +43,7 @@ from keras_distrib.training import step_call
 from keras_distrib import strategies
 from keras_distrib.strategies import registry
 from keras_distrib.strategies import tf_distribute
-from keras_distrib.strategies.base import Strategy, optimizers_in, scaled_gradient
+from keras_distrib.strategies.base import Step, Strategy, optimizers_in, scaled_gradient
 
 _compat.warn_if_untested()
 _compat.check_hooks()
@@ -375,7 +377,7 @@ class DistributedModel(keras.Model):
         `keras_distrib.preemption`).
         """
         statistics = self._replica_statistics() if self._sums_sample_losses else []
-        vote = self.__dict__.get("_kd_vote")
+        vote = self.__dict__.get("_vote")  # made by fit (several processes)
         output_losses = list(output_losses)
         if not statistics and vote is None and not output_losses:
             return self.reduce_gradients(gradients, num_samples)
@@ -385,14 +387,14 @@ class DistributedModel(keras.Model):
             mine = tf.numpy_function(preemption.local_vote, [], tf.float32, stateful=True,
                                      name="kd_preemption_vote")
             extras.append(tf.reshape(mine, []))
-            self.__dict__["_kd_vote_carried"] = True
+            vote.carried = True  # at trace time
         reduced = self.reduce_gradients([*gradients, *extras], num_samples)
         for variable, value in zip(statistics, reduced[len(gradients):]):
             variable.assign(tf.cast(value, variable.dtype))
         start = len(gradients) + len(statistics)
         self.record_output_losses(reduced[start:start + len(output_losses)], x, summed=True)
         if vote is not None:
-            vote.assign(reduced[-1])
+            vote.variable.assign(reduced[-1])
         return reduced[: len(gradients)]
 
     def _output_losses(self):
@@ -581,15 +583,32 @@ class DistributedModel(keras.Model):
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
             return self.train_function
-        self.train_function = _with_resume_and_preemption(self, self._make_train_function(force))
+        self.train_function = _with_resume_and_preemption(self, self._make_train_function())
         return self.train_function
 
-    def _make_train_function(self, force):
+    def make_test_function(self, force=False):
+        if self.test_function is not None and not force:
+            return self.test_function
+        self.test_function = self._strategy_function(self._step("test"))
+        return self.test_function
+
+    def _step(self, kind: str, applies: bool = True) -> Step:
+        """The per-replica step of `kind` ("train", "test", "predict") as the
+        strategy gets it: the model's method, and whether the user overrode
+        it. `applies=False`: a train step that only accumulates gradients."""
+        name = f"{kind}_step"
+        fn = getattr(self, name)
+        if not applies:
+            fn = functools.partial(self._train_step, apply_gradients=False)
+        return Step(fn, kind, custom=getattr(type(self), name) is not getattr(DistributedModel, name),
+                    applies=applies)
+
+    def _make_train_function(self):
         k = self._accumulation_steps
+        step = self._step("train")
         if k == 1:
-            super().make_train_function(force=True)
-            return self.train_function
-        if type(self).train_step is not DistributedModel.train_step:
+            return self._strategy_function(step)
+        if step.custom:
             raise ValueError(
                 "backward_passes_per_step > 1 needs DistributedModel's own "
                 "train_step; accumulate in your custom train_step instead."
@@ -599,10 +618,8 @@ class DistributedModel(keras.Model):
                 "backward_passes_per_step > 1 needs steps_per_execution=1 "
                 f"(got {self.steps_per_execution}); compile without it."
             )
-        accumulate = self._make_function(
-            functools.partial(self._train_step, apply_gradients=False)
-        )
-        accumulate_and_apply = self._make_function(self.train_step)
+        accumulate = self._strategy_function(self._step("train", applies=False))
+        accumulate_and_apply = self._strategy_function(step)
         steps = itertools.count()
 
         def train_function(iterator):
@@ -612,13 +629,13 @@ class DistributedModel(keras.Model):
 
         return train_function
 
-    def _make_function(self, step_function):
-        # Keras's hook (see _compat.KERAS_HOOKS): the strategy decides how
-        # the per-replica step becomes the function Keras's loop calls.
-        # Keras's maker, one compiled call per step where it can (step_call).
+    def _strategy_function(self, step: Step):
+        """The function Keras's loop calls for `step`: the strategy's, made
+        with Keras's maker (`_compat.KERAS_HOOKS`), one compiled call per step
+        where it can (`step_call`)."""
         keras_make_function = functools.partial(
             step_call.one_call_per_step, self, keras_make_function=super()._make_function)
-        return self._strategy.make_step_function(self, step_function, keras_make_function)
+        return self._strategy.make_step_function(self, step, keras_make_function)
 
     def make_predict_function(self, force=False):
         if self.predict_function is not None and not force:
@@ -629,8 +646,7 @@ class DistributedModel(keras.Model):
             return self.predict_function
 
         self.predict_function = self._strategy.make_predict_function(
-            self, keras_make_predict_function
-        )
+            self, self._step("predict"), keras_make_predict_function)
         return self.predict_function
 
     # -- entry points: input to the strategy, lazy builds ----------------------
@@ -645,49 +661,62 @@ class DistributedModel(keras.Model):
         self._strategy.check_batch_size(kwargs.get("validation_batch_size"),
                                         "validation_batch_size")
         self._check_fit_input(x, y, sample_weight)
-        given = dict(
+        steps_per_epoch = kwargs.pop("steps_per_epoch", None)
+        fit_checks.check_same_call(
+            self._strategy, "fit", x, batch_size=batch_size, epochs=epochs,
+            initial_epoch=kwargs.get("initial_epoch", 0), steps=steps_per_epoch,
+            steps_per_execution=self.steps_per_execution)
+        self._strategy.check_callbacks(_callback_list(callbacks))
+        backup = fit_state_lib.resumable_among(_callback_list(callbacks))
+        start = backup.resume_point(self) if backup is not None else None
+        fit = self._strategy.distribute_fit_input(FitInput(
             x=x, y=y, sample_weight=sample_weight, batch_size=batch_size, shuffle=shuffle,
             validation_split=validation_split, validation_data=validation_data,
             validation_batch_size=kwargs.pop("validation_batch_size", None),
-            steps_per_epoch=kwargs.pop("steps_per_epoch", None),
-            steps_per_execution=self.steps_per_execution,  # read only
+            steps_per_epoch=steps_per_epoch,
             class_weight=class_weight,  # with arrays: made sample weights (sharding.fit_input)
-        )
-        fit_checks.check_same_call(
-            self._strategy, "fit", x, batch_size=batch_size, epochs=epochs,
-            initial_epoch=kwargs.get("initial_epoch", 0), steps=given["steps_per_epoch"],
-            steps_per_execution=self.steps_per_execution)
-        self._strategy.check_callbacks(_callback_list(callbacks))
-        backup = _backup_callback(callbacks)
-        start = backup.resume_point(self) if backup is not None else None
-        given.update(start=start, resumable=backup is not None)
-        fit = self._strategy.distribute_fit_input(given)
-        if fit.get("build_batch") is not None:
+            steps_per_execution=self.steps_per_execution,
+            start=start, resumable=backup is not None))
+        if fit.build_batch is not None:
             # The strategy feeds Keras no real batches (parameter servers).
-            self._maybe_symbolic_build(data_batch=fit["build_batch"])
+            self._maybe_symbolic_build(data_batch=fit.build_batch)
         if backup is not None:
-            backup.record_seed(fit.get("seed"))
+            backup.record_seed(fit.seed)
         if start is not None:
             kwargs["initial_epoch"] = start.epoch
-        self.__dict__["_kd_replay"] = (start.step if start else 0) // self.steps_per_execution
+        state = fit_state_lib.FitState(
+            backup=backup, replay=(start.step if start else 0) // self.steps_per_execution)
         preemption.reset()
-        preemption.clear(self)
-        with preemption.watching(), \
+        with self._fit_state_set(state), preemption.watching(), \
                 self._side_effects(callbacks) as callbacks, \
                 self._internal_callbacks(callbacks) as callbacks, \
                 self._clearer_failure():
             history = super().fit(
-                fit["x"], fit["y"], fit["batch_size"], epochs, self._verbose(verbose),
-                callbacks, fit["validation_split"], fit["validation_data"],
-                fit["shuffle"], fit.get("class_weight"), fit["sample_weight"],
-                validation_batch_size=fit["validation_batch_size"],
-                steps_per_epoch=fit["steps_per_epoch"], **kwargs,
+                fit.x, fit.y, fit.batch_size, epochs, self._verbose(verbose),
+                callbacks, fit.validation_split, fit.validation_data,
+                fit.shuffle, fit.class_weight, fit.sample_weight,
+                validation_batch_size=fit.validation_batch_size,
+                steps_per_epoch=fit.steps_per_epoch, **kwargs,
             )
-        if preemption.stopped_at(self) is not None:
+        if state.preempted_at is not None:
             where = (f"; backup in {backup.backup_dir}" if backup is not None else
                      "; nothing was saved (add keras_distrib.callbacks.BackupAndRestore)")
-            raise preemption.announce(self, where)
+            raise preemption.announce(state.preempted_at, where)
         return history
+
+    @property
+    def fit_state(self) -> Optional[fit_state_lib.FitState]:
+        """The state of the `fit` call running now (`FitState`), or None."""
+        return self.__dict__.get("_fit_state")
+
+    @contextlib.contextmanager
+    def _fit_state_set(self, state: fit_state_lib.FitState):
+        # In __dict__: not an attribute Keras tracks or saves.
+        self.__dict__["_fit_state"] = state
+        try:
+            yield state
+        finally:
+            self.__dict__["_fit_state"] = None
 
     def _check_fit_input(self, x, y, sample_weight) -> None:
         """Bad input that is cheap to see before training: one-line errors.
@@ -713,45 +742,42 @@ class DistributedModel(keras.Model):
         (after the user's `on_train_begin` set the weights: broadcasts,
         restores): `ReplicasAgree`, with several processes.
         """
-        watch = preemption.PreemptionWatch(
-            self._preemption_vote(), lambda: self.__dict__.get("_kd_vote_carried", False))
-        self.__dict__["_kd_watch"] = watch
+        watch = preemption.PreemptionWatch(self.fit_state, self._preemption_vote())
+        self.fit_state.watch = watch
         first = [watch]
         if self.check_finite:
             # Per-batch logs are global values only with one process; with
             # several, the exact epoch logs are checked, so all stop together.
             first.append(fit_checks.FiniteLossCheck(per_batch=self._strategy.world_size == 1))
         last = [fit_checks.ReplicasAgree()] if self._strategy.world_size > 1 else []
+        if not isinstance(callbacks, keras.callbacks.CallbackList):
+            yield [*first, *(keras.tree.flatten(callbacks) if callbacks else []), *last]
+            return
+        for callback in first + last:
+            callback.set_model(self)
+            callback.set_params(callbacks.params)
+        callbacks.callbacks[:0] = first
+        callbacks.callbacks.extend(last)
         try:
-            if not isinstance(callbacks, keras.callbacks.CallbackList):
-                yield [*first, *(keras.tree.flatten(callbacks) if callbacks else []), *last]
-                return
-            for callback in first + last:
-                callback.set_model(self)
-                callback.set_params(callbacks.params)
-            callbacks.callbacks[:0] = first
-            callbacks.callbacks.extend(last)
-            try:
-                yield callbacks
-            finally:
-                for callback in first + last:
-                    callbacks.callbacks.remove(callback)
+            yield callbacks
         finally:
-            self.__dict__.pop("_kd_watch", None)
+            for callback in first + last:
+                callbacks.callbacks.remove(callback)
 
-    def _preemption_vote(self):
-        """The variable the step's all-reduce writes the summed stop votes to
-        (None with one process: its own SIGTERM flag decides)."""
+    def _preemption_vote(self) -> Optional[preemption.Vote]:
+        """The stop vote the step's all-reduce carries (None with one
+        process: its own SIGTERM flag decides). One per model: the traced
+        train function, which outlives a `fit` call, holds its variable."""
         if self._strategy.world_size == 1:
             return None
-        vote = self.__dict__.get("_kd_vote")
+        vote = self.__dict__.get("_vote")
         if vote is None:
             with self._strategy.scope():
-                vote = tf.Variable(
+                vote = preemption.Vote(tf.Variable(
                     0.0, trainable=False, name="kd_preemption_vote",
-                    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+                    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA))
             # Not a Keras attribute: no weight, never saved.
-            self.__dict__["_kd_vote"] = vote
+            self.__dict__["_vote"] = vote
         return vote
 
     @_outside_scopes
@@ -937,13 +963,13 @@ def _with_resume_and_preemption(model, train_function):
 
     @functools.wraps(train_function)  # keeps its attributes (step_call's `compiled`)
     def function(iterator):
-        if not model.__dict__.get("_kd_replay"):
+        state = model.fit_state
+        if state is None or not state.replay:
             logs = train_function(iterator)
-            watch = model.__dict__.get("_kd_watch")
-            if watch is not None:
-                watch.after_step()
+            if state is not None and state.watch is not None:
+                state.watch.after_step()
             return logs
-        model.__dict__["_kd_replay"] -= 1
+        state.replay -= 1
         for _ in range(model.steps_per_execution):
             try:
                 next(iterator)
@@ -978,17 +1004,6 @@ def _callback_list(callbacks) -> list:
     return list(keras.tree.flatten(callbacks or []))
 
 
-def _backup_callback(callbacks):
-    """The `keras_distrib.callbacks.BackupAndRestore` among `callbacks`, if any."""
-    from keras_distrib.callbacks.backup_and_restore import BackupAndRestore
-
-    found = [c for c in _callback_list(callbacks) if isinstance(c, BackupAndRestore)]
-    if len(found) > 1:
-        raise ValueError("Pass one keras_distrib.callbacks.BackupAndRestore per fit, not "
-                         f"{len(found)}.")
-    return found[0] if found else None
-
-
 def _check_steps_per_execution(steps) -> None:
     if not data_lib.is_positive_int(steps):
         raise ValueError(
@@ -1009,7 +1024,7 @@ def _adopt_optimizer(optimizer, strategy: Strategy, model):
     then makes its slots and updates through the strategy's engine.
     """
     steps = getattr(optimizer, "gradient_accumulation_steps", None)
-    if steps and steps > 1 and not strategy.keras_gradient_accumulation:
+    if steps and steps > 1 and not strategy.capabilities.keras_gradient_accumulation:
         raise ValueError(
             f"gradient_accumulation_steps={steps} of a Keras optimizer cannot run under "
             f"strategy {strategy.name!r}; use keras_distrib.optimizers.DistributedOptimizer("

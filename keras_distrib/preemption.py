@@ -3,8 +3,8 @@
 Clusters ask a job to leave with SIGTERM (Kubernetes eviction, Slurm
 preemption, `keras-distrib launch` shutting down) and kill it a grace
 period later. TensorFlow's coordination service installs a SIGTERM handler
-of its own that only records the signal, so a worker sent SIGTERM used to
-train on to the end. Stopping one worker alone would leave the others
+of its own that only records the signal, so without ours a worker sent
+SIGTERM trains on to the end. Stopping one worker alone would leave the others
 waiting in the next collective, so the workers *agree* on when to stop:
 
 1. During `DistributedModel.fit` our handler only records the request
@@ -118,18 +118,19 @@ class PreemptionWatch(keras.callbacks.Callback):
     the stopping point (`stopped_at(model)`) in that step's batch end.
 
     Args:
-        vote: The variable the step's all-reduce writes the summed votes to,
+        state: the `fit` call's state (`keras_distrib.training.fit_state`):
+            where the workers stopped is written to its `preempted_at`.
+        vote: the `Vote` the step's all-reduce writes the summed votes to,
             or None when the process is alone (its own flag is the verdict).
-        step_carries_vote: Called after a step: whether the traced step
-            really put the vote in its all-reduce (a custom train_step does
-            not; then the flags are summed here every CUSTOM_STEP_INTERVAL
-            steps).
+            When the traced step did not put the vote in its all-reduce (a
+            custom train_step does not), the flags are summed here every
+            CUSTOM_STEP_INTERVAL steps.
     """
 
-    def __init__(self, vote, step_carries_vote):
+    def __init__(self, state, vote: Optional["Vote"]):
         super().__init__()
+        self._state = state
         self._vote = vote
-        self._step_carries_vote = step_carries_vote
         self._epoch = self._calls = self._steps = 0
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -143,34 +144,43 @@ class PreemptionWatch(keras.callbacks.Callback):
             model.stop_training = True
             done = self._calls * model.steps_per_execution
             steps = (self.params or {}).get("steps")
-            model.__dict__["_kd_preempted_at"] = (self._epoch, min(done, steps or done))
+            self._state.preempted_at = (self._epoch, min(done, steps or done))
 
     def _agreed_to_stop(self) -> bool:
         if self._vote is None:
             return _requested
-        if self._step_carries_vote():
+        if self._vote.carried:
             # Every local copy holds the reduced vote: read one (reading a
             # mirrored variable as a whole costs a cross-replica read).
-            copies = getattr(self._vote, "values", None)
-            return float((copies[0] if copies else self._vote).numpy()) > 0
+            variable = self._vote.variable
+            copies = getattr(variable, "values", None)
+            return float((copies[0] if copies else variable).numpy()) > 0
         if self._steps % CUSTOM_STEP_INTERVAL:
             return False
         (total,) = self.model.strategy.sync_sum([np.float64(_requested)])
         return float(total) > 0
 
 
+class Vote:
+    """The variable a step's all-reduce writes the summed stop votes to, and
+    whether the traced step carries it (`carried`, set at trace time)."""
+
+    def __init__(self, variable):
+        self.variable = variable
+        self.carried = False
+
+
 def stopped_at(model) -> Optional[tuple]:
-    """`(epoch, steps done in it)` where this `fit` stopped on a SIGTERM, or None."""
-    return model.__dict__.get("_kd_preempted_at")
+    """`(epoch, steps done in it)` where the model's running `fit` stopped on
+    a SIGTERM, or None (also outside `fit`)."""
+    state = getattr(model, "fit_state", None)
+    return state.preempted_at if state is not None else None
 
 
-def clear(model) -> None:
-    model.__dict__.pop("_kd_preempted_at", None)
-
-
-def announce(model, where: str) -> Preempted:
-    """The `Preempted` to raise after a stop, its line printed on stderr."""
-    epoch, step = stopped_at(model)
+def announce(stopped: tuple, where: str) -> Preempted:
+    """The `Preempted` to raise after a stop at `stopped` (`(epoch, step)`),
+    its line printed on stderr."""
+    epoch, step = stopped
     message = (
         f"keras_distrib: preempted (SIGTERM): every worker stopped at epoch {epoch + 1}, "
         f"step {step}{where}; exiting with code {EXIT_CODE}. Run the same command again "

@@ -16,6 +16,7 @@ import tensorflow as tf
 from helpers import CLASSES, build, make_data, plain_model
 
 import keras_distrib as kd
+from keras_distrib.input.fit_input import FitInput
 
 
 @pytest.fixture(scope="module")
@@ -24,24 +25,19 @@ def data():
 
 
 def _given(x, y, **overrides):
-    given = dict(x=x, y=y, sample_weight=None, batch_size=32, shuffle=True,
-                 validation_split=0.0, validation_data=None, validation_batch_size=None,
-                 steps_per_epoch=None, steps_per_execution=1, class_weight=None,
-                 start=None, resumable=False)
-    given.update(overrides)
-    return given
+    return FitInput(x=x, y=y, **{"batch_size": 32, **overrides})
 
 
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_arrays_become_one_endless_iterator(data, shuffle):
     x, y = data
     fit = kd.strategies.get("single").distribute_fit_input(_given(x, y, shuffle=shuffle))
-    assert isinstance(fit["x"], tf.data.Dataset)
+    assert isinstance(fit.x, tf.data.Dataset)
     # Batches of epoch after epoch without end (no per-epoch iterator).
-    assert fit["steps_per_epoch"] == 7  # 203 samples, batch 32
-    batches = list(fit["x"].take(15))
+    assert fit.steps_per_epoch == 7  # 203 samples, batch 32
+    batches = list(fit.x.take(15))
     assert [int(b[0].shape[0]) for b in batches] == [32] * 6 + [11] + [32] * 6 + [11] + [32]
-    assert fit["y"] is None and fit["shuffle"] is False
+    assert fit.y is None and fit.shuffle is False
     epochs = [np.concatenate([b[0] for b in batches[e * 7:(e + 1) * 7]]) for e in range(2)]
     for epoch in epochs:  # every sample once an epoch, in order unless shuffled
         order = np.argsort(epoch[:, 0])
@@ -57,10 +53,10 @@ def test_our_array_pipelines_do_not_autotune_or_rewrite(data):
     x, y = data
     fit = kd.strategies.get("single").distribute_fit_input(
         _given(x, y, validation_data=(x[:50], y[:50])))
-    for dataset in (fit["x"], fit["validation_data"]):
+    for dataset in (fit.x, fit.validation_data):
         assert dataset.options().autotune.enabled is False
         assert dataset.options().experimental_optimization.apply_default_optimizations is False
-    assert [int(b[0].shape[0]) for b in fit["validation_data"]] == [32, 18]
+    assert [int(b[0].shape[0]) for b in fit.validation_data] == [32, 18]
 
 
 def _traced_functions(dataset):
@@ -76,17 +72,17 @@ def test_unshuffled_arrays_trace_no_function(data):
     x, y = data
     fit = kd.strategies.get("single").distribute_fit_input(
         _given(x, y, shuffle=False, validation_data=(x[:50], y[:50])))
-    assert _traced_functions(fit["x"]) == []
-    assert _traced_functions(fit["validation_data"]) == []
+    assert _traced_functions(fit.x) == []
+    assert _traced_functions(fit.validation_data) == []
     shuffled = kd.strategies.get("single").distribute_fit_input(_given(x, y))
-    assert _traced_functions(shuffled["x"])  # the shuffled order needs one
+    assert _traced_functions(shuffled.x)  # the shuffled order needs one
 
 
 def test_other_input_is_left_to_keras(data):
     x, y = data
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
     fit = kd.strategies.get("single").distribute_fit_input(_given(dataset, None))
-    assert fit["x"] is dataset
+    assert fit.x is dataset
 
 
 @pytest.mark.parametrize("extras", ["plain", "sample_weight", "validation_split",

@@ -24,6 +24,7 @@ from helpers import (
     plain_model,
     weights_moved,
 )
+from keras_distrib.strategies.base import Step
 from keras_distrib.strategies.pipeline import schedule as pipeline_schedule
 
 CPU0, CPU1 = "/device:CPU:0", "/device:CPU:1"
@@ -277,7 +278,7 @@ def test_the_schedule_is_enforced_in_the_graph(schedule, data):
     strategy = pipeline(schedule=schedule)
     model = build("functional", strategy)
     model.train_on_batch(x[:BATCH], y[:BATCH])
-    step = strategy.make_step_function(model, model.train_step, lambda fn: fn)
+    step = strategy.make_step_function(model, Step(model.train_step, "train"), lambda fn: fn)
     spec = (tf.TensorSpec([BATCH, FEATURES]), tf.TensorSpec([BATCH], tf.int32))
     graph_def = tf.function(step).get_concrete_function(spec).graph.as_graph_def()
     before_forward_2 = _upstream(graph_def, _pass_ops(graph_def, 0, "F", 2))

@@ -138,3 +138,110 @@ def test_the_builtin_table_names_each_strategy_where_it_lives():
         cls = registry.strategy_class(name)
         assert (cls.name, cls.__module__) == (name, module)
     assert sorted(registry.available()) == sorted([registry.AUTO, *registry.BUILTIN])
+
+
+# -- what passes between the model and its strategy -----------------------------------
+
+
+class _Recording(PerProcessStrategy):
+    """Single-device training that records what the model hands it (no name:
+    not registered)."""
+
+    def __init__(self):
+        super().__init__("/cpu:0")
+        self.steps, self.fit_inputs = [], []
+
+    def distribute_fit_input(self, fit):
+        self.fit_inputs.append(fit)
+        return super().distribute_fit_input(fit)
+
+    def make_step_function(self, model, step, keras_make_function):
+        self.steps.append((step.kind, step.custom, step.applies))
+        return super().make_step_function(model, step, keras_make_function)
+
+    def make_predict_function(self, model, step, keras_make_predict_function):
+        self.steps.append((step.kind, step.custom, step.applies))
+        return super().make_predict_function(model, step, keras_make_predict_function)
+
+
+def _tiny(model_class=None, strategy="single", **compile_kwargs):
+    import keras
+
+    inputs = keras.Input((3,))
+    outputs = keras.layers.Dense(1)(inputs)
+    model = (model_class or kd.DistributedModel)(inputs, outputs, strategy=strategy)
+    model.compile(optimizer=compile_kwargs.pop("optimizer", "sgd"), loss="mse", **compile_kwargs)
+    return model
+
+
+def test_the_strategy_gets_typed_steps_and_fit_input():
+    """The strategy learns a step's kind, whether it is the user's own and
+    whether it applies from the `Step` it is handed, and `fit`'s input as a
+    `FitInput` (no names or identities to compare)."""
+    import numpy as np
+
+    from keras_distrib.input.fit_input import FitInput
+
+    class OwnStep(kd.DistributedModel):
+        def train_step(self, data):
+            return super().train_step(data)
+
+    x, y = np.ones((8, 3), "float32"), np.ones((8, 1), "float32")
+    plain = _Recording()
+    model = _tiny(strategy=plain)
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0, validation_split=0.25)
+    model.predict(x, verbose=0)
+    assert plain.steps == [("train", False, True), ("test", False, True),
+                           ("predict", False, True)]
+    (given,) = plain.fit_inputs
+    assert isinstance(given, FitInput)
+    assert (given.batch_size, given.validation_split, given.resumable) == (4, 0.25, False)
+
+    own = _Recording()
+    _tiny(OwnStep, strategy=own).fit(x, y, batch_size=4, epochs=1, verbose=0)
+    assert own.steps == [("train", True, True)]
+
+    accumulating = _Recording()
+    optimizer = kd.optimizers.DistributedOptimizer(
+        __import__("keras").optimizers.SGD(0.1), backward_passes_per_step=2)
+    _tiny(strategy=accumulating, optimizer=optimizer).fit(x, y, batch_size=4, epochs=1,
+                                                          verbose=0)
+    assert sorted(accumulating.steps) == [("train", False, False), ("train", False, True)]
+
+
+def test_a_fit_keeps_its_state_in_one_object_and_callbacks_resume_by_protocol(tmp_path):
+    """`model.fit_state` exists for the duration of a `fit` call only; a
+    callback of the user's own with `resume_point` / `record_seed` (the
+    `Resumable` protocol) tells `fit` where to resume, as
+    `keras_distrib.callbacks.BackupAndRestore` does."""
+    import keras
+    import numpy as np
+
+    from keras_distrib.input.fit_input import Start
+    from keras_distrib.training.fit_state import FitState
+
+    seen = {}
+
+    class ResumeAtEpoch1(keras.callbacks.Callback):
+        backup_dir = str(tmp_path)
+
+        def resume_point(self, model):
+            return Start(epoch=1, step=0, seed=5)
+
+        def record_seed(self, seed):
+            seen["seed"] = seed
+
+        def on_epoch_begin(self, epoch, logs=None):
+            seen.setdefault("epochs", []).append(epoch)
+            seen["state"] = self.model.fit_state
+
+    model = _tiny()
+    x, y = np.ones((8, 3), "float32"), np.ones((8, 1), "float32")
+    assert model.fit_state is None
+    model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[ResumeAtEpoch1()])
+    assert seen["epochs"] == [1] and seen["seed"] == 5
+    assert isinstance(seen["state"], FitState) and isinstance(seen["state"].backup,
+                                                                ResumeAtEpoch1)
+    assert model.fit_state is None
+    with pytest.raises(ValueError, match="Pass one backup callback per fit, not 2"):
+        model.fit(x, y, batch_size=4, verbose=0, callbacks=[ResumeAtEpoch1(), ResumeAtEpoch1()])

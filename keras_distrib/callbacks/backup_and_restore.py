@@ -44,7 +44,7 @@ import keras
 import numpy as np
 
 from keras_distrib import preemption
-from keras_distrib.input import sharding
+from keras_distrib.input import fit_input
 from keras_distrib.callbacks import _common
 
 WEIGHTS = "weights.weights.h5"
@@ -94,13 +94,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.save_freq = save_freq
         self.delete_checkpoint = bool(delete_checkpoint)
         self._found: Optional[tuple] = None  # the chief's (path, state) to restore
-        self._start = sharding.Start()
+        self._start = fit_input.Start()
         self._global_step = 0
         self._seed: Optional[int] = None
 
     # -- before fit builds its input (called by DistributedModel.fit) ----------------
 
-    def resume_point(self, model) -> Optional[sharding.Start]:
+    def resume_point(self, model) -> Optional[fit_input.Start]:
         """Where the newest backup stands, the same on every worker (collective).
 
         The chief reads the backup directory; the others learn the result
@@ -118,10 +118,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._found = found
         self._prepared, self._resuming = True, bool(shared[0])
         if not shared[0]:
-            self._start, self._global_step = sharding.Start(), 0
+            self._start, self._global_step = fit_input.Start(), 0
             return None
         _, epoch, step, global_step, has_seed, seed = (int(v) for v in shared)
-        self._start = sharding.Start(epoch, step, seed if has_seed else None)
+        self._start = fit_input.Start(epoch, step, seed if has_seed else None)
         self._global_step = global_step
         return self._start
 

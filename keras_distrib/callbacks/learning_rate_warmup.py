@@ -104,7 +104,7 @@ class LearningRateWarmup(keras.callbacks.Callback):
         self.multiplier = float(self.target_multiplier or strategy.num_replicas)
 
         schedule = lr_lib.schedule_of(self._optimizer)
-        if schedule is None and strategy.asynchronous:
+        if schedule is None and strategy.capabilities.asynchronous:
             # Workers apply steps on their own: the warmup must follow the
             # optimizer's step inside each step, not the batches seen here.
             schedule = ConstantRate(lr_lib.read_rate(self._optimizer))

@@ -23,7 +23,6 @@ of a resumable `fit`, take this path with one worker too (see
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from typing import Any, Optional
 
@@ -33,6 +32,7 @@ import tensorflow as tf
 
 from keras_distrib import _compat
 from keras_distrib.input import data as data_lib
+from keras_distrib.input.fit_input import FitInput, Start
 
 _NO_END = 2**62  # epochs of an endless input
 
@@ -45,63 +45,45 @@ _FILE_READERS = {
 }
 
 
-def fit_input(strategy, fit: dict) -> dict:
-    """`fit`'s arguments with the training and validation input sharded.
+def fit_input(strategy, fit: FitInput) -> FitInput:
+    """`fit` with the training and validation input sharded.
 
     `validation_split` is applied before sharding (arrays only), the shuffle
-    seed is agreed on by all workers (or taken from `fit["start"]`, a
-    `Start` to resume from), and array input becomes one endless iterator
-    with `steps_per_epoch` from the data (see `shard`). The seed used comes
-    back as `fit["seed"]` (None without shuffling).
+    seed is agreed on by all workers (or taken from `fit.start`, a `Start`
+    to resume from), and array input becomes one endless iterator with
+    `steps_per_epoch` from the data (see `shard`). The seed used comes back
+    as `seed` (None without shuffling).
     """
-    fit = dict(fit)
-    x, y, sample_weight = fit["x"], fit["y"], fit["sample_weight"]
-    batch_size = fit["batch_size"]
-    start = fit.get("start") or Start()
-    if fit["validation_split"]:
-        (x, y, sample_weight), fit["validation_data"] = _compat.train_validation_split(
-            (x, y, sample_weight), fit["validation_split"])
-        fit["validation_split"] = 0.0
-    if fit.get("class_weight") is not None and is_array_like(x):
-        sample_weight = _compat.class_weight_as_sample_weight(y, sample_weight, fit["class_weight"])
-        fit["class_weight"] = None
+    x, y, sample_weight = fit.x, fit.y, fit.sample_weight
+    start = fit.start or Start()
+    validation_data, class_weight = fit.validation_data, fit.class_weight
+    if fit.validation_split:
+        (x, y, sample_weight), validation_data = _compat.train_validation_split(
+            (x, y, sample_weight), fit.validation_split)
+    if class_weight is not None and is_array_like(x):
+        sample_weight = _compat.class_weight_as_sample_weight(y, sample_weight, class_weight)
+        class_weight = None
     seed = None
-    if fit["shuffle"]:
+    if fit.shuffle:
         seed = start.seed if start.seed is not None else strategy.agree_on_seed()
     steps = None
-    if fit["steps_per_epoch"] is None and fit.get("steps_per_execution", 1) == 1:
+    if fit.steps_per_epoch is None and fit.steps_per_execution == 1:
         # With several steps per execution the last execution of an epoch
         # must stop at the epoch's end, which only a finite epoch tells it.
-        steps = array_steps(x, batch_size)
-    fit["x"], fit["batch_size"] = shard(
-        strategy, x, y, sample_weight, batch_size, fit["shuffle"], seed,
+        steps = array_steps(x, fit.batch_size)
+    sharded, batch_size = shard(
+        strategy, x, y, sample_weight, fit.batch_size, fit.shuffle, seed,
         repeat=steps is not None, first_epoch=start.epoch)
-    if steps is not None:
-        fit["steps_per_epoch"] = steps
-    fit["y"] = fit["sample_weight"] = None
-    fit["shuffle"] = False
-    fit["seed"] = seed
-    if fit["validation_data"] is not None:
-        val_batch = fit["validation_batch_size"] or batch_size
-        fit["validation_data"], _ = shard(strategy, *unpack(fit["validation_data"]), val_batch)
-        fit["validation_batch_size"] = None
-    return fit
-
-
-@dataclasses.dataclass(frozen=True)
-class Start:
-    """Where `fit` starts: the first epoch, steps already done in it, the seed.
-
-    Array and PyDataset input shuffle epoch `e` by `(seed, e)` alone, so a
-    run resumed at epoch `e` with the same seed sees the same order as an
-    uninterrupted one (`keras_distrib.callbacks.BackupAndRestore`). The
-    input always starts at the beginning of `epoch`; `DistributedModel.fit`
-    replays its first `step` steps as no-ops that only pull their batches.
-    """
-
-    epoch: int = 0
-    step: int = 0
-    seed: Optional[int] = None
+    validation_batch_size = fit.validation_batch_size
+    if validation_data is not None:
+        validation_data, _ = shard(strategy, *unpack(validation_data),
+                                   validation_batch_size or fit.batch_size)
+        validation_batch_size = None
+    return fit.replace(
+        x=sharded, y=None, sample_weight=None, batch_size=batch_size, shuffle=False,
+        validation_split=0.0, validation_data=validation_data,
+        validation_batch_size=validation_batch_size, class_weight=class_weight,
+        steps_per_epoch=steps if steps is not None else fit.steps_per_epoch, seed=seed)
 
 
 def shard(strategy, x, y=None, sample_weight=None, batch_size=None, shuffle=False, seed=0,
@@ -111,8 +93,8 @@ def shard(strategy, x, y=None, sample_weight=None, batch_size=None, shuffle=Fals
     With `repeat=True` (arrays only) the batches of one epoch follow each
     other without end (reshuffled every epoch): `fit` then passes
     `steps_per_epoch=array_steps(...)` and Keras keeps one iterator for the
-    whole run instead of building and tearing down one per epoch, which
-    costs up to ~0.6 s per epoch once the step calls back into Python.
+    whole run instead of building and tearing down one per epoch (a
+    teardown waits for tf.data's autotune thread, below).
     Shuffled arrays and PyDatasets start at epoch `first_epoch`'s order.
 
     Returns:
@@ -212,7 +194,7 @@ def _shard_arrays(x, y, sample_weight, batch_size, rows, seed, repeat=False, fir
         dataset = _gathered(arrays, n, batch_size, rows, seed, repeat, first_epoch)
     # No autotuning: this pipeline only slices or gathers rows, and tearing
     # down an iterator that a compiled step has read waits for tf.data's
-    # autotune thread (~0.5 s on TF 2.21, measured), each time Keras drops
+    # autotune thread (a fraction of a second on TF 2.21), each time Keras drops
     # one (every epoch's validation, every evaluate). No static rewrites
     # either: there is nothing here for them to fuse, and they run at every
     # iterator's creation.
@@ -224,8 +206,8 @@ def _shard_arrays(x, y, sample_weight, batch_size, rows, seed, repeat=False, fir
 
 def _in_order(arrays, n, batch_size, rows) -> tf.data.Dataset:
     """This worker's rows of each batch of one epoch, in order, with no
-    function to trace (tracing one is most of what a new pipeline costs,
-    ~10 ms on 2 cores, at every `fit`, validation and `evaluate`): the whole
+    function to trace (tracing one is most of what a new pipeline costs, at
+    every `fit`, validation and `evaluate`): the whole
     batches are one tensor `[batches, batch_size, ...]` sliced by tf.data,
     the short last batch one more element."""
     whole = n // batch_size
@@ -255,7 +237,7 @@ def _gathered(arrays, n, batch_size, rows, seed, repeat, first_epoch) -> tf.data
     order drawn from `(seed, e)` alone (the same on every worker, and again
     on resume), or in order when `seed` is None."""
     # Every `fit` builds this pipeline anew, and tracing its functions is most
-    # of what that costs (~25 ms each on 2 cores): there are two, neither
+    # of what that costs: there are two, neither
     # converted by AutoGraph (plain TensorFlow, nothing to convert), and
     # one batch of indices is one row of a ragged tensor (no function at all).
     batches = -(-n // batch_size)
@@ -267,7 +249,7 @@ def _gathered(arrays, n, batch_size, rows, seed, repeat, first_epoch) -> tf.data
             order = tf.random.experimental.stateless_shuffle(
                 order, seed=tf.stack([tf.constant(seed, tf.int64), epoch]))
         # Whole batches cut from the order (not element by element then
-        # batched: the same batches, ~0.1 ms less per batch, measured).
+        # batched: the same batches, with one op per batch instead of one per row).
         limits = tf.concat([tf.range(0, n, batch_size, dtype=tf.int64), [n]], 0)
         return tf.data.Dataset.from_tensor_slices(
             tf.RaggedTensor.from_row_splits(order, limits, validate=False))

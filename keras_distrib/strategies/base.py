@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import json
 import os
 import tempfile
@@ -42,7 +43,51 @@ import tensorflow as tf
 
 from keras_distrib.input import data as data_lib
 from keras_distrib.input import sharding
+from keras_distrib.input.fit_input import FitInput
 from keras_distrib.topology import Topology
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What a strategy's engine can and cannot do, declared in one place
+    (`Strategy.capabilities`), for the registry, the model and callbacks.
+
+    Attributes:
+        one_per_process: TensorFlow allows one such engine per process (one
+            collective runtime): the registry hands every later request the
+            first instance.
+        asynchronous: workers apply steps on their own schedule (parameter
+            servers): per-batch callbacks then run ahead of the steps
+            actually applied.
+        keras_gradient_accumulation: a Keras optimizer's own
+            `gradient_accumulation_steps` works in this strategy's step.
+        exact_batch_logs: per-batch logs are global values (epoch logs and
+            evaluate results always are).
+    """
+
+    one_per_process: bool = False
+    asynchronous: bool = False
+    keras_gradient_accumulation: bool = True
+    exact_batch_logs: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """A step the model hands its strategy to turn into what Keras's loop calls.
+
+    `fn(batch) -> logs` (for `"predict"`: the outputs) is the per-replica
+    math. `kind` is `"train"`, `"test"` or `"predict"`. `custom`: the user's
+    own `train_step` / `test_step` / `predict_step` (a strategy that runs the
+    model's math in its own schedule, like the pipeline's stages, cannot run
+    it). `applies`: False for the steps of gradient accumulation
+    (`backward_passes_per_step`) that only add to the accumulated
+    gradients.
+    """
+
+    fn: Callable
+    kind: str
+    custom: bool = False
+    applies: bool = True
 
 
 class Strategy(abc.ABC):
@@ -63,15 +108,7 @@ class Strategy(abc.ABC):
     name: ClassVar[str] = ""
     aliases: ClassVar[tuple[str, ...]] = ()
     description: ClassVar[str] = ""
-    # TensorFlow allows one collective runtime per process: the registry then
-    # hands every later request the first instance.
-    one_per_process: ClassVar[bool] = False
-    # Whether workers apply steps on their own schedule (parameter servers):
-    # per-batch callbacks then run ahead of the steps actually applied.
-    asynchronous: ClassVar[bool] = False
-    # Whether a Keras optimizer's own `gradient_accumulation_steps` works in
-    # this strategy's step (see TFDistributeStrategy).
-    keras_gradient_accumulation: ClassVar[bool] = True
+    capabilities: ClassVar[Capabilities] = Capabilities()
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -184,27 +221,22 @@ class Strategy(abc.ABC):
         replicas cannot share evenly (`name`: the argument, for the message)."""
         data_lib.check_batch_size(batch_size, self.num_replicas, self.name, name)
 
-    def distribute_fit_input(self, fit: dict) -> dict:
+    def distribute_fit_input(self, fit: FitInput) -> FitInput:
         """What `fit` hands Keras instead of the user's input.
 
-        `fit` holds `x`, `y`, `sample_weight`, `batch_size`, `shuffle`,
-        `validation_split`, `validation_data`, `validation_batch_size` and
-        `steps_per_epoch` as the user passed them, and the model's
-        `steps_per_execution` (read only). By default each process
-        that reads input gets its data shard (`keras_distrib.input.sharding`:
-        every sample of an epoch seen once, `batch_size` global). With
-        `fit["resumable"]` (a `BackupAndRestore` is in the callbacks) the
-        input goes through that pipeline even with one process, so that
-        epoch `e` has the same order after a restart (`fit["start"]`);
-        `fit["seed"]` then says which shuffle seed was used. Numpy arrays
-        and tensors go through it with one process too: Keras's own array
-        input builds and tears down a tf.data iterator every epoch, and the
-        teardown of one that a compiled step has read waits on tf.data's
-        autotuning thread (~0.5 s measured on TF 2.21, each epoch), while
-        this pipeline keeps one iterator for the whole run.
+        By default each process that reads input gets its data shard
+        (`keras_distrib.input.sharding`: every sample of an epoch seen once,
+        `batch_size` global). A resumable fit (`fit.resumable`: a
+        `BackupAndRestore` is in the callbacks) takes that pipeline even with
+        one process, so that epoch `e` has the same order after a restart
+        (`fit.start`). Numpy arrays and tensors take it too: Keras's own
+        array input builds and tears down a tf.data iterator every epoch,
+        and the teardown of one that a compiled step has read waits on
+        tf.data's autotuning thread, while this pipeline keeps one iterator
+        for the whole run.
         """
-        if (self.topology.num_data_shards == 1 and not fit.get("resumable")
-                and not sharding.is_array_like(fit["x"])):
+        if (self.topology.num_data_shards == 1 and not fit.resumable
+                and not sharding.is_array_like(fit.x)):
             return fit
         return sharding.fit_input(self, fit)
 
@@ -222,20 +254,23 @@ class Strategy(abc.ABC):
     # -- execution ----------------------------------------------------------------
 
     @abc.abstractmethod
-    def make_step_function(self, model, step_fn: Callable, keras_make_function: Callable):
+    def make_step_function(self, model, step: Step, keras_make_function: Callable):
         """The train/test function Keras's loop calls, from a per-replica step.
 
         Args:
             model: the `DistributedModel`.
-            step_fn: `step_fn(batch) -> logs`, the per-replica math.
+            step: the per-replica step (`Step`: its function, kind, and
+                whether it is the user's own).
             keras_make_function: Keras's own maker (`Trainer._make_function`):
                 turns a function of one batch into a function of an iterator,
                 with `steps_per_execution` and `jit_compile` handled.
         """
 
     @abc.abstractmethod
-    def make_predict_function(self, model, keras_make_predict_function: Callable):
-        """The predict function Keras's loop calls (all rows, in order)."""
+    def make_predict_function(self, model, step: Step, keras_make_predict_function: Callable):
+        """The predict function Keras's loop calls (all rows, in order), from
+        the per-replica `step` (kind `"predict"`); `keras_make_predict_function()`
+        is Keras's own, which runs `model.predict_step` as one replica."""
 
     @abc.abstractmethod
     def run(self, replica_fn: Callable, batch: Any):

@@ -33,7 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_distrib import devices as devices_lib
-from keras_distrib.strategies.base import reduce_op_name
+from keras_distrib.strategies.base import Capabilities, reduce_op_name
 from keras_distrib.strategies.per_process import PerProcessStrategy
 
 NOT_INSTALLED = (
@@ -98,7 +98,7 @@ class Horovod(PerProcessStrategy):
 
     name = "horovod"
     aliases = ("hvd",)
-    one_per_process = True
+    capabilities = Capabilities(one_per_process=True)
     description = (
         "Data parallelism over Horovod collectives (Gloo on CPU, NCCL on GPU, MPI)."
     )

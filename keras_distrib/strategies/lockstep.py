@@ -30,22 +30,22 @@ class Lockstep(abc.ABC):
     def concat(self, per_replica: Any) -> Any:
         """All replicas' outputs concatenated in global replica order."""
 
-    def make_step_function(self, model, step_fn: Callable, keras_make_function: Callable):
+    def make_step_function(self, model, step, keras_make_function: Callable):
         model.compile_replicas_separately(model.jit_compile)
 
         def distributed_step(data):
-            return self.step_logs(model, self.run(step_fn, data))
+            return self.step_logs(model, self.run(step.fn, data))
 
         if model.steps_per_execution > 1:
             return stepwise(model, distributed_step)
         with _compat.jit_compile_off(model):
             return keras_make_function(distributed_step)
 
-    def make_predict_function(self, model, keras_make_predict_function: Callable):
+    def make_predict_function(self, model, step, keras_make_predict_function: Callable):
         model.compile_replicas_separately(model.jit_compile)
 
         def predict_step(batch):
-            return model.replica_compiled(model.predict_step)(batch)
+            return model.replica_compiled(step.fn)(batch)
 
         return predict_over_steps(model, lambda step: self.concat(self.run(predict_step, step)))
 

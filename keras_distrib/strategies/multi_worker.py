@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import secrets
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
@@ -94,11 +95,11 @@ class MultiWorker(TFDistributeStrategy):
 
     name = "multi_worker"
     aliases = ("multi_worker_mirrored", "multiworker")
-    one_per_process = True
     # Per-batch logs are this worker's values: exact global ones would cost
     # a cross-worker collective per metric variable and step (epoch logs
     # and evaluate results are exact).
-    exact_batch_logs = False
+    capabilities = dataclasses.replace(
+        TFDistributeStrategy.capabilities, one_per_process=True, exact_batch_logs=False)
     description = (
         "Sync all-reduce across worker processes/hosts (gRPC ring on CPU, NCCL on GPU)."
     )

@@ -60,15 +60,15 @@ class PerProcessStrategy(Lockstep, Strategy):
 
     # -- execution ----------------------------------------------------------------
 
-    def make_step_function(self, model, step_fn: Callable, keras_make_function: Callable):
+    def make_step_function(self, model, step, keras_make_function: Callable):
         if self.world_size > 1:
-            return super().make_step_function(model, step_fn, keras_make_function)
+            return super().make_step_function(model, step, keras_make_function)
         model.compile_replicas_separately(False)
-        return keras_make_function(lambda data: self.run(step_fn, data))
+        return keras_make_function(lambda data: self.run(step.fn, data))
 
-    def make_predict_function(self, model, keras_make_predict_function: Callable):
+    def make_predict_function(self, model, step, keras_make_predict_function: Callable):
         if self.world_size > 1:
-            return super().make_predict_function(model, keras_make_predict_function)
+            return super().make_predict_function(model, step, keras_make_predict_function)
         return keras_make_predict_function()
 
     def run(self, replica_fn: Callable, batch: Any):

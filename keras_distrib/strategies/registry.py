@@ -89,7 +89,7 @@ def create(name: str, **options) -> "Strategy":
         return create(_auto_name())
     cls = strategy_class(name)
     _check_options(key, cls, options)
-    if cls.one_per_process:
+    if cls.capabilities.one_per_process:
         return _one_per_process(key, cls, options)
     return cls(**options)
 

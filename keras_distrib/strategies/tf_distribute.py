@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from keras_distrib.input import data as data_lib
 from keras_distrib import replica_seeds
-from keras_distrib.strategies.base import Strategy, reduce_op_name
+from keras_distrib.strategies.base import Capabilities, Strategy, reduce_op_name
 from keras_distrib.strategies.lockstep import Lockstep
 from keras_distrib.topology import Topology
 
@@ -57,15 +57,14 @@ class TFDistributeStrategy(Lockstep, Strategy):
         local_rank: its index among the processes on its host.
     """
 
-    # Whether per-batch logs are global values. Within one process they are
-    # free (metric variables sum over local replicas when read); across
-    # processes each would cost a collective per metric and step, so
-    # multi-process engines report the process's own per-batch values.
-    exact_batch_logs: ClassVar[bool] = True
     # Keras accumulates inside a `tf.cond`, where a tf.distribute replica
     # cannot `merge_call` ("`merge_call` called while defining a new graph
     # or a tf.function"; keras-team/keras#20582): `compile` refuses it.
-    keras_gradient_accumulation: ClassVar[bool] = False
+    # Per-batch logs within one process are exact for free (metric variables
+    # sum over local replicas when read); across processes each would cost a
+    # collective per metric and step, so multi-process engines declare
+    # `exact_batch_logs=False` and report the process's own values.
+    capabilities = Capabilities(keras_gradient_accumulation=False)
     # Options of the collectives inside a step (`all_reduce`), over the
     # engine's own; None: the engine's.
     _step_collective_options: ClassVar[Optional[Any]] = None
@@ -143,7 +142,7 @@ class TFDistributeStrategy(Lockstep, Strategy):
         # Inside the scope: reading metric variables and reducing other
         # values (a custom train_step's own keys) both need it.
         with self.scope():
-            if not self.exact_batch_logs:
+            if not self.capabilities.exact_batch_logs:
                 return self._local_mean(outputs)
             if isinstance(outputs, dict):
                 # Metric variables sum across replicas when read here, so

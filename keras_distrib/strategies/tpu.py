@@ -22,6 +22,7 @@ What the step needs on a TPU, and how this strategy provides it:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import tensorflow as tf
@@ -52,7 +53,7 @@ class TPU(TFDistributeStrategy):
 
     name = "tpu"
     aliases = ("tpu_strategy",)
-    one_per_process = True
+    capabilities = dataclasses.replace(TFDistributeStrategy.capabilities, one_per_process=True)
     description = "TPU cores via TPUClusterResolver (needs a TensorFlow build with TPU support)."
 
     def __init__(self, tpu: Optional[str] = None):
@@ -71,11 +72,11 @@ class TPU(TFDistributeStrategy):
         engine = tf.distribute.TPUStrategy(resolver)
         super().__init__(engine, num_processes=1, process_index=0)
 
-    def distribute_fit_input(self, fit: dict) -> dict:
-        check_static_batches(fit["x"], fit["batch_size"])
-        if fit["validation_data"] is not None:
-            check_static_batches(fit["validation_data"], fit["validation_batch_size"]
-                                 or fit["batch_size"])
+    def distribute_fit_input(self, fit):
+        check_static_batches(fit.x, fit.batch_size)
+        if fit.validation_data is not None:
+            check_static_batches(fit.validation_data, fit.validation_batch_size
+                                 or fit.batch_size)
         return super().distribute_fit_input(fit)
 
     def distribute_input(self, x, y=None, sample_weight=None, batch_size=None):

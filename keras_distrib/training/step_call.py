@@ -11,9 +11,9 @@ call Keras itself reads the batch with `get_next()`, whose end of data
 
 `one_call_per_step` makes that case one compiled function that reads the
 batch and runs the step, returning the logs as they are: the same math and
-the same end-of-epoch behaviour, ~0.6 ms less per step on the 2-core CI
-machine (5.64 -> 5.04 ms on the `benchmarks/overhead.py` MLP; the nesting
-~0.2 ms, the Optional ~0.4). Everything else (several steps per call,
+the same end-of-epoch behaviour, without the nested call and the
+Optional's two eager ops per step (what that saves on a small model:
+`benchmarks/overhead.py`). Everything else (several steps per call,
 `run_eagerly`, an iterator that is not a tf.data one) is Keras's own
 function. With `jit_compile` the step stays a nested XLA function, as in
 Keras (the batch read cannot be compiled by XLA).

@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import keras  # noqa: E402
 import keras_distrib as kd  # noqa: E402
+from keras_distrib.input.fit_input import FitInput  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
@@ -89,11 +90,8 @@ def unseeded_shuffle():
     ids = np.arange(n, dtype="int64")
     strategy = kd.strategies.get("multi_worker")
     dataset = tf.data.Dataset.from_tensor_slices(ids).shuffle(n).batch(BATCH)
-    fit = strategy.distribute_fit_input(dict(
-        x=dataset, y=None, sample_weight=None, batch_size=None, shuffle=True,
-        validation_split=0.0, validation_data=None, validation_batch_size=None,
-        steps_per_epoch=None, steps_per_execution=1))
-    epochs = [[int(i) for batch in fit["x"] for i in np.ravel(batch)] for _ in range(2)]
+    fit = strategy.distribute_fit_input(FitInput(x=dataset, shuffle=True))
+    epochs = [[int(i) for batch in fit.x for i in np.ravel(batch)] for _ in range(2)]
     # And fit on the tutorial's pipeline shape (shuffle, batch, repeat).
     x, y = _data()
     pipeline = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x)).batch(BATCH).repeat()

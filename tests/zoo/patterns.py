@@ -70,7 +70,7 @@ class Pattern:
     atol: float = 1e-5  # `EXACT`'s tolerance on the weights
     # Its train_step logs values other than the model's metrics: across
     # processes each worker's last batch's, as every per-batch log is (see
-    # README, "exact_batch_logs"), so only its weights are compared there.
+    # `Capabilities.exact_batch_logs`), so only its weights are compared there.
     batch_logs: bool = False
     # Its forward pass at the initial weights is compared with plain Keras's
     # too (where the training itself is `AGREES`).

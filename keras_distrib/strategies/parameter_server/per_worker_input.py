@@ -38,6 +38,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_distrib import _compat
+from keras_distrib.input.fit_input import FitInput
 
 # Python ops that run in the process that built the dataset, never on a
 # remote worker.
@@ -65,14 +66,14 @@ class Plan:
     validation_data: Any
 
 
-def plan(fit: dict) -> Plan:
-    """The `Plan` for `fit` (a dict of `fit`'s arguments, see `Strategy.distribute_fit_input`)."""
-    x, y, sample_weight = fit["x"], fit["y"], fit["sample_weight"]
-    steps = fit.get("steps_per_epoch")
-    if fit.get("class_weight") is not None:
+def plan(fit: FitInput) -> Plan:
+    """The `Plan` for `fit` (see `Strategy.distribute_fit_input`)."""
+    x, y, sample_weight = fit.x, fit.y, fit.sample_weight
+    steps = fit.steps_per_epoch
+    if fit.class_weight is not None:
         raise ValueError("class_weight is not supported by strategy='parameter_server'; "
                          "pass per-sample weights (sample_weight=) instead.")
-    validation = fit.get("validation_data")
+    validation = fit.validation_data
     if isinstance(x, keras.utils.PyDataset):
         _no_split(fit, "a PyDataset")
         count = _known_length(x)
@@ -106,9 +107,9 @@ def plan(fit: dict) -> Plan:
 
 
 def _arrays_plan(fit, x, y, sample_weight, steps, validation) -> Plan:
-    batch_size = fit.get("batch_size") or 32
+    batch_size = fit.batch_size or 32
     arrays = (x, y, sample_weight)
-    split = fit.get("validation_split") or 0.0
+    split = fit.validation_split or 0.0
     if split:
         if validation is not None:
             split = 0.0  # Keras: validation_data wins
@@ -121,7 +122,7 @@ def _arrays_plan(fit, x, y, sample_weight, steps, validation) -> Plan:
         keras.tree.lists_to_tuples(a)) for a in arrays)
     size = int(keras.tree.flatten(arrays[0])[0].shape[0])
     steps = steps or math.ceil(size / batch_size)
-    shuffle = bool(fit.get("shuffle", True)) and fit.get("shuffle") != "batch"
+    shuffle = bool(fit.shuffle) and fit.shuffle != "batch"
     kept = tuple(a for a in arrays if a is not None)
 
     def dataset_fn():
@@ -155,7 +156,7 @@ def _split(arrays, fraction):
 
 
 def _no_split(fit, what) -> None:
-    if fit.get("validation_split"):
+    if fit.validation_split:
         raise ValueError(f"validation_split is only supported for arrays, not {what} "
                          "(as in Keras); pass validation_data= instead.")
 

@@ -41,7 +41,8 @@ from keras_distrib.strategies.parameter_server import per_worker_input
 from keras_distrib.collectives import runtime
 from keras_distrib.strategies.parameter_server import sharded_variables
 from keras_distrib.strategies.parameter_server.scheduled_training import ScheduledTraining
-from keras_distrib.strategies.base import Strategy, keras_class_among, optimizers_in
+from keras_distrib.strategies.base import (Capabilities, Strategy, keras_class_among,
+                                           optimizers_in)
 from keras_distrib.topology import Topology
 
 
@@ -86,8 +87,7 @@ class ParameterServer(Strategy):
     aliases = ("ps", "parameter_servers", "async")
     description = ("Asynchronous: variables on ps tasks, steps scheduled on workers by the "
                    "chief (tf.distribute.ParameterServerStrategy).")
-    one_per_process = True
-    asynchronous = True
+    capabilities = Capabilities(one_per_process=True, asynchronous=True)
 
     def __init__(self, variable_partitioner=None, lag: Optional[int] = None):
         info = cluster_lib.resolve()
@@ -134,15 +134,15 @@ class ParameterServer(Strategy):
 
     # -- input ----------------------------------------------------------------------
 
-    def distribute_fit_input(self, fit: dict) -> dict:
+    def distribute_fit_input(self, fit):
         """Keras's loop gets one ticket per step (`Dataset.range(steps_per_epoch)`);
         the data itself goes to the workers (see `per_worker_input`)."""
         self._plan = plan = per_worker_input.plan(fit)
         tickets = tf.data.Dataset.range(plan.steps_per_epoch)
-        return dict(fit, x=tickets, y=None, sample_weight=None, batch_size=None,
-                    validation_split=0.0, validation_data=plan.validation_data,
-                    steps_per_epoch=plan.steps_per_epoch, shuffle=False,
-                    build_batch=plan.build_batch)
+        return fit.replace(x=tickets, y=None, sample_weight=None, batch_size=None,
+                           validation_split=0.0, validation_data=plan.validation_data,
+                           steps_per_epoch=plan.steps_per_epoch, shuffle=False,
+                           build_batch=plan.build_batch)
 
     def distribute_input(self, x, y=None, sample_weight=None, batch_size=None):
         return x, y, sample_weight, batch_size  # the chief reads it all
@@ -180,13 +180,13 @@ class ParameterServer(Strategy):
 
     # -- execution --------------------------------------------------------------------
 
-    def make_step_function(self, model, step_fn: Callable, keras_make_function: Callable):
+    def make_step_function(self, model, step, keras_make_function: Callable):
         if getattr(model.optimizer, "backward_passes_per_step", 1) > 1:
             raise ValueError("backward_passes_per_step > 1 does not apply to "
                              "strategy='parameter_server' (each worker step is applied on "
                              "its own); use a larger batch_size instead.")
-        if step_fn != model.train_step:
-            return keras_make_function(step_fn)  # evaluation, on the chief
+        if step.kind != "train":
+            return keras_make_function(step.fn)  # evaluation, on the chief
         if self._plan is None:
             raise ValueError("strategy='parameter_server' trains through model.fit only "
                              "(no train_on_batch): the workers need fit's input plan.")
@@ -198,10 +198,10 @@ class ParameterServer(Strategy):
                 if not model.optimizer.built:
                     model.optimizer.build(model.trainable_variables)
         self._training = ScheduledTraining(
-            model, self._engine, self.coordinator, self._plan, step_fn, self.lag, self.lost)
+            model, self._engine, self.coordinator, self._plan, step.fn, self.lag, self.lost)
         return self._training
 
-    def make_predict_function(self, model, keras_make_predict_function: Callable):
+    def make_predict_function(self, model, step, keras_make_predict_function: Callable):
         return keras_make_predict_function()
 
     def run(self, replica_fn: Callable, batch: Any):

@@ -282,44 +282,36 @@ class Pipeline(WorkerReplicas, Strategy):
     def without_xla(self) -> Optional[str]:
         return "XLA compiles the work of one device, and a pipeline step spans every stage's device"
 
-    def make_step_function(self, model, step_fn: Callable, keras_make_function: Callable):
-        from keras_distrib.model import DistributedModel
-
-        if isinstance(step_fn, functools.partial):  # DistributedModel's accumulation
+    def make_step_function(self, model, step, keras_make_function: Callable):
+        if not step.applies:  # DistributedModel's gradient accumulation
             raise ValueError(
                 "strategy='pipeline' does not support backward_passes_per_step > 1; raise "
                 "num_micro_batches instead (micro-batches accumulate gradients in a step).")
-        kind = getattr(step_fn, "__name__", None)
-        if kind not in ("train_step", "test_step"):
-            raise ValueError(f"strategy='pipeline' cannot run step function {step_fn!r}; it "
-                             "runs DistributedModel's train_step and test_step.")
-        if kind == "train_step" and type(model).train_step is not DistributedModel.train_step:
+        if step.kind == "train" and step.custom:
             raise ValueError(
                 "strategy='pipeline' runs its own train step and cannot run a custom "
                 "train_step; use DistributedModel's (override compute_loss instead).")
         model.compile_replicas_separately(False)
-        if kind == "test_step" and type(model).test_step is not DistributedModel.test_step:
-            step = step_fn  # a custom test step runs as written, on the whole batch
+        if step.custom:
+            run_step = step.fn  # a custom test step runs as written, on the whole batch
         else:
             stages = self._stages(model)
-            run = self._train_step if kind == "train_step" else self._test_step
+            run = self._train_step if step.kind == "train" else self._test_step
 
-            def step(data):
+            def run_step(data):
                 return run(model, stages, data)
 
-        step = self._as_this_replica(step)
+        run_step = self._as_this_replica(run_step)
         if self.world_size > 1 and model.steps_per_execution > 1:
             # Keras's fused steps trace the step inside tf.cond, where the
             # collectives across workers cannot be.
-            return lockstep.stepwise(model, step)
-        return keras_make_function(step)  # without XLA: see `without_xla`
+            return lockstep.stepwise(model, run_step)
+        return keras_make_function(run_step)  # without XLA: see `without_xla`
 
-    def make_predict_function(self, model, keras_make_predict_function: Callable):
+    def make_predict_function(self, model, step, keras_make_predict_function: Callable):
         import keras
 
-        from keras_distrib.model import DistributedModel
-
-        if type(model).predict_step is not DistributedModel.predict_step:
+        if step.custom:
             return keras_make_predict_function()
         stages = self._stages(model)
         return lockstep.predict_over_steps(model, self._as_this_replica(

@@ -269,7 +269,7 @@ class TensorParallel(WorkerReplicas, Strategy):
     def without_xla(self) -> Optional[str]:
         return "XLA compiles the work of one device, and a split layer's step spans all devices"
 
-    def make_step_function(self, model, step_fn: Callable, keras_make_function: Callable):
+    def make_step_function(self, model, step, keras_make_function: Callable):
         self._check_laid_out(model)
         self._check_optimizer(model)
         _OptimizerFiles.install(model)
@@ -277,14 +277,14 @@ class TensorParallel(WorkerReplicas, Strategy):
         if self.world_size > 1 and model.steps_per_execution > 1:
             # Keras's fused steps trace the step inside tf.cond, where the
             # collectives across workers cannot be.
-            return lockstep.stepwise(model, lambda data: self.run(step_fn, data))
-        return keras_make_function(lambda data: self.run(step_fn, data))
+            return lockstep.stepwise(model, lambda data: self.run(step.fn, data))
+        return keras_make_function(lambda data: self.run(step.fn, data))
 
-    def make_predict_function(self, model, keras_make_predict_function: Callable):
+    def make_predict_function(self, model, step, keras_make_predict_function: Callable):
         self._check_laid_out(model)
         if self.world_size > 1:  # every worker's rows, in order
             return lockstep.predict_over_steps(
-                model, lambda batch: self.gather_rows(self.run(model.predict_step, batch)))
+                model, lambda batch: self.gather_rows(self.run(step.fn, batch)))
         return keras_make_predict_function()
 
     def _check_laid_out(self, model) -> None:
