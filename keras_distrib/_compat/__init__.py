@@ -13,22 +13,38 @@ One module per thing wrapped:
 - `tf_distribute`: tf.distribute scopes, merge calls, collectives,
   ShardedVariable, Slurm, strategy options, DistributedDataset;
 - `tf_data`: tf.data graph rewriting, batch size, auto-sharding;
-- `versions`: the tested versions and the warning on others.
+- `versions`: the tested versions, the warning on others, the probe.
 
 Each item says why no public API does the job and on which versions it was
 verified. `setup.cfg` bounds TensorFlow and Keras to the minor versions the
 test suite ran on (`TESTED`); importing keras_distrib's TensorFlow parts on
 any other version warns once, naming it.
 
-`check_hooks()` fails at import, in one line, when a Keras method that
-`DistributedModel` overrides or calls is gone (an override of a method
-Keras no longer calls would otherwise be silently skipped).
+Each module declares the private names it uses in `PRIVATE`
+(`"module.path:Dotted.attribute"`), and importing this package checks them
+all (`check_private`): a name the installed TensorFlow or Keras lacks fails
+the import in one line, naming it, the installed versions and the tested
+ones, instead of failing somewhere inside a training step. The modules
+import TensorFlow and Keras before the check runs, and every module the
+declarations name is one those imports have already loaded, so the probe
+imports nothing more: it reads attributes and, for instance attributes,
+the owning class's code (see `versions`; about a millisecond). It runs
+where this package is first imported: with `keras_distrib.model` (once
+Keras is imported), or at `import keras_distrib` in a process of a
+configured cluster (`runtime.bootstrap`). The launcher and a plain
+`import keras_distrib` never import it.
+
+`check_hooks()` fails in one line when a Keras method that
+`DistributedModel` overrides or calls is gone from the trainer class (an
+override of a method Keras no longer calls would otherwise be silently
+skipped).
 
 Verified on: TensorFlow 2.21.0 (tensorflow-cpu), Keras 3.15.1, Python 3.11.
 """
 
 from __future__ import annotations
 
+from keras_distrib._compat import versions
 from keras_distrib._compat import keras_backend
 from keras_distrib._compat import keras_callbacks
 from keras_distrib._compat import keras_layers
@@ -118,3 +134,16 @@ from keras_distrib._compat.tf_distribute import (
     without_default_strategy_creator,
 )
 from keras_distrib._compat.versions import TESTED, warn_if_untested
+
+# The modules whose `PRIVATE` declarations the import checks.
+MODULES = (keras_trainer, keras_layers, keras_backend, keras_optimizer, keras_callbacks,
+           tf_distribute, tf_data)
+
+
+def check_private() -> None:
+    """One-line ImportError naming the first declared private name the
+    installed TensorFlow/Keras lack (run at the import of this package)."""
+    versions.check_private(MODULES)
+
+
+check_private()

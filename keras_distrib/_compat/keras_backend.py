@@ -12,6 +12,20 @@ from typing import Iterator
 import numpy as np
 import tensorflow as tf
 
+# Private names the shims below use (checked at import, see `versions`).
+PRIVATE = (
+    # variable_value, replace_variable_value
+    "keras.src.backend.common.variables:Variable._value",
+    # set_variable_value
+    "keras.src.backend.tensorflow.core:Variable._initialize",
+    # variables_made_at_once
+    "keras.src.backend.common.global_state:get_global_attribute",
+    "keras.src.backend.common.global_state:set_global_attribute",
+    # wrap_backend_draw_seed
+    "keras.src.backend.tensorflow.random:draw_seed",
+    "keras.src.backend.tensorflow.image:draw_seed",
+)
+
 
 def add_through_tensorflow(variable) -> None:
     """Makes `variable.assign_add(v)` TensorFlow's own `assign_add`.

@@ -5,6 +5,19 @@ from __future__ import annotations
 
 import os
 
+_BACKUP = "keras.src.callbacks.backup_and_restore:BackupAndRestore"
+
+# Private names the shims below use (checked at import, see `versions`).
+PRIVATE = (
+    # redirect_backup_writes
+    f"{_BACKUP}._weights_path",
+    f"{_BACKUP}._training_metadata_path",
+    f"{_BACKUP}._prev_weights_path",
+    f"{_BACKUP}._prev_training_metadata_path",
+    # tensorboard_profiles
+    "keras.src.callbacks.tensorboard:TensorBoard._start_batch",
+)
+
 
 def redirect_backup_writes(callback, directory: str) -> None:
     """Points a `BackupAndRestore`'s file paths (set in its `__init__`) at

@@ -13,6 +13,42 @@ from typing import Any, Iterator
 import keras
 import tensorflow as tf
 
+_LAYER = "keras.src.layers.layer:Layer"
+
+# Private names the shims below use (checked at import, see `versions`).
+PRIVATE = (
+    # functional_class, graph_of, inlined_functional, layer_tensors
+    "keras.src.models.functional:Functional",
+    "keras.src.models.sequential:Sequential._functional",
+    "keras.src.ops.function:Function._run_through_graph",
+    "keras.src.ops.function:Function._nodes_by_depth",
+    "keras.src.ops.node:Node.operation",
+    "keras.src.ops.node:Node.is_input",
+    "keras.src.ops.node:Node.input_tensors",
+    "keras.src.ops.node:Node.outputs",
+    # clone_functional: a Keras tensor's `_keras_history`, set by the Node
+    # that outputs it
+    "keras.src.ops.node:Node._keras_history",
+    "keras.src.ops.node:KerasHistory.operation",
+    # is_functional_call, save_as_keras_model
+    "keras.src.models.model:functional_init_arguments",
+    "keras.src.api_export:REGISTERED_OBJS_TO_NAMES",
+    # take_added_losses, added_losses_per_thread, all_layers, call_has_training_arg
+    f"{_LAYER}._get_own_losses",
+    f"{_LAYER}._clear_losses",
+    f"{_LAYER}._losses",
+    f"{_LAYER}._flatten_layers",
+    f"{_LAYER}._call_has_training_arg",
+    # whole_layer_variables, drop_whole_layer_variables, layer_state_unlocked
+    "keras.src.layers.core.dense:Dense._kernel",
+    "keras.src.layers.core.embedding:Embedding._embeddings",
+    f"{_LAYER}._untrack_variable",
+    f"{_LAYER}._tracker",
+    "keras.src.utils.tracking:Tracker.locked",
+    "keras.src.utils.tracking:Tracker.lock",
+    "keras.src.utils.tracking:Tracker.unlock",
+)
+
 
 def functional_class() -> type:
     """Keras's `Functional` model class (not exported; needed to subclass it).

@@ -7,6 +7,30 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+_TF_OPTIMIZER = "keras.src.backend.tensorflow.optimizer:TFOptimizer"
+_BASE_OPTIMIZER = "keras.src.optimizers.base_optimizer:BaseOptimizer"
+
+# Private names the shims below use (checked at import, see `versions`).
+PRIVATE = (
+    # wrap_optimizer_all_reduce, sum_gradients_across_replicas
+    f"{_TF_OPTIMIZER}._all_reduce_sum_gradients",
+    # apply_loss_scaled
+    "keras.src.optimizers.loss_scale_optimizer:LossScaleOptimizer._common_apply",
+    # optimizer_trainable_variables, optimizer_strategy, reindex_optimizer,
+    # set_optimizer_strategy
+    f"{_BASE_OPTIMIZER}._trainable_variables",
+    f"{_BASE_OPTIMIZER}._trainable_variables_indices",
+    f"{_TF_OPTIMIZER}._var_key",
+    f"{_TF_OPTIMIZER}._distribution_strategy",
+    # route_sharded_updates
+    f"{_TF_OPTIMIZER}._distributed_tf_update_step",
+    f"{_TF_OPTIMIZER}._apply_weight_decay",
+    f"{_BASE_OPTIMIZER}._use_weight_decay",
+    "tensorflow:__internal__.distribute.interim.maybe_merge_call",
+    # learning_rate_or_schedule
+    f"{_BASE_OPTIMIZER}._learning_rate",
+)
+
 
 def wrap_optimizer_all_reduce(optimizer, wrapper) -> None:
     """Replaces `optimizer._all_reduce_sum_gradients` by `wrapper(original)`.

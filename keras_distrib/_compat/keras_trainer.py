@@ -27,19 +27,46 @@ KERAS_HOOKS = (
     "_compute_loss",  # compute_loss, adapted to overrides without `training`
     "_resolve_auto_jit_compile",  # jit_compile="auto", off where XLA cannot compile
 )
+_TRAINER = "keras.src.backend.tensorflow.trainer:TensorFlowTrainer"
+_ADAPTERS = "keras.src.trainers.data_adapters"
+
+# Private names the shims below use (checked at import, see `versions`).
+PRIVATE = (
+    *(f"{_TRAINER}.{hook}" for hook in KERAS_HOOKS),
+    # build_source
+    "keras.src.trainers.epoch_iterator:EpochIterator.data_adapter",
+    f"{_ADAPTERS}.py_dataset_adapter:PyDatasetAdapter.enqueuer",
+    f"{_ADAPTERS}.py_dataset_adapter:PyDatasetAdapter.py_dataset",
+    f"{_ADAPTERS}.py_dataset_adapter:PyDatasetAdapter._standardize_batch",
+    # class_weight_as_sample_weight
+    f"{_ADAPTERS}.data_adapter_utils:class_weight_to_sample_weights",
+    # compile_arguments
+    "keras.src.trainers.trainer:Trainer._compile_config",
+    "keras.src.saving.serialization_lib:SerializableDict.config",
+    # output_loss_metrics, captured_output_losses
+    "keras.src.trainers.trainer:Trainer._compile_loss",
+    "keras.src.trainers.compile_utils:CompileLoss.metrics",
+    # unscaled_losses_where
+    "keras.src.losses.loss:scale_loss_for_distribution",
+    "keras.src.losses.loss:unscale_loss_for_distribution",
+    # loss_tracker, jit_compile_off, hide_distribute_strategy
+    "keras.src.trainers.trainer:Trainer._loss_tracker",
+    "keras.src.trainers.trainer:Trainer._jit_compile",
+    f"{_TRAINER}._distribute_strategy",
+    # epoch_iterator, train_validation_split
+    "keras.src.backend.tensorflow.trainer:TFEpochIterator",
+    f"{_ADAPTERS}.array_slicing:train_validation_split",
+)
 
 
 def check_hooks() -> None:
-    """One-line error when a Keras method DistributedModel hooks into is gone."""
+    """One-line error when a Keras method DistributedModel hooks into is gone
+    (a method on the class itself, not an instance attribute)."""
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
     missing = [name for name in KERAS_HOOKS if not hasattr(TensorFlowTrainer, name)]
     if missing:
-        raise ImportError(
-            f"keras {keras.__version__} has no TensorFlowTrainer.{missing[0]}, which "
-            f"keras_distrib hooks into; install keras=={versions.TESTED['keras']}.* "
-            "(see keras_distrib/_compat/keras_trainer.py)."
-        )
+        raise ImportError(versions.missing_message(f"{_TRAINER}.{missing[0]}", "keras_trainer"))
 
 
 class EmptyInput(Exception):

@@ -9,6 +9,17 @@ import uuid
 import numpy as np
 import tensorflow as tf
 
+_EXPERIMENTAL_DISTRIBUTE = "tensorflow.python.data.experimental.ops.distribute"
+
+# Private names the shims below use (checked at import, see `versions`).
+PRIVATE = (
+    # dataset_ops, agree_on_shuffles
+    "tensorflow.python.data.ops.dataset_ops:DatasetV2._as_serialized_graph",
+    # static_batch_size, shard_by_file
+    f"{_EXPERIMENTAL_DISTRIBUTE}:compute_batch_size",
+    f"{_EXPERIMENTAL_DISTRIBUTE}:_AutoShardDataset",
+)
+
 
 def _dataset_graph(dataset: tf.data.Dataset):
     """The pipeline's GraphDef (`Dataset._as_serialized_graph`, what

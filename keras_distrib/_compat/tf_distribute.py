@@ -11,6 +11,54 @@ from typing import Any, Iterator
 import numpy as np
 import tensorflow as tf
 
+_DISTRIBUTE = "tensorflow.python.distribute"
+_MIRRORED = f"{_DISTRIBUTE}.mirrored_strategy:MirroredExtended"
+_COLLECTIVE = f"{_DISTRIBUTE}.collective_all_reduce_strategy"
+_SLURM = f"{_DISTRIBUTE}.cluster_resolver.slurm_cluster_resolver"
+
+# Private names the shims below use (checked at import, see `versions`).
+PRIVATE = (
+    # updates_in_cross_replica_context
+    f"{_MIRRORED}._use_merge_call",
+    f"{_DISTRIBUTE}.merge_call_interim:maybe_merge_call",
+    # without_default_strategy_creator, outside_strategy_scopes
+    "tensorflow.python.framework.ops:Graph._variable_creator_stack",
+    "tensorflow.python.framework.ops:Graph._distribution_strategy_stack",
+    f"{_DISTRIBUTE}.distribute_lib:_DefaultDistributionContext",
+    # sharded_variable_class, convert_sharded_variables_to_numpy
+    "tensorflow:__internal__.distribute.ShardedVariable",
+    # tensorflow_started, abort_collective_ops
+    "tensorflow.python.eager.context:context",
+    "tensorflow.python.eager.context:Context._context_handle",
+    "tensorflow.python.eager.context:Context.abort_collective_ops",
+    # set_collective_key_base, rekey_collectives, cross_device_ops
+    f"{_DISTRIBUTE}.mirrored_strategy:MirroredStrategy._collective_key_base",
+    f"{_COLLECTIVE}:CollectiveAllReduceStrategy._collective_key_base",
+    f"{_MIRRORED}._collective_key_base",
+    f"{_MIRRORED}._cross_device_ops",
+    f"{_MIRRORED}._collective_ops",
+    f"{_MIRRORED}._make_collective_ops_with_fallbacks",
+    # gather
+    f"{_DISTRIBUTE}.device_util:current",
+    f"{_MIRRORED}._default_device",
+    f"{_MIRRORED}._gather_to",
+    f"{_MIRRORED}._local_results",
+    # reuse_collective_server, communication_options
+    f"{_COLLECTIVE}:CollectiveAllReduceExtended._std_server_started",
+    f"{_COLLECTIVE}:CollectiveAllReduceExtended._enable_check_health",
+    f"{_COLLECTIVE}:CollectiveAllReduceExtended._communication_options",
+    # slurm_hosts_and_tasks, slurm_worker_addresses
+    f"{_SLURM}:expand_hostlist",
+    f"{_SLURM}:expand_tasks_per_node",
+    f"{_SLURM}:SlurmClusterResolver._resolve_own_rank",
+    # set_variable_partitioner, variable_partitioner
+    f"{_DISTRIBUTE}.parameter_server_strategy_v2:ParameterServerStrategyV2Extended"
+    "._variable_partitioner",
+    # undistributed
+    f"{_DISTRIBUTE}.input_lib:DistributedDataset._original_dataset",
+    f"{_DISTRIBUTE}.input_lib:DistributedDatasetsFromFunction._dataset_fn",
+)
+
 
 @contextlib.contextmanager
 def updates_in_cross_replica_context(engine):
