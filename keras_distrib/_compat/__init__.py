@@ -1,0 +1,149 @@
+"""Every private TensorFlow / Keras name keras_distrib relies on, in one place.
+
+One module per thing wrapped:
+
+- `keras_trainer`: Keras's Trainer / Model hooks, the build's input,
+  compile internals, the compiled loss and its trackers;
+- `keras_layers`: layers and Functional graphs, added losses, saving under
+  Keras's public class name, a built layer's variables and tracker;
+- `keras_backend`: Keras variables on TensorFlow, the stateless scope,
+  the backend's seed draws;
+- `keras_optimizer`: Keras's TensorFlow optimizer internals;
+- `keras_callbacks`: BackupAndRestore's paths, TensorBoard's profiling;
+- `tf_distribute`: tf.distribute scopes, merge calls, collectives,
+  ShardedVariable, Slurm, strategy options, DistributedDataset;
+- `tf_data`: tf.data graph rewriting, batch size, auto-sharding;
+- `versions`: the tested versions, the warning on others, the probe.
+
+Each item says why no public API does the job and on which versions it was
+verified. `setup.cfg` bounds TensorFlow and Keras to the minor versions the
+test suite ran on (`TESTED`); importing keras_distrib's TensorFlow parts on
+any other version warns once, naming it.
+
+Each module declares the private names it uses in `PRIVATE`
+(`"module.path:Dotted.attribute"`), and importing this package checks them
+all (`check_private`): a name the installed TensorFlow or Keras lacks fails
+the import in one line, naming it, the installed versions and the tested
+ones, instead of failing somewhere inside a training step. The modules
+import TensorFlow and Keras before the check runs, and every module the
+declarations name is one those imports have already loaded, so the probe
+imports nothing more: it reads attributes and, for instance attributes,
+the owning class's code (see `versions`; about a millisecond). It runs
+where this package is first imported: with `keras_distrib.model` (once
+Keras is imported), or at `import keras_distrib` in a process of a
+configured cluster (`runtime.bootstrap`). The launcher and a plain
+`import keras_distrib` never import it.
+
+`check_hooks()` fails in one line when a Keras method that
+`DistributedModel` overrides or calls is gone from the trainer class (an
+override of a method Keras no longer calls would otherwise be silently
+skipped).
+
+Verified on: TensorFlow 2.21.0 (tensorflow-cpu), Keras 3.15.1, Python 3.11.
+"""
+
+from __future__ import annotations
+
+from keras_distrib._compat import versions
+from keras_distrib._compat import keras_backend
+from keras_distrib._compat import keras_callbacks
+from keras_distrib._compat import keras_layers
+from keras_distrib._compat import keras_optimizer
+from keras_distrib._compat import keras_trainer
+from keras_distrib._compat import tf_data
+from keras_distrib._compat import tf_distribute
+from keras_distrib._compat.keras_backend import (
+    add_through_tensorflow,
+    replace_variable_value,
+    set_variable_value,
+    variable_value,
+    variables_made_at_once,
+    wrap_backend_draw_seed,
+)
+from keras_distrib._compat.keras_callbacks import redirect_backup_writes, tensorboard_profiles
+from keras_distrib._compat.keras_layers import (
+    added_losses_per_thread,
+    all_layers,
+    call_has_training_arg,
+    clone_functional,
+    drop_whole_layer_variables,
+    functional_class,
+    graph_of,
+    inlined_functional,
+    is_functional_call,
+    layer_state_unlocked,
+    layer_tensors,
+    save_as_keras_model,
+    take_added_losses,
+    whole_layer_variables,
+)
+from keras_distrib._compat.keras_optimizer import (
+    apply_loss_scaled,
+    learning_rate_or_schedule,
+    optimizer_slot_prefix,
+    optimizer_strategy,
+    optimizer_trainable_variables,
+    reindex_optimizer,
+    route_sharded_updates,
+    set_optimizer_strategy,
+    sum_gradients_across_replicas,
+    wrap_optimizer_all_reduce,
+)
+from keras_distrib._compat.keras_trainer import (
+    KERAS_HOOKS,
+    EmptyInput,
+    build_source,
+    captured_output_losses,
+    check_hooks,
+    class_weight_as_sample_weight,
+    compile_arguments,
+    compute_loss,
+    epoch_iterator,
+    hide_distribute_strategy,
+    jit_compile_off,
+    loss_tracker,
+    output_loss_metrics,
+    train_validation_split,
+    unscaled_losses_where,
+)
+from keras_distrib._compat.tf_data import (
+    UnseededShuffleError,
+    agree_on_shuffles,
+    dataset_ops,
+    shard_by_file,
+    static_batch_size,
+)
+from keras_distrib._compat.tf_distribute import (
+    abort_collective_ops,
+    communication_options,
+    convert_sharded_variables_to_numpy,
+    cross_device_ops,
+    gather,
+    outside_strategy_scopes,
+    rekey_collectives,
+    reuse_collective_server,
+    set_collective_key_base,
+    set_variable_partitioner,
+    sharded_variable_class,
+    slurm_hosts_and_tasks,
+    slurm_worker_addresses,
+    tensorflow_started,
+    undistributed,
+    updates_in_cross_replica_context,
+    variable_partitioner,
+    without_default_strategy_creator,
+)
+from keras_distrib._compat.versions import TESTED, warn_if_untested
+
+# The modules whose `PRIVATE` declarations the import checks.
+MODULES = (keras_trainer, keras_layers, keras_backend, keras_optimizer, keras_callbacks,
+           tf_distribute, tf_data)
+
+
+def check_private() -> None:
+    """One-line ImportError naming the first declared private name the
+    installed TensorFlow/Keras lack (run at the import of this package)."""
+    versions.check_private(MODULES)
+
+
+check_private()
