@@ -92,6 +92,7 @@ from keras_distrib._compat.keras_optimizer import (
 from keras_distrib._compat.keras_trainer import (
     KERAS_HOOKS,
     EmptyInput,
+    absent_as_none,
     build_source,
     captured_output_losses,
     check_hooks,

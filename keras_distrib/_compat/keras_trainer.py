@@ -8,12 +8,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from typing import Iterator
+from typing import Any, Iterator
 
 import keras
 import tensorflow as tf
 
-from keras_distrib.input import data as data_lib
 from keras_distrib._compat import versions
 
 # DistributedModel overrides or calls these private Trainer methods. Keras 3
@@ -89,7 +88,7 @@ def build_source(iterator):
       (batches seen twice or never).
     - Absent elements (a generator's `(x, y, None)`, an empty
       `tf.experimental.Optional`) are None, as the step sees them
-      (`data.absent_as_none`); Keras's build would read the Optional's shape.
+      (`absent_as_none`); Keras's build would read the Optional's shape.
 
     Raises `EmptyInput` (not a StopIteration, which would end the build's
     loop silently) when the input has no batch.
@@ -108,7 +107,7 @@ def build_source(iterator):
                 break
         raise EmptyInput
 
-    return ((0, 0, [data_lib.absent_as_none(first_batch())]) for _ in range(1))
+    return ((0, 0, [absent_as_none(first_batch())]) for _ in range(1))
 
 
 def class_weight_as_sample_weight(y, sample_weight, class_weight):
@@ -271,3 +270,14 @@ def train_validation_split(arrays, validation_split: float):
     from keras.src.trainers.data_adapters import array_slicing
 
     return array_slicing.train_validation_split(arrays, validation_split=validation_split)
+
+
+def absent_as_none(batch: Any) -> Any:
+    """`batch` with each absent element as None, as Keras's step receives it.
+
+    Keras's generator input turns a `None` in a batch (`(x, y, None)`) into
+    an empty `tf.experimental.Optional`, and its train function turns that
+    back into None before the step (`TensorFlowTrainer._autoconvert_optionals`).
+    """
+    return keras.tree.map_structure(
+        lambda t: None if isinstance(t, tf.experimental.Optional) else t, batch)

@@ -121,17 +121,6 @@ def take_rows(tensor, start, count):
     return part
 
 
-def absent_as_none(batch: Any) -> Any:
-    """`batch` with each absent element as None, as Keras's step receives it.
-
-    Keras's generator input turns a `None` in a batch (`(x, y, None)`) into
-    an empty `tf.experimental.Optional`, and its train function turns that
-    back into None before the step (`TensorFlowTrainer._autoconvert_optionals`).
-    """
-    return keras.tree.map_structure(
-        lambda t: None if isinstance(t, tf.experimental.Optional) else t, batch)
-
-
 # -- bad input caught before training (numpy arrays and static facts only) ------
 
 

@@ -25,7 +25,7 @@ from typing import Callable
 
 import tensorflow as tf
 
-from keras_distrib.input import data as data_lib
+from keras_distrib import _compat
 
 
 def one_call_per_step(model, step_function: Callable, keras_make_function: Callable):
@@ -38,7 +38,7 @@ def one_call_per_step(model, step_function: Callable, keras_make_function: Calla
     def run_step(data):
         # As Keras: absent elements reach the step as None, and the step runs
         # in Keras's (default) strategy's replica context.
-        return model.distribute_strategy.run(step_function, args=(data_lib.absent_as_none(data),))
+        return model.distribute_strategy.run(step_function, args=(_compat.absent_as_none(data),))
 
     if model.jit_compile:
         run_step = tf.function(run_step, reduce_retracing=True, jit_compile=True,
