@@ -6,7 +6,7 @@ the train function, the preemption watch and the callbacks read and write
 it there, instead of attributes scattered over the model.
 
 Callbacks take part through a protocol, as Keras's own `BackupAndRestore`
-sets `model._initial_epoch`: a callback with `resume_point(model)` and
+sets the epoch Keras starts at: a callback with `resume_point(model)` and
 `record_seed(seed)` (`Resumable`) tells `fit` where to resume and learns the
 shuffle seed; the model imports no callback.
 """
