@@ -1,27 +1,45 @@
-"""Test set-up shared by every test in this process.
+"""Test set-up shared by every tier (tests/unit, tests/integration,
+tests/distributed, tests/zoo) in this process.
 
-The in-process tests see two logical CPUs so that `"mirrored"` runs two real
-replicas with real cross-device reductions. This must happen before
-TensorFlow initialises its devices, i.e. at import of this conftest.
+The tests that use TensorFlow see two logical CPUs, so that `"mirrored"`
+runs two real replicas with real cross-device reductions. That must happen
+before TensorFlow initialises its devices: here, just before pytest imports
+the first test module outside tests/unit. The unit tier never imports
+TensorFlow (tests/unit/conftest.py checks that), so nothing here imports it
+at import time either.
 """
 
 import os
 
+import pytest
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tensorflow as tf  # noqa: E402
+UNIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "unit")
+_logical_cpus_configured = False
 
-_cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(
-    _cpu, [tf.config.LogicalDeviceConfiguration()] * 2
-)
+
+def _split_the_cpu_in_two() -> None:
+    global _logical_cpus_configured
+    if _logical_cpus_configured:
+        return
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+    )
+    _logical_cpus_configured = True
+
+
+def pytest_pycollect_makemodule(module_path, parent):
+    """Runs before pytest imports each test module (returns None: pytest
+    then collects the module as usual)."""
+    if os.path.commonpath([str(module_path), UNIT]) != UNIT:
+        _split_the_cpu_in_two()
 
 
 # -- launches shared by several test modules -------------------------------------------
-
-import pytest  # noqa: E402
-
-from helpers import KERAS_FEATURES_WORKER, ZOO_PROCESS_PATTERNS, launch  # noqa: E402
 
 _FEATURE_PROBES = ("metric_objects", "unseeded_shuffle", "load_model", "batch_norm",
                    "seeded_shuffle", "sparse_input", "pydataset_workers", "ragged_input",
@@ -34,6 +52,8 @@ def probes(tmp_path_factory):
     """One `keras-distrib launch -n 2` of tests/workers/keras_features.py
     under `multi_worker`: every Keras-feature probe and the model zoo's
     multi-process patterns."""
+    from helpers import KERAS_FEATURES_WORKER, ZOO_PROCESS_PATTERNS, launch
+
     out = tmp_path_factory.mktemp("keras_features")
     launch(out, 2, KERAS_FEATURES_WORKER, "--out", str(out),
            "--probes", ",".join(_FEATURE_PROBES + ("zoo",)),
@@ -45,6 +65,8 @@ def probes(tmp_path_factory):
 def horovod_probes(tmp_path_factory):
     """The same under `horovod`, 2 ranks (Gloo): the probes of the
     `BY_STRATEGY` tests and the zoo's patterns."""
+    from helpers import KERAS_FEATURES_WORKER, ZOO_PROCESS_PATTERNS, launch
+
     pytest.importorskip("horovod.tensorflow")
     out = tmp_path_factory.mktemp("keras_features_horovod")
     launch(out, 2, KERAS_FEATURES_WORKER, "--out", str(out), "--probes",

@@ -207,7 +207,9 @@ def collective_dtypes(model, x, y):
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KERAS_FEATURES_WORKER = os.path.join(ROOT, "tests", "workers", "keras_features.py")
+# The scripts the tests run as worker processes (shared by every tier).
+WORKERS = os.path.join(ROOT, "tests", "workers")
+KERAS_FEATURES_WORKER = os.path.join(WORKERS, "keras_features.py")
 
 # The model zoo's patterns (tests/zoo/patterns.py) each multi-process
 # strategy runs, in the launches of tests/conftest.py (`probes`,

@@ -1,6 +1,6 @@
 """A small training job that hurts itself once, for the fault-injection suite.
 
-Run by `keras-distrib launch -n N [--max-restarts K]` (tests/test_faults.py).
+Run by `keras-distrib launch -n N [--max-restarts K]` (tests/distributed/test_faults.py).
 It trains an MLP with Adam and a step-dependent learning rate on shuffled
 arrays, backing up every `--save_freq` steps with
 `keras_distrib.callbacks.BackupAndRestore`. On the launcher's first attempt

@@ -5,7 +5,7 @@ advanced it equally, so row i of every replica's shard got the same dropout
 mask; one device gives each row of the global batch its own. The checks are
 statistics one device passes too (its run is the control in each test).
 The models and checks are in tests/helpers.py; two workers:
-tests/test_keras_features_multi_worker.py (probe `replica_dropout`).
+tests/distributed/test_keras_features_multi_worker.py (probe `replica_dropout`).
 """
 
 import keras

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from keras_distrib.optimizers import DistributedOptimizer
-from helpers import assert_weights_close, build, collective_dtypes, make_data, plain_model
+from helpers import (ROOT, WORKERS, assert_weights_close, build, collective_dtypes, make_data,
+                     plain_model)
 
 # Stated tolerances of compressed all-reduce against fp32, after one epoch of
 # 3 SGD steps at lr 0.1 on the test MLP (measured: fp16 ~1e-5, bf16 ~2e-4).
@@ -128,14 +129,13 @@ WIRE_DTYPES = {
 def test_two_processes_accumulation_and_compression(backend, tmp_path, data):
     if backend == "horovod":
         pytest.importorskip("horovod.tensorflow")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     launcher = ["--backend", "horovod"] if backend == "horovod" else []
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
     proc = subprocess.run(
         [sys.executable, "-m", "keras_distrib.launch", "launch", "-n", "2", "--timeout", "240",
-         *launcher, os.path.join(root, "tests", "workers", "mw_optimizer.py"),
+         *launcher, os.path.join(WORKERS, "mw_optimizer.py"),
          "--out", str(tmp_path), "--strategy", backend],
-        cwd=root, capture_output=True, text=True, timeout=280, env=env,
+        cwd=ROOT, capture_output=True, text=True, timeout=280, env=env,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     x, y = data

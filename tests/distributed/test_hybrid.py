@@ -16,11 +16,10 @@ import numpy as np
 import pytest
 
 import keras_distrib as kd
-from helpers import build, make_data
+from helpers import ROOT, WORKERS, build, make_data
 from keras_distrib import cluster
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(ROOT, "tests", "workers", "hybrid_train.py")
+WORKER = os.path.join(WORKERS, "hybrid_train.py")
 RUNS = ["tensor_parallel", "gpipe", "1f1b", "tensor_parallel_spe3", "1f1b_ours"]
 BATCH, EPOCHS = 32, 2
 

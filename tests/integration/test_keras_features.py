@@ -4,7 +4,7 @@ Each test trains a model under `"mirrored"` (two logical CPUs, two real
 replicas) and its plain Keras twin from the same initial weights, the way a
 user ports an example: no fixed seeds beyond the shared weights. The
 multi-worker counterparts run in real processes
-(test_keras_features_multi_worker.py).
+(tests/distributed/test_keras_features_multi_worker.py).
 """
 
 import keras
@@ -399,7 +399,7 @@ def _all_reduce_shapes(model) -> list:
 def test_multi_output_loss_logs():
     """The total loss log and the per-output loss logs are exact whatever
     the split (203 samples, batch 32: the last batch splits 6/5; see
-    tests/test_output_losses.py)."""
+    tests/integration/test_output_losses.py)."""
     def graph():
         inputs = keras.Input((8,))
         h = keras.layers.Dense(16, activation="relu")(inputs)

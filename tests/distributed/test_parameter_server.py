@@ -18,7 +18,7 @@ import helpers
 
 import keras_distrib as kd
 
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "ps_train.py")
+SCRIPT = os.path.join(helpers.WORKERS, "ps_train.py")
 
 
 def _launch(tmp_path, mode, workers=2, ps=1, timeout=400, env=None, during=None):

@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +15,7 @@ from keras_distrib.cluster import ClusterConfigError, ClusterInfo
 
 pytestmark = pytest.mark.timeout(60)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(Path(__file__).resolve().parents[2])  # the repository
 
 
 def _tf_config(config) -> dict:

@@ -13,15 +13,14 @@ import pytest
 import tensorflow as tf
 from keras.src.utils import python_utils
 
-from helpers import build, make_data, plain_model
+from helpers import WORKERS, ROOT, build, make_data, plain_model
 
 from keras_distrib import callbacks as kdc
 from keras_distrib.callbacks import _common
 from keras_distrib.callbacks.replica_consistency_check import verdict
 from keras_distrib.strategies.single import SingleDevice
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(ROOT, "tests", "workers", "cb_train.py")
+WORKER = os.path.join(WORKERS, "cb_train.py")
 N, BATCH = 64, 16  # 4 steps per epoch
 LR = 0.1
 

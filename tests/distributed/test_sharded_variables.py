@@ -2,7 +2,7 @@
 
 A real cluster: 2 ps and 2 worker TF servers, processes shared by the tests
 of this file; each test's coordinator ("chief") is a fresh process running
-this file as a script (`python tests/test_sharded_variables.py chief ...`),
+this file as a script (`python tests/distributed/test_sharded_variables.py chief ...`),
 with `ParameterServerStrategy(variable_partitioner=MinSizePartitioner(256, 2))`
 and `ClusterCoordinator`. The chief writes what it measured to a directory;
 the test compares with a plain Keras model (no strategy) in this process.
@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 HERE = os.path.abspath(__file__)
-ROOT = os.path.dirname(os.path.dirname(HERE))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))  # the repository
 
 VOCAB, LENGTH, CLASSES, BATCH, STEPS = 1000, 3, 5, 16, 30
 PARTITION = dict(min_shard_bytes=256, max_shards=2)

@@ -18,13 +18,13 @@ import textwrap
 import time
 
 import pytest
-from helpers import process_alive
+from helpers import ROOT, process_alive
 
 from keras_distrib.launch_contract import PREEMPTED
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = ROOT
 
 PRELUDE = textwrap.dedent("""\
     import json, os, signal, stat, sys, time

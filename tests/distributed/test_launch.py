@@ -18,7 +18,7 @@ import threading
 import time
 
 import pytest
-from helpers import process_alive
+from helpers import ROOT, process_alive
 
 from keras_distrib import launch
 from keras_distrib.launch import LaunchConfig, LaunchError
@@ -28,7 +28,7 @@ supervise_lib = importlib.import_module("keras_distrib.launch.supervise")
 
 pytestmark = pytest.mark.timeout(60)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = ROOT
 
 # Every worker script starts with this: it records its PID (atomically, so
 # the test never reads half a file) for the "nothing left behind" checks.

@@ -8,11 +8,11 @@ import textwrap
 import pytest
 
 import keras_distrib as kd
+from helpers import ROOT
 from keras_distrib import topology
 from keras_distrib.strategies import registry
 from keras_distrib.strategies.per_process import PerProcessStrategy
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_builtin_strategies_registered_themselves():

@@ -165,7 +165,8 @@ def test_a_pydataset_with_workers_shows_every_sample_once_per_epoch(probes):
 def test_dropout_masks_differ_between_workers(runs, request):
     """Each worker held an equal copy of every layer's seed state (worker
     0's broadcast) and drew the same dropout masks: both workers' rows of
-    the global batch repeated one mask (see tests/test_replica_seeds.py)."""
+    the global batch repeated one mask (see
+    tests/integration/test_replica_seeds.py)."""
     ranks = _results(request.getfixturevalue(runs), "replica_dropout")
     assert ranks[0] == ranks[1]  # the gathered predictions, the trained weights
     assert_replicas_drop_alike_only_by_chance(ranks[0]["masks"])  # rank 0's rows, rank 1's

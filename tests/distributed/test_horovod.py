@@ -15,12 +15,11 @@ import keras
 import numpy as np
 import pytest
 
-from helpers import graph, make_data
+from helpers import ROOT, WORKERS, graph, make_data
 
 import keras_distrib as kd
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(ROOT, "tests", "workers", "hvd_train.py")
+WORKER = os.path.join(WORKERS, "hvd_train.py")
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
 BATCH, EPOCHS, SEED = 32, 2, 100
 NOT_INSTALLED = (

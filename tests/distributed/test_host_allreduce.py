@@ -13,13 +13,13 @@ import uuid
 import numpy as np
 import pytest
 
+from helpers import WORKERS
 from keras_distrib import host_allreduce, launch_contract
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "workers"))
+sys.path.insert(0, WORKERS)
 from host_reduce import inputs, mean_inputs  # noqa: E402  (after the real package is imported)
 
-WORKER = os.path.join(HERE, "workers", "host_reduce.py")
+WORKER = os.path.join(WORKERS, "host_reduce.py")
 OTHER_UID = 65534  # "nobody": stands for another user where we may chown (root)
 
 
@@ -451,7 +451,7 @@ def test_a_stopped_peer_is_named_without_a_timeout(tmp_path, stopped):
     with _processes() as procs:
         for rank in (0, 1):
             procs.append(subprocess.Popen(
-                [sys.executable, "-c", _STOPPING_WORKER, os.path.join(HERE, "workers"),
+                [sys.executable, "-c", _STOPPING_WORKER, WORKERS,
                  str(rank), job, str(tmp_path), str(out), str(stopped)]))
         assert procs[1 - stopped].wait(timeout=30) == 1
         stopped_pid = procs[stopped].pid

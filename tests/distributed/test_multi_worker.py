@@ -11,11 +11,10 @@ import pytest
 import tensorflow as tf
 
 import keras_distrib as kd
-from helpers import build, make_data
+from helpers import ROOT, WORKERS, build, make_data
 from keras_distrib import cluster
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(ROOT, "tests", "workers", "mw_train.py")
+WORKER = os.path.join(WORKERS, "mw_train.py")
 N_SAMPLES = 203
 
 
@@ -200,8 +199,7 @@ def test_shm_across_hosts_is_a_clear_error():
 
 # -- collective_timeout on TensorFlow's collectives -----------------------------------
 
-RING_WATCHDOG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers",
-                             "ring_watchdog.py")
+RING_WATCHDOG = os.path.join(WORKERS, "ring_watchdog.py")
 
 
 @pytest.mark.slow

@@ -3,7 +3,7 @@
 A run that crashes (or is preempted) and is run again must end exactly where
 an uninterrupted run ends: same weights, optimizer state and step count, with
 shuffled input, for a crash at any step. Multi-worker jobs killed for real
-are in tests/test_faults.py.
+are in tests/distributed/test_faults.py.
 """
 
 import json

@@ -37,13 +37,14 @@ import uuid
 
 import pytest
 
+from helpers import ROOT
 from keras_distrib import cluster, launch, task_server
 from keras_distrib.launch import LaunchConfig, LaunchError
 
 # The module, for its PS_LOSS_GRACE_SECONDS; `launch.supervise` is the function.
 supervise_lib = importlib.import_module("keras_distrib.launch.supervise")
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = ROOT
 MARKER = "KD_PS_TEST"
 SERVER_MODULE = ["-m", "keras_distrib.task_server"]
 

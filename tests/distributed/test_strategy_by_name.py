@@ -17,10 +17,9 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import build, launch, make_data
+from helpers import ROOT, WORKERS, build, launch, make_data
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(ROOT, "tests", "workers", "by_name.py")
+WORKER = os.path.join(WORKERS, "by_name.py")
 FORMS = ("functional", "subclass", "from_model")
 BATCH, EPOCHS = 30, 2  # 203 samples: 7 steps per epoch, 14 SGD steps
 

@@ -7,9 +7,10 @@ import warnings
 import keras
 import pytest
 
+from helpers import ROOT
 from keras_distrib import _compat
 
-PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "keras_distrib")
+PACKAGE = os.path.join(ROOT, "keras_distrib")
 # Private module paths, and private members of TensorFlow/Keras objects.
 PRIVATE = re.compile(r"keras\.src|tensorflow\.python|\b(?:model|optimizer|dataset|context|"
                      r"callback|tf_strategy|extended)\._[a-z]")
