@@ -4,9 +4,10 @@ tests/distributed, tests/zoo) in this process.
 The tests that use TensorFlow see two logical CPUs, so that `"mirrored"`
 runs two real replicas with real cross-device reductions. That must happen
 before TensorFlow initialises its devices: here, just before pytest imports
-the first test module outside tests/unit. The unit tier never imports
-TensorFlow (tests/unit/conftest.py checks that), so nothing here imports it
-at import time either.
+the first test module outside tests/unit (while pytest captures the
+collection's output, which TensorFlow's start-up banners go to). The unit
+tier never imports TensorFlow (tests/unit/conftest.py checks that), so
+nothing here imports it at import time either.
 """
 
 import os
@@ -32,11 +33,32 @@ def _split_the_cpu_in_two() -> None:
     _logical_cpus_configured = True
 
 
-def pytest_pycollect_makemodule(module_path, parent):
+@pytest.hookimpl(tryfirst=True)
+def pytest_make_collect_report(collector):
     """Runs before pytest imports each test module (returns None: pytest
-    then collects the module as usual)."""
-    if os.path.commonpath([str(module_path), UNIT]) != UNIT:
+    then collects it as usual)."""
+    if isinstance(collector, pytest.Module) and \
+            os.path.commonpath([str(collector.path), UNIT]) != UNIT:
         _split_the_cpu_in_two()
+
+
+# -- fixtures shared by the tiers ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def data(request):
+    """`helpers.make_data()` for the test module: 203 samples, or the
+    module's `DATA_SAMPLES`."""
+    from helpers import make_data
+
+    samples = getattr(request.module, "DATA_SAMPLES", None)
+    return make_data() if samples is None else make_data(samples)
+
+
+@pytest.fixture(scope="module")
+def hvd():
+    """`horovod.tensorflow`; the test skips where it cannot be imported."""
+    return pytest.importorskip("horovod.tensorflow")
 
 
 # -- launches shared by several test modules -------------------------------------------

@@ -1,6 +1,5 @@
 """The `make demo` example trains end to end and prints its results."""
 
-import os
 import re
 import subprocess
 import sys

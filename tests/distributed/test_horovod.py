@@ -1,8 +1,9 @@
 """Strategy "horovod": real ranks under `horovodrun --gloo` on localhost.
 
-Every test that needs Horovod skips where `horovod.tensorflow` cannot be
-imported (the Makefile builds it for CI with scripts/install_horovod.sh);
-the missing-Horovod error is tested everywhere.
+Every test skips where `horovod.tensorflow` cannot be imported (the
+Makefile builds it for CI with scripts/install_horovod.sh). One process
+without horovodrun, and the missing-Horovod error (tested everywhere), are
+in tests/integration/test_horovod_in_process.py.
 """
 
 import json
@@ -11,26 +12,14 @@ import signal
 import subprocess
 import sys
 
-import keras
 import numpy as np
 import pytest
 
-from helpers import ROOT, WORKERS, graph, make_data
-
-import keras_distrib as kd
+from helpers import ROOT, WORKERS, assert_weight_lists_close, train_single
 
 WORKER = os.path.join(WORKERS, "hvd_train.py")
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-BATCH, EPOCHS, SEED = 32, 2, 100
-NOT_INSTALLED = (
-    "strategy 'horovod' needs Horovod, which is not installed; build it with "
-    "`scripts/install_horovod.sh .venv` (Horovod 0.28.1 against TF 2.21)"
-)
-
-
-@pytest.fixture(scope="module")
-def hvd():
-    return pytest.importorskip("horovod.tensorflow")
+BATCH, EPOCHS = 32, 2
 
 
 # -- running ranks --------------------------------------------------------------
@@ -117,27 +106,6 @@ def launched(hvd, tmp_path_factory):
     return _run(argv, out, timeout=240)
 
 
-def _single_process(initial, samples, validation=0):
-    """One process, strategy "single", global batch BATCH, same start."""
-    x, y = make_data(samples)
-    reference = keras.Model(*graph())
-    model = kd.DistributedModel(reference.input, reference.output, strategy="single")
-    model.set_weights(initial)
-    model.compile(optimizer=keras.optimizers.SGD(0.1),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
-    val = (x[:validation], y[:validation]) if validation else None
-    history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False,
-                        validation_data=val, verbose=0)
-    return model, history.history, x, y
-
-
-def _assert_weights(got, want, atol=1e-5):
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        np.testing.assert_allclose(g, w, atol=atol, rtol=0)
-
-
 # -- (a) different starts and data, identical ends equal to one process --------
 
 
@@ -151,12 +119,12 @@ def test_ranks_start_different_end_identical_and_equal_single_process(trained):
     assert any(not np.allclose(a, b) for a, b in zip(ranks[0]["initial"], ranks[1]["initial"]))
     for got, want in zip(ranks[1]["final"], ranks[0]["final"]):
         np.testing.assert_array_equal(got, want)
-    model, history, _, _ = _single_process(ranks[0]["initial"], 256, validation=64)
+    model, history, _, _ = train_single(ranks[0]["initial"], 256, BATCH, EPOCHS, validation=64)
     steps = EPOCHS * 256 // BATCH
     assert steps >= 10
     for r in ranks:
         assert r["iterations"] == steps
-        _assert_weights(r["final"], model.get_weights())
+        assert_weight_lists_close(r["final"], model.get_weights())
         for key in ("loss", "accuracy", "val_loss", "val_accuracy"):
             np.testing.assert_allclose(r["history"][key], history[key], atol=1e-5)
 
@@ -196,7 +164,7 @@ def test_only_rank_0_prints_progress(trained):
 @pytest.mark.timeout(400)
 def test_control_without_strategy_ends_different(control):
     ranks, _ = control
-    _assert_weights(ranks[1]["initial"], ranks[0]["initial"], atol=0)  # same start
+    assert_weight_lists_close(ranks[1]["initial"], ranks[0]["initial"], atol=0)  # same start
     assert all(r["iterations"] == EPOCHS * 128 // (BATCH // 2) for r in ranks)
     assert any(
         np.abs(a - b).max() > 1e-3 for a, b in zip(ranks[0]["final"], ranks[1]["final"])
@@ -210,7 +178,7 @@ def test_control_without_strategy_ends_different(control):
 @pytest.mark.timeout(400)
 def test_evaluate_and_predict_match_single_process_on_every_rank(trained):
     ranks, _ = trained
-    model, _, x, y = _single_process(ranks[0]["initial"], 256, validation=64)
+    model, _, x, y = train_single(ranks[0]["initial"], 256, BATCH, EPOCHS, validation=64)
     want_eval = model.evaluate(x, y, batch_size=BATCH, verbose=0)
     want_pred = model.predict(x, batch_size=BATCH, verbose=0)
     for r in ranks:
@@ -255,12 +223,12 @@ def test_launch_backend_horovod_trains_like_one_process(launched):
         np.testing.assert_array_equal(got, want)
     # 203 samples: the last batch of 11 splits 6/5, which the summed
     # gradients weight exactly.
-    model, history, x, y = _single_process(ranks[0]["initial"], 203)
+    model, history, x, y = train_single(ranks[0]["initial"], 203, BATCH, EPOCHS)
     want_pred = model.predict(x, batch_size=BATCH, verbose=0)
     want_eval = model.evaluate(x, y, batch_size=BATCH, verbose=0)
     for r in ranks:
         assert r["iterations"] == EPOCHS * 7
-        _assert_weights(r["final"], model.get_weights())
+        assert_weight_lists_close(r["final"], model.get_weights())
         np.testing.assert_allclose(r["predict"], want_pred, atol=1e-5)
         # Metrics are exact, also for the unequal shares here (102 and 101
         # samples; averaging each rank's value, as Horovod does, was 5e-3 off).
@@ -271,78 +239,3 @@ def test_launch_backend_horovod_trains_like_one_process(launched):
     assert "[rank 0] Epoch 1/2" in output and "<stdout>:" not in output
 
 
-# -- one process, no horovodrun ----------------------------------------------------
-
-
-def test_single_process_without_horovodrun_trains_like_single(hvd):
-    strategy = kd.strategies.get("horovod")
-    assert kd.strategies.get("hvd") is strategy  # one per process, alias
-    assert (strategy.name, strategy.rank, strategy.world_size, strategy.num_replicas) == (
-        "horovod", 0, 1, 1)
-    assert strategy.num_local_replicas == 1 and strategy.first_local_replica == 0
-    assert strategy.topology.num_processes == 1 and strategy.is_chief
-    assert strategy.devices == ("/device:CPU:0",)
-    x, y = make_data()
-    keras.utils.set_random_seed(SEED)
-    reference = keras.Model(*graph())
-    model = kd.DistributedModel(reference.input, reference.output, strategy=strategy)
-    model.compile(optimizer=keras.optimizers.SGD(0.1),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
-    assert all(strategy.holds(v) for v in model.variables)
-    initial = model.get_weights()
-    history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
-    single, want, _, _ = _single_process(initial, 203)
-    _assert_weights(model.get_weights(), single.get_weights())
-    np.testing.assert_allclose(history.history["loss"], want["loss"], atol=1e-5)
-    np.testing.assert_allclose(model.predict(x, batch_size=BATCH, verbose=0),
-                               single.predict(x, batch_size=BATCH, verbose=0), atol=1e-5)
-    assert strategy.sync_sum([np.float32(2), np.arange(3)])[1].tolist() == [0, 1, 2]
-    assert strategy.agree_on_seed(5) == 5
-    np.testing.assert_array_equal(strategy.local_replica_values(model.variables[0])[0],
-                                  model.get_weights()[0])
-
-
-def test_bad_device_is_a_clear_error(hvd):
-    from keras_distrib.strategies.horovod import Horovod
-
-    with pytest.raises(ValueError, match="device '/cpu:9' does not exist"):
-        Horovod(device="/cpu:9")
-
-
-# -- (e) no Horovod ------------------------------------------------------------------
-
-_BLOCKERS = {
-    "none_in_sys_modules": "sys.modules['horovod'] = None\n",
-    "meta_path_blocker": (
-        "class Blocker:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'horovod' or name.startswith('horovod.'):\n"
-        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
-        "sys.meta_path.insert(0, Blocker())\n"
-    ),
-}
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("blocker", sorted(_BLOCKERS))
-def test_without_horovod_get_gives_one_line_error(blocker):
-    code = (
-        "import sys\n" + _BLOCKERS[blocker]
-        + "import keras_distrib as kd\n"
-        "try:\n"
-        "    kd.strategies.get('horovod')\n"
-        "except ImportError as e:\n"
-        "    assert isinstance(e, ValueError)\n"
-        "    print('CAUGHT', str(e))\n"
-        "kd.strategies.get('horovod')\n"
-    )
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=100)
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    assert f"CAUGHT {NOT_INSTALLED}\n" in proc.stdout
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last == f"keras_distrib.strategies.horovod.HorovodUnavailableError: {NOT_INSTALLED}"
-    assert "During handling" not in proc.stderr  # no chained ModuleNotFoundError

@@ -1,12 +1,13 @@
 """`keras-distrib launch`: real worker processes (plain Python, no TensorFlow).
 
-In-process tests call `launch.launch(config)`; the command-line tests run
-`python -m keras_distrib.launch`. The launcher never imports TensorFlow or
-Keras; the tests that check this run in fresh processes, since this one
-imports TensorFlow in conftest.
+Some tests call `launch.launch(config)` in this process; the command-line
+tests run `python -m keras_distrib.launch`. The launcher never imports
+TensorFlow or Keras; the test that checks a launch driven from Python runs
+in a fresh process, since this one may have imported TensorFlow (the other
+tiers do). What needs no process (flags, planning, the output printer) is in
+tests/unit/test_launch_options.py.
 """
 
-import importlib
 import json
 import os
 import queue
@@ -19,41 +20,12 @@ import time
 
 import pytest
 from helpers import ROOT, process_alive
+from pure_helpers import HEAVY_MODULES, RANK_PRELUDE, rank_pids, rank_script, run_python
 
 from keras_distrib import launch
-from keras_distrib.launch import LaunchConfig, LaunchError
-
-# The module, for its printer; `launch.supervise` is the function.
-supervise_lib = importlib.import_module("keras_distrib.launch.supervise")
+from keras_distrib.launch import LaunchConfig
 
 pytestmark = pytest.mark.timeout(60)
-
-REPO = ROOT
-
-# Every worker script starts with this: it records its PID (atomically, so
-# the test never reads half a file) for the "nothing left behind" checks.
-PRELUDE = textwrap.dedent("""\
-    import json, os, sys, time
-    RANK = int(os.environ["KERAS_DISTRIB_RANK"])
-    HERE = os.path.dirname(os.path.abspath(__file__))
-    def _write_pid():
-        path = os.path.join(HERE, f"rank{RANK}.pid")
-        with open(path + ".tmp", "w") as f:
-            f.write(str(os.getpid()))
-        os.replace(path + ".tmp", path)
-    _write_pid()
-""")
-
-
-def _script(tmp_path, body: str, name: str = "worker.py") -> str:
-    path = tmp_path / name
-    path.write_text(PRELUDE + textwrap.dedent(body))
-    return str(path)
-
-
-def _pids(tmp_path) -> dict[int, int]:
-    return {int(p.name[4:-4]): int(p.read_text()) for p in tmp_path.glob("rank*.pid")}
-
 
 @pytest.fixture
 def no_leftovers(tmp_path):
@@ -64,7 +36,7 @@ def no_leftovers(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    for pid in _pids(tmp_path).values():
+    for pid in rank_pids(tmp_path).values():
         for kill in (os.killpg, os.kill):
             try:
                 kill(pid, signal.SIGKILL)
@@ -78,7 +50,7 @@ def _lines_of(output: str, rank: int) -> list[str]:
 
 
 def _cli(*args, cwd=None) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": REPO, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "3"}
     return subprocess.Popen(
         [sys.executable, "-m", "keras_distrib.launch", *args], cwd=cwd, env=env,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -124,85 +96,18 @@ def _check_report(output: str, nproc: int, args, host="127.0.0.1"):
 
 
 # --------------------------------------------------------------------------
-# Pure helpers (no processes)
-
-
-@pytest.mark.parametrize("argv, head, tail", [
-    (["kd", "launch", "-n", "2", "t.py", "-n", "5", "--ssh"],
-     ["kd", "launch", "-n", "2"], ["t.py", "-n", "5", "--ssh"]),
-    (["kd", "-n", "2", "--ssh", "launch", "--hosts", "a,b", "t.py"],
-     ["kd", "-n", "2", "--ssh", "launch", "--hosts", "a,b"], ["t.py"]),
-    (["kd", "launch", "--nproc=2", "--", "-weird.py", "x"],
-     ["kd", "launch", "--nproc=2"], ["-weird.py", "x"]),
-    (["kd", "launch", "-n", "2"], ["kd", "launch", "-n", "2"], []),
-    (["kd"], ["kd"], []),
-])
-def test_split_argv_keeps_script_flags_away_from_absl(argv, head, tail):
-    assert launch.split_argv(argv) == (head, tail)
-
-
-def test_parse_hosts():
-    assert launch.parse_hosts(["a", "b"], 4) == ["a", "a", "b", "b"]
-    assert launch.parse_hosts(["a", "b"], 3) == ["a", "a", "b"]
-    assert launch.parse_hosts(["a:1", "b:3"], 4) == ["a", "b", "b", "b"]
-    assert launch.parse_hosts(["a:4", "b:4"], 2) == ["a", "a"]
-    assert launch.parse_hosts(["[fe80::1]:2"], 2) == ["[fe80::1]", "[fe80::1]"]
-
-
-@pytest.mark.parametrize("hosts, nproc, fragment", [
-    (["a:1", "b:1"], 3, "gives 2 slots but -n is 3"),
-    (["a", "b", "c"], 2, "lists 3 hosts but -n is 2"),
-    (["a", "a:2"], 2, "lists 'a' twice"),
-    (["a:0"], 1, "slots must be >= 1"),
-    (["fe80::1"], 1, "IPv6 hosts in brackets"),
-    (["a:x"], 1, "not host or host:slots"),
-])
-def test_parse_hosts_errors(hosts, nproc, fragment):
-    with pytest.raises(LaunchError, match=fragment):
-        launch.parse_hosts(hosts, nproc)
-
-
-def test_check_config_errors(tmp_path):
-    script = _script(tmp_path, "")
-    for config, fragment in [
-        (LaunchConfig(nproc=0, script=script), "must be >= 1, got 0"),
-        (LaunchConfig(nproc=1, script=str(tmp_path / "no.py")), "not found"),
-        (LaunchConfig(nproc=2, script=script, port_base=65535), "no room for 2 ports"),
-        (LaunchConfig(nproc=1, script=script, timeout=-1), "--timeout=-1"),
-        (LaunchConfig(nproc=1, script=script, max_restarts=-1), "--max_restarts=-1 must be >= 0"),
-        (LaunchConfig(nproc=1, script=script, grace_seconds=-1), "--grace_seconds=-1 must be >= 0"),
-        (LaunchConfig(nproc=1, script=script, backend="horovod", max_restarts=1),
-         "works with --backend=tf only"),
-    ]:
-        with pytest.raises(LaunchError, match=fragment):
-            launch.check_config(config)
-
-
-def test_port_base_in_use_is_refused(tmp_path):
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(1)
-        port = sock.getsockname()[1]
-        config = LaunchConfig(nproc=2, script=_script(tmp_path, ""), port_base=port)
-        with pytest.raises(LaunchError, match=f"port {port} is already in use.*--port_base"):
-            launch.launch(config)
-    assert not _pids(tmp_path)  # refused before starting anything
-
-
-# --------------------------------------------------------------------------
 # Local launches: real processes
 
 
 @pytest.mark.slow
 def test_two_workers_succeed_with_prefixed_lines_and_own_tf_config(tmp_path, capfd, no_leftovers):
     args = ("--nproc", "9", "-n", "3", "it's a b")
-    config = LaunchConfig(nproc=2, script=_script(tmp_path, REPORT_BODY), script_args=args)
+    config = LaunchConfig(nproc=2, script=rank_script(tmp_path, REPORT_BODY), script_args=args)
     assert launch.launch(config) == 0
     out, _ = capfd.readouterr()
     assert all(line.startswith(("[rank 0] ", "[rank 1] ")) for line in out.splitlines()), out
     _check_report(out, 2, args)
-    assert not any(process_alive(pid) for pid in _pids(tmp_path).values())
+    assert not any(process_alive(pid) for pid in rank_pids(tmp_path).values())
 
 
 @pytest.mark.slow
@@ -212,7 +117,7 @@ def test_two_workers_succeed_with_prefixed_lines_and_own_tf_config(tmp_path, cap
 ])
 def test_failing_rank_stops_the_others_and_sets_exit_code(
         tmp_path, capfd, no_leftovers, body, code, text):
-    script = _script(tmp_path, f"""\
+    script = rank_script(tmp_path, f"""\
         if RANK == 0:
             print("ready", flush=True)
             time.sleep(600)
@@ -228,7 +133,7 @@ def test_failing_rank_stops_the_others_and_sets_exit_code(
     summary = err.splitlines()
     first = summary.index(f"keras-distrib: rank 1 failed with exit code {code}; last output:")
     assert any(text in line for line in summary[first + 1:]), err
-    pids = _pids(tmp_path)
+    pids = rank_pids(tmp_path)
     assert set(pids) == {0, 1}
     for pid in pids.values():
         with pytest.raises(ProcessLookupError):
@@ -237,26 +142,26 @@ def test_failing_rank_stops_the_others_and_sets_exit_code(
 
 @pytest.mark.slow
 def test_rank_killed_by_signal_gives_128_plus_signum(tmp_path, capfd, no_leftovers):
-    script = _script(tmp_path, "os.kill(os.getpid(), 9) if RANK == 1 else time.sleep(600)")
+    script = rank_script(tmp_path, "os.kill(os.getpid(), 9) if RANK == 1 else time.sleep(600)")
     assert launch.launch(LaunchConfig(nproc=2, script=script)) == 128 + 9
     _, err = capfd.readouterr()
     assert "rank 1 failed with signal SIGKILL (exit code 137)" in err
-    assert not any(process_alive(pid) for pid in _pids(tmp_path).values())
+    assert not any(process_alive(pid) for pid in rank_pids(tmp_path).values())
 
 
 @pytest.mark.slow
 def test_timeout_stops_all_ranks(tmp_path, capfd, no_leftovers):
-    script = _script(tmp_path, "time.sleep(600)")
+    script = rank_script(tmp_path, "time.sleep(600)")
     config = LaunchConfig(nproc=2, script=script, timeout=1)
     assert launch.launch(config) == launch.EXIT_TIMEOUT
     assert "timed out after 1s" in capfd.readouterr().err
-    assert len(_pids(tmp_path)) == 2
-    assert not any(process_alive(pid) for pid in _pids(tmp_path).values())
+    assert len(rank_pids(tmp_path)) == 2
+    assert not any(process_alive(pid) for pid in rank_pids(tmp_path).values())
 
 
 @pytest.mark.slow
 def test_interrupt_escalates_to_sigkill_for_stubborn_ranks(tmp_path, capfd, no_leftovers):
-    script = _script(tmp_path, """\
+    script = rank_script(tmp_path, """\
         import signal
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -266,7 +171,7 @@ def test_interrupt_escalates_to_sigkill_for_stubborn_ranks(tmp_path, capfd, no_l
 
     def interrupt_when_ready():
         deadline = time.monotonic() + 20
-        while len(_pids(tmp_path)) < 2 and time.monotonic() < deadline:
+        while len(rank_pids(tmp_path)) < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
         time.sleep(0.2)  # let the workers install their handlers
         os.kill(os.getpid(), signal.SIGINT)  # the launcher's trap gets it
@@ -279,78 +184,11 @@ def test_interrupt_escalates_to_sigkill_for_stubborn_ranks(tmp_path, capfd, no_l
     assert code == 128 + signal.SIGINT
     assert time.monotonic() - start < 10
     assert "got SIGINT; stopping all ranks" in capfd.readouterr().err
-    assert not any(process_alive(pid) for pid in _pids(tmp_path).values())
+    assert not any(process_alive(pid) for pid in rank_pids(tmp_path).values())
 
 
 # --------------------------------------------------------------------------
 # Output: progress bars (\r redraws), CRLF, TensorFlow's C++ logs
-
-
-def _feed(chunks_by_source, hide_tf_noise=False) -> str:
-    """What the printer writes for `(source, chunk)` pairs fed in order."""
-    import io
-    stream = io.StringIO()
-    printer = supervise_lib._Printer(stream, hide_tf_noise=hide_tf_noise)
-    tail: list[str] = []
-    sources = {}
-    for source, chunk in chunks_by_source:
-        if source not in sources:
-            sources[source] = supervise_lib._Stream(f"[{source}] ", printer, tail)
-        sources[source].feed(chunk)
-    for source in sources.values():
-        source.close()
-    printer.end_line()
-    return stream.getvalue()
-
-
-def test_redraws_show_as_one_updating_line_and_crlf_ends_lines():
-    # Keras's progbar: backspaces over the old text, \r, the new text.
-    bar = [("r0", "\r0/3"), ("r0", "\b\b\b\r1/3"), ("r0", "\b\b\b\r2/3"), ("r0", "\n")]
-    assert _feed(bar) == "\r[r0] 0/3\r[r0] 1/3\r[r0] 2/3\n"
-    # ssh -tt: CRLF line ends, also when a read ends between \r and \n.
-    assert _feed([("r0", "one\r\ntwo\r\nthree\r"), ("r0", "\nfour\r\n")]) == (
-        "[r0] one\n[r0] two\n\r[r0] three\n[r0] four\n")
-    # A bar ended by CRLF; several redraws in one read show the last.
-    assert _feed([("r0", "\r1/3\r2/3"), ("r0", "\r3/3\r\n")]) == "\r[r0] 2/3\r[r0] 3/3\n"
-    # A plain partial line still waits for its end.
-    assert _feed([("r0", "Epo"), ("r0", "ch 1\n")]) == "[r0] Epoch 1\n"
-
-
-def test_banners_left_by_tf_cpp_min_log_level_are_dropped_unless_asked_for():
-    banners = ("WARNING: All log messages before absl::InitializeLog() is called are "
-               "written to STDERR\nI0000 00:00:1795414363.840102   27521 port.cc:153] oneDNN "
-               "custom operations are on.\n")
-    chunks = [("r0", banners + "Epoch 1/2\n")]
-    assert _feed(chunks, hide_tf_noise=True) == "[r0] Epoch 1/2\n"
-    assert _feed(chunks).count("[r0] ") == 3
-
-
-def test_another_sources_line_ends_an_open_redraw_first():
-    out = _feed([("r0", "\r1/3"), ("r1", "hello\n"), ("r0", "\r2/3"), ("r0", "\n"),
-                 ("r1", "bye\n")])
-    assert out == "\r[r0] 1/3\n[r1] hello\n\r[r0] 2/3\n[r1] bye\n"
-
-
-def test_horovodrun_prefixes_become_rank_labels():
-    import io
-    from keras_distrib.launch import backends
-    stream = io.StringIO()
-    printer = supervise_lib._Printer(stream)
-    tail: list = []
-    own = supervise_lib._Stream("[horovodrun] ", printer, tail)
-    demux = supervise_lib._RankDemux(backends.HOROVODRUN_RANK_PREFIX, own, printer, tail)
-    # As horovodrun forwards a Keras bar on rank 0 (each piece behind the
-    # prefix, ending in \r or \n), reads cut anywhere.
-    text = ("[0]<stdout>:\r[0]<stdout>:1/2 \b\b\b\b\r[1]<stdout>:hi\n"
-            "[0]<stdout>:2/2\n[1]<stderr>:warn\nProcess 1 exit with status code 0.\n"
-            "Mon Nov  3 06:13:52 2026[1]<stdout>:stamped\n")
-    for i in range(0, len(text), 7):
-        demux.feed(text[i:i + 7])
-    demux.close()
-    assert stream.getvalue() == (
-        "\r[rank 0] 1/2 \n[rank 1] hi\n[rank 0] 2/2\n[rank 1] warn\n"
-        "[horovodrun] Process 1 exit with status code 0.\n[rank 1] stamped\n")
-    assert "[rank 1] warn" in tail
 
 
 PROGRESS_BODY = """\
@@ -365,7 +203,7 @@ PROGRESS_BODY = """\
 
 @pytest.mark.slow
 def test_progress_bar_of_a_real_rank_is_one_updating_line(tmp_path, capfd, no_leftovers):
-    script = _script(tmp_path, PROGRESS_BODY)
+    script = rank_script(tmp_path, PROGRESS_BODY)
     assert launch.launch(LaunchConfig(nproc=1, script=script)) == 0
     out, _ = capfd.readouterr()
     bar, rest = out.split("\n", 1)
@@ -405,7 +243,7 @@ class _Watched:
 @pytest.mark.slow
 def test_a_redraw_shows_before_its_line_ends(tmp_path, no_leftovers):
     go = tmp_path / "go"
-    script = _script(tmp_path, f"""\
+    script = rank_script(tmp_path, f"""\
         print("\\r1/2", end="", flush=True)
         while not os.path.exists({str(go)!r}):
             time.sleep(0.01)
@@ -434,7 +272,7 @@ def test_tf_cpp_min_log_level_defaults_to_2_and_the_users_value_wins(
         monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
     else:
         monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", user_value)
-    script = _script(tmp_path, 'print("LEVEL=" + os.environ.get("TF_CPP_MIN_LOG_LEVEL", "unset"))')
+    script = rank_script(tmp_path, 'print("LEVEL=" + os.environ.get("TF_CPP_MIN_LOG_LEVEL", "unset"))')
     assert launch.launch(LaunchConfig(nproc=2, script=script)) == 0
     out, _ = capfd.readouterr()
     for rank in range(2):
@@ -466,7 +304,7 @@ AT_EXIT_BANNER = ("I0000 00:00:1795414312.000000   26383 coordination_service_ag
 @pytest.mark.slow
 def test_failure_tail_leaves_out_tf_banners_and_ends_with_the_traceback(
         tmp_path, capfd, no_leftovers):
-    script = _script(tmp_path, f"""\
+    script = rank_script(tmp_path, f"""\
         import atexit
         atexit.register(lambda: print({AT_EXIT_BANNER!r}, file=sys.stderr, flush=True))
         for line in {TF_BANNERS!r}:
@@ -492,7 +330,7 @@ def test_failure_tail_leaves_out_tf_banners_and_ends_with_the_traceback(
 def test_horovod_backend_output_has_one_prefix_style(tmp_path, capfd, no_leftovers):
     pytest.importorskip("horovod.tensorflow")
     script = tmp_path / "hvd_worker.py"
-    script.write_text(PRELUDE.replace('"KERAS_DISTRIB_RANK"', '"HOROVOD_RANK"') + textwrap.dedent("""\
+    script.write_text(RANK_PRELUDE.replace('"KERAS_DISTRIB_RANK"', '"HOROVOD_RANK"') + textwrap.dedent("""\
         print("hello", flush=True)
         if RANK == 0:
             for i in range(5):
@@ -512,37 +350,11 @@ def test_horovod_backend_output_has_one_prefix_style(tmp_path, capfd, no_leftove
     for rank in range(2):
         assert {"hello", "to stderr"} <= set(_lines_of(out, rank)), out
     assert "\r[rank 0] " in out and ("\r[rank 0] 4/5\n" in out or "\n[rank 0] 4/5\n" in out), repr(out)
-    assert not any(process_alive(pid) for pid in _pids(tmp_path).values())
+    assert not any(process_alive(pid) for pid in rank_pids(tmp_path).values())
 
 
 # --------------------------------------------------------------------------
 # Multi-host
-
-
-@pytest.mark.slow
-def test_multi_host_dry_run_prints_and_writes_tf_config(tmp_path, capfd, no_leftovers):
-    script = _script(tmp_path, "open(os.path.join(HERE, 'ran'), 'w').close()")
-    out_dir = tmp_path / "out"
-    config = LaunchConfig(nproc=3, script=script, script_args=("--lr", "0.1"),
-                          hosts=("node-a.invalid:2", "node-b.invalid"),
-                          output_dir=str(out_dir))
-    assert launch.launch(config) == 0
-    out, _ = capfd.readouterr()
-    expected_workers = ["node-a.invalid:23456", "node-a.invalid:23457", "node-b.invalid:23456"]
-    for rank, host in enumerate(["node-a.invalid", "node-a.invalid", "node-b.invalid"]):
-        line = next(l for l in out.splitlines() if l.startswith(f"rank {rank} on {host}: "))
-        tf_config = json.loads(line.split("TF_CONFIG=", 1)[1])
-        assert tf_config == {"cluster": {"worker": expected_workers},
-                             "task": {"type": "worker", "index": rank}}
-        assert json.loads((out_dir / f"rank-{rank}.tf_config.json").read_text()) == tf_config
-    commands = [l.strip() for l in out.splitlines() if l.startswith("  cd ")]
-    assert len(commands) == 3
-    assert all(c.endswith(f"{script} --lr 0.1") for c in commands)
-    assert "KERAS_DISTRIB_RANK=2" in commands[2]
-    host_a = (out_dir / "host-node-a.invalid.sh").read_text()
-    assert commands[0] in host_a and commands[1] in host_a and commands[2] not in host_a
-    assert (out_dir / "host-node-b.invalid.sh").exists()
-    assert not (tmp_path / "ran").exists() and not _pids(tmp_path)
 
 
 @pytest.mark.slow
@@ -551,7 +363,7 @@ def test_ssh_runs_remote_ranks_through_the_ssh_command(tmp_path, capfd, no_lefto
     fake_ssh = tmp_path / "fake_ssh.py"
     fake_ssh.write_text("import os, sys\nos.execvp('sh', ['sh', '-c', sys.argv[-1]])\n")
     args = ("quote's", "two words")
-    config = LaunchConfig(nproc=2, script=_script(tmp_path, REPORT_BODY), script_args=args,
+    config = LaunchConfig(nproc=2, script=rank_script(tmp_path, REPORT_BODY), script_args=args,
                           hosts=("node-a.invalid", "node-b.invalid"), ssh=True,
                           ssh_command=f"{sys.executable} {fake_ssh}")
     assert launch.launch(config) == 0
@@ -566,7 +378,7 @@ def test_ssh_runs_remote_ranks_through_the_ssh_command(tmp_path, capfd, no_lefto
 
 @pytest.mark.slow
 def test_cli_runs_workers_and_passes_script_flags_untouched(tmp_path, no_leftovers):
-    script = _script(tmp_path, REPORT_BODY)
+    script = rank_script(tmp_path, REPORT_BODY)
     args = ("-n", "5", "--hosts=x", "--ssh", "--", "tail")
     proc = _cli("launch", "-n", "2", "--tail_lines", "5", script, *args)
     no_leftovers.append(proc)
@@ -583,7 +395,7 @@ def test_cli_runs_workers_and_passes_script_flags_untouched(tmp_path, no_leftove
     (["train", "-n", "2", "{script}"], "unknown subcommand 'train'; valid subcommands: launch"),
 ])
 def test_cli_bad_flags_give_one_line_error(tmp_path, no_leftovers, args, fragment):
-    script = _script(tmp_path, "open(os.path.join(HERE, 'ran'), 'w').close()")
+    script = rank_script(tmp_path, "open(os.path.join(HERE, 'ran'), 'w').close()")
     proc = _cli(*[a.replace("{script}", script) for a in args], cwd=tmp_path)
     no_leftovers.append(proc)
     out, err = proc.communicate(timeout=45)
@@ -591,12 +403,12 @@ def test_cli_bad_flags_give_one_line_error(tmp_path, no_leftovers, args, fragmen
     errors = _error_lines(err)
     assert len(errors) == 1 and errors[0].startswith("keras-distrib: error: "), err
     assert fragment in errors[0]
-    assert not out and not _pids(tmp_path)
+    assert not out and not rank_pids(tmp_path)
 
 
 def _launch_two_sleepers(tmp_path, no_leftovers) -> subprocess.Popen:
     """`keras-distrib launch -n 2` of ranks that sleep; returns once both are up."""
-    script = _script(tmp_path, 'print("ready", flush=True)\ntime.sleep(600)\n')
+    script = rank_script(tmp_path, 'print("ready", flush=True)\ntime.sleep(600)\n')
     proc = _cli("launch", "-n", "2", script)
     no_leftovers.append(proc)
     lines: queue.Queue = queue.Queue()
@@ -613,27 +425,18 @@ def test_cli_sigint_stops_all_workers(tmp_path, no_leftovers):
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=20) == 128 + signal.SIGINT
     assert "got SIGINT; stopping all ranks" in proc.stderr.read()
-    pids = _pids(tmp_path)
+    pids = rank_pids(tmp_path)
     assert set(pids) == {0, 1}
     for pid in pids.values():
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
 
 
-def test_usage_lists_flags_and_env_contract():
-    text = launch.usage()
-    for fragment in ("-n,--nproc", "--hosts", "--port_base", "--bind", "--ssh",
-                     "--timeout", "--tail_lines", "--max_restarts", "--grace_seconds",
-                     "KERAS_DISTRIB_WORLD_SIZE", "KERAS_DISTRIB_RESTART",
-                     "KERAS_DISTRIB_SHM_DIR", "TF_CPP_MIN_LOG_LEVEL"):
-        assert fragment in text
-
-
 @pytest.mark.slow
 def test_workers_die_with_a_launcher_killed_by_sigkill(tmp_path, no_leftovers):
     """SIGKILL runs none of the launcher's clean-up; the kernel must."""
     proc = _launch_two_sleepers(tmp_path, no_leftovers)
-    pids = _pids(tmp_path)
+    pids = rank_pids(tmp_path)
     assert set(pids) == {0, 1}
     with open(f"/proc/{pids[0]}/environ", "rb") as f:
         environ = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
@@ -651,40 +454,14 @@ def test_workers_die_with_a_launcher_killed_by_sigkill(tmp_path, no_leftovers):
 
 
 # --------------------------------------------------------------------------
-# The launcher never imports TensorFlow or Keras (fresh processes: this one
-# imported TensorFlow in conftest)
-
-_HEAVY = ("tensorflow", "keras")
-
-
-def _python(code: str, *args: str, cwd=None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": REPO}
-    return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=45)
-
-
-def test_importing_the_launcher_imports_no_tensorflow():
-    code = textwrap.dedent("""\
-        import importlib, json, pkgutil, sys
-        import keras_distrib.launch as package
-        names = [f"{package.__name__}.{m.name}" for m in pkgutil.iter_modules(package.__path__)]
-        for name in names:  # __main__ too: it runs nothing unless run as a script
-            importlib.import_module(name)
-        print(json.dumps({"modules": names,
-                          "heavy": [m for m in sys.argv[1:] if m in sys.modules]}))
-    """)
-    proc = _python(code, *_HEAVY)
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout.splitlines()[-1])
-    for module in ("cli", "plan", "supervise", "backends", "__main__"):
-        assert f"keras_distrib.launch.{module}" in result["modules"]
-    assert result["heavy"] == [], result
+# The launcher never imports TensorFlow or Keras (a fresh process: this one
+# may have imported TensorFlow)
 
 
 @pytest.mark.slow
 def test_a_launch_driven_from_python_imports_no_tensorflow(tmp_path, no_leftovers):
     # The console script's own entry point, in a process we can look inside.
-    script = _script(tmp_path, 'print("hello", json.dumps(sys.argv[1:]))')
+    script = rank_script(tmp_path, 'print("hello", json.dumps(sys.argv[1:]))')
     code = textwrap.dedent("""\
         import json, sys
         from keras_distrib.launch import cli
@@ -696,10 +473,10 @@ def test_a_launch_driven_from_python_imports_no_tensorflow(tmp_path, no_leftover
             code = e.code
         print(json.dumps({"code": code, "heavy": [m for m in heavy if m in sys.modules]}))
     """)
-    proc = _python(code, script, *_HEAVY, cwd=tmp_path)
+    proc = run_python(code, script, *HEAVY_MODULES, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert '[rank 0] hello ["-n", "7"]' in lines, proc.stdout
     assert json.loads(lines[-1]) == {"code": 0, "heavy": []}, proc.stdout + proc.stderr
-    assert set(_pids(tmp_path)) == {0}
-    assert not any(process_alive(pid) for pid in _pids(tmp_path).values())
+    assert set(rank_pids(tmp_path)) == {0}
+    assert not any(process_alive(pid) for pid in rank_pids(tmp_path).values())

@@ -2,7 +2,8 @@
 
 Three kinds of test:
 
-* planning and flags, without processes (or with the launcher only);
+* flags, with the launcher only (planning without processes is in
+  tests/unit/test_launch_parameter_server_plan.py);
 * supervision (worker restarts, a lost ps, signals, the timeout) with
   `--ps_tasks_run_script` and plain-Python scripts that act out each role
   by their `TF_CONFIG` task type, so they take a second, not TensorFlow's
@@ -10,7 +11,9 @@ Three kinds of test:
 * real clusters: servers run `python -m keras_distrib.task_server` and the
   chief script below connects to them with
   `tf.distribute.ParameterServerStrategy` + `ClusterCoordinator` directly
-  (not through keras_distrib's strategy), ~10-25 s each on 2 cores.
+  (not through keras_distrib's strategy), ~10-25 s each on 2 cores; the
+  task server's own configuration is checked in one process in
+  tests/integration/test_parameter_server_config.py.
 
 Every test that starts a process is marked `slow`, as setup.cfg defines
 the marker (the plain-script ones take 1-4 s).
@@ -38,13 +41,13 @@ import uuid
 import pytest
 
 from helpers import ROOT
-from keras_distrib import cluster, launch, task_server
-from keras_distrib.launch import LaunchConfig, LaunchError
+from pure_helpers import write_script
+from keras_distrib import cluster, launch
+from keras_distrib.launch import LaunchConfig
 
 # The module, for its PS_LOSS_GRACE_SECONDS; `launch.supervise` is the function.
 supervise_lib = importlib.import_module("keras_distrib.launch.supervise")
 
-REPO = ROOT
 MARKER = "KD_PS_TEST"
 SERVER_MODULE = ["-m", "keras_distrib.task_server"]
 
@@ -95,7 +98,7 @@ class _Launcher:
     """`python -m keras_distrib.launch launch ...`, its stdout and stderr read live."""
 
     def __init__(self, args, cwd):
-        env = {**os.environ, "PYTHONPATH": REPO}
+        env = {**os.environ, "PYTHONPATH": ROOT}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "keras_distrib.launch", "launch", *args], cwd=cwd,
             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -163,96 +166,11 @@ def launcher(tmp_path, token):
 
 
 # --------------------------------------------------------------------------
-# Planning and flags
-
-
-def _script(tmp_path, body: str, name: str = "train.py") -> str:
-    path = tmp_path / name
-    path.write_text(textwrap.dedent(body))
-    return str(path)
-
-
-def test_plan_lays_out_chief_workers_and_ps_with_their_commands(tmp_path):
-    script = _script(tmp_path, "")
-    config = LaunchConfig(nproc=2, ps=1, script=script, script_args=("--lr", "1"))
-    plans = launch.plan(config)
-    assert [p.label for p in plans] == ["chief", "worker 0", "worker 1", "ps 0"]
-    assert [(p.info.task_type, p.info.task_index) for p in plans] == [
-        ("chief", 0), ("worker", 0), ("worker", 1), ("ps", 0)]
-    configs = [json.loads(p.env()["TF_CONFIG"]) for p in plans]
-    cluster = configs[0]["cluster"]
-    assert set(cluster) == {"chief", "worker", "ps"}
-    assert (len(cluster["chief"]), len(cluster["worker"]), len(cluster["ps"])) == (1, 2, 1)
-    addresses = cluster["chief"] + cluster["worker"] + cluster["ps"]
-    assert len(set(addresses)) == 4 and all(a.startswith("127.0.0.1:") for a in addresses)
-    for p, tf_config, address in zip(plans, configs, addresses):
-        assert tf_config == {"cluster": cluster, "task": {"type": p.info.task_type,
-                                                          "index": p.info.task_index}}
-        assert p.info.address == address
-    envs = [p.env() for p in plans]
-    assert [e.get("KERAS_DISTRIB_RANK") for e in envs] == ["0", "1", "2", None]
-    assert [e.get("KERAS_DISTRIB_WORLD_SIZE") for e in envs] == ["3", "3", "3", None]
-    assert launch.task_argv(plans[0], config) == [sys.executable, script, "--lr", "1"]
-    for p in plans[1:]:
-        assert launch.task_argv(p, config) == [sys.executable, *SERVER_MODULE]
-    kubeflow = LaunchConfig(nproc=2, ps=1, script=script, ps_tasks_run_script=True)
-    for p in launch.plan(kubeflow):
-        assert launch.task_argv(p, kubeflow) == [sys.executable, script]
-    # Without --ps nothing changes: ranks, all running the script.
-    sync = launch.plan(LaunchConfig(nproc=2, script=script))
-    assert [p.label for p in sync] == ["rank 0", "rank 1"]
-    assert json.loads(sync[1].env()["TF_CONFIG"])["task"] == {"type": "worker", "index": 1}
-
-
-def test_check_config_refuses_bad_parameter_server_settings(tmp_path):
-    script = _script(tmp_path, "")
-    for config, fragment in [
-        (LaunchConfig(nproc=0, ps=1, script=script), "--workers must be >= 1 with --ps"),
-        (LaunchConfig(nproc=1, ps=-1, script=script), "--ps=-1 must be >= 0"),
-        (LaunchConfig(nproc=2, script=script, ps_tasks_run_script=True),
-         "--ps_tasks_run_script needs --ps"),
-        (LaunchConfig(nproc=1, ps=1, script=script, backend="horovod"),
-         "--ps=1 works with --backend=tf only"),
-        (LaunchConfig(nproc=2, ps=1, script=script, port_base=65533),
-         "no room for 4 ports"),
-    ]:
-        with pytest.raises(LaunchError, match=fragment):
-            launch.check_config(config)
-    with pytest.raises(LaunchError, match="the job has 4 tasks .* raise --workers"):
-        launch.plan(LaunchConfig(nproc=2, ps=1, script=script,
-                                 hosts=tuple(f"h{i}.invalid" for i in range(5))))
-
-
-def test_multi_host_dry_run_names_each_task_by_role(tmp_path, capfd):
-    script = _script(tmp_path, "open('ran', 'w').close()")
-    out_dir = tmp_path / "out"
-    config = LaunchConfig(nproc=2, ps=1, script=script, hosts=("a.invalid:2", "b.invalid:2"),
-                          output_dir=str(out_dir))
-    assert launch.launch(config) == 0
-    out, _ = capfd.readouterr()
-    assert out.startswith("keras-distrib: 4 tasks, not started: a.invalid, b.invalid are remote")
-    expected = {"chief": ["a.invalid:23456"], "worker": ["a.invalid:23457", "b.invalid:23456"],
-                "ps": ["b.invalid:23457"]}
-    for label, host, name, task in [
-            ("chief", "a.invalid", "chief-0", {"type": "chief", "index": 0}),
-            ("worker 0", "a.invalid", "worker-0", {"type": "worker", "index": 0}),
-            ("worker 1", "b.invalid", "worker-1", {"type": "worker", "index": 1}),
-            ("ps 0", "b.invalid", "ps-0", {"type": "ps", "index": 0})]:
-        lines = out.splitlines()
-        at = next(i for i, line in enumerate(lines) if line.startswith(f"{label} on {host}: "))
-        tf_config = json.loads(lines[at].split("TF_CONFIG=", 1)[1])
-        assert tf_config == {"cluster": expected, "task": task}
-        assert json.loads((out_dir / f"{name}.tf_config.json").read_text()) == tf_config
-        command = lines[at + 1].strip()
-        runs_script = label == "chief"
-        assert command.endswith(script if runs_script else "-m keras_distrib.task_server"), command
-    host_b = (out_dir / "host-b.invalid.sh").read_text()
-    assert "tasks worker 1, ps 0 of 4" in host_b and host_b.count("task_server") == 2
-    assert not (tmp_path / "ran").exists()
+# Flags, through the command line
 
 
 def _cli_error(tmp_path, *args):
-    env = {**os.environ, "PYTHONPATH": REPO}
+    env = {**os.environ, "PYTHONPATH": ROOT}
     proc = subprocess.run([sys.executable, "-m", "keras_distrib.launch", "launch", *args],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("keras-distrib:")]
@@ -269,7 +187,7 @@ def _cli_error(tmp_path, *args):
     (["--workers", "0", "--ps", "1"], "--workers must be >= 1 with --ps"),
 ])
 def test_cli_bad_parameter_server_flags_give_one_line_error(tmp_path, token, args, fragment):
-    script = _script(tmp_path, "open('ran', 'w').close()")
+    script = write_script(tmp_path, "open('ran', 'w').close()")
     code, out, errors = _cli_error(tmp_path, *args, script)
     assert code == 2
     assert len(errors) == 1 and errors[0].startswith("keras-distrib: error: "), errors
@@ -280,17 +198,10 @@ def test_cli_bad_parameter_server_flags_give_one_line_error(tmp_path, token, arg
 @pytest.mark.slow
 def test_workers_flag_without_ps_is_n(tmp_path, token):
     # --workers N is -n N: the same ranks, `[rank N]` lines.
-    script = _script(tmp_path, "import os; print('size', os.environ['KERAS_DISTRIB_WORLD_SIZE'])")
+    script = write_script(tmp_path, "import os; print('size', os.environ['KERAS_DISTRIB_WORLD_SIZE'])")
     code, out, errors = _cli_error(tmp_path, "--workers", "2", "-n", "2", script)
     assert code == 0, errors
     assert sorted(out.splitlines()) == ["[rank 0] size 2", "[rank 1] size 2"]
-
-
-def test_usage_documents_parameter_servers():
-    text = launch.usage()
-    for fragment in ("--workers", "--ps", "--ps_tasks_run_script", "keras_distrib.task_server",
-                     "[chief]", "[worker I]", "[ps I]", "(100 when 0)", "0: up to 100"):
-        assert fragment in text, fragment
 
 
 # --------------------------------------------------------------------------
@@ -330,7 +241,7 @@ ROLE_PRELUDE = textwrap.dedent("""\
 
 
 def _role_script(tmp_path, body: str) -> str:
-    return _script(tmp_path, ROLE_PRELUDE + textwrap.dedent(body))
+    return write_script(tmp_path, ROLE_PRELUDE + textwrap.dedent(body))
 
 
 def _records(tmp_path) -> dict[tuple[str, int], dict]:
@@ -504,19 +415,10 @@ def test_signal_or_timeout_stops_every_task(tmp_path, capfd, token, how):
 # The task server
 
 
-def test_serve_refuses_a_chief_and_server_config_has_enough_inter_op_threads():
-    info = cluster.ClusterInfo(("127.0.0.1:1", "127.0.0.1:2"), 0, ps=("127.0.0.1:3",),
-                               has_chief=True, task_type="chief")
-    with pytest.raises(ValueError) as excinfo:
-        task_server.serve(info)
-    assert "\n" not in str(excinfo.value) and "'chief' task" in str(excinfo.value)
-    assert task_server.server_config().inter_op_parallelism_threads >= 4
-
-
 @pytest.mark.slow
 def test_task_server_without_a_cluster_is_a_one_line_error(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG" and not k.startswith("SLURM_")}
-    env["PYTHONPATH"] = REPO
+    env["PYTHONPATH"] = ROOT
     proc = subprocess.run([sys.executable, *SERVER_MODULE], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2
@@ -530,7 +432,7 @@ def test_task_server_exits_0_quietly_and_at_once_on_sigterm(tmp_path, token):
     chief, worker, ps = (f"127.0.0.1:{p}" for p in cluster.free_ports(3))
     config = {"cluster": {"chief": [chief], "worker": [worker], "ps": [ps]},
               "task": {"type": "ps", "index": 0}}
-    env = {**os.environ, "PYTHONPATH": REPO, "TF_CONFIG": json.dumps(config),
+    env = {**os.environ, "PYTHONPATH": ROOT, "TF_CONFIG": json.dumps(config),
            "TF_CPP_MIN_LOG_LEVEL": "3"}
     proc = subprocess.Popen([sys.executable, *SERVER_MODULE], env=env, cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -610,7 +512,7 @@ def _serving(run: _Launcher, count: int) -> dict[str, tuple[str, int]]:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_parameter_server_job_trains_and_leaves_nothing_running(tmp_path, launcher, token):
-    script = _script(tmp_path, CHIEF, "chief.py")
+    script = write_script(tmp_path, CHIEF, "chief.py")
     run = launcher("--workers", "2", "--ps", "1", "--timeout", "100", "--grace_seconds", "30",
                    script)
     run.wait_for(r"^\[chief\] VALUE", timeout=100)
@@ -634,7 +536,7 @@ def test_parameter_server_job_trains_and_leaves_nothing_running(tmp_path, launch
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_worker_killed_mid_run_is_restarted_and_the_chief_finishes(tmp_path, launcher, token):
-    script = _script(tmp_path, CHIEF, "chief.py")
+    script = write_script(tmp_path, CHIEF, "chief.py")
     go = tmp_path / "go"
     run = launcher("--workers", "2", "--ps", "1", "--timeout", "100", script, "until", str(go))
     try:
@@ -659,7 +561,7 @@ def test_worker_killed_mid_run_is_restarted_and_the_chief_finishes(tmp_path, lau
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_killed_ps_fails_the_job_and_nothing_is_left(tmp_path, launcher, token):
-    script = _script(tmp_path, CHIEF, "chief.py")
+    script = write_script(tmp_path, CHIEF, "chief.py")
     go = tmp_path / "go"  # never made: the chief runs until the ps is lost
     run = launcher("--workers", "1", "--ps", "1", "--timeout", "100", script, "until", str(go))
     run.wait_for(r"^\[chief\] connected", timeout=90)

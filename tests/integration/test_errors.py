@@ -316,32 +316,3 @@ def test_metric_average_per_batch_must_be_a_bool():
         kd.callbacks.MetricAverage(per_batch="yes")
     _one_line(e)
     assert kd.callbacks.MetricAverage(per_batch=np.bool_(True)).per_batch is True
-
-
-@pytest.mark.parametrize("nproc,warned", [(3, True), (2, False)])
-def test_launcher_warns_when_local_ranks_exceed_cpu_cores(tmp_path, monkeypatch, nproc, warned):
-    import importlib
-    import io
-    import os
-    import types
-
-    from keras_distrib.launch import LaunchConfig
-
-    cli = importlib.import_module("keras_distrib.launch.cli")
-    started = []
-    monkeypatch.setattr(cli, "supervise", lambda specs, config, out, err: (
-        started.append(len(specs)) or types.SimpleNamespace(exit_code=0)))
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    script = tmp_path / "train.py"
-    script.write_text("")
-    err = io.StringIO()
-    assert cli.launch(LaunchConfig(nproc=nproc, script=str(script)),
-                      io.StringIO(), err) == 0
-    assert started == [nproc]  # a warning, not an error: the ranks start
-    if warned:
-        assert err.getvalue() == (
-            "keras-distrib: warning: 3 ranks on this machine, which has 2 CPU cores; they "
-            "will compete for the cores and train slowly (lower -n, or spread the ranks "
-            "with --hosts).\n")
-    else:
-        assert err.getvalue() == ""
