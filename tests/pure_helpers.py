@@ -35,6 +35,26 @@ def process_alive(pid, zombies_count=True):
         return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def kill_process_group(proc) -> None:
+    """SIGKILLs the process group `proc` leads (it was started with
+    `start_new_session=True`: its children too), then reaps `proc`."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+def kill_pids(pids) -> None:
+    """SIGKILLs each pid a test recorded, and the process group it may lead."""
+    for pid in pids:
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
 # -- a fresh interpreter ---------------------------------------------------------------
 
 # What a process that must not load TensorFlow must not have in sys.modules.
@@ -135,11 +155,7 @@ def _launch_once(out, n, script, script_args, launch_flags, timeout, env, during
         proc.wait(timeout=timeout)
         reader.join(timeout=10)
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.wait()
+        kill_process_group(proc)
     return proc.returncode, "".join(chunks)
 
 

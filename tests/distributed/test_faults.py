@@ -23,7 +23,7 @@ import time
 import numpy as np
 import pytest
 
-from helpers import ROOT, launch, process_alive
+from helpers import ROOT, kill_process_group, launch, process_alive
 
 pytestmark = pytest.mark.slow
 
@@ -160,11 +160,7 @@ def test_sigterm_to_the_launcher_preempts_and_the_next_launch_resumes(tmp_path, 
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=120)
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        kill_process_group(proc)
     assert proc.returncode == 75, output[-3000:]
     stops = re.findall(r"every worker stopped at epoch (\d+), step (\d+)", output)
     assert len(stops) == 2 and stops[0] == stops[1], output[-3000:]

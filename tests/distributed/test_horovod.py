@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import ROOT, WORKERS, assert_weight_lists_close, train_single
+from helpers import ROOT, WORKERS, assert_weight_lists_close, kill_process_group, train_single
 
 WORKER = os.path.join(WORKERS, "hvd_train.py")
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
@@ -45,10 +45,7 @@ def _run(argv, out, timeout):
             output, _ = proc.communicate()
         pytest.fail(f"{argv[:3]} did not finish in {timeout}s:\n{output[-4000:]}")
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        kill_process_group(proc)
     assert proc.returncode == 0, output[-6000:]
     return _read(out), output
 

@@ -19,7 +19,7 @@ import threading
 import time
 
 import pytest
-from helpers import ROOT, process_alive
+from helpers import ROOT, kill_pids, kill_process_group, process_alive
 from pure_helpers import HEAVY_MODULES, RANK_PRELUDE, rank_pids, rank_script, run_python
 
 from keras_distrib import launch
@@ -33,15 +33,8 @@ def no_leftovers(tmp_path):
     started = []
     yield started
     for proc in started:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    for pid in rank_pids(tmp_path).values():
-        for kill in (os.killpg, os.kill):
-            try:
-                kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        kill_process_group(proc)
+    kill_pids(rank_pids(tmp_path).values())
 
 
 def _lines_of(output: str, rank: int) -> list[str]:

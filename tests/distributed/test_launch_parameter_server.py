@@ -40,7 +40,7 @@ import uuid
 
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, kill_pids, kill_process_group
 from pure_helpers import write_script
 from keras_distrib import cluster, launch
 from keras_distrib.launch import LaunchConfig
@@ -87,11 +87,7 @@ def token(monkeypatch):
     value = uuid.uuid4().hex
     monkeypatch.setenv(MARKER, value)
     yield value
-    for pid in _marked_pids(value):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+    kill_pids(_marked_pids(value))
 
 
 class _Launcher:
@@ -142,11 +138,7 @@ class _Launcher:
         return code
 
     def kill(self):
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.proc.wait()
+        kill_process_group(self.proc)
 
     def text(self) -> str:
         return "\n".join(["--- stdout", *self.out, "--- stderr", *self.err])

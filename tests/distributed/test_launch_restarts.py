@@ -18,13 +18,11 @@ import textwrap
 import time
 
 import pytest
-from helpers import ROOT, process_alive
+from helpers import ROOT, kill_pids, kill_process_group, process_alive
 
 from keras_distrib.launch_contract import PREEMPTED
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
-
-REPO = ROOT
 
 PRELUDE = textwrap.dedent("""\
     import json, os, signal, stat, sys, time
@@ -95,7 +93,7 @@ def launcher(tmp_path):
     started = []
 
     def start(*args) -> subprocess.Popen:
-        env = {**os.environ, "PYTHONPATH": REPO}
+        env = {**os.environ, "PYTHONPATH": ROOT}
         proc = subprocess.Popen(
             [sys.executable, "-m", "keras_distrib.launch", "launch", *args], cwd=tmp_path,
             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -107,18 +105,9 @@ def launcher(tmp_path):
         yield start
     finally:
         for proc in started:
-            _kill(os.killpg, proc.pid)
+            kill_process_group(proc)
             proc.communicate()
-        for record in _records(tmp_path).values():
-            for kill in (os.killpg, os.kill):
-                _kill(kill, record["pid"])
-
-
-def _kill(kill, pid) -> None:
-    try:
-        kill(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+        kill_pids(record["pid"] for record in _records(tmp_path).values())
 
 
 def _run(launcher, *args, timeout=40) -> tuple[int, str, str]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -25,7 +24,7 @@ import time
 import numpy as np
 import pytest
 
-from helpers import ROOT, WORKERS
+from helpers import ROOT, WORKERS, kill_process_group
 
 sys.path.insert(0, WORKERS)
 from sharded_ps import (  # noqa: E402
@@ -39,14 +38,6 @@ def _spawn(*args, log):
     return subprocess.Popen([sys.executable, WORKER, *args], cwd=ROOT, env=env,
                             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
-
-
-def _kill(proc):
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +60,7 @@ def cluster(tmp_path_factory):
         yield spec
     finally:
         for proc in procs:
-            _kill(proc)
+            kill_process_group(proc)
 
 
 def _wait_listening(ports, procs, logs, timeout=120):
@@ -97,7 +88,7 @@ def run_chief(cluster, mode, out, timeout=240):
         except subprocess.TimeoutExpired:
             code = "timeout"
         finally:
-            _kill(proc)
+            kill_process_group(proc)
     output = (out / "chief.log").read_text()
     assert code == 0, f"chief exited {code}:\n{output[-5000:]}"
     with open(out / "report.json") as f:

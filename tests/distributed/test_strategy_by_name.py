@@ -10,14 +10,13 @@ string. Every worker must end with the weights one process gets with
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from helpers import ROOT, WORKERS, build, launch, make_data
+from helpers import ROOT, WORKERS, build, kill_process_group, launch, make_data
 
 WORKER = os.path.join(WORKERS, "by_name.py")
 FORMS = ("functional", "subclass", "from_model")
@@ -104,11 +103,7 @@ def test_hand_set_tf_config_with_chief_role(tmp_path, single_weights):
         outputs = [p.communicate(timeout=240)[0] for p in procs]
     finally:
         for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            p.wait()
+            kill_process_group(p)
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
     summaries = [json.load(open(tmp_path / f"summary-rank{r}.json")) for r in range(2)]
     weights, _ = single_weights

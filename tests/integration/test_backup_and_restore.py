@@ -44,11 +44,6 @@ def _assert_same_state(a, b):
 
 
 @pytest.fixture(scope="module")
-def data():
-    return make_data()
-
-
-@pytest.fixture(scope="module")
 def uninterrupted(data, tmp_path_factory):
     """The reference: the same runs, never interrupted (per save_freq)."""
     models = {}

@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 from keras.src.utils import python_utils
 
-from helpers import build, make_data, plain_model, warmup_rate
+from helpers import build, plain_model, warmup_rate
 
 from keras_distrib import callbacks as kdc
 from keras_distrib.callbacks import _common
@@ -20,12 +20,8 @@ from keras_distrib.callbacks.replica_consistency_check import verdict
 from keras_distrib.strategies.single import SingleDevice
 
 N, BATCH = 64, 16  # 4 steps per epoch
+DATA_SAMPLES = N  # the `data` fixture's size (tests/conftest.py)
 LR = 0.1
-
-
-@pytest.fixture(scope="module")
-def data():
-    return make_data(N)
 
 
 class Record(keras.callbacks.Callback):

@@ -14,11 +14,6 @@ FORMS = ["functional", "subclass", "from_model"]
 BATCH, EPOCHS = 32, 2  # 203 samples: 7 steps per epoch (last 11 rows), 14 SGD steps
 
 
-@pytest.fixture(scope="module")
-def data():
-    return make_data()
-
-
 @pytest.mark.parametrize("form", FORMS)
 def test_matches_single(form, data):
     x, y = data

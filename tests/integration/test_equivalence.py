@@ -13,7 +13,6 @@ from helpers import (
     assert_trains_like_single,
     assert_weights_close,
     build,
-    make_data,
     plain_model,
     tf_dataset,
 )
@@ -21,11 +20,6 @@ from helpers import (
 FORMS = ["functional", "subclass", "from_model"]
 BATCH = 32
 EPOCHS = 2  # 203 samples -> 7 steps per epoch (last one 11 rows) -> 14 steps
-
-
-@pytest.fixture(scope="module")
-def data():
-    return make_data()
 
 
 @pytest.mark.parametrize("form", FORMS)

@@ -13,14 +13,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from helpers import CLASSES, build, make_data, plain_model
+from helpers import CLASSES, build, plain_model
 
 import keras_distrib as kd
-
-
-@pytest.fixture(scope="module")
-def data():
-    return make_data()
 
 
 def _given(x, y, **overrides):

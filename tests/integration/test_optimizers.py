@@ -14,12 +14,9 @@ import pytest
 
 from keras_distrib.optimizers import DistributedOptimizer
 from helpers import (COMPRESSION_TOLERANCE, assert_weights_close, build, collective_dtypes,
-                     make_data, plain_model)
+                     plain_model)
 
-
-@pytest.fixture(scope="module")
-def data():
-    return make_data(192)
+DATA_SAMPLES = 192  # the `data` fixture's size (tests/conftest.py)
 
 
 @pytest.mark.parametrize("strategy", ["single", "mirrored"])

@@ -30,11 +30,6 @@ CPU0, CPU1 = "/device:CPU:0", "/device:CPU:1"
 BATCH, EPOCHS = 32, 2  # 203 samples: 7 steps per epoch, the last one 11 rows
 
 
-@pytest.fixture(scope="module")
-def data():
-    return make_data()
-
-
 def pipeline(**options):
     options.setdefault("num_micro_batches", 4)
     return kd.strategies.get("pipeline", **options)

@@ -10,12 +10,7 @@ import numpy as np
 import pytest
 
 import keras_distrib as kd
-from helpers import FEATURES, Net, assert_weights_close, build, make_data, plain_model
-
-
-@pytest.fixture(scope="module")
-def data():
-    return make_data()
+from helpers import FEATURES, Net, assert_weights_close, build, plain_model
 
 
 @pytest.mark.parametrize("form", ["functional", "from_model"])

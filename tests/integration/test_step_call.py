@@ -12,14 +12,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from helpers import build, make_data, plain_model, tf_dataset
+from helpers import build, plain_model, tf_dataset
 
 KERAS_FUNCTION_OPS = {"OptionalFromValue", "StatefulPartitionedCall", "PartitionedCall"}
-
-
-@pytest.fixture(scope="module")
-def data():
-    return make_data()
 
 
 def _op_types(compiled, dataset):

@@ -15,16 +15,10 @@ import pytest
 import tensorflow as tf
 
 import keras_distrib as kd
-from helpers import (CLASSES, FEATURES, Crash, CrashAfter, Net, build, make_data,
-                     plain_model, weights_moved)
+from helpers import CLASSES, FEATURES, Crash, CrashAfter, Net, build, plain_model, weights_moved
 
 DEVICES = ("/device:CPU:0", "/device:CPU:1")
 BATCH, EPOCHS, STEPS = 32, 2, 14  # 203 samples: 7 steps per epoch, the last 11 rows
-
-
-@pytest.fixture(scope="module")
-def data():
-    return make_data()
 
 
 def tensor_parallel(**options):
@@ -403,7 +397,6 @@ def test_plain_keras_files_load_into_the_split_model(data, tmp_path):
     model.set_weights(other)
     for a, b in zip(other, model.get_weights()):
         np.testing.assert_array_equal(a, b)
-
 
 
 @pytest.mark.parametrize("form", ["functional", "subclass"])
