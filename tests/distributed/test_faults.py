@@ -58,13 +58,12 @@ def _last_error_line(output):
                        r"\[8,[45]\] where another worker's has shape \[8,[45]\]"),
 ])
 def test_mismatched_work_is_a_one_line_error(tmp_path, case, expected):
-    start = time.monotonic()
     code, output = launch(tmp_path, 2, MISMATCH, "--case", case, expect=None, timeout=150)
-    took = time.monotonic() - start
     assert code != 0, output[-3000:]
     assert re.search(expected, output), _last_error_line(output)
     assert "done" not in output  # neither rank went on as if all was well
-    assert took < 120, took  # ended on its own, far below the launcher's timeout
+    # Ended on its own, not stopped by the launcher's timeout.
+    assert "keras-distrib: timed out after" not in output, output[-3000:]
 
 
 def test_a_rank_exiting_early_fails_the_waiting_one_naming_it(tmp_path):
@@ -148,15 +147,18 @@ def test_a_restarted_job_equals_an_uninterrupted_one(tmp_path, uninterrupted, n,
 
 def test_sigterm_to_the_launcher_preempts_and_the_next_launch_resumes(tmp_path, uninterrupted):
     backup = tmp_path / "backup"
+    # After the first backup (step 4 of 24) every rank waits until it is
+    # sent SIGTERM: the signal below always lands mid-training.
     argv = [sys.executable, "-m", "keras_distrib.launch", "launch", "-n", "2", "--timeout",
-            "200", FAULTS, "--out", str(tmp_path), "--backup", str(backup), "--step_sleep", "0.2"]
+            "200", FAULTS, "--out", str(tmp_path), "--backup", str(backup),
+            "--hold_after_step", "4"]
     proc = subprocess.Popen(argv, cwd=ROOT, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
         deadline = time.monotonic() + 150
         while not glob.glob(str(backup / "backup-*")) and time.monotonic() < deadline:
-            time.sleep(0.05)  # training has passed its first backup (step 4 of 24)
+            time.sleep(0.05)  # training has reached its first backup
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=120)
     finally:

@@ -128,6 +128,12 @@ class _Launcher:
         assert len(found) >= count, f"no {pattern!r} within {timeout}s:\n{self.text()}"
         return found[:count]
 
+    def count(self, pattern: str) -> int:
+        """How many stdout+stderr lines so far match `pattern`."""
+        regex = re.compile(pattern)
+        with self._changed:
+            return sum(1 for line in self.out + self.err if regex.search(line))
+
     def finish(self, timeout: float) -> int:
         try:
             code = self.proc.wait(timeout=timeout)
@@ -334,9 +340,9 @@ def test_lost_ps_is_not_restarted_and_a_chief_running_on_is_stopped(
             os.kill(os.getpid(), 9)
         time.sleep(600)  # the chief too: as if it missed the loss
     """)
-    start = time.monotonic()
+    # The chief sleeps 600 s: the launch ends (within the test's timeout)
+    # only because the launcher stops it.
     assert launch.launch(_ps_config(script, nproc=1)) == 1
-    assert time.monotonic() - start < 20
     _, err = capfd.readouterr()
     lines = err.splitlines()
     assert ("[launcher] ps 0 exited (signal 9); not restarting it (its variables are lost); "
@@ -435,11 +441,10 @@ def test_task_server_exits_0_quietly_and_at_once_on_sigterm(tmp_path, token):
             if "serving on" in line:
                 break
         assert f"keras_distrib: ps 0 serving on {ps} (pid {proc.pid})\n" in lines
-        time.sleep(0.5)
-        start = time.monotonic()
+        # At once: its handler is in place from before TensorFlow's import,
+        # so the signal is sent as soon as it serves.
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=5) == 0
-        assert time.monotonic() - start < 2
         assert proc.stderr.read() == "" and proc.stdout.read() == ""
     finally:
         proc.kill()
@@ -451,7 +456,8 @@ def test_task_server_exits_0_quietly_and_at_once_on_sigterm(tmp_path, token):
 
 # Connects to the servers as TF_CONFIG lists them, then schedules closures
 # that add 1.0 to a variable on the ps: 20 of them, or with `until FILE`
-# batches of 10 until FILE exists, then 20 more. Prints its progress.
+# batches of 10 until FILE exists (`ran N` after each), then 20 more.
+# Prints its progress.
 CHIEF = textwrap.dedent("""\
     import json, os, sys, time
     import tensorflow as tf
@@ -486,6 +492,7 @@ CHIEF = textwrap.dedent("""\
             if time.monotonic() > deadline:
                 sys.exit("never told to finish")
             run(10)
+            print("ran", float(v.numpy()), flush=True)
             time.sleep(0.1)
     run(20)
     print("VALUE", float(v.numpy()), flush=True)
@@ -505,14 +512,13 @@ def _serving(run: _Launcher, count: int) -> dict[str, tuple[str, int]]:
 @pytest.mark.timeout(120)
 def test_parameter_server_job_trains_and_leaves_nothing_running(tmp_path, launcher, token):
     script = write_script(tmp_path, CHIEF, "chief.py")
-    run = launcher("--workers", "2", "--ps", "1", "--timeout", "100", "--grace_seconds", "30",
+    # The servers, connected to by the coordinator, exit on SIGTERM: not
+    # after --grace_seconds (SIGKILL), which would keep the job running
+    # past finish()'s timeout.
+    run = launcher("--workers", "2", "--ps", "1", "--timeout", "100", "--grace_seconds", "600",
                    script)
     run.wait_for(r"^\[chief\] VALUE", timeout=100)
-    done = time.monotonic()
-    assert run.finish(timeout=100) == 0, run.text()
-    # The servers, connected to by the coordinator, exit on SIGTERM: not
-    # after --grace_seconds (SIGKILL).
-    assert time.monotonic() - done < 15, run.text()
+    assert run.finish(timeout=60) == 0, run.text()
     assert "[chief] VALUE 30.0" in run.out, run.text()
     tf_config = json.loads(next(l for l in run.out if l.startswith("[chief] TF_CONFIG="))[18:])
     assert tf_config["task"] == {"type": "chief", "index": 0}
@@ -540,7 +546,10 @@ def test_worker_killed_mid_run_is_restarted_and_the_chief_finishes(tmp_path, lau
         again = run.wait_for(SERVING, timeout=60, count=4)[-1]
         assert (again["label"], again["address"]) == ("worker 1", address)
         assert int(again["pid"]) != pid
-        time.sleep(2)  # some closures while the coordinator reconnects
+        # Some closures while the coordinator reconnects: batches that
+        # complete after the new worker 1 serves.
+        done = run.count(r"^\[chief\] ran ")
+        run.wait_for(r"^\[chief\] ran ", timeout=60, count=done + 3)
     finally:
         go.touch()
     assert run.finish(timeout=60) == 0, run.text()
@@ -559,9 +568,8 @@ def test_killed_ps_fails_the_job_and_nothing_is_left(tmp_path, launcher, token):
     run.wait_for(r"^\[chief\] connected", timeout=90)
     _, pid = _serving(run, 2)["ps 0"]
     os.kill(pid, signal.SIGKILL)
-    start = time.monotonic()
     code = run.finish(timeout=90)
-    assert code != 0 and time.monotonic() - start < 90, run.text()
+    assert code != 0, run.text()
     assert ("[launcher] ps 0 exited (signal 9); not restarting it (its variables are lost); "
             "the chief should fail, else it is stopped in 60s.") in run.err, run.text()
     assert "keras-distrib: chief failed with exit code 1; last output:" in run.err, run.text()

@@ -295,7 +295,9 @@ def test_a_killed_ps_is_a_one_line_error_and_nothing_is_left(tmp_path):
                                    during=kill_the_ps)
     assert started and code != 0
     print("seconds from the kill to the end of the job:", time.monotonic() - started[0])
-    assert time.monotonic() - started[0] < 60
+    # The chief failed on its own: the launcher did not have to stop it
+    # (it does when the chief still runs a while after a ps is lost).
+    assert "the chief still runs" not in output, output[-3000:]
     assert re.search(r"ParameterServerLostError: parameter server ps 0 \(127\.0\.0\.1:\d+\) "
                      r"failed; its variables are lost", output), output[-3000:]
     assert report is None

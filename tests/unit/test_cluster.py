@@ -9,7 +9,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -507,6 +506,34 @@ def listener():
     sock.close()
 
 
+class _Clock:
+    """Virtual time: `sleep` advances `now` at once (after calling
+    `on_sleep(now)`, if set). Durations are asserted on it, not on the wall
+    clock: a loaded machine cannot make them fail, nor slow the test."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.on_sleep = None
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        if self.on_sleep is not None:
+            self.on_sleep(self.now)
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """The clock keras_distrib.cluster.network waits by (its `time` module)."""
+    from keras_distrib.cluster import network
+
+    fake = _Clock()
+    monkeypatch.setattr(network, "time", fake)
+    return fake
+
+
 def test_parse_address():
     assert cluster.parse_address("10.0.0.1:2222") == ("10.0.0.1", 2222)
     assert cluster.parse_address("[::1]:2222") == ("::1", 2222)
@@ -551,23 +578,21 @@ def test_free_ports_are_distinct_and_bindable():
             sock.bind(("127.0.0.1", port))
 
 
-def test_wait_for_peers_succeeds_against_listening_peer(listener):
+def test_wait_for_peers_succeeds_against_listening_peer(listener, clock):
     (own,) = cluster.free_ports(1)
     peer = listener.getsockname()[1]
     info = ClusterInfo((f"127.0.0.1:{own}", f"127.0.0.1:{peer}"), 0)
-    start = time.monotonic()
     cluster.wait_for_peers(info, timeout=10)
-    assert time.monotonic() - start < 2
+    assert clock.now < 2
 
 
-def test_wait_for_peers_times_out_naming_first_missing_peer(listener):
+def test_wait_for_peers_times_out_naming_first_missing_peer(listener, clock):
     own, closed = cluster.free_ports(2)
     up = listener.getsockname()[1]
     info = ClusterInfo((f"127.0.0.1:{own}", f"127.0.0.1:{up}", f"127.0.0.1:{closed}"), 0)
-    start = time.monotonic()
     with pytest.raises(ClusterConfigError) as excinfo:
         cluster.wait_for_peers(info, timeout=0.5, poll=0.05)
-    assert time.monotonic() - start < 5
+    assert clock.now < 5
     assert_one_line_error(excinfo, f"worker 2 at 127.0.0.1:{closed}",
                            "did not answer within 0.5s", "is it started?")
 
@@ -751,7 +776,8 @@ def test_port_helpers_probe_where_the_port_is_used(fake_dns, listener):
     assert_one_line_error(excinfo, f"worker 0 at 127.0.0.2:{port}", "already in use")
 
 
-def test_wait_for_peers_unresolvable_host_fails_after_grace(monkeypatch, fake_dns, listener):
+def test_wait_for_peers_unresolvable_host_fails_after_grace(monkeypatch, fake_dns, listener,
+                                                           clock):
     from keras_distrib.cluster import network
 
     monkeypatch.setattr(network, "UNRESOLVED_GRACE", 0.5, raising=False)
@@ -759,10 +785,10 @@ def test_wait_for_peers_unresolvable_host_fails_after_grace(monkeypatch, fake_dn
     up = listener.getsockname()[1]
     info = ClusterInfo((f"127.0.0.1:{own}", "nonexistent-host.invalid:1234",
                         f"127.0.0.1:{up}"), 0)
-    start = time.monotonic()
+    start = clock.now
     with pytest.raises(ClusterConfigError) as excinfo:
         cluster.wait_for_peers(info, timeout=20, poll=0.05)
-    elapsed = time.monotonic() - start
+    elapsed = clock.now - start
     assert 0.5 <= elapsed < 0.5 + 3, elapsed
     assert_one_line_error(excinfo, "worker 1 at nonexistent-host.invalid:1234",
                            "'nonexistent-host.invalid' does not resolve",
@@ -776,22 +802,21 @@ def test_wait_for_peers_unresolvable_host_fails_after_grace(monkeypatch, fake_dn
     (closed,) = cluster.free_ports(1)
     closed_info = ClusterInfo((f"127.0.0.1:{own}", f"localhost:{closed}"), 0)
     monkeypatch.setattr(network, "UNRESOLVED_GRACE", 0.1, raising=False)
-    start = time.monotonic()
+    start = clock.now
     with pytest.raises(ClusterConfigError) as excinfo:
         cluster.wait_for_peers(closed_info, timeout=1.0, poll=0.05)
-    assert time.monotonic() - start >= 1.0
+    assert clock.now - start >= 1.0
     assert_one_line_error(excinfo, f"worker 1 at localhost:{closed}", "did not answer within 1s")
     # A name that appears within the grace (Kubernetes, Slurm) is waited for.
     monkeypatch.setattr(network, "UNRESOLVED_GRACE", 5.0, raising=False)
     fake_dns["late.test"] = None
-    real_sleep, start = time.sleep, time.monotonic()
+    start = clock.now
 
-    def sleep(seconds):
-        if time.monotonic() - start > 0.3:
+    def appear_after_0_3s(now):
+        if now - start > 0.3:
             fake_dns["late.test"] = ["127.0.0.1"]
-        real_sleep(seconds)
 
-    monkeypatch.setattr(network.time, "sleep", sleep)
+    clock.on_sleep = appear_after_0_3s
     cluster.wait_for_peers(ClusterInfo((f"127.0.0.1:{own}", f"late.test:{up}"), 0),
                            timeout=10, poll=0.05)
-    assert 0.3 <= time.monotonic() - start < 3
+    assert 0.3 <= clock.now - start < 3
