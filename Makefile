@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # then a cached wheel under .venv/horovod-wheels.
 HOROVOD := $(VENV)/.horovod
 
-.PHONY: demo test test-fast zoo-matrix bench clean
+.PHONY: demo test test-fast test-unit zoo-matrix bench clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,11 +42,18 @@ demo: $(STAMP)
 	@echo "== too large for one device: pipeline vs tensor_parallel (configs/split_model.json) =="
 	@grep -h -e 'one device would need' -e '^result: ' $(DEMO_LOG)-split.log | sed 's/^result: //'
 
+# The test tiers (tests/unit: pure Python, no TensorFlow; tests/integration:
+# one process; tests/distributed: tests that start processes), then the
+# model zoo: setup.cfg's testpaths. The 20 slowest tests are listed at the end.
 test: $(HOROVOD)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 test-fast: $(HOROVOD)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q tests/unit tests/integration
+
+# Needs neither Horovod nor TensorFlow's start-up.
+test-unit: $(STAMP)
+	$(PY) -m pytest -q tests/unit
 
 # Runs the model zoo (tests/zoo) and writes its zoo x strategy matrix into
 # README.md (make test checks that the README says what the zoo found).

@@ -1,27 +1,67 @@
-"""Test set-up shared by every test in this process.
+"""Test set-up shared by every tier (tests/unit, tests/integration,
+tests/distributed, tests/zoo) in this process.
 
-The in-process tests see two logical CPUs so that `"mirrored"` runs two real
-replicas with real cross-device reductions. This must happen before
-TensorFlow initialises its devices, i.e. at import of this conftest.
+The tests that use TensorFlow see two logical CPUs, so that `"mirrored"`
+runs two real replicas with real cross-device reductions. That must happen
+before TensorFlow initialises its devices: here, just before pytest imports
+the first test module outside tests/unit (while pytest captures the
+collection's output, which TensorFlow's start-up banners go to). The unit
+tier never imports TensorFlow (tests/unit/conftest.py checks that), so
+nothing here imports it at import time either.
 """
 
 import os
 
+import pytest
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tensorflow as tf  # noqa: E402
+UNIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "unit")
+_logical_cpus_configured = False
 
-_cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(
-    _cpu, [tf.config.LogicalDeviceConfiguration()] * 2
-)
+
+def _split_the_cpu_in_two() -> None:
+    global _logical_cpus_configured
+    if _logical_cpus_configured:
+        return
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+    )
+    _logical_cpus_configured = True
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_make_collect_report(collector):
+    """Runs before pytest imports each test module (returns None: pytest
+    then collects it as usual)."""
+    if isinstance(collector, pytest.Module) and \
+            os.path.commonpath([str(collector.path), UNIT]) != UNIT:
+        _split_the_cpu_in_two()
+
+
+# -- fixtures shared by the tiers ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def data(request):
+    """`helpers.make_data()` for the test module: 203 samples, or the
+    module's `DATA_SAMPLES`."""
+    from helpers import make_data
+
+    samples = getattr(request.module, "DATA_SAMPLES", None)
+    return make_data() if samples is None else make_data(samples)
+
+
+@pytest.fixture(scope="module")
+def hvd():
+    """`horovod.tensorflow`; the test skips where it cannot be imported."""
+    return pytest.importorskip("horovod.tensorflow")
 
 
 # -- launches shared by several test modules -------------------------------------------
-
-import pytest  # noqa: E402
-
-from helpers import KERAS_FEATURES_WORKER, ZOO_PROCESS_PATTERNS, launch  # noqa: E402
 
 _FEATURE_PROBES = ("metric_objects", "unseeded_shuffle", "load_model", "batch_norm",
                    "seeded_shuffle", "sparse_input", "pydataset_workers", "ragged_input",
@@ -34,6 +74,8 @@ def probes(tmp_path_factory):
     """One `keras-distrib launch -n 2` of tests/workers/keras_features.py
     under `multi_worker`: every Keras-feature probe and the model zoo's
     multi-process patterns."""
+    from helpers import KERAS_FEATURES_WORKER, ZOO_PROCESS_PATTERNS, launch
+
     out = tmp_path_factory.mktemp("keras_features")
     launch(out, 2, KERAS_FEATURES_WORKER, "--out", str(out),
            "--probes", ",".join(_FEATURE_PROBES + ("zoo",)),
@@ -45,6 +87,8 @@ def probes(tmp_path_factory):
 def horovod_probes(tmp_path_factory):
     """The same under `horovod`, 2 ranks (Gloo): the probes of the
     `BY_STRATEGY` tests and the zoo's patterns."""
+    from helpers import KERAS_FEATURES_WORKER, ZOO_PROCESS_PATTERNS, launch
+
     pytest.importorskip("horovod.tensorflow")
     out = tmp_path_factory.mktemp("keras_features_horovod")
     launch(out, 2, KERAS_FEATURES_WORKER, "--out", str(out), "--probes",

@@ -1,16 +1,13 @@
 """Small models and data shared by the tests."""
 
-import os
-import signal
-import subprocess
-import sys
-import threading
-
 import keras
 import numpy as np
 import tensorflow as tf
 
 import keras_distrib as kd
+# Paths and processes (no TensorFlow there: the unit tier imports them alone).
+from pure_helpers import (  # noqa: F401  (re-exported)
+    KERAS_FEATURES_WORKER, ROOT, WORKERS, kill_pids, kill_process_group, launch, process_alive)
 
 FEATURES, CLASSES = 8, 3
 
@@ -137,6 +134,41 @@ def assert_trains_like_single(form, strategy, x, y, batch_size=32, epochs=2, ste
     return model
 
 
+def warmup_rate(step, multiplier, warmup_steps, base):
+    """The rate `LearningRateWarmup` sets after `step` steps: `base` rising
+    linearly to `base * multiplier` over `warmup_steps` steps."""
+    return base * (1 + (multiplier - 1) * min(step / warmup_steps, 1))
+
+
+# Stated tolerances of compressed all-reduce against fp32, after one epoch of
+# 3 SGD steps at lr 0.1 on the test MLP (measured: fp16 ~1e-5, bf16 ~2e-4).
+COMPRESSION_TOLERANCE = {"fp16": 1e-4, "bf16": 2e-3}
+
+
+def train_single(initial, samples, batch_size, epochs, validation=0):
+    """One process, strategy "single", from the weights `initial`: SGD 0.1,
+    unshuffled, on `make_data(samples)` (its first `validation` samples also
+    as validation data). Returns (model, history dict, x, y)."""
+    x, y = make_data(samples)
+    reference = keras.Model(*graph())
+    model = kd.DistributedModel(reference.input, reference.output, strategy="single")
+    model.set_weights(initial)
+    model.compile(optimizer=keras.optimizers.SGD(0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    val = (x[:validation], y[:validation]) if validation else None
+    history = model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False,
+                        validation_data=val, verbose=0)
+    return model, history.history, x, y
+
+
+def assert_weight_lists_close(got, want, atol=1e-5):
+    """Two lists of weight arrays, equal within `atol`."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, atol=atol, rtol=0)
+
+
 def weights_moved(model, reference):
     return any(
         not np.allclose(x, y) for x, y in zip(model.get_weights(), reference.get_weights())
@@ -206,9 +238,6 @@ def collective_dtypes(model, x, y):
     return sorted(dtypes)
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KERAS_FEATURES_WORKER = os.path.join(ROOT, "tests", "workers", "keras_features.py")
-
 # The model zoo's patterns (tests/zoo/patterns.py) each multi-process
 # strategy runs, in the launches of tests/conftest.py (`probes`,
 # `horovod_probes`) and tests/zoo/test_zoo_processes.py (parameter_server).
@@ -221,78 +250,6 @@ ZOO_PROCESS_PATTERNS = {
     "parameter_server": ("lambda", "user_layer", "user_metric", "embeddings_adam", "gan",
                          "guide_train_step", "tf_distribute_scope"),
 }
-
-
-def process_alive(pid, zombies_count=True):
-    """Whether process `pid` exists (an exited, unreaped one only if
-    `zombies_count`: a worker whose launcher is gone waits for init to
-    reap it)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    if zombies_count:
-        return True
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-
-
-# TensorFlow's gRPC server answers a request it fails to parse with INTERNAL
-# "Unable to parse request" (tensorflow/core/distributed_runtime/rpc/
-# grpc_call.h). CI saw it once, in a parameter-server job on a loaded
-# 2-core machine (a remote copy from a worker to the chief; the coordinator
-# does not count it as a worker failure, so `fit` fails); no other run of
-# this suite has shown it, and no upstream issue was found. A job that
-# fails with it, and nothing was done to it meanwhile, runs once more.
-_TRANSPORT_FLAKE = 'grpc_message:"Unable to parse request"'
-
-
-def launch(out, n, script, *script_args, launch_flags=(), timeout=300, expect=0, env=None,
-           during=None):
-    """Runs `keras-distrib launch -n n script ...` for real; returns its output.
-
-    Fails with the output's tail unless the launcher exits with `expect`
-    (every rank exited 0, by default); with `expect=None` returns
-    `(exit code, output)` instead. `env` adds environment variables;
-    `during(proc)`, if given, runs while the job does (to kill a task, say).
-    The process group is killed whatever happens, so no worker outlives the
-    test. A job that fails with TensorFlow's rare transport error (see
-    `_TRANSPORT_FLAKE`) runs once more, unless `during` acted on it.
-    """
-    code, output = _launch_once(out, n, script, script_args, launch_flags, timeout, env, during)
-    if code != 0 and during is None and _TRANSPORT_FLAKE in output:
-        print(f"helpers.launch: {_TRANSPORT_FLAKE} (TensorFlow's gRPC transport); "
-              "running the job once more", file=sys.stderr)
-        code, output = _launch_once(out, n, script, script_args, launch_flags, timeout, env,
-                                    during)
-    if expect is None:
-        return code, output
-    assert code == expect, output[-5000:]
-    return output
-
-
-def _launch_once(out, n, script, script_args, launch_flags, timeout, env, during):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TMPDIR=str(out), **(env or {}))
-    argv = [sys.executable, "-m", "keras_distrib.launch", "launch", "-n", str(n),
-            "--timeout", str(timeout - 30), *launch_flags, script, *script_args]
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    chunks = []
-    reader = threading.Thread(target=lambda: chunks.append(proc.stdout.read()), daemon=True)
-    reader.start()
-    try:
-        if during is not None:
-            during(proc)
-        proc.wait(timeout=timeout)
-        reader.join(timeout=10)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.wait()
-    return proc.returncode, "".join(chunks)
 
 
 # -- each replica's own random numbers (keras_distrib.replica_seeds) ---------------

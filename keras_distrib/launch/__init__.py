@@ -22,7 +22,7 @@ This package never imports TensorFlow or Keras (only `keras_distrib.cluster`,
 `keras_distrib.cluster.launch_contract`, the standard library and absl; and, once
 ranks run on this machine, the NumPy-only `keras_distrib.collectives.host_allreduce`
 for its shared-memory directory), so the launcher starts in a fraction of a
-second; tests/test_launch.py checks that.
+second; tests/unit/test_launch_options.py checks that.
 
 The functions `plan` and `supervise` re-exported here share their names
 with the modules that define them, so `keras_distrib.launch.plan` is the

@@ -1,16 +1,19 @@
 """A small training job that hurts itself once, for the fault-injection suite.
 
-Run by `keras-distrib launch -n N [--max-restarts K]` (tests/test_faults.py).
-It trains an MLP with Adam and a step-dependent learning rate on shuffled
-arrays, backing up every `--save_freq` steps with
-`keras_distrib.callbacks.BackupAndRestore`. On the launcher's first attempt
-(`KERAS_DISTRIB_RESTART` unset or 0), rank `--fault_rank` sends itself
-`--fault` (`kill`: SIGKILL, `stop`: SIGSTOP, `term`: SIGTERM) right after
-global step `--fault_step`. Every rank that finishes writes its final
-weights and step count to `--out/rank<r>.npz`; every attempt appends a line
-to `--out/attempts-rank<r>.txt` (attempt number, pid, start time) and the
-faulting rank writes `--out/fault.txt` (pid, time), so the test can count
-restarts, time them and check that no process is left.
+Run by `keras-distrib launch -n N [--max-restarts K]`
+(tests/distributed/test_faults.py). It trains an MLP with Adam and a
+step-dependent learning rate on shuffled arrays, backing up every
+`--save_freq` steps with `keras_distrib.callbacks.BackupAndRestore`. On
+the launcher's first attempt (`KERAS_DISTRIB_RESTART` unset or 0), rank
+`--fault_rank` sends itself `--fault` (`kill`: SIGKILL, `stop`: SIGSTOP,
+`term`: SIGTERM) right after global step `--fault_step`. With
+`--hold_after_step N` every rank waits after global step N until it is
+sent SIGTERM (the preemption test's signal then lands mid-training,
+however loaded the machine). Every rank that finishes writes its final
+weights and step count to `--out/rank<r>.npz`; every attempt appends a
+line to `--out/attempts-rank<r>.txt` (attempt number, pid, start time) and
+the faulting rank writes `--out/fault.txt` (pid, time), so the test can
+count restarts, time them and check that no process is left.
 
 Seeded (`keras.utils.set_random_seed`) only so that an uninterrupted run
 of this script can serve as the reference the restarted run must equal.
@@ -25,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import keras  # noqa: E402
 import keras_distrib as kd  # noqa: E402
+from keras_distrib import preemption  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
@@ -36,7 +40,10 @@ flags.DEFINE_integer("fault_rank", 1, "The rank that hurts itself.")
 flags.DEFINE_integer("fault_step", 5, "After this global step (1-based).")
 flags.DEFINE_integer("epochs", 3, "Epochs.")
 flags.DEFINE_integer("save_freq", 4, "Backup every this many steps.")
-flags.DEFINE_float("step_sleep", 0.0, "Seconds every rank sleeps after each step.")
+flags.DEFINE_integer("hold_after_step", 0,
+                     "After this global step (1-based; 0: never) every rank waits until it "
+                     "is asked to stop (SIGTERM, as keras_distrib.preemption records it), "
+                     "at most 120 s: a preemption test's signal then lands mid-training.")
 
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
 
@@ -54,6 +61,24 @@ class _Fault(keras.callbacks.Callback):
             with open(os.path.join(FLAGS.out, "fault.txt"), "w") as f:
                 f.write(f"{os.getpid()} {time.time()}\n")
             os.kill(os.getpid(), self.signum)
+
+
+class _HoldUntilPreempted(keras.callbacks.Callback):
+    """After global step `after`, waits for this process's SIGTERM."""
+
+    def __init__(self, after):
+        super().__init__()
+        self.after, self.steps = after, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps += 1
+        if self.steps < self.after:
+            return
+        deadline = time.monotonic() + 120
+        while not preemption.requested():
+            if time.monotonic() > deadline:
+                sys.exit(f"rank held after step {self.after} was never sent SIGTERM")
+            time.sleep(0.05)
 
 
 def main(argv):
@@ -75,9 +100,8 @@ def main(argv):
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
     callbacks = [kd.callbacks.BackupAndRestore(FLAGS.backup, save_freq=FLAGS.save_freq)]
-    if FLAGS.step_sleep:
-        callbacks.append(keras.callbacks.LambdaCallback(
-            on_train_batch_end=lambda batch, logs: time.sleep(FLAGS.step_sleep)))
+    if FLAGS.hold_after_step:
+        callbacks.append(_HoldUntilPreempted(FLAGS.hold_after_step))
     if FLAGS.fault != "none" and attempt == 0 and rank == FLAGS.fault_rank:
         callbacks.append(_Fault(SIGNALS[FLAGS.fault], FLAGS.fault_step))
     model.fit(x, y, batch_size=30, epochs=FLAGS.epochs, shuffle=True, verbose=0,

@@ -1,7 +1,8 @@
 """Keras behaviours that must survive `multi_worker`, probed as users write them.
 
-Run by `keras-distrib launch -n 2` (tests/test_keras_features.py). Each
-probe named by `--probes` writes `--out/<probe>-rank<r>.json` (and `.npz`
+Run by `keras-distrib launch -n 2`
+(tests/distributed/test_keras_features_multi_worker.py). Each probe named
+by `--probes` writes `--out/<probe>-rank<r>.json` (and `.npz`
 weights where useful); the test compares the ranks with each other and with
 a plain Keras twin trained here on the whole data from the same initial
 weights. Nothing is seeded unless the probe is about seeds.

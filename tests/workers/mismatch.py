@@ -1,4 +1,4 @@
-"""Workers that do not do the same thing, for tests/test_faults.py.
+"""Workers that do not do the same thing, for tests/distributed/test_faults.py.
 
 Run by `keras-distrib launch -n 2`. Rank 1 departs from rank 0 as
 `--case` says; the job must end with a one-line error naming what differed

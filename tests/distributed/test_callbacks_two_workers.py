@@ -1,0 +1,102 @@
+"""keras_distrib.callbacks across 2 worker processes, through the launcher
+(tests/workers/cb_train.py), under `multi_worker` and `horovod`.
+
+In one process ("single"/"mirrored"): tests/integration/test_callbacks.py.
+"""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from helpers import ROOT, WORKERS, warmup_rate
+
+WORKER = os.path.join(WORKERS, "cb_train.py")
+LR = 0.1  # helpers.build's SGD, which the workers train
+
+
+@pytest.fixture(scope="module", params=["multi_worker", "horovod"])
+def two_workers(request, tmp_path_factory):
+    backend = request.param
+    if backend == "horovod":
+        pytest.importorskip("horovod.tensorflow")
+    out = tmp_path_factory.mktemp(f"cb2-{backend}")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    launcher = ["--backend", "horovod"] if backend == "horovod" else []
+    proc = subprocess.run(
+        [sys.executable, "-m", "keras_distrib.launch", "launch", "-n", "2", *launcher,
+         "--timeout", "120", WORKER, "--out", str(out), "--strategy", backend],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=150,
+    )
+    ranks = []
+    for r in range(2):
+        path = out / f"rank{r}.json"
+        assert path.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+        with open(path) as f:
+            ranks.append(json.load(f))
+    return proc, ranks, out, backend
+
+
+# How each backend's launcher marks a rank's output lines.
+# The launcher labels every rank's lines alike, horovodrun's too.
+RANK_PREFIX = "[rank {}] "
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_two_workers_metric_average_equal_on_all_ranks(two_workers):
+    _, ranks, _, _ = two_workers
+    for r in ranks:
+        # rank r wrote 10 * r + epoch: the mean is 5 + epoch.
+        assert r["history"]["rank_value"] == [5.0, 6.0]
+        assert [logs["rank_value"] for logs in r["epoch_logs"]] == [5.0, 6.0]
+        assert r["history"]["note"] == [f"from rank {r['rank']}"] * 2
+    for key in ("loss", "accuracy", "samples_per_sec", "step_time", "scaling_efficiency"):
+        assert ranks[0]["history"][key] == ranks[1]["history"][key], key
+    h = ranks[0]["history"]
+    assert h["samples_per_sec_per_worker"] == pytest.approx([v / 2 for v in h["samples_per_sec"]])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_two_workers_broadcast_makes_ranks_start_equal(two_workers):
+    _, ranks, _, _ = two_workers
+    for r in ranks:  # rank 1 had added 1.0 to its weights before fit
+        for got, want in zip(r["start_weights"], ranks[0]["rank0_initial"]):
+            np.testing.assert_array_equal(got, want)
+        for got, want in zip(r["final_weights"], ranks[0]["final_weights"]):
+            np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_two_workers_warmup_and_chief_only_summaries(two_workers):
+    proc, ranks, out, backend = two_workers
+    for r in ranks:  # 2 replicas, 4 steps per epoch, 1 warmup epoch
+        assert [s for s, _ in r["lr_history"]] == list(range(5))
+        assert [lr for _, lr in r["lr_history"]] == pytest.approx(
+            [warmup_rate(s, 2, 4, LR) for s in range(5)], rel=1e-6)
+        assert r["batch_lr"][4:] == pytest.approx([2 * LR] * 4, rel=1e-6)
+        assert r["final_lr"] == pytest.approx(2 * LR, rel=1e-6)
+    assert len(glob.glob(str(out / "tb" / "events.*"))) == 1
+    prefix = RANK_PREFIX
+    assert prefix.format(0) + "Epoch 2: finished gradual learning rate warmup to 0.2." in proc.stdout
+    assert prefix.format(1) + "Epoch 2: finished" not in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_two_workers_nan_and_drift_stop_every_rank(two_workers):
+    proc, ranks, _, _ = two_workers
+    assert proc.returncode != 0  # the drift error ended the job, no hang
+    for r in ranks:
+        assert r["nan_error"] == "step 2: non-finite weights on replica 1 (rank 1)"
+        assert r["drift_error"].startswith(
+            "step 4: replica 1 (rank 1) weights differ from replica 0 (rank 0): checksum")
+    assert ranks[0]["drift_error"] == ranks[1]["drift_error"]
+    assert "ReplicaDivergenceError: step 4: replica 1 (rank 1)" in proc.stdout + proc.stderr

@@ -1,0 +1,106 @@
+"""Hybrid data x model parallelism: 2 workers x 2 logical CPUs, through the launcher.
+
+Each worker holds the test MLP split over its two devices (tensor parallel,
+or a 2-stage pipeline under both schedules) and the workers are
+data-parallel. The core assertion: after 14 SGD steps the weights, logs,
+`evaluate` and `predict` equal those of `"single"` with the same global
+batch, on both collective paths across workers (shared memory, TF's ring).
+The hybrid options in one process: tests/integration/test_hybrid_options.py.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from helpers import ROOT, WORKERS, build, make_data
+
+WORKER = os.path.join(WORKERS, "hybrid_train.py")
+RUNS = ["tensor_parallel", "gpipe", "1f1b", "tensor_parallel_spe3", "1f1b_ours"]
+BATCH, EPOCHS = 32, 2
+
+
+@pytest.fixture(scope="module")
+def single():
+    x, y = make_data()
+    model = build("functional", "single")
+    history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    return dict(weights=model.get_weights(), history=history.history,
+                evaluate=model.evaluate(x, y, batch_size=BATCH, verbose=0),
+                predict=model.predict(x, batch_size=BATCH, verbose=0))
+
+
+@pytest.fixture(scope="module", params=["auto", "ring"], ids=["shm", "ring"])
+def launched(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"hybrid-{request.param}")
+    env = dict(os.environ, TMPDIR=str(out), TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run(
+        [sys.executable, "-m", "keras_distrib.launch", "launch", "-n", "2", "--timeout", "200",
+         WORKER, "--out", str(out), "--implementation", request.param],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = {}
+    for run in RUNS:
+        for rank in range(2):
+            with open(out / f"{run}-rank{rank}.json") as f:
+                result = json.load(f)
+            arrays = np.load(out / f"{run}-rank{rank}.npz")
+            result["predict"] = arrays["predict"]
+            result["weights"] = [arrays[f"arr_{i}"] for i in range(len(arrays.files) - 1)]
+            results[run, rank] = result
+    return request.param, out, results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", RUNS)
+def test_hybrid_equals_single_device(launched, single, run):
+    implementation, _, results = launched
+    for rank in range(2):
+        r = results[run, rank]
+        assert (r["rank"], r["world_size"], r["num_replicas"]) == (rank, 2, 2)
+        assert r["implementation"] == ("shm" if implementation == "auto" else "ring")
+        assert r["devices"] == [0, 1]  # the model really spans both local devices
+        assert r["iterations"] == EPOCHS * -(-203 // BATCH)
+        for got, mine in zip(r["weights"], results[run, 0]["weights"]):
+            np.testing.assert_array_equal(got, mine)  # replicas identical
+        for got, want in zip(r["weights"], single["weights"]):
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+        for key in ("loss", "accuracy"):  # epoch logs: exact global values
+            np.testing.assert_allclose(r["history"][key], single["history"][key], atol=1e-5)
+        np.testing.assert_allclose(r["evaluate"], single["evaluate"], atol=1e-5)
+        assert r["predict"].shape == single["predict"].shape  # every row, in order
+        np.testing.assert_allclose(r["predict"], single["predict"], atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", RUNS)
+def test_chief_checkpoint_loads_into_plain_keras(launched, single, run):
+    _, out, _ = launched
+    plain = build("functional", "single", compile_model=False)
+    plain.load_weights(out / f"{run}.weights.h5")
+    for got, want in zip(plain.get_weights(), single["weights"]):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_our_callbacks_and_optimizer_run_under_hybrid(launched):
+    """`1f1b_ours` (equal to single above) trained with DistributedOptimizer,
+    BackupAndRestore(save_freq=5), ReplicaConsistencyCheck, ThroughputMonitor."""
+    _, out, _ = launched
+    backups = os.listdir(out / "1f1b_ours-backup")
+    assert backups, "the chief wrote no backup"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["gpipe", "1f1b"])
+def test_pipeline_batch_must_divide_over_micro_batches_and_workers(launched, run):
+    _, _, results = launched
+    message = results[run, 0]["bad_batch_error"]
+    assert "batch_size=36 is not divisible by num_micro_batches=4 x 2 workers" in message
+    assert "use a multiple of 8 (e.g. 32 or 40)" in message
+    assert "\n" not in message
+
+

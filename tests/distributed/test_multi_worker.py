@@ -1,0 +1,193 @@
+"""Multi-worker training: real worker processes on localhost, via the launcher.
+
+The strategy's options and errors, in one process:
+tests/integration/test_multi_worker_options.py.
+"""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from helpers import ROOT, WORKERS, build, make_data
+from keras_distrib import cluster
+
+WORKER = os.path.join(WORKERS, "mw_train.py")
+N_SAMPLES = 203
+
+
+def _write_records(directory, n_files=6):
+    os.makedirs(directory)
+    per_file = -(-N_SAMPLES // n_files)
+    for i in range(n_files):
+        with tf.io.TFRecordWriter(os.path.join(directory, f"part-{i}.tfrecord")) as w:
+            for j in range(i * per_file, min((i + 1) * per_file, N_SAMPLES)):
+                w.write(tf.io.serialize_tensor(tf.constant(float(j))).numpy())
+
+
+def _launch(out, n, *args, timeout=240):
+    env = dict(os.environ, TMPDIR=str(out / "tmp"), TF_CPP_MIN_LOG_LEVEL="2")
+    os.makedirs(env["TMPDIR"])
+    proc = subprocess.run(
+        [sys.executable, "-m", "keras_distrib.launch", "launch", "-n", str(n),
+         "--timeout", str(timeout - 20), WORKER, "--out", str(out), *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = []
+    for r in range(n):
+        with open(out / f"rank{r}.json") as f:
+            result = json.load(f)
+        arrays = np.load(out / f"rank{r}.npz")
+        result["predict"] = arrays["predict"]
+        result["weights"] = [arrays[f"arr_{i}"] for i in range(len(arrays.files) - 1)]
+        ranks.append(result)
+    return ranks, proc.stdout
+
+
+def _single_process(batch, epochs=2):
+    x, y = make_data()
+    model = build("functional", "single")
+    history = model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0)
+    return model, history.history, x, y
+
+
+# 2 workers on the default path ("auto": shared memory on one host), 3 on
+# TensorFlow's gRPC ring, the path between hosts.
+@pytest.fixture(scope="module", params=[(2, 32, "auto"), (3, 30, "ring")],
+                ids=["2workers-shm", "3workers-ring"])
+def run(request, tmp_path_factory):
+    n, batch, implementation = request.param
+    out = tmp_path_factory.mktemp(f"mw{n}")
+    _write_records(str(out / "records"))
+    ranks, stdout = _launch(out, n, "--batch", str(batch), "--implementation", implementation)
+    want = "shm" if implementation == "auto" else implementation
+    assert [r["implementation"] for r in ranks] == [want] * n
+    return n, batch, out, ranks, stdout
+
+
+@pytest.mark.slow
+def test_workers_end_identical_and_equal_single_process(run):
+    n, batch, _, ranks, _ = run
+    assert [r["rank"] for r in ranks] == list(range(n))
+    assert all(r["world_size"] == n for r in ranks)
+    model, history, x, y = _single_process(batch)
+    for r in ranks:
+        for got, want in zip(r["weights"], ranks[0]["weights"]):
+            np.testing.assert_array_equal(got, want)
+        for got, want in zip(r["weights"], model.get_weights()):
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+        assert r["iterations"] == 2 * -(-N_SAMPLES // batch)
+        for key in ("loss", "accuracy"):
+            np.testing.assert_allclose(r["history"][key], history[key], atol=1e-5)
+
+
+@pytest.mark.slow
+def test_evaluate_and_predict_match_single_process_on_every_worker(run):
+    _, batch, _, ranks, _ = run
+    model, _, x, y = _single_process(batch)
+    want_eval = model.evaluate(x, y, batch_size=batch, verbose=0)
+    want_pred = model.predict(x, batch_size=batch, verbose=0)
+    for r in ranks:
+        np.testing.assert_allclose(r["evaluate"], want_eval, atol=1e-5)
+        assert r["predict"].shape == want_pred.shape
+        np.testing.assert_allclose(r["predict"], want_pred, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["arrays_shuffled", "tf_data", "py_dataset", "tf_files"])
+def test_every_sample_seen_once_per_epoch(run, kind):
+    _, _, _, ranks, _ = run
+    for epoch in range(2):
+        per_worker = [r["seen"][kind][epoch] for r in ranks]
+        everything = sorted(i for ids in per_worker for i in ids)
+        assert everything == list(range(N_SAMPLES)), (kind, epoch)
+    if kind in ("arrays_shuffled", "py_dataset"):
+        # Shuffled, the same way on all workers, differently each epoch.
+        assert ranks[0]["seen"][kind][0] != ranks[0]["seen"][kind][1]
+
+
+@pytest.mark.slow
+def test_only_the_chief_printed_and_wrote_files(run):
+    _, _, out, _, stdout = run
+    files = out / "files"
+    assert sorted(os.listdir(files)) == ["backup", "ckpt-1.keras", "ckpt-2.keras", "log.csv", "tb"]
+    with open(files / "log.csv") as f:
+        assert len(f.read().strip().splitlines()) == 3  # header + 2 epochs, one writer
+    assert len(glob.glob(str(files / "tb" / "train" / "events.*"))) == 1
+    assert "[rank 0] Epoch 1/2" in stdout
+    assert "[rank 1] Epoch" not in stdout
+    assert os.listdir(out / "tmp") == []  # non-chief scratch dirs were removed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+# With TF_CONFIG set, `import keras_distrib` starts the runtime and waits
+# KERAS_DISTRIB_PEER_TIMEOUT; opted out, the strategy's peer_timeout applies.
+@pytest.mark.parametrize("env", [{"KERAS_DISTRIB_PEER_TIMEOUT": "3"},
+                                 {"KERAS_DISTRIB_BOOTSTRAP": "0"}])
+def test_peer_that_never_answers_is_named(tmp_path, env):
+    from keras_distrib import cluster
+
+    ports = cluster.free_ports(2)
+    tf_config = {"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+                 "task": {"type": "worker", "index": 0}}
+    code = ("import keras_distrib as kd\n"
+            "kd.strategies.get('multi_worker', peer_timeout=3)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=100,
+                          env=dict(os.environ, TF_CONFIG=json.dumps(tf_config), **env))
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert f"worker 1 at 127.0.0.1:{ports[1]} did not answer" in last
+
+
+# -- collective_timeout on TensorFlow's collectives -----------------------------------
+
+RING_WATCHDOG = os.path.join(WORKERS, "ring_watchdog.py")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("implementation", ["ring", "auto"])
+def test_steps_do_not_pile_up_timeout_threads(tmp_path, implementation):
+    # TensorFlow's own timeout would leave a thread sleeping 300 s per
+    # collective: ~2 per training step on the ring (415 over these 200
+    # steps), ~4 per predict step (800) on either path.
+    from helpers import launch
+
+    out = str(tmp_path / "threads")
+    launch(tmp_path, 2, RING_WATCHDOG, "threads", out, implementation, timeout=300)
+    for rank in range(2):
+        with open(f"{out}.rank{rank}.json") as f:
+            report = json.load(f)
+        assert report["steps"] == 220
+        assert report["after"] - report["before"] < 40, report
+        assert report["after_predict"] - report["after"] < 40, report
+        assert report["after_evaluate"] - report["after_predict"] < 40, report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,implementation,step", [
+    ("stuck", "ring", "training"),
+    # predict's gathers are TensorFlow collectives on every path (here with
+    # the gradients on shared memory); fit's error is also predict's.
+    ("stuck_predict", "auto", "predict"),
+])
+def test_a_stuck_worker_fails_the_step_at_the_collective_timeout(
+        tmp_path, mode, implementation, step):
+    from helpers import launch
+
+    out = str(tmp_path / "stuck")
+    code, output = launch(tmp_path, 2, RING_WATCHDOG, mode, out, implementation,
+                          timeout=200, expect=None)
+    assert code != 0, output[-3000:]
+    with open(f"{out}.rank0.json") as f:
+        error = json.load(f)["error"]
+    assert error.startswith(f"PeerLostError: multi_worker: a collective of the {step} step "
+                            "did not complete within collective_timeout=5s"), error
+    assert "\n" not in error

@@ -1,0 +1,303 @@
+"""strategy='parameter_server': real clusters of processes started by the launcher.
+
+`keras-distrib launch --workers N --ps M` runs tests/workers/ps_train.py on
+the chief (the coordinator) and TensorFlow servers on the worker and ps
+tasks. Each test is one launch; the launcher's process group is killed
+whatever happens. Configuration errors, in one process, are in
+tests/integration/test_parameter_server_config.py.
+"""
+
+import json
+import os
+import re
+import signal
+import time
+
+import pytest
+
+import helpers
+
+SCRIPT = os.path.join(helpers.WORKERS, "ps_train.py")
+
+
+def _launch(tmp_path, mode, workers=2, ps=1, timeout=400, env=None, during=None):
+    """Runs the chief script in `mode` under the launcher; returns (code, output, report)."""
+    out = str(tmp_path / f"{mode}.json")
+    code, output = helpers.launch(
+        tmp_path, workers, SCRIPT, mode, out, launch_flags=("--ps", str(ps)), timeout=timeout,
+        expect=None, env=env, during=during and (lambda proc: during(proc, out)))
+    report = json.load(open(out)) if os.path.exists(out) else None
+    return code, output, report
+
+
+def _task_pids(launcher_pid, task_type, index=None):
+    """Pids of the launcher's task_server children of `task_type`."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if b"keras_distrib.strategies.parameter_server.task_server" not in cmdline:
+            continue
+        config = [e for e in environ if e.startswith(b"TF_CONFIG=")]
+        if not config:
+            continue
+        task = json.loads(config[0][len(b"TF_CONFIG="):])["task"]
+        if task["type"] == task_type and (index is None or task["index"] == index):
+            if os.getsid(int(entry)) == launcher_pid or _descends(int(entry), launcher_pid):
+                pids.append(int(entry))
+    return pids
+
+
+def _descends(pid, ancestor):
+    while pid > 1:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            return False
+        if pid == ancestor:
+            return True
+    return False
+
+
+def _wait_for(path, proc, timeout=200):
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert proc.poll() is None, "the job ended before it was ready"
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.2)
+
+
+def _digits_layers():
+    import keras
+
+    inputs = keras.Input((64,))
+    hidden = keras.layers.Dense(64, activation="relu")(inputs)
+    return inputs, keras.layers.Dense(10)(hidden)
+
+
+def _digits_validation():
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    x, _ = load_digits(return_X_y=True)
+    order = np.random.RandomState(0).permutation(len(x))
+    return (x[order] / 16.0).astype("float32")[1500:]
+
+
+# -- real clusters -------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_digits_trains_asynchronously_as_well_as_plain_keras(tmp_path):
+    code, output, report = _launch(tmp_path, "digits")
+    assert code == 0, output[-3000:]
+    assert report["placement"] == ["/job:ps/replica:0/task:0"]  # variables on the ps
+    epochs = len(report["history"]["loss"])
+    # Every scheduled step applied once, counted exactly under concurrency.
+    assert report["iterations"] == report["applied"] == epochs * 47
+    # Asynchronous SGD's accuracy moves from epoch to epoch (0.94 to 0.97
+    # on this set, 8 of 297 samples), and plain Keras's is one unseeded run:
+    # the best of the last five epochs reaches plain Keras's within 0.02.
+    assert max(report["history"]["val_acc"][-5:]) >= report["plain_acc"] - 0.02
+    assert report["evaluate"]["acc"] == pytest.approx(report["history"]["val_acc"][-1])
+    assert "[chief]" in output and "Epoch 20/20" in output
+
+
+@pytest.mark.slow
+def test_every_input_form_and_a_custom_train_step(tmp_path):
+    code, output, report = _launch(tmp_path, "inputs")
+    assert code == 0, output[-3000:]
+    # 1500 samples, batch 50: 30 steps an epoch; the dataset function's
+    # epoch is steps_per_epoch=12; the PyDataset has 10 batches.
+    expected = {"arrays": 60, "dataset": 60, "dataset_fn": 24, "pydataset": 20,
+                "steps_per_execution": 60, "custom": 60}
+    for name, steps in expected.items():
+        assert report[name]["iterations"] == steps, name
+        losses = report[name]["history"]["loss"]
+        assert losses[1] < losses[0], name  # it learns
+    # A metric object of the custom train_step, summed exactly over the
+    # steps of each epoch though workers ran them concurrently.
+    assert report["custom"]["history"]["seen"] == [1500.0, 1500.0]
+    assert report["predict_rows"] == 297
+
+
+@pytest.mark.slow
+def test_learning_rate_warmup_follows_the_global_step(tmp_path):
+    code, output, report = _launch(tmp_path, "warmup")
+    assert code == 0, output[-3000:]
+    for kind in ("float", "schedule"):
+        assert report[kind]["iterations"] == 60
+        assert report[kind]["schedule"] == "ScaledSchedule"
+        assert report[kind]["final_lr"] == pytest.approx(0.15, rel=1e-5)  # 3 x 0.05
+
+
+@pytest.mark.slow
+def test_variables_split_over_two_ps_train_and_save_whole(tmp_path):
+    code, output, report = _launch(tmp_path, "sharded", ps=2)
+    assert code == 0, output[-3000:]
+    parts = report["parts"]
+    assert parts["embedding/embeddings"] == 2 and parts["dense/kernel"] == 2
+    assert report["iterations"] == 3 * 40
+    assert report["loss"][-1] < report["loss"][0]
+    # Saved whole: a plain Keras model loads the files; loading back re-splits.
+    assert report["weights_h5_max_diff"] == 0.0
+    assert report["keras_max_diff"] == 0.0
+    assert report["reloaded_max_diff"] == 0.0
+
+
+@pytest.mark.slow
+def test_epoch_level_callbacks_see_every_step_applied(tmp_path):
+    import csv
+
+    import keras
+    import numpy as np
+
+    code, output, report = _launch(tmp_path, "callbacks")
+    assert code == 0, output[-3000:]
+    files, history = report["files"], report["history"]
+    steps = report["steps_per_epoch"]
+    epochs = len(history["loss"])
+    assert epochs == 3  # EarlyStopping: no epoch improved on the first by 10
+    assert report["iterations"] == epochs * steps
+    # ModelCheckpoint: one file per epoch. EarlyStopping put the first
+    # epoch's weights back into the variables on the ps.
+    x_val = _digits_validation()
+    predictions = []
+    for epoch in range(1, epochs + 1):
+        plain = keras.Model(*_digits_layers())
+        plain.load_weights(f"{files}/epoch-{epoch}.weights.h5")
+        predictions.append(plain.predict(x_val, verbose=0))
+    np.testing.assert_allclose(predictions[0], report["predict"], atol=1e-6)
+    assert np.abs(predictions[-1] - predictions[0]).max() > 1e-3
+    assert keras.saving.load_model(f"{files}/best.keras", compile=False) is not None
+    # BackupAndRestore: the last backup counts every step of the 3 epochs.
+    (backup,) = os.listdir(f"{files}/backup")
+    state = json.load(open(f"{files}/backup/{backup}/state.json"))
+    assert (state["epoch"], state["global_step"]) == (epochs, epochs * steps)
+    # CSVLogger: the exact epoch logs.
+    rows = list(csv.DictReader(open(f"{files}/log.csv")))
+    assert [float(r["loss"]) for r in rows] == pytest.approx(history["loss"])
+    # TensorBoard: the epoch scalars were written.
+    logs = [f for _, _, fs in os.walk(f"{files}/tensorboard") for f in fs]
+    assert any(f.startswith("events.out.tfevents") for f in logs)
+    # ThroughputMonitor: the chief's batches are paced by the workers' steps
+    # (it waits once `lag` closures are in flight), so the rate it reports
+    # is that of training, not that of scheduling alone, which the workers'
+    # steps would not pace at all. The bound is loose: the whole fit's rate
+    # also counts each epoch's validation and saved files, which a loaded
+    # machine slows the most (a ratio of 3.5 was seen in CI).
+    overall = epochs * steps * 32 / report["seconds"]
+    for rate in history["samples_per_sec"]:
+        assert overall / 10 < rate < overall * 10, (rate, overall)
+    # A batch-level callback that cannot work: a one-line error naming it.
+    assert re.match(r"TensorBoard\(profile_batch=\.\.\.\) profiles the chief", report["profile_error"])
+    assert "\n" not in report["profile_error"]
+
+
+@pytest.mark.slow
+def test_a_rerun_after_a_lost_ps_resumes_from_the_last_backup(tmp_path):
+    backup_dir = str(tmp_path / "backup")
+    env = {"PS_BACKUP_DIR": backup_dir, "PS_EPOCHS": "60"}
+
+    def kill_the_ps(proc, out):
+        _wait_for(out + ".ready", proc)
+        os.kill(_task_pids(proc.pid, "ps")[0], signal.SIGKILL)
+
+    first = tmp_path / "first"
+    first.mkdir()
+    code, output, _ = _launch(first, "resume", env=env, during=kill_the_ps)
+    assert code != 0 and "ParameterServerLostError" in output, output[-3000:]
+    (backup,) = os.listdir(backup_dir)
+    state = json.load(open(f"{backup_dir}/{backup}/state.json"))
+    assert state["global_step"] >= 80  # backups every 20 steps; 47 an epoch
+
+    env["PS_EPOCHS"] = str(state["epoch"] + 2)
+    code, output, report = _launch(tmp_path, "resume", env=env)
+    assert code == 0, output[-3000:]
+    steps = report["steps_per_epoch"]
+    assert state["global_step"] == state["epoch"] * steps + state["step"]
+    # The new ps starts from the backup: weights, optimizer and step count,
+    # which holds every step counted (the steps in flight landed first).
+    assert report["iterations_at_start"] == state["global_step"]
+    assert report["epochs_run"] == 2  # the rest of the backup's epoch, and one more
+    assert report["iterations"] == (state["epoch"] + 2) * steps
+    assert report["val_acc"] > 0.85
+    assert not os.listdir(backup_dir)  # a finished fit removes its backups
+
+
+@pytest.mark.slow
+def test_bad_input_gives_one_line_errors(tmp_path):
+    code, output, report = _launch(tmp_path, "errors", workers=1)
+    assert code == 0, output[-3000:]
+    assert re.search(r"rebuilds the training dataset on every worker, but this one runs "
+                     r"Python \(.*GeneratorDataset.*\).*PyDataset", report["generator"])
+    assert "pass steps_per_epoch= to fit" in report["endless"]
+    assert "the dataset repeats forever" in report["endless"]
+    assert "class_weight is not supported" in report["class_weight"]
+    assert "Muon(weight_decay=None, adam_weight_decay=None)" in report["muon"]
+    assert report.pop("muon_without_decay") is None  # it trains
+    # jit_compile=True: evaluate failed inside XLA ("Trying to access resource
+    # ... located in device /job:ps/...") and was reported as a lost ps.
+    assert report.pop("jit_compile") is None
+    # Several inputs (a list) and outputs (a dict) of arrays: np.asarray made
+    # the dict one 0-d object array ("too many indices for array").
+    assert report.pop("list_and_dict") is None
+    (warned,) = report.pop("jit_compile_warnings")
+    assert "XLA cannot read the variables kept on the ps tasks" in warned
+    for message in report.values():
+        assert "\n" not in message
+
+
+@pytest.mark.slow
+def test_a_killed_worker_does_not_stop_training(tmp_path):
+    killed = []
+
+    def kill_a_worker(proc, out):
+        _wait_for(out + ".ready", proc)
+        pids = _task_pids(proc.pid, "worker", 1)
+        assert len(pids) == 1
+        os.kill(pids[0], signal.SIGKILL)
+        killed.append(pids[0])
+
+    code, output, report = _launch(tmp_path, "long", during=kill_a_worker)
+    assert killed and code == 0, output[-3000:]
+    # At least once: every scheduled step was applied, a re-run closure's
+    # steps possibly twice; the counter on the ps counts every application.
+    assert report["iterations"] >= report["scheduled"]
+    assert report["iterations"] >= report["applied"]
+    # Results lost with the worker are at most what it had in flight.
+    assert report["lost_results"] <= 4 * 2
+    print("steps applied twice:", report["iterations"] - report["scheduled"],
+          "of", report["scheduled"], "| results lost with the worker:", report["lost_results"])
+    assert report["loss"][-1] < report["loss"][0]
+
+
+@pytest.mark.slow
+def test_a_killed_ps_is_a_one_line_error_and_nothing_is_left(tmp_path):
+    started = []
+
+    def kill_the_ps(proc, out):
+        _wait_for(out + ".ready", proc)
+        pids = _task_pids(proc.pid, "ps")
+        assert len(pids) == 1
+        started.append(time.monotonic())
+        os.kill(pids[0], signal.SIGKILL)
+
+    code, output, report = _launch(tmp_path, "long", env={"PS_EPOCHS": "200"},
+                                   during=kill_the_ps)
+    assert started and code != 0
+    print("seconds from the kill to the end of the job:", time.monotonic() - started[0])
+    # The chief failed on its own: the launcher did not have to stop it
+    # (it does when the chief still runs a while after a ps is lost).
+    assert "the chief still runs" not in output, output[-3000:]
+    assert re.search(r"ParameterServerLostError: parameter server ps 0 \(127\.0\.0\.1:\d+\) "
+                     r"failed; its variables are lost", output), output[-3000:]
+    assert report is None

@@ -1,0 +1,191 @@
+"""`keras_distrib.callbacks.BackupAndRestore` in one process (issue 10 item 5).
+
+A run that crashes (or is preempted) and is run again must end exactly where
+an uninterrupted run ends: same weights, optimizer state and step count, with
+shuffled input, for a crash at any step. Multi-worker jobs killed for real
+are in tests/distributed/test_faults.py.
+"""
+
+import json
+import os
+import random
+import signal
+
+import keras
+import numpy as np
+import pytest
+
+import keras_distrib as kd
+from helpers import Batches, Crash, CrashAfter, build, make_data
+from keras_distrib import preemption
+from keras_distrib.callbacks import backup_and_restore
+
+EPOCHS, BATCH = 3, 32  # 203 samples: 7 steps per epoch, 21 in all
+
+
+def _model(strategy="single"):
+    return build("functional", strategy, optimizer=keras.optimizers.Adam(0.01))
+
+
+def _fit(model, data, backup_dir, *extra, save_freq=4, epochs=EPOCHS):
+    x, y = data
+    callbacks = [kd.callbacks.BackupAndRestore(backup_dir, save_freq=save_freq), *extra]
+    if isinstance(x, keras.utils.PyDataset):
+        return model.fit(x, epochs=epochs, shuffle=True, verbose=0, callbacks=callbacks)
+    return model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=True, verbose=0,
+                     callbacks=callbacks)
+
+
+def _assert_same_state(a, b):
+    assert int(a.optimizer.iterations.numpy()) == int(b.optimizer.iterations.numpy())
+    for wa, wb in zip(a.get_weights() + [v.numpy() for v in a.optimizer.variables],
+                      b.get_weights() + [v.numpy() for v in b.optimizer.variables]):
+        np.testing.assert_allclose(wa, wb, atol=1e-6, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(data, tmp_path_factory):
+    """The reference: the same runs, never interrupted (per save_freq)."""
+    models = {}
+    for save_freq in (4, "epoch"):
+        model = _model()
+        _fit(model, data, tmp_path_factory.mktemp("ref"), save_freq=save_freq)
+        models[save_freq] = model
+    return models
+
+
+@pytest.mark.parametrize("save_freq", [4, "epoch"])
+def test_a_run_resumed_after_a_crash_equals_an_uninterrupted_one(
+        data, uninterrupted, tmp_path, save_freq):
+    at = random.randint(1, 7 * EPOCHS - 1)
+    first = _model()
+    with pytest.raises(Crash):
+        _fit(first, data, tmp_path, CrashAfter(at), save_freq=save_freq)
+    second = _model()
+    history = _fit(second, data, tmp_path, save_freq=save_freq)
+    _assert_same_state(second, uninterrupted[save_freq])
+    saved = at // 4 * 4 if save_freq == 4 else at // 7 * 7
+    assert history.epoch == list(range(saved // 7, EPOCHS)), (at, history.epoch)
+    assert os.listdir(tmp_path) == []  # removed after the normal end
+
+
+def test_a_pydataset_run_resumes_exactly(tmp_path):
+    x, y = make_data()
+    reference = _model()
+    _fit(reference, (Batches(x, y, BATCH), None), tmp_path / "ref")
+    first = _model()
+    with pytest.raises(Crash):
+        _fit(first, (Batches(x, y, BATCH), None), tmp_path / "run", CrashAfter(10))
+    second = _model()
+    _fit(second, (Batches(x, y, BATCH), None), tmp_path / "run")
+    _assert_same_state(second, reference)
+
+
+def test_mirrored_resumes_exactly(data, tmp_path):
+    reference = _model("mirrored")
+    _fit(reference, data, tmp_path / "ref")
+    first = _model("mirrored")
+    with pytest.raises(Crash):
+        _fit(first, data, tmp_path / "run", CrashAfter(13))
+    second = _model("mirrored")
+    _fit(second, data, tmp_path / "run")
+    _assert_same_state(second, reference)
+
+
+def test_an_interrupted_save_leaves_the_previous_backup_usable(
+        data, uninterrupted, tmp_path, monkeypatch):
+    saves = []
+    real_dump = json.dump
+
+    def dump_then_die_on_the_third_save(state, f):
+        saves.append(state["global_step"])
+        if len(saves) == 3:
+            real_dump({"format": 1}, f)  # half a file...
+            raise Crash("killed while writing the backup")
+        real_dump(state, f)
+
+    monkeypatch.setattr(backup_and_restore.json, "dump", dump_then_die_on_the_third_save)
+    with pytest.raises(Crash):
+        _fit(_model(), data, tmp_path)
+    monkeypatch.undo()
+    assert saves == [4, 8, 12]
+    assert os.listdir(tmp_path) == ["backup-000000000008"]  # no half-written one
+    second = _model()
+    _fit(second, data, tmp_path)
+    _assert_same_state(second, uninterrupted[4])
+
+
+def test_leftovers_of_a_killed_save_are_ignored_and_removed(data, uninterrupted, tmp_path):
+    first = _model()
+    with pytest.raises(Crash):
+        _fit(first, data, tmp_path, CrashAfter(6))
+    leftover = tmp_path / ".tmp-0123456789ab"
+    leftover.mkdir()
+    (leftover / "state.json").write_text("{")  # a save killed mid-write
+    second = _model()
+    _fit(second, data, tmp_path)
+    _assert_same_state(second, uninterrupted[4])
+    assert os.listdir(tmp_path) == []
+
+
+def test_sigterm_stops_fit_writes_a_backup_and_the_next_run_resumes(
+        data, uninterrupted, tmp_path):
+    class TermAfter(CrashAfter):
+        def on_train_batch_end(self, batch, logs=None):
+            self.steps += 1
+            if self.steps == self.at:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    first = _model()
+    with pytest.raises(preemption.Preempted) as stop:
+        _fit(first, data, tmp_path, TermAfter(9))
+    assert stop.value.code == 75
+    # The signal lands after step 9's check: fit stops after the next step.
+    assert "stopped at epoch 2, step 3" in str(stop.value)
+    assert os.listdir(tmp_path) == ["backup-000000000010"]
+    assert int(first.optimizer.iterations.numpy()) == 10
+    second = _model()
+    _fit(second, data, tmp_path)
+    _assert_same_state(second, uninterrupted[4])
+
+
+def test_delete_checkpoint_false_keeps_the_last_backup_and_resumes_at_the_end(data, tmp_path):
+    model = _model()
+    model.fit(*data, batch_size=BATCH, epochs=2, verbose=0, callbacks=[
+        kd.callbacks.BackupAndRestore(tmp_path, delete_checkpoint=False)])
+    assert os.listdir(tmp_path) == ["backup-000000000014"]
+    again = _model()
+    history = again.fit(*data, batch_size=BATCH, epochs=2, verbose=0, callbacks=[
+        kd.callbacks.BackupAndRestore(tmp_path, delete_checkpoint=False)])
+    assert history.epoch == []  # nothing left to train
+    _assert_same_state(again, model)
+
+
+def test_a_damaged_backup_is_a_one_line_error(data, tmp_path):
+    damaged = tmp_path / "backup-000000000004"
+    damaged.mkdir()
+    (damaged / "state.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"^The backup .*backup-000000000004 is damaged "
+                                         r"\(.*\); delete that directory") as error:
+        _fit(_model(), data, tmp_path)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(save_freq=0), r"save_freq=0 must be 'epoch' or a number of steps >= 1\."),
+    (dict(save_freq="batch"), r"save_freq='batch' must be 'epoch' or a number"),
+    (dict(save_freq=True), r"save_freq=True must be"),
+    (dict(backup_dir="gs://bucket/b"), r"must be a local path"),
+    (dict(backup_dir=""), r"backup_dir='' must be a directory path\."),
+])
+def test_bad_arguments_are_one_line_errors(tmp_path, kwargs, message):
+    kwargs.setdefault("backup_dir", str(tmp_path))
+    with pytest.raises(ValueError, match=message):
+        kd.callbacks.BackupAndRestore(**kwargs)
+
+
+def test_a_plain_keras_model_is_told_what_to_use(data, tmp_path):
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(ValueError, match=r"needs the fit of a keras_distrib.DistributedModel"):
+        model.fit(*data, verbose=0, callbacks=[kd.callbacks.BackupAndRestore(tmp_path)])
