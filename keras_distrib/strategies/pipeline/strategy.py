@@ -85,7 +85,8 @@ from keras_distrib import devices as devices_lib
 from keras_distrib.strategies.pipeline import schedule as pipeline_schedule
 from keras_distrib import replica_seeds
 from keras_distrib.strategies import lockstep
-from keras_distrib.strategies.base import Strategy, scaled_gradient, summed_gradients
+from keras_distrib.strategies.base import Strategy
+from keras_distrib.strategies.gradients import scaled_gradient, summed_gradients
 from keras_distrib.strategies.hybrid import WorkerReplicas
 from keras_distrib.topology import Topology
 

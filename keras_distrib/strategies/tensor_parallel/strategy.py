@@ -71,7 +71,8 @@ from keras_distrib import devices as devices_lib
 from keras_distrib import replica_seeds
 from keras_distrib.strategies.tensor_parallel import layout as tensor_layout
 from keras_distrib.strategies import lockstep
-from keras_distrib.strategies.base import Strategy, keras_class_among, optimizers_in
+from keras_distrib.strategies.base import Strategy
+from keras_distrib.strategies.optimizer_tree import keras_class_among, optimizers_in
 from keras_distrib.strategies.hybrid import WorkerReplicas
 from keras_distrib.topology import Topology
 
