@@ -17,7 +17,9 @@ gradients) and asks its strategy for everything else:
   process reports; `read_summed_metrics` for exact values across processes);
 * cross-process helpers for callbacks, eager and between steps:
   `sync_sum`, `sync_gather`, `broadcast_variables`, `agree_on_seed`,
-  `local_replica_values`, and `sync_initial_state(model)`.
+  `local_replica_values`, `broadcast_derived_state` (with
+  `read_summed_metrics`, inherited from `cross_process.CrossProcessHelpers`),
+  and `sync_initial_state(model)`.
 
 Two shared bases implement most of it: `tf_distribute.TFDistributeStrategy`
 for engines built on a `tf.distribute.Strategy`, and
@@ -32,10 +34,6 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
-import json
-import os
-import tempfile
-import weakref
 from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import numpy as np
@@ -44,6 +42,11 @@ import tensorflow as tf
 from keras_distrib.input import data as data_lib
 from keras_distrib.input import sharding
 from keras_distrib.input.fit_input import FitInput
+from keras_distrib.strategies.cross_process import CrossProcessHelpers
+# Re-exported: code outside strategies/ (`model.py`) imports these helpers from here.
+from keras_distrib.strategies.gradients import (  # noqa: F401
+    reduce_op_name, scaled_gradient, summed_gradients)
+from keras_distrib.strategies.optimizer_tree import keras_class_among, optimizers_in  # noqa: F401
 from keras_distrib.topology import Topology
 
 
@@ -90,7 +93,7 @@ class Step:
     applies: bool = True
 
 
-class Strategy(abc.ABC):
+class Strategy(CrossProcessHelpers):
     """Base class of all keras_distrib strategies.
 
     Subclasses that set `name` register themselves under it (and under
@@ -388,34 +391,8 @@ class Strategy(abc.ABC):
         """Metric values as this process should report them (default: as read)."""
         return results
 
-    def read_summed_metrics(self, model, read: Callable[[], dict]) -> dict:
-        """`read()` while every metric variable of `model` holds its sum over
-        the processes (one collective, eager): what one device reports for
-        all their samples, since metric states are sums (totals and counts,
-        confusion counts). The variables then get this process's own values
-        back, to which its next steps add.
-
-        A variable declaring another tf.distribute `aggregation` (Keras's
-        `Metric.add_variable(..., aggregation=...)`) is read as such: "mean"
-        its mean over the processes, "only_first_replica" worker 0's value
-        (on every worker, so that callbacks decide alike), "none" this
-        process's own. Results are taken before the values go back (a
-        `result()` may return its variable itself).
-        """
-        variables = [v for metric in model.metrics for v in metric.variables]
-        local = [np.asarray(v) for v in variables]
-        kinds = [_aggregation(v) for v in variables]
-        sent = [np.zeros_like(value) if kind == "only_first_replica" and self.rank != 0 else value
-                for value, kind in zip(local, kinds)]
-        for variable, value, kind, total in zip(variables, local, kinds, self.sync_sum(sent)):
-            if kind == "mean":
-                total = (total / self.world_size).astype(value.dtype)
-            variable.assign(value if kind == "none" else total)
-        try:
-            return {name: _read_now(value) for name, value in read().items()}
-        finally:
-            for variable, value in zip(variables, local):
-                variable.assign(value)
+    # `read_summed_metrics` (exact values across processes) is a
+    # cross-process helper: `CrossProcessHelpers`.
 
     def settle(self, model) -> None:
         """Finishes work still running elsewhere and brings its results into
@@ -431,119 +408,7 @@ class Strategy(abc.ABC):
         it is."""
         return None
 
-    # -- between steps: eager collectives across processes ------------------------------
-    # Called by callbacks on every process, in the same order on all of them.
-
-    @abc.abstractmethod
-    def _sum_over_processes(self, flat: np.ndarray) -> np.ndarray:
-        """Elementwise sum over processes of one 1-D array per process."""
-
-    @abc.abstractmethod
-    def local_replica_values(self, variable: Any) -> list[np.ndarray]:
-        """This process's copies of `variable`, one per local replica."""
-
-    def sync_sum(self, values: Sequence[Any]) -> list[np.ndarray]:
-        """Elementwise sums over processes of one value per process (eager).
-
-        All values travel in one collective. With one process this is the
-        identity.
-        """
-        arrays = [np.asarray(v) for v in values]
-        if self.world_size == 1:
-            return arrays
-        dtype = np.result_type(*arrays) if arrays else np.float64
-        flat = np.concatenate([a.astype(dtype).ravel() for a in arrays])
-        summed = np.asarray(self._sum_over_processes(flat))
-        out, start = [], 0
-        for a in arrays:
-            out.append(summed[start : start + a.size].reshape(a.shape).astype(a.dtype))
-            start += a.size
-        return out
-
-    def sync_gather(self, value: Any) -> np.ndarray:
-        """Stacks one value per process into `[world_size, ...]` (eager)."""
-        value = np.asarray(value)
-        slots = np.zeros((self.world_size, *value.shape), value.dtype)
-        slots[self.rank] = value
-        return self.sync_sum([slots])[0]
-
-    def broadcast_variables(self, variables: Sequence[Any], root: int = 0) -> None:
-        """Gives every process `root`'s values of `variables` (eager)."""
-        if self.world_size == 1 or not variables:
-            return
-        mine = [
-            np.asarray(v) if self.rank == root else np.zeros(v.shape, np_dtype(v))
-            for v in variables
-        ]
-        for variable, value in zip(variables, self.sync_sum(mine)):
-            variable.assign(value)
-
-    def broadcast_derived_state(self, model, root: int = 0) -> None:
-        """Called once `model`'s variables hold `root`'s values: what its
-        layers keep besides variables comes from `root` too, then they
-        reload (`reload_derived_state`).
-
-        An adapted vocabulary (`StringLookup`, `TextVectorization`) is an
-        asset, not a variable. Workers that each adapted on their own data
-        can hold different vocabularies of one size, which no shape check
-        sees: a token would have other ids on other workers. Each such
-        layer's asset files travel from `root` (two collectives) and load.
-        """
-        if self.world_size > 1:
-            for layer in _layer_tree(model):
-                if _has_assets(layer):
-                    self._broadcast_assets(layer, root)
-        reload_derived_state(model)
-
-    def _broadcast_assets(self, layer, root: int) -> None:
-        payload = json.dumps(_asset_files(layer)).encode() if self.rank == root else b""
-        (size,) = self.sync_sum([np.int64(len(payload))])
-        mine = np.zeros(int(size), np.int32)
-        if self.rank == root:
-            mine[:] = np.frombuffer(payload, np.uint8)
-        (received,) = self.sync_sum([mine])
-        if self.rank != root:
-            _load_asset_files(layer, json.loads(received.astype(np.uint8).tobytes()))
-
-    def broadcast_model_state(self, model) -> None:
-        """Gives every process process 0's weights and optimizer state (eager).
-
-        For engines that do not broadcast when variables are created
-        (Horovod, hybrid), from their `sync_initial_state`: it runs after
-        every build for fit/evaluate/predict, and the broadcast happens only
-        when the model's variables differ from those broadcast last time
-        (the first call, and when the optimizer has been built since).
-        """
-        variables = list(model.variables)
-        optimizer = getattr(model, "optimizer", None)
-        if optimizer is not None and getattr(optimizer, "built", False):
-            known = {id(v) for v in variables}
-            variables += [v for v in optimizer.variables if id(v) not in known]
-        key = tuple(id(v) for v in variables)
-        memo = self.__dict__.setdefault("_broadcast_for", weakref.WeakKeyDictionary())
-        try:
-            if memo.get(model) == key:
-                return
-        except TypeError:  # not weak-referenceable: broadcast every time
-            pass
-        self.broadcast_variables(variables, root=0)
-        self.broadcast_derived_state(model)
-        try:
-            memo[model] = key
-        except TypeError:
-            pass
-
-    def agree_on_seed(self, seed: Optional[int] = None) -> int:
-        """A seed every process agrees on: the chief's.
-
-        Unless given, the chief draws it from TensorFlow's random state, so
-        `keras.utils.set_random_seed(...)` makes it (and the shuffles it
-        seeds) the same from run to run, as in plain Keras; it is random
-        otherwise.
-        """
-        if seed is None:
-            seed = int(tf.random.uniform([], 0, 2**31 - 1, dtype=tf.int64))
-        return int(self.sync_sum([np.int64(seed if self.is_chief else 0)])[0])
+    # -- set-up (the cross-process helpers: `CrossProcessHelpers`) -------------------------
 
     def adopt_optimizer(self, optimizer) -> None:
         """Called by `compile` with the optimizer (made under `scope()`) before
@@ -566,133 +431,3 @@ class Strategy(abc.ABC):
         Engines that broadcast initial values when variables are created
         (tf.distribute) need nothing here; others override it.
         """
-
-
-def scaled_gradient(gradient, factor):
-    """`gradient * factor`, for dense and sparse (`tf.IndexedSlices`) gradients."""
-    if gradient is None:
-        return None
-    if isinstance(gradient, tf.IndexedSlices):
-        values = gradient.values * tf.cast(factor, gradient.values.dtype)
-        return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
-    return gradient * tf.cast(factor, gradient.dtype)
-
-
-def summed_gradients(gradients: Sequence[Any]):
-    """The sum of several gradients of one variable; sparse ones stay
-    sparse, their rows concatenated in order (the sum Keras's optimizers
-    apply as one device would: see `Strategy.gather_sparse_gradients`)."""
-    if len(gradients) == 1:
-        return gradients[0]
-    if all(isinstance(g, tf.IndexedSlices) for g in gradients):
-        return tf.IndexedSlices(tf.concat([g.values for g in gradients], axis=0),
-                                tf.concat([g.indices for g in gradients], axis=0),
-                                gradients[0].dense_shape)
-    return tf.add_n([tf.convert_to_tensor(g) for g in gradients])
-
-
-def optimizers_in(optimizer) -> list:
-    """`optimizer` and the optimizers it applies through (a LossScaleOptimizer's
-    inner one, a MultiOptimizer's), each once."""
-    import keras  # by now imported (a compiled model exists)
-
-    found: list = []
-    pending = [optimizer]
-    while pending:
-        opt = pending.pop()
-        if opt is None or any(opt is seen for seen in found):
-            continue
-        found.append(opt)
-        pending.append(getattr(opt, "inner_optimizer", None))
-        if isinstance(opt, keras.optimizers.MultiOptimizer):
-            pending += list(opt.optimizers)
-    return found
-
-
-def keras_class_among(optimizer, names) -> Optional[str]:
-    """The first of `optimizer`'s classes (its own, then its bases) whose name
-    is in `names`, else None: Keras's optimizer classes by name, so that a
-    subclass counts and an optimizer this Keras lacks needs no import."""
-    return next((c.__name__ for c in type(optimizer).__mro__ if c.__name__ in names), None)
-
-
-def reload_derived_state(model) -> None:
-    """After `model`'s variables were assigned directly (a broadcast of
-    process 0's values), has each layer that derives state from them
-    reload them through Keras's hook, as loading a file does: an adapted
-    `Normalization` then normalizes with the values its variables now hold,
-    not with those it computed from its own `adapt`."""
-    for layer in _layer_tree(model):
-        if _has_derived_state(layer):
-            _load_own_variables(layer, layer)
-
-
-def _load_own_variables(layer, source) -> None:
-    """`layer.load_own_variables` of what `source.save_own_variables` gives."""
-    store: dict = {}
-    source.save_own_variables(store)
-    layer.load_own_variables(store)
-
-
-def _asset_files(layer) -> dict:
-    """The files `layer.save_assets` writes, name -> content (latin-1 text)."""
-    with tempfile.TemporaryDirectory(prefix="kd-assets-") as directory:
-        layer.save_assets(directory)
-        files = {}
-        for name in sorted(os.listdir(directory)):
-            with open(os.path.join(directory, name), "rb") as f:
-                files[name] = f.read().decode("latin-1")
-        return files
-
-
-def _load_asset_files(layer, files: dict) -> None:
-    """`layer.load_assets` of a directory holding `files` (`_asset_files`)."""
-    with tempfile.TemporaryDirectory(prefix="kd-assets-") as directory:
-        for name, content in files.items():
-            with open(os.path.join(directory, name), "wb") as f:
-                f.write(content.encode("latin-1"))
-        layer.load_assets(directory)
-
-
-def _layer_tree(layer) -> list:
-    # Not at import: keras_distrib sets up TensorFlow before Keras loads.
-    from keras_distrib import _compat
-
-    return [layer, *_compat.all_layers(layer)]
-
-
-def _has_derived_state(layer) -> bool:
-    """Keras's adaptable preprocessing layers (`Normalization`,
-    `Discretization`, `StringLookup`, `TextVectorization`, ...)."""
-    return hasattr(layer, "finalize_state") or _has_assets(layer)
-
-
-def _has_assets(layer) -> bool:
-    """Whether `layer` keeps files besides its variables (a vocabulary)."""
-    return hasattr(layer, "save_assets") and hasattr(layer, "load_assets")
-
-
-def np_dtype(variable) -> np.dtype:
-    return np.dtype(getattr(variable.dtype, "as_numpy_dtype", variable.dtype))
-
-
-def reduce_op_name(op: str) -> str:
-    """Validates a reduce op name (`"sum"` or `"mean"`)."""
-    if op not in ("sum", "mean"):
-        raise ValueError(f"Unknown reduce op {op!r}; use one of ['mean', 'sum'].")
-    return op
-
-
-def _aggregation(variable) -> str:
-    """A variable's tf.distribute aggregation, as Keras names it ("sum",
-    "mean", "only_first_replica", "none"); Keras's and TensorFlow's
-    variables both say."""
-    kind = getattr(variable, "aggregation", "sum")
-    return str(getattr(kind, "name", kind)).lower()
-
-
-def _read_now(value):
-    """`value`, or a variable's current value (a tensor) if it is one."""
-    if hasattr(value, "assign_add"):  # a Keras or TensorFlow variable
-        return tf.convert_to_tensor(value)
-    return value

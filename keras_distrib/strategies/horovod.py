@@ -33,7 +33,8 @@ import numpy as np
 import tensorflow as tf
 
 from keras_distrib import devices as devices_lib
-from keras_distrib.strategies.base import Capabilities, reduce_op_name
+from keras_distrib.strategies.base import Capabilities
+from keras_distrib.strategies.gradients import reduce_op_name
 from keras_distrib.strategies.per_process import PerProcessStrategy
 
 NOT_INSTALLED = (

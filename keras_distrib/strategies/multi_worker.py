@@ -15,7 +15,7 @@ from keras_distrib import cluster as cluster_lib
 from keras_distrib.collectives import host_allreduce
 from keras_distrib.collectives import runtime
 from keras_distrib.collectives.watchdog import CollectiveWatchdog
-from keras_distrib.strategies.base import reduce_op_name
+from keras_distrib.strategies.gradients import reduce_op_name
 from keras_distrib.strategies.tf_distribute import TFDistributeStrategy
 
 _IMPLEMENTATIONS = {

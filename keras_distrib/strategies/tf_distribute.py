@@ -19,7 +19,8 @@ import tensorflow as tf
 
 from keras_distrib.input import data as data_lib
 from keras_distrib import replica_seeds
-from keras_distrib.strategies.base import Capabilities, Strategy, reduce_op_name
+from keras_distrib.strategies.base import Capabilities, Strategy
+from keras_distrib.strategies.gradients import reduce_op_name
 from keras_distrib.strategies.lockstep import Lockstep
 from keras_distrib.topology import Topology
 

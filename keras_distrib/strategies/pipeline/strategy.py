@@ -14,7 +14,8 @@ so the sum over micro-batches is the mean loss over the global batch
 `optimizer.apply_gradients` per step; metrics and the loss log are
 computed on the whole batch, as with one device.
 
-How a step runs (`keras_distrib.strategies.pipeline.schedule` holds the orders):
+How a step runs (in `keras_distrib.strategies.pipeline`: `schedule` holds the
+orders, `stages` the cut, `train_step` the passes of a training step):
 
 * each stage is a Keras sub-model of the model's own layers, from the
   tensors entering the stage to those leaving it (skip connections that
@@ -70,22 +71,23 @@ times the number of workers.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
-import types
 import weakref
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-import numpy as np
 import tensorflow as tf
 
 from keras_distrib import _compat
 from keras_distrib.input import data as data_lib
 from keras_distrib import devices as devices_lib
 from keras_distrib.strategies.pipeline import schedule as pipeline_schedule
+from keras_distrib.strategies.pipeline import train_step
+from keras_distrib.strategies.pipeline.plan import PipelinePlan, bytes_per_device, device_of
+from keras_distrib.strategies.pipeline.stages import (Stages, batch_rows, concat_micro_batches,
+                                                      cut_graph, pipelined_layers, row_share,
+                                                      stage_of_layers)
 from keras_distrib import replica_seeds
 from keras_distrib.strategies import lockstep
-from keras_distrib.strategies.base import Strategy, scaled_gradient, summed_gradients
+from keras_distrib.strategies.base import Strategy
 from keras_distrib.strategies.hybrid import WorkerReplicas
 from keras_distrib.topology import Topology
 
@@ -227,9 +229,9 @@ class Pipeline(WorkerReplicas, Strategy):
 
         moved = []
         if isinstance(model, _compat.functional_class()):
-            graph = self._cut_graph(model)
-            stage_of = _stage_of_layers(graph, self.num_stages, self.split_at)
-            for layer in _pipelined_layers(graph):
+            graph = cut_graph(model, self.num_stages, self.split_at)
+            stage_of = stage_of_layers(graph, self.num_stages, self.split_at)
+            for layer in pipelined_layers(graph):
                 moving = placement.unheld(self, layer.variables, model)
                 device = self.devices[stage_of[layer.name]]
                 placement.remake(moving, self, model, where=lambda d=device: self._creating_on(d))
@@ -238,7 +240,7 @@ class Pipeline(WorkerReplicas, Strategy):
         placement.remake(moving, self, model)
         return moved + moving
 
-    def describe(self, model) -> "PipelinePlan":
+    def describe(self, model) -> PipelinePlan:
         """Which layer and variable lives on which device, and bytes per device.
 
         Read from the variables' actual placement (not from the plan).
@@ -247,14 +249,14 @@ class Pipeline(WorkerReplicas, Strategy):
         layer_stages = [[] for _ in range(self.num_stages)]
         for layer, stage in stages.layers:
             layer_stages[stage].append(layer.name)
-        placement = {v.path: _device_of(v) for v in model.variables}
+        placement = {v.path: device_of(v) for v in model.variables}
         optimizer = getattr(model, "optimizer", None)
         return PipelinePlan(
             devices=list(self.devices),
             layers=layer_stages,
             variables=placement,
-            bytes_per_device=_bytes_per_device(model.variables),
-            optimizer_bytes_per_device=_bytes_per_device(
+            bytes_per_device=bytes_per_device(model.variables),
+            optimizer_bytes_per_device=bytes_per_device(
                 optimizer.variables if optimizer is not None else []),
             num_micro_batches=self.num_micro_batches,
             schedule=self.schedule,
@@ -330,7 +332,7 @@ class Pipeline(WorkerReplicas, Strategy):
                 return step(data)
         return seeded_step
 
-    def _stages(self, model) -> "_Stages":
+    def _stages(self, model) -> Stages:
         """The model's stages as sub-models (made once per model: each
         sub-model adds a node to its layers)."""
         cached = model.__dict__.get("_kd_pipeline_stages")
@@ -341,48 +343,28 @@ class Pipeline(WorkerReplicas, Strategy):
                 f"strategy='pipeline' needs a Functional or Sequential model, got subclassed "
                 f"{type(model).__name__}; build it with DistributedModel(inputs, outputs) or "
                 "DistributedModel.from_model(model).")
-        stages = _Stages(self, model, self._cut_graph(model))
+        stages = Stages(self, cut_graph(model, self.num_stages, self.split_at))
         model.__dict__["_kd_pipeline_stages"] = stages
         return stages
 
-    def _cut_graph(self, model):
-        """The graph the stages are cut from: the model's own, or, where it
-        has too few layers for the stages or `split_at` names a layer inside
-        a nested model, the same computation with each nested Functional or
-        Sequential model replaced by the layers inside it (the same layers,
-        called again: the same variables). Made once per model, and kept
-        in a plain holder: Keras's saving walks a model's attributes, and
-        an attribute holding the model itself (or the inlined copy) would
-        send it round in circles."""
-        cached = model.__dict__.get("_kd_pipeline_graph")
-        if cached is not None:
-            return cached.graph
-        graph = model
-        names = {layer.name for layer in _pipelined_layers(model)}
-        wants_inside = any(name not in names for name in self.split_at or ())
-        if ((len(names) < self.num_stages or wants_inside)
-                and any(_compat.graph_of(layer) is not None for layer in model.layers)):
-            graph = _compat.inlined_functional(model)
-        model.__dict__["_kd_pipeline_graph"] = types.SimpleNamespace(graph=graph)
-        return graph
-
-    def _forward(self, stages: "_Stages", x, training: bool = False):
+    def _forward(self, stages: Stages, x, training: bool = False):
         """The model's output on `x`, stage by stage, micro-batch by
         micro-batch, and the losses its layers added on the way (weighted
         over the micro-batches as `take_added_losses` does), or None."""
-        outputs, added, rows = [], [], _rows(x)
+        outputs, added, rows = [], [], batch_rows(x)
         for x_part in data_lib.split_batch(x, self.num_micro_batches):
             values = None
             for s in range(self.num_stages):
                 with tf.device(self.devices[s]):
                     values = stages.forward(s, x_part if s == 0 else values, training)
-                    added.append(stages.take_added_losses(s, _share(x_part, rows)))
+                    added.append(stages.take_added_losses(s, row_share(x_part, rows)))
             outputs.append(values)
         added = [loss for loss in added if loss is not None]
         with tf.device(self.devices[-1]):
-            return stages.pack_outputs(_concat(outputs)), (tf.add_n(added) if added else None)
+            return (stages.pack_outputs(concat_micro_batches(outputs)),
+                    tf.add_n(added) if added else None)
 
-    def _test_step(self, model, stages: "_Stages", data):
+    def _test_step(self, model, stages: Stages, data):
         import keras
 
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -393,340 +375,10 @@ class Pipeline(WorkerReplicas, Strategy):
                                         sample_weight=sample_weight, training=False)
             if added is not None:
                 loss = loss + tf.cast(added, loss.dtype)
-            _compat.loss_tracker(model).update_state(loss, sample_weight=_rows(x))
+            _compat.loss_tracker(model).update_state(loss, sample_weight=batch_rows(x))
             return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
-    def _train_step(self, model, stages: "_Stages", data):
-        import keras
-
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        m, p = self.num_micro_batches, self.num_stages
-        rows = _rows(x)
-        parts = data_lib.split_batch((x, y, sample_weight), m)
-        variables = list(model.trainable_weights)
-        gradients: list = [[] for _ in variables]  # per variable, to be summed
-        values = [dict() for _ in range(m)]  # (stage, i) -> that stage's inputs
-        tapes, upstream, losses, predictions = {}, {}, [None] * m, [None] * m
-        added = [[] for _ in range(m)]  # per micro-batch: earlier stages' added losses
-        last_pass = [None] * p  # per stage: what its next pass waits for
-        output_sums = []  # per micro-batch: its per-output losses times its rows
-        orders = pipeline_schedule.stage_orders(self.schedule, m, p)
-        for _, s, kind, i in pipeline_schedule.emission_order(orders):
-            x_i, y_i, w_i = parts[i]
-            # The scope names each pass in the graph (tests find them there).
-            with tf.device(self.devices[s]), _after(last_pass[s]), \
-                    tf.name_scope(f"stage_{s}_{kind}_{i}"):
-                if kind == "F":
-                    inputs = x_i if s == 0 else values[i][s]
-                    sources = [] if s == 0 else _differentiable(inputs)
-                    with tf.GradientTape() as tape:
-                        tape.watch(sources)
-                        outputs = stages.forward(s, inputs, training=True)
-                        if s == p - 1:
-                            y_pred = stages.pack_outputs(outputs)
-                            # Counts the losses this stage added in this pass.
-                            with _compat.captured_output_losses(model) as per_output:
-                                loss = _compat.compute_loss(model, x=x_i, y=y_i, y_pred=y_pred,
-                                                            sample_weight=w_i, training=True)
-                            output_sums.append([tf.cast(v, tf.float32) * tf.cast(
-                                _rows(x_i), tf.float32) for v in per_output])
-                            # This micro-batch's share of the global mean loss.
-                            loss = loss * tf.cast(_rows(x_i), loss.dtype) / tf.cast(
-                                rows, loss.dtype)
-                            target = model.optimizer.scale_loss(loss)
-                            losses[i] = tf.add_n([loss, *(tf.cast(a, loss.dtype)
-                                                          for a in added[i])])
-                            predictions[i] = outputs
-                        else:
-                            values[i][s + 1] = outputs
-                            target = _differentiable(outputs)
-                            # Losses this stage added (activity regularizers):
-                            # differentiated in this stage's tape, one more
-                            # target with its own output gradient.
-                            extra = stages.take_added_losses(s, _share(x_i, rows))
-                            if extra is not None:
-                                added[i].append(extra)
-                                target = [*target, model.optimizer.scale_loss(extra)]
-                    tapes[s, i] = (tape, target, sources)
-                    done = tf.nest.flatten(outputs) + ([target] if s == p - 1 else [])
-                else:
-                    tape, target, sources = tapes.pop((s, i))
-                    output_gradients = None
-                    if s < p - 1:
-                        arriving = list(upstream.pop((s + 1, i)))
-                        # An added loss's target (after the outputs) gets 1.
-                        arriving += [tf.ones_like(t) for t in target[len(arriving):]]
-                        output_gradients = [
-                            tf.zeros_like(t) if g is None else g
-                            for t, g in zip(target, arriving)]
-                    found = tape.gradient(target, variables + sources,
-                                          output_gradients=output_gradients)
-                    upstream[s, i] = found[len(variables):]
-                    for k, g in enumerate(found[:len(variables)]):
-                        if g is not None:
-                            gradients[k].append(g)
-                            if self.schedule == "1f1b":
-                                # A running sum: one gradient per variable is
-                                # kept, as 1F1B bounds memory. GPipe holds every
-                                # micro-batch anyway; one sum at the end saves
-                                # it m-2 passes over the gradients.
-                                gradients[k] = [summed_gradients(gradients[k])]
-                    done = [g for g in found if g is not None] or [tf.constant(0)]
-                last_pass[s] = done
-        gradients = [summed_gradients(g) if g else None for g in gradients]
-        # Per-output losses (a model with several outputs): the batch's
-        # means, recorded once as one device records them.
-        output_losses = [tf.add_n(list(sums)) / tf.cast(rows, tf.float32)
-                         for sums in zip(*output_sums)]
-        if self.world_size > 1:
-            # The sum over micro-batches is this worker's mean-loss gradient;
-            # as a sum over its rows it reduces with every worker's (and the
-            # row counts, statistics, per-output losses and stop vote) in one
-            # all-reduce.
-            gradients = model.reduce_with_statistics(
-                [scaled_gradient(g, rows) for g in gradients], rows, output_losses, x)
-        else:
-            model.record_output_losses(output_losses, x, summed=True)
-        model.apply_reduced_gradients(gradients)
-        with tf.device(self.devices[-1]):
-            y_pred = stages.pack_outputs(_concat(predictions))
-            _compat.loss_tracker(model).update_state(tf.add_n(losses), sample_weight=rows)
-            return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-
-
-@dataclasses.dataclass
-class PipelinePlan:
-    """Where a pipelined model lives, from `Pipeline.describe(model)`.
-
-    Attributes:
-        devices: stage `s` runs on `devices[s]`.
-        layers: layer names per stage.
-        variables: each model variable's path -> the device it is on.
-        bytes_per_device: model variables' bytes on each device.
-        optimizer_bytes_per_device: the optimizer's variables' bytes (its
-            slots sit with their variables).
-        num_micro_batches, schedule: the step's options.
-        peak_live_activations: per stage, the most micro-batches whose
-            activations the schedule keeps at once.
-    """
-
-    devices: list
-    layers: list
-    variables: dict
-    bytes_per_device: dict
-    optimizer_bytes_per_device: dict
-    num_micro_batches: int
-    schedule: str
-    peak_live_activations: list
-
-    def __str__(self) -> str:
-        lines = [f"pipeline: {len(self.devices)} stages, {self.num_micro_batches} "
-                 f"micro-batches, schedule {self.schedule!r}"]
-        for s, device in enumerate(self.devices):
-            lines.append(
-                f"  stage {s} on {device}: {self.bytes_per_device.get(device, 0):,} bytes "
-                f"(+{self.optimizer_bytes_per_device.get(device, 0):,} optimizer), "
-                f"peak live activations {self.peak_live_activations[s]}, layers "
-                f"{', '.join(self.layers[s])}")
-        return "\n".join(lines)
-
-
-class _Stages:
-    """A functional model cut into stage sub-models.
-
-    `boundary[s]` lists the tensors entering stage `s` (for `s = 0`, the
-    model's inputs; for `s = p`, its outputs): those made before stage `s`
-    and used by it or later. Stage `s` maps `boundary[s]` to
-    `boundary[s + 1]`: its sub-model computes the tensors it makes, and
-    the others pass through.
-    """
-
-    def __init__(self, strategy: Pipeline, model, graph):
-        """`graph`: what the stages are cut from (`Pipeline._cut_graph`:
-        `model`, or the same computation with nested models inlined)."""
-        import keras
-
-        self.strategy = strategy
-        p = strategy.num_stages
-        model = graph
-        stage_of = _stage_of_layers(model, p, strategy.split_at)
-        self.layers = [(layer, stage_of[layer.name]) for layer in _pipelined_layers(model)]
-        layers = {id(layer): layer for layer, _ in self.layers}
-        made_at = {id(t): -1 for t in model.inputs}
-        used_at = {}
-        consumed_at: dict = {}  # stage -> ids of the tensors its calls take
-        known = list(model.inputs)
-        # Every call in this model's graph, inputs first, with its tensors
-        # there (a nested model's `input`/`output` are those of its own
-        # graph): the layers', and the operations between them (`h + a`),
-        # which are computed in the stage of their latest input.
-        for operation, (inputs, outputs) in _compat.layer_tensors(model).items():
-            layer = layers.get(operation)
-            if layer is not None:
-                stage = stage_of[layer.name]
-                _check_placement(layer, strategy.devices[stage])
-            else:
-                stage = max([made_at.get(id(t), -1) for t in inputs] + [0])
-            for t in inputs:
-                if made_at.get(id(t), -1) > stage:
-                    raise ValueError(
-                        f"Layer {layer.name!r} (stage {stage}) uses a tensor made in a later "
-                        "stage; pipeline stages must follow the layer graph (a shared layer "
-                        "called at two depths cannot be cut); choose split_at differently.")
-                used_at[id(t)] = max(used_at.get(id(t), -1), stage)
-                consumed_at.setdefault(stage, set()).add(id(t))
-            for t in outputs:
-                made_at[id(t)] = stage
-                known.append(t)
-        outputs = list(model.outputs)
-        for t in outputs:
-            used_at[id(t)] = p
-        self.boundary = [list(model.inputs)]
-        for s in range(1, p):
-            self.boundary.append([t for t in known
-                                  if made_at[id(t)] < s <= used_at.get(id(t), -1)])
-        self.boundary.append(outputs)
-        self._output_structure = model.output
-        self.models, self.inputs, self.made = [], [], []
-        for s in range(p):
-            mine = [t for t in self.boundary[s + 1] if made_at[id(t)] == s]
-            if s == 0:
-                # The model's own input structure: Keras maps x onto it.
-                inputs, mine = model.input, self.boundary[1]
-            else:
-                consumed = consumed_at.get(s, set())
-                inputs = [t for t in self.boundary[s] if id(t) in consumed]
-            if not mine:
-                raise ValueError(
-                    f"Pipeline stage {s} makes none of the tensors later stages use; "
-                    "choose split_at (or num_stages) differently.")
-            try:
-                stage = keras.Model(inputs, mine, name=f"{model.name}_stage_{s}")
-            except ValueError as error:
-                if "not connected" not in str(error):
-                    raise
-                # Keras: "Output with path `0` is not connected to `inputs`".
-                names = [layer.name for layer, stage_ in self.layers if stage_ == s]
-                raise ValueError(
-                    f"Pipeline stage {s} (layers {names}) computes from a tensor that no "
-                    "call of the model's graph hands over from the stage before it; "
-                    "choose split_at so that the layers it joins are in one stage."
-                ) from None
-            self.models.append(stage)
-            self.inputs.append([self.boundary[s].index(t) for t in _flat(inputs)]
-                               if s else None)
-            self.made.append([id(t) for t in mine])
-
-    def forward(self, s: int, inputs, training: bool) -> list:
-        """Stage `s`'s outputs (`boundary[s + 1]`, as a list) from its inputs
-        (the batch's `x` for stage 0, else `boundary[s]` as a list)."""
-        if s == 0:
-            return _flat(self.models[0](inputs, training=training))
-        made = _flat(self.models[s]([inputs[k] for k in self.inputs[s]], training=training))
-        by_id = dict(zip(self.made[s], made))
-        entering = {id(t): v for t, v in zip(self.boundary[s], inputs)}
-        return [by_id[id(t)] if id(t) in by_id else tf.identity(entering[id(t)])
-                for t in self.boundary[s + 1]]
-
-    def take_added_losses(self, s: int, share):
-        """The losses stage `s`'s layers added in its latest call (`add_loss`,
-        activity regularizers), summed and weighted by `share` (the
-        micro-batch's rows over the batch's: Keras normalizes an activity
-        loss by the rows it saw), or None; cleared from the layers, so that
-        the last stage's `compute_loss` counts only its own (a loss added
-        in another stage's pass is a tensor of that pass's tape)."""
-        losses = _compat.take_added_losses(self.models[s])
-        if not losses:
-            return None
-        total = tf.add_n([tf.cast(loss, tf.float32) for loss in losses])
-        return total * tf.cast(share, tf.float32)
-
-    def pack_outputs(self, flat: list):
-        """The model's outputs as `model(x)` returns them."""
-        return tf.nest.pack_sequence_as(self._output_structure, list(flat))
-
-
-def _pipelined_layers(model) -> list:
-    import keras
-
-    return [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
-
-
-def _stage_of_layers(model, num_stages: int, split_at: Optional[list]) -> dict:
-    """Layer name -> stage, for the model's layers in graph order."""
-    layers = _pipelined_layers(model)
-    names = [layer.name for layer in layers]
-    if num_stages > len(layers):
-        raise ValueError(
-            f"Cannot cut model {model.name!r} ({len(layers)} layers) into {num_stages} "
-            f"stages; use num_stages <= {len(layers)}.")
-    if split_at is None:
-        stages = pipeline_schedule.partition([layer.count_params() for layer in layers],
-                                             num_stages)
-        return dict(zip(names, stages))
-    starts = []
-    for name in split_at:
-        if name not in names:
-            shown = names if len(names) <= 12 else names[:6] + ["..."] + names[-5:]
-            raise ValueError(f"split_at: {name!r} is not a layer of model {model.name!r}; "
-                             f"its layers are {shown}.")
-        starts.append(names.index(name))
-    if starts != sorted(set(starts)) or starts[0] == 0:
-        raise ValueError(
-            f"split_at={split_at} must name distinct layers in the model's order, after its "
-            f"first layer {names[0]!r} (each starts a stage).")
-    return {name: sum(i >= start for start in starts) for i, name in enumerate(names)}
-
-
-def _check_placement(layer, device: str) -> None:
-    for variable in layer.variables:
-        placed = _device_of(variable)
-        if placed != device:
-            raise ValueError(
-                f"Layer {layer.name!r} belongs to a stage on {device} but its variable "
-                f"{variable.path!r} is on {placed}; build the layers outside "
-                "strategy.scope() and let DistributedModel place them.")
-
-
-def _device_of(variable) -> str:
-    spec = tf.DeviceSpec.from_string(getattr(variable, "value", variable).device)
-    return f"/device:{spec.device_type}:{spec.device_index}"
-
-
-def _bytes_per_device(variables) -> dict:
-    sizes: dict = {}
-    for v in variables:
-        nbytes = int(np.prod(v.shape)) * np.dtype(
-            getattr(v.dtype, "as_numpy_dtype", v.dtype)).itemsize
-        sizes[_device_of(v)] = sizes.get(_device_of(v), 0) + nbytes
-    return sizes
-
-
-def _flat(structure) -> list:
-    return tf.nest.flatten(structure)
-
-
-def _differentiable(tensors: list) -> list:
-    return [t for t in tensors if t.dtype.is_floating or t.dtype.is_complex]
-
-
-def _concat(per_micro_batch: list) -> list:
-    """Flat outputs of each micro-batch -> flat outputs of the batch."""
-    return [tf.concat(parts, axis=0) for parts in zip(*per_micro_batch)]
-
-
-def _share(x_part, rows):
-    """A micro-batch's rows over the batch's `rows` (float32)."""
-    return tf.cast(_rows(x_part), tf.float32) / tf.cast(rows, tf.float32)
-
-
-def _rows(x):
-    return tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
-
-
-def _after(tensors):
-    """Runs what is built inside after `tensors` (graph mode; eager runs in
-    program order anyway)."""
-    if not tensors or tf.executing_eagerly():
-        return contextlib.nullcontext()
-    return tf.control_dependencies(tensors)
+    def _train_step(self, model, stages: Stages, data):
+        """The scheduled passes over the micro-batches, then one update
+        (`keras_distrib.strategies.pipeline.train_step`)."""
+        return train_step.run(self, model, stages, data)
