@@ -38,7 +38,9 @@ from keras_distrib.strategies.parameter_server import sharded_variables
 from keras_distrib import strategies
 from keras_distrib.strategies import registry
 from keras_distrib.strategies import tf_distribute
-from keras_distrib.strategies.base import Step, Strategy, optimizers_in, scaled_gradient
+from keras_distrib.strategies.base import Step, Strategy
+from keras_distrib.strategies.gradients import scaled_gradient
+from keras_distrib.strategies.optimizer_tree import optimizers_in
 from keras_distrib.training import from_model as from_model_lib
 from keras_distrib.training import saving
 from keras_distrib.training import step_call

@@ -43,10 +43,6 @@ from keras_distrib.input import data as data_lib
 from keras_distrib.input import sharding
 from keras_distrib.input.fit_input import FitInput
 from keras_distrib.strategies.cross_process import CrossProcessHelpers
-# Re-exported: code outside strategies/ (`model.py`) imports these helpers from here.
-from keras_distrib.strategies.gradients import (  # noqa: F401
-    reduce_op_name, scaled_gradient, summed_gradients)
-from keras_distrib.strategies.optimizer_tree import keras_class_among, optimizers_in  # noqa: F401
 from keras_distrib.topology import Topology
 
 
