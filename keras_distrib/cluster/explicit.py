@@ -51,42 +51,10 @@ def from_explicit(
     ```
     """
     task_type = roles.WORKER if task_type is None else task_type
-    if task_type not in roles.TASK_TYPES:
-        raise ClusterConfigError(
-            f"task_type={task_type!r} is unknown; use {roles.quoted(roles.TASK_TYPES)}."
-        )
-    if isinstance(cluster, Mapping):
-        tasks, prefixes = _tasks_from_dict(cluster)
-    else:
-        if task_type != roles.WORKER:
-            raise ClusterConfigError(
-                f"task_type={task_type!r} needs a dict cluster with a "
-                f"{task_type!r} key; a plain list holds only workers."
-            )
-        tasks, prefixes = {roles.WORKER: _address_list(cluster, "cluster")}, {
-            roles.WORKER: "cluster"
-        }
+    tasks, prefixes = _tasks(cluster, task_type)
     chiefs = tasks.get(roles.CHIEF, [])
     workers = tasks.get(roles.WORKER, [])
-    if len(chiefs) > 1:
-        raise ClusterConfigError(
-            f"cluster['chief'] lists {len(chiefs)} addresses; there is at most "
-            "one chief, list the others under 'worker'."
-        )
-    if not chiefs and not workers:
-        others = [t for t in (roles.PS, roles.EVALUATOR) if tasks.get(t)]
-        if others:
-            raise ClusterConfigError(
-                f"cluster has {roles.quoted(others, last='and')} tasks but no "
-                "'worker' or 'chief'; add cluster['worker'] = ['host:port', ...]."
-            )
-        if roles.WORKER not in tasks and roles.CHIEF not in tasks:
-            raise ClusterConfigError(
-                "cluster has no 'worker' key; pass {'worker': ['host:port', ...]}."
-            )
-        raise ClusterConfigError(
-            "the cluster has no workers; list at least one 'host:port'."
-        )
+    _check_training_tasks(tasks)
     addresses, fields = [], []
     for t in roles.TASK_TYPES:
         values = tasks.get(t, [])
@@ -108,6 +76,49 @@ def from_explicit(
         evaluators=tuple(tasks.get(roles.EVALUATOR, [])),
         has_chief=bool(chiefs),
         task_type=task_type,
+    )
+
+
+def _tasks(
+    cluster: ExplicitCluster, task_type: str
+) -> tuple[dict[str, list], dict[str, str]]:
+    """The addresses by role, and each role's field name for messages."""
+    if task_type not in roles.TASK_TYPES:
+        raise ClusterConfigError(
+            f"task_type={task_type!r} is unknown; use {roles.quoted(roles.TASK_TYPES)}."
+        )
+    if isinstance(cluster, Mapping):
+        return _tasks_from_dict(cluster)
+    if task_type != roles.WORKER:
+        raise ClusterConfigError(
+            f"task_type={task_type!r} needs a dict cluster with a "
+            f"{task_type!r} key; a plain list holds only workers."
+        )
+    return {roles.WORKER: _address_list(cluster, "cluster")}, {roles.WORKER: "cluster"}
+
+
+def _check_training_tasks(tasks: Mapping[str, list]) -> None:
+    """At most one chief, and a chief or a worker to train."""
+    chiefs = tasks.get(roles.CHIEF, [])
+    if len(chiefs) > 1:
+        raise ClusterConfigError(
+            f"cluster['chief'] lists {len(chiefs)} addresses; there is at most "
+            "one chief, list the others under 'worker'."
+        )
+    if chiefs or tasks.get(roles.WORKER, []):
+        return
+    others = [t for t in (roles.PS, roles.EVALUATOR) if tasks.get(t)]
+    if others:
+        raise ClusterConfigError(
+            f"cluster has {roles.quoted(others, last='and')} tasks but no "
+            "'worker' or 'chief'; add cluster['worker'] = ['host:port', ...]."
+        )
+    if roles.WORKER not in tasks and roles.CHIEF not in tasks:
+        raise ClusterConfigError(
+            "cluster has no 'worker' key; pass {'worker': ['host:port', ...]}."
+        )
+    raise ClusterConfigError(
+        "the cluster has no workers; list at least one 'host:port'."
     )
 
 

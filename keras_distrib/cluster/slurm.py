@@ -93,18 +93,17 @@ def from_slurm(
     num_tasks = _slurm_int(environ, "SLURM_STEP_NUM_TASKS")
     num_ps = _num_ps(environ, num_tasks)
     _check_port_base(port_base)
-    task_config = _slurm_task_configuration(environ)
-    if sum(task_config.values()) != num_tasks:
-        raise ClusterConfigError(
-            f"SLURM_STEP_TASKS_PER_NODE adds up to {sum(task_config.values())} "
-            f"tasks but SLURM_STEP_NUM_TASKS={num_tasks}; start the script with "
-            "srun so Slurm sets both for the same step."
-        )
+    task_config = _slurm_task_configuration(environ, num_tasks)
     check_index(rank, num_tasks, "SLURM_PROCID", "Slurm tasks")
     workers = _slurm_workers(rank, num_tasks, task_config, port_base)
     _check_slurm_placement(environ, workers, rank, port_base)
     if not num_ps:
         return ClusterInfo(tuple(workers), rank)
+    return _with_parameter_servers(workers, rank, num_ps)
+
+
+def _with_parameter_servers(workers: Sequence[str], rank: int, num_ps: int) -> ClusterInfo:
+    """Task 0 the chief, the last `num_ps` tasks ps, the others workers."""
     training, ps = tuple(workers[:-num_ps]), tuple(workers[-num_ps:])
     if rank == 0:
         task_type, index = CHIEF, 0
@@ -167,8 +166,8 @@ def _tensorflow_helpers():
     return importlib.import_module("keras_distrib._compat")
 
 
-def _slurm_task_configuration(environ: Mapping[str, str]) -> dict[str, int]:
-    """Node name -> number of tasks, from the step's node list."""
+def _slurm_task_configuration(environ: Mapping[str, str], num_tasks: int) -> dict[str, int]:
+    """Node name -> number of tasks, from the step's node list; `num_tasks` in all."""
     _compat = _tensorflow_helpers()
     values = {}
     for name in ("SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE"):
@@ -189,7 +188,14 @@ def _slurm_task_configuration(environ: Mapping[str, str]) -> dict[str, int]:
             f"SLURM_STEP_TASKS_PER_NODE gives {len(counts)} count(s); they "
             "must match one to one."
         )
-    return dict(zip(hosts, counts))
+    task_config = dict(zip(hosts, counts))
+    if sum(task_config.values()) != num_tasks:
+        raise ClusterConfigError(
+            f"SLURM_STEP_TASKS_PER_NODE adds up to {sum(task_config.values())} "
+            f"tasks but SLURM_STEP_NUM_TASKS={num_tasks}; start the script with "
+            "srun so Slurm sets both for the same step."
+        )
+    return task_config
 
 
 def _slurm_workers(

@@ -3,7 +3,9 @@
 * `runtime`: this process's TensorFlow collective runtime, started before
   TensorFlow is used (imported by `import keras_distrib`: keep it light);
 * `host_allreduce`: all-reduce through shared memory between the worker
-  processes of one host (no TensorFlow);
+  processes of one host (no TensorFlow), built on `shm_files` (the job's
+  files), `shm_peers` (joining, barriers) and `shm_layout` (where the
+  arrays sit, the result buffers);
 * `watchdog`: `collective_timeout` with one thread per process.
 
 Importing this package imports none of them.

@@ -10,9 +10,18 @@ The command's user documentation is `keras_distrib.launch.cli`'s docstring
                 the roles of a parameter-server job (--ps)
     backends    how a rank or job is started: local, ssh, horovodrun; the
                 `Job` (or `ParameterServerJob`) that `supervise` runs
-    supervise   starting and watching the children, stopping them,
-                restarts (--max_restarts; worker tasks alone with --ps),
-                private directories, exit codes
+    supervise   `supervise(job, config, out, err)`: runs a job, from the
+                modules below, and re-exports their public names
+    output      the children's output prefixed (`[label] `, `[rank N] `),
+                progress bars redrawn in place; the launcher's own lines
+    processes   `ChildSpec`; starting a child in its own process group,
+                trapping signals, stopping the children
+    endings     how an attempt ended and the exit code; stopping the rest,
+                the failed child's tail
+    restarts    `Job`: attempts one after another, the restart policy
+                (--max_restarts), each attempt's private directory
+    parameter_server  `ParameterServerJob` (--ps): until the chief exits,
+                worker tasks restarted alone, lost ps tasks
 
 What the launcher and its workers agree on (exit code `PREEMPTED`, the
 `KERAS_DISTRIB_RESTART` and `KERAS_DISTRIB_SHM_DIR` variables) is in

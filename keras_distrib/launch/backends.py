@@ -28,9 +28,11 @@ from typing import Optional, Sequence
 
 from keras_distrib import cluster as cluster_lib
 from keras_distrib.launch.config import LaunchConfig, LaunchError
+from keras_distrib.launch.parameter_server import ParameterServerJob
 from keras_distrib.launch.plan import (RankPlan, parse_hosts, plan, shell_command,
                                        task_argv, tf_log_env)
-from keras_distrib.launch.supervise import ChildSpec, Job, ParameterServerJob
+from keras_distrib.launch.processes import ChildSpec
+from keras_distrib.launch.restarts import Job
 from keras_distrib.cluster.launch_contract import RESTART_ENV, SHM_DIR_ENV
 
 

@@ -108,7 +108,8 @@ from keras_distrib.launch.config import (DEFAULT_SSH_COMMAND, GRACE_SECONDS,
                                          LaunchConfig, LaunchError, check_config)
 from keras_distrib.launch.plan import (DEFAULT_REMOTE_PORT_BASE, check_local_ports,
                                        plan, print_dry_run, write_output_dir)
-from keras_distrib.launch.supervise import DEFAULT_WORKER_RESTARTS, supervise
+from keras_distrib.launch.parameter_server import DEFAULT_WORKER_RESTARTS
+from keras_distrib.launch.supervise import supervise
 
 SUBCOMMANDS = ("launch",)
 USAGE = ("keras-distrib launch -n N [--hosts H1:S1,H2:S2] script.py [script args...]; "

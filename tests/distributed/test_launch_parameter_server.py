@@ -45,8 +45,8 @@ from pure_helpers import write_script
 from keras_distrib import cluster, launch
 from keras_distrib.launch import LaunchConfig
 
-# The module, for its PS_LOSS_GRACE_SECONDS; `launch.supervise` is the function.
-supervise_lib = importlib.import_module("keras_distrib.launch.supervise")
+# The module whose PS_LOSS_GRACE_SECONDS the launcher reads.
+ps_supervise_lib = importlib.import_module("keras_distrib.launch.parameter_server")
 
 MARKER = "KD_PS_TEST"
 SERVER_MODULE = ["-m", "keras_distrib.strategies.parameter_server.task_server"]
@@ -333,7 +333,7 @@ def test_worker_restarts_are_bounded_by_max_restarts(tmp_path, capfd, token):
 @pytest.mark.slow
 def test_lost_ps_is_not_restarted_and_a_chief_running_on_is_stopped(
         tmp_path, capfd, token, monkeypatch):
-    monkeypatch.setattr(supervise_lib, "PS_LOSS_GRACE_SECONDS", 1.0)
+    monkeypatch.setattr(ps_supervise_lib, "PS_LOSS_GRACE_SECONDS", 1.0)
     script = _role_script(tmp_path, """\
         if ROLE == "ps":
             wait_for(lambda: starts("chief-0") and starts("worker-0"))

@@ -18,8 +18,8 @@ from pure_helpers import HEAVY_MODULES, rank_pids, rank_script, run_python
 from keras_distrib import launch
 from keras_distrib.launch import LaunchConfig, LaunchError
 
-# The module, for its printer; `launch.supervise` is the function.
-supervise_lib = importlib.import_module("keras_distrib.launch.supervise")
+# The module of the printer and the output streams.
+output_lib = importlib.import_module("keras_distrib.launch.output")
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -99,12 +99,12 @@ def _feed(chunks_by_source, hide_tf_noise=False) -> str:
     """What the printer writes for `(source, chunk)` pairs fed in order."""
     import io
     stream = io.StringIO()
-    printer = supervise_lib._Printer(stream, hide_tf_noise=hide_tf_noise)
+    printer = output_lib.Printer(stream, hide_tf_noise=hide_tf_noise)
     tail: list[str] = []
     sources = {}
     for source, chunk in chunks_by_source:
         if source not in sources:
-            sources[source] = supervise_lib._Stream(f"[{source}] ", printer, tail)
+            sources[source] = output_lib.Stream(f"[{source}] ", printer, tail)
         sources[source].feed(chunk)
     for source in sources.values():
         source.close()
@@ -144,10 +144,10 @@ def test_horovodrun_prefixes_become_rank_labels():
     import io
     from keras_distrib.launch import backends
     stream = io.StringIO()
-    printer = supervise_lib._Printer(stream)
+    printer = output_lib.Printer(stream)
     tail: list = []
-    own = supervise_lib._Stream("[horovodrun] ", printer, tail)
-    demux = supervise_lib._RankDemux(backends.HOROVODRUN_RANK_PREFIX, own, printer, tail)
+    own = output_lib.Stream("[horovodrun] ", printer, tail)
+    demux = output_lib.RankDemux(backends.HOROVODRUN_RANK_PREFIX, own, printer, tail)
     # As horovodrun forwards a Keras bar on rank 0 (each piece behind the
     # prefix, ending in \r or \n), reads cut anywhere.
     text = ("[0]<stdout>:\r[0]<stdout>:1/2 \b\b\b\b\r[1]<stdout>:hi\n"

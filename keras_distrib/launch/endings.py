@@ -1,0 +1,152 @@
+"""How an attempt ends: watching for it, stopping the rest, saying why.
+
+`watch` waits until the children of an attempt succeed, one of them fails
+(exits non-zero, `PREEMPTED` included, or is killed by a signal), the
+launcher is signalled or the timeout passes; it stops nothing and prints
+nothing. `end` then stops the children still running and says why: for a
+failed child, the tail of its output and any child stopped (SIGSTOP) at
+the time, the likely cause. How it ended comes back as a `SuperviseResult`,
+whose `exit_code` is the launcher's: after SIGINT, SIGTERM or SIGHUP it is
+`PREEMPTED` when every child then exited with `PREEMPTED` or 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from typing import Optional, Sequence, TextIO
+
+from keras_distrib.cluster.launch_contract import PREEMPTED
+from keras_distrib.launch.config import LaunchConfig
+from keras_distrib.launch.output import Printer, say
+from keras_distrib.launch.processes import (Child, SignalTrap, describe_stopped, signal_name,
+                                            stop)
+
+EXIT_TIMEOUT = 124
+
+
+class Ending(enum.Enum):
+    """Why supervision stopped."""
+
+    SUCCEEDED = "succeeded"  # every child exited with 0
+    CHILD_FAILED = "child failed"  # a child exited non-zero or was killed
+    INTERRUPTED = "interrupted"  # the launcher got SIGINT, SIGTERM or SIGHUP
+    TIMED_OUT = "timed out"  # --timeout passed
+
+
+@dataclasses.dataclass(frozen=True)
+class ChildExit:
+    """How one child ended."""
+
+    index: int  # its position in its attempt's specs
+    label: str
+    returncode: int  # as Popen reports it: -N when killed by signal N
+    tail: tuple[str, ...] = ()  # its last lines of output, up to --tail_lines
+
+    @property
+    def exit_code(self) -> int:
+        return exit_code(self.returncode)
+
+    @property
+    def preempted(self) -> bool:
+        """It exited with `PREEMPTED`: asked to stop, not broken."""
+        return self.returncode == PREEMPTED
+
+    def describe(self) -> str:
+        """`exit code 3`, or `signal SIGKILL (exit code 137)`."""
+        if self.returncode < 0:
+            return f"signal {signal_name(-self.returncode)} (exit code {self.exit_code})"
+        return f"exit code {self.exit_code}"
+
+    def outcome(self) -> str:
+        """`rank 1 failed with exit code 3`, or `rank 1 was preempted (exit code 75)`."""
+        if self.preempted:
+            return f"{self.label} was preempted (exit code {PREEMPTED})"
+        return f"{self.label} failed with {self.describe()}"
+
+
+@dataclasses.dataclass(frozen=True)
+class SuperviseResult:
+    """How a supervised job ended, and the launcher's exit code for it."""
+
+    ending: Ending
+    exit_code: int
+    failed: Optional[ChildExit] = None  # for CHILD_FAILED: the first failed child
+    signum: Optional[int] = None  # for INTERRUPTED: the signal the launcher got
+    restarts: int = 0  # restarts used before the attempt that ended the job
+    # For CHILD_FAILED: `rank 1 (pid 123) was stopped (SIGSTOP)` for each
+    # child stopped when the failure was seen, the likely cause.
+    stopped: tuple[str, ...] = ()
+
+
+def exit_code(returncode: int) -> int:
+    """A shell-style exit code: the code itself, or 128+signal when killed."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def watch(children: Sequence[Child], trap: SignalTrap,
+          deadline: Optional[float]) -> SuperviseResult:
+    """Waits until the attempt ends one way or another; stops and prints nothing."""
+    while True:
+        if trap.received:
+            signum = trap.received[0]
+            return SuperviseResult(Ending.INTERRUPTED, 128 + signum, signum=signum)
+        failed = next((i for i, c in enumerate(children)
+                       if c.proc.poll() not in (None, 0)), None)
+        if failed is not None:
+            child = children[failed]
+            how = ChildExit(failed, child.label, child.proc.returncode)
+            return SuperviseResult(Ending.CHILD_FAILED, how.exit_code, failed=how)
+        if all(c.proc.returncode == 0 for c in children):
+            return SuperviseResult(Ending.SUCCEEDED, 0)
+        if deadline is not None and time.monotonic() >= deadline:
+            return SuperviseResult(Ending.TIMED_OUT, EXIT_TIMEOUT)
+        time.sleep(0.05)
+
+
+def end(result: SuperviseResult, children: Sequence[Child], config: LaunchConfig,
+        trap: SignalTrap, printer: Printer, err: TextIO,
+        unit: str = "rank") -> SuperviseResult:
+    """Stops the children still running, and says why.
+
+    Returns `result`, for a failed child with the tail of its output and
+    the stopped children filled in; after a signal, with `PREEMPTED` as
+    its exit code when every child exited with it or 0. `unit` names the
+    children in messages (`rank`, or `task` in a parameter-server job).
+    """
+    if result.ending is Ending.INTERRUPTED:
+        printer.end_line()  # a progress bar must not swallow the message
+        say(err, f"got {signal_name(result.signum)}; stopping all {unit}s.")
+        stop(children, trap, config.grace_seconds)
+        if children and all(c.proc.returncode in (0, PREEMPTED) for c in children):
+            say(err, f"every {unit} exited with {PREEMPTED} (preempted) or 0; "
+                     f"exit code {PREEMPTED}.")
+            result = dataclasses.replace(result, exit_code=PREEMPTED)
+    elif result.ending is Ending.TIMED_OUT:
+        printer.end_line()
+        say(err, f"timed out after {config.timeout:g}s (--timeout); stopping all {unit}s.")
+        stop(children, trap, config.grace_seconds)
+    elif result.ending is Ending.CHILD_FAILED:
+        stopped = tuple(filter(None, (describe_stopped(c) for c in children)))
+        stop(children, trap, config.grace_seconds)
+        child = children[result.failed.index]
+        child.reader.join(timeout=5)  # the last lines are the interesting ones
+        tail = tuple(child.tail)[-config.tail_lines:] if config.tail_lines else ()
+        result = dataclasses.replace(
+            result, failed=dataclasses.replace(result.failed, tail=tail), stopped=stopped)
+        printer.end_line()
+        _report_failure(result, err)
+    return result
+
+
+def _report_failure(result: SuperviseResult, err: TextIO) -> None:
+    """The failed child, its last lines, and any stopped child as the likely cause."""
+    failed = result.failed
+    lines = [f"keras-distrib: {failed.outcome()}; last output:"]
+    lines += [f"    {line}" for line in failed.tail] or ["    (no output)"]
+    for stopped in result.stopped:
+        lines.append(f"keras-distrib: {failed.outcome()} while {stopped}; "
+                     "the stopped rank is the likely cause.")
+    err.write("\n".join(lines) + "\n")
+    err.flush()
