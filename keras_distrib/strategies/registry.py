@@ -102,12 +102,12 @@ def strategy_class(name: str) -> type:
         ValueError: unknown name (the message lists the valid ones).
     """
     key = canonical(name)
-    if key not in _CLASSES and key in BUILTIN:
-        importlib.import_module(BUILTIN[key])
-    key = canonical(name)
     if key not in _CLASSES:
-        _load_builtin()  # an alias of a built-in strategy not imported yet
-        key = canonical(name)
+        if key in BUILTIN:
+            importlib.import_module(BUILTIN[key])
+        else:
+            _load_builtin()  # perhaps an alias of a built-in strategy not imported yet
+            key = canonical(name)
     if key not in _CLASSES:
         valid = sorted([AUTO, *_CLASSES, *_ALIASES])
         raise ValueError(f"Unknown strategy {name!r}; valid names: {valid}.")
