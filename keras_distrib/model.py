@@ -46,7 +46,7 @@ from keras_distrib.training import saving
 from keras_distrib.training import step_call
 from keras_distrib.training.adoption import StrategyAdoption
 from keras_distrib.training.entry_points import EntryPoints, with_resume_and_preemption
-from keras_distrib.training.gradient_reduction import GradientReduction
+from keras_distrib.training.gradient_reduction import GradientReduction, ReductionSwitch
 from keras_distrib.training.replica_step import ReplicaStep
 
 _compat.warn_if_untested()
@@ -123,6 +123,8 @@ class DistributedModel(StrategyAdoption, ReplicaStep, GradientReduction, EntryPo
         # Whether XLA compiles each replica's math separately (set by the
         # strategy when it makes the step function; see `replica_compiled`).
         self._jit_replicas = False
+        # Read by the optimizers the model adopts (see gradient_reduction).
+        self._reduction_switch = ReductionSwitch()
         # Keras must only ever see the default strategy (see module doc).
         _compat.hide_distribute_strategy(self)
 

@@ -85,7 +85,7 @@ class StrategyAdoption:
                          self._strategy, self)
         for optimizer in optimizer_attributes(self):
             adopt_optimizer(optimizer, self._optimizers_applying(optimizer),
-                            self._strategy, self)
+                            self._strategy, self, self._reduction_switch)
 
     def _optimizers_applying(self, optimizer) -> list:
         """`optimizer` and the optimizers it applies through (a
@@ -105,7 +105,8 @@ class StrategyAdoption:
                 keras.optimizers.get(arguments["optimizer"]),
                 arguments.get("auto_scale_loss", True))
             arguments["optimizer"] = adopt_optimizer(
-                optimizer, self._optimizers_applying(optimizer), self._strategy, self)
+                optimizer, self._optimizers_applying(optimizer), self._strategy, self,
+                self._reduction_switch)
             for key in ("metrics", "weighted_metrics"):
                 arguments[key] = adopt_metrics(arguments.get(key), self._strategy, self)
             super().compile(**arguments)
@@ -178,9 +179,10 @@ def check_steps_per_execution(steps) -> None:
         )
 
 
-def adopt_optimizer(optimizer, applying: list, strategy, model):
+def adopt_optimizer(optimizer, applying: list, strategy, model, switch):
     """Returns `optimizer`, made `strategy`'s in place if it was made
-    outside it; `applying`: it and the optimizers it applies through.
+    outside it; `applying`: it and the optimizers it applies through, each
+    of which gets `model`'s reduction `switch` (`install_reduction_switch`).
 
     An optimizer creates its step counter and learning-rate variables when
     constructed (and its slots when built); made outside the scope they are
@@ -217,7 +219,7 @@ def adopt_optimizer(optimizer, applying: list, strategy, model):
             _compat.reindex_optimizer(opt)
         # Every optimizer that applies gradients: a LossScaleOptimizer's
         # inner one and a MultiOptimizer's each reduce them again otherwise.
-        install_reduction_switch(opt, strategy)
+        install_reduction_switch(opt, strategy, switch)
         build_under(opt, strategy)
     strategy.adopt_optimizer(optimizer)
     _ADOPTED[optimizer] = strategy
