@@ -38,6 +38,11 @@ class SplitForward:
 
     def call(self, inputs, *args, **kwargs):
         if not self.is_dense:
+            if isinstance(inputs, tf.RaggedTensor):
+                # Ids of variable-length rows: looked up as one flat vector
+                # and given the rows back. Keras's ops on the ragged ids
+                # themselves trace into graphs many times larger.
+                return inputs.with_flat_values(self._embedding_call(inputs.flat_values))
             return self._embedding_call(inputs)
         return self._column_call(inputs) if self.kind == "column" else self._row_call(inputs)
 
