@@ -77,10 +77,6 @@ def test_a_rank_exiting_early_fails_the_waiting_one_naming_it(tmp_path):
 # -- kill -9, SIGSTOP, SIGTERM at a random step: restarts equal an uninterrupted run -----
 
 
-def _shm_entries():
-    return {name for name in os.listdir("/dev/shm") if name.startswith("kd-")}
-
-
 def _results(out, n):
     finals = []
     for rank in range(n):
@@ -90,18 +86,25 @@ def _results(out, n):
 
 
 def _attempts(out, n):
-    """{rank: [(attempt, pid, start time), ...]} from the workers' own records."""
+    """{rank: [(attempt, pid, start time, shared-memory directory), ...]}
+    from the workers' own records."""
     found = {}
     for rank in range(n):
         with open(os.path.join(out, f"attempts-rank{rank}.txt")) as f:
-            found[rank] = [(int(a), int(p), float(t)) for a, p, t in
+            found[rank] = [(int(a), int(p), float(t), d) for a, p, t, d in
                            (line.split() for line in f)]
     return found
 
 
 def _left_running(attempts):
-    return [pid for runs in attempts.values() for _, pid, _ in runs
+    return [pid for runs in attempts.values() for _, pid, _, _ in runs
             if process_alive(pid, zombies_count=False)]
+
+
+def _left_in_shared_memory(attempts):
+    """The attempts' shared-memory directories that still exist (the
+    launcher makes one per attempt and removes it after)."""
+    return [d for runs in attempts.values() for _, _, _, d in runs if os.path.exists(d)]
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +130,6 @@ def _assert_equal_to(finals, reference, context):
 def test_a_restarted_job_equals_an_uninterrupted_one(tmp_path, uninterrupted, n, fault):
     rank, step = random.randrange(n), random.randint(1, STEPS - 1)
     context = dict(workers=n, fault=fault, rank=rank, after_step=step)
-    before = _shm_entries()
     output = launch(tmp_path, n, FAULTS, "--out", str(tmp_path), "--backup",
                     str(tmp_path / "backup"), "--fault", fault, "--fault_rank", str(rank),
                     "--fault_step", str(step), launch_flags=("--max_restarts", "2"),
@@ -136,12 +138,12 @@ def test_a_restarted_job_equals_an_uninterrupted_one(tmp_path, uninterrupted, n,
     assert "restart 2/2" not in output, context
     _assert_equal_to(_results(tmp_path, n), uninterrupted[n], context)
     attempts = _attempts(tmp_path, n)
-    assert all([a for a, _, _ in attempts[r]] == [0, 1] for r in range(n)), attempts
+    assert all([a for a, _, _, _ in attempts[r]] == [0, 1] for r in range(n)), attempts
     assert not _left_running(attempts)
     assert os.listdir(tmp_path / "backup") == []  # removed once the job succeeded
-    assert _shm_entries() <= before  # nothing left in /dev/shm
+    assert not _left_in_shared_memory(attempts)
     fault_time = float(open(tmp_path / "fault.txt").read().split()[1])
-    restarted = min(t for runs in attempts.values() for a, _, t in runs if a == 1)
+    restarted = min(t for runs in attempts.values() for a, _, t, _ in runs if a == 1)
     print(f"FAULT {context}: workers restarted {restarted - fault_time:.1f}s after the fault")
 
 
@@ -170,6 +172,7 @@ def test_sigterm_to_the_launcher_preempts_and_the_next_launch_resumes(tmp_path, 
     assert len(saved) == 1
     attempts = _attempts(tmp_path, 2)
     assert not _left_running(attempts)
+    assert not _left_in_shared_memory(attempts)
     state = json.loads(open(os.path.join(saved[0], "state.json")).read())
     assert 4 <= state["global_step"] < STEPS, state
     launch(tmp_path, 2, FAULTS, "--out", str(tmp_path), "--backup", str(backup))

@@ -11,9 +11,10 @@ the launcher's first attempt (`KERAS_DISTRIB_RESTART` unset or 0), rank
 sent SIGTERM (the preemption test's signal then lands mid-training,
 however loaded the machine). Every rank that finishes writes its final
 weights and step count to `--out/rank<r>.npz`; every attempt appends a
-line to `--out/attempts-rank<r>.txt` (attempt number, pid, start time) and
+line to `--out/attempts-rank<r>.txt` (attempt number, pid, start time, the
+attempt's shared-memory directory `KERAS_DISTRIB_SHM_DIR`) and
 the faulting rank writes `--out/fault.txt` (pid, time), so the test can
-count restarts, time them and check that no process is left.
+count restarts, time them and check that no process or file is left.
 
 Seeded (`keras.utils.set_random_seed`) only so that an uninterrupted run
 of this script can serve as the reference the restarted run must equal.
@@ -94,7 +95,7 @@ def main(argv):
     model = kd.DistributedModel(inputs, keras.layers.Dense(3)(hidden), strategy="auto")
     rank = model.strategy.rank
     with open(os.path.join(FLAGS.out, f"attempts-rank{rank}.txt"), "a") as f:
-        f.write(f"{attempt} {os.getpid()} {time.time()}\n")
+        f.write(f"{attempt} {os.getpid()} {time.time()} {os.environ['KERAS_DISTRIB_SHM_DIR']}\n")
     schedule = keras.optimizers.schedules.ExponentialDecay(0.01, decay_steps=5, decay_rate=0.7)
     model.compile(optimizer=keras.optimizers.Adam(schedule),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
