@@ -2,8 +2,9 @@
 
 `keras-distrib launch --workers N --ps M` runs tests/workers/ps_train.py on
 the chief (the coordinator) and TensorFlow servers on the worker and ps
-tasks. Each test is one launch; the launcher's process group is killed
-whatever happens. Configuration errors, in one process, are in
+tasks. The tests that only read what the chief reports share one launch
+(`shared`); those that kill a task or need another cluster launch their
+own. The launcher's process group is killed whatever happens. Configuration errors, in one process, are in
 tests/integration/test_parameter_server_config.py.
 """
 
@@ -21,13 +22,30 @@ SCRIPT = os.path.join(helpers.WORKERS, "ps_train.py")
 
 
 def _launch(tmp_path, mode, workers=2, ps=1, timeout=400, env=None, during=None):
-    """Runs the chief script in `mode` under the launcher; returns (code, output, report)."""
-    out = str(tmp_path / f"{mode}.json")
+    """Runs the chief script in `mode` (several: comma-separated) under the
+    launcher; returns (code, output, report), the report of each mode by
+    name when there are several."""
+    modes = mode.split(",")
+    out = str(tmp_path / f"{modes[0]}.json")
     code, output = helpers.launch(
-        tmp_path, workers, SCRIPT, mode, out, launch_flags=("--ps", str(ps)), timeout=timeout,
-        expect=None, env=env, during=during and (lambda proc: during(proc, out)))
-    report = json.load(open(out)) if os.path.exists(out) else None
-    return code, output, report
+        tmp_path, workers, SCRIPT, mode, str(tmp_path), launch_flags=("--ps", str(ps)),
+        timeout=timeout, expect=None, env=env, during=during and (lambda proc: during(proc, out)))
+    reports = {m: json.load(open(tmp_path / f"{m}.json"))
+               if os.path.exists(tmp_path / f"{m}.json") else None for m in modes}
+    return code, output, reports if len(modes) > 1 else reports[mode]
+
+
+# One cluster (a chief, 2 workers, 1 ps) runs the modes whose tests only
+# read what the chief reports, one after another.
+SHARED_MODES = ("inputs", "warmup", "callbacks", "digits", "errors")
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """{mode: (code, output, report)} of the one launch of SHARED_MODES."""
+    code, output, reports = _launch(tmp_path_factory.mktemp("ps"), ",".join(SHARED_MODES),
+                                    timeout=540)
+    return {mode: (code, output, reports[mode]) for mode in SHARED_MODES}
 
 
 def _task_pids(launcher_pid, task_type, index=None):
@@ -96,8 +114,8 @@ def _digits_validation():
 
 
 @pytest.mark.slow
-def test_digits_trains_asynchronously_as_well_as_plain_keras(tmp_path):
-    code, output, report = _launch(tmp_path, "digits")
+def test_digits_trains_asynchronously_as_well_as_plain_keras(shared):
+    code, output, report = shared["digits"]
     assert code == 0, output[-3000:]
     assert report["placement"] == ["/job:ps/replica:0/task:0"]  # variables on the ps
     epochs = len(report["history"]["loss"])
@@ -112,8 +130,8 @@ def test_digits_trains_asynchronously_as_well_as_plain_keras(tmp_path):
 
 
 @pytest.mark.slow
-def test_every_input_form_and_a_custom_train_step(tmp_path):
-    code, output, report = _launch(tmp_path, "inputs")
+def test_every_input_form_and_a_custom_train_step(shared):
+    code, output, report = shared["inputs"]
     assert code == 0, output[-3000:]
     # 1500 samples, batch 50: 30 steps an epoch; the dataset function's
     # epoch is steps_per_epoch=12; the PyDataset has 10 batches.
@@ -130,8 +148,8 @@ def test_every_input_form_and_a_custom_train_step(tmp_path):
 
 
 @pytest.mark.slow
-def test_learning_rate_warmup_follows_the_global_step(tmp_path):
-    code, output, report = _launch(tmp_path, "warmup")
+def test_learning_rate_warmup_follows_the_global_step(shared):
+    code, output, report = shared["warmup"]
     assert code == 0, output[-3000:]
     for kind in ("float", "schedule"):
         assert report[kind]["iterations"] == 60
@@ -154,13 +172,13 @@ def test_variables_split_over_two_ps_train_and_save_whole(tmp_path):
 
 
 @pytest.mark.slow
-def test_epoch_level_callbacks_see_every_step_applied(tmp_path):
+def test_epoch_level_callbacks_see_every_step_applied(shared):
     import csv
 
     import keras
     import numpy as np
 
-    code, output, report = _launch(tmp_path, "callbacks")
+    code, output, report = shared["callbacks"]
     assert code == 0, output[-3000:]
     files, history = report["files"], report["history"]
     steps = report["steps_per_epoch"]
@@ -234,8 +252,8 @@ def test_a_rerun_after_a_lost_ps_resumes_from_the_last_backup(tmp_path):
 
 
 @pytest.mark.slow
-def test_bad_input_gives_one_line_errors(tmp_path):
-    code, output, report = _launch(tmp_path, "errors", workers=1)
+def test_bad_input_gives_one_line_errors(shared):
+    code, output, report = shared["errors"]
     assert code == 0, output[-3000:]
     assert re.search(r"rebuilds the training dataset on every worker, but this one runs "
                      r"Python \(.*GeneratorDataset.*\).*PyDataset", report["generator"])
