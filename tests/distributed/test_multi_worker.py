@@ -183,8 +183,10 @@ def test_a_stuck_worker_fails_the_step_at_the_collective_timeout(
     from helpers import launch
 
     out = str(tmp_path / "stuck")
+    # Rank 1 sleeps on through the launcher's SIGTERM (a preemption request
+    # keras_distrib honours at the next step): a short grace before SIGKILL.
     code, output = launch(tmp_path, 2, RING_WATCHDOG, mode, out, implementation,
-                          timeout=200, expect=None)
+                          launch_flags=("--grace_seconds", "2"), timeout=200, expect=None)
     assert code != 0, output[-3000:]
     with open(f"{out}.rank0.json") as f:
         error = json.load(f)["error"]
