@@ -45,11 +45,14 @@ demo: $(STAMP)
 # The test tiers (tests/unit: pure Python, no TensorFlow; tests/integration:
 # one process; tests/distributed: tests that start processes), then the
 # model zoo: setup.cfg's testpaths. The 20 slowest tests are listed at the end.
+# Two pytest-xdist workers, each test file whole in one of them (see
+# tests/conftest.py): many tests wait on processes they started.
+XDIST := -n 2 --dist loadgroup
 test: $(HOROVOD)
-	$(PY) -m pytest -q --durations=20
+	$(PY) -m pytest -q $(XDIST) --durations=20
 
 test-fast: $(HOROVOD)
-	$(PY) -m pytest -q tests/unit tests/integration
+	$(PY) -m pytest -q $(XDIST) tests/unit tests/integration
 
 # Needs neither Horovod nor TensorFlow's start-up.
 test-unit: $(STAMP)
