@@ -125,9 +125,12 @@ def _assert_equal_to(finals, reference, context):
             np.testing.assert_allclose(got, want, atol=1e-6, rtol=0, err_msg=str(context))
 
 
-@pytest.mark.parametrize("n, fault", [(2, "kill"), (2, "stop"), (2, "term"),
-                                      (3, "kill"), (3, "stop"), (3, "term")])
+# Every fault with 2 workers; with 3, one fault drawn at random, as the
+# rank and the step are (each is the same job with one more worker).
+@pytest.mark.parametrize("n, fault", [(2, "kill"), (2, "stop"), (2, "term"), (3, "any")])
 def test_a_restarted_job_equals_an_uninterrupted_one(tmp_path, uninterrupted, n, fault):
+    if fault == "any":
+        fault = random.choice(["kill", "stop", "term"])
     rank, step = random.randrange(n), random.randint(1, STEPS - 1)
     context = dict(workers=n, fault=fault, rank=rank, after_step=step)
     output = launch(tmp_path, n, FAULTS, "--out", str(tmp_path), "--backup",
