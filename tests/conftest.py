@@ -50,10 +50,6 @@ def pytest_make_collect_report(collector):
 # check reads what its other tests found (`zoo_results`).
 _SHARING = {"probes_and_zoo": ("tests/zoo/",
                                "tests/distributed/test_keras_features_multi_worker.py")}
-# The order in which the groups are handed out: the longest first, so the
-# short ones fill in at the end.
-_FIRST = ("tests/zoo/", "tests/distributed/test_keras_features_multi_worker.py",
-          "tests/distributed/", "tests/integration/", "tests/unit/")
 
 
 def _relative(item) -> str:
@@ -69,13 +65,11 @@ def _group(path: str) -> str:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Orders the tests longest groups first and, when pytest-xdist runs
-    them (`make test`: `-n 2 --dist loadgroup`), keeps each test file in
-    one worker: a file's module fixtures (one launch of real workers that
-    serves several tests) run once, and the files of `_SHARING` go
-    together. Tests run in file order within a file, as without xdist."""
-    items.sort(key=lambda item: next(i for i, prefix in enumerate(_FIRST + ("",))
-                                     if _relative(item).startswith(prefix)))
+    """When pytest-xdist runs the tests (`make test`: `--dist loadgroup`),
+    keeps each test file in one worker: a file's module fixtures (one
+    launch of real workers that serves several tests) run once, and the
+    files of `_SHARING` go together. Tests run in file order within a
+    file, as without xdist."""
     if config.pluginmanager.hasplugin("xdist"):
         for item in items:
             item.add_marker(pytest.mark.xdist_group(_group(_relative(item))))
@@ -85,7 +79,7 @@ def pytest_configure(config):
     """Stops a `--dist loadgroup` run on pytest 9.2 or later, where
     pytest-xdist's groups silently do nothing (it marks a group in the
     test's id, which pytest 9.2 ignores; pytest-dev/pytest-xdist#1386): the
-    module fixtures would run in both workers, and the zoo's README check
+    module fixtures would run in several workers, and the zoo's README check
     would see half the zoo."""
     version = tuple(int(part) for part in pytest.__version__.split(".")[:2])
     if getattr(config.option, "dist", None) == "loadgroup" and version >= (9, 2):
