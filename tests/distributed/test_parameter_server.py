@@ -4,7 +4,8 @@
 the chief (the coordinator) and TensorFlow servers on the worker and ps
 tasks. The tests that only read what the chief reports share one launch
 (`shared`); those that kill a task or need another cluster launch their
-own. The launcher's process group is killed whatever happens. Configuration errors, in one process, are in
+own. The launcher's process group is killed whatever happens.
+Configuration errors, in one process, are in
 tests/integration/test_parameter_server_config.py.
 """
 
@@ -21,18 +22,24 @@ import helpers
 SCRIPT = os.path.join(helpers.WORKERS, "ps_train.py")
 
 
-def _launch(tmp_path, mode, workers=2, ps=1, timeout=400, env=None, during=None):
-    """Runs the chief script in `mode` (several: comma-separated) under the
-    launcher; returns (code, output, report), the report of each mode by
-    name when there are several."""
-    modes = mode.split(",")
+def _launch_modes(tmp_path, modes, workers=2, ps=1, timeout=400, env=None, during=None):
+    """Runs the chief script's `modes` in turn under the launcher; returns
+    (code, output, {mode: its report, or None}). `during(proc, report
+    path)` acts on the first mode."""
     out = str(tmp_path / f"{modes[0]}.json")
     code, output = helpers.launch(
-        tmp_path, workers, SCRIPT, mode, str(tmp_path), launch_flags=("--ps", str(ps)),
-        timeout=timeout, expect=None, env=env, during=during and (lambda proc: during(proc, out)))
-    reports = {m: json.load(open(tmp_path / f"{m}.json"))
-               if os.path.exists(tmp_path / f"{m}.json") else None for m in modes}
-    return code, output, reports if len(modes) > 1 else reports[mode]
+        tmp_path, workers, SCRIPT, ",".join(modes), str(tmp_path),
+        launch_flags=("--ps", str(ps)), timeout=timeout, expect=None, env=env,
+        during=during and (lambda proc: during(proc, out)))
+    paths = {m: tmp_path / f"{m}.json" for m in modes}
+    return code, output, {m: json.load(open(p)) if p.exists() else None
+                          for m, p in paths.items()}
+
+
+def _launch(tmp_path, mode, **kwargs):
+    """Runs the chief script in `mode`; returns (code, output, report)."""
+    code, output, reports = _launch_modes(tmp_path, [mode], **kwargs)
+    return code, output, reports[mode]
 
 
 # One cluster (a chief, 2 workers, 1 ps) runs the modes whose tests only
@@ -43,8 +50,8 @@ SHARED_MODES = ("inputs", "warmup", "callbacks", "digits", "errors")
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
     """{mode: (code, output, report)} of the one launch of SHARED_MODES."""
-    code, output, reports = _launch(tmp_path_factory.mktemp("ps"), ",".join(SHARED_MODES),
-                                    timeout=540)
+    code, output, reports = _launch_modes(tmp_path_factory.mktemp("ps"), SHARED_MODES,
+                                          timeout=540)
     return {mode: (code, output, reports[mode]) for mode in SHARED_MODES}
 
 
