@@ -10,6 +10,7 @@ The fault steps are drawn at random (printed with every failure), as an
 operator's kill would land anywhere.
 """
 
+import collections
 import glob
 import json
 import os
@@ -85,26 +86,29 @@ def _results(out, n):
     return finals
 
 
+# One line of a worker's attempts-rank<r>.txt (tests/workers/faults.py).
+Attempt = collections.namedtuple("Attempt", "number pid started shm_dir")
+
+
 def _attempts(out, n):
-    """{rank: [(attempt, pid, start time, shared-memory directory), ...]}
-    from the workers' own records."""
+    """{rank: [Attempt, ...]} from the workers' own records."""
     found = {}
     for rank in range(n):
         with open(os.path.join(out, f"attempts-rank{rank}.txt")) as f:
-            found[rank] = [(int(a), int(p), float(t), d) for a, p, t, d in
+            found[rank] = [Attempt(int(a), int(p), float(t), d) for a, p, t, d in
                            (line.split() for line in f)]
     return found
 
 
 def _left_running(attempts):
-    return [pid for runs in attempts.values() for _, pid, _, _ in runs
-            if process_alive(pid, zombies_count=False)]
+    return [a.pid for runs in attempts.values() for a in runs
+            if process_alive(a.pid, zombies_count=False)]
 
 
 def _left_in_shared_memory(attempts):
     """The attempts' shared-memory directories that still exist (the
     launcher makes one per attempt and removes it after)."""
-    return [d for runs in attempts.values() for _, _, _, d in runs if os.path.exists(d)]
+    return [a.shm_dir for runs in attempts.values() for a in runs if os.path.exists(a.shm_dir)]
 
 
 @pytest.fixture(scope="module")
@@ -141,12 +145,12 @@ def test_a_restarted_job_equals_an_uninterrupted_one(tmp_path, uninterrupted, n,
     assert "restart 2/2" not in output, context
     _assert_equal_to(_results(tmp_path, n), uninterrupted[n], context)
     attempts = _attempts(tmp_path, n)
-    assert all([a for a, _, _, _ in attempts[r]] == [0, 1] for r in range(n)), attempts
+    assert all([a.number for a in attempts[r]] == [0, 1] for r in range(n)), attempts
     assert not _left_running(attempts)
     assert os.listdir(tmp_path / "backup") == []  # removed once the job succeeded
     assert not _left_in_shared_memory(attempts)
     fault_time = float(open(tmp_path / "fault.txt").read().split()[1])
-    restarted = min(t for runs in attempts.values() for a, _, t, _ in runs if a == 1)
+    restarted = min(a.started for runs in attempts.values() for a in runs if a.number == 1)
     print(f"FAULT {context}: workers restarted {restarted - fault_time:.1f}s after the fault")
 
 
