@@ -52,11 +52,8 @@ _SHARING = {"probes_and_zoo": ("tests/zoo/",
                                "tests/distributed/test_keras_features_multi_worker.py")}
 
 
-def _relative(item) -> str:
-    return os.path.relpath(str(item.path), os.path.dirname(os.path.dirname(UNIT)))
-
-
 def _group(path: str) -> str:
+    """The xdist group of the test file at `path` (from the rootdir)."""
     for name, prefixes in _SHARING.items():
         if path.startswith(prefixes):
             return name
@@ -72,7 +69,8 @@ def pytest_collection_modifyitems(config, items):
     file, as without xdist."""
     if config.pluginmanager.hasplugin("xdist"):
         for item in items:
-            item.add_marker(pytest.mark.xdist_group(_group(_relative(item))))
+            path = os.path.relpath(item.path, config.rootpath)
+            item.add_marker(pytest.mark.xdist_group(_group(path)))
 
 
 def pytest_configure(config):

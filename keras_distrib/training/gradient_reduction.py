@@ -24,6 +24,7 @@ import tensorflow as tf
 from keras_distrib import _compat
 from keras_distrib import preemption
 
+
 class ReductionSwitch:
     """Whether the gradients an optimizer applies now were reduced by the
     model's step: one per model, read by the optimizers it adopted.
@@ -177,11 +178,11 @@ def install_reduction_switch(optimizer, strategy, switch: ReductionSwitch) -> No
     count), so while `apply_reduced_gradients` runs (`switch.reduced`) the
     sum is skipped, in whichever thread the optimizer applies them (a
     `LossScaleOptimizer` applies through `merge_call` and
-    `call_for_each_replica`). Gradients a
-    custom `train_step` applies itself are averaged over the replicas
-    instead (`Strategy.reduce_applied_gradients`: Keras's losses are not
-    divided by the replica count under our engines, so its sum would be
-    too large). The switch acts at trace time.
+    `call_for_each_replica`). Gradients a custom `train_step` applies
+    itself are averaged over the replicas instead
+    (`Strategy.reduce_applied_gradients`: Keras's losses are not divided by
+    the replica count under our engines, so its sum would be too large).
+    The switch acts at trace time.
     """
     def unless_reduced(_keras_sum):
         def all_reduce_unless_reduced(grads_and_vars):
