@@ -1,6 +1,6 @@
 """Train a model too large for one device's memory budget, split over two.
 
-The model is a wide MLP on scikit-learn's bundled 8x8 digits (nothing is
+The model is a wide MLP on the UCI 8x8 digits in examples/data (nothing is
 downloaded). Its weights plus Adam's state (two slots per weight, so 3x the
 weights) exceed `device_budget_mb` (1 MB = 10^6 bytes), the memory one
 device may use for them, so it must be split: the script trains it with

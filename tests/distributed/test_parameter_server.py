@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import sys
 import time
 
 import pytest
@@ -110,9 +111,11 @@ def _digits_layers():
 
 def _digits_validation():
     import numpy as np
-    from sklearn.datasets import load_digits
 
-    x, _ = load_digits(return_X_y=True)
+    sys.path.insert(0, os.path.join(helpers.ROOT, "examples"))
+    from _digits import digits_arrays
+
+    x, _ = digits_arrays()
     order = np.random.RandomState(0).permutation(len(x))
     return (x[order] / 16.0).astype("float32")[1500:]
 

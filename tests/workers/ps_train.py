@@ -29,13 +29,15 @@ from keras_distrib._compat import learning_rate_or_schedule
 import keras
 import numpy as np
 import tensorflow as tf
-from sklearn.datasets import load_digits
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
+from _digits import digits_arrays  # noqa: E402
 
 DIRECTORY = sys.argv[2]
 
 
 def digits():
-    x, y = load_digits(return_X_y=True)
+    x, y = digits_arrays()
     order = np.random.RandomState(0).permutation(len(x))
     x, y = (x[order] / 16.0).astype("float32"), y[order].astype("int32")
     return (x[:1500], y[:1500]), (x[1500:], y[1500:])
