@@ -17,3 +17,32 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if os.path.commonpath([str(item.path), HERE]) == HERE:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def netns_usable():
+    """Skips (one line) where this machine cannot make network namespaces."""
+    from netns_hosts import unavailable
+
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+
+
+@pytest.fixture
+def hosts(netns_usable):
+    """`hosts(n, rate=None)` -> a `netns_hosts.TestBed` of n hosts, torn down
+    (its processes killed, its namespaces deleted) after the test, however
+    it ends."""
+    from netns_hosts import TestBed
+
+    beds = []
+
+    def make(n, rate=None):
+        bed = TestBed(n, rate)
+        beds.append(bed)
+        return bed.__enter__()
+
+    yield make
+    for bed in beds:
+        bed.close()

@@ -30,12 +30,12 @@ def _write_records(directory, n_files=6):
                 w.write(tf.io.serialize_tensor(tf.constant(float(j))).numpy())
 
 
-def _launch(out, n, *args, timeout=240):
+def _launch(out, n, *args, timeout=240, launch_flags=()):
     env = dict(os.environ, TMPDIR=str(out / "tmp"), TF_CPP_MIN_LOG_LEVEL="2")
     os.makedirs(env["TMPDIR"])
     proc = subprocess.run(
         [sys.executable, "-m", "keras_distrib.launch", "launch", "-n", str(n),
-         "--timeout", str(timeout - 20), WORKER, "--out", str(out), *args],
+         "--timeout", str(timeout - 20), *launch_flags, WORKER, "--out", str(out), *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -57,17 +57,27 @@ def _single_process(batch, epochs=2):
     return model, history.history, x, y
 
 
-# 2 workers on the default path ("auto": shared memory on one host), 3 on
-# TensorFlow's gRPC ring, the path between hosts.
-@pytest.fixture(scope="module", params=[(2, 32, "auto"), (3, 30, "ring")],
-                ids=["2workers-shm", "3workers-ring"])
+# 2 workers on one host on the default path ("auto": shared memory), 3 on
+# three hosts (network namespaces, tests/netns_hosts.py), started by the
+# launcher's --ssh: "auto" there is TensorFlow's collectives over gRPC.
+@pytest.fixture(scope="module", params=[(2, 32, "one host"), (3, 30, "three hosts")],
+                ids=["2workers-shm", "3hosts-ring"])
 def run(request, tmp_path_factory):
-    n, batch, implementation = request.param
+    n, batch, where = request.param
     out = tmp_path_factory.mktemp(f"mw{n}")
     _write_records(str(out / "records"))
-    ranks, stdout = _launch(out, n, "--batch", str(batch), "--implementation", implementation)
-    want = "shm" if implementation == "auto" else implementation
-    assert [r["implementation"] for r in ranks] == [want] * n
+    if where == "one host":
+        ranks, stdout = _launch(out, n, "--batch", str(batch))
+        assert [r["implementation"] for r in ranks] == ["shm"] * n
+    else:
+        request.getfixturevalue("netns_usable")
+        from netns_hosts import TestBed
+
+        with TestBed(n) as bed:
+            ranks, stdout = _launch(out, n, "--batch", str(batch), launch_flags=(
+                "--hosts", bed.hosts_flag(), "--ssh", "--ssh_command", bed.ssh_command))
+        assert [r["implementation"] for r in ranks] == ["auto"] * n
+        assert [r["local_hosts"] for r in ranks] == [[a] for a in bed.addresses]
     return n, batch, out, ranks, stdout
 
 

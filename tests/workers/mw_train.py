@@ -18,7 +18,8 @@ import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 import keras_distrib as kd  # noqa: E402
-from keras_distrib.input import sharding# noqa: E402
+from keras_distrib import cluster  # noqa: E402
+from keras_distrib.input import sharding  # noqa: E402
 from helpers import Batches, build, make_data  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -76,6 +77,8 @@ def main(argv):
                                  implementation=FLAGS.implementation) \
         if FLAGS.strategy == "multi_worker" else kd.strategies.get(FLAGS.strategy)
     rank = strategy.rank
+    worker_hosts = [cluster.parse_address(a)[0]
+                    for a in json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"]]
     x, y = make_data()
     model = build("functional", strategy)
     files = os.path.join(FLAGS.out, "files")
@@ -91,6 +94,9 @@ def main(argv):
         "rank": rank,
         "world_size": strategy.world_size,
         "implementation": getattr(strategy, "implementation", None),
+        # The workers' hosts that are this machine's (on a multi-host test
+        # bed, this worker's own address alone).
+        "local_hosts": [h for h in worker_hosts if cluster.is_local_host(h)],
         "history": history.history,
         "evaluate": model.evaluate(x, y, batch_size=FLAGS.batch, verbose=0),
         "iterations": int(model.optimizer.iterations.numpy()),

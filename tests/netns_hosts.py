@@ -1,0 +1,190 @@
+"""Several hosts on one machine: Linux network namespaces joined by a bridge.
+
+A `TestBed` of N hosts is N network namespaces, each with its own address
+(10.77.0.1, 10.77.0.2, ... on `eth0`, inside the namespaces only: the
+machine's own namespace gets no route or address) and a veth link into a
+switch namespace that holds a bridge. Workers on two of these hosts reach
+each other only over that link, as on two machines: the launcher treats the
+addresses as remote (`keras_distrib.cluster.is_local_host`), so a
+multi-worker job takes TensorFlow's collectives, not shared memory; a link
+can be rate-limited (`tc` token bucket on both ends), cut and restored.
+
+`bed.ssh_command` is what `keras-distrib launch --ssh --ssh_command` needs
+to start a rank "on" a host: this file run as
+`python netns_hosts.py exec PREFIX HOST COMMAND`, which execs
+`ip netns exec <PREFIX>-<HOST> sh -c COMMAND` (the rank replaces it, so
+killing the child kills the rank, as ssh -tt does).
+
+`close()` kills every process left in the namespaces and deletes them;
+it runs even when a test fails (the conftest fixture). Needs root (or
+CAP_NET_ADMIN) and iproute2: `unavailable()` says in one line why not.
+No TensorFlow here (the unit tier imports it).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Optional
+
+SUBNET = "10.77.0"
+_beds = itertools.count()
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check,
+                          timeout=30)
+
+
+def unavailable() -> Optional[str]:
+    """None when this machine can make network namespaces, else why not."""
+    if os.geteuid() != 0:
+        return "the multi-host test bed needs root (network namespaces)"
+    probe = f"kdprobe{os.getpid()}"
+    try:
+        made = _ip("netns", "add", probe, check=False)
+    except FileNotFoundError:
+        return "the multi-host test bed needs iproute2's `ip`"
+    if made.returncode != 0:
+        return f"cannot make a network namespace: {made.stderr.strip()}"
+    _ip("netns", "del", probe, check=False)
+    return None
+
+
+class TestBed:
+    """`n` hosts as network namespaces on one bridge; see the module doc.
+
+    Example:
+
+    ```python
+    with TestBed(2, rate="1gbit") as bed:
+        bed.addresses            # ['10.77.0.1', '10.77.0.2']
+        bed.run(0, "ping", "-c1", bed.addresses[1])
+        bed.cut(1); bed.restore(1)
+    ```
+    """
+
+    __test__ = False  # not a pytest test class
+
+    def __init__(self, n: int, rate: Optional[str] = None):
+        self.n = n
+        self.rate = rate
+        self.prefix = f"kd{os.getpid()}b{next(_beds)}"
+        self.addresses = [f"{SUBNET}.{i + 1}" for i in range(n)]
+        self.switch = f"{self.prefix}-switch"
+        self._made: list[str] = []
+
+    # -- names ------------------------------------------------------------------
+
+    def namespace(self, host: int) -> str:
+        return f"{self.prefix}-{self.addresses[host]}"
+
+    @property
+    def ssh_command(self) -> str:
+        """The `--ssh_command` that starts a command on one of these hosts."""
+        return f"{sys.executable} {os.path.abspath(__file__)} exec {self.prefix}"
+
+    def hosts_flag(self, slots: int = 1) -> str:
+        """`--hosts` for the launcher: every host with `slots` ranks."""
+        return ",".join(f"{a}:{slots}" for a in self.addresses)
+
+    # -- life cycle -------------------------------------------------------------
+
+    def __enter__(self) -> "TestBed":
+        try:
+            self._make()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _add_namespace(self, name: str) -> None:
+        _ip("netns", "add", name)
+        self._made.append(name)
+        _ip("-n", name, "link", "set", "lo", "up")
+
+    def _make(self) -> None:
+        self._add_namespace(self.switch)
+        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.switch, "link", "set", "br0", "up")
+        for host in range(self.n):
+            ns, port = self.namespace(host), f"p{host}"
+            self._add_namespace(ns)
+            _ip("-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", port,
+                "netns", self.switch)
+            _ip("-n", self.switch, "link", "set", port, "master", "br0")
+            _ip("-n", self.switch, "link", "set", port, "up")
+            _ip("-n", ns, "addr", "add", f"{self.addresses[host]}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            if self.rate:
+                self._limit(ns, "eth0")
+                self._limit(self.switch, port)
+
+    def _limit(self, ns: str, dev: str) -> None:
+        """A token bucket of `rate` on `dev`'s egress (both ends of a link)."""
+        subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate",
+                        self.rate, "burst", "1mb", "latency", "100ms"],
+                       check=True, capture_output=True, timeout=30)
+
+    def pids(self, host: Optional[int] = None) -> list[int]:
+        """The processes running in one host's namespace (or in any)."""
+        names = [self.namespace(host)] if host is not None else self._made
+        found = []
+        for name in names:
+            listed = _ip("netns", "pids", name, check=False).stdout.split()
+            found += [int(p) for p in listed]
+        return found
+
+    def kill(self, host: Optional[int] = None) -> list[int]:
+        """SIGKILLs every process on `host` (or on every host); returns them."""
+        pids = self.pids(host)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return pids
+
+    def close(self) -> None:
+        """Kills what runs in the namespaces and deletes them (idempotent)."""
+        for _ in range(50):
+            if not self.kill():
+                break
+            time.sleep(0.1)
+        for name in reversed(self._made):
+            _ip("netns", "del", name, check=False)
+        self._made.clear()
+
+    # -- the network ------------------------------------------------------------
+
+    def cut(self, host: int) -> None:
+        """Takes `host`'s link down at the switch: nothing reaches it or leaves it."""
+        _ip("-n", self.switch, "link", "set", f"p{host}", "down")
+
+    def restore(self, host: int) -> None:
+        _ip("-n", self.switch, "link", "set", f"p{host}", "up")
+
+    def run(self, host: int, *argv: str, **kwargs) -> subprocess.CompletedProcess:
+        """Runs `argv` on `host` and waits (a 60 s bound)."""
+        kwargs.setdefault("timeout", 60)
+        return subprocess.run(["ip", "netns", "exec", self.namespace(host), *argv],
+                              capture_output=True, text=True, **kwargs)
+
+
+def _exec(prefix: str, host: str, command: str) -> None:
+    """`ssh host command` for a test bed: becomes `command` in `host`'s namespace."""
+    os.execvp("ip", ["ip", "netns", "exec", f"{prefix}-{host.strip('[]')}", "sh", "-c",
+                     command])
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 5 or sys.argv[1] != "exec":
+        sys.exit("usage: netns_hosts.py exec PREFIX HOST COMMAND")
+    _exec(*sys.argv[2:])
