@@ -116,6 +116,7 @@ from keras_distrib._compat.tf_data import (
 )
 from keras_distrib._compat.tf_distribute import (
     abort_collective_ops,
+    configure_coordination_service,
     communication_options,
     convert_sharded_variables_to_numpy,
     cross_device_ops,

@@ -27,6 +27,11 @@ PRIVATE = (
     f"{_DISTRIBUTE}.distribute_lib:_DefaultDistributionContext",
     # sharded_variable_class, convert_sharded_variables_to_numpy
     "tensorflow:__internal__.distribute.ShardedVariable",
+    # configure_coordination_service
+    "tensorflow.python.eager.context:Context.configure_coordination_service",
+    "tensorflow.python.eager.context:Context.coordination_service",
+    f"{_DISTRIBUTE}.multi_worker_util:coordination_leader",
+    "tensorflow.compiler.xla.tsl.protobuf.coordination_config_pb2:CoordinatedJob",
     # tensorflow_started, abort_collective_ops
     "tensorflow.python.eager.context:context",
     "tensorflow.python.eager.context:Context._context_handle",
@@ -179,6 +184,28 @@ def tensorflow_started() -> bool:
     from tensorflow.python.eager import context
 
     return context.context()._context_handle is not None
+
+
+def configure_coordination_service(cluster_spec: tf.train.ClusterSpec,
+                                   heartbeat_timeout: float) -> None:
+    """Configures the coordination service as `MultiWorkerMirroredStrategy`
+    would (its leader, the jobs it coordinates), with `heartbeat_timeout`
+    seconds instead of TensorFlow's default (10 s): a task whose heartbeats
+    stop for that long is declared unhealthy and every task's collectives
+    fail. The strategy keeps a configuration that exists (it configures one
+    only when `context.coordination_service` is None). Before TensorFlow
+    starts; the public API has no heartbeat setting."""
+    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+    from tensorflow.python.distribute import multi_worker_util
+    from tensorflow.python.eager import context
+
+    jobs = [coordination_config_pb2.CoordinatedJob(name=job, num_tasks=cluster_spec.num_tasks(job))
+            for job in ("chief", "worker") if job in cluster_spec.jobs]
+    context.context().configure_coordination_service(
+        service_type="standalone",
+        service_leader=multi_worker_util.coordination_leader(cluster_spec),
+        heartbeat_timeout_in_ms=int(heartbeat_timeout * 1000),
+        coordinated_jobs=jobs)
 
 
 def set_collective_key_base(tf_strategy: Any, base: int) -> None:

@@ -137,9 +137,13 @@ def start(info: cluster_lib.ClusterInfo, peer_timeout: float) -> None:
     cluster_lib.check_own_port_free(info)
     with _listening_on(info.address):
         cluster_lib.wait_for_peers(info, timeout=peer_timeout)
+    spec = tf.train.ClusterSpec({"worker": list(info.workers)})
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-        tf.train.ClusterSpec({"worker": list(info.workers)}),
-        task_type="worker", task_id=info.rank, rpc_layer="grpc")
+        spec, task_type="worker", task_id=info.rank, rpc_layer="grpc")
+    from keras_distrib import _compat
+    from keras_distrib.collectives import heartbeats
+
+    _compat.configure_coordination_service(spec, heartbeats.timeout())
     # Creating a MultiWorkerMirroredStrategy is TensorFlow's own way to
     # configure and start the runtime; strategies made later reuse it.
     tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver)

@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from keras_distrib import _compat
 from keras_distrib import cluster as cluster_lib
-from keras_distrib.collectives import host_allreduce
+from keras_distrib.collectives import heartbeats, host_allreduce
 from keras_distrib.collectives import runtime
 from keras_distrib.collectives.watchdog import CollectiveWatchdog
 from keras_distrib.strategies.gradients import reduce_op_name
@@ -256,6 +256,9 @@ class MultiWorker(TFDistributeStrategy):
     def failure(self, error: Exception) -> Optional[Exception]:
         if self._watchdog is not None and self._watchdog.fired is not None:
             return host_allreduce.PeerLostError(f"multi_worker: {self._watchdog.fired}.")
+        lost = heartbeats.lost_peer(error, self._info)
+        if lost is not None:
+            return host_allreduce.PeerLostError(f"multi_worker: {lost}")
         return None
 
     def concat(self, per_replica: Any) -> Any:

@@ -367,6 +367,33 @@ def test_ssh_runs_remote_ranks_through_the_ssh_command(tmp_path, capfd, no_lefto
     assert configs[0]["cluster"]["worker"] == ["node-a.invalid:23456", "node-b.invalid:23456"]
 
 
+@pytest.mark.slow
+def test_ranks_run_on_their_hosts_and_their_exit_reaches_the_launcher(
+        tmp_path, capfd, no_leftovers, hosts):
+    bed = hosts(2)  # two network namespaces (tests/netns_hosts.py)
+    script = rank_script(tmp_path, textwrap.dedent(REPORT_BODY) + textwrap.dedent("""\
+        import socket
+        me = json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"][RANK].rsplit(":", 1)[0]
+        socket.create_server((me, 0)).close()  # the address is this host's own
+        print("on " + me, flush=True)
+        if RANK == 1:
+            sys.stderr.write("rank 1 gives up\\n")
+            sys.exit(3)
+        time.sleep(600)
+    """))
+    config = LaunchConfig(nproc=2, script=script, hosts=tuple(bed.addresses), ssh=True,
+                          ssh_command=bed.ssh_command)
+    assert launch.launch(config) == 3
+    out, err = capfd.readouterr()
+    configs = _check_report(out, 2, (), host=None)
+    assert configs[0]["cluster"]["worker"] == [f"{a}:23456" for a in bed.addresses]
+    for rank, address in enumerate(bed.addresses):
+        assert f"on {address}" in _lines_of(out, rank)
+    assert "keras-distrib: rank 1 failed with exit code 3; last output:" in err
+    assert "rank 1 gives up" in err
+    assert bed.pids() == []  # rank 0, stopped by the launcher, is gone from its host
+
+
 # --------------------------------------------------------------------------
 # The command line (separate processes)
 

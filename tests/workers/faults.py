@@ -9,11 +9,14 @@ the launcher's first attempt (`KERAS_DISTRIB_RESTART` unset or 0), rank
 `term`: SIGTERM) right after global step `--fault_step`. With
 `--hold_after_step N` every rank waits after global step N until it is
 sent SIGTERM (the preemption test's signal then lands mid-training,
-however loaded the machine). Every rank that finishes writes its final
+however loaded the machine); with `--pause_after_step N` every rank says
+so in `--out/paused-rank<r>` after global step N and waits for `--out/go`
+(a network-fault test cuts a link meanwhile, tests/distributed/
+test_network_faults.py). Every rank that finishes writes its final
 weights and step count to `--out/rank<r>.npz`; every attempt appends a
 line to `--out/attempts-rank<r>.txt` (attempt number, pid, start time, the
-attempt's shared-memory directory `KERAS_DISTRIB_SHM_DIR`) and
-the faulting rank writes `--out/fault.txt` (pid, time), so the test can
+attempt's shared-memory directory `KERAS_DISTRIB_SHM_DIR`, `-` on another
+host than the launcher's) and the faulting rank writes `--out/fault.txt` (pid, time), so the test can
 count restarts, time them and check that no process or file is left.
 
 Seeded (`keras.utils.set_random_seed`) only so that an uninterrupted run
@@ -41,6 +44,10 @@ flags.DEFINE_integer("fault_rank", 1, "The rank that hurts itself.")
 flags.DEFINE_integer("fault_step", 5, "After this global step (1-based).")
 flags.DEFINE_integer("epochs", 3, "Epochs.")
 flags.DEFINE_integer("save_freq", 4, "Backup every this many steps.")
+flags.DEFINE_integer("pause_after_step", 0,
+                     "After this global step (1-based; 0: never) every rank writes "
+                     "--out/paused-rank<r> and waits until --out/go exists (at most 120 s), "
+                     "on the first attempt only: a network-fault test cuts a link there.")
 flags.DEFINE_integer("hold_after_step", 0,
                      "After this global step (1-based; 0: never) every rank waits until it "
                      "is asked to stop (SIGTERM, as keras_distrib.preemption records it), "
@@ -62,6 +69,25 @@ class _Fault(keras.callbacks.Callback):
             with open(os.path.join(FLAGS.out, "fault.txt"), "w") as f:
                 f.write(f"{os.getpid()} {time.time()}\n")
             os.kill(os.getpid(), self.signum)
+
+
+class _PauseUntilGo(keras.callbacks.Callback):
+    """After global step `after`, says so and waits for `--out/go`."""
+
+    def __init__(self, after, rank):
+        super().__init__()
+        self.after, self.rank, self.steps = after, rank, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps += 1
+        if self.steps != self.after:
+            return
+        open(os.path.join(FLAGS.out, f"paused-rank{self.rank}"), "w").close()
+        deadline = time.monotonic() + 120
+        while not os.path.exists(os.path.join(FLAGS.out, "go")):
+            if time.monotonic() > deadline:
+                sys.exit(f"rank paused after step {self.after} was never told to go on")
+            time.sleep(0.05)
 
 
 class _HoldUntilPreempted(keras.callbacks.Callback):
@@ -95,12 +121,16 @@ def main(argv):
     model = kd.DistributedModel(inputs, keras.layers.Dense(3)(hidden), strategy="auto")
     rank = model.strategy.rank
     with open(os.path.join(FLAGS.out, f"attempts-rank{rank}.txt"), "a") as f:
-        f.write(f"{attempt} {os.getpid()} {time.time()} {os.environ['KERAS_DISTRIB_SHM_DIR']}\n")
+        # A rank on another host than the launcher gets no shared memory: "-".
+        shm_dir = os.environ.get("KERAS_DISTRIB_SHM_DIR", "-")
+        f.write(f"{attempt} {os.getpid()} {time.time()} {shm_dir}\n")
     schedule = keras.optimizers.schedules.ExponentialDecay(0.01, decay_steps=5, decay_rate=0.7)
     model.compile(optimizer=keras.optimizers.Adam(schedule),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
     callbacks = [kd.callbacks.BackupAndRestore(FLAGS.backup, save_freq=FLAGS.save_freq)]
+    if FLAGS.pause_after_step and attempt == 0:
+        callbacks.append(_PauseUntilGo(FLAGS.pause_after_step, rank))
     if FLAGS.hold_after_step:
         callbacks.append(_HoldUntilPreempted(FLAGS.hold_after_step))
     if FLAGS.fault != "none" and attempt == 0 and rank == FLAGS.fault_rank:

@@ -1,0 +1,131 @@
+"""Network faults between hosts: one line naming the peer, or a job that goes on.
+
+Two hosts are two network namespaces (tests/netns_hosts.py); the launcher
+starts one `multi_worker` rank on each through its `--ssh_command`, so the
+workers talk over TensorFlow's collectives across the link, as on two
+machines. Every rank of tests/workers/faults.py pauses after step 6 until
+the test has cut host 1's link (and, for a flap, restored it after a
+while); training then goes on against the cut. TensorFlow's coordination
+service decides when a peer is lost: its heartbeat timeout
+(`KERAS_DISTRIB_HEARTBEAT_TIMEOUT`).
+"""
+
+import glob
+import os
+import re
+import time
+
+import numpy as np
+import pytest
+
+from helpers import launch
+
+pytestmark = pytest.mark.slow
+
+FAULTS = "tests/workers/faults.py"
+STEPS = 24  # tests/workers/faults.py: 240 samples, batch 30, 3 epochs
+PAUSE_AFTER = 6
+
+
+def _final(out):
+    with np.load(os.path.join(out, "rank0.npz")) as f:
+        return int(f["iterations"]), [f[k] for k in f.files if k != "iterations"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The job's final weights without a fault (2 workers on one host)."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    launch(out, 2, FAULTS, "--out", str(out), "--backup", str(out / "backup"))
+    return _final(out)
+
+
+def _cut_link(bed, out, host, seconds=None, also=None):
+    """`launch(during=...)`: once every rank paused, cuts `host`'s link (for
+    `seconds`, or for good), runs `also(bed)`, and lets the ranks go on."""
+    def during(proc):
+        deadline = time.monotonic() + 120
+        while len(glob.glob(os.path.join(out, "paused-rank*"))) < bed.n:
+            assert proc.poll() is None and time.monotonic() < deadline, "no rank paused"
+            time.sleep(0.05)
+        bed.cut(host)
+        if also:
+            also(bed)
+        open(os.path.join(out, "go"), "w").close()
+        if seconds is not None:
+            time.sleep(seconds)  # the outage itself, not a wait for anything
+            bed.restore(host)
+    return during
+
+
+def _launch_across(bed, out, fault, env=None, launch_flags=()):
+    return launch(out, 2, FAULTS, "--out", str(out), "--backup", str(out / "backup"),
+                  "--pause_after_step", str(PAUSE_AFTER), expect=None, env=env, timeout=200,
+                  during=fault, launch_flags=("--hosts", bed.hosts_flag(), "--ssh",
+                                              "--ssh_command", bed.ssh_command, *launch_flags))
+
+
+def _assert_nothing_left(bed, out):
+    assert bed.pids() == [], "a process outlived the job on a host"
+    # Ranks on other hosts get no shared-memory directory from the launcher.
+    attempts = [line.split() for path in glob.glob(os.path.join(out, "attempts-rank*.txt"))
+                for line in open(path)]
+    assert attempts and all(shm == "-" for *_, shm in attempts), attempts
+
+
+def test_a_cut_link_ends_both_workers_in_one_line_naming_the_peer(tmp_path, hosts):
+    bed = hosts(2)
+    code, output = _launch_across(bed, tmp_path, _cut_link(bed, tmp_path, 1),
+                                  env={"KERAS_DISTRIB_HEARTBEAT_TIMEOUT": "3"})
+    assert code != 0, output[-3000:]
+    a, b = (f"{address}:23456" for address in bed.addresses)
+    # Worker 0 leads the coordination service and misses worker 1's heartbeats.
+    assert re.search(rf"\[rank 0\] \S*PeerLostError: multi_worker: worker 1 at {b} is "
+                     r"unreachable: no heartbeat reached the coordination service for "
+                     r"KERAS_DISTRIB_HEARTBEAT_TIMEOUT=3s \(", output), output[-3000:]
+    # Worker 1's heartbeats to worker 0 go unanswered.
+    assert re.search(rf"\[rank 1\] \S*PeerLostError: multi_worker: worker 0 at {a}, the "
+                     r"coordination service's leader, is unreachable: this worker's heartbeat "
+                     r"got no answer within KERAS_DISTRIB_HEARTBEAT_TIMEOUT=3s", output), \
+        output[-3000:]
+    summary = output[output.index("keras-distrib: rank "):]
+    assert f"worker 1 at {b} is unreachable" in summary or \
+        f"worker 0 at {a}, the coordination service's leader, is unreachable" in summary
+    _assert_nothing_left(bed, tmp_path)
+
+
+def test_a_host_that_disappears_fails_the_launch_naming_its_rank(tmp_path, hosts):
+    bed = hosts(2)
+    code, output = _launch_across(bed, tmp_path,
+                                  _cut_link(bed, tmp_path, 1, also=lambda bed: bed.kill(1)))
+    assert code != 0
+    assert "keras-distrib: rank 1 failed with signal SIGKILL" in output, output[-3000:]
+    _assert_nothing_left(bed, tmp_path)
+
+
+def test_a_three_second_flap_is_ridden_out(tmp_path, hosts, uninterrupted):
+    bed = hosts(2)
+    code, output = _launch_across(bed, tmp_path, _cut_link(bed, tmp_path, 1, seconds=3))
+    assert code == 0, output[-3000:]
+    _assert_equal(_final(tmp_path), uninterrupted)
+    _assert_nothing_left(bed, tmp_path)
+
+
+def test_an_outage_longer_than_the_timeout_restarts_and_ends_exact(tmp_path, hosts,
+                                                                    uninterrupted):
+    bed = hosts(2)
+    code, output = _launch_across(bed, tmp_path, _cut_link(bed, tmp_path, 1, seconds=8),
+                                  env={"KERAS_DISTRIB_HEARTBEAT_TIMEOUT": "3"},
+                                  launch_flags=("--max_restarts", "2"))
+    assert code == 0, output[-3000:]
+    assert "is unreachable" in output and "restart 1/2: rank " in output, output[-3000:]
+    assert "restart 2/2" not in output
+    _assert_equal(_final(tmp_path), uninterrupted)
+    _assert_nothing_left(bed, tmp_path)
+
+
+def _assert_equal(final, reference):
+    iterations, weights = final
+    assert iterations == STEPS
+    for got, want in zip(weights, reference[1]):
+        np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
