@@ -4,10 +4,12 @@ Each worker holds the test MLP split over its two devices (tensor parallel,
 or a 2-stage pipeline under both schedules) and the workers are
 data-parallel. The core assertion: after 14 SGD steps the weights, logs,
 `evaluate` and `predict` equal those of `"single"` with the same global
-batch, on both collective paths across workers (shared memory, TF's ring).
+batch, with the workers on one host (shared memory between them) and on
+two hosts (TF's ring over the link between them).
 The hybrid options in one process: tests/integration/test_hybrid_options.py.
 """
 
+import contextlib
 import json
 import os
 import subprocess
@@ -17,6 +19,7 @@ import numpy as np
 import pytest
 
 from helpers import ROOT, WORKERS, build, make_data
+from netns_hosts import TestBed
 
 WORKER = os.path.join(WORKERS, "hybrid_train.py")
 RUNS = ["tensor_parallel", "gpipe", "1f1b", "tensor_parallel_spe3", "1f1b_ours"]
@@ -33,14 +36,20 @@ def single():
                 predict=model.predict(x, batch_size=BATCH, verbose=0))
 
 
-@pytest.fixture(scope="module", params=["auto", "ring"], ids=["shm", "ring"])
+# The two workers on one host (shared memory between them) or on two hosts
+# (network namespaces, tests/netns_hosts.py: TensorFlow's ring between them).
+@pytest.fixture(scope="module", params=["one host", "two hosts"], ids=["shm", "2hosts-ring"])
 def launched(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"hybrid-{request.param}")
+    out = tmp_path_factory.mktemp("hybrid")
     env = dict(os.environ, TMPDIR=str(out), TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run(
-        [sys.executable, "-m", "keras_distrib.launch", "launch", "-n", "2", "--timeout", "200",
-         WORKER, "--out", str(out), "--implementation", request.param],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    argv = [sys.executable, "-m", "keras_distrib.launch", "launch", "-n", "2", "--timeout", "200"]
+    with contextlib.ExitStack() as stack:
+        if request.param == "two hosts":
+            request.getfixturevalue("netns_usable")
+            bed = stack.enter_context(TestBed(2))
+            argv += ["--hosts", bed.hosts_flag(), "--ssh", "--ssh_command", bed.ssh_command]
+        proc = subprocess.run([*argv, WORKER, "--out", str(out)], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = {}
     for run in RUNS:
@@ -57,11 +66,12 @@ def launched(request, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("run", RUNS)
 def test_hybrid_equals_single_device(launched, single, run):
-    implementation, _, results = launched
+    where, _, results = launched
     for rank in range(2):
         r = results[run, rank]
         assert (r["rank"], r["world_size"], r["num_replicas"]) == (rank, 2, 2)
-        assert r["implementation"] == ("shm" if implementation == "auto" else "ring")
+        # Across hosts "auto" is TensorFlow's collectives, never shared memory.
+        assert r["implementation"] == ("shm" if where == "one host" else "auto")
         assert r["devices"] == [0, 1]  # the model really spans both local devices
         assert r["iterations"] == EPOCHS * -(-203 // BATCH)
         for got, mine in zip(r["weights"], results[run, 0]["weights"]):

@@ -9,6 +9,7 @@ Configuration errors, in one process, are in
 tests/integration/test_parameter_server_config.py.
 """
 
+import contextlib
 import json
 import os
 import re
@@ -19,18 +20,20 @@ import time
 import pytest
 
 import helpers
+import netns_hosts
 
 SCRIPT = os.path.join(helpers.WORKERS, "ps_train.py")
 
 
-def _launch_modes(tmp_path, modes, workers=2, ps=1, timeout=400, env=None, during=None):
+def _launch_modes(tmp_path, modes, workers=2, ps=1, timeout=400, env=None, during=None,
+                  launch_flags=()):
     """Runs the chief script's `modes` in turn under the launcher; returns
     (code, output, {mode: its report, or None}). `during(proc, report
     path)` acts on the first mode."""
     out = str(tmp_path / f"{modes[0]}.json")
     code, output = helpers.launch(
         tmp_path, workers, SCRIPT, ",".join(modes), str(tmp_path),
-        launch_flags=("--ps", str(ps)), timeout=timeout, expect=None, env=env,
+        launch_flags=("--ps", str(ps), *launch_flags), timeout=timeout, expect=None, env=env,
         during=during and (lambda proc: during(proc, out)))
     paths = {m: tmp_path / f"{m}.json" for m in modes}
     return code, output, {m: json.load(open(p)) if p.exists() else None
@@ -168,9 +171,21 @@ def test_learning_rate_warmup_follows_the_global_step(shared):
 
 
 @pytest.mark.slow
-def test_variables_split_over_two_ps_train_and_save_whole(tmp_path):
-    code, output, report = _launch(tmp_path, "sharded", ps=2)
+def test_variables_split_over_two_ps_train_and_save_whole(tmp_path, request):
+    # Over two hosts (network namespaces, tests/netns_hosts.py) where this
+    # machine can make them: the chief and worker 0 on one, worker 1 and
+    # both ps on the other; else on this host.
+    with contextlib.ExitStack() as stack:
+        flags = ()
+        if netns_hosts.unavailable() is None:
+            bed = stack.enter_context(netns_hosts.TestBed(2))
+            a, b = bed.addresses
+            flags = ("--hosts", f"{a}:2,{b}:3", "--ssh", "--ssh_command", bed.ssh_command)
+        code, output, report = _launch(tmp_path, "sharded", ps=2, launch_flags=flags)
     assert code == 0, output[-3000:]
+    if flags:
+        for task, host in (("worker 0", a), ("worker 1", b), ("ps 0", b), ("ps 1", b)):
+            assert f"[{task}] keras_distrib: {task} serving on {host}:" in output
     parts = report["parts"]
     assert parts["embedding/embeddings"] == 2 and parts["dense/kernel"] == 2
     assert report["iterations"] == 3 * 40
