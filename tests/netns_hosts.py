@@ -15,6 +15,10 @@ to start a rank "on" a host: this file run as
 `ip netns exec <PREFIX>-<HOST> sh -c COMMAND` (the rank replaces it, so
 killing the child kills the rank, as ssh -tt does).
 
+`bed.ssh_program(directory)` writes an `ssh` for programs that call it
+from PATH themselves (horovodrun); `bed.on(host, argv)` runs a program on
+a host (a launcher started "on" host 0 sees it as its own machine).
+
 `close()` kills every process left in the namespaces and deletes them;
 it runs even when a test fails (the conftest fixture). Needs root (or
 CAP_NET_ADMIN) and iproute2: `unavailable()` says in one line why not.
@@ -87,6 +91,22 @@ class TestBed:
     def ssh_command(self) -> str:
         """The `--ssh_command` that starts a command on one of these hosts."""
         return f"{sys.executable} {os.path.abspath(__file__)} exec {self.prefix}"
+
+    def ssh_program(self, directory: str) -> str:
+        """Writes `directory/ssh`, a stand-in for OpenSSH's `ssh` reaching
+        these hosts, for programs that call `ssh` from PATH (horovodrun);
+        returns `directory`, to put first on PATH."""
+        path = os.path.join(directory, "ssh")
+        with open(path, "w") as f:
+            f.write(f'#!/bin/sh\nexec {sys.executable} {os.path.abspath(__file__)} ssh '
+                    f'{self.prefix} "$@"\n')
+        os.chmod(path, 0o755)
+        return directory
+
+    def on(self, host: int, argv: list[str]) -> list[str]:
+        """`argv` to run on `host` (for Popen)."""
+        return ["ip", "netns", "exec", self.namespace(host), *_own_name(self.addresses[host]),
+                *argv]
 
     def hosts_flag(self, slots: int = 1) -> str:
         """`--hosts` for the launcher: every host with `slots` ranks."""
@@ -180,11 +200,40 @@ class TestBed:
 
 def _exec(prefix: str, host: str, command: str) -> None:
     """`ssh host command` for a test bed: becomes `command` in `host`'s namespace."""
-    os.execvp("ip", ["ip", "netns", "exec", f"{prefix}-{host.strip('[]')}", "sh", "-c",
+    host = host.strip("[]")
+    os.execvp("ip", ["ip", "netns", "exec", f"{prefix}-{host}", *_own_name(host), "sh", "-c",
                      command])
 
 
+def _own_name(address: str) -> list[str]:
+    """The argv prefix that gives a command its host's own host name (the
+    address itself, which resolves to itself): processes on two hosts
+    would otherwise share this machine's name, and what finds its peers
+    by host name (Gloo does) would take them for one host."""
+    return ["unshare", "--uts", "sh", "-c", f'hostname {address} && exec "$@"', "sh"]
+
+
+def _ssh(prefix: str, argv: list[str]) -> None:
+    """`ssh [-o opt] [-p port] [-i file] host [options] command...` as
+    OpenSSH parses it (options may follow the host, as horovodrun puts
+    them; the words after them are the remote shell's command line)."""
+    words, host = list(argv), None
+    while words and (words[0] in ("-o", "-p", "-i") or host is None):
+        if words[0] in ("-o", "-p", "-i"):
+            del words[:2]
+        else:
+            host = words.pop(0)
+    if host is None:
+        sys.exit("netns_hosts.py ssh: no host")
+    _exec(prefix, host, " ".join(words))
+
+
+USAGE = ("usage: netns_hosts.py exec PREFIX HOST COMMAND\n"
+         "       netns_hosts.py ssh PREFIX [SSH OPTIONS] HOST COMMAND...")
+
 if __name__ == "__main__":
-    if len(sys.argv) != 5 or sys.argv[1] != "exec":
-        sys.exit("usage: netns_hosts.py exec PREFIX HOST COMMAND")
-    _exec(*sys.argv[2:])
+    if len(sys.argv) == 5 and sys.argv[1] == "exec":
+        _exec(*sys.argv[2:])
+    elif len(sys.argv) >= 4 and sys.argv[1] == "ssh":
+        _ssh(sys.argv[2], sys.argv[3:])
+    sys.exit(USAGE)

@@ -6,6 +6,7 @@ without horovodrun, and the missing-Horovod error (tested everywhere), are
 in tests/integration/test_horovod_in_process.py.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ import sys
 import numpy as np
 import pytest
 
+import netns_hosts
 from helpers import ROOT, WORKERS, assert_weight_lists_close, kill_process_group, train_single
 
 WORKER = os.path.join(WORKERS, "hvd_train.py")
@@ -25,10 +27,12 @@ BATCH, EPOCHS = 32, 2
 # -- running ranks --------------------------------------------------------------
 
 
-def _run(argv, out, timeout):
-    """Runs `argv` in its own process group; kills what is left, always."""
+def _run(argv, out, timeout, env=None):
+    """Runs `argv` in its own process group (`env` added to the environment);
+    kills what is left, always."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+               PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
+               **(env or {}))
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -95,12 +99,23 @@ def launched(hvd, tmp_path_factory):
     layers and model are named `dense_1`, `functional_1`, ... where rank 1's
     are `dense`, `functional`: Horovod named its collectives after them, and
     the ranks waited for each other for good.
+
+    On two hosts where this machine can make them (network namespaces,
+    tests/netns_hosts.py): the launcher runs on host 0 and horovodrun
+    reaches host 1 with `ssh` (the test bed's), so Gloo works across the
+    link; else both ranks run here. Returns (ranks, output, the hosts).
     """
     out = tmp_path_factory.mktemp("hvd_launch")
-    argv = [sys.executable, "-m", "keras_distrib.launch", "launch", "--backend", "horovod",
-            "-n", "2", "--timeout", "220", WORKER, "--out", str(out), "--n", "203",
-            "--seed_per_rank", "--rank0_extra_model"]
-    return _run(argv, out, timeout=240)
+    launcher = [sys.executable, "-m", "keras_distrib.launch", "launch", "--backend", "horovod",
+                "-n", "2", "--timeout", "220"]
+    script = [WORKER, "--out", str(out), "--n", "203", "--seed_per_rank", "--rank0_extra_model"]
+    with contextlib.ExitStack() as stack:
+        if netns_hosts.unavailable() is not None:
+            return (*_run(launcher + script, out, timeout=240), None)
+        bed = stack.enter_context(netns_hosts.TestBed(2))
+        path = bed.ssh_program(str(out)) + os.pathsep + os.environ["PATH"]
+        argv = bed.on(0, launcher + ["--hosts", bed.hosts_flag()] + script)
+        return (*_run(argv, out, timeout=240, env={"PATH": path}), bed.addresses)
 
 
 # -- (a) different starts and data, identical ends equal to one process --------
@@ -211,8 +226,10 @@ def test_collectives(trained):
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_launch_backend_horovod_trains_like_one_process(launched):
-    ranks, output = launched
+    ranks, output, hosts = launched
     assert [r["rank"] for r in ranks] == [0, 1]
+    if hosts is not None:  # one rank on each host
+        assert [r["hostname"] for r in ranks] == hosts
     names = [r["names"] for r in ranks]
     assert len(names[0]) == len(names[1]) and names[0] != names[1], names
     assert any(not np.allclose(a, b) for a, b in zip(ranks[0]["initial"], ranks[1]["initial"]))

@@ -17,6 +17,7 @@ Modes:
 
 import json
 import os
+import socket
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -106,6 +107,7 @@ def main(argv):
                             validation_data=validation, verbose=2)
     result = {
         "rank": rank,
+        "hostname": socket.gethostname(),  # on the multi-host test bed, the host's address
         "world_size": hvd_strategy.world_size,
         "num_replicas": hvd_strategy.num_replicas,
         "history": history.history,
