@@ -73,6 +73,7 @@ from keras_distrib._compat.keras_layers import (
     is_functional_call,
     layer_state_unlocked,
     layer_tensors,
+    name_damaged_keras_files,
     save_as_keras_model,
     take_added_losses,
     whole_layer_variables,

@@ -1,13 +1,16 @@
 """Keras's layer and model internals: the Functional class and graph
 (nodes, replaying a graph), layers' added losses, saving under Keras's
-public class name, and taking whole variables off a built Dense or
-Embedding. Verified on Keras 3.15.1 / TensorFlow 2.21.0."""
+public class name, loading's message for a damaged `.keras` file, and
+taking whole variables off a built Dense or Embedding. Verified on Keras
+3.15.1 / TensorFlow 2.21.0."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
+import zipfile
 from typing import Any, Iterator
 
 import keras
@@ -17,6 +20,8 @@ _LAYER = "keras.src.layers.layer:Layer"
 
 # Private names the shims below use (checked at import, see `versions`).
 PRIVATE = (
+    # name_damaged_keras_files
+    "keras.src.saving.saving_api:load_model",
     # functional_class, graph_of, inlined_functional, layer_tensors
     "keras.src.models.functional:Functional",
     "keras.src.models.sequential:Sequential._functional",
@@ -94,6 +99,44 @@ def is_functional_call(args, kwargs) -> bool:
         return False
     inputs = args[0] if args else kwargs.get("inputs")
     return all(isinstance(t, keras.KerasTensor) for t in keras.tree.flatten(inputs))
+
+
+def name_damaged_keras_files() -> None:
+    """`keras.models.load_model` (`keras.saving.load_model`) of a `.keras`
+    file that exists but is no zip archive says so in one line.
+
+    Keras tells a zip archive from anything else by `zipfile.is_zipfile`
+    and then reports "File not found: filepath=... Please ensure the file
+    is an accessible `.keras` zip file", also for a file that is there but
+    truncated (a copy cut short: our own saves are atomic) or of another
+    format. Idempotent; names taken with `from keras.models import
+    load_model` before keras_distrib's import keep Keras's message.
+    """
+    from keras.src.saving import saving_api
+
+    keras_load = saving_api.load_model
+    if getattr(keras_load, "_kd_wrapped", False):
+        return
+
+    @functools.wraps(keras_load)
+    def load_model(filepath, *args, **kwargs):
+        try:
+            return keras_load(filepath, *args, **kwargs)
+        except ValueError as error:
+            path = os.fspath(filepath) if isinstance(filepath, (str, os.PathLike)) else None
+            if (path is None or not str(error).startswith("File not found")
+                    or not path.endswith(".keras") or not os.path.isfile(path)
+                    or zipfile.is_zipfile(path)):
+                raise
+            raise ValueError(
+                f"{path} is not a valid .keras file: it exists ({os.path.getsize(path)} "
+                "bytes) but is no zip archive, i.e. truncated (a copy cut short) or of "
+                "another format; copy it again, or load an earlier checkpoint.") from None
+
+    load_model._kd_wrapped = True
+    for module in (saving_api, keras.saving, keras.models):
+        if getattr(module, "load_model", None) is keras_load:
+            module.load_model = load_model
 
 
 def save_as_keras_model(cls: type, marker: str, load: Any) -> None:

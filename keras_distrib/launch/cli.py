@@ -105,7 +105,8 @@ from absl import flags
 from keras_distrib import cluster as cluster_lib
 from keras_distrib.launch import backends
 from keras_distrib.launch.config import (DEFAULT_SSH_COMMAND, GRACE_SECONDS,
-                                         LaunchConfig, LaunchError, check_config)
+                                         STRAGGLER_WARNING, LaunchConfig, LaunchError,
+                                         check_config)
 from keras_distrib.launch.plan import (DEFAULT_REMOTE_PORT_BASE, check_local_ports,
                                        plan, print_dry_run, write_output_dir)
 from keras_distrib.launch.parameter_server import DEFAULT_WORKER_RESTARTS
@@ -162,6 +163,10 @@ flags.DEFINE_integer("max_restarts", 0, "When a rank fails or is preempted, "
 flags.DEFINE_float("grace_seconds", GRACE_SECONDS, "Seconds a rank gets to "
                    "exit after SIGTERM (time for the chief to write a backup) "
                    "before SIGKILL.", lower_bound=0)
+flags.DEFINE_float("straggler_warning", STRAGGLER_WARNING, "When a rank exits 0 and others "
+                   "still run this many seconds later, say which (a rank waiting for the "
+                   "finished one in a collective waits until its collective timeout); "
+                   "the launcher keeps waiting. 0: never.")
 
 
 # --------------------------------------------------------------------------
@@ -274,6 +279,7 @@ def config_from_flags(positional: Sequence[str]) -> LaunchConfig:
         tail_lines=FLAGS.tail_lines,
         max_restarts=FLAGS.max_restarts,
         grace_seconds=FLAGS.grace_seconds,
+        straggler_warning=FLAGS.straggler_warning,
         ps=FLAGS.ps,
         ps_tasks_run_script=FLAGS.ps_tasks_run_script,
     )

@@ -19,6 +19,10 @@ DEFAULT_SSH_COMMAND = "ssh -o BatchMode=yes -tt"
 # Seconds a rank gets to exit after SIGTERM before SIGKILL (--grace_seconds):
 # enough for the chief to write a backup checkpoint when it is preempted.
 GRACE_SECONDS = 30.0
+# Seconds ranks may run on after another exited 0 before the launcher says
+# so (--straggler_warning): one that waits for the finished rank in a
+# collective would otherwise wait silently until its collective timeout.
+STRAGGLER_WARNING = 60.0
 
 
 class LaunchError(Exception):
@@ -51,6 +55,7 @@ class LaunchConfig:
     tail_lines: int = 40
     max_restarts: int = 0
     grace_seconds: float = GRACE_SECONDS
+    straggler_warning: float = STRAGGLER_WARNING  # 0: never
     # Parameter-server mode (--ps M >= 1): a chief runs the script, `nproc`
     # worker tasks and `ps` ps tasks run TensorFlow servers
     # (`keras_distrib.strategies.parameter_server.task_server`), or the script too with
@@ -106,6 +111,9 @@ def check_config(config: LaunchConfig) -> None:
         raise LaunchError(f"--tail_lines={config.tail_lines} must be >= 0.")
     if config.max_restarts < 0:
         raise LaunchError(f"--max_restarts={config.max_restarts} must be >= 0 (0: no restarts).")
+    if config.straggler_warning < 0:
+        raise LaunchError(f"--straggler_warning={config.straggler_warning:g} must be >= 0 "
+                          "(0: no warning).")
     if config.grace_seconds < 0:
         raise LaunchError(f"--grace_seconds={config.grace_seconds:g} must be >= 0.")
     if config.max_restarts and config.backend == "horovod":

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
-from typing import Optional, Sequence, TextIO
+from typing import Callable, Optional, Sequence, TextIO
 
 from keras_distrib.cluster.launch_contract import PREEMPTED
 from keras_distrib.launch.config import LaunchConfig
@@ -85,9 +85,15 @@ def exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def watch(children: Sequence[Child], trap: SignalTrap,
-          deadline: Optional[float]) -> SuperviseResult:
-    """Waits until the attempt ends one way or another; stops and prints nothing."""
+def watch(children: Sequence[Child], trap: SignalTrap, deadline: Optional[float],
+          straggler_warning: float = 0.0,
+          warn: Callable[[str], None] = lambda message: None) -> SuperviseResult:
+    """Waits until the attempt ends one way or another; stops nothing.
+
+    Says nothing either, but for one `warn(line)` when children still run
+    `straggler_warning` seconds (> 0) after one exited 0.
+    """
+    straggling = _Stragglers(children, straggler_warning, warn)
     while True:
         if trap.received:
             signum = trap.received[0]
@@ -102,7 +108,37 @@ def watch(children: Sequence[Child], trap: SignalTrap,
             return SuperviseResult(Ending.SUCCEEDED, 0)
         if deadline is not None and time.monotonic() >= deadline:
             return SuperviseResult(Ending.TIMED_OUT, EXIT_TIMEOUT)
+        straggling.check()
         time.sleep(0.05)
+
+
+class _Stragglers:
+    """Warns once when children run on `seconds` after the first to exit 0."""
+
+    def __init__(self, children: Sequence[Child], seconds: float,
+                 warn: Callable[[str], None]):
+        self.children, self.seconds, self.warn = children, seconds, warn
+        self.first_done: Optional[tuple[float, str]] = None  # (when, label)
+        self.warned = not seconds
+
+    def check(self) -> None:
+        if self.warned:
+            return
+        if self.first_done is None:
+            done = next((c for c in self.children if c.proc.returncode == 0), None)
+            if done is not None:
+                self.first_done = (time.monotonic(), done.label)
+            return
+        since, label = self.first_done
+        if time.monotonic() - since < self.seconds:
+            return
+        running = [c.label for c in self.children if c.proc.returncode is None]
+        verb = "runs" if len(running) == 1 else "run"
+        self.warn(f"{', '.join(running)} still {verb} {self.seconds:g}s after {label} exited "
+                  f"with 0; a rank waiting for {label} in a collective waits until its "
+                  "collective timeout, so every rank must run the same steps (the launcher "
+                  "keeps waiting; --straggler_warning sets this delay).")
+        self.warned = True
 
 
 def end(result: SuperviseResult, children: Sequence[Child], config: LaunchConfig,

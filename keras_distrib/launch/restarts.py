@@ -96,7 +96,12 @@ def _attempt(job: Job, restart: int, config: LaunchConfig, trap: SignalTrap,
         try:
             for spec in job.specs(restart, shm_dir):
                 children.append(start(spec, config.tail_lines, printer))
-            result = watch(children, trap, deadline)
+
+            def warn(message: str) -> None:
+                printer.end_line()
+                say(err, message)
+
+            result = watch(children, trap, deadline, config.straggler_warning, warn)
             return end(result, children, config, trap, printer, err)
         finally:
             for child in children:

@@ -100,6 +100,7 @@ class StrategyAdoption:
         arguments.pop("self")
         arguments.update(arguments.pop("kwargs", {}))
         check_steps_per_execution(arguments.get("steps_per_execution", 1))
+        fit_checks.check_same_compile(self._strategy, arguments)
         with self._strategy.scope():
             optimizer = self._loss_scaled_if_mixed(
                 keras.optimizers.get(arguments["optimizer"]),

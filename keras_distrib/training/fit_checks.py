@@ -12,6 +12,9 @@ Cheap checks that turn silent failures into one-line errors:
   variables (count, shapes, dtypes); otherwise the broadcast of worker 0's
   values fails deep in TensorFlow ("Shape mismatch in the collective") or
   waits for a variable the other workers never create;
+* `check_same_compile`: every worker compiles the model alike (optimizer
+  and its settings, loss, metrics); otherwise every worker trains with
+  worker 0's optimizer state and the difference goes unnoticed;
 * `ReplicasAgree`: at the start of `fit`, every replica holds the same
   weights (naming the first variable that differs).
 """
@@ -19,7 +22,9 @@ Cheap checks that turn silent failures into one-line errors:
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import numbers
 import re
 import zlib
 
@@ -175,6 +180,88 @@ def _describe(row) -> str:
         f"{name}={int(value)}" for name, value in zip(_FACTS, row[1:]) if value != -1
     )
     return f"{call}({facts})"
+
+
+# -- every worker compiles alike ----------------------------------------------------
+
+_MISSING, _NUMBER, _OTHER = -2.0, 0.0, 1.0
+
+
+# What `compile` is given that must agree across workers.
+_COMPILE_ARGUMENTS = ("optimizer", "loss", "loss_weights", "metrics", "weighted_metrics")
+
+
+def check_same_compile(strategy, arguments: dict) -> None:
+    """Raises `WorkersDisagreeError` on every worker unless all call
+    `compile` with the same settings (optimizer, its learning rate or
+    schedule and options, loss, metrics), naming the first that differs,
+    with both values when they are numbers.
+
+    Called by `compile` with its arguments before the optimizer is adopted:
+    adopting makes its variables again under the strategy, with worker 0's
+    values, so afterwards every worker would silently train with worker
+    0's learning rate. Two small collectives. A setting is compared by a
+    code (the number itself, or a checksum of anything else); objects'
+    `name`s are left out (Keras numbers them by creation order, which may
+    differ). Skipped when an argument cannot be serialized.
+    """
+    if strategy.world_size == 1:
+        return
+    try:
+        settings = _flat_settings({key: keras.saving.serialize_keras_object(arguments.get(key))
+                                   for key in _COMPILE_ARGUMENTS})
+    except Exception:  # noqa: BLE001 - a custom object without get_config
+        return
+    rows = np.array([[_checksum(path), *_value_code(value)] for path, value in settings],
+                    np.float64).reshape(-1, 3)
+    count = int(strategy.sync_gather(np.array([len(rows)], np.float64)).max())
+    padded = np.full((count, 3), _MISSING)
+    padded[:len(rows)] = rows
+    table = strategy.sync_gather(padded)  # [process, setting, (path, kind, value)]
+    for rank in range(1, len(table)):
+        differs = np.flatnonzero(np.any(table[rank] != table[0], axis=-1))
+        if differs.size:
+            i = int(differs[0])
+            name = settings[i][0] if i < len(settings) else "a setting"
+            raise WorkersDisagreeError(
+                f"worker {rank} compiled the model differently than worker 0: {name} is "
+                f"{_describe_value(table[rank, i])} on worker {rank} but "
+                f"{_describe_value(table[0, i])} on worker 0; every worker must compile "
+                "the same way (same optimizer, learning rate, loss and metrics).")
+
+
+def _flat_settings(config, path="") -> list:
+    """[(dotted path, leaf value)] of a serialized compile config, without
+    the `config` level and objects' names, e.g.
+    `("optimizer.learning_rate.initial_learning_rate", 0.01)`."""
+    if isinstance(config, dict):
+        found = []
+        for key, value in config.items():
+            if path and key in ("name", "registered_name"):
+                continue  # an object's name, not a setting
+            inner = path if key == "config" else (f"{path}.{key}" if path else key)
+            found += _flat_settings(value, inner)
+        return found
+    if isinstance(config, (list, tuple)):
+        return [item for i, value in enumerate(config)
+                for item in _flat_settings(value, f"{path}[{i}]")]
+    return [(path, config)]
+
+
+def _checksum(value) -> float:
+    return float(zlib.crc32(json.dumps(value, sort_keys=True, default=repr).encode()))
+
+
+def _value_code(value) -> tuple:
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return _NUMBER, float(value)
+    return _OTHER, _checksum(value)
+
+
+def _describe_value(row) -> str:
+    if row[1] == _MISSING:
+        return "missing"
+    return f"{row[2]:g}" if row[1] == _NUMBER else "another value"
 
 
 # -- every worker builds the same model -----------------------------------------

@@ -57,6 +57,8 @@ def _last_error_line(output):
                     r"\(worker 1 has 6 variables, worker 0 4\)"),
     ("wider_subclass", r"workers built different models: worker \d made a variable of shape "
                        r"\[8,[45]\] where another worker's has shape \[8,[45]\]"),
+    ("learning_rate", r"worker 1 compiled the model differently than worker 0: "
+                      r"optimizer\.learning_rate is 0\.05 on worker 1 but 0\.01 on worker 0"),
 ])
 def test_mismatched_work_is_a_one_line_error(tmp_path, case, expected):
     code, output = launch(tmp_path, 2, MISMATCH, "--case", case, expect=None, timeout=150)

@@ -144,6 +144,22 @@ def test_rank_killed_by_signal_gives_128_plus_signum(tmp_path, capfd, no_leftove
 
 
 @pytest.mark.slow
+def test_a_rank_left_running_after_another_exited_0_is_named(tmp_path, capfd, no_leftovers):
+    # Rank 0 would wait for rank 1 (in a collective, say); the launcher
+    # names it, keeps waiting, and here its --timeout ends the job.
+    script = rank_script(tmp_path, "time.sleep(600) if RANK == 0 else sys.exit(0)")
+    config = LaunchConfig(nproc=2, script=script, straggler_warning=1, timeout=8)
+    assert launch.launch(config) == 124
+    _, err = capfd.readouterr()
+    lines = _error_lines(err)
+    warning = next(i for i, line in enumerate(lines) if "still runs" in line)
+    assert lines[warning].startswith(
+        "keras-distrib: rank 0 still runs 1s after rank 1 exited with 0; a rank waiting for "
+        "rank 1 in a collective waits until its collective timeout"), lines
+    assert any("timed out after 8s" in line for line in lines[warning + 1:]), lines
+
+
+@pytest.mark.slow
 def test_timeout_stops_all_ranks(tmp_path, capfd, no_leftovers):
     script = rank_script(tmp_path, "time.sleep(600)")
     config = LaunchConfig(nproc=2, script=script, timeout=1)

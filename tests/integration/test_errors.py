@@ -1,5 +1,7 @@
 """Bad input: one clear line naming the problem and the fix."""
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -243,16 +245,22 @@ def test_steps_per_execution_must_be_an_integer_of_at_least_one(steps):
     _one_line(e)
 
 
-def test_truncated_keras_file_is_kerass_one_line_error(tmp_path):
-    # Documented (README, Saving): our saves are atomic, so a truncated file
-    # only comes from copying; Keras's own message is what the user sees.
+@pytest.mark.parametrize("load", [keras.models.load_model, keras.saving.load_model],
+                         ids=["keras.models", "keras.saving"])
+def test_a_truncated_keras_file_is_named_truncated_not_missing(tmp_path, load):
+    # Our saves are atomic, so a truncated file comes from a copy cut short;
+    # Keras alone says "File not found" for a file that is there.
     path = tmp_path / "m.keras"
     build("functional", "single").save(path)
     truncated = tmp_path / "truncated.keras"
     truncated.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-    with pytest.raises(ValueError, match=r"\.keras` zip file") as e:
-        keras.models.load_model(truncated)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(truncated))} is not a valid "
+                                         r"\.keras file: it exists \(\d+ bytes\) but is no "
+                                         r"zip archive, i\.e\. truncated") as e:
+        load(str(truncated))
     _one_line(e)
+    with pytest.raises(ValueError, match=r"^File not found"):  # one that is not there
+        load(str(tmp_path / "missing.keras"))
 
 
 @pytest.mark.parametrize("strategy", ["single", "mirrored"])

@@ -72,6 +72,8 @@ def test_check_config_errors(tmp_path):
         (LaunchConfig(nproc=1, script=script, timeout=-1), "--timeout=-1"),
         (LaunchConfig(nproc=1, script=script, max_restarts=-1), "--max_restarts=-1 must be >= 0"),
         (LaunchConfig(nproc=1, script=script, grace_seconds=-1), "--grace_seconds=-1 must be >= 0"),
+        (LaunchConfig(nproc=1, script=script, straggler_warning=-1),
+         "--straggler_warning=-1 must be >= 0"),
         (LaunchConfig(nproc=1, script=script, backend="horovod", max_restarts=1),
          "works with --backend=tf only"),
     ]:

@@ -14,7 +14,9 @@ instead of hanging:
   layer (TensorFlow's broadcast would fail with "Shape mismatch");
 * `extra_layer`: rank 1's functional model has one more layer, of shapes
   rank 0 also has (the broadcast would wait for it until the timeout);
-* `wider_subclass`: `wider_layer` for a subclassed model, built by `fit`.
+* `wider_subclass`: `wider_layer` for a subclassed model, built by `fit`;
+* `learning_rate`: rank 1 compiles with another learning rate (training
+  would go on with worker 0's optimizer, silently).
 """
 
 import os
@@ -30,7 +32,8 @@ from absl import app, flags  # noqa: E402
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("case", None, ["fit_vs_evaluate", "batch_size", "data_length",
                                  "early_exit", "changed_weights", "wider_layer",
-                                 "extra_layer", "wider_subclass"], "How rank 1 departs.")
+                                 "extra_layer", "wider_subclass", "learning_rate"],
+                  "How rank 1 departs.")
 
 
 class Net(kd.DistributedModel):
@@ -65,7 +68,9 @@ def main(argv):
     strategy = kd.strategies.get("multi_worker")
     odd = strategy.rank == 1
     model = build(FLAGS.case, odd, strategy)
-    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(True))
+    rate = 0.05 if odd and FLAGS.case == "learning_rate" else 0.01  # SGD's default
+    model.compile(optimizer=keras.optimizers.SGD(rate),
+                  loss=keras.losses.SparseCategoricalCrossentropy(True))
     fit = dict(batch_size=32, epochs=1, verbose=0)
     if FLAGS.case == "fit_vs_evaluate":
         (model.evaluate if odd else model.fit)(x, y, batch_size=32, verbose=0)
