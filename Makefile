@@ -12,7 +12,7 @@ HOROVOD := $(VENV)/.horovod
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test,bench]"
+	$(PY) -m pip install --quiet -e ".[test,bench,ray]"
 	touch $(STAMP)
 
 $(HOROVOD): $(STAMP) scripts/install_horovod.sh
