@@ -54,8 +54,11 @@ def launch_workers(
     worker_args: Sequence[str],
     timeout: float,
     extra_env: Optional[dict] = None,
+    launch_flags: Sequence[str] = (),
+    prefix: Sequence[str] = (),
 ) -> tuple[str, str]:
-    """Runs `keras-distrib launch -n nproc script --role worker ...`.
+    """Runs `keras-distrib launch -n nproc [launch_flags] script --role worker ...`
+    (after the argv `prefix`, e.g. `ip netns exec NS` to run it on another host).
 
     Every worker gets `--out_dir DIR` and should write `rank{R}.json` there.
 
@@ -76,8 +79,8 @@ def launch_workers(
         p for p in (REPO_ROOT, env.get("PYTHONPATH", "")) if p
     )
     argv = [
-        sys.executable, "-m", "keras_distrib.launch", "launch",
-        "-n", str(nproc), "--timeout", str(timeout),
+        *prefix, sys.executable, "-m", "keras_distrib.launch", "launch",
+        "-n", str(nproc), "--timeout", str(timeout), *launch_flags,
         script, "--role=worker", f"--out_dir={out_dir}", *worker_args,
     ]
     proc = subprocess.Popen(

@@ -20,6 +20,11 @@ and writes there:
       (raw TF per tensor, raw TF batched, ours for each bytes_per_pack),
       median with [min, max] bars; the many-small gradient list in its own
       panel.
+  multi_host.png              all-reduce bus bandwidth as a fraction of the
+      link rate against the message size, between two hosts (network
+      namespaces) joined by a rate-limited link (multi_host.json): one
+      panel per link rate, a line per engine (ours over TF's ring, ours
+      over Horovod's Gloo, raw TF), the 0.8 goal dashed.
 
 A figure whose JSON is missing is skipped (with a note); a figure from a
 `--quick` run says so in its title. Redraw without re-running:
@@ -236,6 +241,39 @@ def plot_allreduce() -> str | None:
     return _save(fig, "allreduce_bandwidth.png")
 
 
+def plot_multi_host() -> str | None:
+    import matplotlib.pyplot as plt
+
+    data = _load("multi_host")
+    if data is None:
+        return None
+    results = data["results"]
+    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4.4), squeeze=False)
+    engines = {"ours_ring": ("ours over TF's ring", _OURS, "o"),
+               "ours_gloo": ("ours over Horovod's Gloo", _OTHER, "s"),
+               "raw_tf": ("raw TF (MultiWorkerMirroredStrategy)", _PEER, "^")}
+    for ax, result in zip(axes[0], results):
+        sizes = [size["bytes"] for size in result["allreduce"]]
+        for key, (label, color, marker) in engines.items():
+            ax.plot(sizes, [size["bus_fraction"][key] for size in result["allreduce"]],
+                    marker=marker, color=color, label=label)
+        ax.axhline(0.8, color=_IDEAL, linestyle="--", linewidth=1, label="goal: 0.8 of the link")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [size["name"] for size in result["allreduce"]])
+        ax.minorticks_off()
+        ax.set_ylim(0, 1.1)
+        ax.set_xlabel("message size (one float32 tensor)")
+        ax.set_ylabel("bus bandwidth / link rate")
+        ax.grid(alpha=0.3)
+        ax.set_title(f"2 hosts, link {result['rate']}" + _quick(data), fontsize=10)
+    axes[0][0].legend(fontsize=7)
+    meta = data["meta"]
+    fig.suptitle(f"SUM all-reduce between two network-namespace hosts, median of "
+                 f"{data['repeats']} timings ({meta['time'][:10]}, {meta['cpus']} cores, "
+                 "shared machine)", fontsize=9)
+    return _save(fig, "multi_host.png")
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -243,7 +281,7 @@ def main(argv):
 
     matplotlib.use("Agg")
     os.makedirs(FLAGS.results_dir, exist_ok=True)
-    for draw in (plot_throughput, plot_allreduce):
+    for draw in (plot_throughput, plot_allreduce, plot_multi_host):
         path = draw()
         if path:
             print(f"wrote {os.path.relpath(path)}")

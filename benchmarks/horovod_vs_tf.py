@@ -58,6 +58,12 @@ flags.DEFINE_integer("rounds", 2, "Launches per engine, alternating tf, hvd.")
 flags.DEFINE_float("min_timing_ms", 50.0, "Each all-reduce timing lasts at least this.")
 flags.DEFINE_integer("steps", 12, "Training steps per timed epoch.")
 flags.DEFINE_integer("batch", 512, "Global batch of the training step.")
+flags.DEFINE_bool("train_only", False, "Worker only: time the training step alone "
+                  "(no all-reduce cases), as benchmarks/multi_host.py does for compression.")
+flags.DEFINE_integer("bytes_per_pack", 0, "Worker only, engine tf: multi_worker's "
+                     "bytes_per_pack (gradient buckets; 0: one all-reduce).")
+flags.DEFINE_enum("compression", "none", ["none", "fp16", "bf16"], "Worker only: the "
+                  "training step's gradients travel in this dtype (DistributedOptimizer).")
 flags.DEFINE_float("timeout", 150.0, "Seconds one launch of the workers may take.")
 
 NPROC = 2
@@ -96,7 +102,8 @@ def run_worker() -> None:
 
     engine = FLAGS.engine
     # TF's collectives, not our shared-memory path ("auto" on one host).
-    options = {"implementation": "ring"} if engine == "tf" else {}
+    options = ({"implementation": "ring", "bytes_per_pack": FLAGS.bytes_per_pack}
+               if engine == "tf" else {})
     strategy = kd.strategies.get(STRATEGY[engine], **options)
     assert strategy.rank == rank, (strategy.rank, rank)
     world = strategy.world_size
@@ -127,7 +134,7 @@ def run_worker() -> None:
     report = {"rank": rank, "world_size": world, "engine": engine,
               "tf_version": tf.__version__, "cases": []}
     rng = np.random.default_rng(0)
-    for name, shapes in cases():
+    for name, shapes in ([] if FLAGS.train_only else cases()):
         # Same base on every rank, scaled by rank + 1: the sum is known.
         bases = [rng.standard_normal(shape, dtype=np.float32) for shape in shapes]
         tensors = [tf.constant(b * (rank + 1)) for b in bases]
@@ -152,12 +159,19 @@ def run_worker() -> None:
     x = rng.standard_normal((n, 784), dtype=np.float32)
     y = rng.integers(0, 10, size=n).astype("int32")
     keras.utils.set_random_seed(0)
-    inputs = keras.Input((784,))
-    h = keras.layers.Dense(1024, activation="relu")(inputs)
-    h = keras.layers.Dense(256, activation="relu")(h)
-    outputs = keras.layers.Dense(10)(h)
-    model = kd.DistributedModel(inputs, outputs, strategy=strategy)
-    model.compile(optimizer=keras.optimizers.SGD(0.01),
+
+    def mlp():
+        inputs = keras.Input((784,))
+        h = keras.layers.Dense(1024, activation="relu")(inputs)
+        h = keras.layers.Dense(256, activation="relu")(h)
+        return inputs, keras.layers.Dense(10)(h)
+
+    model = kd.DistributedModel(*mlp(), strategy=strategy)
+    plain = keras.Model(*mlp())  # this rank's computation alone: no all-reduce
+    plain.compile(optimizer=keras.optimizers.SGD(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(optimizer=kd.optimizers.DistributedOptimizer(
+                      keras.optimizers.SGD(0.01), compression=FLAGS.compression),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     model.fit(x, y, batch_size=FLAGS.batch, epochs=1, shuffle=False, verbose=0)  # warm-up
     step_times = []
@@ -166,7 +180,26 @@ def run_worker() -> None:
         start = time.perf_counter()
         model.fit(x, y, batch_size=FLAGS.batch, epochs=1, shuffle=False, verbose=0)
         step_times.append((time.perf_counter() - start) / FLAGS.steps)
+    # The step's parts alone: the computation (plain Keras on this rank's
+    # share of the batch) and the all-reduce of the model's gradients.
+    share = FLAGS.batch // world
+    batches = [(x[i:i + share], y[i:i + share]) for i in range(0, FLAGS.steps * share, share)]
+    plain.train_on_batch(*batches[0])
+    compute_times, comm_times = [], []
+    wire_dtype = {"none": tf.float32, "fp16": tf.float16, "bf16": tf.bfloat16}
+    gradients = [tf.zeros(w.shape, wire_dtype[FLAGS.compression])
+                 for w in model.trainable_weights]
+    reduce_fn = replicated(lambda: strategy.all_reduce(list(gradients), "sum"))
+    reduce_fn()
+    for _ in range(FLAGS.repeats):
+        start = time.perf_counter()
+        for batch in batches:
+            plain.train_on_batch(*batch)
+        compute_times.append((time.perf_counter() - start) / len(batches))
+        comm_times.append(timed(reduce_fn, FLAGS.steps))
     report["train"] = {"params": int(model.count_params()), "times": step_times,
+                       "compute_times": compute_times, "comm_times": comm_times,
+                       "compression": FLAGS.compression,
                        "final_weight_sum": float(sum(np.sum(w) for w in model.get_weights()))}
     barrier_fn()
     _harness.write_result(FLAGS.out_dir, rank, report)

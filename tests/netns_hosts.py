@@ -213,19 +213,25 @@ def _own_name(address: str) -> list[str]:
     return ["unshare", "--uts", "sh", "-c", f'hostname {address} && exec "$@"', "sh"]
 
 
-def _ssh(prefix: str, argv: list[str]) -> None:
-    """`ssh [-o opt] [-p port] [-i file] host [options] command...` as
-    OpenSSH parses it (options may follow the host, as horovodrun puts
-    them; the words after them are the remote shell's command line)."""
+def ssh_words(argv: list[str]) -> tuple[Optional[str], str]:
+    """`(host, command)` of `ssh [-o opt] [-p port] [-i file] host [options]
+    command...` as OpenSSH parses it: options may follow the host, as
+    horovodrun puts them, and the words after them are the remote shell's
+    command line."""
     words, host = list(argv), None
     while words and (words[0] in ("-o", "-p", "-i") or host is None):
         if words[0] in ("-o", "-p", "-i"):
             del words[:2]
         else:
             host = words.pop(0)
+    return host, " ".join(words)
+
+
+def _ssh(prefix: str, argv: list[str]) -> None:
+    host, command = ssh_words(argv)
     if host is None:
         sys.exit("netns_hosts.py ssh: no host")
-    _exec(prefix, host, " ".join(words))
+    _exec(prefix, host, command)
 
 
 USAGE = ("usage: netns_hosts.py exec PREFIX HOST COMMAND\n"

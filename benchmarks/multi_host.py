@@ -1,0 +1,209 @@
+"""Two hosts joined by a rate-limited link: all-reduce against the wire, and
+the training step against its parts.
+
+The hosts are the test suite's (tests/netns_hosts.py): two Linux network
+namespaces on a bridge, each link limited by a `tc` token bucket to
+`--rates` (1 Gbit/s and 10 Gbit/s by default), one worker per host, the
+launcher starting them through the bed's ssh stand-in. Needs root.
+
+What it measures, per link rate (the workers are benchmarks/
+horovod_vs_tf.py's and benchmarks/allreduce.py's, so the cases are theirs):
+
+  all-reduce   bus bandwidth (bytes * 2(n-1)/n / time) of one SUM all-reduce
+               of a float32 tensor of each `--sizes`, as a fraction of the
+               link rate, for: ours over TF's ring (`multi_worker`), ours
+               over Horovod's Gloo (`horovod`, horovodrun run on host 0),
+               and raw TensorFlow (`MultiWorkerMirroredStrategy`'s
+               `all_reduce` per tensor, no keras_distrib). Goal: >= 0.8 of
+               the link from 4 MB.
+  train step   the 784-1024-256-10 MLP (1.07M parameters, 4.3 MB of
+               gradients), global batch `--batch`, over TF's ring in buckets
+               of `--bytes_per_pack`, against its parts measured alone in the
+               same workers: compute (plain Keras `train_on_batch` on one
+               worker's share of the batch) and communication (the
+               all-reduce of the model's gradients). `step / max(compute,
+               comm)` is 1 when the all-reduce fully overlaps the backward
+               pass and up to 2 when they run one after the other (goal:
+               <= 1.15). The first layer's gradient (3.2 MB of the 4.3) is
+               made last and cannot overlap anything, so this model's bound
+               is about (compute + its all-reduce) / max(compute, comm).
+               With `--compressions`, the step again with gradients sent as
+               fp16/bf16 (`DistributedOptimizer`; comm then times the
+               all-reduce in that dtype).
+  one host     the same step with both workers on one host (no link; TF's
+               ring over loopback): the cost of the link.
+
+Each worker is pinned to a core with one intra-op thread (2 workers on the
+2-core machine). Absolute times on a shared machine are noise; read the
+fractions and ratios. Results: `--json` (default
+benchmarks/results/multi_host.json).
+
+Run (as root):
+    python benchmarks/multi_host.py [--rates 1gbit,10gbit] [--repeats 3]
+        [--sizes 64K,1M,4M,16M,64M] [--compressions fp16,bf16] [--quick]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+
+from absl import app, flags  # noqa: E402
+
+import _harness  # noqa: E402
+import netns_hosts  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("rates", ["1gbit", "10gbit"], "Link rates (tc syntax: 1gbit, 500mbit).")
+flags.DEFINE_list("sizes", ["64K", "1M", "4M", "16M", "64M"],
+                  "All-reduce sizes (float32), with K/M suffixes.")
+flags.DEFINE_list("compressions", ["fp16", "bf16"], "Training-step compressions to time.")
+flags.DEFINE_integer("repeats", 3, "Timings per case per launch.")
+flags.DEFINE_integer("steps", 8, "Training steps per timed epoch.")
+flags.DEFINE_integer("batch", 512, "Global batch of the training step.")
+flags.DEFINE_integer("bytes_per_pack", 1 << 20, "multi_worker's bytes_per_pack for the "
+                     "training step over the link: gradient buckets, the last layer's first "
+                     "(TensorFlow reverses the list before packing), so an all-reduce can "
+                     "start before the backward pass ends; 0: one all-reduce.")
+flags.DEFINE_float("timeout", 400.0, "Seconds one launch of the workers may take.")
+flags.DEFINE_bool("quick", False, "A short run to test the chain: --rates 1gbit --repeats 2 "
+                  "--sizes 64K,4M --steps 4 --compressions fp16 (explicit flags win).")
+flags.DEFINE_string("json", os.path.join(_harness.RESULTS_DIR, "multi_host.json"),
+                    "Where to save the measurements (empty: nowhere).")
+
+HVT = os.path.join(HERE, "horovod_vs_tf.py")
+ALLREDUCE = os.path.join(HERE, "allreduce.py")
+BITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+
+
+def link_bytes_per_second(rate: str) -> float:
+    for unit, scale in BITS.items():
+        if rate.endswith(unit):
+            return float(rate[:-len(unit)]) * scale / 8
+    raise app.UsageError(f"--rates entry {rate!r}: use kbit, mbit or gbit")
+
+
+def _hvt_args(engine: str, **extra) -> list[str]:
+    args = [f"--engine={engine}", f"--sizes={','.join(FLAGS.sizes)}", "--small_layers=2",
+            f"--repeats={FLAGS.repeats}", f"--steps={FLAGS.steps}", f"--batch={FLAGS.batch}"]
+    if engine == "tf":
+        args.append(f"--bytes_per_pack={FLAGS.bytes_per_pack}")
+    return args + [f"--{k}={v}" for k, v in extra.items()]
+
+
+def _run(script, args, bed=None, horovod=False):
+    """One launch of 2 workers (across `bed`, or on this host); their reports."""
+    flags_, prefix, env = [], [], None
+    with tempfile.TemporaryDirectory(prefix="kd-ssh-") as ssh_dir:
+        if bed is not None and horovod:  # horovodrun on host 0 reaches host 1 by ssh
+            flags_ = ["--backend", "horovod", "--hosts", bed.hosts_flag()]
+            prefix = bed.on(0, [])
+            env = {"PATH": bed.ssh_program(ssh_dir) + os.pathsep + os.environ["PATH"]}
+        elif bed is not None:
+            flags_ = ["--hosts", bed.hosts_flag(), "--ssh", "--ssh_command", bed.ssh_command]
+        elif horovod:
+            flags_ = ["--backend", "horovod"]
+        out_dir, _ = _harness.launch_workers(script, 2, args, FLAGS.timeout, extra_env=env,
+                                             launch_flags=flags_, prefix=prefix)
+    return _harness.read_results(out_dir, 2)
+
+
+def _slowest(reports, pick) -> list[float]:
+    """Per repetition, the slower worker's time (a collective ends when both do)."""
+    return [max(ts) for ts in zip(*(pick(r) for r in reports))]
+
+
+def _median(values) -> float:
+    return _harness.stats(values)[0]
+
+
+def measure(rate: str) -> dict:
+    with netns_hosts.TestBed(2, rate=rate) as bed:
+        ring = _run(HVT, _hvt_args("tf"), bed)
+        gloo = _run(HVT, _hvt_args("hvd"), bed, horovod=True)
+        raw = _run(ALLREDUCE, [f"--sizes={','.join(FLAGS.sizes)}", "--small_layers=2",
+                               f"--repeats={FLAGS.repeats}", "--implementation=ring",
+                               "--bytes_per_pack=0", "--pin"], bed)
+        compressed = {c: _run(HVT, _hvt_args("tf", train_only="true", compression=c), bed)
+                      for c in FLAGS.compressions}
+    wire = link_bytes_per_second(rate)
+    sizes = []
+    for i, case in enumerate(ring[0]["cases"][:len(FLAGS.sizes)]):
+        times = {"ours_ring": _slowest(ring, lambda r: r["cases"][i]["times"]),
+                 "ours_gloo": _slowest(gloo, lambda r: r["cases"][i]["times"]),
+                 "raw_tf": _slowest(raw, lambda r: r["cases"][i]["times"]["raw"])}
+        sizes.append({"name": case["name"], "bytes": case["bytes"],
+                      "bus_fraction": {k: case["bytes"] / _median(t) / wire
+                                       for k, t in times.items()}})
+    return {"rate": rate, "link_bytes_per_second": wire, "allreduce": sizes,
+            "train": _train(ring), "compressed": {c: _train(r) for c, r in compressed.items()}}
+
+
+def _train(reports) -> dict:
+    step, compute, comm = (_median(_slowest(reports, lambda r, k=k: r["train"][k]))
+                           for k in ("times", "compute_times", "comm_times"))
+    return {"step": step, "compute": compute, "comm": comm,
+            "step_over_max_parts": step / max(compute, comm),
+            "weight_sum": reports[0]["train"]["final_weight_sum"]}
+
+
+def report(results: list[dict], one_host: dict) -> None:
+    print("\nall-reduce bus bandwidth as a fraction of the link (goal >= 0.8 from 4 MB)")
+    print(f"{'link':>7s} {'size':>7s} | {'ours/TF ring':>12s} {'ours/Gloo':>10s} "
+          f"{'raw TF':>8s}")
+    for result in results:
+        for size in result["allreduce"]:
+            f = size["bus_fraction"]
+            print(f"{result['rate']:>7s} {size['name']:>7s} | {f['ours_ring']:12.2f} "
+                  f"{f['ours_gloo']:10.2f} {f['raw_tf']:8.2f}")
+    print("\ntraining step over TF's ring, ms (goal: step <= 1.15 x max(compute, comm))")
+    print(f"{'where':>14s} | {'step':>7s} {'compute':>8s} {'comm':>7s} | "
+          f"{'step/max':>8s} {'vs one host':>11s}")
+    rows = [("one host", one_host)] + [(r["rate"], r["train"]) for r in results] + [
+        (f"{r['rate']} {c}", t) for r in results for c, t in r["compressed"].items()]
+    for where, t in rows:
+        print(f"{where:>14s} | {1e3 * t['step']:7.1f} {1e3 * t['compute']:8.1f} "
+              f"{1e3 * t['comm']:7.1f} | {t['step_over_max_parts']:8.2f} "
+              f"{t['step'] / one_host['step']:11.2f}")
+
+
+def run() -> int:
+    reason = netns_hosts.unavailable()
+    if reason:
+        print(f"multi_host: {reason}", file=sys.stderr)
+        return 1
+    if FLAGS.quick:
+        _harness.quick_defaults(rates=["1gbit"], repeats=2, sizes=["64K", "4M"], steps=4,
+                                compressions=["fp16"])
+    watch = _harness.Stopwatch()
+    load = _harness.load_note()
+    try:
+        results = []
+        for rate in FLAGS.rates:
+            results.append(measure(rate))
+            print(f"  {rate}: done at {watch.elapsed():.0f}s", flush=True)
+        one_host = _train(_run(HVT, _hvt_args("tf", train_only="true")))
+    except _harness.WorkersFailed as e:
+        print(f"multi_host: {e}; worker output:\n{e.output[-6000:]}", file=sys.stderr)
+        return 1
+    report(results, one_host)
+    print(f"\n{load}; total time {watch.elapsed():.0f}s")
+    _harness.save_results(FLAGS.json, "multi_host", {
+        "repeats": FLAGS.repeats, "batch": FLAGS.batch, "results": results,
+        "one_host": one_host}, quick=FLAGS.quick, load=load)
+    return 0
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    return run()
+
+
+if __name__ == "__main__":
+    app.run(main)
