@@ -96,8 +96,11 @@ def test_a_cut_link_ends_both_workers_in_one_line_naming_the_peer(tmp_path, host
 
 def test_a_host_that_disappears_fails_the_launch_naming_its_rank(tmp_path, hosts):
     bed = hosts(2)
+    # Worker 0 waits for the lost one in a collective; the launcher's
+    # SIGTERM cannot end that step, so its SIGKILL follows after the grace.
     code, output = _launch_across(bed, tmp_path,
-                                  _cut_link(bed, tmp_path, 1, also=lambda bed: bed.kill(1)))
+                                  _cut_link(bed, tmp_path, 1, also=lambda bed: bed.kill(1)),
+                                  launch_flags=("--grace_seconds", "2"))
     assert code != 0
     assert "keras-distrib: rank 1 failed with signal SIGKILL" in output, output[-3000:]
     _assert_nothing_left(bed, tmp_path)
