@@ -375,6 +375,7 @@ def _load_saved(config, custom_objects=None):
 
 _compat.save_as_keras_model(FunctionalDistributedModel, _SAVED_STRATEGY_KEY, _load_saved)
 _compat.name_damaged_keras_files()
+_compat.remat_in_graphs()
 
 
 @functools.lru_cache(maxsize=None)

@@ -54,6 +54,7 @@ from keras_distrib._compat import tf_data
 from keras_distrib._compat import tf_distribute
 from keras_distrib._compat.keras_backend import (
     add_through_tensorflow,
+    remat_in_graphs,
     replace_variable_value,
     set_variable_value,
     variable_value,

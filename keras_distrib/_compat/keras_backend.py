@@ -1,7 +1,7 @@
 """Keras's TensorFlow backend internals: the TensorFlow variable under a
 Keras variable, its `assign_add`, variable creation inside a
-`StatelessScope`, and the backend's seed draws. Verified on Keras 3.15.1 /
-TensorFlow 2.21.0."""
+`StatelessScope`, the backend's seed draws, and its rematerialization.
+Verified on Keras 3.15.1 / TensorFlow 2.21.0."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ PRIVATE = (
     # variables_made_at_once
     "keras.src.backend.common.global_state:get_global_attribute",
     "keras.src.backend.common.global_state:set_global_attribute",
+    # remat_in_graphs
+    "keras.src.backend.tensorflow.core:remat",
     # wrap_backend_draw_seed
     "keras.src.backend.tensorflow.random:draw_seed",
     "keras.src.backend.tensorflow.image:draw_seed",
@@ -116,3 +118,43 @@ def wrap_backend_draw_seed(wrapper) -> None:
 
     for module in (tf_random, tf_image):
         module.draw_seed = wrapped(module.draw_seed)
+
+
+def remat_in_graphs() -> None:
+    """Makes Keras's rematerialization (`keras.RematScope`, `keras.remat`)
+    work in `fit` on TensorFlow.
+
+    The TensorFlow backend's `remat(f)` is `tf.recompute_grad(f)`, whose
+    `tf.custom_gradient` takes keyword arguments only when executing
+    eagerly; Keras calls a rematerialized layer with some (`training`,
+    `mask`), so every traced step failed ("The custom_gradient decorator
+    currently supports keywords arguments only when eager execution is
+    enabled"). Here the tensors among the arguments (composite tensors as
+    their components) are passed to `tf.recompute_grad` positionally and
+    everything else is closed over: the same function, recomputed in the
+    backward pass. Idempotent.
+    """
+    from keras.src.backend.tensorflow import core
+
+    if getattr(core.remat, "_kd_wrapped", False):
+        return
+
+    def remat(f):
+        @functools.wraps(f)
+        def rematerialized(*args, **kwargs):
+            flat = tf.nest.flatten((args, kwargs), expand_composites=True)
+            is_tensor = [isinstance(v, tf.Tensor) for v in flat]
+
+            def positional(*tensors):
+                given = iter(tensors)
+                values = [next(given) if t else v for v, t in zip(flat, is_tensor)]
+                call_args, call_kwargs = tf.nest.pack_sequence_as(
+                    (args, kwargs), values, expand_composites=True)
+                return f(*call_args, **call_kwargs)
+
+            return tf.recompute_grad(positional)(*[v for v, t in zip(flat, is_tensor) if t])
+
+        return rematerialized
+
+    remat._kd_wrapped = True
+    core.remat = remat

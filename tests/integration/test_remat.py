@@ -1,0 +1,115 @@
+"""Activation checkpointing (`keras.RematScope`, `keras.remat`) in `fit` on
+TensorFlow: a rematerialized layer's forward pass runs again in the
+backward pass, and training equals training without it.
+
+Plain Keras 3.15 on TensorFlow fails here ("The custom_gradient decorator
+currently supports keywords arguments only when eager execution is
+enabled"); importing keras_distrib mends its TensorFlow `remat`
+(`_compat.remat_in_graphs`), for plain models too.
+"""
+
+import contextlib
+
+import keras
+import numpy as np
+import pytest
+
+import keras_distrib as kd
+from helpers import CLASSES, FEATURES, make_data
+
+
+def _layers():
+    inputs = keras.Input((FEATURES,))
+    hidden = keras.layers.Dense(16, activation="relu")(inputs)
+    return inputs, keras.layers.Dense(CLASSES)(hidden)
+
+
+def _trained(strategy, scope=contextlib.nullcontext()):
+    """Weights after 2 epochs of Adam from the same initial weights."""
+    x, y = make_data()
+    keras.utils.set_random_seed(1)
+    with scope:
+        model = (keras.Model(*_layers()) if strategy is None
+                 else kd.DistributedModel(*_layers(), strategy=strategy))
+    model.compile(optimizer=keras.optimizers.Adam(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    return model.get_weights()
+
+
+@pytest.fixture(scope="module")
+def without_remat():
+    return _trained(None)
+
+
+@pytest.mark.parametrize("strategy, mode", [
+    (None, "full"), ("single", "full"), ("mirrored", "full"), ("mirrored", "activations"),
+    ("central_storage", "full"), ("pipeline", "full"), ("tensor_parallel", "full"),
+])
+def test_remat_scope_trains_as_without_it(without_remat, strategy, mode):
+    got = _trained(strategy, keras.RematScope(mode=mode))
+    for a, b in zip(got, without_remat):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+
+
+class Counted(keras.layers.Layer):
+    """A Dense whose forward pass counts the times it is traced or run."""
+
+    calls = 0
+
+    def build(self, shape):
+        self.kernel = self.add_weight(shape=(shape[-1], CLASSES))
+
+    def call(self, x):
+        Counted.calls += 1
+        return x @ self.kernel
+
+
+def _forward_passes(scope, strategy):
+    keras.utils.set_random_seed(1)
+    with scope:
+        inputs = keras.Input((FEATURES,))
+        model = kd.DistributedModel(inputs, Counted()(inputs), strategy=strategy)
+    model.compile(optimizer="sgd", loss="mse")
+    x, _ = make_data(64)
+    Counted.calls = 0
+    model.fit(x, np.zeros((64, CLASSES), "float32"), batch_size=32, epochs=1, verbose=0)
+    return Counted.calls
+
+
+@pytest.mark.parametrize("strategy", ["single", "mirrored"])
+def test_a_rematerialized_layer_runs_again_in_the_backward_pass(strategy):
+    plain = _forward_passes(contextlib.nullcontext(), strategy)
+    remat = _forward_passes(keras.RematScope(mode="full"), strategy)
+    assert remat > plain, (remat, plain)  # traced once more, for the gradient
+
+
+class Checkpointed(keras.layers.Layer):
+    """The Keras guide's form: `keras.remat` around a sub-layer's call."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = keras.layers.Dense(16, activation="relu")
+
+    def call(self, x):
+        return keras.remat(self.inner)(x)
+
+
+def test_keras_remat_in_a_layer_trains_as_without_it():
+    x, y = make_data()
+
+    def trained(layer, strategy):
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((FEATURES,))
+        outputs = keras.layers.Dense(CLASSES)(layer(inputs))
+        model = (keras.Model(inputs, outputs) if strategy is None
+                 else kd.DistributedModel(inputs, outputs, strategy=strategy))
+        model.compile(optimizer="sgd",
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        return model.get_weights()
+
+    want = trained(keras.layers.Dense(16, activation="relu"), None)
+    for strategy in (None, "mirrored"):
+        for a, b in zip(trained(Checkpointed(), strategy), want):
+            np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
