@@ -27,6 +27,7 @@ import math
 import numbers
 import re
 import zlib
+from typing import Optional
 
 import keras
 import numpy as np
@@ -182,9 +183,36 @@ def _describe(row) -> str:
     return f"{call}({facts})"
 
 
+# -- comparing a table of rows across workers ------------------------------------
+
+# What fills a row or column a worker does not have in the tables compared.
+_MISSING = -2.0
+
+
+def _gathered_rows(strategy, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every process's `rows` (a 2-D float array), padded with `_MISSING` to
+    the most rows and columns any process has, and each process's number of
+    rows: `([process, row, column], [process])`. Two small collectives."""
+    head = strategy.sync_gather(np.array(rows.shape, np.float64))
+    count, width = (int(n) for n in head.max(axis=0))
+    padded = np.full((count, width), _MISSING)
+    padded[:rows.shape[0], :rows.shape[1]] = rows
+    return strategy.sync_gather(padded), head[:, 0].astype(int)
+
+
+def _first_difference(table: np.ndarray) -> Optional[tuple[int, int]]:
+    """`(worker, row)` of the first row in which a worker's table differs
+    from worker 0's, or None when all agree."""
+    for rank in range(1, len(table)):
+        differs = np.flatnonzero(np.any(table[rank] != table[0], axis=-1))
+        if differs.size:
+            return rank, int(differs[0])
+    return None
+
+
 # -- every worker compiles alike ----------------------------------------------------
 
-_MISSING, _NUMBER, _OTHER = -2.0, 0.0, 1.0
+_NUMBER, _OTHER = 0.0, 1.0
 
 
 # What `compile` is given that must agree across workers.
@@ -214,20 +242,16 @@ def check_same_compile(strategy, arguments: dict) -> None:
         return
     rows = np.array([[_checksum(path), *_value_code(value)] for path, value in settings],
                     np.float64).reshape(-1, 3)
-    count = int(strategy.sync_gather(np.array([len(rows)], np.float64)).max())
-    padded = np.full((count, 3), _MISSING)
-    padded[:len(rows)] = rows
-    table = strategy.sync_gather(padded)  # [process, setting, (path, kind, value)]
-    for rank in range(1, len(table)):
-        differs = np.flatnonzero(np.any(table[rank] != table[0], axis=-1))
-        if differs.size:
-            i = int(differs[0])
-            name = settings[i][0] if i < len(settings) else "a setting"
-            raise WorkersDisagreeError(
-                f"worker {rank} compiled the model differently than worker 0: {name} is "
-                f"{_describe_value(table[rank, i])} on worker {rank} but "
-                f"{_describe_value(table[0, i])} on worker 0; every worker must compile "
-                "the same way (same optimizer, learning rate, loss and metrics).")
+    table, _ = _gathered_rows(strategy, rows)  # [process, setting, (path, kind, value)]
+    found = _first_difference(table)
+    if found is not None:
+        rank, i = found
+        name = settings[i][0] if i < len(settings) else "a setting"
+        raise WorkersDisagreeError(
+            f"worker {rank} compiled the model differently than worker 0: {name} is "
+            f"{_describe_value(table[rank, i])} on worker {rank} but "
+            f"{_describe_value(table[0, i])} on worker 0; every worker must compile "
+            "the same way (same optimizer, learning rate, loss and metrics).")
 
 
 def _flat_settings(config, path="") -> list:
@@ -282,26 +306,22 @@ def check_same_model(strategy, variables) -> None:
         return
     variables = list(variables)
     ndim = max((len(v.shape) for v in variables), default=0)
-    head = strategy.sync_gather(np.array([len(variables), ndim], np.float64))
-    count, width = int(head[:, 0].max()), int(head[:, 1].max())
-    rows = np.full((count, 2 + width), -2.0)  # -2: no such variable / dimension
+    rows = np.full((len(variables), 2 + ndim), _MISSING)  # _MISSING: no such dimension
     for i, variable in enumerate(variables):
         shape = [(-1 if d is None else d) for d in variable.shape]
         rows[i, :2 + len(shape)] = [_dtype_code(variable), len(shape), *shape]
-    table = strategy.sync_gather(rows)  # [process, variable, 2 + width]
-    for rank in range(1, len(table)):
-        differs = np.flatnonzero(np.any(table[rank] != table[0], axis=-1))
-        if differs.size:
-            i = int(differs[0])
-            here = f" ({variables[i].path!r} here)" if i < len(variables) else ""
-            raise WorkersDisagreeError(
-                f"worker {rank} built a different model than worker 0: variable "
-                f"{i + 1}{here} is {_describe_variable(table[rank, i])} on worker "
-                f"{rank} but {_describe_variable(table[0, i])} on worker 0 (worker "
-                f"{rank} has {int(head[rank, 0])} variables, worker 0 "
-                f"{int(head[0, 0])}); every worker must build the same model "
-                "(same code, arguments and input shapes)."
-            )
+    table, counts = _gathered_rows(strategy, rows)  # [process, variable, 2 + dimensions]
+    found = _first_difference(table)
+    if found is not None:
+        rank, i = found
+        here = f" ({variables[i].path!r} here)" if i < len(variables) else ""
+        raise WorkersDisagreeError(
+            f"worker {rank} built a different model than worker 0: variable "
+            f"{i + 1}{here} is {_describe_variable(table[rank, i])} on worker "
+            f"{rank} but {_describe_variable(table[0, i])} on worker 0 (worker "
+            f"{rank} has {counts[rank]} variables, worker 0 {counts[0]}); every "
+            "worker must build the same model (same code, arguments and input shapes)."
+        )
 
 
 @contextlib.contextmanager
@@ -340,7 +360,7 @@ def _dtype_code(variable) -> float:
 
 
 def _describe_variable(row) -> str:
-    if row[0] == -2:
+    if row[0] == _MISSING:
         return "missing"
     code, ndim = int(row[0]), int(row[1])
     dtype = _DTYPES[code] if code < len(_DTYPES) else "another dtype"
