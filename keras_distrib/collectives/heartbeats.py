@@ -21,11 +21,11 @@ its address and the timeout that fired.
 
 from __future__ import annotations
 
-import os
 import re
 from typing import Optional
 
 from keras_distrib import cluster as cluster_lib
+from keras_distrib.collectives import runtime
 
 ENV = "KERAS_DISTRIB_HEARTBEAT_TIMEOUT"
 # TensorFlow's own (kDefaultHeartbeatTimeout in the coordination service).
@@ -42,18 +42,8 @@ def timeout() -> float:
     Raises:
         ClusterConfigError: not a number of seconds > 0 (one line).
     """
-    text = os.environ.get(ENV, "").strip()
-    if not text:
-        return DEFAULT_TIMEOUT
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise cluster_lib.ClusterConfigError(
-            f"{ENV}={text!r} must be a positive number of seconds (TensorFlow's default: "
-            f"{DEFAULT_TIMEOUT:g}).")
-    return value
+    return runtime.seconds_from_env(ENV, DEFAULT_TIMEOUT,
+                                    f" (TensorFlow's default: {DEFAULT_TIMEOUT:g})")
 
 
 def lost_peer(error: BaseException, info: cluster_lib.ClusterInfo) -> Optional[str]:

@@ -86,18 +86,29 @@ def check_seconds(name: str, value, none_ok: bool = False) -> None:
     )
 
 
-def _peer_timeout() -> float:
-    text = os.environ.get(_PEER_TIMEOUT, "")
+def seconds_from_env(name: str, default: float, default_note: str = "") -> float:
+    """The number of seconds > 0 in environment variable `name`, `default`
+    when it is unset or blank.
+
+    Raises:
+        ClusterConfigError: anything else (one line; `default_note` goes
+            before its full stop).
+    """
+    text = os.environ.get(name, "")
     if not text.strip():
-        return DEFAULT_PEER_TIMEOUT
+        return default
     try:
         value = float(text)
     except ValueError:
         value = -1.0
     if not positive_seconds(value):
         raise cluster_lib.ClusterConfigError(
-            f"{_PEER_TIMEOUT}={text!r} must be a positive number of seconds.")
+            f"{name}={text!r} must be a positive number of seconds{default_note}.")
     return value
+
+
+def _peer_timeout() -> float:
+    return seconds_from_env(_PEER_TIMEOUT, DEFAULT_PEER_TIMEOUT)
 
 
 def ensure_started(info: cluster_lib.ClusterInfo, peer_timeout: float) -> None:
