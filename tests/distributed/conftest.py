@@ -6,6 +6,7 @@ not marked one by one, so `pytest -m "not slow"` still leaves the whole
 tier out.
 """
 
+import contextlib
 import os
 
 import pytest
@@ -36,13 +37,5 @@ def hosts(netns_usable):
     it ends."""
     from netns_hosts import TestBed
 
-    beds = []
-
-    def make(n, rate=None):
-        bed = TestBed(n, rate)
-        beds.append(bed)
-        return bed.__enter__()
-
-    yield make
-    for bed in beds:
-        bed.close()
+    with contextlib.ExitStack() as beds:
+        yield lambda n, rate=None: beds.enter_context(TestBed(n, rate))

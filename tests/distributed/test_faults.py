@@ -10,7 +10,6 @@ The fault steps are drawn at random (printed with every failure), as an
 operator's kill would land anywhere.
 """
 
-import collections
 import glob
 import json
 import os
@@ -21,16 +20,15 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 
+import fault_job
+from fault_job import FAULTS, STEPS
 from helpers import ROOT, kill_process_group, launch, process_alive
 
 pytestmark = pytest.mark.slow
 
 MISMATCH = "tests/workers/mismatch.py"
-FAULTS = "tests/workers/faults.py"
-STEPS = 24  # tests/workers/faults.py: 240 samples, batch 30, 3 epochs
 
 
 def _last_error_line(output):
@@ -97,28 +95,6 @@ def test_a_rank_exiting_early_fails_the_waiting_one_naming_it(tmp_path):
 # -- kill -9, SIGSTOP, SIGTERM at a random step: restarts equal an uninterrupted run -----
 
 
-def _results(out, n):
-    finals = []
-    for rank in range(n):
-        with np.load(os.path.join(out, f"rank{rank}.npz")) as f:
-            finals.append((int(f["iterations"]), [f[k] for k in f.files if k != "iterations"]))
-    return finals
-
-
-# One line of a worker's attempts-rank<r>.txt (tests/workers/faults.py).
-Attempt = collections.namedtuple("Attempt", "number pid started shm_dir")
-
-
-def _attempts(out, n):
-    """{rank: [Attempt, ...]} from the workers' own records."""
-    found = {}
-    for rank in range(n):
-        with open(os.path.join(out, f"attempts-rank{rank}.txt")) as f:
-            found[rank] = [Attempt(int(a), int(p), float(t), d) for a, p, t, d in
-                           (line.split() for line in f)]
-    return found
-
-
 def _left_running(attempts):
     return [a.pid for runs in attempts.values() for a in runs
             if process_alive(a.pid, zombies_count=False)]
@@ -137,15 +113,8 @@ def uninterrupted(tmp_path_factory):
     for n in (2, 3):
         out = tmp_path_factory.mktemp(f"uninterrupted{n}")
         launch(out, n, FAULTS, "--out", str(out), "--backup", str(out / "backup"))
-        finals[n] = _results(out, n)
+        finals[n] = fault_job.results(out, n)
     return finals
-
-
-def _assert_equal_to(finals, reference, context):
-    for rank, (iterations, weights) in enumerate(finals):
-        assert iterations == STEPS, (context, rank, iterations)
-        for got, want in zip(weights, reference[0][1]):
-            np.testing.assert_allclose(got, want, atol=1e-6, rtol=0, err_msg=str(context))
 
 
 # Every fault with 2 workers; with 3, one fault drawn at random, as the
@@ -162,8 +131,8 @@ def test_a_restarted_job_equals_an_uninterrupted_one(tmp_path, uninterrupted, n,
                     timeout=280)
     assert re.search(r"restart 1/2: rank \d+ ", output), (context, output[-3000:])
     assert "restart 2/2" not in output, context
-    _assert_equal_to(_results(tmp_path, n), uninterrupted[n], context)
-    attempts = _attempts(tmp_path, n)
+    fault_job.assert_equal_to(fault_job.results(tmp_path, n), uninterrupted[n], context)
+    attempts = fault_job.attempts(tmp_path, n)
     assert all([a.number for a in attempts[r]] == [0, 1] for r in range(n)), attempts
     assert not _left_running(attempts)
     assert os.listdir(tmp_path / "backup") == []  # removed once the job succeeded
@@ -196,10 +165,10 @@ def test_sigterm_to_the_launcher_preempts_and_the_next_launch_resumes(tmp_path, 
     assert len(stops) == 2 and stops[0] == stops[1], output[-3000:]
     saved = glob.glob(str(backup / "backup-*"))
     assert len(saved) == 1
-    attempts = _attempts(tmp_path, 2)
+    attempts = fault_job.attempts(tmp_path, 2)
     assert not _left_running(attempts)
     assert not _left_in_shared_memory(attempts)
     state = json.loads(open(os.path.join(saved[0], "state.json")).read())
     assert 4 <= state["global_step"] < STEPS, state
     launch(tmp_path, 2, FAULTS, "--out", str(tmp_path), "--backup", str(backup))
-    _assert_equal_to(_results(tmp_path, 2), uninterrupted[2], state)
+    fault_job.assert_equal_to(fault_job.results(tmp_path, 2), uninterrupted[2], state)

@@ -15,21 +15,15 @@ import os
 import re
 import time
 
-import numpy as np
 import pytest
 
+import fault_job
+from fault_job import FAULTS
 from helpers import launch
 
 pytestmark = pytest.mark.slow
 
-FAULTS = "tests/workers/faults.py"
-STEPS = 24  # tests/workers/faults.py: 240 samples, batch 30, 3 epochs
 PAUSE_AFTER = 6
-
-
-def _final(out):
-    with np.load(os.path.join(out, "rank0.npz")) as f:
-        return int(f["iterations"]), [f[k] for k in f.files if k != "iterations"]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +31,7 @@ def uninterrupted(tmp_path_factory):
     """The job's final weights without a fault (2 workers on one host)."""
     out = tmp_path_factory.mktemp("uninterrupted")
     launch(out, 2, FAULTS, "--out", str(out), "--backup", str(out / "backup"))
-    return _final(out)
+    return fault_job.results(out, 2)
 
 
 def _cut_link(bed, out, host, seconds=None, also=None):
@@ -68,9 +62,8 @@ def _launch_across(bed, out, fault, env=None, launch_flags=()):
 def _assert_nothing_left(bed, out):
     assert bed.pids() == [], "a process outlived the job on a host"
     # Ranks on other hosts get no shared-memory directory from the launcher.
-    attempts = [line.split() for path in glob.glob(os.path.join(out, "attempts-rank*.txt"))
-                for line in open(path)]
-    assert attempts and all(shm == "-" for *_, shm in attempts), attempts
+    attempts = [a for runs in fault_job.attempts(out, bed.n).values() for a in runs]
+    assert attempts and all(a.shm_dir == "-" for a in attempts), attempts
 
 
 def test_a_cut_link_ends_both_workers_in_one_line_naming_the_peer(tmp_path, hosts):
@@ -110,7 +103,7 @@ def test_a_three_second_flap_is_ridden_out(tmp_path, hosts, uninterrupted):
     bed = hosts(2)
     code, output = _launch_across(bed, tmp_path, _cut_link(bed, tmp_path, 1, seconds=3))
     assert code == 0, output[-3000:]
-    _assert_equal(_final(tmp_path), uninterrupted)
+    fault_job.assert_equal_to(fault_job.results(tmp_path, 2), uninterrupted)
     _assert_nothing_left(bed, tmp_path)
 
 
@@ -123,12 +116,5 @@ def test_an_outage_longer_than_the_timeout_restarts_and_ends_exact(tmp_path, hos
     assert code == 0, output[-3000:]
     assert "is unreachable" in output and "restart 1/2: rank " in output, output[-3000:]
     assert "restart 2/2" not in output
-    _assert_equal(_final(tmp_path), uninterrupted)
+    fault_job.assert_equal_to(fault_job.results(tmp_path, 2), uninterrupted)
     _assert_nothing_left(bed, tmp_path)
-
-
-def _assert_equal(final, reference):
-    iterations, weights = final
-    assert iterations == STEPS
-    for got, want in zip(weights, reference[1]):
-        np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
