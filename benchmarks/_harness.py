@@ -127,6 +127,12 @@ def read_results(out_dir: str, nproc: int) -> list[dict]:
         os.rmdir(out_dir)
 
 
+def slowest_rank(results: Sequence[dict], pick) -> list[float]:
+    """Per repetition, the slowest rank's time (a collective ends when every
+    rank's does): `pick(result)` is one rank's list of times."""
+    return [max(ts) for ts in zip(*(pick(r) for r in results))]
+
+
 def write_result(out_dir: str, rank: int, result: dict) -> None:
     """Writes this rank's result atomically (temp file + rename)."""
     path = os.path.join(out_dir, f"rank{rank}.json")

@@ -254,12 +254,6 @@ def launch(engine: str) -> list[dict]:
     return _harness.read_results(out_dir, NPROC)
 
 
-def slowest_rank(results: list[dict], pick) -> list[float]:
-    """Per repetition, the slower rank's time (a collective ends when both do)."""
-    per_rank = [pick(r) for r in results]
-    return [max(ts) for ts in zip(*per_rank)]
-
-
 def print_table(runs: dict) -> None:
     first = runs["tf"][0][0]
     factor = 2 * (NPROC - 1) / NPROC
@@ -271,7 +265,7 @@ def print_table(runs: dict) -> None:
     print(f"{'':>10s} {'':>7s} {'':>10s} | {'tf':>9s} {'hvd':>9s} | "
           f"{'median [min, max]':^22s} |")
     for i, case in enumerate(first["cases"]):
-        times = {e: [t for results in runs[e] for t in slowest_rank(
+        times = {e: [t for results in runs[e] for t in _harness.slowest_rank(
             results, lambda r, i=i: r["cases"][i]["times"])] for e in ENGINES}
         bus = {e: [case["bytes"] * factor / t / 1e9 for t in times[e]] for e in ENGINES}
         ratio = [t / h for t, h in zip(times["tf"], times["hvd"])]
@@ -280,7 +274,7 @@ def print_table(runs: dict) -> None:
         print(f"{case['name']:>10s} {case['num_tensors']:>7d} {ks:>10s} | "
               + " ".join(f"{_harness.stats(bus[e])[0]:9.3f}" for e in ENGINES)
               + f" | {_harness.fmt_stats(ratio):^22s} | {'ok' if ok else 'WRONG'}")
-    times = {e: [t for results in runs[e] for t in slowest_rank(
+    times = {e: [t for results in runs[e] for t in _harness.slowest_rank(
         results, lambda r: r["train"]["times"])] for e in ENGINES}
     ratio = [t / h for t, h in zip(times["tf"], times["hvd"])]
     train = first["train"]

@@ -113,11 +113,6 @@ def _run(script, args, bed=None, horovod=False):
     return _harness.read_results(out_dir, 2)
 
 
-def _slowest(reports, pick) -> list[float]:
-    """Per repetition, the slower worker's time (a collective ends when both do)."""
-    return [max(ts) for ts in zip(*(pick(r) for r in reports))]
-
-
 def _median(values) -> float:
     return _harness.stats(values)[0]
 
@@ -134,9 +129,9 @@ def measure(rate: str) -> dict:
     wire = link_bytes_per_second(rate)
     sizes = []
     for i, case in enumerate(ring[0]["cases"][:len(FLAGS.sizes)]):
-        times = {"ours_ring": _slowest(ring, lambda r: r["cases"][i]["times"]),
-                 "ours_gloo": _slowest(gloo, lambda r: r["cases"][i]["times"]),
-                 "raw_tf": _slowest(raw, lambda r: r["cases"][i]["times"]["raw"])}
+        times = {"ours_ring": _harness.slowest_rank(ring, lambda r: r["cases"][i]["times"]),
+                 "ours_gloo": _harness.slowest_rank(gloo, lambda r: r["cases"][i]["times"]),
+                 "raw_tf": _harness.slowest_rank(raw, lambda r: r["cases"][i]["times"]["raw"])}
         sizes.append({"name": case["name"], "bytes": case["bytes"],
                       "bus_fraction": {k: case["bytes"] / _median(t) / wire
                                        for k, t in times.items()}})
@@ -145,7 +140,7 @@ def measure(rate: str) -> dict:
 
 
 def _train(reports) -> dict:
-    step, compute, comm = (_median(_slowest(reports, lambda r, k=k: r["train"][k]))
+    step, compute, comm = (_median(_harness.slowest_rank(reports, lambda r, k=k: r["train"][k]))
                            for k in ("times", "compute_times", "comm_times"))
     return {"step": step, "compute": compute, "comm": comm,
             "step_over_max_parts": step / max(compute, comm),
