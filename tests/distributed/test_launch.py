@@ -388,11 +388,17 @@ def test_ranks_run_on_their_hosts_and_their_exit_reaches_the_launcher(
         tmp_path, capfd, no_leftovers, hosts):
     bed = hosts(2)  # two network namespaces (tests/netns_hosts.py)
     script = rank_script(tmp_path, textwrap.dedent(REPORT_BODY) + textwrap.dedent("""\
+        import pathlib
         import socket
         me = json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"][RANK].rsplit(":", 1)[0]
         socket.create_server((me, 0)).close()  # the address is this host's own
         print("on " + me, flush=True)
+        said = pathlib.Path(__file__).with_name("rank0-said")  # the hosts share this disk
+        if RANK == 0:
+            said.touch()
         if RANK == 1:
+            while not said.exists():  # give up only after rank 0 has reported
+                time.sleep(0.05)
             sys.stderr.write("rank 1 gives up\\n")
             sys.exit(3)
         time.sleep(600)
