@@ -65,6 +65,9 @@ def _read(out, n=2):
         result["final"] = [arrays[f"final_{i}"] for i in range(count)]
         if "predict" in arrays.files:
             result["predict"] = arrays["predict"]
+        for part in ("initial", "final"):
+            result[f"control_{part}"] = [arrays[f"control_{part}_{i}"] for i in range(count)
+                                         if f"control_{part}_{i}" in arrays.files]
         ranks.append(result)
     return ranks
 
@@ -77,16 +80,12 @@ def _horovodrun(out, *args, timeout=240):
 
 @pytest.fixture(scope="module")
 def trained(hvd, tmp_path_factory):
-    """2 ranks from different initial weights; 256 samples (even split)."""
+    """2 ranks from different initial weights; 256 samples (even split).
+    Then the control: the same ranks and shards, each training plain
+    "single" alone from the same weights."""
     out = tmp_path_factory.mktemp("hvd")
-    return _horovodrun(out, "--samples", "256", "--seed_per_rank", "--validation", "64")
-
-
-@pytest.fixture(scope="module")
-def control(hvd, tmp_path_factory):
-    """The same ranks and shards, each training plain "single" alone."""
-    out = tmp_path_factory.mktemp("hvd_control")
-    return _horovodrun(out, "--samples", "256", "--control")
+    return _horovodrun(out, "--samples", "256", "--seed_per_rank", "--validation", "64",
+                       "--control")
 
 
 @pytest.fixture(scope="module")
@@ -174,13 +173,14 @@ def test_only_rank_0_prints_progress(trained):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_control_without_strategy_ends_different(control):
-    ranks, _ = control
-    assert_weight_lists_close(ranks[1]["initial"], ranks[0]["initial"], atol=0)  # same start
-    assert all(r["iterations"] == EPOCHS * 128 // (BATCH // 2) for r in ranks)
-    assert any(
-        np.abs(a - b).max() > 1e-3 for a, b in zip(ranks[0]["final"], ranks[1]["final"])
-    )
+def test_control_without_strategy_ends_different(trained):
+    ranks, _ = trained
+    assert_weight_lists_close(ranks[1]["control_initial"], ranks[0]["control_initial"],
+                              atol=0)  # same start
+    assert ranks[0]["control_initial"]
+    assert all(r["control_iterations"] == EPOCHS * 128 // (BATCH // 2) for r in ranks)
+    assert any(np.abs(a - b).max() > 1e-3
+               for a, b in zip(ranks[0]["control_final"], ranks[1]["control_final"]))
 
 
 # -- (c) evaluate / predict ----------------------------------------------------

@@ -11,8 +11,9 @@ Modes:
              different random weights (the broadcast must make them equal);
              with --rank0_extra_model rank 0's Keras names differ from the
              others' (the collectives must still pair up).
-  --control  no strategy: plain "single" on this rank's shard of the data,
-             every rank from the same initial weights (they must diverge).
+  --control  afterwards, the same without a strategy: plain "single" on
+             this rank's shard of the data, every rank from the same initial
+             weights (they must diverge); written as control_* arrays.
 """
 
 import json
@@ -39,7 +40,7 @@ flags.DEFINE_integer("batch", 32, "Global batch size.")
 flags.DEFINE_integer("epochs", 2, "Epochs.")
 flags.DEFINE_integer("seed", 100, "Seed of the initial weights (of rank 0).")
 flags.DEFINE_bool("seed_per_rank", False, "Rank r builds its weights from seed + r.")
-flags.DEFINE_bool("control", False, "Train plain 'single' on this rank's shard.")
+flags.DEFINE_bool("control", False, "Then also train plain 'single' on this rank's shard.")
 flags.DEFINE_integer("validation", 0, "Validate on the first N samples during fit.")
 flags.DEFINE_bool("rank0_extra_model", False,
                   "Rank 0 makes a model of its own first, so Keras numbers its layer and "
@@ -94,17 +95,13 @@ def main(argv):
         kd.DistributedModel(inputs, keras.layers.Dense(1)(inputs), strategy="single")
     broadcast = hvd_strategy.broadcast_variables
     hvd_strategy.broadcast_variables = lambda v, root=0: (broadcasts.append(len(v)), broadcast(v, root))
-    model = build("functional", "single" if FLAGS.control else hvd_strategy, seed=seed)
+    model = build("functional", hvd_strategy, seed=seed)
     initial = model.get_weights()
     validation = None
     if FLAGS.validation:
         validation = (x[: FLAGS.validation], y[: FLAGS.validation])
-    if FLAGS.control:
-        shard, _ = sharding.shard(hvd_strategy, x, y, None, FLAGS.batch)
-        history = model.fit(shard, epochs=FLAGS.epochs, shuffle=False, verbose=0)
-    else:
-        history = model.fit(x, y, batch_size=FLAGS.batch, epochs=FLAGS.epochs, shuffle=False,
-                            validation_data=validation, verbose=2)
+    history = model.fit(x, y, batch_size=FLAGS.batch, epochs=FLAGS.epochs, shuffle=False,
+                        validation_data=validation, verbose=2)
     result = {
         "rank": rank,
         "hostname": socket.gethostname(),  # on the multi-host test bed, the host's address
@@ -116,15 +113,21 @@ def main(argv):
     }
     arrays = {f"initial_{i}": w for i, w in enumerate(initial)}
     arrays.update({f"final_{i}": w for i, w in enumerate(model.get_weights())})
-    if not FLAGS.control:
-        result["evaluate"] = model.evaluate(x, y, batch_size=FLAGS.batch, verbose=0)
-        arrays["predict"] = model.predict(x, batch_size=FLAGS.batch, verbose=0)
-        ids = np.arange(len(x), dtype="float32")[:, None]
-        seen, _ = sharding.shard(hvd_strategy, ids, ids[:, 0], None, FLAGS.batch)
-        result["seen"] = [int(v) for batch in seen for v in np.ravel(batch[0].numpy())]
-        result["broadcasts"] = list(broadcasts)
-        result["num_variables"] = [len(model.variables), len(model.optimizer.variables)]
-        result["collectives"] = collectives(hvd_strategy)
+    result["evaluate"] = model.evaluate(x, y, batch_size=FLAGS.batch, verbose=0)
+    arrays["predict"] = model.predict(x, batch_size=FLAGS.batch, verbose=0)
+    ids = np.arange(len(x), dtype="float32")[:, None]
+    seen, _ = sharding.shard(hvd_strategy, ids, ids[:, 0], None, FLAGS.batch)
+    result["seen"] = [int(v) for batch in seen for v in np.ravel(batch[0].numpy())]
+    result["broadcasts"] = list(broadcasts)
+    result["num_variables"] = [len(model.variables), len(model.optimizer.variables)]
+    result["collectives"] = collectives(hvd_strategy)
+    if FLAGS.control:
+        control = build("functional", "single", seed=FLAGS.seed)
+        arrays.update({f"control_initial_{i}": w for i, w in enumerate(control.get_weights())})
+        shard, _ = sharding.shard(hvd_strategy, x, y, None, FLAGS.batch)
+        control.fit(shard, epochs=FLAGS.epochs, shuffle=False, verbose=0)
+        arrays.update({f"control_final_{i}": w for i, w in enumerate(control.get_weights())})
+        result["control_iterations"] = int(control.optimizer.iterations.numpy())
     np.savez(os.path.join(FLAGS.out, f"rank{rank}.npz"), **arrays)
     with open(os.path.join(FLAGS.out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
