@@ -45,10 +45,11 @@ demo: $(STAMP)
 # The test tiers (tests/unit: pure Python, no TensorFlow; tests/integration:
 # one process; tests/distributed: tests that start processes), then the
 # model zoo: setup.cfg's testpaths. The 20 slowest tests are listed at the end.
-# Three pytest-xdist workers, each test file whole in one of them (see
-# tests/conftest.py): on the 2-core CI machine a third keeps the cores busy
-# while tests wait on processes they started.
-XDIST := -n 3 --dist loadgroup
+# Three pytest-xdist workers, each test file whole in one of them, the
+# long groups handed out first (see tests/conftest.py): on the 2-core CI
+# machine a third keeps the cores busy while tests wait on processes they
+# started.
+XDIST := -n 3 --dist loadgroup --no-loadscope-reorder
 test: $(HOROVOD)
 	$(PY) -m pytest -q $(XDIST) --durations=20
 

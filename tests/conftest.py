@@ -47,9 +47,12 @@ def pytest_make_collect_report(collector):
 # Test files that share a session fixture: they run in one xdist worker, so
 # the fixture is made once. The Keras-feature probes (`probes`,
 # `horovod_probes`) serve the zoo and tests/distributed; the zoo's README
-# check reads what its other tests found (`zoo_results`).
+# check reads what its other tests found (`zoo_results`); the fault tests
+# compare with one uninterrupted run (`uninterrupted`).
 _SHARING = {"probes_and_zoo": ("tests/zoo/",
-                               "tests/distributed/test_keras_features_multi_worker.py")}
+                               "tests/distributed/test_keras_features_multi_worker.py"),
+            "fault_job": ("tests/distributed/test_faults.py",
+                          "tests/distributed/test_network_faults.py")}
 
 
 def _group(path: str) -> str:
@@ -60,17 +63,31 @@ def _group(path: str) -> str:
     return path
 
 
+# The order in which the xdist workers are handed groups (`make test` passes
+# --no-loadscope-reorder, so xdist keeps it): the long ones first, so that
+# the last to be handed out, when the other workers may already be idle,
+# are short. A group's place is its first file's.
+_FIRST = ("probes_and_zoo", "fault_job", "tests/distributed/", "tests/zoo/",
+          "tests/integration/", "tests/unit/")
+
+
+def _rank(group: str) -> int:
+    return next((i for i, start in enumerate(_FIRST) if group.startswith(start)), len(_FIRST))
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """When pytest-xdist runs the tests (`make test`: `--dist loadgroup`),
     keeps each test file in one worker: a file's module fixtures (one
     launch of real workers that serves several tests) run once, and the
-    files of `_SHARING` go together. Tests run in file order within a
-    file, as without xdist."""
-    if config.pluginmanager.hasplugin("xdist"):
+    files of `_SHARING` go together; the groups are ordered by `_FIRST`.
+    Tests run in file order within a file, as without xdist."""
+    if config.pluginmanager.hasplugin("xdist") and getattr(config.option, "dist", "no") != "no":
+        groups = {}
         for item in items:
-            path = os.path.relpath(item.path, config.rootpath)
-            item.add_marker(pytest.mark.xdist_group(_group(path)))
+            groups[item] = _group(os.path.relpath(item.path, config.rootpath))
+            item.add_marker(pytest.mark.xdist_group(groups[item]))
+        items.sort(key=lambda item: _rank(groups[item]))  # stable: file order kept
 
 
 def pytest_configure(config):

@@ -39,3 +39,24 @@ def hosts(netns_usable):
 
     with contextlib.ExitStack() as beds:
         yield lambda n, rate=None: beds.enter_context(TestBed(n, rate))
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory):
+    """`uninterrupted(n)`: the final state of tests/workers/faults.py run by
+    n workers on this host without a fault, what the fault tests compare
+    with (made once per n; tests/conftest.py keeps their files in one
+    xdist worker)."""
+    import fault_job
+    from helpers import launch
+
+    finals = {}
+
+    def run(n):
+        if n not in finals:
+            out = tmp_path_factory.mktemp(f"uninterrupted{n}")
+            launch(out, n, fault_job.FAULTS, "--out", str(out), "--backup", str(out / "backup"))
+            finals[n] = fault_job.results(out, n)
+        return finals[n]
+
+    return run

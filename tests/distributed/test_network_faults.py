@@ -26,14 +26,6 @@ pytestmark = pytest.mark.slow
 PAUSE_AFTER = 6
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """The job's final weights without a fault (2 workers on one host)."""
-    out = tmp_path_factory.mktemp("uninterrupted")
-    launch(out, 2, FAULTS, "--out", str(out), "--backup", str(out / "backup"))
-    return fault_job.results(out, 2)
-
-
 def _cut_link(bed, out, host, seconds=None, also=None):
     """`launch(during=...)`: once every rank paused, cuts `host`'s link (for
     `seconds`, or for good), runs `also(bed)`, and lets the ranks go on."""
@@ -103,7 +95,7 @@ def test_a_three_second_flap_is_ridden_out(tmp_path, hosts, uninterrupted):
     bed = hosts(2)
     code, output = _launch_across(bed, tmp_path, _cut_link(bed, tmp_path, 1, seconds=3))
     assert code == 0, output[-3000:]
-    fault_job.assert_equal_to(fault_job.results(tmp_path, 2), uninterrupted)
+    fault_job.assert_equal_to(fault_job.results(tmp_path, 2), uninterrupted(2))
     _assert_nothing_left(bed, tmp_path)
 
 
@@ -116,5 +108,5 @@ def test_an_outage_longer_than_the_timeout_restarts_and_ends_exact(tmp_path, hos
     assert code == 0, output[-3000:]
     assert "is unreachable" in output and "restart 1/2: rank " in output, output[-3000:]
     assert "restart 2/2" not in output
-    fault_job.assert_equal_to(fault_job.results(tmp_path, 2), uninterrupted)
+    fault_job.assert_equal_to(fault_job.results(tmp_path, 2), uninterrupted(2))
     _assert_nothing_left(bed, tmp_path)
