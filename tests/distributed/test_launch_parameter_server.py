@@ -11,9 +11,11 @@ Three kinds of test:
 * real clusters: servers run `python -m keras_distrib.strategies.parameter_server.task_server` and the
   chief script below connects to them with
   `tf.distribute.ParameterServerStrategy` + `ClusterCoordinator` directly
-  (not through keras_distrib's strategy), ~10-25 s each on 2 cores; the
-  task server's own configuration is checked in one process in
-  tests/integration/test_parameter_server_config.py.
+  (not through keras_distrib's strategy); the task server's own
+  configuration is checked in one process in
+  tests/integration/test_parameter_server_config.py. A worker killed and
+  restarted, and a ps killed, in real clusters are in
+  tests/distributed/test_parameter_server.py (through the strategy).
 
 Every test that starts a process is marked `slow`, as setup.cfg defines
 the marker (the plain-script ones take 1-4 s).
@@ -528,51 +530,4 @@ def test_parameter_server_job_trains_and_leaves_nothing_running(tmp_path, launch
     assert servers["worker 1"][0] == cluster["worker"][1]
     assert servers["ps 0"][0] == cluster["ps"][0]
     assert not any(l.startswith("[launcher]") for l in run.err), run.text()
-    assert not _wait_until_gone(token)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_worker_killed_mid_run_is_restarted_and_the_chief_finishes(tmp_path, launcher, token):
-    script = write_script(tmp_path, CHIEF, "chief.py")
-    go = tmp_path / "go"
-    run = launcher("--workers", "2", "--ps", "1", "--timeout", "100", script, "until", str(go))
-    try:
-        run.wait_for(r"^\[chief\] connected", timeout=90)
-        address, pid = _serving(run, 3)["worker 1"]
-        os.kill(pid, signal.SIGKILL)
-        run.wait_for(r"^\[launcher\] worker 1 exited \(signal 9\); restarting it \(restart 1\)$",
-                     timeout=10)
-        again = run.wait_for(SERVING, timeout=60, count=4)[-1]
-        assert (again["label"], again["address"]) == ("worker 1", address)
-        assert int(again["pid"]) != pid
-        # Let the chief schedule closures for a while as the coordinator
-        # reconnects (pacing, not synchronisation: the test asserts the
-        # outcome). Waiting instead for closures that finish after the
-        # restart leaves the raw-TensorFlow chief script hanging at its
-        # interpreter exit after it printed its VALUE, now and then.
-        time.sleep(2)
-    finally:
-        go.touch()
-    assert run.finish(timeout=60) == 0, run.text()
-    value = next(l for l in run.out if l.startswith("[chief] VALUE "))
-    assert float(value.split()[-1]) >= 30, run.text()  # closures re-run may add more
-    assert sum(l.startswith("[launcher]") for l in run.err) == 1, run.text()
-    assert not _wait_until_gone(token)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_killed_ps_fails_the_job_and_nothing_is_left(tmp_path, launcher, token):
-    script = write_script(tmp_path, CHIEF, "chief.py")
-    go = tmp_path / "go"  # never made: the chief runs until the ps is lost
-    run = launcher("--workers", "1", "--ps", "1", "--timeout", "100", script, "until", str(go))
-    run.wait_for(r"^\[chief\] connected", timeout=90)
-    _, pid = _serving(run, 2)["ps 0"]
-    os.kill(pid, signal.SIGKILL)
-    code = run.finish(timeout=90)
-    assert code != 0, run.text()
-    assert ("[launcher] ps 0 exited (signal 9); not restarting it (its variables are lost); "
-            "the chief should fail, else it is stopped in 60s.") in run.err, run.text()
-    assert "keras-distrib: chief failed with exit code 1; last output:" in run.err, run.text()
     assert not _wait_until_gone(token)

@@ -59,6 +59,12 @@ def shared(tmp_path_factory):
     return {mode: (code, output, reports[mode]) for mode in SHARED_MODES}
 
 
+# What a task server prints when it serves (keras_distrib.strategies.
+# parameter_server.task_server), relayed by the launcher.
+SERVING = (r"\[(?P<label>(?:worker|ps) \d+)\] keras_distrib: (?P=label) serving on "
+           r"(?P<address>\S+) \(pid (?P<pid>\d+)\)")
+
+
 def _task_pids(launcher_pid, task_type, index=None):
     """Pids of the launcher's task_server children of `task_type`."""
     pids = []
@@ -139,7 +145,7 @@ def test_digits_trains_asynchronously_as_well_as_plain_keras(shared):
     # the best of the last five epochs reaches plain Keras's within 0.02.
     assert max(report["history"]["val_acc"][-5:]) >= report["plain_acc"] - 0.02
     assert report["evaluate"]["acc"] == pytest.approx(report["history"]["val_acc"][-1])
-    assert "[chief]" in output and "Epoch 20/20" in output
+    assert "[chief]" in output and "Epoch 10/10" in output
 
 
 @pytest.mark.slow
@@ -312,6 +318,13 @@ def test_a_killed_worker_does_not_stop_training(tmp_path):
 
     code, output, report = _launch(tmp_path, "long", during=kill_a_worker)
     assert killed and code == 0, output[-3000:]
+    # The launcher started it again, serving at the address the cluster knows.
+    assert ("[launcher] worker 1 exited (signal 9); restarting it (restart 1)"
+            in output), output[-3000:]
+    serving = [m.group("address", "pid") for m in re.finditer(SERVING, output)
+               if m["label"] == "worker 1"]
+    assert len(serving) == 2 and serving[0][0] == serving[1][0], serving
+    assert serving[0][1] == str(killed[0]) != serving[1][1]
     # At least once: every scheduled step was applied, a re-run closure's
     # steps possibly twice; the counter on the ps counts every application.
     assert report["iterations"] >= report["scheduled"]
@@ -343,4 +356,7 @@ def test_a_killed_ps_is_a_one_line_error_and_nothing_is_left(tmp_path):
     assert "the chief still runs" not in output, output[-3000:]
     assert re.search(r"ParameterServerLostError: parameter server ps 0 \(127\.0\.0\.1:\d+\) "
                      r"failed; its variables are lost", output), output[-3000:]
+    assert ("[launcher] ps 0 exited (signal 9); not restarting it (its variables are lost); "
+            "the chief should fail, else it is stopped in 60s.") in output, output[-3000:]
+    assert "keras-distrib: chief failed with exit code 1; last output:" in output
     assert report is None
