@@ -58,9 +58,12 @@ def _check(out, summaries, names, expected_strategy, n, single_weights, evaluate
 # 2 workers: the name resolves as with any number (3 workers equal one
 # process in tests/distributed/test_multi_worker.py and test_faults.py).
 @pytest.mark.slow
-def test_launch_multi_worker_and_auto_by_name(tmp_path, single_weights):
+def test_launch_multi_worker_and_auto_by_name_with_steps_per_execution(tmp_path,
+                                                                     single_weights):
     names = ["multi_worker", "auto"]
-    summaries = _launch(tmp_path, 2, names)
+    # With 7 batches per epoch and 4 steps per execution, the last execution
+    # of each epoch runs 3 steps, as plain Keras does: 14 steps, not 16.
+    summaries = _launch(tmp_path, 2, names, script_args=("--steps_per_execution", "4"))
     _check(tmp_path, summaries, names, "multi_worker", 2, single_weights)
 
 
@@ -72,16 +75,6 @@ def test_launch_horovod_and_auto_by_name(tmp_path, single_weights):
     # Horovod averages evaluate metrics over ranks: exact only when ranks see
     # equal numbers of samples (here the last batch splits 12/11; README).
     _check(tmp_path, summaries, names, "horovod", 2, single_weights, evaluate_atol=1e-3)
-
-
-@pytest.mark.slow
-def test_steps_per_execution_with_arrays_trains_each_batch_once(tmp_path, single_weights):
-    """7 batches per epoch, 4 steps per execution: the last execution of each
-    epoch runs 3 steps, as plain Keras does (it ran 4: 16 steps, not 14)."""
-    summaries = _launch(tmp_path, 2, ["multi_worker"],
-                        script_args=("--forms", "functional", "--steps_per_execution", "4"))
-    _check(tmp_path, summaries, ["multi_worker"], "multi_worker", 2, single_weights,
-           forms=("functional",))
 
 
 @pytest.mark.slow
