@@ -128,7 +128,7 @@ def hvd():
 _FEATURE_PROBES = ("metric_objects", "unseeded_shuffle", "load_model", "batch_norm",
                    "seeded_shuffle", "sparse_input", "pydataset_workers", "ragged_input",
                    "metric_aggregation", "adapted_per_worker", "vocabulary_per_worker",
-                   "replica_dropout")
+                   "replica_dropout", "remat")
 
 
 @pytest.fixture(scope="session")
@@ -155,7 +155,7 @@ def horovod_probes(tmp_path_factory):
     out = tmp_path_factory.mktemp("keras_features_horovod")
     launch(out, 2, KERAS_FEATURES_WORKER, "--out", str(out), "--probes",
            "sparse_input,ragged_input,metric_aggregation,adapted_per_worker,"
-           "vocabulary_per_worker,replica_dropout,zoo",
+           "vocabulary_per_worker,replica_dropout,remat,zoo",
            "--zoo", ",".join(ZOO_PROCESS_PATTERNS["horovod"]),
            "--strategy", "horovod", launch_flags=("--backend", "horovod"), timeout=540)
     return out

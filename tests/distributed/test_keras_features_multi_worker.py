@@ -100,6 +100,18 @@ def test_sparse_input_trains_like_plain_keras(runs, request):
 
 
 @BY_STRATEGY
+def test_remat_scope_trains_as_plain_keras_without_it(runs, request):
+    # Each worker's backward pass recomputes the layer's forward pass
+    # (TensorFlow's recompute_grad, mended by _compat.remat_in_graphs).
+    ranks = _results(request.getfixturevalue(runs), "remat")
+    assert ranks[0] == ranks[1]
+    result = ranks[0]
+    np.testing.assert_allclose(result["ours"]["loss"], result["twin"]["loss"], atol=1e-5)
+    assert result["gap"] < 1e-5
+    assert result["ours_forward_passes"] > result["twin_forward_passes"], result
+
+
+@BY_STRATEGY
 def test_ragged_input_trains_like_plain_keras(runs, request):
     # Each worker takes its rows of every ragged batch: a row slice of a
     # dataset's batch, or gathered from a ragged tensor passed as x.

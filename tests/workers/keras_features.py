@@ -212,6 +212,46 @@ def ragged_input():
     return model.strategy.rank, results
 
 
+class CountedDense(keras.layers.Dense):
+    """A Dense that counts the times its forward pass is traced or run."""
+
+    calls = 0
+
+    def call(self, inputs):
+        CountedDense.calls += 1
+        return super().call(inputs)
+
+
+def remat():
+    """A model built in `keras.RematScope(mode="full")` under `--strategy`
+    against the plain twin built without it, Adam, from the same weights:
+    the logs, the largest weight gap, and the forward passes each fit made
+    (remat adds the one its backward pass recomputes)."""
+    x, y = _data()
+
+    def graph():
+        inputs = keras.Input((8,))
+        return inputs, keras.layers.Dense(3)(CountedDense(16, activation="relu")(inputs))
+
+    with keras.RematScope(mode="full"):
+        model = kd.DistributedModel(*graph(), strategy=FLAGS.strategy)
+    twin = keras.Model(*graph())
+    rng = np.random.default_rng(7)
+    start = [rng.normal(scale=0.3, size=w.shape).astype(w.dtype) for w in twin.get_weights()]
+    model.set_weights(start)
+    twin.set_weights(start)
+    results = {}
+    for name, m in (("twin", twin), ("ours", model)):
+        m.compile(optimizer=keras.optimizers.Adam(0.01), loss=_loss())
+        CountedDense.calls = 0
+        results[name] = m.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False,
+                              verbose=0).history
+        results[f"{name}_forward_passes"] = CountedDense.calls
+    results["gap"] = max(float(np.abs(a - b).max())
+                         for a, b in zip(model.get_weights(), twin.get_weights()))
+    return model.strategy.rank, results
+
+
 class _SamplesSeen(keras.metrics.Metric):
     """The samples this process has counted, in one variable of the given
     tf.distribute `aggregation` (how replicas' values combine on a read)."""
