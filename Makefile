@@ -82,6 +82,7 @@ bench: $(HOROVOD)
 	PATH=$(VENV)/bin:$$PATH $(PY) benchmarks/parameter_server.py
 	$(PY) benchmarks/model_parallel.py $(BENCH_FLAGS)
 	$(PY) benchmarks/sparse_embeddings.py $(BENCH_FLAGS)
+	$(PY) benchmarks/remat.py $(BENCH_FLAGS)
 	# Two hosts as network namespaces: needs root.
 	PATH=$(VENV)/bin:$$PATH $(PY) benchmarks/multi_host.py $(BENCH_FLAGS)
 	$(PY) benchmarks/_plots.py
