@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from keras_distrib import _compat
 from keras_distrib import cluster as cluster_lib
-from keras_distrib.collectives import heartbeats, host_allreduce
+from keras_distrib.collectives import heartbeats, host_allreduce, pieces
 from keras_distrib.collectives import runtime
 from keras_distrib.collectives.watchdog import CollectiveWatchdog
 from keras_distrib.strategies.gradients import reduce_op_name
@@ -70,7 +70,10 @@ class MultiWorker(TFDistributeStrategy):
             TensorFlow's collectives.
         bytes_per_pack: Pack gradients into all-reduces of about this many
             bytes (0: TensorFlow's default, one pack). Many small gradients
-            travel in few collectives, which matters on latency-bound links.
+            travel in few collectives, which matters on latency-bound links,
+            and a larger one is cut into pieces of this size (TensorFlow's
+            ring moves a large tensor at a fraction of a link's rate; see
+            `keras_distrib.collectives.pieces`).
             (`"shm"` always moves each dtype's gradients as one block.)
         collective_timeout: Seconds after which a collective that some
             worker never joins fails, naming the late workers (default
@@ -187,7 +190,14 @@ class MultiWorker(TFDistributeStrategy):
 
     def all_reduce(self, values: Sequence[tf.Tensor], op: str = "sum") -> list:
         if self._host_reduce is None:
-            return self._watched(values, lambda vs: TFDistributeStrategy.all_reduce(self, vs, op))
+            if not self.bytes_per_pack:
+                return self._watched(values,
+                                     lambda vs: TFDistributeStrategy.all_reduce(self, vs, op))
+            values, plan = pieces.cut([tf.convert_to_tensor(v) for v in values],
+                                      self.bytes_per_pack)
+            return pieces.join(
+                self._watched(values, lambda vs: TFDistributeStrategy.all_reduce(self, vs, op)),
+                plan)
         reduce_op_name(op)  # validates op, as TF's path does
         values = [tf.convert_to_tensor(v) for v in values]
         reduced = self._on_host(self._host_reduce.all_reduce, values, "kd_host_all_reduce")
