@@ -48,7 +48,7 @@ def _launch(tmp_path, mode, **kwargs):
 
 # One cluster (a chief, 2 workers, 1 ps) runs the modes whose tests only
 # read what the chief reports, one after another.
-SHARED_MODES = ("inputs", "warmup", "callbacks", "digits", "errors")
+SHARED_MODES = ("inputs", "warmup", "callbacks", "digits", "remat", "errors")
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +174,18 @@ def test_learning_rate_warmup_follows_the_global_step(shared):
         assert report[kind]["iterations"] == 60
         assert report[kind]["schedule"] == "ScaledSchedule"
         assert report[kind]["final_lr"] == pytest.approx(0.15, rel=1e-5)  # 3 x 0.05
+
+
+@pytest.mark.slow
+def test_remat_scope_trains_on_the_workers(shared):
+    # The workers run the step the chief traced: with RematScope its
+    # backward pass recomputes the layer's forward pass.
+    code, output, report = shared["remat"]
+    assert code == 0, output[-3000:]
+    plain, remat = report["plain"], report["remat"]
+    assert plain["iterations"] == remat["iterations"] == 60
+    assert remat["forward_passes"] > plain["forward_passes"], report
+    assert remat["loss"][-1] < remat["loss"][0]
 
 
 @pytest.mark.slow

@@ -15,8 +15,10 @@ Modes:
     callbacks Keras's epoch-level callbacks and ours in one fit
     resume    BackupAndRestore; the test kills the ps, then runs it again
     errors    bad input: one-line error messages
+    remat     a model built in keras.RematScope against the same without it
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -324,9 +326,38 @@ def mode_errors(report, out):
     report["jit_compile_warnings"] = jit_warnings
 
 
+class CountedDense(keras.layers.Dense):
+    """A Dense that counts the times its forward pass is traced or run."""
+
+    calls = 0
+
+    def call(self, inputs):
+        CountedDense.calls += 1
+        return super().call(inputs)
+
+
+def mode_remat(report, out):
+    """The same model with and without `keras.RematScope(mode="full")`:
+    the forward passes traced for the workers' step (remat recomputes one
+    in the backward pass) and the losses."""
+    def counted_layers():
+        inputs = keras.Input((64,))
+        return inputs, keras.layers.Dense(10)(CountedDense(64, activation="relu")(inputs))
+
+    for name, scope in (("plain", contextlib.nullcontext()),
+                        ("remat", keras.RematScope(mode="full"))):
+        with scope:
+            model = compile_model(kd.DistributedModel(*counted_layers(),
+                                                      strategy="parameter_server"))
+        CountedDense.calls = 0
+        history = model.fit(x, y, batch_size=50, epochs=2, verbose=0)
+        report[name] = {"loss": history.history["loss"], "iterations": steps_of(model),
+                        "forward_passes": CountedDense.calls}
+
+
 MODES = {"digits": mode_digits, "inputs": mode_inputs, "warmup": mode_warmup,
          "long": mode_long, "sharded": mode_sharded, "callbacks": mode_callbacks,
-         "resume": mode_resume, "errors": mode_errors}
+         "resume": mode_resume, "errors": mode_errors, "remat": mode_remat}
 
 for mode in sys.argv[1].split(","):
     # Each mode's report (and side files: its path + ".ready", ...) by its name.
