@@ -46,7 +46,7 @@ def pytest_make_collect_report(collector):
 
 # Test files that share a session fixture: they run in one xdist worker, so
 # the fixture is made once. The Keras-feature probes (`probes`,
-# `horovod_probes`) serve the zoo and tests/distributed; the zoo's README
+# `horovod_probes`) serve the zoo and tests/distributed; the zoo's page
 # check reads what its other tests found (`zoo_results`); the fault tests
 # compare with one uninterrupted run (`uninterrupted`).
 _SHARING = {"probes_and_zoo": ("tests/zoo/",
@@ -82,11 +82,15 @@ def pytest_collection_modifyitems(config, items):
     launch of real workers that serves several tests) run once, and the
     files of `_SHARING` go together; the groups are ordered by `_FIRST`.
     Tests run in file order within a file, as without xdist."""
-    if config.pluginmanager.hasplugin("xdist") and getattr(config.option, "dist", "no") != "no":
-        groups = {}
-        for item in items:
-            groups[item] = _group(os.path.relpath(item.path, config.rootpath))
-            item.add_marker(pytest.mark.xdist_group(groups[item]))
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    groups = {}
+    for item in items:
+        groups[item] = _group(os.path.relpath(item.path, config.rootpath))
+        item.add_marker(pytest.mark.xdist_group(groups[item]))
+    # The workers' collections are what xdist schedules (a worker's own
+    # `dist` option reads "no"; `loadgroup` says how the run distributes).
+    if os.environ.get("PYTEST_XDIST_WORKER") and getattr(config.option, "loadgroup", False):
         items.sort(key=lambda item: _rank(groups[item]))  # stable: file order kept
 
 
@@ -94,7 +98,7 @@ def pytest_configure(config):
     """Stops a `--dist loadgroup` run on pytest 9.2 or later, where
     pytest-xdist's groups silently do nothing (it marks a group in the
     test's id, which pytest 9.2 ignores; pytest-dev/pytest-xdist#1386): the
-    module fixtures would run in several workers, and the zoo's README check
+    module fixtures would run in several workers, and the zoo's page check
     would see half the zoo."""
     version = tuple(int(part) for part in pytest.__version__.split(".")[:2])
     if getattr(config.option, "dist", None) == "loadgroup" and version >= (9, 2):
