@@ -1,0 +1,404 @@
+"""Writes benchmarks/RESULTS.md, the current benchmark figures, from the saved JSON results.
+
+Reads every `*.json` the drivers saved under `--results_dir`
+(benchmarks/results/) and writes one markdown file (`--out`, by default
+RESULTS.md beside that directory: benchmarks/RESULTS.md) with a section per
+benchmark: what it compares, the machine note of its run (`meta`: when,
+cores, load, whether it was a `--quick` run), a compact table of its
+headline figures and ratios (median [min, max] over the repetitions, as
+the drivers print them), and the figure `benchmarks/_plots.py` drew from
+it, where one exists. A benchmark whose JSON is missing gets one line
+saying so; a JSON of a benchmark this script does not know gets a generic
+section (its scalar settings and its `ratios`).
+
+Nothing here imports TensorFlow (only json, os and absl). Rewrite the file
+without re-running anything:
+
+    python benchmarks/results_md.py [--results_dir benchmarks/results] [--out benchmarks/RESULTS.md]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+_HERE = os.path.dirname(os.path.abspath(__file__))
+flags.DEFINE_string("results_dir", os.path.join(_HERE, "results"),
+                    "Where the JSON results (and the PNG figures) are read.")
+flags.DEFINE_string("out", None, "The markdown file to write (default: RESULTS.md beside "
+                    "--results_dir, i.e. benchmarks/RESULTS.md).")
+
+# The benchmarks that save JSON, in the order of the file; the two others
+# print their tables only.
+KNOWN = ("overhead", "allreduce", "weak_scaling", "strong_scaling", "model_parallel",
+         "sparse_embeddings", "remat", "multi_host")
+PRINT_ONLY = ("horovod_vs_tf", "parameter_server")
+
+
+# ----------------------------------------------------------------------------
+# Formatting
+
+
+def _median(values) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def _num(value, digits: int = 2) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return f"{value:,.{digits}f}"
+
+
+def _stats(summary, digits: int = 2) -> str:
+    """`median [min, max]` of a run_summary dict (or of a plain list)."""
+    if summary is None:
+        return "–"
+    if isinstance(summary, list):
+        summary = {"median": _median(summary), "min": min(summary), "max": max(summary)}
+    return (f"{_num(summary['median'], digits)} "
+            f"[{_num(summary['min'], digits)}, {_num(summary['max'], digits)}]")
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 2**20:,.1f} MB"
+
+
+def _table(header, rows) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return lines + [""]
+
+
+def _target(median: float, target, at_least: bool = True) -> str:
+    if target is None:
+        return "–"
+    met = median >= target if at_least else median <= target
+    return f"{'>=' if at_least else '<='} {target:g}: " + ("met" if met else "**not met**")
+
+
+def _meta_note(data: dict) -> str:
+    meta = data.get("meta") or {}
+    note = (f"Measured {meta.get('time', '?')} on {meta.get('cpus', '?')} cores; "
+            f"{meta.get('load', 'load not recorded')}.")
+    note = f"*{note}*"
+    if meta.get("quick"):
+        note += " **A `--quick` run: numbers for testing the chain, not for reading.**"
+    return note
+
+
+class _Doc:
+    """The markdown being written, and where its figures are linked from."""
+
+    def __init__(self, results_dir: str, out_path: str):
+        self.results_dir = results_dir
+        self.out_dir = os.path.dirname(os.path.abspath(out_path))
+        self.lines: list[str] = []
+
+    def add(self, *lines: str) -> None:
+        self.lines.extend(lines)
+
+    def figure(self, name: str, alt: str) -> None:
+        path = os.path.join(self.results_dir, name)
+        if os.path.exists(path):
+            link = os.path.relpath(os.path.abspath(path), self.out_dir).replace(os.sep, "/")
+            self.add(f"![{alt}]({link})", "")
+
+    def misses(self, data: dict) -> None:
+        if "misses" in data:
+            self.add("Target misses: " + ("; ".join(data["misses"]) if data["misses"]
+                                          else "none") + ".", "")
+
+
+# ----------------------------------------------------------------------------
+# One section per benchmark
+
+
+def overhead(doc: _Doc, data: dict) -> None:
+    doc.add(f"`DistributedModel` against plain Keras, a raw loop and raw tf.distribute: the "
+            f"whole `model.fit` of the {data['model']} (batch {data['batch']}, "
+            f"{data['steps']} steps x {data['epochs']} epochs per fit), every variant "
+            f"interleaved in one process for {data['rounds']} rounds. Step time = fit time / "
+            "steps; ratios are paired per round.", "")
+    names = {"plain": "plain `keras.Model.fit`", "kd_single": 'ours, `"single"`',
+             "raw_loop": "raw `tf.function` loop (the floor)",
+             "raw_mirrored_1": "raw Keras + `MirroredStrategy`, 1 CPU",
+             "kd_mirrored_1": 'ours, `"mirrored"`, 1 CPU',
+             "raw_mirrored_2": "raw Keras + `MirroredStrategy`, 2 CPUs",
+             "kd_mirrored_2": 'ours, `"mirrored"`, 2 CPUs'}
+    doc.add(*_table(["variant", "step ms, median [min, max]"],
+                    [(names.get(k, k), _stats(v)) for k, v in data["step_ms"].items()]))
+    doc.add(*_table(["ratio", "median [min, max]", "target"],
+                    [(k, _stats(v), _target(v["median"], v.get("target"),
+                                            v.get("at_least") is not False))
+                     for k, v in data["ratios"].items()]))
+    doc.misses(data)
+
+
+def allreduce(doc: _Doc, data: dict) -> None:
+    doc.add(f"One SUM all-reduce between {data['nproc']} worker processes on this host: "
+            "ours (`Strategy.all_reduce`, the path of the training step) against raw "
+            "TensorFlow with one collective per tensor (raw) and TensorFlow's batched "
+            "all-reduce (batched), for single float32 tensors and for a list of many small "
+            f"gradients; {data['repeats']} interleaved timings each. Bus bandwidth = bytes x "
+            "2(n-1)/n / time; ratios > 1: ours is faster.", "")
+    for launch in data["launches"]:
+        bpp = launch["bytes_per_pack"]
+        doc.add(f"Ours with `implementation=\"{launch['implementation']}\"`, `bytes_per_pack="
+                f"{bpp}` ({_mb(bpp) if bpp else 'one pack'}); TensorFlow "
+                f"{launch.get('tf_version', '?')}:", "")
+        rows = []
+        for case in launch["cases"]:
+            bus = case["bus_gbps"]
+            rows.append((case["name"], case["num_tensors"],
+                         *(_num(bus[v]["median"], 3) for v in ("raw", "batched", "ours")),
+                         _stats(case["ours_over_raw"]), _stats(case["ours_over_batched"]),
+                         "ok" if case["checks_ok"] else "**wrong**"))
+        doc.add(*_table(["case", "tensors", "raw GB/s", "batched GB/s", "ours GB/s",
+                         "ours / raw", "ours / batched", "result"], rows))
+    doc.misses(data)
+    doc.figure("allreduce_bandwidth.png", "All-reduce bus bandwidth against message size")
+
+
+def _config_table(doc: _Doc, configs: dict) -> None:
+    rows = [(f"`{name}`", c["workers"],
+             c["strategy"] + ("" if c["implementation"] == "auto" else f" ({c['implementation']})"),
+             c["global_batch"], _stats(c["step_ms"], 1), _stats(c["throughput"], 0))
+            for name, c in configs.items()]
+    doc.add(*_table(["config", "workers", "strategy", "global batch", "step ms",
+                     "samples/s"], rows))
+
+
+_CONFIG_NOTE = ("`single` and `mw1`/`mw2` are ours (`multi_worker` on 1 and 2 workers; "
+                "`mw2ring` on TensorFlow's ring), `raw1`/`raw2` the peer (a hand-written "
+                "tf.distribute custom loop), `indep2` two independent `raw1` processes at "
+                "once (no communication: what two cores allow), `lock2` the same two "
+                "waiting for each other after every step (the lock-step reference).")
+
+
+def weak_scaling(doc: _Doc, data: dict) -> None:
+    doc.add(f"Training throughput of the {data['model']} with {data['per_worker_batch']} "
+            f"samples per worker per step, on 1 and 2 workers pinned to one core each; "
+            f"{data['repeats']} alternating repetitions, ratios paired per repetition. "
+            + _CONFIG_NOTE, "")
+    _config_table(doc, data["configs"])
+    rows = []
+    eff = data.get("efficiency")
+    if eff:
+        rows.append(("**efficiency mw2 / (2 x fastest one-worker)**", _stats(eff),
+                     _target(eff["median"], eff.get("target"))))
+    ratios = data.get("ratios") or {}
+    shown = ("ceiling: indep2 / (2 x fastest one-worker)",
+             "lock-step reference: lock2 / (2 x fastest one-worker)",
+             "peer: raw2 / (2 x fastest one-worker)",
+             "against the ceiling: mw2 / indep2",
+             "against the lock-step reference: mw2 / lock2",
+             "our mw2 / peer raw2 (throughput)",
+             "efficiency mw2ring / (2 x single)",
+             "throughput single / raw1")
+    picked = [k for k in shown if k in ratios] or list(ratios)
+    rows += [(k, _stats(ratios[k]), "–") for k in picked]
+    doc.add(*_table(["ratio", "median [min, max]", "target"], rows))
+    doc.misses(data)
+    doc.figure("throughput_vs_workers.png",
+               "Training throughput against workers: weak and strong scaling")
+
+
+def strong_scaling(doc: _Doc, data: dict) -> None:
+    doc.add(f"Training throughput of the {data['model']} with a fixed global batch of "
+            f"{data['global_batch']} samples, split over 1 or 2 workers pinned to one core each; "
+            f"{data['repeats']} alternating repetitions. The speedup is what a second "
+            "worker gives a user with a fixed batch size (ideal 2.0). " + _CONFIG_NOTE, "")
+    _config_table(doc, data["configs"])
+    rows = []
+    speedup = data.get("speedup")
+    if speedup:
+        rows.append(("**speedup mw2 / fastest one-worker**", _stats(speedup),
+                     _num(speedup.get("ideal", 2.0), 1)))
+    rows += [(k, _stats(v), "–") for k, v in (data.get("ratios") or {}).items()
+             if k != "mw2 / fastest one-worker"]
+    doc.add(*_table(["ratio", "median [min, max]", "ideal"], rows))
+    doc.misses(data)
+    if os.path.exists(os.path.join(doc.results_dir, "throughput_vs_workers.png")):
+        doc.add("The right panel of the weak-scaling figure above shows these runs.", "")
+
+
+def model_parallel(doc: _Doc, data: dict) -> None:
+    doc.add(f"Training throughput of the {data['model']} ({data['params']:,} parameters, "
+            f"batch {data['batch']}) split over 2 logical CPUs, against one core "
+            f"(`one`, strategy `single`): `mN` is `pipeline` with 2 stages, schedule 1F1B "
+            f"and N micro-batches, `gpipe8` the GPipe schedule at 8, `tp2` "
+            f"`tensor_parallel` over 2 devices. {data['repeats']} alternating repetitions; "
+            "ratios paired per repetition. The ideal of a 2-stage pipeline is 2 x (1 - "
+            "bubble).", "")
+    ratios, ideal = data.get("ratios_vs_one") or {}, data.get("ideal") or {}
+    target = data.get("target_m8")
+    rows = []
+    for name, runs in data["runs"].items():
+        ratio = ratios.get(name)
+        mark = ""
+        if name == "m8" and ratio and target:
+            mark = _target(ratio["median"], target)
+        rows.append((f"`{name}`", _num(_median([r["step_ms"] for r in runs]), 1),
+                     "1" if name == "one" else _stats(ratio),
+                     "1.00" if name == "one" else _num(ideal.get(name)), mark or "–"))
+    doc.add(*_table(["config", "step ms (median)", "throughput / one", "ideal", "target"],
+                    rows))
+    per_device = (data["runs"].get("tp2") or [{}])[0].get("bytes_per_device")
+    if per_device:
+        total = sum(per_device.values()) or 1
+        doc.add("Weight bytes per device under `tp2`: " + ", ".join(
+            f"{d.rsplit('device:', 1)[-1]} {_mb(b)} ({100 * b / total:.1f}%)"
+            for d, b in sorted(per_device.items())) + " (ideal 50% each).", "")
+    doc.misses(data)
+
+
+def sparse_embeddings(doc: _Doc, data: dict) -> None:
+    doc.add(f"An `Embedding({data['vocab']:,} x {data['dim']})` table (batch "
+            f"{data['batch']}, {data['optimizer']}) on 2 workers: its gradient as the batch's "
+            "rows (`sparse`, ours) against the whole table made dense before the reduction "
+            "(`dense`), and plain Keras in one process (`plain`). Bytes: what each worker "
+            "hands the step's reductions.", "")
+    doc.add(*_table(["config", "step ms, median [min, max]", "to the reductions per step"],
+                    [(f"`{k}`", _stats(c["step_ms"], 1),
+                      _mb(c["bytes_per_step"]) if c["bytes_per_step"] else "none")
+                     for k, c in data["configs"].items()]))
+    rows = [(k, _stats(v)) for k, v in (data.get("ratios") or {}).items()]
+    if "bytes_ratio_dense_over_sparse" in data:
+        rows.append(("dense/sparse bytes", _num(data["bytes_ratio_dense_over_sparse"], 0)))
+    doc.add(*_table(["ratio", "median [min, max]"], rows))
+
+
+def remat(doc: _Doc, data: dict) -> None:
+    doc.add(f"Activation checkpointing on an MLP of {data['depth']} x Dense({data['width']}), "
+            f"batch {data['batch']}: none, every layer in `keras.RematScope(mode=\"full\")` "
+            f"(`layers`), and `keras.remat` around blocks of {data['block']} layers "
+            "(`blocks`), under each strategy. Peak: the memory the training step itself "
+            "needs (TensorFlow's allocator count); the weights are compared with `none` of "
+            f"the same strategy. {data['repeats']} repetitions.", "")
+    rows = []
+    for r in data["results"]:
+        times = r.get("time_over_none")
+        rows.append((f"`{r['config']}`", _mb(r["step_peak_bytes"]),
+                     _num(r.get("peak_over_none")), _num(_median(times)) if times else "–",
+                     f"{r['weight_gap']:.1e}" if "weight_gap" in r else "–"))
+    doc.add(*_table(["strategy/mode", "step peak", "peak / none", "step time / none",
+                     "max abs weight difference"], rows))
+
+
+def multi_host(doc: _Doc, data: dict) -> None:
+    doc.add("Two hosts (network namespaces) joined by a rate-limited link, one worker each: "
+            "all-reduce bus bandwidth as a fraction of the link rate for ours over "
+            "TensorFlow's ring, ours over Horovod's Gloo and raw "
+            "`MultiWorkerMirroredStrategy` (goal: >= 0.8 from 4 MB), and the training step "
+            f"(global batch {data['batch']}) against its parts measured alone, compute and "
+            "the gradient all-reduce (`step / max(compute, comm)`: 1 when they fully "
+            f"overlap, up to 2 when they run one after the other). Medians of "
+            f"{data['repeats']} timings.", "")
+    rows = [(r["rate"], s["name"], *(_num(s["bus_fraction"][k])
+                                     for k in ("ours_ring", "ours_gloo", "raw_tf")))
+            for r in data["results"] for s in r["allreduce"]]
+    doc.add(*_table(["link", "size", "ours / TF ring", "ours / Gloo", "raw TF"], rows))
+    one = data.get("one_host")
+    steps = ([("one host", one)] if one else []) + [(r["rate"], r["train"])
+                                                    for r in data["results"]]
+    steps += [(f"{r['rate']}, {c}", t) for r in data["results"]
+              for c, t in (r.get("compressed") or {}).items()]
+    doc.add(*_table(["where", "step ms", "compute ms", "comm ms", "step / max",
+                     "step / one host"],
+                    [(where, _num(1e3 * t["step"], 1), _num(1e3 * t["compute"], 1),
+                      _num(1e3 * t["comm"], 1), _num(t["step_over_max_parts"]),
+                      _num(t["step"] / one["step"]) if one else "–") for where, t in steps]))
+    doc.figure("multi_host.png", "All-reduce between two hosts against the link rate")
+
+
+def generic(doc: _Doc, data: dict) -> None:
+    settings = [(k, v) for k, v in data.items()
+                if k != "meta" and isinstance(v, (int, float, str, bool))]
+    if settings:
+        doc.add(*_table(["setting", "value"], [(k, _num(v) if not isinstance(v, str) else v)
+                                               for k, v in settings]))
+    ratios = data.get("ratios")
+    if isinstance(ratios, dict) and ratios:
+        doc.add(*_table(["ratio", "median [min, max]"],
+                        [(k, _stats(v) if isinstance(v, dict) and "median" in v else v)
+                         for k, v in ratios.items()]))
+    doc.misses(data)
+
+
+SECTIONS = {
+    "overhead": ("Overhead against plain Keras", overhead),
+    "allreduce": ("All-reduce bandwidth between local processes", allreduce),
+    "weak_scaling": ("Weak scaling: 1 and 2 workers", weak_scaling),
+    "strong_scaling": ("Strong scaling: a fixed global batch", strong_scaling),
+    "model_parallel": ("Model parallelism: pipeline and tensor parallel", model_parallel),
+    "sparse_embeddings": ("Sparse embedding gradients", sparse_embeddings),
+    "remat": ("Activation checkpointing", remat),
+    "multi_host": ("Two hosts on a rate-limited link", multi_host),
+}
+
+
+# ----------------------------------------------------------------------------
+# The file
+
+
+def render(results_dir: str, out_path: str) -> str:
+    """The markdown for the JSON files in `results_dir`, linking figures from `out_path`."""
+    doc = _Doc(results_dir, out_path)
+    doc.add("# Benchmark results", "",
+            "Generated by `benchmarks/results_md.py` from the JSON files `make bench` saves "
+            "under `benchmarks/results/`; do not edit by hand (rewrite it with "
+            "`python benchmarks/results_md.py`). Each section holds the latest run of its "
+            "benchmark, measured on a shared machine: absolute times are noisy, read the ratios, "
+            "given as median [min, max] over the repetitions. Each benchmark's docstring "
+            "says exactly what it measures.", "")
+    present = sorted(f[:-len(".json")] for f in os.listdir(results_dir)
+                     if f.endswith(".json")) if os.path.isdir(results_dir) else []
+    others = [name for name in present if name not in KNOWN]
+    for name in list(KNOWN) + others:
+        title, section = SECTIONS.get(name, (name.replace("_", " ").capitalize(), generic))
+        doc.add(f"## {title} (`{name}.py`)", "")
+        if name not in present:
+            doc.add(f"No results: `{name}.json` is missing (run `python "
+                    f"benchmarks/{name}.py`).", "")
+            continue
+        with open(os.path.join(results_dir, f"{name}.json")) as f:
+            data = json.load(f)
+        doc.add(_meta_note(data), "")
+        section(doc, data)
+    doc.add("## Printed only", "",
+            " and ".join(f"`{name}.py`" for name in PRINT_ONLY)
+            + " (Horovod against TensorFlow's collectives; asynchronous parameter servers "
+            "against synchronous training) print their tables and save no JSON: run them, "
+            "or `make bench`, to see their figures.", "")
+    while doc.lines and doc.lines[-1] == "":
+        doc.lines.pop()
+    return "\n".join(doc.lines) + "\n"
+
+
+def main(argv, results_dir: str | None = None, out: str | None = None) -> int:
+    """Writes the markdown; `results_dir` and `out` default to the flags."""
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if results_dir is None:
+        results_dir, out = FLAGS.results_dir, out or FLAGS.out
+    out = out or os.path.join(os.path.dirname(os.path.abspath(results_dir)), "RESULTS.md")
+    text = render(results_dir, out)
+    with open(out + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(out + ".tmp", out)
+    shown = os.path.relpath(out)
+    print(f"wrote {out if shown.startswith('..') else shown}")
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,125 @@
+"""benchmarks/results_md.py: RESULTS.md from the benchmarks' JSON results, pure Python.
+
+Two hand-made result files of the real shapes (trimmed copies of what
+benchmarks/sparse_embeddings.py and benchmarks/multi_host.py save), one
+figure, and the other benchmarks missing.
+"""
+
+import importlib.util
+import json
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _load_script():
+    if "results_md" in sys.modules:  # absl flags are defined once per process
+        return sys.modules["results_md"]
+    spec = importlib.util.spec_from_file_location(
+        "results_md", os.path.join(REPO, "benchmarks", "results_md.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["results_md"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+results_md = _load_script()
+
+
+def _summary(values):
+    ordered = sorted(values)
+    return {"median": ordered[len(ordered) // 2], "min": ordered[0], "max": ordered[-1],
+            "values": values}
+
+
+def _meta(name, quick=False):
+    return {"benchmark": name, "time": "2026-11-26 13:10:39 +0000",
+            "argv": [f"benchmarks/{name}.py"], "cpus": 2,
+            "load": "1-min load average at start 0.02 on 2 cores", "quick": quick}
+
+
+SPARSE = {
+    "meta": _meta("sparse_embeddings"),
+    "vocab": 1000000, "dim": 64, "batch": 1024, "optimizer": "sgd",
+    "configs": {
+        "sparse": {"step_ms": _summary([31.2, 27.0, 33.4]), "bytes_per_step": 270620},
+        "dense": {"step_ms": _summary([208.8, 201.3, 220.6]), "bytes_per_step": 256000268},
+        "plain": {"step_ms": _summary([24.5, 22.7, 25.8]), "bytes_per_step": 0},
+    },
+    "ratios": {"dense/sparse step time": _summary([7.08, 6.24, 7.45]),
+               "sparse/plain step time": _summary([1.30, 1.10, 1.37])},
+    "bytes_ratio_dense_over_sparse": 945.98,
+}
+
+
+def _step(step, compute, comm):
+    return {"step": step, "compute": compute, "comm": comm,
+            "step_over_max_parts": step / max(compute, comm), "weight_sum": -38.7}
+
+
+MULTI_HOST = {
+    "meta": _meta("multi_host", quick=True),
+    "repeats": 2, "batch": 512,
+    "results": [{
+        "rate": "1gbit", "link_bytes_per_second": 125000000.0,
+        "allreduce": [
+            {"name": "64 KB", "bytes": 65536,
+             "bus_fraction": {"ours_ring": 0.199, "ours_gloo": 0.131, "raw_tf": 0.276}},
+            {"name": "4 MB", "bytes": 4194304,
+             "bus_fraction": {"ours_ring": 0.986, "ours_gloo": 0.971, "raw_tf": 0.987}},
+        ],
+        "train": _step(0.0552, 0.0144, 0.0355),
+        "compressed": {"fp16": _step(0.0375, 0.0144, 0.0174)},
+    }],
+    "one_host": _step(0.0374, 0.0158, 0.0150),
+}
+
+
+def _write(directory, name, data):
+    with open(os.path.join(directory, f"{name}.json"), "w") as f:
+        json.dump(data, f)
+
+
+def test_sections_figures_and_missing_benchmarks(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    _write(results, "sparse_embeddings", SPARSE)
+    _write(results, "multi_host", MULTI_HOST)
+    (results / "multi_host.png").write_bytes(b"\x89PNG\r\n")
+    out = tmp_path / "RESULTS.md"
+
+    assert results_md.main(["results_md"], results_dir=str(results), out=str(out)) == 0
+    text = out.read_text()
+
+    assert text.startswith("# Benchmark results\n")
+    assert "## Sparse embedding gradients (`sparse_embeddings.py`)" in text
+    assert "## Two hosts on a rate-limited link (`multi_host.py`)" in text
+    # The machine note of each run, and the warning of a --quick one.
+    assert "Measured 2026-11-26 13:10:39 +0000 on 2 cores" in text
+    assert text.count("--quick") == 1
+    # Headline figures and ratios.
+    assert "| `dense` | 208.8 [201.3, 220.6] | 244.1 MB |" in text
+    assert "| dense/sparse step time | 7.08 [6.24, 7.45] |" in text
+    assert "| 1gbit | 4 MB | 0.99 | 0.97 | 0.99 |" in text
+    assert "| 1gbit, fp16 |" in text
+    # The figure beside the file, linked relatively; none for a missing PNG.
+    assert "![All-reduce between two hosts against the link rate](results/multi_host.png)" in text
+    assert "allreduce_bandwidth.png" not in text
+    # A missing benchmark: its section says so in one line.
+    assert "## Overhead against plain Keras (`overhead.py`)" in text
+    assert "No results: `overhead.json` is missing" in text
+    for name in results_md.KNOWN:
+        if name not in ("sparse_embeddings", "multi_host"):
+            assert f"No results: `{name}.json` is missing" in text
+    assert "No results: `multi_host.json`" not in text
+    assert not os.path.exists(str(out) + ".tmp")
+
+
+def test_an_unknown_benchmark_gets_a_generic_section(tmp_path):
+    _write(tmp_path, "new_bench", {"meta": _meta("new_bench"), "batch": 64,
+                                   "ratios": {"ours / peer": _summary([1.5, 1.2, 1.8])}})
+    text = results_md.render(str(tmp_path), str(tmp_path / "RESULTS.md"))
+    assert "## New bench (`new_bench.py`)" in text
+    assert "| batch | 64 |" in text
+    assert "| ours / peer | 1.50 [1.20, 1.80] |" in text
