@@ -35,10 +35,7 @@ from __future__ import annotations
 
 import math
 import os
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -209,13 +206,12 @@ def run_worker() -> None:
 # Driver
 
 
-def worker_args(engine: str, out_dir: str) -> list[str]:
+def worker_args(engine: str) -> list[str]:
     return [
-        "--role=worker", f"--engine={engine}", f"--out_dir={out_dir}",
-        f"--sizes={','.join(FLAGS.sizes)}", f"--small_layers={FLAGS.small_layers}",
-        f"--small_width={FLAGS.small_width}", f"--repeats={FLAGS.repeats}",
-        f"--min_timing_ms={FLAGS.min_timing_ms}", f"--steps={FLAGS.steps}",
-        f"--batch={FLAGS.batch}",
+        f"--engine={engine}", f"--sizes={','.join(FLAGS.sizes)}",
+        f"--small_layers={FLAGS.small_layers}", f"--small_width={FLAGS.small_width}",
+        f"--repeats={FLAGS.repeats}", f"--min_timing_ms={FLAGS.min_timing_ms}",
+        f"--steps={FLAGS.steps}", f"--batch={FLAGS.batch}",
     ]
 
 
@@ -224,33 +220,15 @@ def launch(engine: str) -> list[dict]:
 
     tf: `keras-distrib launch -n 2`; hvd: `keras-distrib launch --backend
     horovod -n 2`, which runs `horovodrun --gloo -np 2 -H localhost:2`.
+    The launcher stops them at `--timeout`.
     """
-    out_dir = tempfile.mkdtemp(prefix="kd-bench-")
     backend = ["--backend", "horovod"] if engine == "hvd" else []
-    argv = [sys.executable, "-m", "keras_distrib.launch", "launch", *backend,
-            "-n", str(NPROC), "--timeout", str(max(FLAGS.timeout - 10, 5)),
-            os.path.abspath(__file__), *worker_args(engine, out_dir)]
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (_harness.REPO_ROOT, env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.Popen(argv, cwd=_harness.REPO_ROOT, env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        output, _ = proc.communicate(timeout=FLAGS.timeout)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)  # the launcher stops every rank
-        try:
-            output, _ = proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            output, _ = proc.communicate()
-        raise _harness.WorkersFailed(f"{engine}: no result within {FLAGS.timeout:g}s", output)
-    except BaseException:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
-        raise
-    if proc.returncode != 0:
-        raise _harness.WorkersFailed(f"{engine}: launcher exited with {proc.returncode}", output)
+        out_dir, _ = _harness.launch_workers(os.path.abspath(__file__), NPROC,
+                                             worker_args(engine), FLAGS.timeout,
+                                             launch_flags=backend)
+    except _harness.WorkersFailed as failed:
+        raise _harness.WorkersFailed(f"{engine}: {failed.args[0]}", failed.output) from None
     return _harness.read_results(out_dir, NPROC)
 
 
