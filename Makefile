@@ -7,12 +7,12 @@ STAMP  := $(VENV)/.installed
 # then a cached wheel under .venv/horovod-wheels.
 HOROVOD := $(VENV)/.horovod
 
-.PHONY: demo test test-fast test-unit zoo-matrix bench clean
+.PHONY: demo test test-fast test-unit docs zoo-matrix bench clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test,bench,ray]"
+	$(PY) -m pip install --quiet -e ".[test,bench,ray,docs]"
 	touch $(STAMP)
 
 $(HOROVOD): $(STAMP) scripts/install_horovod.sh
@@ -50,7 +50,8 @@ demo: $(STAMP)
 # machine a third keeps the cores busy while tests wait on processes they
 # started.
 XDIST := -n 3 --dist loadgroup --no-loadscope-reorder
-test: $(HOROVOD)
+# The docs are built first, so a broken page or link fails CI too.
+test: $(HOROVOD) docs
 	$(PY) -m pytest -q $(XDIST) --durations=20
 
 test-fast: $(HOROVOD)
@@ -60,8 +61,13 @@ test-fast: $(HOROVOD)
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit
 
+# The MkDocs site (mkdocs.yml, docs/) into $(VENV)/site; --strict makes
+# every warning (a broken link, an API name that does not resolve) an error.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir $(VENV)/site
+
 # Runs the model zoo (tests/zoo) and writes its zoo x strategy matrix into
-# README.md (make test checks that the README says what the zoo found).
+# docs/zoo.md (make test checks that the page says what the zoo found).
 zoo-matrix: $(HOROVOD)
 	KD_ZOO_WRITE_README=1 $(PY) -m pytest -q tests/zoo
 
@@ -73,8 +79,7 @@ zoo-matrix: $(HOROVOD)
 BENCH_FLAGS ?=
 bench: $(HOROVOD)
 	$(PY) benchmarks/overhead.py $(BENCH_FLAGS)
-	# 3 repeats keep make bench short (7, the default, also runs: the
-	# threads that once ran out are gone, see CHANGELOG session 11).
+	# 3 repeats keep make bench short (7, the default, also runs).
 	$(PY) benchmarks/allreduce.py --repeats 3 $(BENCH_FLAGS)
 	$(PY) benchmarks/weak_scaling.py $(BENCH_FLAGS)
 	$(PY) benchmarks/strong_scaling.py $(BENCH_FLAGS)
@@ -86,6 +91,7 @@ bench: $(HOROVOD)
 	# Two hosts as network namespaces: needs root.
 	PATH=$(VENV)/bin:$$PATH $(PY) benchmarks/multi_host.py $(BENCH_FLAGS)
 	$(PY) benchmarks/_plots.py
+	$(PY) benchmarks/results_md.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -5,7 +5,7 @@ Tasks are named in messages as `TF_CONFIG` names them, `"<type> <index>"`:
 is rank N).
 
 Listening: TensorFlow's gRPC server listens on every interface whatever
-host the cluster names (see README "Security"); the sockets this module
+host the cluster names (see docs/security.md); the sockets this module
 and `runtime` open themselves listen only on the address the cluster names
 for this task (`listen_address`).
 """

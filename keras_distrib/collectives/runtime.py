@@ -249,7 +249,7 @@ def _listening_on(address: str):
     the cluster names for this task is listened on (`listen_address`), so
     the probe is no wider open than it must be; TensorFlow's server,
     started right after, listens on every interface whatever we do (see
-    README "Security").
+    docs/security.md).
     """
     host, port = cluster_lib.parse_address(address)
     ip = listen_address(host)

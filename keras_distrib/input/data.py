@@ -3,7 +3,7 @@
 `batch_size` always means the global batch: the number of samples that one
 optimizer step consumes, across all replicas.
 
-The split rule (documented in README, tested in tests/integration/test_data.py): a
+The split rule (docs/training.md; tested in tests/integration/test_data.py): a
 batch of B samples over N replicas gives replica r the contiguous rows
 `[start_r, start_r + n_r)` with n_r = B // N + (1 if r < B % N else 0). No
 sample is dropped; a replica may get zero rows when B < N. The gradient is

@@ -46,7 +46,7 @@ MULTI_PROCESS = ("multi_worker", "horovod", "parameter_server")
 
 def refused(label: str, pattern: str) -> str:
     """A one-line error matching regular expression `pattern`; `label` is
-    what the README's matrix says."""
+    what the matrix in docs/zoo.md says."""
     return f"refused[{label}]:{pattern}"
 
 
@@ -59,7 +59,7 @@ def refusal(outcome: str):
 @dataclasses.dataclass
 class Pattern:
     name: str
-    what: str  # what the user wrote, for the README's matrix
+    what: str  # what the user wrote, for the matrix in docs/zoo.md
     build: Callable[[Optional[str]], keras.Model]
     data: Callable[[], tuple]
     compile: Callable[[keras.Model], None]

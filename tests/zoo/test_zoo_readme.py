@@ -1,9 +1,9 @@
-"""The README's zoo x strategy matrix is what this run of the zoo found.
+"""The zoo x strategy matrix in docs/zoo.md is what this run of the zoo found.
 
 It runs after the zoo's other tests (pytest runs the files in name order)
-and renders their outcomes; a README that says anything else fails, naming
-the command that writes it anew (`make zoo-matrix`, which runs the zoo with
-KD_ZOO_WRITE_README=1).
+and renders their outcomes; a docs/zoo.md that says anything else fails,
+naming the command that writes it anew (`make zoo-matrix`, which runs the
+zoo with KD_ZOO_WRITE_README=1).
 """
 
 import os
@@ -15,7 +15,8 @@ import patterns as zoo
 from helpers import ROOT
 from test_zoo_processes import CASES
 
-README = os.path.join(ROOT, "README.md")
+# The documentation page that holds the matrix, between BEGIN and END.
+ZOO_PAGE = os.path.join(ROOT, "docs", "zoo.md")
 BEGIN, END = "<!-- zoo-matrix:begin -->", "<!-- zoo-matrix:end -->"
 STRATEGIES = zoo.IN_PROCESS + zoo.MULTI_PROCESS
 EXPECTED = {(p.name, s) for p in zoo.PATTERNS for s in zoo.IN_PROCESS} | set(CASES)
@@ -45,20 +46,20 @@ def render(results) -> str:
     return "\n".join(lines)
 
 
-def test_readme_matrix_is_what_the_zoo_found(zoo_results):
+def test_zoo_page_matrix_is_what_the_zoo_found(zoo_results):
     missing = EXPECTED - set(zoo_results)
     if missing:
         pytest.skip(f"the zoo did not run whole ({len(missing)} cases missing, e.g. "
-                    f"{sorted(missing)[0]}); a whole run checks the README's matrix")
+                    f"{sorted(missing)[0]}); a whole run checks docs/zoo.md's matrix")
     table = render(zoo_results)
-    with open(README) as f:
+    with open(ZOO_PAGE) as f:
         text = f.read()
     found = re.search(re.escape(BEGIN) + r"\n(.*?)" + re.escape(END), text, re.DOTALL)
-    assert found, f"README.md has no {BEGIN} ... {END} section"
+    assert found, f"docs/zoo.md has no {BEGIN} ... {END} section"
     if os.environ.get("KD_ZOO_WRITE_README"):
-        with open(README, "w") as f:
+        with open(ZOO_PAGE, "w") as f:
             f.write(text[:found.start(1)] + table + "\n" + text[found.end(1):])
         return
     assert found.group(1) == table + "\n", (
-        "README.md's zoo matrix is not what this run found; write it anew with "
+        "docs/zoo.md's zoo matrix is not what this run found; write it anew with "
         "`make zoo-matrix`")
