@@ -9,6 +9,7 @@ re-exports the paths and processes the other tiers use.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -194,3 +195,30 @@ SLURM_2x2 = {
     "SLURM_STEP_NODELIST": "node[01-02]",
     "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
 }
+
+
+# -- the README's quickstart -------------------------------------------------------------
+
+QUICKSTART_MARKER = "<!-- quickstart -->"
+
+
+def quickstart_code() -> str:
+    """The Python code block right after README.md's `<!-- quickstart -->`."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    assert text.count(QUICKSTART_MARKER) == 1, \
+        f"README.md must hold {QUICKSTART_MARKER} exactly once"
+    found = re.search(re.escape(QUICKSTART_MARKER) + r"\s*\n```python\n(.*?)\n```", text,
+                      re.DOTALL)
+    assert found, f"README.md has no ```python block right after {QUICKSTART_MARKER}"
+    return found.group(1)
+
+
+def plain_environment(**extra) -> dict:
+    """This environment without any cluster (TF_CONFIG, Slurm, MPI, Horovod,
+    ours): a plain one-process run."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("TF_CONFIG", "SLURM_", "KERAS_DISTRIB_", "OMPI_", "HOROVOD_"))}
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env.update(extra)
+    return env
