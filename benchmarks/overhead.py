@@ -24,8 +24,8 @@ Variants:
 Printed: each variant's step time, median [min, max], and per-round ratios
 (median [min, max]) with targets:
 
-  kd single / plain fit, throughput     >= 1.0   (issue 13: at least as fast)
-  kd single / raw loop, step time       <= 1.15  (issue 13: within 15% of
+  kd single / plain fit, throughput     >= 1.0   (at least as fast)
+  kd single / raw loop, step time       <= 1.15  (within 15% of
                                                   the raw loop's; = raw loop /
                                                   kd single throughput)
   kd mirrored(1) / plain, time          <= 1.10

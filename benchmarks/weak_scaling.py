@@ -41,7 +41,7 @@ Configurations, each its own `keras-distrib launch`:
 Efficiency, the figure the target is on, is honest: throughput(mw2) /
 (2 x the FASTEST one-worker throughput measured in the same repetition),
 the fastest being the best of single, mw1 and raw1 (those that ran);
-the driver names which one it was. Target (issue 13): >= 0.9 with 2
+the driver names which one it was. Target: >= 0.9 with 2
 workers, judged on the median; "target met" or "TARGET NOT MET" is printed
 and the exit code is 0 either way, unless --strict. The other ratios
 (against single alone, against mw1, the peer's raw2 / (2 x raw1), ...) are

@@ -1,4 +1,4 @@
-"""Fault injection on real multi-worker jobs (issue 10): no hang, no silent drift.
+"""Fault injection on real multi-worker jobs: no hang, no silent drift.
 
 Every test runs `keras-distrib launch` for real on localhost (see
 tests/helpers.py: free ports, a timeout, the process group killed whatever

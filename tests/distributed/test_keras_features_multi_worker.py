@@ -1,4 +1,4 @@
-"""Keras behaviours that must survive `multi_worker` (issue 9), real processes
+"""Keras behaviours that must survive `multi_worker`, real processes
 (the `BY_STRATEGY` tests under `horovod` too).
 
 One `keras-distrib launch -n 2` run of tests/workers/keras_features.py runs

@@ -1,4 +1,4 @@
-"""`keras_distrib.callbacks.BackupAndRestore` in one process (issue 10 item 5).
+"""`keras_distrib.callbacks.BackupAndRestore` in one process.
 
 A run that crashes (or is preempted) and is run again must end exactly where
 an uninterrupted run ends: same weights, optimizer state and step count, with

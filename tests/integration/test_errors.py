@@ -146,7 +146,7 @@ def test_keras_gradient_accumulation_under_tf_distribute_points_to_ours(strategy
     _one_line(e)
 
 
-# -- issue 10, item 7: bad input the adversarial user tried ----------------------
+# -- bad input an adversarial user tried ---------------------------------------
 
 
 @pytest.mark.parametrize("option,value,message", [

@@ -1,4 +1,4 @@
-"""Keras behaviours that must survive distribution (issue 9), in one process.
+"""Keras behaviours that must survive distribution, in one process.
 
 Each test trains a model under `"mirrored"` (two logical CPUs, two real
 replicas) and its plain Keras twin from the same initial weights, the way a
