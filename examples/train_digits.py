@@ -1,14 +1,16 @@
 """Train a digit classifier with DistributedModel and print accuracy/throughput.
 
-The data set is scikit-learn's bundled 8x8 handwritten digits (1797 images,
-shipped inside the package: nothing is downloaded). The config file picks the
-strategy; with no GPU, `"logical_cpus": 2` splits the CPU into two logical
-devices so `"mirrored"` trains two real replicas.
+The data set is the UCI 8x8 handwritten digits (1797 images, in
+examples/data: nothing is downloaded). The config file picks the strategy;
+with no GPU, `"logical_cpus": 2` splits the CPU into two logical devices so
+`"mirrored"` trains two real replicas.
 
-Run:
+Run, one per strategy family (model parallel: examples/train_split_model.py):
   python examples/train_digits.py --config configs/digits.json [--strategy single]
   keras-distrib launch -n 2 examples/train_digits.py --config configs/digits_2workers.json
   keras-distrib launch --workers 2 --ps 1 examples/train_digits.py --config configs/digits_ps.json
+  keras-distrib launch --backend horovod -n 2 examples/train_digits.py \
+      --config configs/digits_horovod.json
 """
 
 import json
@@ -61,7 +63,7 @@ def main(argv):
         metrics=["accuracy"],
     )
     say = print if model.strategy.is_chief else (lambda *a: None)
-    asynchronous = getattr(model.strategy, "asynchronous", False)
+    asynchronous = model.strategy.capabilities.asynchronous
     # Asynchronous: the chief is one process; num_workers counts the worker tasks.
     workers = model.strategy.num_workers if asynchronous else model.strategy.world_size
     say(

@@ -39,6 +39,39 @@ def test_digits_example_trains_with_two_workers_through_the_launcher():
     assert accuracy > 0.9
 
 
+def _launch_digits(config, *launch_flags):
+    return subprocess.run(
+        [sys.executable, "-m", "keras_distrib.launch", "launch", *launch_flags,
+         "examples/train_digits.py", "--config", config, "--epochs", "6"],
+        cwd=ROOT, capture_output=True, text=True, timeout=280,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_digits_example_trains_against_a_parameter_server():
+    proc = _launch_digits("configs/digits_ps.json", "--workers", "2", "--ps", "1")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = proc.stdout
+    assert "[chief] strategy=parameter_server replicas=" in out
+    assert "workers=2" in out
+    assert re.search(r"\[chief\] steps applied \(asynchronous\): \d+", out)
+    accuracy = float(re.search(r"\[chief\] validation accuracy: ([0-9.]+)", out).group(1))
+    assert accuracy > 0.85
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_digits_example_trains_under_horovod():
+    pytest.importorskip("horovod.tensorflow")
+    proc = _launch_digits("configs/digits_horovod.json", "--backend", "horovod", "-n", "2")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = proc.stdout
+    assert "strategy=horovod replicas=2 workers=2" in out
+    accuracy = float(re.search(r"validation accuracy: ([0-9.]+)", out).group(1))
+    assert accuracy > 0.85
+
+
 def _run_split_model(*flags):
     return subprocess.run(
         [sys.executable, "examples/train_split_model.py", "--config", "configs/split_model.json",
