@@ -46,7 +46,9 @@ CUSTOM_STEP_INTERVAL = 10
 
 _requested = False
 _watching = 0
-_installed = False
+# The SIGTERM handler ours replaced (called outside fit), or None.
+_previous = None
+_delegating = False
 
 
 class Preempted(SystemExit):
@@ -92,10 +94,14 @@ def watching():
 
 
 def _install() -> None:
-    global _installed
-    if not _installed:
+    """Makes `_on_sigterm` the SIGTERM handler, at every `fit`: a library
+    that set its own since (Ray's driver does) would otherwise take SIGTERM
+    during training. The handler it replaces runs outside `fit`."""
+    global _previous
+    current = signal.getsignal(signal.SIGTERM)
+    if current is not _on_sigterm:
+        _previous = current
         signal.signal(signal.SIGTERM, _on_sigterm)
-        _installed = True
 
 
 def _on_sigterm(signum, frame) -> None:
@@ -103,7 +109,18 @@ def _on_sigterm(signum, frame) -> None:
     if _watching:
         _requested = True
         return
-    # Outside fit: what SIGTERM does by default.
+    # Outside fit: what the replaced handler does (once: one that calls
+    # the handler it replaced, ours, must not bounce back), or the default.
+    global _delegating
+    if callable(_previous) and not _delegating:
+        _delegating = True
+        try:
+            _previous(signum, frame)
+        finally:
+            _delegating = False
+        return
+    if _previous == signal.SIG_IGN:
+        return
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)
 

@@ -189,3 +189,27 @@ def test_a_plain_keras_model_is_told_what_to_use(data, tmp_path):
     model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     with pytest.raises(ValueError, match=r"needs the fit of a keras_distrib.DistributedModel"):
         model.fit(*data, verbose=0, callbacks=[kd.callbacks.BackupAndRestore(tmp_path)])
+
+
+def test_sigterm_stops_fit_after_a_library_replaced_the_handler(data, tmp_path):
+    """A library that sets its own SIGTERM handler between two fits (Ray's
+    driver does) does not switch preemption off; outside fit its handler
+    runs again."""
+    class TermAfter(CrashAfter):
+        def on_train_batch_end(self, batch, logs=None):
+            self.steps += 1
+            if self.steps == self.at:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    _model().fit(*data, batch_size=BATCH, epochs=1, verbose=0)  # ours installed
+    library_got = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: library_got.append(signum))
+    try:
+        with pytest.raises(preemption.Preempted):
+            _fit(_model(), data, tmp_path, TermAfter(3))
+        assert library_got == []
+        preemption.reset()
+        os.kill(os.getpid(), signal.SIGTERM)  # outside fit: the library's handler
+        assert library_got == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
