@@ -42,7 +42,7 @@ def test_digits_example_trains_with_two_workers_through_the_launcher():
 def _launch_digits(config, *launch_flags):
     return subprocess.run(
         [sys.executable, "-m", "keras_distrib.launch", "launch", *launch_flags,
-         "examples/train_digits.py", "--config", config, "--epochs", "6"],
+         "examples/train_digits.py", "--config", config, "--epochs", "4"],
         cwd=ROOT, capture_output=True, text=True, timeout=280,
     )
 

@@ -264,7 +264,7 @@ def test_epoch_level_callbacks_see_every_step_applied(shared):
 
 
 @pytest.mark.slow
-def test_a_rerun_after_a_lost_ps_resumes_from_the_last_backup(tmp_path):
+def test_a_lost_ps_is_one_line_and_a_rerun_resumes_from_the_last_backup(tmp_path):
     backup_dir = str(tmp_path / "backup")
     env = {"PS_BACKUP_DIR": backup_dir, "PS_EPOCHS": "60"}
 
@@ -274,8 +274,16 @@ def test_a_rerun_after_a_lost_ps_resumes_from_the_last_backup(tmp_path):
 
     first = tmp_path / "first"
     first.mkdir()
-    code, output, _ = _launch(first, "resume", env=env, during=kill_the_ps)
-    assert code != 0 and "ParameterServerLostError" in output, output[-3000:]
+    code, output, report = _launch(first, "resume", env=env, during=kill_the_ps)
+    # The lost ps is one line; the chief fails on its own (the launcher did
+    # not have to stop it, as it does when the chief runs on a while).
+    assert code != 0 and report is None, output[-3000:]
+    assert re.search(r"ParameterServerLostError: parameter server ps 0 \(127\.0\.0\.1:\d+\) "
+                     r"failed; its variables are lost", output), output[-3000:]
+    assert ("[launcher] ps 0 exited (signal 9); not restarting it (its variables are lost); "
+            "the chief should fail, else it is stopped in 60s.") in output, output[-3000:]
+    assert "keras-distrib: chief failed with exit code 1; last output:" in output
+    assert "the chief still runs" not in output
     (backup,) = os.listdir(backup_dir)
     state = json.load(open(f"{backup_dir}/{backup}/state.json"))
     assert state["global_step"] >= 80  # backups every 20 steps; 47 an epoch
@@ -346,29 +354,3 @@ def test_a_killed_worker_does_not_stop_training(tmp_path):
     print("steps applied twice:", report["iterations"] - report["scheduled"],
           "of", report["scheduled"], "| results lost with the worker:", report["lost_results"])
     assert report["loss"][-1] < report["loss"][0]
-
-
-@pytest.mark.slow
-def test_a_killed_ps_is_a_one_line_error_and_nothing_is_left(tmp_path):
-    started = []
-
-    def kill_the_ps(proc, out):
-        _wait_for(out + ".ready", proc)
-        pids = _task_pids(proc.pid, "ps")
-        assert len(pids) == 1
-        started.append(time.monotonic())
-        os.kill(pids[0], signal.SIGKILL)
-
-    code, output, report = _launch(tmp_path, "long", env={"PS_EPOCHS": "200"},
-                                   during=kill_the_ps)
-    assert started and code != 0
-    print("seconds from the kill to the end of the job:", time.monotonic() - started[0])
-    # The chief failed on its own: the launcher did not have to stop it
-    # (it does when the chief still runs a while after a ps is lost).
-    assert "the chief still runs" not in output, output[-3000:]
-    assert re.search(r"ParameterServerLostError: parameter server ps 0 \(127\.0\.0\.1:\d+\) "
-                     r"failed; its variables are lost", output), output[-3000:]
-    assert ("[launcher] ps 0 exited (signal 9); not restarting it (its variables are lost); "
-            "the chief should fail, else it is stopped in 60s.") in output, output[-3000:]
-    assert "keras-distrib: chief failed with exit code 1; last output:" in output
-    assert report is None

@@ -56,7 +56,7 @@ def _check(out, summaries, names, expected_strategy, n, single_weights, evaluate
 
 
 # 2 workers: the name resolves as with any number (3 workers equal one
-# process in tests/distributed/test_multi_worker.py and test_faults.py).
+# process in tests/distributed/test_multi_worker.py).
 @pytest.mark.slow
 def test_launch_multi_worker_and_auto_by_name_with_steps_per_execution(tmp_path,
                                                                      single_weights):
