@@ -161,7 +161,7 @@ def mode_long(report, out):
                     f.write("1")
 
     started = time.time()
-    history = model.fit(x, y, batch_size=16, epochs=int(os.environ.get("PS_EPOCHS", "8")),
+    history = model.fit(x, y, batch_size=16, epochs=int(os.environ.get("PS_EPOCHS", "5")),
                         verbose=0, callbacks=[Ready()])
     report["seconds"] = time.time() - started
     report["iterations"] = steps_of(model)
