@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import socket
 import sys
 import time
 
@@ -88,6 +89,27 @@ def _task_pids(launcher_pid, task_type, index=None):
             if os.getsid(int(entry)) == launcher_pid or _descends(int(entry), launcher_pid):
                 pids.append(int(entry))
     return pids
+
+
+def _wait_until_restarted(proc, task_type, index, old_pid, timeout=90):
+    """Waits until the launcher's new `task_type` `index` (a pid other than
+    `old_pid`) accepts connections at its address."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, "the job ended before the task was restarted"
+        assert time.monotonic() < deadline, f"{task_type} {index} was not restarted"
+        new = [p for p in _task_pids(proc.pid, task_type, index) if p != old_pid]
+        if new:
+            try:
+                with open(f"/proc/{new[0]}/environ", "rb") as f:
+                    config = next(e for e in f.read().split(b"\0") if e.startswith(b"TF_CONFIG="))
+                host, port = json.loads(config[len(b"TF_CONFIG="):])["cluster"][task_type][
+                    index].rsplit(":", 1)
+                socket.create_connection((host, int(port)), timeout=1).close()
+                return
+            except OSError:
+                pass
+        time.sleep(0.1)
 
 
 def _descends(pid, ancestor):
@@ -335,8 +357,13 @@ def test_a_killed_worker_does_not_stop_training(tmp_path):
         assert len(pids) == 1
         os.kill(pids[0], signal.SIGKILL)
         killed.append(pids[0])
+        # The chief holds after epoch 1 until the launcher's new worker 1
+        # listens at the address the cluster knows (PS_HOLD).
+        _wait_until_restarted(proc, "worker", 1, pids[0])
+        open(out + ".go", "w").close()
 
-    code, output, report = _launch(tmp_path, "long", during=kill_a_worker)
+    code, output, report = _launch(tmp_path, "long", during=kill_a_worker,
+                                   env={"PS_HOLD": "1"})
     assert killed and code == 0, output[-3000:]
     # The launcher started it again, serving at the address the cluster knows.
     assert ("[launcher] worker 1 exited (signal 9); restarting it (restart 1)"
