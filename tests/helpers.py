@@ -252,6 +252,19 @@ ZOO_PROCESS_PATTERNS = {
 }
 
 
+# -- activation checkpointing (keras.RematScope) ----------------------------------
+
+class CountedDense(keras.layers.Dense):
+    """A Dense that counts the times its forward pass is traced or run
+    (`keras.RematScope` adds the one the backward pass recomputes)."""
+
+    calls = 0
+
+    def call(self, inputs):
+        CountedDense.calls += 1
+        return super().call(inputs)
+
+
 # -- each replica's own random numbers (keras_distrib.replica_seeds) ---------------
 
 class MCDropout(keras.layers.Dropout):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import keras_distrib as kd
-from helpers import CLASSES, FEATURES, make_data
+from helpers import CLASSES, FEATURES, CountedDense, make_data
 
 
 def _layers():
@@ -52,29 +52,16 @@ def test_remat_scope_trains_as_without_it(without_remat, strategy, mode):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
 
 
-class Counted(keras.layers.Layer):
-    """A Dense whose forward pass counts the times it is traced or run."""
-
-    calls = 0
-
-    def build(self, shape):
-        self.kernel = self.add_weight(shape=(shape[-1], CLASSES))
-
-    def call(self, x):
-        Counted.calls += 1
-        return x @ self.kernel
-
-
 def _forward_passes(scope, strategy):
     keras.utils.set_random_seed(1)
     with scope:
         inputs = keras.Input((FEATURES,))
-        model = kd.DistributedModel(inputs, Counted()(inputs), strategy=strategy)
+        model = kd.DistributedModel(inputs, CountedDense(CLASSES)(inputs), strategy=strategy)
     model.compile(optimizer="sgd", loss="mse")
     x, _ = make_data(64)
-    Counted.calls = 0
+    CountedDense.calls = 0
     model.fit(x, np.zeros((64, CLASSES), "float32"), batch_size=32, epochs=1, verbose=0)
-    return Counted.calls
+    return CountedDense.calls
 
 
 @pytest.mark.parametrize("strategy", ["single", "mirrored"])

@@ -8,6 +8,7 @@ a plain Keras twin trained here on the whole data from the same initial
 weights. Nothing is seeded unless the probe is about seeds.
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -22,7 +23,7 @@ from keras_distrib.input.fit_input import FitInput  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
-from helpers import (IdBatches, SampleIds, dropout_kept_counts,  # noqa: E402
+from helpers import (CountedDense, IdBatches, SampleIds, dropout_kept_counts,  # noqa: E402
                      monte_carlo_dropped)
 
 FLAGS = flags.FLAGS
@@ -149,12 +150,14 @@ def batch_norm():
     }
 
 
-def _ours_and_twin(graph):
-    """Ours (under `--strategy`) and a plain Keras model, each on its own
-    `graph()`, both starting from one set of weights drawn from a fixed
-    seed, the same on every worker (horovod broadcasts rank 0's weights at
-    the first build, after a twin would have copied its rank's own)."""
-    model = kd.DistributedModel(*graph(), strategy=FLAGS.strategy)
+def _ours_and_twin(graph, ours_in=contextlib.nullcontext()):
+    """Ours (under `--strategy`, built within `ours_in`) and a plain Keras
+    model, each on its own `graph()`, both starting from one set of weights
+    drawn from a fixed seed, the same on every worker (horovod broadcasts
+    rank 0's weights at the first build, after a twin would have copied its
+    rank's own)."""
+    with ours_in:
+        model = kd.DistributedModel(*graph(), strategy=FLAGS.strategy)
     twin = keras.Model(*graph())
     rng = np.random.default_rng(7)
     start = [rng.normal(scale=0.3, size=w.shape).astype(w.dtype) for w in twin.get_weights()]
@@ -212,16 +215,6 @@ def ragged_input():
     return model.strategy.rank, results
 
 
-class CountedDense(keras.layers.Dense):
-    """A Dense that counts the times its forward pass is traced or run."""
-
-    calls = 0
-
-    def call(self, inputs):
-        CountedDense.calls += 1
-        return super().call(inputs)
-
-
 def remat():
     """A model built in `keras.RematScope(mode="full")` under `--strategy`
     against the plain twin built without it, Adam, from the same weights:
@@ -233,13 +226,7 @@ def remat():
         inputs = keras.Input((8,))
         return inputs, keras.layers.Dense(3)(CountedDense(16, activation="relu")(inputs))
 
-    with keras.RematScope(mode="full"):
-        model = kd.DistributedModel(*graph(), strategy=FLAGS.strategy)
-    twin = keras.Model(*graph())
-    rng = np.random.default_rng(7)
-    start = [rng.normal(scale=0.3, size=w.shape).astype(w.dtype) for w in twin.get_weights()]
-    model.set_weights(start)
-    twin.set_weights(start)
+    model, twin = _ours_and_twin(graph, ours_in=keras.RematScope(mode="full"))
     results = {}
     for name, m in (("twin", twin), ("ours", model)):
         m.compile(optimizer=keras.optimizers.Adam(0.01), loss=_loss())

@@ -33,7 +33,9 @@ import numpy as np
 import tensorflow as tf
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from _digits import digits_arrays  # noqa: E402
+from helpers import CountedDense  # noqa: E402
 
 DIRECTORY = sys.argv[2]
 
@@ -331,16 +333,6 @@ def mode_errors(report, out):
     jit_warnings = []
     report["jit_compile"] = error_of(lambda: jit_warnings.extend(jit_compile()))
     report["jit_compile_warnings"] = jit_warnings
-
-
-class CountedDense(keras.layers.Dense):
-    """A Dense that counts the times its forward pass is traced or run."""
-
-    calls = 0
-
-    def call(self, inputs):
-        CountedDense.calls += 1
-        return super().call(inputs)
 
 
 def mode_remat(report, out):
