@@ -66,9 +66,10 @@ SERVING = (r"\[(?P<label>(?:worker|ps) \d+)\] keras_distrib: (?P=label) serving 
            r"(?P<address>\S+) \(pid (?P<pid>\d+)\)")
 
 
-def _task_pids(launcher_pid, task_type, index=None):
-    """Pids of the launcher's task_server children of `task_type`."""
-    pids = []
+def _tasks(launcher_pid, task_type, index=None):
+    """{pid: address} of the launcher's task_server children of `task_type`
+    (the address the cluster gives each, from its TF_CONFIG)."""
+    tasks = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -84,11 +85,17 @@ def _task_pids(launcher_pid, task_type, index=None):
         config = [e for e in environ if e.startswith(b"TF_CONFIG=")]
         if not config:
             continue
-        task = json.loads(config[0][len(b"TF_CONFIG="):])["task"]
+        config = json.loads(config[0][len(b"TF_CONFIG="):])
+        task = config["task"]
         if task["type"] == task_type and (index is None or task["index"] == index):
             if os.getsid(int(entry)) == launcher_pid or _descends(int(entry), launcher_pid):
-                pids.append(int(entry))
-    return pids
+                tasks[int(entry)] = config["cluster"][task_type][task["index"]]
+    return tasks
+
+
+def _task_pids(launcher_pid, task_type, index=None):
+    """Pids of the launcher's task_server children of `task_type`."""
+    return list(_tasks(launcher_pid, task_type, index))
 
 
 def _wait_until_restarted(proc, task_type, index, old_pid, timeout=90):
@@ -98,13 +105,11 @@ def _wait_until_restarted(proc, task_type, index, old_pid, timeout=90):
     while True:
         assert proc.poll() is None, "the job ended before the task was restarted"
         assert time.monotonic() < deadline, f"{task_type} {index} was not restarted"
-        new = [p for p in _task_pids(proc.pid, task_type, index) if p != old_pid]
+        new = [address for pid, address in _tasks(proc.pid, task_type, index).items()
+               if pid != old_pid]
         if new:
+            host, port = new[0].rsplit(":", 1)
             try:
-                with open(f"/proc/{new[0]}/environ", "rb") as f:
-                    config = next(e for e in f.read().split(b"\0") if e.startswith(b"TF_CONFIG="))
-                host, port = json.loads(config[len(b"TF_CONFIG="):])["cluster"][task_type][
-                    index].rsplit(":", 1)
                 socket.create_connection((host, int(port)), timeout=1).close()
                 return
             except OSError:
