@@ -14,6 +14,8 @@ import os
 
 import pytest
 
+from pure_helpers import CHILD_SITE
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 UNIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "unit")
@@ -109,6 +111,17 @@ def pytest_configure(config):
 
 
 # -- fixtures shared by the tiers ------------------------------------------------------
+
+
+@pytest.fixture(scope="session", autouse=True)
+def child_site():
+    """Every process a test starts keeps modules it does not use from
+    loading (tests/child_site/sitecustomize.py); tests that set their own
+    PYTHONPATH use `pure_helpers.CHILD_PYTHONPATH`. Set where tests run,
+    not in pytest-xdist's controller, whose workers run in-process tests
+    that may import them."""
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (CHILD_SITE, os.environ.get("PYTHONPATH")) if p)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,8 @@ import tensorflow as tf
 import keras_distrib as kd
 # Paths and processes (no TensorFlow there: the unit tier imports them alone).
 from pure_helpers import (  # noqa: F401  (re-exported)
-    KERAS_FEATURES_WORKER, ROOT, WORKERS, kill_pids, kill_process_group, launch, process_alive)
+    CHILD_PYTHONPATH, KERAS_FEATURES_WORKER, ROOT, WORKERS, kill_pids, kill_process_group,
+    launch, process_alive)
 
 FEATURES, CLASSES = 8, 3
 

@@ -20,6 +20,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The scripts the tests run as worker processes (shared by every tier).
 WORKERS = os.path.join(ROOT, "tests", "workers")
 KERAS_FEATURES_WORKER = os.path.join(WORKERS, "keras_features.py")
+# On the path of every process the tests start (tests/conftest.py): its
+# sitecustomize keeps modules no such process uses from loading.
+CHILD_SITE = os.path.join(ROOT, "tests", "child_site")
+# This repository (the tests' helper modules) and CHILD_SITE.
+CHILD_PYTHONPATH = os.pathsep.join((ROOT, CHILD_SITE))
 
 
 def process_alive(pid, zombies_count=True):
@@ -64,7 +69,7 @@ HEAVY_MODULES = ("tensorflow", "keras")
 
 def run_python(code: str, *args: str, cwd=None) -> subprocess.CompletedProcess:
     """`python -c code args...` with this repository first on its path."""
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    env = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH}
     return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=45)
 

@@ -19,7 +19,7 @@ import threading
 import time
 
 import pytest
-from helpers import ROOT, kill_pids, kill_process_group, process_alive
+from helpers import CHILD_PYTHONPATH, kill_pids, kill_process_group, process_alive
 from pure_helpers import HEAVY_MODULES, RANK_PRELUDE, rank_pids, rank_script, run_python
 
 from keras_distrib import launch
@@ -43,7 +43,7 @@ def _lines_of(output: str, rank: int) -> list[str]:
 
 
 def _cli(*args, cwd=None) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    env = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH, "TF_CPP_MIN_LOG_LEVEL": "3"}
     return subprocess.Popen(
         [sys.executable, "-m", "keras_distrib.launch", *args], cwd=cwd, env=env,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -42,7 +42,7 @@ import uuid
 
 import pytest
 
-from helpers import ROOT, kill_pids, kill_process_group
+from helpers import CHILD_PYTHONPATH, kill_pids, kill_process_group
 from pure_helpers import write_script
 from keras_distrib import cluster, launch
 from keras_distrib.launch import LaunchConfig
@@ -96,7 +96,7 @@ class _Launcher:
     """`python -m keras_distrib.launch launch ...`, its stdout and stderr read live."""
 
     def __init__(self, args, cwd):
-        env = {**os.environ, "PYTHONPATH": ROOT}
+        env = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "keras_distrib.launch", "launch", *args], cwd=cwd,
             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -170,7 +170,7 @@ def launcher(tmp_path, token):
 
 
 def _cli_error(tmp_path, *args):
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    env = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH}
     proc = subprocess.run([sys.executable, "-m", "keras_distrib.launch", "launch", *args],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("keras-distrib:")]
@@ -418,7 +418,7 @@ def test_signal_or_timeout_stops_every_task(tmp_path, capfd, token, how):
 @pytest.mark.slow
 def test_task_server_without_a_cluster_is_a_one_line_error(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG" and not k.startswith("SLURM_")}
-    env["PYTHONPATH"] = ROOT
+    env["PYTHONPATH"] = CHILD_PYTHONPATH
     proc = subprocess.run([sys.executable, *SERVER_MODULE], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2
@@ -432,7 +432,7 @@ def test_task_server_exits_0_quietly_and_at_once_on_sigterm(tmp_path, token):
     chief, worker, ps = (f"127.0.0.1:{p}" for p in cluster.free_ports(3))
     config = {"cluster": {"chief": [chief], "worker": [worker], "ps": [ps]},
               "task": {"type": "ps", "index": 0}}
-    env = {**os.environ, "PYTHONPATH": ROOT, "TF_CONFIG": json.dumps(config),
+    env = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH, "TF_CONFIG": json.dumps(config),
            "TF_CPP_MIN_LOG_LEVEL": "3"}
     proc = subprocess.Popen([sys.executable, *SERVER_MODULE], env=env, cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -18,7 +18,7 @@ import textwrap
 import time
 
 import pytest
-from helpers import ROOT, kill_pids, kill_process_group, process_alive
+from helpers import CHILD_PYTHONPATH, kill_pids, kill_process_group, process_alive
 
 from keras_distrib.cluster.launch_contract import PREEMPTED
 
@@ -93,7 +93,7 @@ def launcher(tmp_path):
     started = []
 
     def start(*args) -> subprocess.Popen:
-        env = {**os.environ, "PYTHONPATH": ROOT}
+        env = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH}
         proc = subprocess.Popen(
             [sys.executable, "-m", "keras_distrib.launch", "launch", *args], cwd=tmp_path,
             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from helpers import WORKERS
+from pure_helpers import CHILD_SITE
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install keras_distrib[ray])")
 
@@ -40,10 +41,13 @@ def _one_process(initial):
 
 
 @pytest.fixture
-def ray_cluster():
+def ray_cluster(monkeypatch):
     """A local Ray cluster of 2 CPUs, its files in a short temporary
     directory (Ray's socket paths must stay under 108 bytes), shut down
-    and removed after the test."""
+    and removed after the test. Its processes import pandas (Ray Train
+    needs it), so tests/child_site is off their path."""
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in paths if p != CHILD_SITE))
     directory = tempfile.mkdtemp(prefix="kdray")
     ray.init(num_cpus=2, include_dashboard=False, _temp_dir=directory,
              log_to_driver=False, configure_logging=False)

@@ -24,7 +24,7 @@ import time
 import numpy as np
 import pytest
 
-from helpers import ROOT, WORKERS, kill_process_group
+from helpers import CHILD_PYTHONPATH, ROOT, WORKERS, kill_process_group
 
 sys.path.insert(0, WORKERS)
 from sharded_ps import (  # noqa: E402
@@ -34,7 +34,7 @@ WORKER = os.path.join(WORKERS, "sharded_ps.py")
 
 
 def _spawn(*args, log):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=CHILD_PYTHONPATH)
     return subprocess.Popen([sys.executable, WORKER, *args], cwd=ROOT, env=env,
                             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)

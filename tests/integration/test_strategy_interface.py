@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 import keras_distrib as kd
-from helpers import ROOT
+from helpers import CHILD_PYTHONPATH
 from keras_distrib.strategies import registry
 from keras_distrib.strategies.per_process import PerProcessStrategy
 
@@ -111,7 +111,7 @@ def test_a_strategy_is_imported_when_first_asked_for(tmp_path):
         print(strategies.available()["zz_test_plugin"], type(strategies.get("zz_test_plugin")).__name__)
     """)
     proc = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": CHILD_PYTHONPATH})
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()[-3:]
     assert lines[0] == "False []"
