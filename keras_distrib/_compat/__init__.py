@@ -81,6 +81,9 @@ from keras_distrib._compat.keras_layers import (
 )
 from keras_distrib._compat.keras_optimizer import (
     apply_loss_scaled,
+    clip_gradients,
+    clipping_off,
+    decide_weight_decay_by,
     learning_rate_or_schedule,
     optimizer_slot_prefix,
     optimizer_strategy,
@@ -89,6 +92,7 @@ from keras_distrib._compat.keras_optimizer import (
     route_sharded_updates,
     set_optimizer_strategy,
     sum_gradients_across_replicas,
+    variable_key,
     wrap_optimizer_all_reduce,
 )
 from keras_distrib._compat.keras_trainer import (

@@ -5,6 +5,8 @@ on Keras 3.15.1 / TensorFlow 2.21.0."""
 
 from __future__ import annotations
 
+import contextlib
+
 import tensorflow as tf
 
 _TF_OPTIMIZER = "keras.src.backend.tensorflow.optimizer:TFOptimizer"
@@ -29,6 +31,8 @@ PRIVATE = (
     "tensorflow:__internal__.distribute.interim.maybe_merge_call",
     # learning_rate_or_schedule
     f"{_BASE_OPTIMIZER}._learning_rate",
+    # clip_gradients, clipping_off
+    f"{_BASE_OPTIMIZER}._clip_gradients",
 )
 
 
@@ -170,6 +174,39 @@ def _route_weight_decay(optimizer, is_sharded) -> None:
         )
 
     optimizer._apply_weight_decay = apply_weight_decay
+
+
+def clip_gradients(optimizer, grads: list) -> list:
+    """`grads` clipped as the optimizer clips what it applies (`clipnorm`,
+    `global_clipnorm` or `clipvalue`: `BaseOptimizer._clip_gradients`, which
+    `apply` runs; Keras has no public entry to it)."""
+    return optimizer._clip_gradients(grads)
+
+
+@contextlib.contextmanager
+def clipping_off(optimizer):
+    """The optimizer applies gradients unclipped inside the block (at trace
+    time): they were clipped whole before it updates parts of variables."""
+    optimizer._clip_gradients = lambda grads: grads
+    try:
+        yield
+    finally:
+        del optimizer._clip_gradients
+
+
+def variable_key(optimizer, variable):
+    """The key the optimizer finds `variable`'s slots by (`TFOptimizer._var_key`:
+    the TensorFlow variable's id, the same for a Keras variable and its
+    `.value`)."""
+    return optimizer._var_key(variable)
+
+
+def decide_weight_decay_by(optimizer, whole_of) -> None:
+    """The optimizer decays a variable `v` when it would decay `whole_of(v)`
+    (`BaseOptimizer._use_weight_decay`: by `exclude_from_weight_decay`'s
+    variables and names)."""
+    use_weight_decay = optimizer._use_weight_decay
+    optimizer._use_weight_decay = lambda variable: use_weight_decay(whole_of(variable))
 
 
 def learning_rate_or_schedule(optimizer):

@@ -33,6 +33,7 @@ It also writes the backup when `fit` stops on a SIGTERM
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -46,6 +47,7 @@ import numpy as np
 from keras_distrib import preemption
 from keras_distrib.input import fit_input
 from keras_distrib.callbacks import _common
+from keras_distrib.training import optimizer_shards
 
 WEIGHTS = "weights.weights.h5"
 STATE = "state.json"
@@ -177,12 +179,17 @@ class BackupAndRestore(keras.callbacks.Callback):
     # -- saving and restoring ------------------------------------------------------
 
     def _save(self) -> None:
-        """Writes the backup of this point (chief only; the others go on)."""
+        """Writes the backup of this point (chief only; the others go on,
+        once they gave their part of a sharded optimizer's slots)."""
         if self._saved_at == self._global_step:
             return  # this point is already backed up (or nothing was trained yet)
         self._saved_at = self._global_step
-        if not self._strategy.is_chief:
-            return
+        shards = optimizer_shards.of(getattr(self.model, "optimizer", None))
+        with shards.gathered() if shards is not None else contextlib.nullcontext():
+            if self._strategy.is_chief:
+                self._write()
+
+    def _write(self) -> None:
         # Steps still running elsewhere (parameter servers) land first, so
         # the backup holds every step counted in its state.
         self._strategy.settle(self.model)
@@ -223,8 +230,14 @@ class BackupAndRestore(keras.callbacks.Callback):
                       "batches per replica differ from the original run.")
             keras.Model.load_weights(model, os.path.join(path, WEIGHTS))
         optimizer = getattr(model, "optimizer", None)
-        variables = list(model.weights) + list(getattr(optimizer, "variables", []))
+        shards = optimizer_shards.of(optimizer)
+        variables = list(model.weights) + [
+            v for v in getattr(optimizer, "variables", [])
+            if shards is None or not shards.sharded(v)]
         strategy.broadcast_variables(variables)
+        if shards is not None:
+            # Each worker holds its part of the slots: cut from the chief's whole ones.
+            shards.share_loaded()
         strategy.broadcast_derived_state(model)
 
 

@@ -89,6 +89,43 @@ class Step:
     applies: bool = True
 
 
+@dataclasses.dataclass(frozen=True)
+class ReplicaMemory:
+    """Bytes one replica holds for a model (`Strategy.describe`), read from
+    its variables: `weights` (all of the model's), `gradients` (one per
+    trainable weight, whole: the step all-reduces them whole) and
+    `optimizer` (the optimizer's variables, which with
+    `optimizer_sharding="optimizer"` are this replica's parts)."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer
+
+    def __str__(self) -> str:
+        return (f"per replica: weights {_size(self.weights)}, gradients "
+                f"{_size(self.gradients)}, optimizer {_size(self.optimizer)}, "
+                f"total {_size(self.total)}")
+
+
+def _size(count: float) -> str:
+    if count < 1024:
+        return f"{count:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        count /= 1024
+        if count < 1024 or unit == "GiB":
+            return f"{count:.1f} {unit}"
+
+
+def variable_bytes(variables) -> int:
+    """Bytes of `variables`' values (one copy each)."""
+    return sum(int(np.prod(v.shape)) * np.dtype(tf.as_dtype(v.dtype).as_numpy_dtype).itemsize
+               for v in variables)
+
+
 class Strategy(CrossProcessHelpers):
     """Base class of all keras_distrib strategies.
 
@@ -108,6 +145,10 @@ class Strategy(CrossProcessHelpers):
     aliases: ClassVar[tuple[str, ...]] = ()
     description: ClassVar[str] = ""
     capabilities: ClassVar[Capabilities] = Capabilities()
+    # "optimizer": each replica keeps the optimizer's slots for its part of
+    # every variable (keras_distrib.strategies.optimizer_sharding; set by the
+    # data-parallel strategies that take the option).
+    optimizer_sharding: Optional[str] = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -212,6 +253,16 @@ class Strategy(CrossProcessHelpers):
         import keras
 
         keras.layers.Layer.set_weights(model, weights)
+
+    def describe(self, model) -> ReplicaMemory:
+        """Bytes each replica holds for `model` (every replica a whole copy
+        of the weights and gradients; strategies that split the model
+        override it)."""
+        optimizer = getattr(model, "optimizer", None)
+        return ReplicaMemory(
+            weights=variable_bytes(model.weights),
+            gradients=variable_bytes(model.trainable_weights),
+            optimizer=variable_bytes(optimizer.variables if optimizer is not None else []))
 
     # -- input ------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_distrib import devices as devices_lib
+from keras_distrib.strategies import optimizer_sharding as sharding_option
 from keras_distrib.strategies.base import Capabilities
 from keras_distrib.strategies.gradients import reduce_op_name
 from keras_distrib.strategies.per_process import PerProcessStrategy
@@ -85,6 +86,10 @@ class Horovod(PerProcessStrategy):
             else the CPU. With GPUs, make each process see only its own GPU
             (`CUDA_VISIBLE_DEVICES` or `tf.config.set_visible_devices`) so
             TensorFlow does not take memory on the others.
+        optimizer_sharding: None (every rank keeps the optimizer's slots for
+            every variable) or `"optimizer"` (ZeRO stage 1: each keeps them
+            for 1/N of each variable; see
+            `keras_distrib.training.optimizer_shards`).
 
     Example:
 
@@ -104,7 +109,8 @@ class Horovod(PerProcessStrategy):
         "Data parallelism over Horovod collectives (Gloo on CPU, NCCL on GPU, MPI)."
     )
 
-    def __init__(self, device: Optional[str] = None):
+    def __init__(self, device: Optional[str] = None, optimizer_sharding: Optional[str] = None):
+        self.optimizer_sharding = sharding_option.check(self.name, optimizer_sharding)
         hvd = _import_horovod()
         hvd.init()
         self._hvd = hvd

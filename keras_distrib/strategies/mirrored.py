@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from keras_distrib import _compat
 from keras_distrib import devices as devices_lib
+from keras_distrib.strategies import optimizer_sharding as sharding_option
 from keras_distrib.strategies.tf_distribute import TFDistributeStrategy
 
 _CROSS_DEVICE_OPS = {
@@ -42,6 +43,9 @@ class Mirrored(TFDistributeStrategy):
             `"auto"` (TensorFlow's choice: NCCL on GPUs, reduction to one
             device on CPUs), `"nccl"`, `"hierarchical_copy"` (both GPU only)
             or `"reduction_to_one_device"`.
+        optimizer_sharding: None; `"optimizer"` (ZeRO stage 1) needs one
+            replica per process and is refused here with several devices
+            (use `"multi_worker"` with one worker per device, or `"horovod"`).
 
     Example:
 
@@ -60,12 +64,15 @@ class Mirrored(TFDistributeStrategy):
         self,
         devices: Optional[Sequence[str]] = None,
         cross_device_ops: str = "auto",
+        optimizer_sharding: Optional[str] = None,
     ):
         devices = (
             devices_lib.local_devices()
             if devices is None
             else devices_lib.check_devices(devices)
         )
+        self.optimizer_sharding = sharding_option.check(
+            self.name, optimizer_sharding, one_replica_per_process=len(devices) == 1)
         ops = _cross_device_ops(cross_device_ops, devices)
         super().__init__(
             _KeyedMirroredStrategy(devices=devices, cross_device_ops=ops)

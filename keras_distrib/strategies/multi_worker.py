@@ -15,6 +15,7 @@ from keras_distrib import cluster as cluster_lib
 from keras_distrib.collectives import heartbeats, host_allreduce, pieces
 from keras_distrib.collectives import runtime
 from keras_distrib.collectives.watchdog import CollectiveWatchdog
+from keras_distrib.strategies import optimizer_sharding as sharding_option
 from keras_distrib.strategies.gradients import reduce_op_name
 from keras_distrib.strategies.tf_distribute import TFDistributeStrategy
 
@@ -87,6 +88,11 @@ class MultiWorker(TFDistributeStrategy):
             step timed out, not which worker).
         peer_timeout: Seconds to wait for all workers to join at start-up;
             a worker that never answers is named in the error.
+        optimizer_sharding: None (every worker keeps the optimizer's slots
+            for every variable) or `"optimizer"` (ZeRO stage 1: each keeps
+            them for 1/N of each variable; see
+            `keras_distrib.training.optimizer_shards`). Needs one device per
+            worker.
 
     Example:
 
@@ -115,9 +121,11 @@ class MultiWorker(TFDistributeStrategy):
         bytes_per_pack: int = 0,
         collective_timeout: Optional[float] = DEFAULT_COLLECTIVE_TIMEOUT,
         peer_timeout: float = 120.0,
+        optimizer_sharding: Optional[str] = None,
     ):
         # Options first: a bad one is named even where no cluster is found.
         options = _communication_options(implementation, bytes_per_pack, collective_timeout)
+        sharding_option.check(self.name, optimizer_sharding)
         runtime.check_seconds("peer_timeout", peer_timeout)
         info = cluster_lib.resolve(cluster, task_index)
         if info is None:
@@ -143,6 +151,8 @@ class MultiWorker(TFDistributeStrategy):
         super().__init__(engine, num_processes=info.world_size, process_index=info.rank,
                          local_rank=_local_rank(info))
         self.implementation = implementation
+        self.optimizer_sharding = sharding_option.check(
+            self.name, optimizer_sharding, one_replica_per_process=self.num_local_replicas == 1)
         self._host_reduce = None
         if shared_memory and self.num_local_replicas > 1:
             # One call per process is what the shared segment expects.

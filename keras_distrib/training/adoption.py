@@ -24,6 +24,7 @@ from keras_distrib import _compat
 from keras_distrib import placement
 from keras_distrib.input import data as data_lib
 from keras_distrib.training import fit_checks
+from keras_distrib.training import optimizer_shards
 from keras_distrib.training.gradient_reduction import install_reduction_switch
 from keras_distrib.training.outside_scopes import outside_scopes
 
@@ -215,6 +216,9 @@ def adopt_optimizer(optimizer, applying: list, strategy, model, switch):
         engine = tf.distribute.get_strategy()
     for opt in applying:
         _compat.set_optimizer_strategy(opt, engine)
+    if strategy.optimizer_sharding:
+        # Before build_under: its eager build under the scope builds the parts.
+        optimizer_shards.install(optimizer, strategy, switch)
     for opt in applying:
         if opt.built:
             _compat.reindex_optimizer(opt)

@@ -1,0 +1,316 @@
+"""Optimizer-state sharding (ZeRO stage 1): each replica updates its part.
+
+With `optimizer_sharding="optimizer"` (an option of the data-parallel
+strategies with one replica per process, `keras_distrib.strategies.optimizer_sharding`)
+the N replicas share out every trainable variable: replica r owns
+elements `[r*k, (r+1)*k)` of its flattened values (`k = ceil(size / N)`).
+The optimizer is built on these parts, so its slots (Adam's two moments,
+momentum, accumulators) take 1/N of the bytes on each replica, and
+`model.optimizer.variables` are this replica's parts.
+
+A step (`OptimizerShards.apply`, which the optimizer's `apply` becomes):
+
+1. the gradients arrive reduced (the step's one all-reduce; a custom
+   `train_step`'s are reduced here), so every replica holds the global
+   mean gradient;
+2. Keras's own clipping runs on them whole (`clipnorm` and
+   `global_clipnorm` need the whole norm);
+3. the optimizer updates this replica's part of each variable with its
+   part of the gradient (its slots, weight decay, learning rate schedule,
+   step count: Keras's own code);
+4. the updated parts travel to every replica in one all-reduce per dtype
+   (each replica adds its part at its offset to zeros), and every replica
+   assigns the whole variables, then applies their constraints.
+
+Every update the sharded optimizers make is elementwise, so each element
+gets the arithmetic it gets without sharding. Optimizers that read whole
+tensors (LAMB's trust ratio, Adafactor's factored moments, Muon's
+orthogonalization), loss scaling (one finite check over all gradients)
+and EMA are refused in one line.
+
+Files see whole values: `save_own_variables` gathers each slot whole (all
+workers save together, as `keras_distrib.training.chief_only` has them do)
+and `load_own_variables` keeps this replica's part of a whole file, so a
+file written sharded loads into plain Keras, unsharded, or another number
+of workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from typing import Optional
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_distrib import _compat
+
+# Keras optimizers whose update of a variable is elementwise given its
+# gradient (besides clipping, done whole here).
+ELEMENTWISE = (
+    keras.optimizers.SGD, keras.optimizers.Adam, keras.optimizers.AdamW,
+    keras.optimizers.Adamax, keras.optimizers.Nadam, keras.optimizers.RMSprop,
+    keras.optimizers.Adagrad, keras.optimizers.Adadelta, keras.optimizers.Ftrl,
+    keras.optimizers.Lion,
+)
+
+_SHARDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def of(optimizer) -> Optional["OptimizerShards"]:
+    """The sharding of `optimizer`, or None when it updates whole variables."""
+    return _SHARDS.get(optimizer) if optimizer is not None else None
+
+
+def install(optimizer, strategy, switch) -> "OptimizerShards":
+    """Makes `optimizer` (adopted by a model on `strategy`) build on and
+    update this replica's parts; `switch`: the model's `ReductionSwitch`."""
+    check_optimizer(optimizer)
+    shards = OptimizerShards(optimizer, strategy, switch)
+    _SHARDS[optimizer] = shards
+    return shards
+
+
+def check_optimizer(optimizer) -> None:
+    """A one-line error for an optimizer whose update cannot be sharded."""
+    name = type(optimizer).__name__
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        raise ValueError(
+            "optimizer_sharding cannot run a LossScaleOptimizer (mixed_float16): its "
+            "finite check spans all gradients; use optimizer_sharding=None, or the "
+            "'mixed_bfloat16' policy (no loss scaling).")
+    if not isinstance(optimizer, ELEMENTWISE):
+        raise ValueError(
+            f"optimizer_sharding cannot shard {name}: only optimizers that update each "
+            f"element on its own do ({', '.join(c.__name__ for c in ELEMENTWISE)}); "
+            "use optimizer_sharding=None.")
+    if optimizer.built:
+        raise ValueError(
+            f"optimizer_sharding needs an optimizer that has not been built yet, but this "
+            f"{name} has slots already; pass a new one (or its name) to compile().")
+    if optimizer.use_ema:
+        raise ValueError(
+            f"optimizer_sharding cannot run {name}(use_ema=True) yet; use "
+            "optimizer_sharding=None.")
+    if getattr(optimizer, "backward_passes_per_step", 1) > 1:
+        raise ValueError(
+            "optimizer_sharding cannot run DistributedOptimizer(backward_passes_per_step>1); "
+            "use the Keras optimizer's gradient_accumulation_steps instead.")
+    clips = any(getattr(optimizer, a, None) for a in ("clipnorm", "global_clipnorm", "clipvalue"))
+    if optimizer.gradient_accumulation_steps and clips:
+        raise ValueError(
+            f"optimizer_sharding cannot clip the accumulated gradients of {name}"
+            "(gradient_accumulation_steps=..., clip...=...); drop one of the two.")
+
+
+class _Part:
+    """One trainable variable (`whole`, `size` elements) and this replica's
+    part (`piece`, `length` of them; the last replicas' parts end in padding)."""
+
+    def __init__(self, whole, piece, size: int, length: int, replicas: int):
+        self.whole, self.piece = whole, piece
+        self.size, self.length, self.replicas = size, length, replicas
+
+
+class OptimizerShards:
+    """What one sharded optimizer needs (see module doc)."""
+
+    def __init__(self, optimizer, strategy, switch):
+        self._optimizer = weakref.ref(optimizer)
+        self._strategy, self._switch = strategy, switch
+        self.parts: list[_Part] = []
+        self._by_whole: dict[int, _Part] = {}
+        self._by_piece_key: dict = {}
+        self._slot_part: dict[int, _Part] = {}  # id(optimizer slot) -> its variable's part
+        self._loaded: Optional[dict] = None  # whole slots a load left for share_loaded
+        self._whole: Optional[list] = None  # whole values gathered for saves (gathered())
+        keras_build, keras_apply = optimizer.build, optimizer.apply
+        keras_load = optimizer.load_own_variables
+
+        optimizer.build = lambda variables: self._build(keras_build, variables)
+        optimizer.apply = lambda grads, trainable_variables=None: self._apply(
+            keras_apply, grads, trainable_variables)
+        optimizer.save_own_variables = lambda store: self._save(store)
+        optimizer.load_own_variables = lambda store: self._load(keras_load, store)
+        # Weight decay decides by the whole variable (its name, or
+        # `exclude_from_weight_decay(var_list=...)`).
+        _compat.decide_weight_decay_by(optimizer, self._whole_of)
+
+    @property
+    def optimizer(self):
+        return self._optimizer()
+
+    # -- build -------------------------------------------------------------------
+
+    def _build(self, keras_build, variables) -> None:
+        optimizer, n = self.optimizer, self._strategy.num_replicas
+        parts = []
+        for whole in variables:
+            size = int(np.prod(whole.shape))
+            length = math.ceil(size / n)
+            piece = keras.Variable(initializer="zeros", shape=(length,), dtype=whole.dtype,
+                                   trainable=False, name=whole.name)
+            parts.append(_Part(whole, piece, size, length, n))
+        by_piece = {id(p.piece): p for p in parts}
+        add_slot = optimizer.add_variable_from_reference
+
+        def recording(reference, *args, **kwargs):
+            slot = add_slot(reference, *args, **kwargs)
+            if id(reference) in by_piece:
+                self._slot_part[id(slot)] = by_piece[id(reference)]
+            return slot
+
+        optimizer.add_variable_from_reference = recording
+        try:
+            keras_build([p.piece for p in parts])
+        finally:
+            del optimizer.add_variable_from_reference
+        self.parts = parts
+        self._by_whole = {id(p.whole): p for p in parts}
+        self._by_piece_key = {_compat.variable_key(optimizer, p.piece): p for p in parts}
+
+    def _whole_of(self, variable):
+        part = self._by_piece_key.get(_compat.variable_key(self.optimizer, variable))
+        return variable if part is None else part.whole
+
+    # -- the step (replica context) ---------------------------------------------------
+
+    def _apply(self, keras_apply, grads, trainable_variables=None) -> None:
+        optimizer = self.optimizer
+        if trainable_variables is None:
+            trainable_variables = [p.whole for p in self.parts]
+        trainable_variables = list(trainable_variables)
+        if not optimizer.built:
+            optimizer.build(trainable_variables)
+        pairs = [(g, v) for g, v in zip(grads, trainable_variables) if g is not None]
+        if not pairs:
+            return
+        unknown = [v.path for _, v in pairs if id(v) not in self._by_whole]
+        if unknown:
+            raise ValueError(
+                f"optimizer_sharding: the optimizer was built for other variables than "
+                f"{unknown[0]!r}; use one optimizer per set of variables.")
+        sparse = [v.path for g, v in pairs if isinstance(g, tf.IndexedSlices)]
+        if sparse:
+            raise ValueError(
+                f"optimizer_sharding: the gradient of {sparse[0]!r} is sparse (an Embedding's "
+                "or a gather's); sharded updates take dense gradients: use "
+                "optimizer_sharding=None for this model.")
+        if not self._switch.reduced:
+            # A custom train_step's own gradients: reduced once, here (Keras
+            # would sum the parts, which differ from replica to replica).
+            pairs = self._strategy.reduce_applied_gradients(pairs)
+        parts = [self._by_whole[id(v)] for _, v in pairs]
+        grads = _compat.clip_gradients(optimizer, [tf.convert_to_tensor(g) for g, _ in pairs])
+        here = self._strategy.replica_index()
+        for part in parts:
+            part.piece.assign(_piece_of(part.whole, part, here))
+        with self._switch.applying_reduced(), _compat.clipping_off(optimizer):
+            keras_apply([_piece_of(g, part, here) for g, part in zip(grads, parts)],
+                        [p.piece for p in parts])
+        for part, value in zip(parts, self._gathered(parts, here)):
+            part.whole.assign(value)
+            if part.whole.constraint is not None:
+                part.whole.assign(part.whole.constraint(part.whole))
+
+    def _gathered(self, parts, here) -> list:
+        """Every replica's updated parts, as whole values (one all-reduce per dtype)."""
+        n = self._strategy.num_replicas
+        out = {}
+        for dtype in dict.fromkeys(p.whole.dtype for p in parts):
+            group = [p for p in parts if p.whole.dtype == dtype]
+            total = sum(p.length for p in group)
+            mine = tf.concat([tf.reshape(tf.convert_to_tensor(p.piece), [-1]) for p in group], 0)
+            before = tf.cast(here, tf.int32) * total
+            placed = tf.pad(mine, [[before, (n - 1) * total - before]])
+            (table,) = self._strategy.all_reduce([placed], "sum")
+            table = tf.reshape(table, [n, total])
+            start = 0
+            for p in group:
+                flat = tf.reshape(table[:, start:start + p.length], [-1])[:p.size]
+                out[id(p)] = tf.reshape(flat, p.whole.shape)
+                start += p.length
+        return [out[id(p)] for p in parts]
+
+    # -- files: whole values (eager, every worker) -------------------------------------
+
+    def whole_values(self) -> list:
+        """The optimizer's variables as an unsharded optimizer holds them
+        (each slot gathered whole from every replica)."""
+        values = []
+        for variable in self.optimizer.variables:
+            value = np.asarray(keras.ops.convert_to_numpy(variable))
+            part = self._slot_part.get(id(variable))
+            if part is not None:
+                gathered = self._strategy.sync_gather(value)
+                value = gathered.reshape(-1)[:part.size].reshape(part.whole.shape)
+            values.append(value)
+        return values
+
+    @contextlib.contextmanager
+    def gathered(self):
+        """Every worker gathers the whole slots on entry (a collective);
+        saves inside the block (on the chief alone, say) write those."""
+        self._whole = self.whole_values()
+        try:
+            yield
+        finally:
+            self._whole = None
+
+    def _save(self, store) -> None:
+        values = self._whole if self._whole is not None else self.whole_values()
+        for i, value in enumerate(values):
+            store[str(i)] = value
+
+    def _load(self, keras_load, store) -> None:
+        variables = self.optimizer.variables
+        if len(store.keys()) != len(variables):
+            return keras_load(store)  # Keras's own warning, nothing loaded
+        here = self._strategy.first_local_replica
+        self._loaded = {}
+        for i, variable in enumerate(variables):
+            value = np.asarray(store[str(i)])
+            part = self._slot_part.get(id(variable))
+            if part is not None:
+                self._loaded[i] = value
+                value = _piece_of_array(value, part, here)
+            variable.assign(value)
+
+    def sharded(self, variable) -> bool:
+        """Whether `variable` (an optimizer variable) holds this replica's part."""
+        return id(variable) in self._slot_part
+
+    def share_loaded(self, root: int = 0) -> None:
+        """After `root` alone loaded a file: every replica takes its part of
+        the whole slots `root` read (eager, every worker)."""
+        variables = self.optimizer.variables
+        sharded = [i for i, v in enumerate(variables) if self.sharded(v)]
+        loaded = self._loaded or {}
+        mine = []
+        for i in sharded:
+            part = self._slot_part[id(variables[i])]
+            shape, dtype = tuple(part.whole.shape), np.dtype(variables[i].dtype)
+            mine.append(loaded[i] if self._strategy.rank == root and i in loaded
+                        else np.zeros(shape, dtype))
+        here = self._strategy.first_local_replica
+        for i, value in zip(sharded, self._strategy.sync_sum(mine)):
+            variables[i].assign(_piece_of_array(value, self._slot_part[id(variables[i])], here))
+        self._loaded = None
+
+
+def _piece_of(value, part: _Part, here) -> tf.Tensor:
+    """Replica `here`'s part of `value` (a whole variable or gradient)."""
+    flat = tf.reshape(tf.convert_to_tensor(value), [-1])
+    padded = tf.pad(flat, [[0, part.length * part.replicas - part.size]])
+    return tf.slice(padded, [tf.cast(here, tf.int32) * part.length], [part.length])
+
+
+def _piece_of_array(value, part: _Part, here: int) -> np.ndarray:
+    """`_piece_of` for a numpy value, eagerly."""
+    flat = np.asarray(value).reshape(-1)
+    padded = np.zeros(part.length * part.replicas, flat.dtype)
+    padded[:part.size] = flat
+    return padded[here * part.length:(here + 1) * part.length]

@@ -1,0 +1,147 @@
+"""`optimizer_sharding="optimizer"` (ZeRO stage 1) on 2 real workers:
+`multi_worker` and `horovod` train every elementwise Keras optimizer as
+without sharding and as plain Keras on one device; each worker holds its
+part of the slots; files hold whole values; a resumed run ends where an
+uninterrupted one does.
+
+One launch per engine and setting serves every test
+(tests/workers/optimizer_sharding.py); plain Keras runs here.
+"""
+
+import json
+import os
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+from helpers import WORKERS, launch, make_data
+
+sys.path.insert(0, WORKERS)
+import optimizer_sharding as worker  # noqa: E402
+
+WORKER = os.path.join(WORKERS, "optimizer_sharding.py")
+# The cases the unsharded and the Horovod runs repeat: Adam, weight decay
+# and the two clippings that need whole norms.
+COMPARED = ["adam", "adamw_decay", "sgd_momentum_clipnorm", "rmsprop_global_clipnorm"]
+SAVED, RESUMED = "adamw_decay", "adam"
+
+pytestmark = pytest.mark.slow
+
+
+def _run(out, *args, launch_flags=()):
+    launch(out, 2, WORKER, "--out", str(out), *args, launch_flags=launch_flags, timeout=400)
+    return out
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("sharded"), "--save", SAVED, "--resume", RESUMED)
+
+
+@pytest.fixture(scope="module")
+def unsharded(tmp_path_factory, sharded):
+    """From the sharded run's initial weights."""
+    return _run(tmp_path_factory.mktemp("unsharded"), "--sharding", "none",
+                "--cases", ",".join(COMPARED), "--initial_from", str(sharded))
+
+
+@pytest.fixture(scope="module")
+def horovod(tmp_path_factory):
+    pytest.importorskip("horovod.tensorflow")
+    return _run(tmp_path_factory.mktemp("horovod"), "--strategy", "horovod", "--cases",
+                ",".join(COMPARED), "--resume", RESUMED, launch_flags=("--backend", "horovod"))
+
+
+@pytest.fixture(scope="module")
+def plain(sharded):
+    """Plain Keras on one device from each case's initial weights."""
+    x, y = make_data()
+    return {case: worker.plain_run(case, _initial(sharded, case), x, y) for case in worker.CASES}
+
+
+def _initial(out, case):
+    arrays = np.load(out / f"{case}-initial.npz")
+    return [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
+
+
+def _ranks(out, case, prefix="w"):
+    """Per rank: the `prefix` arrays of `<case>-rank<r>.npz`, in order."""
+    result = []
+    for r in range(2):
+        arrays = np.load(out / f"{case}-rank{r}.npz")
+        count = sum(name.startswith(prefix) for name in arrays.files)
+        result.append([arrays[f"{prefix}{i}"] for i in range(count)])
+    return result
+
+
+@pytest.mark.parametrize("case", list(worker.CASES))
+def test_multi_worker_sharded_trains_as_one_device(sharded, plain, case):
+    weights, _ = plain[case]
+    for got in _ranks(sharded, case):
+        for a, b in zip(got, weights):
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, err_msg=case)
+
+
+@pytest.mark.parametrize("case", COMPARED)
+def test_multi_worker_sharded_equals_unsharded(sharded, unsharded, case):
+    for got, want in zip(_ranks(sharded, case), _ranks(unsharded, case)):
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, atol=1e-6, rtol=0, err_msg=case)
+
+
+@pytest.mark.parametrize("case", COMPARED)
+def test_horovod_sharded_trains_as_one_device(horovod, case):
+    x, y = make_data()
+    weights, _ = worker.plain_run(case, _initial(horovod, case), x, y)
+    for got in _ranks(horovod, case):
+        for a, b in zip(got, weights):
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, err_msg=case)
+
+
+def test_each_worker_holds_its_part_of_the_slots(sharded, unsharded, plain):
+    """The parts of the two workers, end to end, are the plain optimizer's
+    slots; `describe` reports at most 1/2 + 5% of the unsharded bytes."""
+    for case in COMPARED:
+        _, whole = plain[case]
+        parts = _ranks(sharded, case, "o")
+        assert len(parts[0]) == len(whole)
+        for mine, theirs, want in zip(parts[0], parts[1], whole):
+            if mine.shape == want.shape:  # the step count, the learning rate
+                np.testing.assert_array_equal(mine, theirs)
+                continue
+            assert mine.shape == theirs.shape == (-(-want.size // 2),), case
+            joined = np.concatenate([mine, theirs])[:want.size].reshape(want.shape)
+            np.testing.assert_allclose(joined, want, atol=1e-5, rtol=0, err_msg=case)
+        memory = [json.load(open(sharded / f"{case}-rank{r}.json")) for r in range(2)]
+        full = json.load(open(unsharded / f"{case}-rank0.json"))
+        for m in memory:
+            assert m["weights"] == full["weights"] and m["gradients"] == full["gradients"]
+            assert m["optimizer"] <= (0.5 + 0.05) * full["optimizer"], (m, full)
+            assert "per replica: weights" in m["str"]
+
+
+def test_a_file_written_sharded_loads_whole_into_plain_keras(sharded, plain):
+    weights, whole = plain[SAVED]
+    model = keras.Model(*worker.graph())
+    model.compile(**worker.compile_kwargs(SAVED))
+    model.optimizer.build(model.trainable_variables)
+    model.load_weights(sharded / f"{SAVED}.weights.h5")
+    for a, b in zip(model.get_weights(), weights):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    assert len(model.optimizer.variables) == len(whole)
+    for variable, want in zip(model.optimizer.variables, whole):
+        np.testing.assert_allclose(np.asarray(variable), want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("engine", ["multi_worker", "horovod"])
+def test_a_resumed_sharded_run_ends_as_an_uninterrupted_one(request, engine):
+    """The backup holds whole slots; each worker resumes with its part."""
+    out = request.getfixturevalue("sharded" if engine == "multi_worker" else "horovod")
+    x, y = make_data()
+    weights, _ = worker.plain_run(RESUMED, _initial(out, RESUMED), x, y)
+    for r in range(2):
+        arrays = np.load(out / f"{RESUMED}-resumed-rank{r}.npz")
+        for i, want in enumerate(weights):
+            np.testing.assert_allclose(arrays[f"arr_{i}"], want, atol=1e-5, rtol=0)

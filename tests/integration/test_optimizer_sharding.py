@@ -1,0 +1,94 @@
+"""`optimizer_sharding` in one process: the option's values, the one-line
+refusals, and a sharded run of one replica (`mirrored` on one device),
+plain Keras's twin. Two real workers: tests/distributed/test_optimizer_sharding.py.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_distrib as kd
+from keras_distrib.training import optimizer_shards
+from helpers import CLASSES, FEATURES, make_data
+from pure_helpers import assert_one_line_error
+
+
+def _sharded_strategy():
+    return kd.strategies.get("mirrored", devices=["/cpu:0"], optimizer_sharding="optimizer")
+
+
+def _graph():
+    inputs = keras.Input((FEATURES,))
+    hidden = keras.layers.Dense(16, activation="relu")(inputs)
+    return inputs, keras.layers.Dense(CLASSES)(hidden)
+
+
+@pytest.mark.parametrize("value, fragments", [
+    ("gradients", ("optimizer_sharding='gradients'", "use optimizer_sharding='optimizer'")),
+    ("zero1", ("optimizer_sharding='zero1' is not one of",)),
+])
+def test_an_unknown_or_unavailable_mode_is_one_line(value, fragments):
+    with pytest.raises(ValueError) as excinfo:
+        kd.strategies.get("mirrored", optimizer_sharding=value)
+    assert_one_line_error(excinfo, *fragments)
+
+
+def test_several_replicas_in_one_process_are_refused():
+    with pytest.raises(ValueError) as excinfo:
+        kd.strategies.get("mirrored", optimizer_sharding="optimizer")  # 2 logical CPUs
+    assert_one_line_error(excinfo, "needs one replica per process", "'multi_worker'")
+
+
+@pytest.mark.parametrize("make, fragment", [
+    (lambda: keras.optimizers.Lamb(), "cannot shard Lamb"),
+    (lambda: keras.optimizers.Adafactor(), "cannot shard Adafactor"),
+    (lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()), "LossScaleOptimizer"),
+    (lambda: keras.optimizers.Adam(use_ema=True), "use_ema=True"),
+    (lambda: kd.optimizers.DistributedOptimizer("sgd", backward_passes_per_step=2),
+     "backward_passes_per_step"),
+])
+def test_an_optimizer_that_cannot_be_sharded_is_one_line(make, fragment):
+    model = kd.DistributedModel(*_graph(), strategy=_sharded_strategy())
+    with pytest.raises(ValueError) as excinfo:
+        model.compile(optimizer=make(), loss="mse")
+    assert_one_line_error(excinfo, fragment)
+
+
+def test_clipping_accumulated_gradients_is_one_line():
+    # Where Keras's gradient_accumulation_steps runs (horovod): clipping
+    # applies to the accumulated mean, which the parts cannot clip whole.
+    with pytest.raises(ValueError) as excinfo:
+        optimizer_shards.check_optimizer(
+            keras.optimizers.SGD(gradient_accumulation_steps=2, clipnorm=1.0))
+    assert_one_line_error(excinfo, "cannot clip the accumulated gradients")
+
+
+def test_a_sparse_gradient_is_one_line():
+    inputs = keras.Input((4,), dtype="int32")
+    pooled = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(50, 8)(inputs))
+    model = kd.DistributedModel(inputs, keras.layers.Dense(2)(pooled),
+                                strategy=_sharded_strategy())
+    model.compile(optimizer="adam", loss="mse")
+    x = np.random.default_rng(0).integers(0, 50, size=(16, 4)).astype("int32")
+    with pytest.raises(ValueError) as excinfo:
+        model.fit(x, np.zeros((16, 2), "float32"), batch_size=8, verbose=0)
+    assert "is sparse (an Embedding's or a gather's)" in str(excinfo.value)
+
+
+def test_one_replica_sharded_is_plain_kerass_twin():
+    x, y = make_data()
+    plain = keras.Model(*_graph())
+    initial = plain.get_weights()
+    ours = kd.DistributedModel(*_graph(), strategy=_sharded_strategy())
+    ours.set_weights(initial)
+    for model in (plain, ours):
+        model.compile(optimizer=keras.optimizers.AdamW(0.01, weight_decay=0.1, clipnorm=0.1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(ours.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+    got, want = ours.optimizer.variables, plain.optimizer.variables
+    assert [tuple(v.shape) for v in got] == [(int(np.prod(v.shape)),) if len(v.shape) else ()
+                                             for v in want]
+    memory = ours.strategy.describe(ours)
+    assert memory.optimizer == sum(np.asarray(v).nbytes for v in want)

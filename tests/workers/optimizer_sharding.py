@@ -1,0 +1,134 @@
+"""Trains one small model per optimizer case (`CASES`) under `--strategy`
+(`multi_worker` or `horovod`) with `optimizer_sharding=--sharding`, run by
+`keras-distrib launch -n 2`.
+
+For each case rank 0 writes the initial weights (`<case>-initial.npz`) and
+every rank its final weights and its optimizer variables
+(`<case>-rank<r>.npz`: `w<i>` and `o<i>`) and the bytes `describe` reports
+(`<case>-rank<r>.json`). For the cases in `--save` every worker saves the
+trained model (the chief's is the file: `<case>.weights.h5`); for those
+in `--resume` a first fit of one epoch leaves a backup and a new model's
+fit of two epochs resumes from it (`<case>-resumed-rank<r>.npz`). The
+test trains the same cases with plain Keras (`plain_run`).
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+BATCH, EPOCHS = 30, 2  # 203 samples: 7 steps per epoch
+
+
+def _adamw_decay():
+    optimizer = keras.optimizers.AdamW(0.01, weight_decay=0.1)
+    optimizer.exclude_from_weight_decay(var_names=["bias"])
+    return optimizer
+
+
+# Every optimizer whose update is elementwise, with Keras's clipping,
+# weight decay and schedules between them.
+CASES = {
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "adamw_decay": _adamw_decay,
+    "sgd_momentum_clipnorm": lambda: keras.optimizers.SGD(0.1, momentum=0.9, clipnorm=0.05),
+    "rmsprop_global_clipnorm": lambda: keras.optimizers.RMSprop(0.01, global_clipnorm=0.1),
+    "nadam_clipvalue": lambda: keras.optimizers.Nadam(0.01, clipvalue=0.01),
+    "adamax_schedule": lambda: keras.optimizers.Adamax(
+        keras.optimizers.schedules.ExponentialDecay(0.02, decay_steps=3, decay_rate=0.5)),
+    "adagrad": lambda: keras.optimizers.Adagrad(0.1),
+    "adadelta": lambda: keras.optimizers.Adadelta(1.0),
+    "ftrl": lambda: keras.optimizers.Ftrl(0.1, l1_regularization_strength=0.01),
+    "lion": lambda: keras.optimizers.Lion(0.001),
+}
+
+
+def graph():
+    """Inputs and outputs of the model (a constrained kernel among them)."""
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(16, activation="relu",
+                                kernel_constraint=keras.constraints.MaxNorm(1.0))(inputs)
+    return inputs, keras.layers.Dense(3)(keras.layers.Dense(7, activation="tanh")(hidden))
+
+
+def compile_kwargs(case):
+    return dict(optimizer=CASES[case](),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
+def plain_run(case, initial, x, y):
+    """(weights, optimizer variables) of plain Keras on one device."""
+    model = keras.Model(*graph())
+    model.set_weights(initial)
+    model.compile(**compile_kwargs(case))
+    model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    return model.get_weights(), [np.asarray(v) for v in model.optimizer.variables]
+
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("out", None, "Directory for results.")
+flags.DEFINE_string("strategy", "multi_worker", "Strategy name.")
+flags.DEFINE_string("sharding", "optimizer", "optimizer_sharding ('none': None).")
+flags.DEFINE_list("cases", list(CASES), "Cases to train.")
+flags.DEFINE_list("save", [], "Cases whose model is saved after training.")
+flags.DEFINE_list("resume", [], "Cases also trained again, resuming from a backup.")
+flags.DEFINE_string("initial_from", None, "Directory whose <case>-initial.npz to start from.")
+
+
+def main(argv):
+    del argv
+    import keras_distrib as kd
+    from helpers import make_data
+
+    sharding = None if FLAGS.sharding == "none" else FLAGS.sharding
+    strategy = kd.strategies.get(FLAGS.strategy, optimizer_sharding=sharding)
+    x, y = make_data()
+    for case in FLAGS.cases:
+        model = kd.DistributedModel(*graph(), strategy=strategy)
+        if FLAGS.initial_from:
+            model.set_weights(_initial(FLAGS.initial_from, case))
+        if strategy.is_chief:
+            np.savez(os.path.join(FLAGS.out, f"{case}-initial.npz"), *model.get_weights())
+        model.compile(**compile_kwargs(case))
+        model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+        arrays = {f"w{i}": w for i, w in enumerate(model.get_weights())}
+        arrays.update({f"o{i}": np.asarray(v) for i, v in enumerate(model.optimizer.variables)})
+        np.savez(os.path.join(FLAGS.out, f"{case}-rank{strategy.rank}.npz"), **arrays)
+        memory = strategy.describe(model)
+        with open(os.path.join(FLAGS.out, f"{case}-rank{strategy.rank}.json"), "w") as f:
+            json.dump({"weights": memory.weights, "gradients": memory.gradients,
+                       "optimizer": memory.optimizer, "str": str(memory)}, f)
+        if case in FLAGS.save:
+            model.save_weights(os.path.join(FLAGS.out, f"{case}.weights.h5"))
+        if case in FLAGS.resume:
+            _resume(kd, strategy, case, x, y)
+
+
+def _initial(directory, case):
+    arrays = np.load(os.path.join(directory, f"{case}-initial.npz"))
+    return [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
+
+
+def _resume(kd, strategy, case, x, y):
+    backup = os.path.join(FLAGS.out, f"{case}-backup")
+    first = kd.DistributedModel(*graph(), strategy=strategy)
+    first.set_weights(_initial(FLAGS.out, case))
+    first.compile(**compile_kwargs(case))
+    first.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[
+        kd.callbacks.BackupAndRestore(backup, delete_checkpoint=False)])
+    again = kd.DistributedModel(*graph(), strategy=strategy)
+    again.compile(**compile_kwargs(case))
+    again.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+              callbacks=[kd.callbacks.BackupAndRestore(backup)])
+    np.savez(os.path.join(FLAGS.out, f"{case}-resumed-rank{strategy.rank}.npz"),
+             *again.get_weights())
+
+
+if __name__ == "__main__":
+    flags.mark_flag_as_required("out")
+    app.run(main)
