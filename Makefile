@@ -41,6 +41,12 @@ demo: $(STAMP)
 	  echo $$? > $(DEMO_LOG)-split.rc; } | tee $(DEMO_LOG)-split.log; exit $$(cat $(DEMO_LOG)-split.rc)
 	@echo "== too large for one device: pipeline vs tensor_parallel (configs/split_model.json) =="
 	@grep -h -e 'one device would need' -e '^result: ' $(DEMO_LOG)-split.log | sed 's/^result: //'
+	# Its data-parallel sibling: the whole model on each of 2 workers, Adam's
+	# state sharded over them (multi_worker, optimizer_sharding="optimizer").
+	{ $(VENV)/bin/keras-distrib launch -n 2 examples/train_split_model.py --config configs/sharded_optimizer.json 2>&1; \
+	  echo $$? > $(DEMO_LOG)-sharded.rc; } | tee $(DEMO_LOG)-sharded.log; exit $$(cat $(DEMO_LOG)-sharded.rc)
+	@echo "== the same model, Adam's state sharded over 2 workers (configs/sharded_optimizer.json) =="
+	@grep -h '^\[rank 0\] result: ' $(DEMO_LOG)-sharded.log | sed 's/^\[rank 0\] result: //'
 
 # The test tiers (tests/unit: pure Python, no TensorFlow; tests/integration:
 # one process; tests/distributed: tests that start processes), then the
@@ -88,6 +94,7 @@ bench: $(HOROVOD)
 	$(PY) benchmarks/model_parallel.py $(BENCH_FLAGS)
 	$(PY) benchmarks/sparse_embeddings.py $(BENCH_FLAGS)
 	$(PY) benchmarks/remat.py $(BENCH_FLAGS)
+	$(PY) benchmarks/optimizer_sharding.py $(BENCH_FLAGS)
 	# Two hosts as network namespaces: needs root.
 	PATH=$(VENV)/bin:$$PATH $(PY) benchmarks/multi_host.py $(BENCH_FLAGS)
 	$(PY) benchmarks/_plots.py

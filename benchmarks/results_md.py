@@ -34,7 +34,7 @@ flags.DEFINE_string("out", None, "The markdown file to write (default: RESULTS.m
 # The benchmarks that save JSON, in the order of the file; the two others
 # print their tables only.
 KNOWN = ("overhead", "allreduce", "weak_scaling", "strong_scaling", "model_parallel",
-         "sparse_embeddings", "remat", "multi_host")
+         "sparse_embeddings", "remat", "optimizer_sharding", "multi_host")
 PRINT_ONLY = ("horovod_vs_tf", "parameter_server")
 
 
@@ -294,6 +294,24 @@ def remat(doc: _Doc, data: dict) -> None:
                      "max abs weight difference"], rows))
 
 
+def optimizer_sharding(doc: _Doc, data: dict) -> None:
+    doc.add(f"Optimizer-state sharding on an MLP of {data['depth']} x Dense({data['width']}) "
+            f"({data['parameters']:,} parameters), Adam, batch {data['batch']}, `multi_worker` "
+            "on 2 workers: `none` (every worker keeps Adam's moments for every weight) "
+            "against `optimizer` (each keeps them for its half). Bytes per worker from "
+            "`strategy.describe(model)`.", "")
+    doc.add(*_table(["sharding", "step ms, median [min, max]", "weights", "gradients",
+                     "optimizer"],
+                    [(f"`{k}`", _stats(c["step_ms"], 1), _mb(c["weights"]),
+                      _mb(c["gradients"]), _mb(c["optimizer"]))
+                     for k, c in data["configs"].items()]))
+    rows = [(k, _stats(v) if isinstance(v, dict) else _num(v, 3))
+            for k, v in data["ratios"].items()]
+    rows.append(("final weights equal", _num(data["final_weights_equal"])))
+    doc.add(*_table(["", "value"], rows))
+    doc.misses(data)
+
+
 def multi_host(doc: _Doc, data: dict) -> None:
     doc.add("Two hosts (network namespaces) joined by a rate-limited link, one worker each: "
             "all-reduce bus bandwidth as a fraction of the link rate for ours over "
@@ -342,6 +360,7 @@ SECTIONS = {
     "model_parallel": ("Model parallelism: pipeline and tensor parallel", model_parallel),
     "sparse_embeddings": ("Sparse embedding gradients", sparse_embeddings),
     "remat": ("Activation checkpointing", remat),
+    "optimizer_sharding": ("Optimizer-state sharding", optimizer_sharding),
     "multi_host": ("Two hosts on a rate-limited link", multi_host),
 }
 

@@ -14,10 +14,16 @@ device exceeds the budget; then it trains and prints validation accuracy
 and throughput. Activations and gradients are transient and not counted.
 With no GPU, `"logical_cpus": 2` splits the CPU into two logical devices.
 
+Its data-parallel sibling, configs/sharded_optimizer.json, keeps the model
+whole on each of two workers and shards Adam's state over them
+(`multi_worker` with `optimizer_sharding="optimizer"`): each worker holds
+the weights and half of the optimizer state, within the same budget.
+
 Run:
   python examples/train_split_model.py                       # both strategies
   python examples/train_split_model.py --strategy pipeline --epochs 2
   python examples/train_split_model.py --device_budget_mb 5  # fails: a device needs more
+  keras-distrib launch -n 2 examples/train_split_model.py --config configs/sharded_optimizer.json
 """
 
 import json
@@ -34,7 +40,7 @@ from _digits import EpochTimer, load_digits, split_devices  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "configs/split_model.json", "JSON training config.")
-flags.DEFINE_enum("strategy", None, ["pipeline", "tensor_parallel"],
+flags.DEFINE_enum("strategy", None, ["pipeline", "tensor_parallel", "multi_worker"],
                   "Train only this strategy (default: every one the config lists).")
 flags.DEFINE_integer("epochs", None, "Override the config's epoch count.")
 flags.DEFINE_float("device_budget_mb", None, "Override the config's per-device budget (MB).")
@@ -77,6 +83,10 @@ def bytes_per_device(strategy, model):
     """{device: (weight bytes, optimizer bytes)}, from the variables' placement."""
     plan = strategy.describe(model)
     print(plan)
+    if isinstance(plan, kd.strategies.ReplicaMemory):
+        # Data parallel: this worker's device holds a whole copy of the
+        # weights and its part of a sharded optimizer's state.
+        return {f"worker{strategy.rank}": (plan.weights, plan.optimizer)}
     weights = {short(d): n for d, n in plan.bytes_per_device.items()}
     slots = {short(d): n for d, n in plan.optimizer_bytes_per_device.items()}
     # The strategy's devices first, then any other device found holding a variable.

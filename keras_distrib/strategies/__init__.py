@@ -21,6 +21,7 @@ from typing import Any
 # Public name -> module that defines it.
 _LAZY = {
     "Strategy": "keras_distrib.strategies.base",
+    "ReplicaMemory": "keras_distrib.strategies.base",
     "available": "keras_distrib.strategies.registry",
     "register": "keras_distrib.strategies.registry",
     "get": "keras_distrib.strategies.resolve",

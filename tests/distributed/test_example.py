@@ -97,3 +97,29 @@ def test_split_model_example_stops_with_one_line_when_a_device_exceeds_the_budge
     assert re.fullmatch(r"error: pipeline: device CPU:0 holds [0-9.]+ MB \(weights [0-9.]+ \+ "
                         r"optimizer [0-9.]+\) > budget 1\.0 MB; .*", last), last
     assert "Epoch 1/" not in proc.stdout  # stopped before training
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sharded_optimizer_example_fits_the_budget_on_two_workers_and_learns():
+    """The split-model example's data-parallel sibling: the whole model on
+    each of 2 workers, Adam's state sharded over them."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "keras_distrib.launch", "launch", "-n", "2",
+         "examples/train_split_model.py", "--config", "configs/sharded_optimizer.json",
+         "--epochs", "3"],
+        cwd=ROOT, capture_output=True, text=True, timeout=280,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = proc.stdout
+    one, budget = map(float, re.search(
+        r"one device would need ([0-9.]+) MB .* > budget ([0-9.]+) MB", out).groups())
+    assert one > budget
+    rows = re.findall(r"^\[rank (\d)\] worker(\d) +([0-9.]+) +([0-9.]+) +([0-9.]+) +([0-9.]+)$",
+                      out, re.M)
+    assert sorted((rank, worker) for rank, worker, *_ in rows) == [("0", "0"), ("1", "1")]
+    for _, _, weights, optimizer, total, row_budget in rows:
+        # Adam's two slots, halved: as many bytes as the weights.
+        assert float(optimizer) == float(weights) and float(total) <= budget
+    results = re.findall(r"result: multi_worker: .* validation accuracy ([0-9.]+)", out)
+    assert len(results) == 2 and all(float(a) > 0.9 for a in results), results
