@@ -95,6 +95,7 @@ bench: $(HOROVOD)
 	$(PY) benchmarks/sparse_embeddings.py $(BENCH_FLAGS)
 	$(PY) benchmarks/remat.py $(BENCH_FLAGS)
 	$(PY) benchmarks/optimizer_sharding.py $(BENCH_FLAGS)
+	$(PY) benchmarks/bigger_models.py $(BENCH_FLAGS)
 	# Two hosts as network namespaces: needs root.
 	PATH=$(VENV)/bin:$$PATH $(PY) benchmarks/multi_host.py $(BENCH_FLAGS)
 	$(PY) benchmarks/_plots.py

@@ -34,7 +34,7 @@ flags.DEFINE_string("out", None, "The markdown file to write (default: RESULTS.m
 # The benchmarks that save JSON, in the order of the file; the two others
 # print their tables only.
 KNOWN = ("overhead", "allreduce", "weak_scaling", "strong_scaling", "model_parallel",
-         "sparse_embeddings", "remat", "optimizer_sharding", "multi_host")
+         "sparse_embeddings", "remat", "optimizer_sharding", "bigger_models", "multi_host")
 PRINT_ONLY = ("horovod_vs_tf", "parameter_server")
 
 
@@ -312,6 +312,17 @@ def optimizer_sharding(doc: _Doc, data: dict) -> None:
     doc.misses(data)
 
 
+def bigger_models(doc: _Doc, data: dict) -> None:
+    doc.add(f"The ways to fit a bigger model on one model, an MLP of {data['layers']} x "
+            f"Dense({data['units']}) ({data['parameters']:,} parameters) with Adam: the bytes "
+            "of weights and optimizer state on the most loaded device, read from the "
+            "variables (`strategy.describe(model)`). Activation checkpointing leaves them "
+            "as they are (it trades activations for recompute: see its section).", "")
+    doc.add(*_table(["way", "devices", "largest device", "/ data parallel"],
+                    [(f"`{way}`", str(r["devices"]), _mb(r["largest_bytes"]),
+                      _num(r["over_data_parallel"], 3)) for way, r in data["ways"].items()]))
+
+
 def multi_host(doc: _Doc, data: dict) -> None:
     doc.add("Two hosts (network namespaces) joined by a rate-limited link, one worker each: "
             "all-reduce bus bandwidth as a fraction of the link rate for ours over "
@@ -361,6 +372,7 @@ SECTIONS = {
     "sparse_embeddings": ("Sparse embedding gradients", sparse_embeddings),
     "remat": ("Activation checkpointing", remat),
     "optimizer_sharding": ("Optimizer-state sharding", optimizer_sharding),
+    "bigger_models": ("Fitting a bigger model: bytes per device", bigger_models),
     "multi_host": ("Two hosts on a rate-limited link", multi_host),
 }
 
