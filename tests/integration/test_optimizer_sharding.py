@@ -6,6 +6,7 @@ plain Keras's twin. Two real workers: tests/distributed/test_optimizer_sharding.
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import keras_distrib as kd
 from keras_distrib.training import optimizer_shards
@@ -92,3 +93,29 @@ def test_one_replica_sharded_is_plain_kerass_twin():
                                              for v in want]
     memory = ours.strategy.describe(ours)
     assert memory.optimizer == sum(np.asarray(v).nbytes for v in want)
+
+
+def test_a_custom_train_step_applies_through_the_parts():
+    """`optimizer.apply_gradients` in the user's own step: the gradients
+    are reduced once and each replica updates its part."""
+
+    class GuideStep(kd.DistributedModel):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = self.compute_loss(y=y, y_pred=self(x, training=True))
+            grads = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+            return {"loss": loss}
+
+    x, y = make_data()
+    plain = keras.Model(*_graph())
+    ours = GuideStep(*_graph(), strategy=_sharded_strategy())
+    ours.set_weights(plain.get_weights())
+    for model in (plain, ours):
+        model.compile(optimizer=keras.optimizers.Adam(0.01),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    for a, b in zip(ours.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+    assert ours.optimizer.variables[2].shape == (FEATURES * 16,)
