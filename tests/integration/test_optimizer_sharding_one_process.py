@@ -1,6 +1,7 @@
 """`optimizer_sharding` in one process: the option's values, the one-line
-refusals, and a sharded run of one replica (`mirrored` on one device),
-plain Keras's twin. Two real workers: tests/distributed/test_optimizer_sharding.py.
+refusals, and sharded runs of one replica (`mirrored` on one device),
+plain Keras's twins. Two real workers:
+tests/distributed/test_optimizer_sharding_two_workers.py.
 """
 
 import keras
