@@ -25,7 +25,7 @@ import re
 from typing import Optional
 
 from keras_distrib import cluster as cluster_lib
-from keras_distrib.collectives import runtime
+from keras_distrib.collectives.seconds import seconds_from_env
 
 ENV = "KERAS_DISTRIB_HEARTBEAT_TIMEOUT"
 # TensorFlow's own (kDefaultHeartbeatTimeout in the coordination service).
@@ -42,7 +42,7 @@ def timeout() -> float:
     Raises:
         ClusterConfigError: not a number of seconds > 0 (one line).
     """
-    return runtime.seconds_from_env(ENV, DEFAULT_TIMEOUT,
+    return seconds_from_env(ENV, DEFAULT_TIMEOUT,
                                     f" (TensorFlow's default: {DEFAULT_TIMEOUT:g})")
 
 

@@ -29,6 +29,7 @@ from typing import Optional
 
 from keras_distrib import cluster as cluster_lib
 from keras_distrib.cluster.network import listen_address
+from keras_distrib.collectives.seconds import check_seconds, seconds_from_env
 
 # Seconds the import-time start waits for every peer to come up.
 DEFAULT_PEER_TIMEOUT = 120.0
@@ -69,42 +70,6 @@ def bootstrap() -> None:
             start(info, _peer_timeout())
     except Exception as e:  # noqa: BLE001 - re-raised by ensure_started
         _failed = e
-
-
-def positive_seconds(value) -> bool:
-    """Whether `value` is a number of seconds > 0 (bools and strings are not)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
-
-
-def check_seconds(name: str, value, none_ok: bool = False) -> None:
-    """Raises a one-line ValueError naming option `name` unless `value` is a
-    number of seconds > 0 (or None, when `none_ok`)."""
-    if (value is None and none_ok) or positive_seconds(value):
-        return
-    raise ValueError(
-        f"{name}={value!r} must be a number of seconds > 0{', or None' if none_ok else ''}."
-    )
-
-
-def seconds_from_env(name: str, default: float, default_note: str = "") -> float:
-    """The number of seconds > 0 in environment variable `name`, `default`
-    when it is unset or blank.
-
-    Raises:
-        ClusterConfigError: anything else (one line; `default_note` goes
-            before its full stop).
-    """
-    text = os.environ.get(name, "")
-    if not text.strip():
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not positive_seconds(value):
-        raise cluster_lib.ClusterConfigError(
-            f"{name}={text!r} must be a positive number of seconds{default_note}.")
-    return value
 
 
 def _peer_timeout() -> float:

@@ -13,7 +13,7 @@ import tensorflow as tf
 from keras_distrib import _compat
 from keras_distrib import cluster as cluster_lib
 from keras_distrib.collectives import heartbeats, host_allreduce, pieces
-from keras_distrib.collectives import runtime
+from keras_distrib.collectives import runtime, seconds
 from keras_distrib.collectives.watchdog import CollectiveWatchdog
 from keras_distrib.strategies import optimizer_sharding as sharding_option
 from keras_distrib.strategies.gradients import reduce_op_name
@@ -126,7 +126,7 @@ class MultiWorker(TFDistributeStrategy):
         # Options first: a bad one is named even where no cluster is found.
         options = _communication_options(implementation, bytes_per_pack, collective_timeout)
         sharding_option.check(self.name, optimizer_sharding)
-        runtime.check_seconds("peer_timeout", peer_timeout)
+        seconds.check_seconds("peer_timeout", peer_timeout)
         info = cluster_lib.resolve(cluster, task_index)
         if info is None:
             raise cluster_lib.ClusterConfigError(
@@ -305,7 +305,7 @@ def _communication_options(implementation, bytes_per_pack, collective_timeout):
         raise ValueError(
             f"bytes_per_pack={bytes_per_pack!r} must be an int >= 0 (0 = one pack)."
         )
-    runtime.check_seconds("collective_timeout", collective_timeout, none_ok=True)
+    seconds.check_seconds("collective_timeout", collective_timeout, none_ok=True)
     return tf.distribute.experimental.CommunicationOptions(
         bytes_per_pack=bytes_per_pack,
         timeout_seconds=collective_timeout,
