@@ -215,6 +215,27 @@ class HostAllReduce(PeerGroup):
             raise TypeError("mean_by_count takes float32 arrays only")
         return self._reduce(arrays, divide_by_last=True)
 
+    def all_gather(self, array: np.ndarray) -> np.ndarray:
+        """Every worker's `array` (one shape and dtype on all), stacked in
+        rank order: `[world_size, *array.shape]`, identical on every worker.
+
+        Each worker copies its array into its slot; after one barrier each
+        copies every slot out. One barrier is enough: the next call writes
+        the other buffer, and the one after waits in its barrier for every
+        worker to be done with this one.
+        """
+        array = np.ascontiguousarray(array)
+        flat = array.reshape(-1)
+        self._reserve(flat.nbytes)
+        buffers = self._slots[self._calls % 2]
+        self._calls += 1
+        buffers[self.rank][:flat.nbytes].view(flat.dtype)[:] = flat
+        self._barrier()
+        out = np.empty((self.world_size, flat.size), flat.dtype)
+        for q in range(self.world_size):
+            out[q] = buffers[q][:flat.nbytes].view(flat.dtype)
+        return out.reshape((self.world_size, *array.shape))
+
     def _reduce(self, arrays, divide_by_last: bool) -> list:
         arrays = [np.asarray(a) for a in arrays]
         flats = [a.reshape(-1) for a in arrays]

@@ -336,6 +336,19 @@ class Strategy(CrossProcessHelpers):
     def all_reduce(self, values: Sequence[tf.Tensor], op: str = "sum") -> list:
         """Sums (or averages) a list of tensors over all replicas."""
 
+    def all_gather(self, value: tf.Tensor) -> tf.Tensor:
+        """Every replica's `value` (one shape on all), stacked in replica
+        order: `[num_replicas, *value.shape]` (replica context).
+
+        By default one all-reduce: each replica adds its value, at its own
+        row, to zeros. Engines with an all-gather override it (half the
+        bytes)."""
+        value = tf.convert_to_tensor(value)
+        here = tf.cast(self.replica_index(), tf.int32)
+        padding = [[here, self.num_replicas - 1 - here]] + [[0, 0]] * value.shape.rank
+        (table,) = self.all_reduce([tf.pad(value[None], padding)], "sum")
+        return table
+
     def reduce_gradients(self, gradients: list, num_samples, compression=None) -> list:
         """Global mean gradient from each replica's gradient of its loss *sum*.
 

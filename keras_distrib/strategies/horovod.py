@@ -130,6 +130,10 @@ class Horovod(PerProcessStrategy):
         reduced = _grouped_all_reduce(self._hvd, flat, self._hvd_op(op))
         return tf.nest.pack_sequence_as(values, reduced)
 
+    def all_gather(self, value: Any) -> Any:
+        return self._hvd.allgather(tf.convert_to_tensor(value)[None],
+                                   name=_collective_name("allgather"), ignore_name_scope=True)
+
     def concat(self, per_replica: Any) -> Any:
         # Rank r holds rows [start_r, start_r + count_r) of every global batch
         # (keras_distrib.input.sharding), so rank order is the global batch order.

@@ -218,6 +218,20 @@ class MultiWorker(TFDistributeStrategy):
             out.append(total)
         return out
 
+    def all_gather(self, value: Any) -> Any:
+        value = tf.convert_to_tensor(value)
+        if self._host_reduce is not None:
+            (table,) = tf.numpy_function(self._host_reduce.all_gather, [value], [value.dtype],
+                                         stateful=True, name="kd_host_all_gather")
+            table.set_shape([self.num_replicas, *value.shape])
+            return table
+        context = tf.distribute.get_replica_context()
+        if self._watchdog is None:
+            return context.all_gather(value[None], axis=0)
+        options = self._step_collective_options
+        return self._watched([value], lambda vs: [
+            context.all_gather(vs[0][None], axis=0, options=options)])[0]
+
     def reduce_gradients(self, gradients: list, num_samples, compression=None) -> list:
         if (self._host_reduce is None or compression is not None
                 or any(g.dtype != tf.float32 for g in gradients)):

@@ -18,9 +18,10 @@ A step (`OptimizerShards.apply`, which the optimizer's `apply` becomes):
 3. the optimizer updates this replica's part of each variable with its
    part of the gradient (its slots, weight decay, learning rate schedule,
    step count: Keras's own code);
-4. the updated parts travel to every replica in one all-reduce per dtype
-   (each replica adds its part at its offset to zeros), and every replica
-   assigns the whole variables, then applies their constraints.
+4. the updated parts travel to every replica in one all-gather per dtype
+   (`Strategy.all_gather`: shared memory, TensorFlow's or Horovod's
+   collective), and every replica assigns the whole variables, then
+   applies their constraints.
 
 Every update the sharded optimizers make is elementwise, so each element
 gets the arithmetic it gets without sharding. Optimizers that read whole
@@ -211,23 +212,18 @@ class OptimizerShards:
         with self._switch.applying_reduced(), _compat.clipping_off(optimizer):
             keras_apply([_piece_of(g, part, here) for g, part in zip(grads, parts)],
                         [p.piece for p in parts])
-        for part, value in zip(parts, self._gathered(parts, here)):
+        for part, value in zip(parts, self._gathered(parts)):
             part.whole.assign(value)
             if part.whole.constraint is not None:
                 part.whole.assign(part.whole.constraint(part.whole))
 
-    def _gathered(self, parts, here) -> list:
-        """Every replica's updated parts, as whole values (one all-reduce per dtype)."""
-        n = self._strategy.num_replicas
+    def _gathered(self, parts) -> list:
+        """Every replica's updated parts, as whole values (one all-gather per dtype)."""
         out = {}
         for dtype in dict.fromkeys(p.whole.dtype for p in parts):
             group = [p for p in parts if p.whole.dtype == dtype]
-            total = sum(p.length for p in group)
             mine = tf.concat([tf.reshape(tf.convert_to_tensor(p.piece), [-1]) for p in group], 0)
-            before = tf.cast(here, tf.int32) * total
-            placed = tf.pad(mine, [[before, (n - 1) * total - before]])
-            (table,) = self._strategy.all_reduce([placed], "sum")
-            table = tf.reshape(table, [n, total])
+            table = self._strategy.all_gather(mine)  # [replicas, sum of lengths]
             start = 0
             for p in group:
                 flat = tf.reshape(table[:, start:start + p.length], [-1])[:p.size]

@@ -48,6 +48,13 @@ def unsharded(tmp_path_factory, sharded):
 
 
 @pytest.fixture(scope="module")
+def ring(tmp_path_factory, sharded):
+    """TensorFlow's collectives instead of shared memory (as between hosts)."""
+    return _run(tmp_path_factory.mktemp("ring"), "--implementation", "ring",
+                "--cases", "adam,sgd_momentum_clipnorm", "--initial_from", str(sharded))
+
+
+@pytest.fixture(scope="module")
 def horovod(tmp_path_factory):
     pytest.importorskip("horovod.tensorflow")
     return _run(tmp_path_factory.mktemp("horovod"), "--strategy", "horovod", "--cases",
@@ -87,6 +94,13 @@ def test_multi_worker_sharded_trains_as_one_device(sharded, plain, case):
 @pytest.mark.parametrize("case", COMPARED)
 def test_multi_worker_sharded_equals_unsharded(sharded, unsharded, case):
     for got, want in zip(_ranks(sharded, case), _ranks(unsharded, case)):
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, atol=1e-6, rtol=0, err_msg=case)
+
+
+@pytest.mark.parametrize("case", ["adam", "sgd_momentum_clipnorm"])
+def test_sharded_on_tensorflows_collectives_equals_shared_memory(sharded, ring, case):
+    for got, want in zip(_ranks(ring, case), _ranks(sharded, case)):
         for a, b in zip(got, want):
             np.testing.assert_allclose(a, b, atol=1e-6, rtol=0, err_msg=case)
 

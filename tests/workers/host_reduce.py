@@ -13,10 +13,11 @@ MODE:
            result addresses ("addresses").
   exit1    rank 1 exits after the first all-reduce; the others try a second.
   stall1   rank 1 sleeps 6 s before the second all-reduce.
-  skewed   many all-reduces of large arrays while the last rank sleeps at
-           random after each barrier (a reader slower than its peers);
-           every worker checks every result against the sum it computes
-           itself and writes the calls that differ ("bad").
+  skewed   many all-reduces of large arrays, each followed by an
+           all-gather of the first, while the last rank sleeps at random
+           after each barrier (a reader slower than its peers); every
+           worker checks every result against the sum (the stacked arrays)
+           it computes itself and writes the calls that differ ("bad").
 Errors are written to OUT + ".err" (type and message).
 """
 
@@ -77,14 +78,20 @@ def _skewed(reducer, rank, world):
         reducer._barrier = slow_barrier
     calls = 40
     mine = [skewed_inputs(rank, call) for call in range(calls)]
-    got = [[np.copy(v) for v in reducer.all_reduce(*mine[call])] for call in range(calls)]
+    got = []
+    for call in range(calls):
+        got.append([np.copy(v) for v in reducer.all_reduce(*mine[call])])
+        got[-1].append(reducer.all_gather(mine[call][0]))
     bad = []
     for call in range(calls):  # checked afterwards: the calls follow each other closely
         per_rank = [skewed_inputs(r, call) for r in range(world)]
-        for i, value in enumerate(got[call]):
+        *sums, gathered = got[call]
+        for i, value in enumerate(sums):
             want = sum(np.asarray(p[i], np.float64) for p in per_rank)
             if not np.allclose(value, want, rtol=1e-6, atol=1e-6):
                 bad.append(call)
+        if not np.array_equal(gathered, np.stack([p[0] for p in per_rank])):
+            bad.append(call)
     return np.array(bad, np.int64)
 
 

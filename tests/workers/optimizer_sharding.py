@@ -74,6 +74,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Directory for results.")
 flags.DEFINE_string("strategy", "multi_worker", "Strategy name.")
 flags.DEFINE_string("sharding", "optimizer", "optimizer_sharding ('none': None).")
+flags.DEFINE_string("implementation", None, "multi_worker's implementation (default: auto).")
 flags.DEFINE_list("cases", list(CASES), "Cases to train.")
 flags.DEFINE_list("save", [], "Cases whose model is saved after training.")
 flags.DEFINE_list("resume", [], "Cases also trained again, resuming from a backup.")
@@ -86,7 +87,8 @@ def main(argv):
     from helpers import make_data
 
     sharding = None if FLAGS.sharding == "none" else FLAGS.sharding
-    strategy = kd.strategies.get(FLAGS.strategy, optimizer_sharding=sharding)
+    options = {"implementation": FLAGS.implementation} if FLAGS.implementation else {}
+    strategy = kd.strategies.get(FLAGS.strategy, optimizer_sharding=sharding, **options)
     x, y = make_data()
     for case in FLAGS.cases:
         model = kd.DistributedModel(*graph(), strategy=strategy)
