@@ -9,7 +9,7 @@ host). Two configurations, each in its own launch, alternating:
              moments for every weight;
   optimizer  `optimizer_sharding="optimizer"`: each keeps them for half of
              every weight, updates its half, and the halves travel back in
-             one all-reduce (each worker adds its half to zeros).
+             one all-gather.
 
 Per configuration: time per step (median over the timed epochs' steps,
 slowest worker) and the bytes per worker that `strategy.describe(model)`
