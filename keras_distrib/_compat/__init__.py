@@ -85,6 +85,7 @@ from keras_distrib._compat.keras_optimizer import (
     clipping_off,
     decide_weight_decay_by,
     learning_rate_or_schedule,
+    moving_averages,
     optimizer_slot_prefix,
     optimizer_strategy,
     optimizer_trainable_variables,

@@ -33,6 +33,8 @@ PRIVATE = (
     f"{_BASE_OPTIMIZER}._learning_rate",
     # clip_gradients, clipping_off
     f"{_BASE_OPTIMIZER}._clip_gradients",
+    # moving_averages
+    f"{_BASE_OPTIMIZER}._model_variables_moving_average",
 )
 
 
@@ -192,6 +194,12 @@ def clipping_off(optimizer):
         yield
     finally:
         del optimizer._clip_gradients
+
+
+def moving_averages(optimizer) -> list:
+    """The moving averages of `use_ema=True`, one per variable the optimizer
+    was built on, in that order (`BaseOptimizer._model_variables_moving_average`)."""
+    return list(optimizer._model_variables_moving_average)
 
 
 def variable_key(optimizer, variable):

@@ -26,8 +26,10 @@ A step (`OptimizerShards.apply`, which the optimizer's `apply` becomes):
 Every update the sharded optimizers make is elementwise, so each element
 gets the arithmetic it gets without sharding. Optimizers that read whole
 tensors (LAMB's trust ratio, Adafactor's factored moments, Muon's
-orthogonalization), loss scaling (one finite check over all gradients)
-and EMA are refused in one line.
+orthogonalization) and loss scaling (one finite check over all
+gradients) are refused in one line. With `use_ema=True` each replica
+keeps the moving average of its parts; at the end of `fit` the weights
+become the averages, gathered whole.
 
 Files see whole values: `save_own_variables` gathers each slot whole (all
 workers save together, as `keras_distrib.training.chief_only` has them do)
@@ -92,10 +94,6 @@ def check_optimizer(optimizer) -> None:
         raise ValueError(
             f"optimizer_sharding needs an optimizer that has not been built yet, but this "
             f"{name} has slots already; pass a new one (or its name) to compile().")
-    if optimizer.use_ema:
-        raise ValueError(
-            f"optimizer_sharding cannot run {name}(use_ema=True) yet; use "
-            "optimizer_sharding=None.")
     if getattr(optimizer, "backward_passes_per_step", 1) > 1:
         raise ValueError(
             "optimizer_sharding cannot run DistributedOptimizer(backward_passes_per_step>1); "
@@ -135,6 +133,7 @@ class OptimizerShards:
         optimizer.apply = lambda grads, trainable_variables=None: self._apply(
             keras_apply, grads, trainable_variables)
         optimizer.save_own_variables = lambda store: self._save(store)
+        optimizer.finalize_variable_values = lambda var_list: self._finalize(var_list)
         optimizer.load_own_variables = lambda store: self._load(keras_load, store)
         # Weight decay decides by the whole variable (its name, or
         # `exclude_from_weight_decay(var_list=...)`).
@@ -230,6 +229,18 @@ class OptimizerShards:
                 out[id(p)] = tf.reshape(flat, p.whole.shape)
                 start += p.length
         return [out[id(p)] for p in parts]
+
+    def _finalize(self, var_list) -> None:
+        """End of `fit` with `use_ema=True`: the weights become their moving
+        averages, gathered whole from every replica's parts (eager, every
+        worker)."""
+        optimizer = self.optimizer
+        if not optimizer.use_ema or not self.parts:
+            return
+        for part, average in zip(self.parts, _compat.moving_averages(optimizer)):
+            gathered = self._strategy.sync_gather(np.asarray(keras.ops.convert_to_numpy(average)))
+            part.whole.assign(gathered.reshape(-1)[:part.size].reshape(part.whole.shape))
+            part.piece.assign(average)
 
     # -- files: whole values (eager, every worker) -------------------------------------
 

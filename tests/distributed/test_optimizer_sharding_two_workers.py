@@ -10,16 +10,13 @@ One launch per engine and setting serves every test
 
 import json
 import os
-import sys
 
 import keras
 import numpy as np
 import pytest
 
+import sharding_cases as cases
 from helpers import WORKERS, launch, make_data
-
-sys.path.insert(0, WORKERS)
-import optimizer_sharding as worker  # noqa: E402
 
 WORKER = os.path.join(WORKERS, "optimizer_sharding.py")
 # The cases the unsharded and the Horovod runs repeat: Adam, weight decay
@@ -65,7 +62,7 @@ def horovod(tmp_path_factory):
 def plain(sharded):
     """Plain Keras on one device from each case's initial weights."""
     x, y = make_data()
-    return {case: worker.plain_run(case, _initial(sharded, case), x, y) for case in worker.CASES}
+    return {case: cases.plain_run(case, _initial(sharded, case), x, y) for case in cases.CASES}
 
 
 def _initial(out, case):
@@ -83,7 +80,7 @@ def _ranks(out, case, prefix="w"):
     return result
 
 
-@pytest.mark.parametrize("case", list(worker.CASES))
+@pytest.mark.parametrize("case", list(cases.CASES))
 def test_multi_worker_sharded_trains_as_one_device(sharded, plain, case):
     weights, _ = plain[case]
     for got in _ranks(sharded, case):
@@ -108,7 +105,7 @@ def test_sharded_on_tensorflows_collectives_equals_shared_memory(sharded, ring, 
 @pytest.mark.parametrize("case", COMPARED)
 def test_horovod_sharded_trains_as_one_device(horovod, case):
     x, y = make_data()
-    weights, _ = worker.plain_run(case, _initial(horovod, case), x, y)
+    weights, _ = cases.plain_run(case, _initial(horovod, case), x, y)
     for got in _ranks(horovod, case):
         for a, b in zip(got, weights):
             np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, err_msg=case)
@@ -138,8 +135,8 @@ def test_each_worker_holds_its_part_of_the_slots(sharded, unsharded, plain):
 
 def test_a_file_written_sharded_loads_whole_into_plain_keras(sharded, plain):
     weights, whole = plain[SAVED]
-    model = keras.Model(*worker.graph())
-    model.compile(**worker.compile_kwargs(SAVED))
+    model = keras.Model(*cases.graph())
+    model.compile(**cases.compile_kwargs(SAVED))
     model.optimizer.build(model.trainable_variables)
     model.load_weights(sharded / f"{SAVED}.weights.h5")
     for a, b in zip(model.get_weights(), weights):
@@ -154,7 +151,7 @@ def test_a_resumed_sharded_run_ends_as_an_uninterrupted_one(request, engine):
     """The backup holds whole slots; each worker resumes with its part."""
     out = request.getfixturevalue("sharded" if engine == "multi_worker" else "horovod")
     x, y = make_data()
-    weights, _ = worker.plain_run(RESUMED, _initial(out, RESUMED), x, y)
+    weights, _ = cases.plain_run(RESUMED, _initial(out, RESUMED), x, y)
     for r in range(2):
         arrays = np.load(out / f"{RESUMED}-resumed-rank{r}.npz")
         for i, want in enumerate(weights):

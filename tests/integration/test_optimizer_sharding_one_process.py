@@ -45,7 +45,6 @@ def test_several_replicas_in_one_process_are_refused():
     (lambda: keras.optimizers.Lamb(), "cannot shard Lamb"),
     (lambda: keras.optimizers.Adafactor(), "cannot shard Adafactor"),
     (lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()), "LossScaleOptimizer"),
-    (lambda: keras.optimizers.Adam(use_ema=True), "use_ema=True"),
     (lambda: kd.optimizers.DistributedOptimizer("sgd", backward_passes_per_step=2),
      "backward_passes_per_step"),
 ])

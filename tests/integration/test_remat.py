@@ -25,13 +25,19 @@ def _layers():
 
 
 def _trained(strategy, scope=contextlib.nullcontext()):
-    """Weights after 2 epochs of Adam from the same initial weights."""
+    """Weights after 2 epochs of SGD from the same initial weights.
+
+    Not Adam: its first steps move each weight by about the learning rate
+    times the sign of its gradient, so a gradient element near zero whose
+    last bits differ (the rematerialized gradient is another graph, which
+    may round differently) moved a weight by up to twice the learning rate,
+    far beyond the tolerance that tests the math (seen in CI runs)."""
     x, y = make_data()
     keras.utils.set_random_seed(1)
     with scope:
         model = (keras.Model(*_layers()) if strategy is None
                  else kd.DistributedModel(*_layers(), strategy=strategy))
-    model.compile(optimizer=keras.optimizers.Adam(0.01),
+    model.compile(optimizer=keras.optimizers.SGD(0.1),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
     return model.get_weights()
