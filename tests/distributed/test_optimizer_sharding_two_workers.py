@@ -146,6 +146,25 @@ def test_a_file_written_sharded_loads_whole_into_plain_keras(sharded, plain):
         np.testing.assert_allclose(np.asarray(variable), want, atol=1e-5, rtol=0)
 
 
+def test_a_file_written_by_two_workers_loads_into_one_sharded_replica(sharded, plain):
+    """Another number of replicas: one (`mirrored` on one device), whose
+    part of each slot is all of it."""
+    import keras_distrib as kd
+
+    strategy = kd.strategies.get("mirrored", devices=["/cpu:0"], optimizer_sharding="optimizer")
+    model = kd.DistributedModel(*cases.graph(), strategy=strategy)
+    model.compile(**cases.compile_kwargs(SAVED))
+    model.optimizer.build(model.trainable_variables)
+    model.load_weights(sharded / f"{SAVED}.weights.h5")
+    weights, whole = plain[SAVED]
+    for a, b in zip(model.get_weights(), weights):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    for variable, want in zip(model.optimizer.variables, whole):
+        got = np.asarray(variable)
+        assert got.size == want.size
+        np.testing.assert_allclose(got.reshape(want.shape), want, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("engine", ["multi_worker", "horovod"])
 def test_a_resumed_sharded_run_ends_as_an_uninterrupted_one(request, engine):
     """The backup holds whole slots; each worker resumes with its part."""
