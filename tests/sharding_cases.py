@@ -53,3 +53,11 @@ def plain_run(case, initial, x, y):
     model.compile(**compile_kwargs(case))
     model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
     return model.get_weights(), [np.asarray(v) for v in model.optimizer.variables]
+
+
+def plain_optimizer_shapes(case) -> list:
+    """The variables of the case's optimizer built unsharded on the model."""
+    model = keras.Model(*graph())
+    optimizer = CASES[case]()
+    optimizer.build(model.trainable_variables)
+    return list(optimizer.variables)

@@ -80,12 +80,26 @@ def _ranks(out, case, prefix="w"):
     return result
 
 
+def _assert_trains_as_one_device(got, want, case):
+    """Weights of 2 workers against one device. The sums of the all-reduce
+    round differently from one device's, and the optimizers here normalize
+    each gradient element (Adam's first steps move a weight by about the
+    learning rate times the sign of its gradient), so an element whose
+    gradient is near zero may move the other way: at most 1% of the
+    elements may differ by more than rounding, by at most 0.05 (a few
+    steps of the learning rate). Exactness is asserted against the
+    unsharded run (same sums), at 1e-6."""
+    for a, b in zip(got, want):
+        gap = np.abs(a - b)
+        assert gap.max() <= 0.05, (case, gap.max())
+        assert np.mean(gap > 1e-5) <= 0.01, (case, np.mean(gap > 1e-5))
+
+
 @pytest.mark.parametrize("case", list(cases.CASES))
 def test_multi_worker_sharded_trains_as_one_device(sharded, plain, case):
     weights, _ = plain[case]
     for got in _ranks(sharded, case):
-        for a, b in zip(got, weights):
-            np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, err_msg=case)
+        _assert_trains_as_one_device(got, weights, case)
 
 
 @pytest.mark.parametrize("case", COMPARED)
@@ -107,24 +121,34 @@ def test_horovod_sharded_trains_as_one_device(horovod, case):
     x, y = make_data()
     weights, _ = cases.plain_run(case, _initial(horovod, case), x, y)
     for got in _ranks(horovod, case):
-        for a, b in zip(got, weights):
-            np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, err_msg=case)
+        _assert_trains_as_one_device(got, weights, case)
 
 
-def test_each_worker_holds_its_part_of_the_slots(sharded, unsharded, plain):
-    """The parts of the two workers, end to end, are the plain optimizer's
+def _joined(out, case, shapes):
+    """The two workers' optimizer variables, their parts joined end to end
+    into variables of `shapes` (what an unsharded optimizer holds)."""
+    mine, theirs = _ranks(out, case, "o")
+    joined = []
+    for a, b, shape in zip(mine, theirs, shapes):
+        if a.shape == tuple(shape):  # the step count, the learning rate
+            np.testing.assert_array_equal(a, b)
+            joined.append(a)
+            continue
+        size = int(np.prod(shape))
+        assert a.shape == b.shape == (-(-size // 2),), case
+        joined.append(np.concatenate([a, b])[:size].reshape(shape))
+    return joined
+
+
+def test_each_worker_holds_its_part_of_the_slots(sharded, unsharded):
+    """The parts of the two workers, end to end, are the unsharded run's
     slots; `describe` reports at most 1/2 + 5% of the unsharded bytes."""
     for case in COMPARED:
-        _, whole = plain[case]
-        parts = _ranks(sharded, case, "o")
-        assert len(parts[0]) == len(whole)
-        for mine, theirs, want in zip(parts[0], parts[1], whole):
-            if mine.shape == want.shape:  # the step count, the learning rate
-                np.testing.assert_array_equal(mine, theirs)
-                continue
-            assert mine.shape == theirs.shape == (-(-want.size // 2),), case
-            joined = np.concatenate([mine, theirs])[:want.size].reshape(want.shape)
-            np.testing.assert_allclose(joined, want, atol=1e-5, rtol=0, err_msg=case)
+        whole = _ranks(unsharded, case, "o")[0]
+        joined = _joined(sharded, case, [w.shape for w in whole])
+        assert len(joined) == len(whole)
+        for got, want in zip(joined, whole):
+            np.testing.assert_allclose(got, want, atol=1e-6, rtol=0, err_msg=case)
         memory = [json.load(open(sharded / f"{case}-rank{r}.json")) for r in range(2)]
         full = json.load(open(unsharded / f"{case}-rank0.json"))
         for m in memory:
@@ -133,20 +157,26 @@ def test_each_worker_holds_its_part_of_the_slots(sharded, unsharded, plain):
             assert "per replica: weights" in m["str"]
 
 
-def test_a_file_written_sharded_loads_whole_into_plain_keras(sharded, plain):
-    weights, whole = plain[SAVED]
+def _assert_holds_the_saved_run(model, out, case, whole_optimizer):
+    """`model` loaded the file `out`'s run wrote: its weights, and its
+    optimizer's state whole (`whole_optimizer(variable, value)` compares one)."""
+    for a, b in zip(model.get_weights(), _ranks(out, case)[0]):
+        np.testing.assert_array_equal(a, b)
+    saved = _joined(out, case, [v.shape for v in cases.plain_optimizer_shapes(case)])
+    assert len(model.optimizer.variables) == len(saved)
+    for variable, want in zip(model.optimizer.variables, saved):
+        whole_optimizer(np.asarray(variable), want)
+
+
+def test_a_file_written_sharded_loads_whole_into_plain_keras(sharded):
     model = keras.Model(*cases.graph())
     model.compile(**cases.compile_kwargs(SAVED))
     model.optimizer.build(model.trainable_variables)
     model.load_weights(sharded / f"{SAVED}.weights.h5")
-    for a, b in zip(model.get_weights(), weights):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
-    assert len(model.optimizer.variables) == len(whole)
-    for variable, want in zip(model.optimizer.variables, whole):
-        np.testing.assert_allclose(np.asarray(variable), want, atol=1e-5, rtol=0)
+    _assert_holds_the_saved_run(model, sharded, SAVED, np.testing.assert_array_equal)
 
 
-def test_a_file_written_by_two_workers_loads_into_one_sharded_replica(sharded, plain):
+def test_a_file_written_by_two_workers_loads_into_one_sharded_replica(sharded):
     """Another number of replicas: one (`mirrored` on one device), whose
     part of each slot is all of it."""
     import keras_distrib as kd
@@ -156,22 +186,17 @@ def test_a_file_written_by_two_workers_loads_into_one_sharded_replica(sharded, p
     model.compile(**cases.compile_kwargs(SAVED))
     model.optimizer.build(model.trainable_variables)
     model.load_weights(sharded / f"{SAVED}.weights.h5")
-    weights, whole = plain[SAVED]
-    for a, b in zip(model.get_weights(), weights):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
-    for variable, want in zip(model.optimizer.variables, whole):
-        got = np.asarray(variable)
-        assert got.size == want.size
-        np.testing.assert_allclose(got.reshape(want.shape), want, atol=1e-5, rtol=0)
+    _assert_holds_the_saved_run(
+        model, sharded, SAVED,
+        lambda got, want: np.testing.assert_array_equal(got.reshape(want.shape), want))
 
 
 @pytest.mark.parametrize("engine", ["multi_worker", "horovod"])
 def test_a_resumed_sharded_run_ends_as_an_uninterrupted_one(request, engine):
-    """The backup holds whole slots; each worker resumes with its part."""
+    """The backup holds whole slots; each worker resumes with its part and
+    ends with the weights of the same run's uninterrupted fit."""
     out = request.getfixturevalue("sharded" if engine == "multi_worker" else "horovod")
-    x, y = make_data()
-    weights, _ = cases.plain_run(RESUMED, _initial(out, RESUMED), x, y)
-    for r in range(2):
+    for r, uninterrupted in enumerate(_ranks(out, RESUMED)):
         arrays = np.load(out / f"{RESUMED}-resumed-rank{r}.npz")
-        for i, want in enumerate(weights):
-            np.testing.assert_allclose(arrays[f"arr_{i}"], want, atol=1e-5, rtol=0)
+        for i, want in enumerate(uninterrupted):
+            np.testing.assert_allclose(arrays[f"arr_{i}"], want, atol=1e-6, rtol=0)
