@@ -141,6 +141,31 @@ def write_result(out_dir: str, rank: int, result: dict) -> None:
     os.replace(path + ".tmp", path)
 
 
+def steady_step_seconds(model, x, y, **fit_kwargs) -> list[float]:
+    """`model.fit(x, y, **fit_kwargs)` timed step by step: the seconds of
+    every step after the first epoch (which includes tracing). Worker only
+    (imports Keras)."""
+    import keras
+
+    class StepTimer(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.epochs = []
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epochs.append([])
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self._start = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.epochs[-1].append(time.perf_counter() - self._start)
+
+    timer = StepTimer()
+    model.fit(x, y, callbacks=[timer], **fit_kwargs)
+    return [t for epoch in timer.epochs[1:] for t in epoch]
+
+
 def worker_rank() -> int:
     """This worker's rank, as `keras-distrib launch` tells it (0 if unset)."""
     return int(os.environ.get("KERAS_DISTRIB_RANK", "0"))

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -73,25 +72,9 @@ def run_worker() -> None:
     model.compile(optimizer=keras.optimizers.Adam(1e-4),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
-    class StepTimer(keras.callbacks.Callback):
-        def __init__(self):
-            super().__init__()
-            self.epochs = []
-
-        def on_epoch_begin(self, epoch, logs=None):
-            self.epochs.append([])
-
-        def on_train_batch_begin(self, batch, logs=None):
-            self._start = time.perf_counter()
-
-        def on_train_batch_end(self, batch, logs=None):
-            self.epochs[-1].append(time.perf_counter() - self._start)
-
-    timer = StepTimer()
-    model.fit(x, y, batch_size=FLAGS.batch, epochs=FLAGS.epochs, shuffle=False, verbose=0,
-              callbacks=[timer])
+    steps = _harness.steady_step_seconds(model, x, y, batch_size=FLAGS.batch, epochs=FLAGS.epochs,
+                                         shuffle=False, verbose=0)
     memory = strategy.describe(model)
-    steps = [t for epoch in timer.epochs[1:] for t in epoch]
     weights = model.get_weights()
     _harness.write_result(FLAGS.out_dir, rank, {
         "step_ms": 1000 * float(np.median(steps)), "weights": memory.weights,

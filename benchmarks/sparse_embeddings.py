@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -116,27 +115,11 @@ def run_worker() -> None:
                  else keras.optimizers.Adam(1e-3))
     model.compile(optimizer=optimizer, loss="binary_crossentropy")
 
-    class StepTimer(keras.callbacks.Callback):
-        def __init__(self):
-            super().__init__()
-            self.epochs = []
-
-        def on_epoch_begin(self, epoch, logs=None):
-            self.epochs.append([])
-
-        def on_train_batch_begin(self, batch, logs=None):
-            self._start = time.perf_counter()
-
-        def on_train_batch_end(self, batch, logs=None):
-            self.epochs[-1].append(time.perf_counter() - self._start)
-
-    timer = StepTimer()
-    model.fit(x, y, batch_size=FLAGS.batch, epochs=FLAGS.epochs, shuffle=False, verbose=0,
-              callbacks=[timer])
+    steps = _harness.steady_step_seconds(model, x, y, batch_size=FLAGS.batch, epochs=FLAGS.epochs,
+                                         shuffle=False, verbose=0)
     rows = FLAGS.batch // world  # the unknown (batch) dimension of what was sent
     sent = sum(int(np.prod([rows if d is None else d for d in shape])) * size
                for shape, size in sent_shapes)
-    steps = [t for epoch in timer.epochs[1:] for t in epoch]
     _harness.write_result(FLAGS.out_dir, rank, {
         "rank": rank, "world_size": world, "step_ms": 1000 * float(np.median(steps)),
         "bytes_per_step": sent})
