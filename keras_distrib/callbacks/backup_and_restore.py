@@ -221,6 +221,8 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _restore(self) -> None:
         """The chief loads the backup; every worker gets its values."""
         model, strategy = self.model, self._strategy
+        optimizer = getattr(model, "optimizer", None)
+        shards = optimizer_shards.of(optimizer)
         if strategy.is_chief:
             path, state = self._found
             if state.get("num_replicas") != strategy.num_replicas:
@@ -228,9 +230,9 @@ class BackupAndRestore(keras.callbacks.Callback):
                       f"{state.get('num_replicas')} replicas, this run has "
                       f"{strategy.num_replicas}: the weights are restored, but the "
                       "batches per replica differ from the original run.")
-            keras.Model.load_weights(model, os.path.join(path, WEIGHTS))
-        optimizer = getattr(model, "optimizer", None)
-        shards = optimizer_shards.of(optimizer)
+            # A sharded optimizer keeps the whole slots read for share_loaded.
+            with shards.keeping_loaded() if shards is not None else contextlib.nullcontext():
+                keras.Model.load_weights(model, os.path.join(path, WEIGHTS))
         variables = list(model.weights) + [
             v for v in getattr(optimizer, "variables", [])
             if shards is None or not shards.sharded(v)]

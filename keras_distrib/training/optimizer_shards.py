@@ -124,7 +124,7 @@ class OptimizerShards:
         self._by_whole: dict[int, _Part] = {}
         self._by_piece_key: dict = {}
         self._slot_part: dict[int, _Part] = {}  # id(optimizer slot) -> its variable's part
-        self._loaded: Optional[dict] = None  # whole slots a load left for share_loaded
+        self._loaded: Optional[dict] = None  # whole slots kept for share_loaded
         self._whole: Optional[list] = None  # whole values gathered for saves (gathered())
         keras_build, keras_apply = optimizer.build, optimizer.apply
         keras_load = optimizer.load_own_variables
@@ -237,25 +237,34 @@ class OptimizerShards:
         optimizer = self.optimizer
         if not optimizer.use_ema or not self.parts:
             return
-        for part, average in zip(self.parts, _compat.moving_averages(optimizer)):
-            gathered = self._strategy.sync_gather(np.asarray(keras.ops.convert_to_numpy(average)))
-            part.whole.assign(gathered.reshape(-1)[:part.size].reshape(part.whole.shape))
+        averages = _compat.moving_averages(optimizer)
+        for part, value in zip(self.parts, self._gather_whole(list(zip(averages, self.parts)))):
+            part.whole.assign(value)
+        for part, average in zip(self.parts, averages):
             part.piece.assign(average)
 
     # -- files: whole values (eager, every worker) -------------------------------------
 
+    def _gather_whole(self, pieces) -> list:
+        """`[(variable holding this replica's part, its _Part), ...]` as whole
+        arrays, every replica's parts joined (one collective for all)."""
+        world, rank = self._strategy.world_size, self._strategy.rank
+        slots = []
+        for variable, part in pieces:
+            slot = np.zeros((world, part.length), np.dtype(variable.dtype))
+            slot[rank] = np.asarray(keras.ops.convert_to_numpy(variable))
+            slots.append(slot)
+        return [summed.reshape(-1)[:part.size].reshape(part.whole.shape)
+                for summed, (_, part) in zip(self._strategy.sync_sum(slots), pieces)]
+
     def whole_values(self) -> list:
         """The optimizer's variables as an unsharded optimizer holds them
         (each slot gathered whole from every replica)."""
-        values = []
-        for variable in self.optimizer.variables:
-            value = np.asarray(keras.ops.convert_to_numpy(variable))
-            part = self._slot_part.get(id(variable))
-            if part is not None:
-                gathered = self._strategy.sync_gather(value)
-                value = gathered.reshape(-1)[:part.size].reshape(part.whole.shape)
-            values.append(value)
-        return values
+        variables = self.optimizer.variables
+        sharded = [(v, self._slot_part[id(v)]) for v in variables if self.sharded(v)]
+        gathered = iter(self._gather_whole(sharded))
+        return [next(gathered) if self.sharded(v) else np.asarray(keras.ops.convert_to_numpy(v))
+                for v in variables]
 
     @contextlib.contextmanager
     def gathered(self):
@@ -277,22 +286,30 @@ class OptimizerShards:
         if len(store.keys()) != len(variables):
             return keras_load(store)  # Keras's own warning, nothing loaded
         here = self._strategy.first_local_replica
-        self._loaded = {}
         for i, variable in enumerate(variables):
             value = np.asarray(store[str(i)])
             part = self._slot_part.get(id(variable))
             if part is not None:
-                self._loaded[i] = value
+                if self._loaded is not None:
+                    self._loaded[i] = value
                 value = _piece_of_array(value, part, here)
             variable.assign(value)
+
+    @contextlib.contextmanager
+    def keeping_loaded(self):
+        """A load inside the block keeps the whole slots it read, for
+        `share_loaded` (outside, a load keeps only this replica's parts)."""
+        self._loaded = {}
+        yield
 
     def sharded(self, variable) -> bool:
         """Whether `variable` (an optimizer variable) holds this replica's part."""
         return id(variable) in self._slot_part
 
     def share_loaded(self, root: int = 0) -> None:
-        """After `root` alone loaded a file: every replica takes its part of
-        the whole slots `root` read (eager, every worker)."""
+        """After `root` alone loaded a file (in `keeping_loaded`): every
+        replica takes its part of the whole slots `root` read (eager, every
+        worker)."""
         variables = self.optimizer.variables
         sharded = [i for i, v in enumerate(variables) if self.sharded(v)]
         loaded = self._loaded or {}
