@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-# Horovod (optional extra) is built from source for the tests: ~3 min once,
+# Horovod (optional extra) is built from source for the tests: ~2 min once,
 # then a cached wheel under .venv/horovod-wheels.
 HOROVOD := $(VENV)/.horovod
 
