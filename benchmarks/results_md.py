@@ -298,7 +298,8 @@ def optimizer_sharding(doc: _Doc, data: dict) -> None:
     doc.add(f"Optimizer-state sharding on an MLP of {data['depth']} x Dense({data['width']}) "
             f"({data['parameters']:,} parameters), Adam, batch {data['batch']}, `multi_worker` "
             "on 2 workers: `none` (every worker keeps Adam's moments for every weight) "
-            "against `optimizer` (each keeps them for its half). Bytes per worker from "
+            "against `optimizer` (each keeps them for its half) and `gradients` (and "
+            "receives only its half's reduced gradients). Bytes per worker from "
             "`strategy.describe(model)`.", "")
     doc.add(*_table(["sharding", "step ms, median [min, max]", "weights", "gradients",
                      "optimizer"],

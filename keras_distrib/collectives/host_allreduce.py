@@ -236,6 +236,35 @@ class HostAllReduce(PeerGroup):
             out[q] = buffers[q][:flat.nbytes].view(flat.dtype)
         return out.reshape((self.world_size, *array.shape))
 
+    def reduce_scatter(self, table: np.ndarray) -> np.ndarray:
+        """Row `rank` of the element-wise sum over all workers of `table`
+        (`[world_size, k]`, one shape and dtype on all): the reduce-scatter
+        half of `all_reduce`, each worker getting only its own row.
+
+        Each worker copies the other rows into its slot; after one barrier
+        it sums its row from its own input and every peer's slot, in the
+        order `all_reduce` sums a chunk. One barrier is enough, as in
+        `all_gather`.
+        """
+        table = np.ascontiguousarray(table)
+        if table.ndim != 2 or table.shape[0] != self.world_size:
+            raise ValueError(f"reduce_scatter takes a [{self.world_size}, k] table, "
+                             f"not shape {table.shape}")
+        row_bytes = table[0].nbytes
+        self._reserve(table.nbytes)
+        buffers = self._slots[self._calls % 2]
+        self._calls += 1
+        mine = buffers[self.rank][:table.nbytes].view(table.dtype).reshape(table.shape)
+        for q in range(self.world_size):
+            if q != self.rank:
+                mine[q] = table[q]
+        self._barrier()
+        lo = self.rank * row_bytes
+        out = table[self.rank].copy()
+        for peer in self._peers:
+            np.add(out, buffers[peer][lo:lo + row_bytes].view(table.dtype), out=out)
+        return out
+
     def _reduce(self, arrays, divide_by_last: bool) -> list:
         arrays = [np.asarray(a) for a in arrays]
         flats = [a.reshape(-1) for a in arrays]

@@ -12,7 +12,8 @@ gradients) and asks its strategy for everything else:
   per-replica step into the function Keras's loop calls (run in lockstep on
   every replica, or scheduled elsewhere), and `run` runs a per-replica
   function on this process's replicas;
-* gradient reduction: `all_reduce` and `reduce_gradients` (replica context);
+* gradient reduction: `all_reduce`, `reduce_gradients`, `reduce_scatter`,
+  `all_gather` and `gather_sparse_gradients` (replica context);
 * results: `read_metrics` / `metric_results` (what metric values every
   process reports; `read_summed_metrics` for exact values across processes);
 * cross-process helpers for callbacks, eager and between steps:
@@ -42,6 +43,7 @@ import tensorflow as tf
 from keras_distrib.input import data as data_lib
 from keras_distrib.input import sharding
 from keras_distrib.input.fit_input import FitInput
+from keras_distrib.strategies import gradients as gradients_lib
 from keras_distrib.strategies.cross_process import CrossProcessHelpers
 from keras_distrib.topology import Topology
 
@@ -120,10 +122,11 @@ def _size(count: float) -> str:
             return f"{count:.1f} {unit}"
 
 
-def variable_bytes(variables) -> int:
-    """Bytes of `variables`' values (one copy each)."""
-    return sum(int(np.prod(v.shape)) * np.dtype(tf.as_dtype(v.dtype).as_numpy_dtype).itemsize
-               for v in variables)
+def variable_bytes(variables, parts: int = 1) -> int:
+    """Bytes of `variables`' values (one copy each), or of one of `parts`
+    equal parts of each (rounded up)."""
+    return sum(-(-int(np.prod(v.shape)) // parts)
+               * np.dtype(tf.as_dtype(v.dtype).as_numpy_dtype).itemsize for v in variables)
 
 
 class Strategy(CrossProcessHelpers):
@@ -256,12 +259,14 @@ class Strategy(CrossProcessHelpers):
 
     def describe(self, model) -> ReplicaMemory:
         """Bytes each replica holds for `model` (every replica a whole copy
-        of the weights and gradients; strategies that split the model
+        of the weights and gradients, or with `optimizer_sharding="gradients"`
+        the reduced gradients of its parts; strategies that split the model
         override it)."""
         optimizer = getattr(model, "optimizer", None)
+        parts = self.num_replicas if self.optimizer_sharding == "gradients" else 1
         return ReplicaMemory(
             weights=variable_bytes(model.weights),
-            gradients=variable_bytes(model.trainable_weights),
+            gradients=variable_bytes(model.trainable_weights, parts),
             optimizer=variable_bytes(optimizer.variables if optimizer is not None else []))
 
     # -- input ------------------------------------------------------------------
@@ -349,6 +354,13 @@ class Strategy(CrossProcessHelpers):
         (table,) = self.all_reduce([tf.pad(value[None], padding)], "sum")
         return table
 
+    def reduce_scatter(self, value: tf.Tensor) -> tf.Tensor:
+        """Row `replica_index()` of the sum over replicas of `value` (`[num_replicas,
+        k]`, one shape on all), replica context. By default an all-reduce, then
+        the row; engines with a reduce-scatter override it (half the bytes)."""
+        (table,) = self.all_reduce([tf.convert_to_tensor(value)], "sum")
+        return tf.gather(table, tf.cast(self.replica_index(), tf.int32))
+
     def reduce_gradients(self, gradients: list, num_samples, compression=None) -> list:
         """Global mean gradient from each replica's gradient of its loss *sum*.
 
@@ -370,46 +382,11 @@ class Strategy(CrossProcessHelpers):
 
     def gather_sparse_gradients(self, gradients: Sequence[tf.IndexedSlices],
                                 num_samples) -> list:
-        """Sparse gradients (`tf.IndexedSlices`: an `Embedding`'s, any
-        `tf.gather`'s) of every replica, as one device holds them for the
-        global batch: each replica's rows, concatenated in replica order
-        (= the global batch's order, see `keras_distrib.input.sharding`), the
-        values divided by the global sample count (each replica's are of its
-        loss *sum*, as in `reduce_gradients`).
-
-        Keras's optimizers apply a sparse gradient as it is: duplicate rows
-        are added where the update densifies (Adam's second moment adds
-        each row's squares, not the square of their sum), and rows not in
-        the batch are not touched by SGD. Summing the replicas' gradients
-        into one dense tensor would change both (and carry the whole table
-        every step); here only the batch's rows travel: two all-reduces,
-        the row counts (with the sample counts), then each replica's rows
-        in its own slot.
-        """
-        slots, slot = self.num_replicas, self.replica_index()
-        here = tf.one_hot(slot, slots, dtype=tf.float32)
-        counts = tf.stack([tf.cast(tf.shape(g.indices)[0], tf.float32) for g in gradients]
-                          + [tf.cast(num_samples, tf.float32)])
-        (table,) = self.all_reduce([here[:, None] * counts[None]], "sum")
-        total = tf.reduce_sum(table[:, -1])
-        rows = tf.cast(table[:, :-1], tf.int32)  # [slot, gradient]
-        sent = []
-        for k, g in enumerate(gradients):
-            longest = tf.reduce_max(rows[:, k])
-            for part in (g.values, tf.cast(g.indices, tf.float64)):
-                padding = [[0, longest - tf.shape(part)[0]]] + [[0, 0]] * (part.shape.rank - 1)
-                mask = tf.reshape(tf.cast(here, part.dtype), [slots] + [1] * part.shape.rank)
-                sent.append(mask * tf.pad(part, padding)[None])
-        received = self.all_reduce(sent, "sum")
-        out = []
-        for k, g in enumerate(gradients):
-            values, indices = received[2 * k], received[2 * k + 1]
-            values = tf.concat([values[r, :rows[r, k]] for r in range(slots)], axis=0)
-            indices = tf.concat([indices[r, :rows[r, k]] for r in range(slots)], axis=0)
-            scale = tf.cast(1.0 / tf.maximum(total, 1.0), values.dtype)
-            out.append(tf.IndexedSlices(values * scale, tf.cast(indices, g.indices.dtype),
-                                        g.dense_shape))
-        return out
+        """Sparse gradients of every replica, as one device holds them for
+        the global batch (`keras_distrib.strategies.gradients.gather_sparse`:
+        only the batch's rows travel, in two all-reduces)."""
+        return gradients_lib.gather_sparse(self.all_reduce, self.num_replicas,
+                                           self.replica_index(), gradients, num_samples)
 
     def replica_index(self):
         """This replica's global index, in a replica's step (one replica per

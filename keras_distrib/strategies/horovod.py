@@ -87,9 +87,10 @@ class Horovod(PerProcessStrategy):
             (`CUDA_VISIBLE_DEVICES` or `tf.config.set_visible_devices`) so
             TensorFlow does not take memory on the others.
         optimizer_sharding: None (every rank keeps the optimizer's slots for
-            every variable) or `"optimizer"` (ZeRO stage 1: each keeps them
-            for 1/N of each variable; see
-            `keras_distrib.training.optimizer_shards`).
+            every variable), `"optimizer"` (ZeRO stage 1: each keeps them
+            for 1/N of each variable) or `"gradients"` (stage 2: and
+            receives only that part's reduced gradients, by Horovod's
+            `reducescatter`); see `keras_distrib.training.optimizer_shards`.
 
     Example:
 
@@ -133,6 +134,13 @@ class Horovod(PerProcessStrategy):
     def all_gather(self, value: Any) -> Any:
         return self._hvd.allgather(tf.convert_to_tensor(value)[None],
                                    name=_collective_name("allgather"), ignore_name_scope=True)
+
+    def reduce_scatter(self, value: tf.Tensor) -> tf.Tensor:
+        # Horovod splits the first dimension over the ranks: rank r gets row r.
+        block = self._hvd.reducescatter(tf.convert_to_tensor(value), op=self._hvd.Sum,
+                                        name=_collective_name("reducescatter"),
+                                        ignore_name_scope=True)
+        return tf.reshape(block, [value.shape[1]])
 
     def concat(self, per_replica: Any) -> Any:
         # Rank r holds rows [start_r, start_r + count_r) of every global batch

@@ -43,8 +43,8 @@ class Mirrored(TFDistributeStrategy):
             `"auto"` (TensorFlow's choice: NCCL on GPUs, reduction to one
             device on CPUs), `"nccl"`, `"hierarchical_copy"` (both GPU only)
             or `"reduction_to_one_device"`.
-        optimizer_sharding: None; `"optimizer"` (ZeRO stage 1) needs one
-            replica per process and is refused here with several devices
+        optimizer_sharding: None; `"optimizer"` (ZeRO stage 1) and
+            `"gradients"` (stage 2) need one replica per process and is refused here with several devices
             (use `"multi_worker"` with one worker per device, or `"horovod"`).
 
     Example:

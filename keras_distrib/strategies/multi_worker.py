@@ -89,9 +89,10 @@ class MultiWorker(TFDistributeStrategy):
         peer_timeout: Seconds to wait for all workers to join at start-up;
             a worker that never answers is named in the error.
         optimizer_sharding: None (every worker keeps the optimizer's slots
-            for every variable) or `"optimizer"` (ZeRO stage 1: each keeps
-            them for 1/N of each variable; see
-            `keras_distrib.training.optimizer_shards`). Needs one device per
+            for every variable), `"optimizer"` (ZeRO stage 1: each keeps
+            them for 1/N of each variable) or `"gradients"` (stage 2: and
+            receives only that part's reduced gradients); see
+            `keras_distrib.training.optimizer_shards`. Needs one device per
             worker.
 
     Example:
@@ -231,6 +232,16 @@ class MultiWorker(TFDistributeStrategy):
         options = self._step_collective_options
         return self._watched([value], lambda vs: [
             context.all_gather(vs[0][None], axis=0, options=options)])[0]
+
+    def reduce_scatter(self, value: tf.Tensor) -> tf.Tensor:
+        if self._host_reduce is None:
+            # TensorFlow's replica context has no reduce-scatter: the table
+            # is all-reduced (under the watchdog) and the row taken.
+            return super().reduce_scatter(value)
+        (block,) = tf.numpy_function(self._host_reduce.reduce_scatter, [value],
+                                     [value.dtype], stateful=True, name="kd_host_reduce_scatter")
+        block.set_shape([value.shape[1]])
+        return block
 
     def reduce_gradients(self, gradients: list, num_samples, compression=None) -> list:
         if (self._host_reduce is None or compression is not None

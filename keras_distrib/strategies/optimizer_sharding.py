@@ -4,6 +4,9 @@
 variable. `"optimizer"` (ZeRO stage 1): each of the N replicas keeps them
 for 1/N of every trainable variable and updates only that part; the parts
 then travel to every replica (`keras_distrib.training.optimizer_shards`).
+`"gradients"` (ZeRO stage 2): the same, and the step's gradients are
+reduce-scattered instead of all-reduced, so each replica receives only the
+reduced gradient of its parts.
 """
 
 from __future__ import annotations
@@ -18,18 +21,13 @@ def check(strategy: str, value, one_replica_per_process: bool = True) -> Optiona
     """`value` if `strategy` can shard that way, else a one-line error."""
     if value is None:
         return None
-    if value == GRADIENTS:
-        raise ValueError(
-            f"optimizer_sharding='gradients' (ZeRO stage 2) is not available in strategy "
-            f"{strategy!r}; use optimizer_sharding='optimizer' (stage 1: the optimizer's "
-            "slots sharded) or None.")
-    if value != OPTIMIZER:
+    if value not in (OPTIMIZER, GRADIENTS):
         raise ValueError(
             f"optimizer_sharding={value!r} is not one of None, 'optimizer' (the optimizer's "
-            "slots sharded over the replicas).")
+            "slots sharded over the replicas), 'gradients' (the reduced gradients too).")
     if not one_replica_per_process:
         raise ValueError(
-            f"optimizer_sharding='optimizer' needs one replica per process; strategy "
+            f"optimizer_sharding={value!r} needs one replica per process; strategy "
             f"{strategy!r} runs several in one: use 'multi_worker' (one worker per device) "
             "or 'horovod'.")
     return value

@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from keras_distrib import _compat
 from keras_distrib import preemption
+from keras_distrib.training import optimizer_shards
 
 
 class ReductionSwitch:
@@ -93,7 +94,9 @@ class GradientReduction:
         statistics = self._replica_statistics() if self._sums_sample_losses else []
         vote = self.__dict__.get("_vote")  # made by fit (several processes)
         output_losses = list(output_losses)
-        if not statistics and vote is None and not output_losses:
+        shards = optimizer_shards.of(self.optimizer)
+        scatter = shards is not None and shards.scatters and self._sums_sample_losses
+        if not statistics and vote is None and not output_losses and not scatter:
             return self.reduce_gradients(gradients, num_samples)
         count = tf.cast(num_samples, tf.float32)
         extras = [tf.cast(v, tf.float32) * count for v in [*statistics, *output_losses]]
@@ -102,7 +105,12 @@ class GradientReduction:
                                      name="kd_preemption_vote")
             extras.append(tf.reshape(mine, []))
             vote.carried = True  # at trace time
-        reduced = self.reduce_gradients([*gradients, *extras], num_samples)
+        if scatter:  # optimizer_sharding="gradients": this replica's parts
+            parts, means = shards.reduce_scatter(self.trainable_weights, gradients,
+                                                 num_samples, extras)
+            reduced = [*parts, *means]
+        else:
+            reduced = self.reduce_gradients([*gradients, *extras], num_samples)
         for variable, value in zip(statistics, reduced[len(gradients):]):
             variable.assign(tf.cast(value, variable.dtype))
         start = len(gradients) + len(statistics)

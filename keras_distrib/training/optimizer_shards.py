@@ -23,6 +23,15 @@ A step (`OptimizerShards.apply`, which the optimizer's `apply` becomes):
    collective), and every replica assigns the whole variables, then
    applies their constraints.
 
+With `optimizer_sharding="gradients"` (stage 2) the step's all-reduce
+becomes a reduce-scatter (`reduce_scatter`, `Strategy.reduce_scatter`):
+each replica receives the reduced gradient of its parts only, with the
+sample count and the values that ride in the step's reduction
+(`GradientReduction.reduce_with_statistics`) copied into every replica's
+block; norm clipping then takes its norms from partial sums of squares,
+reduced in one small all-reduce, and steps 3 and 4 are the same. A custom
+`train_step`'s own `apply_gradients` reduces whole gradients, as in stage 1.
+
 Every update the sharded optimizers make is elementwise, so each element
 gets the arithmetic it gets without sharding. Optimizers that read whole
 tensors (LAMB's trust ratio, Adafactor's factored moments, Muon's
@@ -50,6 +59,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_distrib import _compat
+from keras_distrib.strategies import optimizer_sharding as sharding_option
 
 # Keras optimizers whose update of a variable is elementwise given its
 # gradient (besides clipping, done whole here).
@@ -72,6 +82,11 @@ def install(optimizer, strategy, switch) -> "OptimizerShards":
     """Makes `optimizer` (adopted by a model on `strategy`) build on and
     update this replica's parts; `switch`: the model's `ReductionSwitch`."""
     check_optimizer(optimizer)
+    if (strategy.optimizer_sharding == sharding_option.GRADIENTS
+            and getattr(getattr(optimizer, "compression", None), "dtype", None) is not None):
+        raise ValueError(
+            "optimizer_sharding='gradients' reduce-scatters float32 gradients and cannot "
+            "compress them; use optimizer_sharding='optimizer' with compression, or drop it.")
     shards = OptimizerShards(optimizer, strategy, switch)
     _SHARDS[optimizer] = shards
     return shards
@@ -114,12 +129,22 @@ class _Part:
         self.size, self.length, self.replicas = size, length, replicas
 
 
+class _Scattered:
+    """A gradient stage 2's reduction made: this replica's part of the
+    global mean gradient (`piece`), handed through `apply_gradients`."""
+
+    def __init__(self, piece):
+        self.piece = piece
+
+
 class OptimizerShards:
     """What one sharded optimizer needs (see module doc)."""
 
     def __init__(self, optimizer, strategy, switch):
         self._optimizer = weakref.ref(optimizer)
         self._strategy, self._switch = strategy, switch
+        # Stage 2: the step's gradients arrive as this replica's parts.
+        self.scatters = strategy.optimizer_sharding == sharding_option.GRADIENTS
         self.parts: list[_Part] = []
         self._by_whole: dict[int, _Part] = {}
         self._by_piece_key: dict = {}
@@ -199,22 +224,106 @@ class OptimizerShards:
                 f"optimizer_sharding: the gradient of {sparse[0]!r} is sparse (an Embedding's "
                 "or a gather's); sharded updates take dense gradients: use "
                 "optimizer_sharding=None for this model.")
-        if not self._switch.reduced:
-            # A custom train_step's own gradients: reduced once, here (Keras
-            # would sum the parts, which differ from replica to replica).
-            pairs = self._strategy.reduce_applied_gradients(pairs)
         parts = [self._by_whole[id(v)] for _, v in pairs]
-        grads = _compat.clip_gradients(optimizer, [tf.convert_to_tensor(g) for g, _ in pairs])
+        if isinstance(pairs[0][0], _Scattered):  # stage 2: this replica's parts, reduced
+            grads = self._clipped_pieces([g.piece for g, _ in pairs], parts)
+        else:
+            if not self._switch.reduced:
+                # A custom train_step's own gradients: reduced once, here (Keras
+                # would sum the parts, which differ from replica to replica).
+                pairs = self._strategy.reduce_applied_gradients(pairs)
+            grads = _compat.clip_gradients(optimizer,
+                                           [tf.convert_to_tensor(g) for g, _ in pairs])
+            grads = [_piece_of(g, part, self._strategy.replica_index())
+                     for g, part in zip(grads, parts)]
+        self._update(keras_apply, grads, parts)
+
+    def _update(self, keras_apply, pieces: list, parts: list) -> None:
+        """Keras's update of this replica's parts by `pieces` (their reduced,
+        clipped gradients), then every replica's parts into the weights."""
         here = self._strategy.replica_index()
         for part in parts:
             part.piece.assign(_piece_of(part.whole, part, here))
-        with self._switch.applying_reduced(), _compat.clipping_off(optimizer):
-            keras_apply([_piece_of(g, part, here) for g, part in zip(grads, parts)],
-                        [p.piece for p in parts])
+        with self._switch.applying_reduced(), _compat.clipping_off(self.optimizer):
+            keras_apply(pieces, [p.piece for p in parts])
         for part, value in zip(parts, self._gathered(parts)):
             part.whole.assign(value)
             if part.whole.constraint is not None:
                 part.whole.assign(part.whole.constraint(part.whole))
+
+    def reduce_scatter(self, variables, gradients: list, num_samples, extras: list):
+        """Stage 2's reduction of a step (replica context): each replica's
+        gradients of its loss *sum* (aligned with `variables`, `None` where
+        the loss does not reach) summed over the replicas, divided by the
+        global sample count, and scattered: `(gradients, extras)`, the
+        gradients as this replica's parts (to hand to `apply_gradients`),
+        the `extras` (float32 tensors, each times this replica's count, as
+        `reduce_with_statistics` makes them) as their global means.
+
+        One `Strategy.reduce_scatter` of a `[replicas, k]` table: row r
+        holds replica r's parts of every gradient, then the extras and the
+        sample count, which every replica writes into every row.
+        """
+        optimizer, n = self.optimizer, self._strategy.num_replicas
+        if not optimizer.built:
+            optimizer.build(list(variables))
+        present = [i for i, g in enumerate(gradients) if g is not None]
+        for i in present:
+            if isinstance(gradients[i], tf.IndexedSlices):
+                raise ValueError(
+                    f"optimizer_sharding: the gradient of {variables[i].path!r} is sparse (an "
+                    "Embedding's or a gather's); sharded updates take dense gradients: use "
+                    "optimizer_sharding=None for this model.")
+            if gradients[i].dtype != tf.float32:
+                raise ValueError(
+                    f"optimizer_sharding='gradients' reduces float32 gradients, but that of "
+                    f"{variables[i].path!r} is {gradients[i].dtype.name}; use "
+                    "optimizer_sharding='optimizer'.")
+        parts = [self._by_whole[id(variables[i])] for i in present]
+        rows = [tf.reshape(tf.pad(tf.reshape(gradients[i], [-1]),
+                                  [[0, p.length * n - p.size]]), [n, p.length])
+                for i, p in zip(present, parts)]
+        shared = tf.concat([*[tf.reshape(e, [-1]) for e in extras],
+                            tf.reshape(tf.cast(num_samples, tf.float32), [1])], axis=0)
+        rows.append(tf.tile(shared[None], [n, 1]))
+        block = self._strategy.reduce_scatter(tf.concat(rows, axis=1))
+        scale = 1.0 / tf.maximum(block[-1], 1.0)
+        out: list = [None] * len(gradients)
+        start = 0
+        for i, p in zip(present, parts):
+            out[i] = _Scattered(block[start:start + p.length] * scale)
+            start += p.length
+        means = []
+        for e in extras:
+            size = int(np.prod(e.shape))
+            means.append(tf.reshape(block[start:start + size] * scale, e.shape))
+            start += size
+        return out, means
+
+    def _clipped_pieces(self, pieces: list, parts: list) -> list:
+        """Keras's clipping (`BaseOptimizer._clip_gradients`) of whole
+        gradients, done on this replica's parts: the norms come from each
+        replica's sums of squares, reduced in one all-reduce."""
+        optimizer = self.optimizer
+        clipnorm, global_clipnorm = optimizer.clipnorm, optimizer.global_clipnorm
+        if clipnorm and clipnorm > 0 or global_clipnorm and global_clipnorm > 0:
+            (l2sums,) = self._strategy.all_reduce(
+                [tf.stack([tf.reduce_sum(tf.square(g)) for g in pieces])], "sum")
+            if clipnorm and clipnorm > 0:  # BaseOptimizer._clip_by_norm, per variable
+                out = []
+                for k, g in enumerate(pieces):
+                    l2sum = l2sums[k]
+                    l2norm = tf.where(l2sum > 0, tf.sqrt(tf.where(l2sum > 0, l2sum, 1.0)), l2sum)
+                    out.append(g * clipnorm / tf.maximum(l2norm, clipnorm))
+                return out
+            use_norm = tf.sqrt(tf.reduce_sum(l2sums))  # keras's clip_by_global_norm
+            scale = global_clipnorm * tf.minimum(1.0 / use_norm, 1.0 / global_clipnorm)
+            scale = scale + (use_norm - use_norm)
+            return [g * scale for g in pieces]
+        if optimizer.clipvalue and optimizer.clipvalue > 0:
+            v = optimizer.clipvalue
+            return [tf.clip_by_value(g, -v, v) for g in pieces]
+        return pieces
 
     def _gathered(self, parts) -> list:
         """Every replica's updated parts, as whole values (one all-gather per dtype)."""

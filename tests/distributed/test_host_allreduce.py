@@ -97,8 +97,8 @@ def test_sums_are_exact_identical_and_leave_no_files(tmp_path, world):
 def test_a_slow_reader_never_sees_the_next_calls_data(tmp_path, world):
     # A fast worker must not write its next call's data into a slot a slow
     # one still reads (the two alternating sets of slots are what prevents
-    # it: with one set this fails), all-reduces and all-gathers (one barrier)
-    # in turn. The last rank sleeps after every barrier.
+    # it: with one set this fails), all-reduces, all-gathers and
+    # reduce-scatters (one barrier each) in turn. The last rank sleeps after every barrier.
     assert _run(tmp_path, world, "skewed") == [0] * world
     for rank in range(world):
         assert np.load(tmp_path / f"rank{rank}.npz")["bad"].tolist() == [], rank

@@ -1,7 +1,8 @@
-"""`optimizer_sharding="optimizer"` (ZeRO stage 1) on 2 real workers:
-`multi_worker` and `horovod` train every elementwise Keras optimizer as
-without sharding and as plain Keras on one device; each worker holds its
-part of the slots; files hold whole values; a resumed run ends where an
+"""`optimizer_sharding="optimizer"` (ZeRO stage 1) and `"gradients"` (stage
+2) on 2 real workers: `multi_worker` and `horovod` train every elementwise
+Keras optimizer as without sharding and as plain Keras on one device; each
+worker holds its part of the slots (and in stage 2 of the reduced
+gradients); files hold whole values; a resumed run ends where an
 uninterrupted one does.
 
 One launch per engine and setting serves every test
@@ -23,6 +24,8 @@ WORKER = os.path.join(WORKERS, "optimizer_sharding.py")
 # and the two clippings that need whole norms.
 COMPARED = ["adam", "adamw_decay", "sgd_momentum_clipnorm", "rmsprop_global_clipnorm"]
 SAVED, RESUMED = "adamw_decay", "adam"
+# Stage 2 under Horovod: its reducescatter, and a global norm from partial sums.
+HOROVOD_STAGE2 = ["adam", "rmsprop_global_clipnorm"]
 
 pytestmark = pytest.mark.slow
 
@@ -45,10 +48,20 @@ def unsharded(tmp_path_factory, sharded):
 
 
 @pytest.fixture(scope="module")
+def stage2(tmp_path_factory, sharded):
+    """optimizer_sharding="gradients", from the sharded run's initial weights."""
+    return _run(tmp_path_factory.mktemp("stage2"), "--sharding", "gradients",
+                "--cases", ",".join(COMPARED), "--initial_from", str(sharded))
+
+
+@pytest.fixture(scope="module")
 def ring(tmp_path_factory, sharded):
-    """TensorFlow's collectives instead of shared memory (as between hosts)."""
+    """Stage 2 on TensorFlow's collectives instead of shared memory (as
+    between hosts): its all-reduce in place of a reduce-scatter, and stage
+    1's all-gather."""
     return _run(tmp_path_factory.mktemp("ring"), "--implementation", "ring",
-                "--cases", "adam,sgd_momentum_clipnorm", "--initial_from", str(sharded))
+                "--sharding", "gradients", "--cases", "adam,sgd_momentum_clipnorm",
+                "--initial_from", str(sharded))
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +69,14 @@ def horovod(tmp_path_factory):
     pytest.importorskip("horovod.tensorflow")
     return _run(tmp_path_factory.mktemp("horovod"), "--strategy", "horovod", "--cases",
                 ",".join(COMPARED), "--resume", RESUMED, launch_flags=("--backend", "horovod"))
+
+
+@pytest.fixture(scope="module")
+def horovod_stage2(tmp_path_factory, horovod):
+    """Horovod's reducescatter, from the stage-1 run's initial weights."""
+    return _run(tmp_path_factory.mktemp("horovod2"), "--strategy", "horovod",
+                "--sharding", "gradients", "--cases", ",".join(HOROVOD_STAGE2),
+                "--initial_from", str(horovod), launch_flags=("--backend", "horovod"))
 
 
 @pytest.fixture(scope="module")
@@ -109,9 +130,25 @@ def test_multi_worker_sharded_equals_unsharded(sharded, unsharded, case):
             np.testing.assert_allclose(a, b, atol=1e-6, rtol=0, err_msg=case)
 
 
+@pytest.mark.parametrize("case", COMPARED)
+def test_multi_worker_stage2_equals_unsharded(stage2, unsharded, case):
+    """optimizer_sharding="gradients": the reduce-scattered gradients, and
+    the norms of clipnorm and global_clipnorm from partial sums."""
+    _assert_equal_runs(stage2, unsharded, case)
+
+
 @pytest.mark.parametrize("case", ["adam", "sgd_momentum_clipnorm"])
-def test_sharded_on_tensorflows_collectives_equals_shared_memory(sharded, ring, case):
-    for got, want in zip(_ranks(ring, case), _ranks(sharded, case)):
+def test_sharded_on_tensorflows_collectives_equals_shared_memory(stage2, ring, case):
+    _assert_equal_runs(ring, stage2, case)
+
+
+@pytest.mark.parametrize("case", HOROVOD_STAGE2)
+def test_horovod_stage2_equals_stage1(horovod, horovod_stage2, case):
+    _assert_equal_runs(horovod_stage2, horovod, case)
+
+
+def _assert_equal_runs(out, reference, case):
+    for got, want in zip(_ranks(out, case), _ranks(reference, case)):
         for a, b in zip(got, want):
             np.testing.assert_allclose(a, b, atol=1e-6, rtol=0, err_msg=case)
 
@@ -155,6 +192,16 @@ def test_each_worker_holds_its_part_of_the_slots(sharded, unsharded):
             assert m["weights"] == full["weights"] and m["gradients"] == full["gradients"]
             assert m["optimizer"] <= (0.5 + 0.05) * full["optimizer"], (m, full)
             assert "per replica: weights" in m["str"]
+
+
+def test_stage2_holds_its_part_of_the_gradients_and_slots(stage2, unsharded):
+    for case in COMPARED:
+        full = json.load(open(unsharded / f"{case}-rank0.json"))
+        for r in range(2):
+            m = json.load(open(stage2 / f"{case}-rank{r}.json"))
+            assert m["weights"] == full["weights"], (m, full)
+            assert m["gradients"] <= (0.5 + 0.05) * full["gradients"], (m, full)
+            assert m["optimizer"] <= (0.5 + 0.05) * full["optimizer"], (m, full)
 
 
 def _assert_holds_the_saved_run(model, out, case, whole_optimizer):

@@ -1,6 +1,6 @@
 """Trains one small model per optimizer case (tests/sharding_cases.py) under `--strategy`
-(`multi_worker` or `horovod`) with `optimizer_sharding=--sharding`, run by
-`keras-distrib launch -n 2`.
+(`multi_worker` or `horovod`) with `optimizer_sharding=--sharding` (one
+strategy per process), run by `keras-distrib launch -n 2`.
 
 For each case rank 0 writes the initial weights (`<case>-initial.npz`) and
 every rank its final weights and its optimizer variables
@@ -39,29 +39,33 @@ def main(argv):
     import keras_distrib as kd
     from helpers import make_data
 
-    sharding = None if FLAGS.sharding == "none" else FLAGS.sharding
     options = {"implementation": FLAGS.implementation} if FLAGS.implementation else {}
-    strategy = kd.strategies.get(FLAGS.strategy, optimizer_sharding=sharding, **options)
     x, y = make_data()
+    sharding = None if FLAGS.sharding == "none" else FLAGS.sharding
+    strategy = kd.strategies.get(FLAGS.strategy, optimizer_sharding=sharding, **options)
     for case in FLAGS.cases:
-        model = kd.DistributedModel(*graph(), strategy=strategy)
-        if FLAGS.initial_from:
-            model.set_weights(_initial(FLAGS.initial_from, case))
-        if strategy.is_chief:
-            np.savez(os.path.join(FLAGS.out, f"{case}-initial.npz"), *model.get_weights())
-        model.compile(**compile_kwargs(case))
-        model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
-        arrays = {f"w{i}": w for i, w in enumerate(model.get_weights())}
-        arrays.update({f"o{i}": np.asarray(v) for i, v in enumerate(model.optimizer.variables)})
-        np.savez(os.path.join(FLAGS.out, f"{case}-rank{strategy.rank}.npz"), **arrays)
-        memory = strategy.describe(model)
-        with open(os.path.join(FLAGS.out, f"{case}-rank{strategy.rank}.json"), "w") as f:
-            json.dump({"weights": memory.weights, "gradients": memory.gradients,
-                       "optimizer": memory.optimizer, "str": str(memory)}, f)
-        if case in FLAGS.save:
-            model.save_weights(os.path.join(FLAGS.out, f"{case}.weights.h5"))
-        if case in FLAGS.resume:
-            _resume(kd, strategy, case, x, y)
+        _train(kd, strategy, case, x, y, FLAGS.out, FLAGS.initial_from)
+
+
+def _train(kd, strategy, case, x, y, out, initial_from):
+    model = kd.DistributedModel(*graph(), strategy=strategy)
+    if initial_from:
+        model.set_weights(_initial(initial_from, case))
+    if strategy.is_chief:
+        np.savez(os.path.join(out, f"{case}-initial.npz"), *model.get_weights())
+    model.compile(**compile_kwargs(case))
+    model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    arrays = {f"w{i}": w for i, w in enumerate(model.get_weights())}
+    arrays.update({f"o{i}": np.asarray(v) for i, v in enumerate(model.optimizer.variables)})
+    np.savez(os.path.join(out, f"{case}-rank{strategy.rank}.npz"), **arrays)
+    memory = strategy.describe(model)
+    with open(os.path.join(out, f"{case}-rank{strategy.rank}.json"), "w") as f:
+        json.dump({"weights": memory.weights, "gradients": memory.gradients,
+                   "optimizer": memory.optimizer, "str": str(memory)}, f)
+    if case in FLAGS.save:
+        model.save_weights(os.path.join(out, f"{case}.weights.h5"))
+    if case in FLAGS.resume:
+        _resume(kd, strategy, case, x, y, out)
 
 
 def _initial(directory, case):
@@ -69,10 +73,10 @@ def _initial(directory, case):
     return [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
 
 
-def _resume(kd, strategy, case, x, y):
-    backup = os.path.join(FLAGS.out, f"{case}-backup")
+def _resume(kd, strategy, case, x, y, out):
+    backup = os.path.join(out, f"{case}-backup")
     first = kd.DistributedModel(*graph(), strategy=strategy)
-    first.set_weights(_initial(FLAGS.out, case))
+    first.set_weights(_initial(out, case))
     first.compile(**compile_kwargs(case))
     first.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[
         kd.callbacks.BackupAndRestore(backup, delete_checkpoint=False)])
@@ -80,7 +84,7 @@ def _resume(kd, strategy, case, x, y):
     again.compile(**compile_kwargs(case))
     again.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
               callbacks=[kd.callbacks.BackupAndRestore(backup)])
-    np.savez(os.path.join(FLAGS.out, f"{case}-resumed-rank{strategy.rank}.npz"),
+    np.savez(os.path.join(out, f"{case}-resumed-rank{strategy.rank}.npz"),
              *again.get_weights())
 
 
