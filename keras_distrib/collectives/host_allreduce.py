@@ -236,34 +236,43 @@ class HostAllReduce(PeerGroup):
             out[q] = buffers[q][:flat.nbytes].view(flat.dtype)
         return out.reshape((self.world_size, *array.shape))
 
-    def reduce_scatter(self, table: np.ndarray) -> np.ndarray:
-        """Row `rank` of the element-wise sum over all workers of `table`
-        (`[world_size, k]`, one shape and dtype on all): the reduce-scatter
-        half of `all_reduce`, each worker getting only its own row.
+    def reduce_scatter(self, *tables: np.ndarray) -> list:
+        """Row `rank` of the element-wise sum over all workers of each table
+        (`[world_size, k]`, of one dtype, shapes the same on all): the
+        reduce-scatter half of `all_reduce`, each worker getting only its own
+        rows.
 
-        Each worker copies the other rows into its slot; after one barrier
-        it sums its row from its own input and every peer's slot, in the
-        order `all_reduce` sums a chunk. One barrier is enough, as in
-        `all_gather`.
+        Each worker copies the others' rows into its slot (the tables end to
+        end); after one barrier it sums its rows from its own input and every
+        peer's slot, in the order `all_reduce` sums a chunk. One barrier is
+        enough, as in `all_gather`.
         """
-        table = np.ascontiguousarray(table)
-        if table.ndim != 2 or table.shape[0] != self.world_size:
-            raise ValueError(f"reduce_scatter takes a [{self.world_size}, k] table, "
-                             f"not shape {table.shape}")
-        row_bytes = table[0].nbytes
-        self._reserve(table.nbytes)
+        tables = [np.ascontiguousarray(t) for t in tables]
+        dtype = tables[0].dtype
+        for t in tables:
+            if t.ndim != 2 or t.shape[0] != self.world_size or t.dtype != dtype:
+                raise ValueError(f"reduce_scatter takes [{self.world_size}, k] tables of one "
+                                 f"dtype, not {t.dtype} of shape {t.shape}")
+        offsets = np.cumsum([0] + [t.size for t in tables])
+        self._reserve(int(offsets[-1]) * dtype.itemsize)
         buffers = self._slots[self._calls % 2]
         self._calls += 1
-        mine = buffers[self.rank][:table.nbytes].view(table.dtype).reshape(table.shape)
-        for q in range(self.world_size):
-            if q != self.rank:
-                mine[q] = table[q]
+        slots = [b[:int(offsets[-1]) * dtype.itemsize].view(dtype) for b in buffers]
+        for t, start in zip(tables, offsets):
+            mine = slots[self.rank][start:start + t.size].reshape(t.shape)
+            for q in range(self.world_size):
+                if q != self.rank:
+                    mine[q] = t[q]
         self._barrier()
-        lo = self.rank * row_bytes
-        out = table[self.rank].copy()
-        for peer in self._peers:
-            np.add(out, buffers[peer][lo:lo + row_bytes].view(table.dtype), out=out)
-        return out
+        rows = []
+        for t, start in zip(tables, offsets):
+            k = t.shape[1]
+            lo = start + self.rank * k
+            out = t[self.rank].copy()
+            for peer in self._peers:
+                np.add(out, slots[peer][lo:lo + k], out=out)
+            rows.append(out)
+        return rows
 
     def _reduce(self, arrays, divide_by_last: bool) -> list:
         arrays = [np.asarray(a) for a in arrays]

@@ -354,12 +354,13 @@ class Strategy(CrossProcessHelpers):
         (table,) = self.all_reduce([tf.pad(value[None], padding)], "sum")
         return table
 
-    def reduce_scatter(self, value: tf.Tensor) -> tf.Tensor:
-        """Row `replica_index()` of the sum over replicas of `value` (`[num_replicas,
-        k]`, one shape on all), replica context. By default an all-reduce, then
-        the row; engines with a reduce-scatter override it (half the bytes)."""
-        (table,) = self.all_reduce([tf.convert_to_tensor(value)], "sum")
-        return tf.gather(table, tf.cast(self.replica_index(), tf.int32))
+    def reduce_scatter(self, tables: Sequence[tf.Tensor]) -> list:
+        """Row `replica_index()` of the sum over replicas of each of `tables`
+        (`[num_replicas, k]` each, shapes the same on all), replica context. By
+        default an all-reduce, then the rows; engines with a reduce-scatter
+        override it (half the bytes)."""
+        here = tf.cast(self.replica_index(), tf.int32)
+        return [tf.gather(t, here) for t in self.all_reduce(list(tables), "sum")]
 
     def reduce_gradients(self, gradients: list, num_samples, compression=None) -> list:
         """Global mean gradient from each replica's gradient of its loss *sum*.

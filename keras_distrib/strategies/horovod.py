@@ -135,12 +135,14 @@ class Horovod(PerProcessStrategy):
         return self._hvd.allgather(tf.convert_to_tensor(value)[None],
                                    name=_collective_name("allgather"), ignore_name_scope=True)
 
-    def reduce_scatter(self, value: tf.Tensor) -> tf.Tensor:
-        # Horovod splits the first dimension over the ranks: rank r gets row r.
-        block = self._hvd.reducescatter(tf.convert_to_tensor(value), op=self._hvd.Sum,
+    def reduce_scatter(self, tables: Sequence[Any]) -> list:
+        # One reducescatter of the tables side by side: Horovod splits the
+        # first dimension over the ranks, so rank r gets row r of each.
+        tables = [tf.convert_to_tensor(t) for t in tables]
+        block = self._hvd.reducescatter(tf.concat(tables, axis=1), op=self._hvd.Sum,
                                         name=_collective_name("reducescatter"),
                                         ignore_name_scope=True)
-        return tf.reshape(block, [value.shape[1]])
+        return tf.split(tf.reshape(block, [-1]), [int(t.shape[1]) for t in tables])
 
     def concat(self, per_replica: Any) -> Any:
         # Rank r holds rows [start_r, start_r + count_r) of every global batch

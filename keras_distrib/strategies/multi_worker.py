@@ -233,15 +233,18 @@ class MultiWorker(TFDistributeStrategy):
         return self._watched([value], lambda vs: [
             context.all_gather(vs[0][None], axis=0, options=options)])[0]
 
-    def reduce_scatter(self, value: tf.Tensor) -> tf.Tensor:
+    def reduce_scatter(self, tables: Sequence[tf.Tensor]) -> list:
         if self._host_reduce is None:
-            # TensorFlow's replica context has no reduce-scatter: the table
-            # is all-reduced (under the watchdog) and the row taken.
-            return super().reduce_scatter(value)
-        (block,) = tf.numpy_function(self._host_reduce.reduce_scatter, [value],
-                                     [value.dtype], stateful=True, name="kd_host_reduce_scatter")
-        block.set_shape([value.shape[1]])
-        return block
+            # TensorFlow's replica context has no reduce-scatter: the tables
+            # are all-reduced (under the watchdog) and the rows taken.
+            return super().reduce_scatter(tables)
+        tables = [tf.convert_to_tensor(t) for t in tables]
+        rows = tf.numpy_function(self._host_reduce.reduce_scatter, tables,
+                                 [t.dtype for t in tables], stateful=True,
+                                 name="kd_host_reduce_scatter")
+        for row, table in zip(rows, tables):
+            row.set_shape([table.shape[1]])
+        return list(rows)
 
     def reduce_gradients(self, gradients: list, num_samples, compression=None) -> list:
         if (self._host_reduce is None or compression is not None

@@ -260,8 +260,8 @@ class OptimizerShards:
         the `extras` (float32 tensors, each times this replica's count, as
         `reduce_with_statistics` makes them) as their global means.
 
-        One `Strategy.reduce_scatter` of a `[replicas, k]` table: row r
-        holds replica r's parts of every gradient, then the extras and the
+        One `Strategy.reduce_scatter` of one `[replicas, length]` table per
+        gradient (row r: replica r's part) and one of the extras and the
         sample count, which every replica writes into every row.
         """
         optimizer, n = self.optimizer, self._strategy.num_replicas
@@ -280,23 +280,19 @@ class OptimizerShards:
                     f"{variables[i].path!r} is {gradients[i].dtype.name}; use "
                     "optimizer_sharding='optimizer'.")
         parts = [self._by_whole[id(variables[i])] for i in present]
-        rows = [tf.reshape(tf.pad(tf.reshape(gradients[i], [-1]),
-                                  [[0, p.length * n - p.size]]), [n, p.length])
-                for i, p in zip(present, parts)]
+        tables = [_table(gradients[i], p) for i, p in zip(present, parts)]
         shared = tf.concat([*[tf.reshape(e, [-1]) for e in extras],
                             tf.reshape(tf.cast(num_samples, tf.float32), [1])], axis=0)
-        rows.append(tf.tile(shared[None], [n, 1]))
-        block = self._strategy.reduce_scatter(tf.concat(rows, axis=1))
-        scale = 1.0 / tf.maximum(block[-1], 1.0)
+        tables.append(tf.tile(shared[None], [n, 1]))
+        *rows, shared = self._strategy.reduce_scatter(tables)
+        scale = 1.0 / tf.maximum(shared[-1], 1.0)
         out: list = [None] * len(gradients)
-        start = 0
-        for i, p in zip(present, parts):
-            out[i] = _Scattered(block[start:start + p.length] * scale)
-            start += p.length
-        means = []
+        for i, row in zip(present, rows):
+            out[i] = _Scattered(row * scale)
+        means, start = [], 0
         for e in extras:
             size = int(np.prod(e.shape))
-            means.append(tf.reshape(block[start:start + size] * scale, e.shape))
+            means.append(tf.reshape(shared[start:start + size] * scale, e.shape))
             start += size
         return out, means
 
@@ -434,11 +430,19 @@ class OptimizerShards:
         self._loaded = None
 
 
+def _table(value, part: _Part) -> tf.Tensor:
+    """`value` (a whole variable or gradient) as `[replicas, length]`: row r
+    is replica r's part (the last rows end in zeros; no copy when the parts
+    fill it exactly)."""
+    flat = tf.reshape(tf.convert_to_tensor(value), [-1])
+    if part.length * part.replicas != part.size:
+        flat = tf.pad(flat, [[0, part.length * part.replicas - part.size]])
+    return tf.reshape(flat, [part.replicas, part.length])
+
+
 def _piece_of(value, part: _Part, here) -> tf.Tensor:
     """Replica `here`'s part of `value` (a whole variable or gradient)."""
-    flat = tf.reshape(tf.convert_to_tensor(value), [-1])
-    padded = tf.pad(flat, [[0, part.length * part.replicas - part.size]])
-    return tf.slice(padded, [tf.cast(here, tf.int32) * part.length], [part.length])
+    return tf.gather(_table(value, part), tf.cast(here, tf.int32))
 
 
 def _piece_of_array(value, part: _Part, here: int) -> np.ndarray:

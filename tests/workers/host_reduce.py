@@ -14,8 +14,8 @@ MODE:
   exit1    rank 1 exits after the first all-reduce; the others try a second.
   stall1   rank 1 sleeps 6 s before the second all-reduce.
   skewed   many all-reduces of large arrays, each followed by an
-           all-gather and a reduce-scatter (as a [world, k] table) of the
-           first, while the last rank sleeps at random
+           all-gather of the first and a reduce-scatter of both (as
+           [world, k] tables), while the last rank sleeps at random
            after each barrier (a reader slower than its peers); every
            worker checks every result against the sum (the stacked arrays)
            it computes itself and writes the calls that differ ("bad").
@@ -89,20 +89,21 @@ def _skewed(reducer, rank, world):
     for call in range(calls):
         got.append([np.copy(v) for v in reducer.all_reduce(*mine[call])])
         got[-1].append(reducer.all_gather(mine[call][0]))
-        got[-1].append(reducer.reduce_scatter(_table(mine[call][0], world)))
+        got[-1].append(reducer.reduce_scatter(*(_table(m, world) for m in mine[call])))
     bad = []
     for call in range(calls):  # checked afterwards: the calls follow each other closely
         per_rank = [skewed_inputs(r, call) for r in range(world)]
-        *sums, gathered, block = got[call]
+        *sums, gathered, blocks = got[call]
         for i, value in enumerate(sums):
             want = sum(np.asarray(p[i], np.float64) for p in per_rank)
             if not np.allclose(value, want, rtol=1e-6, atol=1e-6):
                 bad.append(call)
         if not np.array_equal(gathered, np.stack([p[0] for p in per_rank])):
             bad.append(call)
-        want = sum(_table(np.asarray(p[0], np.float64), world)[rank] for p in per_rank)
-        if block.shape != want.shape or not np.allclose(block, want, rtol=1e-6, atol=1e-6):
-            bad.append(call)  # this rank's row of the summed tables
+        for i, block in enumerate(blocks):  # this rank's rows of the summed tables
+            want = sum(_table(np.asarray(p[i], np.float64), world)[rank] for p in per_rank)
+            if block.shape != want.shape or not np.allclose(block, want, rtol=1e-6, atol=1e-6):
+                bad.append(call)
     return np.array(bad, np.int64)
 
 
