@@ -98,6 +98,7 @@ bench: $(HOROVOD)
 	$(PY) benchmarks/bigger_models.py $(BENCH_FLAGS)
 	# Two hosts as network namespaces: needs root.
 	PATH=$(VENV)/bin:$$PATH $(PY) benchmarks/multi_host.py $(BENCH_FLAGS)
+	$(PY) benchmarks/elastic.py $(BENCH_FLAGS)
 	$(PY) benchmarks/_plots.py
 	$(PY) benchmarks/results_md.py
 

@@ -34,7 +34,8 @@ flags.DEFINE_string("out", None, "The markdown file to write (default: RESULTS.m
 # The benchmarks that save JSON, in the order of the file; the two others
 # print their tables only.
 KNOWN = ("overhead", "allreduce", "weak_scaling", "strong_scaling", "model_parallel",
-         "sparse_embeddings", "remat", "optimizer_sharding", "bigger_models", "multi_host")
+         "sparse_embeddings", "remat", "optimizer_sharding", "bigger_models", "multi_host",
+         "elastic")
 PRINT_ONLY = ("horovod_vs_tf", "parameter_server")
 
 
@@ -350,6 +351,21 @@ def multi_host(doc: _Doc, data: dict) -> None:
     doc.figure("multi_host.png", "All-reduce between two hosts against the link rate")
 
 
+def elastic(doc: _Doc, data: dict) -> None:
+    doc.add("An elastic job (`--min_workers 1`) on two hosts (network namespaces), one worker "
+            "each, losing host 1's link for good after step "
+            f"{data['lose_after']} and getting it back later; heartbeat timeout "
+            f"{data['heartbeat_s']:g} s, a backup every {data['save_freq']} steps. From the "
+            "workers' own step log:", "")
+    labels = {"loss_to_training_s": "seconds from the loss to training on the host left",
+              "steps_redone": "steps trained again after the loss",
+              "return_to_training_s": "seconds from the return to training on both",
+              "steps_redone_on_return": "steps trained again after the return"}
+    doc.add(*_table(["", "median [min, max]"],
+                    [(labels[k], _stats(v)) for k, v in data["measures"].items()]))
+    doc.misses(data)
+
+
 def generic(doc: _Doc, data: dict) -> None:
     settings = [(k, v) for k, v in data.items()
                 if k != "meta" and isinstance(v, (int, float, str, bool))]
@@ -375,6 +391,7 @@ SECTIONS = {
     "optimizer_sharding": ("Optimizer-state sharding", optimizer_sharding),
     "bigger_models": ("Fitting a bigger model: bytes per device", bigger_models),
     "multi_host": ("Two hosts on a rate-limited link", multi_host),
+    "elastic": ("Elastic: a host lost and taken back", elastic),
 }
 
 

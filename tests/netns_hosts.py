@@ -13,7 +13,9 @@ can be rate-limited (`tc` token bucket on both ends), cut and restored.
 to start a rank "on" a host: this file run as
 `python netns_hosts.py exec PREFIX HOST COMMAND`, which execs
 `ip netns exec <PREFIX>-<HOST> sh -c COMMAND` (the rank replaces it, so
-killing the child kills the rank, as ssh -tt does).
+killing the child kills the rank, as ssh -tt does). As ssh would, it cannot
+reach a host whose link is cut: it waits for the link up to
+`CONNECT_SECONDS`, then exits 255.
 
 `bed.ssh_program(directory)` writes an `ssh` for programs that call it
 from PATH themselves (horovodrun); `bed.on(host, argv)` runs a program on
@@ -198,9 +200,30 @@ class TestBed:
                               capture_output=True, text=True, **kwargs)
 
 
+# How long the ssh stand-in waits for a host whose link is down, as ssh's
+# connect keeps trying (OpenSSH's ConnectTimeout); then it fails as ssh does.
+CONNECT_SECONDS = 20.0
+
+
+def _link_up(prefix: str, host: str) -> bool:
+    """Whether `host`'s link at the switch is up (`TestBed.cut` takes it down)."""
+    port = f"p{int(host.rsplit('.', 1)[1]) - 1}"
+    shown = _ip("-n", f"{prefix}-switch", "-o", "link", "show", port, check=False).stdout
+    flags = shown.split("<", 1)[1].split(">", 1)[0].split(",") if "<" in shown else []
+    return "UP" in flags
+
+
 def _exec(prefix: str, host: str, command: str) -> None:
-    """`ssh host command` for a test bed: becomes `command` in `host`'s namespace."""
+    """`ssh host command` for a test bed: becomes `command` in `host`'s
+    namespace. Like ssh, it cannot reach a host whose link is down: it waits
+    for the link up to `CONNECT_SECONDS`, then exits 255 saying so."""
     host = host.strip("[]")
+    deadline = time.monotonic() + CONNECT_SECONDS
+    while not _link_up(prefix, host):
+        if time.monotonic() > deadline:
+            sys.stderr.write(f"ssh: connect to host {host} port 22: Connection timed out\n")
+            sys.exit(255)
+        time.sleep(0.2)
     os.execvp("ip", ["ip", "netns", "exec", f"{prefix}-{host}", *_own_name(host), "sh", "-c",
                      command])
 

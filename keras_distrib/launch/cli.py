@@ -23,6 +23,10 @@ With `--max_restarts N`, a failed or preempted rank makes the launcher
 stop the others and start all ranks again, on new ports, up to N times
 (one `restart K/N` line each; the last line says how many were used). A
 signal to the launcher never restarts. `--timeout` bounds all of it.
+With `--min_workers M` as well (elastic), a restart goes on with the hosts
+that still answer and leaves out a slot whose rank fails again at once,
+as long as M slots are left; a lost host that answers again is taken back
+at the job's next backup (one `[launcher] N -> M workers` line each).
 
 Exit codes:
 
@@ -31,7 +35,7 @@ Exit codes:
               restarts left; with --ps: the chief's CODE, or a worker
               task's when its restarts ran out
     1         with --ps: a ps task was lost and the chief still ran 60 s
-              later
+              later; with --min_workers: fewer slots were left
     75        preempted: a rank exited with 75 and no restarts were left,
               or the launcher got SIGTERM/SIGINT/SIGHUP and every rank then
               exited with 75 or 0 (else 128+signal)
@@ -104,13 +108,13 @@ from absl import flags
 
 from keras_distrib import cluster as cluster_lib
 from keras_distrib.launch import backends
-from keras_distrib.launch.config import (DEFAULT_SSH_COMMAND, GRACE_SECONDS,
+from keras_distrib.launch.config import (DEFAULT_SSH_COMMAND, ELASTIC_GRACE, GRACE_SECONDS,
                                          STRAGGLER_WARNING, LaunchConfig, LaunchError,
                                          check_config)
 from keras_distrib.launch.plan import (DEFAULT_REMOTE_PORT_BASE, check_local_ports,
                                        plan, print_dry_run, write_output_dir)
 from keras_distrib.launch.parameter_server import DEFAULT_WORKER_RESTARTS
-from keras_distrib.launch.supervise import supervise
+from keras_distrib.launch.supervise import ElasticJob, supervise
 
 SUBCOMMANDS = ("launch",)
 USAGE = ("keras-distrib launch -n N [--hosts H1:S1,H2:S2] script.py [script args...]; "
@@ -160,6 +164,14 @@ flags.DEFINE_integer("max_restarts", 0, "When a rank fails or is preempted, "
                      "times, over all worker tasks, an exited worker task is "
                      f"started again alone (0: up to {DEFAULT_WORKER_RESTARTS}).",
                      lower_bound=0)
+flags.DEFINE_integer("min_workers", 0, "Elastic: at a restart, go on with the slots "
+                     "(hosts, or processes on this machine) that still answer, as long as at "
+                     "least this many are left (-n is the most); a lost host that answers "
+                     "again is taken back at the job's next backup. Needs --max_restarts. "
+                     "0: every restart starts all -n ranks.", lower_bound=0)
+flags.DEFINE_float("elastic_grace", ELASTIC_GRACE, "With --min_workers: a slot whose rank "
+                   "fails again within this many seconds of its attempt's start is left "
+                   "out.", lower_bound=0)
 flags.DEFINE_float("grace_seconds", GRACE_SECONDS, "Seconds a rank gets to "
                    "exit after SIGTERM (time for the chief to write a backup) "
                    "before SIGKILL.", lower_bound=0)
@@ -278,6 +290,8 @@ def config_from_flags(positional: Sequence[str]) -> LaunchConfig:
         timeout=FLAGS.timeout,
         tail_lines=FLAGS.tail_lines,
         max_restarts=FLAGS.max_restarts,
+        min_workers=FLAGS.min_workers,
+        elastic_grace=FLAGS.elastic_grace,
         grace_seconds=FLAGS.grace_seconds,
         straggler_warning=FLAGS.straggler_warning,
         ps=FLAGS.ps,
@@ -335,6 +349,9 @@ def launch(config: LaunchConfig, out: Optional[TextIO] = None,
         print_dry_run(plans, config, out)
         return 0
     check_local_ports(plans, config)
+    if config.min_workers:
+        warn_if_oversubscribed(sum(p.local for p in plans), err)
+        return supervise(ElasticJob(config), config, out, err).exit_code
     if config.parameter_server:
         # The ps tasks mostly wait on the network; the chief and workers compute.
         training = sum(p.local and p.info.is_training_task for p in plans)

@@ -23,6 +23,9 @@ GRACE_SECONDS = 30.0
 # so (--straggler_warning): one that waits for the finished rank in a
 # collective would otherwise wait silently until its collective timeout.
 STRAGGLER_WARNING = 60.0
+# Seconds after an attempt's start within which a second failure of the
+# same slot leaves it out of an elastic job (--elastic_grace).
+ELASTIC_GRACE = 60.0
 
 
 class LaunchError(Exception):
@@ -62,6 +65,11 @@ class LaunchConfig:
     # `ps_tasks_run_script` (Kubeflow style: the strategy serves there).
     ps: int = 0
     ps_tasks_run_script: bool = False
+    # Elastic (`keras_distrib.launch.elastic`): >= 1 lets a restart go on
+    # with this many of the -n slots or more; a slot whose rank fails again
+    # within `elastic_grace` seconds of its attempt's start is left out.
+    min_workers: int = 0
+    elastic_grace: float = ELASTIC_GRACE
 
     @property
     def parameter_server(self) -> bool:
@@ -116,9 +124,27 @@ def check_config(config: LaunchConfig) -> None:
                           "(0: no warning).")
     if config.grace_seconds < 0:
         raise LaunchError(f"--grace_seconds={config.grace_seconds:g} must be >= 0.")
+    _check_elastic(config)
     if config.max_restarts and config.backend == "horovod":
         raise LaunchError(
             f"--max_restarts={config.max_restarts} works with --backend=tf only "
             "(horovodrun is one child here, its ranks out of the launcher's "
             "reach); drop --max_restarts or use --backend=tf."
         )
+
+
+def _check_elastic(config: LaunchConfig) -> None:
+    """The settings of an elastic launch (--min_workers >= 1)."""
+    if not config.min_workers:
+        return
+    if not 1 <= config.min_workers <= config.nproc:
+        raise LaunchError(f"--min_workers={config.min_workers} must be between 1 and -n "
+                          f"({config.nproc}), the most workers.")
+    if config.parameter_server or config.backend != "tf":
+        raise LaunchError("--min_workers works with --backend=tf workers only (no --ps, no "
+                          "horovodrun); drop --min_workers.")
+    if config.max_restarts < 1:
+        raise LaunchError(f"--min_workers={config.min_workers} goes on with the workers left "
+                          "at a restart: give --max_restarts K (K >= 1).")
+    if config.elastic_grace < 0:
+        raise LaunchError(f"--elastic_grace={config.elastic_grace:g} must be >= 0.")

@@ -33,6 +33,9 @@ class Ending(enum.Enum):
     CHILD_FAILED = "child failed"  # a child exited non-zero or was killed
     INTERRUPTED = "interrupted"  # the launcher got SIGINT, SIGTERM or SIGHUP
     TIMED_OUT = "timed out"  # --timeout passed
+    # Elastic (--min_workers): a lost host answers again; the job was asked
+    # to save and stop, to start again with it (`keras_distrib.launch.elastic`).
+    RESIZING = "resizing"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,17 +90,21 @@ def exit_code(returncode: int) -> int:
 
 def watch(children: Sequence[Child], trap: SignalTrap, deadline: Optional[float],
           straggler_warning: float = 0.0,
-          warn: Callable[[str], None] = lambda message: None) -> SuperviseResult:
+          warn: Callable[[str], None] = lambda message: None,
+          resize: Callable[[], bool] = lambda: False) -> SuperviseResult:
     """Waits until the attempt ends one way or another; stops nothing.
 
     Says nothing either, but for one `warn(line)` when children still run
-    `straggler_warning` seconds (> 0) after one exited 0.
+    `straggler_warning` seconds (> 0) after one exited 0. Ends `RESIZING`
+    when `resize()` says so (elastic launches).
     """
     straggling = _Stragglers(children, straggler_warning, warn)
     while True:
         if trap.received:
             signum = trap.received[0]
             return SuperviseResult(Ending.INTERRUPTED, 128 + signum, signum=signum)
+        if resize():
+            return SuperviseResult(Ending.RESIZING, PREEMPTED)
         failed = next((i for i, c in enumerate(children)
                        if c.proc.poll() not in (None, 0)), None)
         if failed is not None:
@@ -159,6 +166,10 @@ def end(result: SuperviseResult, children: Sequence[Child], config: LaunchConfig
             say(err, f"every {unit} exited with {PREEMPTED} (preempted) or 0; "
                      f"exit code {PREEMPTED}.")
             result = dataclasses.replace(result, exit_code=PREEMPTED)
+    elif result.ending is Ending.RESIZING:  # the job saves where it is and stops
+        stop(children, trap, config.grace_seconds)
+        if all(c.proc.returncode == 0 for c in children):  # it had just finished
+            result = SuperviseResult(Ending.SUCCEEDED, 0)
     elif result.ending is Ending.TIMED_OUT:
         printer.end_line()
         say(err, f"timed out after {config.timeout:g}s (--timeout); stopping all {unit}s.")

@@ -72,25 +72,35 @@ def run_attempts(job: Job, config: LaunchConfig, printer: Printer,
     with SignalTrap() as trap:
         restarts = 0
         while True:
-            result = _attempt(job, restarts, config, trap, deadline, printer, err)
-            if not _should_restart(result, restarts, config, trap, deadline):
+            result = run_attempt(job, restarts, config, trap, deadline, printer, err)
+            if not should_restart(result, restarts, config, trap, deadline):
                 break
             restarts += 1
             say(err, f"restart {restarts}/{config.max_restarts}: {result.failed.outcome()}; "
                      f"starting all {len(job)} ranks again.")
-        result = dataclasses.replace(result, restarts=restarts)
-        if result.ending is Ending.CHILD_FAILED and restarts < config.max_restarts:
-            why = (f"got {signal_name(trap.received[0])}" if trap.received
-                   else f"--timeout={config.timeout:g}s has passed")
-            say(err, f"no restart: {why}.")
-        if config.max_restarts:
-            _summarize(result, len(job), config, err)
-        return result
+        return finish(result, restarts, len(job), config, trap, err)
 
 
-def _attempt(job: Job, restart: int, config: LaunchConfig, trap: SignalTrap,
-             deadline: Optional[float], printer: Printer, err: TextIO) -> SuperviseResult:
-    """Starts, watches and ends one attempt; nothing of it outlives this call."""
+def finish(result: SuperviseResult, restarts: int, size: int, config: LaunchConfig,
+           trap: SignalTrap, err: TextIO) -> SuperviseResult:
+    """The job's last attempt `result` with the restarts used; says why no
+    restart followed a failure when restarts were left, and, under
+    --max_restarts, sums the job up in one last line."""
+    result = dataclasses.replace(result, restarts=restarts)
+    if result.ending is Ending.CHILD_FAILED and restarts < config.max_restarts:
+        why = (f"got {signal_name(trap.received[0])}" if trap.received
+               else f"--timeout={config.timeout:g}s has passed")
+        say(err, f"no restart: {why}.")
+    if config.max_restarts:
+        _summarize(result, size, config, err)
+    return result
+
+
+def run_attempt(job: Job, restart: int, config: LaunchConfig, trap: SignalTrap,
+                deadline: Optional[float], printer: Printer, err: TextIO,
+                resize: Callable[[], bool] = lambda: False) -> SuperviseResult:
+    """Starts, watches and ends one attempt; nothing of it outlives this call.
+    `resize`: see `endings.watch`."""
     children: list[Child] = []
     with private_directory(job.private_dir) as shm_dir:
         try:
@@ -101,7 +111,7 @@ def _attempt(job: Job, restart: int, config: LaunchConfig, trap: SignalTrap,
                 printer.end_line()
                 say(err, message)
 
-            result = watch(children, trap, deadline, config.straggler_warning, warn)
+            result = watch(children, trap, deadline, config.straggler_warning, warn, resize)
             return end(result, children, config, trap, printer, err)
         finally:
             for child in children:
@@ -112,8 +122,8 @@ def _attempt(job: Job, restart: int, config: LaunchConfig, trap: SignalTrap,
             printer.end_line()
 
 
-def _should_restart(result: SuperviseResult, restarts: int, config: LaunchConfig,
-                    trap: SignalTrap, deadline: Optional[float]) -> bool:
+def should_restart(result: SuperviseResult, restarts: int, config: LaunchConfig,
+                   trap: SignalTrap, deadline: Optional[float]) -> bool:
     """The restart policy: a failed child, restarts left, time left, no signal."""
     return (result.ending is Ending.CHILD_FAILED
             and restarts < config.max_restarts
@@ -147,7 +157,7 @@ def private_directory(wanted: bool = True) -> Iterator[Optional[str]]:
 def _summarize(result: SuperviseResult, size: int, config: LaunchConfig, err: TextIO) -> None:
     """The last line under --max_restarts: how the job ended, restarts used."""
     if result.ending is Ending.SUCCEEDED:
-        what = f"all {size} ranks succeeded"
+        what = f"all {size} ranks succeeded" if size > 1 else "the rank succeeded"
     elif result.ending is Ending.CHILD_FAILED:
         what = result.failed.outcome()
     elif result.ending is Ending.INTERRUPTED:

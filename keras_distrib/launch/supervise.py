@@ -25,6 +25,8 @@ names the launcher's other modules and its users take from here:
                       (--max_restarts), each attempt's private directory
     parameter_server  `ParameterServerJob`: one attempt until the chief exits,
                       worker tasks restarted alone, lost ps tasks
+    elastic           `ElasticJob` (--min_workers): attempts on the slots that
+                      answer, hosts lost and taken back
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from keras_distrib.cluster.launch_contract import PREEMPTED
 from keras_distrib.launch.config import LaunchConfig
 from keras_distrib.launch.endings import (EXIT_TIMEOUT, ChildExit, Ending, SuperviseResult,
                                           exit_code)
+from keras_distrib.launch.elastic import ElasticJob, run_elastic
 from keras_distrib.launch.output import TF_LOG_NOISE, Printer, is_tf_log_noise
 from keras_distrib.launch.parameter_server import (DEFAULT_WORKER_RESTARTS, ParameterServerJob,
                                                    supervise_parameter_server)
@@ -44,14 +47,15 @@ from keras_distrib.launch.processes import ChildSpec
 from keras_distrib.launch.restarts import Job, private_directory, run_attempts
 
 __all__ = [
-    "ChildExit", "ChildSpec", "DEFAULT_WORKER_RESTARTS", "EXIT_TIMEOUT", "Ending", "Job",
+    "ChildExit", "ChildSpec", "DEFAULT_WORKER_RESTARTS", "EXIT_TIMEOUT", "ElasticJob", "Ending",
+    "Job",
     "PREEMPTED", "ParameterServerJob", "SuperviseResult",
     "TF_LOG_NOISE", "exit_code", "is_tf_log_noise", "private_directory", "supervise",
 ]
 
 
-def supervise(job: Union[Job, ParameterServerJob, Sequence[ChildSpec]], config: LaunchConfig,
-              out: TextIO, err: TextIO) -> SuperviseResult:
+def supervise(job: Union[Job, ParameterServerJob, ElasticJob, Sequence[ChildSpec]],
+              config: LaunchConfig, out: TextIO, err: TextIO) -> SuperviseResult:
     """Runs the job's attempts, streams their lines, and returns how the job ended.
 
     `job`: a `Job`, or a list of `ChildSpec`s (the same on every attempt).
@@ -77,6 +81,8 @@ def supervise(job: Union[Job, ParameterServerJob, Sequence[ChildSpec]], config: 
     deadline = time.monotonic() + config.timeout if config.timeout > 0 else None
     if isinstance(job, ParameterServerJob):
         return supervise_parameter_server(job, config, printer, deadline, err)
+    if isinstance(job, ElasticJob):
+        return run_elastic(job, printer, deadline, err)
     if not isinstance(job, Job):
         job = Job.of(job)
     return run_attempts(job, config, printer, deadline, err)

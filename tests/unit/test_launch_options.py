@@ -76,6 +76,14 @@ def test_check_config_errors(tmp_path):
          "--straggler_warning=-1 must be >= 0"),
         (LaunchConfig(nproc=1, script=script, backend="horovod", max_restarts=1),
          "works with --backend=tf only"),
+        (LaunchConfig(nproc=2, script=script, min_workers=3, max_restarts=1),
+         r"--min_workers=3 must be between 1 and -n \(2\)"),
+        (LaunchConfig(nproc=2, script=script, min_workers=1),
+         "give --max_restarts K"),
+        (LaunchConfig(nproc=2, script=script, min_workers=1, max_restarts=1, ps=1),
+         "--min_workers works with --backend=tf workers only"),
+        (LaunchConfig(nproc=2, script=script, min_workers=1, max_restarts=1,
+                      backend="horovod"), "--min_workers works with --backend=tf workers only"),
     ]:
         with pytest.raises(LaunchError, match=fragment):
             launch.check_config(config)
@@ -255,3 +263,18 @@ def test_importing_the_launcher_imports_no_tensorflow():
     for module in ("cli", "plan", "supervise", "backends", "__main__"):
         assert f"keras_distrib.launch.{module}" in result["modules"]
     assert result["heavy"] == [], result
+
+
+def test_an_elastic_attempt_plans_the_member_slots_only(tmp_path):
+    from keras_distrib.launch import elastic
+
+    script = rank_script(tmp_path, "")
+    config = LaunchConfig(nproc=4, script=script, hosts=("a:2", "b:1", "c:1"), min_workers=2,
+                          max_restarts=1)
+    hosts = elastic.slot_hosts(config)
+    assert hosts == ["a", "a", "b", "c"]
+    members = elastic._Membership(hosts, [0, 1, 3])
+    assert members.spec_config(config).hosts == ("a:2", "c:1")
+    assert members.spec_config(config).nproc == 3
+    local = LaunchConfig(nproc=3, script=script, min_workers=1, max_restarts=1)
+    assert elastic._Membership(elastic.slot_hosts(local), [0, 2]).spec_config(local).nproc == 2

@@ -4,12 +4,14 @@ Run by `keras-distrib launch -n N [--max-restarts K]`
 (tests/distributed/test_faults.py). It trains an MLP with Adam and a
 step-dependent learning rate on shuffled arrays, backing up every
 `--save_freq` steps with `keras_distrib.callbacks.BackupAndRestore`. On
-the launcher's first attempt (`KERAS_DISTRIB_RESTART` unset or 0), rank
-`--fault_rank` sends itself `--fault` (`kill`: SIGKILL, `stop`: SIGSTOP,
-`term`: SIGTERM) right after global step `--fault_step`. With
+the launcher's first attempt (`KERAS_DISTRIB_RESTART` unset or 0; the
+first `--fault_attempts` attempts), rank `--fault_rank` sends itself
+`--fault` (`kill`: SIGKILL, `stop`: SIGSTOP, `term`: SIGTERM) right after
+global step `--fault_step` of that attempt. With
 `--hold_after_step N` every rank waits after global step N until it is
 sent SIGTERM (the preemption test's signal then lands mid-training,
-however loaded the machine); with `--pause_after_step N` every rank says
+however loaded the machine; `--hold_on_attempt` on one attempt only, saying
+so in `--out/held-rank<r>`); with `--pause_after_step N` every rank says
 so in `--out/paused-rank<r>` after global step N and waits for `--out/go`
 (a network-fault test cuts a link meanwhile, tests/distributed/
 test_network_faults.py). Every rank that finishes writes its final
@@ -42,6 +44,8 @@ flags.DEFINE_string("backup", None, "BackupAndRestore directory.")
 flags.DEFINE_enum("fault", "none", ["none", "kill", "stop", "term"], "What to inject.")
 flags.DEFINE_integer("fault_rank", 1, "The rank that hurts itself.")
 flags.DEFINE_integer("fault_step", 5, "After this global step (1-based).")
+flags.DEFINE_integer("fault_attempts", 1, "The fault strikes on the launcher's first this "
+                     "many attempts (KERAS_DISTRIB_RESTART below it).")
 flags.DEFINE_integer("epochs", 3, "Epochs.")
 flags.DEFINE_integer("save_freq", 4, "Backup every this many steps.")
 flags.DEFINE_integer("pause_after_step", 0,
@@ -52,6 +56,12 @@ flags.DEFINE_integer("hold_after_step", 0,
                      "After this global step (1-based; 0: never) every rank waits until it "
                      "is asked to stop (SIGTERM, as keras_distrib.preemption records it), "
                      "at most 120 s: a preemption test's signal then lands mid-training.")
+flags.DEFINE_bool("step_log", False, "Append `attempt begin|step count time` to "
+                  "--out/steps-rank<r>.txt at the start and after every step that "
+                  "trained (for benchmarks/elastic.py).")
+flags.DEFINE_integer("hold_on_attempt", -1, "Hold (--hold_after_step) on this attempt "
+                     "only, after its --hold_after_step-th step, and say so in "
+                     "--out/held-rank<r>; -1: on every attempt.")
 
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
 
@@ -93,19 +103,46 @@ class _PauseUntilGo(keras.callbacks.Callback):
 class _HoldUntilPreempted(keras.callbacks.Callback):
     """After global step `after`, waits for this process's SIGTERM."""
 
-    def __init__(self, after):
+    def __init__(self, after, rank):
         super().__init__()
-        self.after, self.steps = after, 0
+        self.after, self.rank, self.steps = after, rank, 0
 
     def on_train_batch_end(self, batch, logs=None):
         self.steps += 1
         if self.steps < self.after:
             return
+        open(os.path.join(FLAGS.out, f"held-rank{self.rank}"), "w").close()
         deadline = time.monotonic() + 120
         while not preemption.requested():
             if time.monotonic() > deadline:
                 sys.exit(f"rank held after step {self.after} was never sent SIGTERM")
             time.sleep(0.05)
+
+
+class _StepLog(keras.callbacks.Callback):
+    """At the start (`begin`: the step a resume starts from) and after every
+    step that trained (`step`: the optimizer's step count then, so the no-op
+    steps a resume replays are left out): the attempt, what, the count, the
+    time."""
+
+    def __init__(self, attempt, rank):
+        super().__init__()
+        self.path, self.attempt = os.path.join(FLAGS.out, f"steps-rank{rank}.txt"), attempt
+        self.last = None
+
+    def _write(self, what):
+        count = int(self.model.optimizer.iterations.numpy())
+        if what == "step" and count == self.last:
+            return
+        self.last = count
+        with open(self.path, "a") as f:
+            f.write(f"{self.attempt} {what} {count} {time.time()}\n")
+
+    def on_train_begin(self, logs=None):
+        self._write("begin")
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._write("step")
 
 
 def main(argv):
@@ -131,9 +168,11 @@ def main(argv):
     callbacks = [kd.callbacks.BackupAndRestore(FLAGS.backup, save_freq=FLAGS.save_freq)]
     if FLAGS.pause_after_step and attempt == 0:
         callbacks.append(_PauseUntilGo(FLAGS.pause_after_step, rank))
-    if FLAGS.hold_after_step:
-        callbacks.append(_HoldUntilPreempted(FLAGS.hold_after_step))
-    if FLAGS.fault != "none" and attempt == 0 and rank == FLAGS.fault_rank:
+    if FLAGS.step_log:
+        callbacks.append(_StepLog(attempt, rank))
+    if FLAGS.hold_after_step and FLAGS.hold_on_attempt in (-1, attempt):
+        callbacks.append(_HoldUntilPreempted(FLAGS.hold_after_step, rank))
+    if FLAGS.fault != "none" and attempt < FLAGS.fault_attempts and rank == FLAGS.fault_rank:
         callbacks.append(_Fault(SIGNALS[FLAGS.fault], FLAGS.fault_step))
     model.fit(x, y, batch_size=30, epochs=FLAGS.epochs, shuffle=True, verbose=0,
               callbacks=callbacks)

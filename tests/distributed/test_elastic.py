@@ -1,0 +1,111 @@
+"""Elastic launches (`--min_workers`): the job goes on with the workers left,
+takes a lost host back, and ends where an uninterrupted one-process run
+ends (tests/workers/faults.py: Adam, a learning-rate schedule, shuffled
+arrays, a backup every 4 steps).
+
+On this host a slot is a process: one killed twice in a row is left out.
+Across hosts (network namespaces, tests/netns_hosts.py, whose ssh stand-in
+cannot reach a host whose link is down), a host whose link is cut is lost
+and, when the link is back, taken in again at the job's next backup.
+"""
+
+import glob
+import os
+import time
+
+import numpy as np
+import pytest
+
+import fault_job
+from fault_job import FAULTS, STEPS
+from helpers import launch, process_alive
+
+pytestmark = pytest.mark.slow
+
+ELASTIC = ("--min_workers", "1", "--max_restarts", "3")
+
+
+def _assert_ends_as_one_process(out, n, uninterrupted):
+    """Every rank took all the steps and holds the one-process run's
+    weights (the sums over another number of workers round differently)."""
+    reference = uninterrupted(1)[0][1]
+    for rank, (iterations, weights) in enumerate(fault_job.results(out, n)):
+        assert iterations == STEPS, (rank, iterations)
+        for got, want in zip(weights, reference):
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=0, err_msg=f"rank {rank}")
+
+
+def _assert_nothing_left(out, n):
+    attempts = [a for runs in fault_job.attempts(out, n).values() for a in runs]
+    assert not [a.pid for a in attempts if process_alive(a.pid, zombies_count=False)]
+    assert not [a.shm_dir for a in attempts if a.shm_dir != "-" and os.path.exists(a.shm_dir)]
+
+
+def _killed_twice(out, *launch_flags):
+    """Rank 1 kills itself after its 5th step on the first two attempts."""
+    return launch(out, 2, FAULTS, "--out", str(out), "--backup", str(out / "backup"),
+                  "--fault", "kill", "--fault_attempts", "2", expect=None,
+                  launch_flags=launch_flags)
+
+
+def test_a_worker_killed_again_is_left_out_and_the_rest_ends_exact(tmp_path, uninterrupted):
+    code, output = _killed_twice(tmp_path, *ELASTIC)
+    assert code == 0, output[-3000:]
+    assert ("[launcher] 2 -> 1 workers: slot 1 on host 127.0.0.1 left out (its rank failed "
+            "again within --elastic_grace=60s); training goes on from the last backup."
+            in output), output[-3000:]
+    assert "the rank succeeded; 2 of 3 restarts used; exit code 0." in output
+    assert [len(runs) for runs in fault_job.attempts(tmp_path, 2).values()] == [3, 2]
+    _assert_ends_as_one_process(tmp_path, 1, uninterrupted)
+    _assert_nothing_left(tmp_path, 2)
+
+
+def test_fewer_slots_than_min_workers_is_one_line(tmp_path):
+    code, output = _killed_twice(tmp_path, "--min_workers", "2", "--max_restarts", "3")
+    assert code == 1, output[-3000:]
+    assert output.rstrip().endswith(
+        "keras-distrib: 1 of 2 slots left, fewer than --min_workers=2; stopping."), \
+        output[-3000:]
+    _assert_nothing_left(tmp_path, 2)
+
+
+def _lose_and_return(bed, out):
+    """`launch(during=...)`: cuts host 1's link once both ranks paused
+    (attempt 0), lets them go on against the cut, and restores the link once
+    the job runs on host 0 alone and holds there (attempt 1)."""
+    def wait_for(pattern, proc):
+        deadline = time.monotonic() + 150
+        while not glob.glob(os.path.join(out, pattern)):
+            assert proc.poll() is None and time.monotonic() < deadline, f"no {pattern}"
+            time.sleep(0.05)
+
+    def during(proc):
+        wait_for("paused-rank1", proc)
+        wait_for("paused-rank0", proc)
+        bed.cut(1)
+        open(os.path.join(out, "go"), "w").close()
+        wait_for("held-rank0", proc)
+        bed.restore(1)
+    return during
+
+
+def test_a_lost_host_is_left_out_and_taken_back_and_the_run_ends_exact(tmp_path, hosts,
+                                                                        uninterrupted):
+    bed = hosts(2)
+    a, b = bed.addresses
+    code, output = launch(
+        tmp_path, 2, FAULTS, "--out", str(tmp_path), "--backup", str(tmp_path / "backup"),
+        "--pause_after_step", "6", "--hold_after_step", "6", "--hold_on_attempt", "1",
+        expect=None, timeout=280, during=_lose_and_return(bed, tmp_path),
+        env={"KERAS_DISTRIB_HEARTBEAT_TIMEOUT": "3"},
+        launch_flags=("--hosts", bed.hosts_flag(), "--ssh", "--ssh_command", bed.ssh_command,
+                      *ELASTIC))
+    assert code == 0, output[-3000:]
+    assert (f"[launcher] 2 -> 1 workers: host {b} lost (it does not answer); training goes "
+            "on from the last backup." in output), output[-3000:]
+    assert (f"[launcher] 1 -> 2 workers: host {b} answers again; training goes on from the "
+            "backup the job just saved." in output), output[-3000:]
+    # Host 0 ran every attempt (2, then 1, then 2 workers); host 1 the first and last.
+    assert [len(runs) for runs in fault_job.attempts(tmp_path, 2).values()] == [3, 2]
+    _assert_ends_as_one_process(tmp_path, 2, uninterrupted)
+    assert bed.pids() == [], "a process outlived the job on a host"
