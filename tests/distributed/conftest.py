@@ -43,8 +43,9 @@ def hosts(netns_usable):
 
 @pytest.fixture(scope="session")
 def uninterrupted(tmp_path_factory):
-    """`uninterrupted(n)`: the final state of tests/workers/faults.py run by
-    n workers on this host without a fault, what the fault tests compare
+    """`uninterrupted(n, *script_flags)`: the final state of
+    tests/workers/faults.py (with `script_flags`) run by n workers on this
+    host without a fault, what the fault tests compare
     with (made once per n; tests/conftest.py keeps their files in one
     xdist worker)."""
     import fault_job
@@ -52,11 +53,12 @@ def uninterrupted(tmp_path_factory):
 
     finals = {}
 
-    def run(n):
-        if n not in finals:
+    def run(n, *script_flags):
+        if (n, script_flags) not in finals:
             out = tmp_path_factory.mktemp(f"uninterrupted{n}")
-            launch(out, n, fault_job.FAULTS, "--out", str(out), "--backup", str(out / "backup"))
-            finals[n] = fault_job.results(out, n)
-        return finals[n]
+            launch(out, n, fault_job.FAULTS, "--out", str(out), "--backup", str(out / "backup"),
+                   *script_flags)
+            finals[n, script_flags] = fault_job.results(out, n)
+        return finals[n, script_flags]
 
     return run

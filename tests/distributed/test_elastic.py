@@ -1,12 +1,15 @@
 """Elastic launches (`--min_workers`): the job goes on with the workers left,
 takes a lost host back, and ends where an uninterrupted one-process run
-ends (tests/workers/faults.py: Adam, a learning-rate schedule, shuffled
-arrays, a backup every 4 steps).
+ends (tests/workers/faults.py: a learning-rate schedule, shuffled arrays, a
+backup every 4 steps).
 
-On this host a slot is a process: one killed twice in a row is left out.
+On this host a slot is a process: one killed twice in a row is left out
+(there, each worker's model is split over its two logical CPUs: hybrid
+`tensor_parallel` and `pipeline`, with SGD).
 Across hosts (network namespaces, tests/netns_hosts.py, whose ssh stand-in
 cannot reach a host whose link is down), a host whose link is cut is lost
-and, when the link is back, taken in again at the job's next backup.
+and, when the link is back, taken in again at the job's next backup
+(`multi_worker`, Adam).
 """
 
 import glob
@@ -25,10 +28,11 @@ pytestmark = pytest.mark.slow
 ELASTIC = ("--min_workers", "1", "--max_restarts", "3")
 
 
-def _assert_ends_as_one_process(out, n, uninterrupted):
-    """Every rank took all the steps and holds the one-process run's
-    weights (the sums over another number of workers round differently)."""
-    reference = uninterrupted(1)[0][1]
+def _assert_ends_as_one_process(out, n, uninterrupted, *script_flags):
+    """Every rank took all the steps and holds the weights of the
+    one-process run with `script_flags` (the sums over another number of
+    workers round differently)."""
+    reference = uninterrupted(1, *script_flags)[0][1]
     for rank, (iterations, weights) in enumerate(fault_job.results(out, n)):
         assert iterations == STEPS, (rank, iterations)
         for got, want in zip(weights, reference):
@@ -41,27 +45,33 @@ def _assert_nothing_left(out, n):
     assert not [a.shm_dir for a in attempts if a.shm_dir != "-" and os.path.exists(a.shm_dir)]
 
 
-def _killed_twice(out, *launch_flags):
+def _killed_twice(out, *script_flags, launch_flags=ELASTIC, env=None):
     """Rank 1 kills itself after its 5th step on the first two attempts."""
     return launch(out, 2, FAULTS, "--out", str(out), "--backup", str(out / "backup"),
-                  "--fault", "kill", "--fault_attempts", "2", expect=None,
-                  launch_flags=launch_flags)
+                  "--fault", "kill", "--fault_attempts", "2", *script_flags, expect=None,
+                  launch_flags=launch_flags, env=env)
 
 
-def test_a_worker_killed_again_is_left_out_and_the_rest_ends_exact(tmp_path, uninterrupted):
-    code, output = _killed_twice(tmp_path, *ELASTIC)
+# Hybrid data x model parallelism: each worker's model split over its 2
+# logical CPUs, the workers data-parallel; SGD.
+@pytest.mark.parametrize("strategy", ["tensor_parallel", "pipeline"])
+def test_a_worker_killed_again_is_left_out_and_the_rest_ends_exact(tmp_path, uninterrupted,
+                                                                    strategy):
+    code, output = _killed_twice(tmp_path, "--strategy", strategy, "--optimizer", "sgd",
+                                 env={"FAULTS_LOGICAL_CPUS": "2"})
     assert code == 0, output[-3000:]
     assert ("[launcher] 2 -> 1 workers: slot 1 on host 127.0.0.1 left out (its rank failed "
             "again within --elastic_grace=60s); training goes on from the last backup."
             in output), output[-3000:]
     assert "the rank succeeded; 2 of 3 restarts used; exit code 0." in output
     assert [len(runs) for runs in fault_job.attempts(tmp_path, 2).values()] == [3, 2]
-    _assert_ends_as_one_process(tmp_path, 1, uninterrupted)
+    _assert_ends_as_one_process(tmp_path, 1, uninterrupted, "--optimizer", "sgd")
     _assert_nothing_left(tmp_path, 2)
 
 
 def test_fewer_slots_than_min_workers_is_one_line(tmp_path):
-    code, output = _killed_twice(tmp_path, "--min_workers", "2", "--max_restarts", "3")
+    code, output = _killed_twice(tmp_path, launch_flags=("--min_workers", "2",
+                                                         "--max_restarts", "3"))
     assert code == 1, output[-3000:]
     assert output.rstrip().endswith(
         "keras-distrib: 1 of 2 slots left, fewer than --min_workers=2; stopping."), \

@@ -1,8 +1,9 @@
 """A small training job that hurts itself once, for the fault-injection suite.
 
 Run by `keras-distrib launch -n N [--max-restarts K]`
-(tests/distributed/test_faults.py). It trains an MLP with Adam and a
-step-dependent learning rate on shuffled arrays, backing up every
+(tests/distributed/test_faults.py). It trains an MLP with Adam (or
+`--optimizer sgd`) and a step-dependent learning rate on shuffled arrays,
+under `--strategy` (`auto`), backing up every
 `--save_freq` steps with `keras_distrib.callbacks.BackupAndRestore`. On
 the launcher's first attempt (`KERAS_DISTRIB_RESTART` unset or 0; the
 first `--fault_attempts` attempts), rank `--fault_rank` sends itself
@@ -32,6 +33,16 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+if os.environ.get("FAULTS_LOGICAL_CPUS"):
+    # Before `import keras_distrib`, which starts the collective runtime (and
+    # with it TensorFlow's devices) under the launcher: the model-parallel
+    # strategies split each worker's model over these devices.
+    import tensorflow as tf
+
+    tf.config.set_logical_device_configuration(
+        tf.config.list_physical_devices("CPU")[0],
+        [tf.config.LogicalDeviceConfiguration()] * int(os.environ["FAULTS_LOGICAL_CPUS"]))
+
 import keras  # noqa: E402
 import keras_distrib as kd  # noqa: E402
 from keras_distrib import preemption  # noqa: E402
@@ -47,6 +58,10 @@ flags.DEFINE_integer("fault_step", 5, "After this global step (1-based).")
 flags.DEFINE_integer("fault_attempts", 1, "The fault strikes on the launcher's first this "
                      "many attempts (KERAS_DISTRIB_RESTART below it).")
 flags.DEFINE_integer("epochs", 3, "Epochs.")
+flags.DEFINE_enum("optimizer", "adam", ["adam", "sgd"], "Adam or SGD, on a decaying "
+                  "learning rate.")
+flags.DEFINE_string("strategy", "auto", "The strategy (with FAULTS_LOGICAL_CPUS=2 in the "
+                    "environment, a model-parallel one splits each worker's model).")
 flags.DEFINE_integer("save_freq", 4, "Backup every this many steps.")
 flags.DEFINE_integer("pause_after_step", 0,
                      "After this global step (1-based; 0: never) every rank writes "
@@ -155,14 +170,22 @@ def main(argv):
 
     inputs = keras.Input((8,))
     hidden = keras.layers.Dense(16, activation="relu")(inputs)
-    model = kd.DistributedModel(inputs, keras.layers.Dense(3)(hidden), strategy="auto")
+    strategy = FLAGS.strategy
+    if strategy == "pipeline":  # micro-batches that split 30 rows per worker, or 15
+        strategy = kd.strategies.get("pipeline", num_micro_batches=3)
+    model = kd.DistributedModel(inputs, keras.layers.Dense(3)(hidden), strategy=strategy)
     rank = model.strategy.rank
     with open(os.path.join(FLAGS.out, f"attempts-rank{rank}.txt"), "a") as f:
         # A rank on another host than the launcher gets no shared memory: "-".
         shm_dir = os.environ.get("KERAS_DISTRIB_SHM_DIR", "-")
         f.write(f"{attempt} {os.getpid()} {time.time()} {shm_dir}\n")
-    schedule = keras.optimizers.schedules.ExponentialDecay(0.01, decay_steps=5, decay_rate=0.7)
-    model.compile(optimizer=keras.optimizers.Adam(schedule),
+    if FLAGS.optimizer == "adam":
+        optimizer = keras.optimizers.Adam(keras.optimizers.schedules.ExponentialDecay(
+            0.01, decay_steps=5, decay_rate=0.7))
+    else:
+        optimizer = keras.optimizers.SGD(keras.optimizers.schedules.ExponentialDecay(
+            0.2, decay_steps=5, decay_rate=0.7))
+    model.compile(optimizer=optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
     callbacks = [kd.callbacks.BackupAndRestore(FLAGS.backup, save_freq=FLAGS.save_freq)]
