@@ -155,15 +155,7 @@ class MultiWorker(TFDistributeStrategy):
         self.optimizer_sharding = sharding_option.check(
             self.name, optimizer_sharding, one_replica_per_process=self.num_local_replicas == 1)
         self._host_reduce = None
-        if shared_memory and self.num_local_replicas > 1:
-            # One call per process is what the shared segment expects.
-            if implementation == _SHARED_MEMORY:
-                raise cluster_lib.ClusterConfigError(
-                    f"implementation='shm' needs one device per worker, but this worker "
-                    f"has {self.num_local_replicas}; use implementation='auto'."
-                )
-            shared_memory = False
-        if shared_memory:
+        if shared_memory and self._one_device_for_shared_memory(implementation):
             self.implementation = _SHARED_MEMORY
             self._host_reduce = host_allreduce.HostAllReduce(
                 info.rank, info.world_size, self._secret_job_id(), timeout=collective_timeout,
@@ -176,6 +168,19 @@ class MultiWorker(TFDistributeStrategy):
             self._watchdog = CollectiveWatchdog(collective_timeout)
             self._step_collective_options = tf.distribute.experimental.CommunicationOptions(
                 timeout_seconds=0)
+
+    def _one_device_for_shared_memory(self, implementation: str) -> bool:
+        """Whether shared memory can serve this worker: one call per process
+        is what the shared segment expects (a one-line error when the
+        user asked for it with several devices)."""
+        if self.num_local_replicas == 1:
+            return True
+        if implementation == _SHARED_MEMORY:
+            raise cluster_lib.ClusterConfigError(
+                f"implementation='shm' needs one device per worker, but this worker "
+                f"has {self.num_local_replicas}; use implementation='auto'."
+            )
+        return False
 
     @property
     def cluster(self) -> cluster_lib.ClusterInfo:
