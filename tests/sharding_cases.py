@@ -30,6 +30,8 @@ CASES = {
     "ftrl": lambda: keras.optimizers.Ftrl(0.1, l1_regularization_strength=0.01),
     "lion": lambda: keras.optimizers.Lion(0.001),
     "adam_ema": lambda: keras.optimizers.Adam(0.01, use_ema=True, ema_momentum=0.9),
+    # Loss scaling (as mixed_float16 compiles it): the inner optimizer is sharded.
+    "adam_loss_scale": lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01)),
 }
 
 

@@ -35,8 +35,11 @@ reduced in one small all-reduce, and steps 3 and 4 are the same. A custom
 Every update the sharded optimizers make is elementwise, so each element
 gets the arithmetic it gets without sharding. Optimizers that read whole
 tensors (LAMB's trust ratio, Adafactor's factored moments, Muon's
-orthogonalization) and loss scaling (one finite check over all
-gradients) are refused in one line. With `use_ema=True` each replica
+orthogonalization) are refused in one line. A `LossScaleOptimizer`
+(mixed_float16) checks the whole reduced gradients for NaN/Inf, the same
+answer on every replica, and its inner optimizer is the one sharded (stage
+1; stage 2's parts cannot be checked whole, which is a one-line refusal).
+With `use_ema=True` each replica
 keeps the moving average of its parts; at the end of `fit` the weights
 become the averages, gathered whole.
 
@@ -80,26 +83,31 @@ def of(optimizer) -> Optional["OptimizerShards"]:
 
 def install(optimizer, strategy, switch) -> "OptimizerShards":
     """Makes `optimizer` (adopted by a model on `strategy`) build on and
-    update this replica's parts; `switch`: the model's `ReductionSwitch`."""
-    check_optimizer(optimizer)
+    update this replica's parts; `switch`: the model's `ReductionSwitch`.
+    A `LossScaleOptimizer`'s inner optimizer is the one sharded; files
+    hold the loss scale's variables and the inner one's, whole."""
+    inner = optimizer
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        if strategy.optimizer_sharding == sharding_option.GRADIENTS:
+            raise ValueError(
+                "optimizer_sharding='gradients' cannot run a LossScaleOptimizer "
+                "(mixed_float16): its finite check needs whole gradients; use "
+                "optimizer_sharding='optimizer'.")
+        inner = optimizer.inner_optimizer
+    check_optimizer(inner)
     if (strategy.optimizer_sharding == sharding_option.GRADIENTS
-            and getattr(getattr(optimizer, "compression", None), "dtype", None) is not None):
+            and getattr(getattr(inner, "compression", None), "dtype", None) is not None):
         raise ValueError(
             "optimizer_sharding='gradients' reduce-scatters float32 gradients and cannot "
             "compress them; use optimizer_sharding='optimizer' with compression, or drop it.")
-    shards = OptimizerShards(optimizer, strategy, switch)
-    _SHARDS[optimizer] = shards
+    shards = OptimizerShards(inner, strategy, switch, saved=optimizer)
+    _SHARDS[optimizer] = _SHARDS[inner] = shards
     return shards
 
 
 def check_optimizer(optimizer) -> None:
     """A one-line error for an optimizer whose update cannot be sharded."""
     name = type(optimizer).__name__
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        raise ValueError(
-            "optimizer_sharding cannot run a LossScaleOptimizer (mixed_float16): its "
-            "finite check spans all gradients; use optimizer_sharding=None, or the "
-            "'mixed_bfloat16' policy (no loss scaling).")
     if not isinstance(optimizer, ELEMENTWISE):
         raise ValueError(
             f"optimizer_sharding cannot shard {name}: only optimizers that update each "
@@ -140,8 +148,12 @@ class _Scattered:
 class OptimizerShards:
     """What one sharded optimizer needs (see module doc)."""
 
-    def __init__(self, optimizer, strategy, switch):
+    def __init__(self, optimizer, strategy, switch, saved=None):
         self._optimizer = weakref.ref(optimizer)
+        # What Keras saves and loads besides the optimizer: the
+        # LossScaleOptimizer around it (its variables: its own, then the
+        # inner one's).
+        saved = optimizer if saved is None else saved
         self._strategy, self._switch = strategy, switch
         # Stage 2: the step's gradients arrive as this replica's parts.
         self.scatters = strategy.optimizer_sharding == sharding_option.GRADIENTS
@@ -149,17 +161,15 @@ class OptimizerShards:
         self._by_whole: dict[int, _Part] = {}
         self._by_piece_key: dict = {}
         self._slot_part: dict[int, _Part] = {}  # id(optimizer slot) -> its variable's part
-        self._loaded: Optional[dict] = None  # whole slots kept for share_loaded
-        self._whole: Optional[list] = None  # whole values gathered for saves (gathered())
+        self._loaded: Optional[dict] = None  # id(slot) -> whole value, for share_loaded
+        self._whole: Optional[dict] = None  # id(slot) -> whole value, for saves (gathered())
         keras_build, keras_apply = optimizer.build, optimizer.apply
-        keras_load = optimizer.load_own_variables
-
         optimizer.build = lambda variables: self._build(keras_build, variables)
         optimizer.apply = lambda grads, trainable_variables=None: self._apply(
             keras_apply, grads, trainable_variables)
-        optimizer.save_own_variables = lambda store: self._save(store)
         optimizer.finalize_variable_values = lambda var_list: self._finalize(var_list)
-        optimizer.load_own_variables = lambda store: self._load(keras_load, store)
+        for obj in dict.fromkeys([saved, optimizer]):
+            self._route_files(obj)
         # Weight decay decides by the whole variable (its name, or
         # `exclude_from_weight_decay(var_list=...)`).
         _compat.decide_weight_decay_by(optimizer, self._whole_of)
@@ -167,6 +177,14 @@ class OptimizerShards:
     @property
     def optimizer(self):
         return self._optimizer()
+
+    def _route_files(self, obj) -> None:
+        """`obj` (the optimizer, or the LossScaleOptimizer around it: Keras
+        saves both, each with its own list of variables) saves whole slots
+        and loads this replica's parts."""
+        keras_load = obj.load_own_variables
+        obj.save_own_variables = lambda store: self._save(obj, store)
+        obj.load_own_variables = lambda store: self._load(obj, keras_load, store)
 
     # -- build -------------------------------------------------------------------
 
@@ -362,32 +380,33 @@ class OptimizerShards:
         return [summed.reshape(-1)[:part.size].reshape(part.whole.shape)
                 for summed, (_, part) in zip(self._strategy.sync_sum(slots), pieces)]
 
-    def whole_values(self) -> list:
-        """The optimizer's variables as an unsharded optimizer holds them
-        (each slot gathered whole from every replica)."""
-        variables = self.optimizer.variables
-        sharded = [(v, self._slot_part[id(v)]) for v in variables if self.sharded(v)]
-        gathered = iter(self._gather_whole(sharded))
-        return [next(gathered) if self.sharded(v) else np.asarray(keras.ops.convert_to_numpy(v))
-                for v in variables]
+    def _whole_slots(self) -> dict:
+        """`{id(slot): whole value}` for this replica's parts of the
+        optimizer's slots, gathered from every replica (one collective)."""
+        sharded = [v for v in self.optimizer.variables if self.sharded(v)]
+        gathered = self._gather_whole([(v, self._slot_part[id(v)]) for v in sharded])
+        return {id(v): value for v, value in zip(sharded, gathered)}
 
     @contextlib.contextmanager
     def gathered(self):
         """Every worker gathers the whole slots on entry (a collective);
         saves inside the block (on the chief alone, say) write those."""
-        self._whole = self.whole_values()
+        self._whole = self._whole_slots()
         try:
             yield
         finally:
             self._whole = None
 
-    def _save(self, store) -> None:
-        values = self._whole if self._whole is not None else self.whole_values()
-        for i, value in enumerate(values):
-            store[str(i)] = value
+    def _save(self, saved, store) -> None:
+        """`saved.save_own_variables`: its variables, the slots whole."""
+        whole = self._whole if self._whole is not None else self._whole_slots()
+        for i, variable in enumerate(saved.variables):
+            store[str(i)] = (whole[id(variable)] if self.sharded(variable)
+                             else np.asarray(keras.ops.convert_to_numpy(variable)))
 
-    def _load(self, keras_load, store) -> None:
-        variables = self.optimizer.variables
+    def _load(self, saved, keras_load, store) -> None:
+        """`saved.load_own_variables`: this replica's part of each whole slot."""
+        variables = list(saved.variables)
         if len(store.keys()) != len(variables):
             return keras_load(store)  # Keras's own warning, nothing loaded
         here = self._strategy.first_local_replica
@@ -396,7 +415,7 @@ class OptimizerShards:
             part = self._slot_part.get(id(variable))
             if part is not None:
                 if self._loaded is not None:
-                    self._loaded[i] = value
+                    self._loaded[id(variable)] = value
                 value = _piece_of_array(value, part, here)
             variable.assign(value)
 
@@ -415,18 +434,18 @@ class OptimizerShards:
         """After `root` alone loaded a file (in `keeping_loaded`): every
         replica takes its part of the whole slots `root` read (eager, every
         worker)."""
-        variables = self.optimizer.variables
-        sharded = [i for i, v in enumerate(variables) if self.sharded(v)]
+        sharded = [v for v in self.optimizer.variables if self.sharded(v)]
         loaded = self._loaded or {}
         mine = []
-        for i in sharded:
-            part = self._slot_part[id(variables[i])]
-            shape, dtype = tuple(part.whole.shape), np.dtype(variables[i].dtype)
-            mine.append(loaded[i] if self._strategy.rank == root and i in loaded
+        for variable in sharded:
+            part = self._slot_part[id(variable)]
+            shape, dtype = tuple(part.whole.shape), np.dtype(variable.dtype)
+            mine.append(loaded[id(variable)]
+                        if self._strategy.rank == root and id(variable) in loaded
                         else np.zeros(shape, dtype))
         here = self._strategy.first_local_replica
-        for i, value in zip(sharded, self._strategy.sync_sum(mine)):
-            variables[i].assign(_piece_of_array(value, self._slot_part[id(variables[i])], here))
+        for variable, value in zip(sharded, self._strategy.sync_sum(mine)):
+            variable.assign(_piece_of_array(value, self._slot_part[id(variable)], here))
         self._loaded = None
 
 
