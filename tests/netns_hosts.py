@@ -237,14 +237,16 @@ def _own_name(address: str) -> list[str]:
 
 
 def ssh_words(argv: list[str]) -> tuple[Optional[str], str]:
-    """`(host, command)` of `ssh [-o opt] [-p port] [-i file] host [options]
-    command...` as OpenSSH parses it: options may follow the host, as
-    horovodrun puts them, and the words after them are the remote shell's
-    command line."""
+    """`(host, command)` of `ssh [-o opt] [-p port] [-i file] [-tt ...] host
+    [options] command...` as OpenSSH parses it: options may follow the host,
+    as horovodrun puts them, and the words after them are the remote
+    shell's command line."""
     words, host = list(argv), None
-    while words and (words[0] in ("-o", "-p", "-i") or host is None):
+    while words and (words[0].startswith("-") or host is None):
         if words[0] in ("-o", "-p", "-i"):
             del words[:2]
+        elif words[0].startswith("-"):  # a flag without a value: -tt, -q, ...
+            del words[0]
         else:
             host = words.pop(0)
     return host, " ".join(words)

@@ -103,9 +103,11 @@ def rank_job(plans: Sequence[RankPlan], config: LaunchConfig) -> Job:
 HOROVODRUN_RANK_PREFIX = r"(?:\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4})?\[(?:\d+,)?(?P<rank>\d+)\]<(?P<stream>std(?:out|err))>:"
 
 
-def horovod_spec(config: LaunchConfig, shm_dir: Optional[str] = None) -> ChildSpec:
+def horovod_spec(config: LaunchConfig, shm_dir: Optional[str] = None,
+                 restart: int = 0) -> ChildSpec:
     """The one child of `--backend=horovod`: horovodrun (Gloo), which does
-    its own rank bookkeeping. `shm_dir`: for ranks on this host only.
+    its own rank bookkeeping. `shm_dir`: for ranks on this host only;
+    `restart`: the attempt (`KERAS_DISTRIB_RESTART`, elastic launches).
 
     Raises:
         LaunchError: Horovod or horovodrun is not installed.
@@ -128,7 +130,7 @@ def horovod_spec(config: LaunchConfig, shm_dir: Optional[str] = None) -> ChildSp
     command = "exec " + shlex.join(local_argv(config))
     argv = [horovodrun, "--gloo", "-np", str(config.nproc), "-H", hosts,
             "/bin/sh", "-c", command]
-    env = {"PYTHONUNBUFFERED": "1", RESTART_ENV: "0", **tf_log_env()}
+    env = {"PYTHONUNBUFFERED": "1", RESTART_ENV: str(restart), **tf_log_env()}
     if shm_dir is not None:
         env[SHM_DIR_ENV] = shm_dir
     return ChildSpec("horovodrun", argv, env, rank_prefix=HOROVODRUN_RANK_PREFIX)

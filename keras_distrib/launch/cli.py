@@ -160,7 +160,7 @@ flags.DEFINE_integer("tail_lines", 40, "Lines of a failed rank's output "
 flags.DEFINE_integer("max_restarts", 0, "When a rank fails or is preempted, "
                      "stop the others and start all ranks again (new ports, "
                      "KERAS_DISTRIB_RESTART counting up), at most this many "
-                     "times. Not with --backend=horovod. With --ps: how many "
+                     "times (with --backend=horovod: with --min_workers). With --ps: how many "
                      "times, over all worker tasks, an exited worker task is "
                      f"started again alone (0: up to {DEFAULT_WORKER_RESTARTS}).",
                      lower_bound=0)
@@ -336,6 +336,9 @@ def launch(config: LaunchConfig, out: Optional[TextIO] = None,
     """
     out, err = out or sys.stdout, err or sys.stderr
     check_config(config)
+    if config.min_workers and config.backend == "horovod":
+        backends.horovod_spec(config)  # fail now when Horovod is missing
+        return supervise(ElasticJob(config), config, out, err).exit_code
     if config.backend == "horovod":
         job = backends.horovod_job(config)
         if not config.hosts:

@@ -125,11 +125,12 @@ def check_config(config: LaunchConfig) -> None:
     if config.grace_seconds < 0:
         raise LaunchError(f"--grace_seconds={config.grace_seconds:g} must be >= 0.")
     _check_elastic(config)
-    if config.max_restarts and config.backend == "horovod":
+    if config.max_restarts and config.backend == "horovod" and not config.min_workers:
         raise LaunchError(
             f"--max_restarts={config.max_restarts} works with --backend=tf only "
             "(horovodrun is one child here, its ranks out of the launcher's "
-            "reach); drop --max_restarts or use --backend=tf."
+            "reach); drop --max_restarts, use --backend=tf, or add --min_workers "
+            "(elastic: horovodrun again on the hosts that answer)."
         )
 
 
@@ -140,9 +141,9 @@ def _check_elastic(config: LaunchConfig) -> None:
     if not 1 <= config.min_workers <= config.nproc:
         raise LaunchError(f"--min_workers={config.min_workers} must be between 1 and -n "
                           f"({config.nproc}), the most workers.")
-    if config.parameter_server or config.backend != "tf":
-        raise LaunchError("--min_workers works with --backend=tf workers only (no --ps, no "
-                          "horovodrun); drop --min_workers.")
+    if config.parameter_server:
+        raise LaunchError("--min_workers works with workers only (no --ps: worker tasks are "
+                          "restarted alone there); drop --min_workers.")
     if config.max_restarts < 1:
         raise LaunchError(f"--min_workers={config.min_workers} goes on with the workers left "
                           "at a restart: give --max_restarts K (K >= 1).")

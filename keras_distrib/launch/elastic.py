@@ -160,8 +160,10 @@ def run_elastic(job: ElasticJob, printer: Printer, deadline: Optional[float],
             if not should_restart(result, restarts, config, trap, deadline):
                 return finish(result, restarts, len(state.members), config, trap, err)
             restarts += 1
-            culprit = state.members[result.failed.index]
-            again = culprit == last_culprit and time.monotonic() - started < config.elastic_grace
+            # horovodrun is one child: which of its ranks failed is not known.
+            culprit = state.members[result.failed.index] if config.backend == "tf" else None
+            again = (culprit is not None and culprit == last_culprit
+                     and time.monotonic() - started < config.elastic_grace)
             last_culprit = culprit
             if _shrink(state, culprit if again else None, result, restarts, config, printer,
                        err):
@@ -169,7 +171,13 @@ def run_elastic(job: ElasticJob, printer: Printer, deadline: Optional[float],
 
 
 def _job(config: LaunchConfig, state: _Membership, attempt: int, last_ports: set) -> Job:
-    """One attempt's ranks on the member slots (new free ports on one machine)."""
+    """One attempt's ranks on the member slots (new free ports on one
+    machine), or horovodrun starting them."""
+    if config.backend == "horovod":
+        member_config = state.spec_config(config)
+        local = all(cluster_lib.is_local_host(state.hosts[s]) for s in state.members)
+        return Job(1, lambda restart, shm_dir: [
+            backends.horovod_spec(member_config, shm_dir, restart=attempt)], private_dir=local)
     plans = plan(state.spec_config(config), avoid_ports=set(last_ports))
     last_ports.clear()
     last_ports.update(p.port for p in plans)

@@ -14,6 +14,8 @@ def test_ssh_words_read_options_before_and_after_the_host():
     assert ssh_words(["10.77.0.1", "cd /w && exec env A=1 python t.py"]) == (
         "10.77.0.1", "cd /w && exec env A=1 python t.py")
     assert ssh_words(["-p", "22"]) == (None, "")
+    # As the launcher's default --ssh_command asks a host whether it answers.
+    assert ssh_words(["-o", "BatchMode=yes", "-tt", "10.77.0.2", "true"]) == ("10.77.0.2", "true")
 
 
 def test_a_bed_names_its_hosts_by_address_under_its_own_prefix():
