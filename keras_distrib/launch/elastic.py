@@ -11,7 +11,9 @@ answer:
   that cannot be reached before the first attempt);
 * a slot whose rank failed first in two attempts in a row, the second
   within `--elastic_grace` seconds of its start, is left out (a worker
-  killed again and again, a host that fails at start-up).
+  killed again and again, a host that fails at start-up). Under
+  `--backend horovod` an attempt is one horovodrun on the member slots,
+  which does not say which rank failed: there only lost hosts go.
 
 Below `--min_workers` slots the job fails, naming the hosts lost. While
 hosts are out, a thread asks them every `PROBE_INTERVAL` seconds; when one
