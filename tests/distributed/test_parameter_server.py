@@ -11,6 +11,7 @@ tests/integration/test_parameter_server_config.py.
 
 import contextlib
 import json
+import math
 import os
 import re
 import signal
@@ -169,8 +170,13 @@ def test_digits_trains_asynchronously_as_well_as_plain_keras(shared):
     assert report["iterations"] == report["applied"] == epochs * 47
     # Asynchronous SGD's accuracy moves from epoch to epoch (0.94 to 0.97
     # on this set, 8 of 297 samples), and plain Keras's is one unseeded run:
-    # the best of the last five epochs reaches plain Keras's within 0.02.
-    assert max(report["history"]["val_acc"][-5:]) >= report["plain_acc"] - 0.02
+    # each is an accuracy measured on the same 297 samples, with a standard
+    # error of sqrt(p (1 - p) / 297) (0.008 at p = 0.98). The best of the
+    # last five epochs reaches plain Keras's within three standard errors
+    # of the difference of two such accuracies.
+    plain = report["plain_acc"]
+    bound = 3 * math.sqrt(2 * plain * (1 - plain) / 297)
+    assert max(report["history"]["val_acc"][-5:]) >= plain - bound, (plain, bound)
     assert report["evaluate"]["acc"] == pytest.approx(report["history"]["val_acc"][-1])
     assert "[chief]" in output and "Epoch 10/10" in output
 
