@@ -321,7 +321,9 @@ def test_a_lost_ps_is_one_line_and_a_rerun_resumes_from_the_last_backup(tmp_path
     state = json.load(open(f"{backup_dir}/{backup}/state.json"))
     assert state["global_step"] >= 80  # backups every 20 steps; 47 an epoch
 
-    env["PS_EPOCHS"] = str(state["epoch"] + 2)
+    # Three epochs on from the backup's: asynchronous SGD's accuracy after
+    # two of them was 0.83-0.90 on the loaded 2-core machine, around the bar.
+    env["PS_EPOCHS"] = str(state["epoch"] + 3)
     code, output, report = _launch(tmp_path, "resume", env=env)
     assert code == 0, output[-3000:]
     steps = report["steps_per_epoch"]
@@ -329,8 +331,8 @@ def test_a_lost_ps_is_one_line_and_a_rerun_resumes_from_the_last_backup(tmp_path
     # The new ps starts from the backup: weights, optimizer and step count,
     # which holds every step counted (the steps in flight landed first).
     assert report["iterations_at_start"] == state["global_step"]
-    assert report["epochs_run"] == 2  # the rest of the backup's epoch, and one more
-    assert report["iterations"] == (state["epoch"] + 2) * steps
+    assert report["epochs_run"] == 3  # the rest of the backup's epoch, and two more
+    assert report["iterations"] == (state["epoch"] + 3) * steps
     assert report["val_acc"] > 0.85
     assert not os.listdir(backup_dir)  # a finished fit removes its backups
 
