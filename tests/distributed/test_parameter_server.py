@@ -321,8 +321,8 @@ def test_a_lost_ps_is_one_line_and_a_rerun_resumes_from_the_last_backup(tmp_path
     state = json.load(open(f"{backup_dir}/{backup}/state.json"))
     assert state["global_step"] >= 80  # backups every 20 steps; 47 an epoch
 
-    # Three epochs on from the backup's: asynchronous SGD's accuracy after
-    # two of them was 0.83-0.90 on the loaded 2-core machine, around the bar.
+    # Three epochs on from the backup's: after two, asynchronous SGD's
+    # accuracy can still be just under the bar on a loaded machine.
     env["PS_EPOCHS"] = str(state["epoch"] + 3)
     code, output, report = _launch(tmp_path, "resume", env=env)
     assert code == 0, output[-3000:]
