@@ -122,33 +122,38 @@ _TRANSPORT_FLAKE = 'grpc_message:"Unable to parse request"'
 
 
 def launch(out, n, script, *script_args, launch_flags=(), timeout=300, expect=0, env=None,
-           during=None):
+           during=None, wrap=None):
     """Runs `keras-distrib launch -n n script ...` for real; returns its output.
 
     Fails with the output's tail unless the launcher exits with `expect`
     (every rank exited 0, by default); with `expect=None` returns
     `(exit code, output)` instead. `env` adds environment variables;
-    `during(proc)`, if given, runs while the job does (to kill a task, say).
+    `during(proc)`, if given, runs while the job does (to kill a task, say);
+    `wrap(argv)`, if given, is the argv that runs the launcher's `argv`
+    elsewhere (on a test bed's host: `bed.on(0, argv)`).
     The process group is killed whatever happens, so no worker outlives the
     test. A job that fails with TensorFlow's rare transport error (see
     `_TRANSPORT_FLAKE`) runs once more, unless `during` acted on it.
     """
-    code, output = _launch_once(out, n, script, script_args, launch_flags, timeout, env, during)
+    code, output = _launch_once(out, n, script, script_args, launch_flags, timeout, env, during,
+                                wrap)
     if code != 0 and during is None and _TRANSPORT_FLAKE in output:
         print(f"pure_helpers.launch: {_TRANSPORT_FLAKE} (TensorFlow's gRPC transport); "
               "running the job once more", file=sys.stderr)
         code, output = _launch_once(out, n, script, script_args, launch_flags, timeout, env,
-                                    during)
+                                    during, wrap)
     if expect is None:
         return code, output
     assert code == expect, output[-5000:]
     return output
 
 
-def _launch_once(out, n, script, script_args, launch_flags, timeout, env, during):
+def _launch_once(out, n, script, script_args, launch_flags, timeout, env, during, wrap):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TMPDIR=str(out), **(env or {}))
     argv = [sys.executable, "-m", "keras_distrib.launch", "launch", "-n", str(n),
             "--timeout", str(timeout - 30), *launch_flags, script, *script_args]
+    if wrap is not None:
+        argv = wrap(argv)
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)

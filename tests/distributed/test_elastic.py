@@ -14,9 +14,6 @@ and, when the link is back, taken in again at the job's next backup
 
 import glob
 import os
-import subprocess
-import sys
-import threading
 import time
 
 import numpy as np
@@ -24,7 +21,7 @@ import pytest
 
 import fault_job
 from fault_job import FAULTS, STEPS
-from helpers import ROOT, kill_process_group, launch, process_alive
+from helpers import launch, process_alive
 
 pytestmark = pytest.mark.slow
 
@@ -102,59 +99,34 @@ def _lose_and_return(bed, out):
     return during
 
 
+@pytest.mark.parametrize("backend", ["tf", "horovod"])
 def test_a_lost_host_is_left_out_and_taken_back_and_the_run_ends_exact(tmp_path, hosts,
-                                                                        uninterrupted):
+                                                                        uninterrupted, backend):
+    """Under `--backend horovod` each attempt is one horovodrun on the hosts
+    that answer: the launcher runs on host 0, horovodrun reaches host 1 with
+    the test bed's ssh, and Gloo's timeout ends the attempt."""
     bed = hosts(2)
-    a, b = bed.addresses
+    b = bed.addresses[1]
+    if backend == "tf":
+        flags = ("--ssh", "--ssh_command", bed.ssh_command)
+        env, wrap, script_flags = {"KERAS_DISTRIB_HEARTBEAT_TIMEOUT": "3"}, None, ()
+    else:
+        pytest.importorskip("horovod.tensorflow")
+        flags = ("--backend", "horovod")
+        env = {"PATH": bed.ssh_program(str(tmp_path)) + os.pathsep + os.environ["PATH"],
+               "HOROVOD_GLOO_TIMEOUT_SECONDS": "10"}
+        wrap, script_flags = (lambda argv: bed.on(0, argv)), ("--strategy", "horovod")
     code, output = launch(
         tmp_path, 2, FAULTS, "--out", str(tmp_path), "--backup", str(tmp_path / "backup"),
         "--pause_after_step", "6", "--hold_after_step", "6", "--hold_on_attempt", "1",
-        expect=None, timeout=280, during=_lose_and_return(bed, tmp_path),
-        env={"KERAS_DISTRIB_HEARTBEAT_TIMEOUT": "3"},
-        launch_flags=("--hosts", bed.hosts_flag(), "--ssh", "--ssh_command", bed.ssh_command,
-                      *ELASTIC))
+        *script_flags, expect=None, timeout=280, during=_lose_and_return(bed, tmp_path),
+        env=env, wrap=wrap, launch_flags=("--hosts", bed.hosts_flag(), *flags, *ELASTIC))
     assert code == 0, output[-3000:]
     assert (f"[launcher] 2 -> 1 workers: host {b} lost (it does not answer); training goes "
             "on from the last backup." in output), output[-3000:]
     assert (f"[launcher] 1 -> 2 workers: host {b} answers again; training goes on from the "
             "backup the job just saved." in output), output[-3000:]
     # Host 0 ran every attempt (2, then 1, then 2 workers); host 1 the first and last.
-    assert [len(runs) for runs in fault_job.attempts(tmp_path, 2).values()] == [3, 2]
-    _assert_ends_as_one_process(tmp_path, 2, uninterrupted)
-    assert bed.pids() == [], "a process outlived the job on a host"
-
-
-def test_horovod_loses_a_host_takes_it_back_and_ends_exact(tmp_path, hosts, uninterrupted):
-    """The same under `--backend horovod`: each attempt is one horovodrun on
-    the hosts that answer (the launcher runs on host 0, horovodrun reaches
-    host 1 with the test bed's ssh); Gloo's timeout ends the attempt."""
-    pytest.importorskip("horovod.tensorflow")
-    bed = hosts(2)
-    path = bed.ssh_program(str(tmp_path)) + os.pathsep + os.environ["PATH"]
-    launcher = [sys.executable, "-m", "keras_distrib.launch", "launch", "--backend", "horovod",
-                "-n", "2", "--hosts", bed.hosts_flag(), *ELASTIC, "--timeout", "250",
-                FAULTS, "--out", str(tmp_path), "--backup", str(tmp_path / "backup"),
-                "--strategy", "horovod", "--pause_after_step", "6", "--hold_after_step", "6",
-                "--hold_on_attempt", "1"]
-    env = dict(os.environ, PATH=path, TF_CPP_MIN_LOG_LEVEL="2", HOROVOD_GLOO_TIMEOUT_SECONDS="10")
-    proc = subprocess.Popen(bed.on(0, launcher), cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    chunks = []
-    reader = threading.Thread(target=lambda: chunks.append(proc.stdout.read()), daemon=True)
-    reader.start()
-    try:
-        _lose_and_return(bed, tmp_path)(proc)
-        proc.wait(timeout=250)
-        reader.join(timeout=10)
-    finally:
-        kill_process_group(proc)
-    output = "".join(chunks)
-    assert proc.returncode == 0, output[-3000:]
-    b = bed.addresses[1]
-    assert f"[launcher] 2 -> 1 workers: host {b} lost (it does not answer)" in output, \
-        output[-3000:]
-    assert f"[launcher] 1 -> 2 workers: host {b} answers again" in output, output[-3000:]
     assert [len(runs) for runs in fault_job.attempts(tmp_path, 2).values()] == [3, 2]
     _assert_ends_as_one_process(tmp_path, 2, uninterrupted)
     assert bed.pids() == [], "a process outlived the job on a host"
