@@ -103,8 +103,6 @@ def watch(children: Sequence[Child], trap: SignalTrap, deadline: Optional[float]
         if trap.received:
             signum = trap.received[0]
             return SuperviseResult(Ending.INTERRUPTED, 128 + signum, signum=signum)
-        if resize():
-            return SuperviseResult(Ending.RESIZING, PREEMPTED)
         failed = next((i for i, c in enumerate(children)
                        if c.proc.poll() not in (None, 0)), None)
         if failed is not None:
@@ -113,6 +111,8 @@ def watch(children: Sequence[Child], trap: SignalTrap, deadline: Optional[float]
             return SuperviseResult(Ending.CHILD_FAILED, how.exit_code, failed=how)
         if all(c.proc.returncode == 0 for c in children):
             return SuperviseResult(Ending.SUCCEEDED, 0)
+        if resize():  # after the checks above: a job that finished is not resized
+            return SuperviseResult(Ending.RESIZING, PREEMPTED)
         if deadline is not None and time.monotonic() >= deadline:
             return SuperviseResult(Ending.TIMED_OUT, EXIT_TIMEOUT)
         straggling.check()
@@ -167,8 +167,13 @@ def end(result: SuperviseResult, children: Sequence[Child], config: LaunchConfig
                      f"exit code {PREEMPTED}.")
             result = dataclasses.replace(result, exit_code=PREEMPTED)
     elif result.ending is Ending.RESIZING:  # the job saves where it is and stops
+        # Finished means exited 0 before the SIGTERM: after it, horovodrun's
+        # exit code can be 0 though its rank exited 75 (its safe_shell_exec
+        # waits for the rank's shell in two threads, and the one that loses
+        # the race reads 0), so no exit code after the signal is taken as one.
+        finished = all(c.proc.poll() == 0 for c in children)
         stop(children, trap, config.grace_seconds)
-        if all(c.proc.returncode == 0 for c in children):  # it had just finished
+        if finished:
             result = SuperviseResult(Ending.SUCCEEDED, 0)
     elif result.ending is Ending.TIMED_OUT:
         printer.end_line()
