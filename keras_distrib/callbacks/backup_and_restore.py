@@ -225,11 +225,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         shards = optimizer_shards.of(optimizer)
         if strategy.is_chief:
             path, state = self._found
-            if state.get("num_replicas") != strategy.num_replicas:
-                print(f"keras_distrib: the backup in {path} was made with "
-                      f"{state.get('num_replicas')} replicas, this run has "
-                      f"{strategy.num_replicas}: the weights are restored, but the "
-                      "batches per replica differ from the original run.")
+            print(_resuming_line(path, state, strategy.num_replicas), flush=True)
             # A sharded optimizer keeps the whole slots read for share_loaded.
             with shards.keeping_loaded() if shards is not None else contextlib.nullcontext():
                 keras.Model.load_weights(model, os.path.join(path, WEIGHTS))
@@ -241,6 +237,20 @@ class BackupAndRestore(keras.callbacks.Callback):
             # Each worker holds its part of the slots: cut from the chief's whole ones.
             shards.share_loaded()
         strategy.broadcast_derived_state(model)
+
+
+def _resuming_line(path: str, state: dict, num_replicas: int) -> str:
+    """What a resumed run says first: the step it goes on from, and, when
+    the backup was made with other replicas (an elastic restart), that the
+    global batches and so the steps stay the same."""
+    line = (f"keras_distrib: resuming from step {state['global_step']} (epoch "
+            f"{state['epoch'] + 1}, step {state['step']}) of the backup in {path}.")
+    made_with = state.get("num_replicas")
+    if made_with is not None and made_with != num_replicas:
+        line += (f" It was made with {made_with} replica{'s' * (made_with != 1)}, this run "
+                 f"has {num_replicas}: "
+                 "each replica's share of the global batch changes, the steps do not.")
+    return line
 
 
 def _backups(directory: str) -> list:

@@ -56,16 +56,24 @@ def uninterrupted(data, tmp_path_factory):
 
 @pytest.mark.parametrize("save_freq", [4, "epoch"])
 def test_a_run_resumed_after_a_crash_equals_an_uninterrupted_one(
-        data, uninterrupted, tmp_path, save_freq):
+        data, uninterrupted, tmp_path, save_freq, capsys):
     at = random.randint(1, 7 * EPOCHS - 1)
     first = _model()
     with pytest.raises(Crash):
         _fit(first, data, tmp_path, CrashAfter(at), save_freq=save_freq)
+    capsys.readouterr()
     second = _model()
     history = _fit(second, data, tmp_path, save_freq=save_freq)
     _assert_same_state(second, uninterrupted[save_freq])
     saved = at // 4 * 4 if save_freq == 4 else at // 7 * 7
     assert history.epoch == list(range(saved // 7, EPOCHS)), (at, history.epoch)
+    said = capsys.readouterr().out
+    if saved:  # the one line a resumed run prints
+        assert said.startswith(f"keras_distrib: resuming from step {saved} (epoch "
+                               f"{saved // 7 + 1}, step {saved % 7}) of the backup in "
+                               f"{tmp_path}"), (at, said)
+    else:
+        assert "resuming" not in said
     assert os.listdir(tmp_path) == []  # removed after the normal end
 
 
@@ -90,6 +98,30 @@ def test_mirrored_resumes_exactly(data, tmp_path):
     second = _model("mirrored")
     _fit(second, data, tmp_path / "run")
     _assert_same_state(second, reference)
+
+
+def test_a_backup_goes_on_with_the_same_steps_on_more_replicas(
+        data, uninterrupted, tmp_path, capsys):
+    """An elastic restart in one process: a backup made with one replica
+    goes on with two, which split the same global batches, and ends as the
+    uninterrupted one-replica run; a global batch the two cannot split is
+    one line before any step, and the backup stays."""
+    with pytest.raises(Crash):
+        _fit(_model(), data, tmp_path, CrashAfter(6))
+    x, y = data
+    with pytest.raises(ValueError, match=r"^batch_size=33 is not divisible by the 2 replicas"):
+        _model("mirrored").fit(x, y, batch_size=33, epochs=EPOCHS, verbose=0, callbacks=[
+            kd.callbacks.BackupAndRestore(tmp_path, save_freq=4)])
+    assert os.listdir(tmp_path) == ["backup-000000000004"]
+    capsys.readouterr()
+    second = _model("mirrored")
+    _fit(second, data, tmp_path)
+    for wa, wb in zip(second.get_weights(), uninterrupted[4].get_weights()):
+        np.testing.assert_allclose(wa, wb, atol=1e-5, rtol=0)
+    assert int(second.optimizer.iterations.numpy()) == 7 * EPOCHS
+    assert ("of the backup in {}. It was made with 1 replica, this run has 2: each replica's "
+            "share of the global batch changes, the steps do not.".format(
+                tmp_path / "backup-000000000004")) in capsys.readouterr().out
 
 
 def test_an_interrupted_save_leaves_the_previous_backup_usable(
