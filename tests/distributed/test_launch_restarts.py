@@ -245,6 +245,29 @@ def test_timeout_bounds_all_attempts_together(tmp_path, launcher):
     _assert_all_gone(tmp_path)
 
 
+# Rank 1 exits 3 on every attempt, once rank 0 has started.
+RANK_1_ALWAYS_FAILS = """\
+    if RANK == 1:
+        wait_for(f"rank0.a{RESTART}.json")
+        sys.exit(3)
+    time.sleep(600)
+"""
+
+
+def test_an_elastic_launch_left_with_fewer_than_min_workers_stops_in_one_line(
+        tmp_path, launcher):
+    """Rank 1 fails first twice within --elastic_grace, so its slot is left
+    out (a slot is a process on one host); 1 slot is fewer than
+    --min_workers=2 (tests/distributed/test_elastic.py has jobs that go on)."""
+    code, _, err = _run(launcher, "-n", "2", "--min_workers", "2", "--max_restarts", "3",
+                        _script(tmp_path, RANK_1_ALWAYS_FAILS))
+    assert code == 1, err
+    assert err.rstrip().endswith(
+        "keras-distrib: 1 of 2 slots left, fewer than --min_workers=2; stopping."), err
+    assert set(_records(tmp_path)) == {(0, 0), (1, 0), (0, 1), (1, 1)}
+    _assert_all_gone(tmp_path)
+
+
 # --------------------------------------------------------------------------
 # Signals to the launcher
 
