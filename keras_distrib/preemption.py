@@ -199,7 +199,7 @@ def announce(stopped: tuple, where: str) -> Preempted:
     its line printed on stderr."""
     epoch, step = stopped
     message = (
-        f"keras_distrib: preempted (SIGTERM): every worker stopped at epoch {epoch + 1}, "
+        f"{launch_contract.PREEMPTED_LINE}every worker stopped at epoch {epoch + 1}, "
         f"step {step}{where}; exiting with code {EXIT_CODE}. Run the same command again "
         "to resume."
     )

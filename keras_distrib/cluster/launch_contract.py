@@ -10,6 +10,10 @@ stop, and restarts the job on it under `--max-restarts`.
 """
 
 PREEMPTED = 75
+# How each worker's line begins as it exits with PREEMPTED. horovodrun
+# exits 1 (or, racing with itself, 0) whatever its ranks' non-zero codes,
+# so the launcher tells a preempted horovodrun by its ranks' lines.
+PREEMPTED_LINE = "keras_distrib: preempted (SIGTERM): "
 
 # Environment variables the launcher sets for its workers.
 # The private directory (mode 0700, removed by the launcher whatever way the

@@ -133,7 +133,8 @@ def horovod_spec(config: LaunchConfig, shm_dir: Optional[str] = None,
     env = {"PYTHONUNBUFFERED": "1", RESTART_ENV: str(restart), **tf_log_env()}
     if shm_dir is not None:
         env[SHM_DIR_ENV] = shm_dir
-    return ChildSpec("horovodrun", argv, env, rank_prefix=HOROVODRUN_RANK_PREFIX)
+    return ChildSpec("horovodrun", argv, env, rank_prefix=HOROVODRUN_RANK_PREFIX,
+                     ranks=config.nproc)
 
 
 def horovod_job(config: LaunchConfig) -> Job:

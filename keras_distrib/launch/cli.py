@@ -38,7 +38,8 @@ Exit codes:
               later; with --min_workers: fewer slots were left
     75        preempted: a rank exited with 75 and no restarts were left,
               or the launcher got SIGTERM/SIGINT/SIGHUP and every rank then
-              exited with 75 or 0 (else 128+signal)
+              exited with 75 or 0 (else 128+signal); horovodrun counts as
+              75 when each of its ranks printed that it was preempted
     124       --timeout passed
     2         bad flags or configuration; nothing was started
 

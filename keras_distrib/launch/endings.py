@@ -104,12 +104,12 @@ def watch(children: Sequence[Child], trap: SignalTrap, deadline: Optional[float]
             signum = trap.received[0]
             return SuperviseResult(Ending.INTERRUPTED, 128 + signum, signum=signum)
         failed = next((i for i, c in enumerate(children)
-                       if c.proc.poll() not in (None, 0)), None)
+                       if c.exit_code not in (None, 0)), None)
         if failed is not None:
             child = children[failed]
-            how = ChildExit(failed, child.label, child.proc.returncode)
+            how = ChildExit(failed, child.label, child.exit_code)
             return SuperviseResult(Ending.CHILD_FAILED, how.exit_code, failed=how)
-        if all(c.proc.returncode == 0 for c in children):
+        if all(c.exit_code == 0 for c in children):
             return SuperviseResult(Ending.SUCCEEDED, 0)
         if resize():  # after the checks above: a job that finished is not resized
             return SuperviseResult(Ending.RESIZING, PREEMPTED)
@@ -162,7 +162,7 @@ def end(result: SuperviseResult, children: Sequence[Child], config: LaunchConfig
         printer.end_line()  # a progress bar must not swallow the message
         say(err, f"got {signal_name(result.signum)}; stopping all {unit}s.")
         stop(children, trap, config.grace_seconds)
-        if children and all(c.proc.returncode in (0, PREEMPTED) for c in children):
+        if children and all(c.exit_code in (0, PREEMPTED) for c in children):
             say(err, f"every {unit} exited with {PREEMPTED} (preempted) or 0; "
                      f"exit code {PREEMPTED}.")
             result = dataclasses.replace(result, exit_code=PREEMPTED)
@@ -171,7 +171,7 @@ def end(result: SuperviseResult, children: Sequence[Child], config: LaunchConfig
         # exit code can be 0 though its rank exited 75 (its safe_shell_exec
         # waits for the rank's shell in two threads, and the one that loses
         # the race reads 0), so no exit code after the signal is taken as one.
-        finished = all(c.proc.poll() == 0 for c in children)
+        finished = all(c.exit_code == 0 for c in children)
         stop(children, trap, config.grace_seconds)
         if finished:
             result = SuperviseResult(Ending.SUCCEEDED, 0)

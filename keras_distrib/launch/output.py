@@ -25,6 +25,8 @@ import re
 import threading
 from typing import Optional, Sequence, TextIO
 
+from keras_distrib.cluster.launch_contract import PREEMPTED_LINE
+
 # TensorFlow's C++ start-up and runtime logs, which every rank prints
 # whatever the script does (some even with TF_CPP_MIN_LOG_LEVEL=2); a
 # failed child's tail leaves them out so that it ends with the Python
@@ -183,6 +185,7 @@ class RankDemux:
         self._tail = tail
         self._ranks: dict[tuple[int, Optional[str]], Stream] = {}
         self._pending = ""
+        self.preempted: set[int] = set()  # ranks that said so (PREEMPTED_LINE)
 
     def feed(self, text: str) -> None:
         self._pending += text
@@ -207,7 +210,10 @@ class RankDemux:
         if key not in self._ranks:
             label = f"[rank {key[0]}] "
             self._ranks[key] = Stream(label, self._printer, self._tail, tail_prefix=label)
-        self._ranks[key].feed(record[match.end():])
+        piece = record[match.end():]
+        if piece.startswith(PREEMPTED_LINE):
+            self.preempted.add(key[0])
+        self._ranks[key].feed(piece)
 
 
 def say(err: TextIO, message: str) -> None:

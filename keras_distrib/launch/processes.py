@@ -28,6 +28,7 @@ import threading
 import time
 from typing import Optional, Sequence
 
+from keras_distrib.cluster.launch_contract import PREEMPTED
 from keras_distrib.launch.config import LaunchError
 from keras_distrib.launch.output import Printer, RankDemux, Stream
 
@@ -43,6 +44,8 @@ class ChildSpec:
     # on its ranks' output pieces (each ending in \r or \n), as horovodrun
     # does. Such pieces are shown as `[rank N] ` lines; the rest as `[label] `.
     rank_prefix: Optional[str] = None
+    # How many ranks such a child runs.
+    ranks: int = 1
 
 
 def signal_name(signum: int) -> str:
@@ -77,6 +80,7 @@ class Child:
 
     def __init__(self, spec: ChildSpec, tail_lines: int, printer: Printer):
         self.label = spec.label
+        self._ranks, self._final = spec.ranks, None
         self.tail: collections.deque[str] = collections.deque(maxlen=max(tail_lines, 1))
         # Own session: a signal to the group reaches the rank and anything it
         # spawned, and a terminal's Ctrl-C reaches only the launcher, which
@@ -107,6 +111,20 @@ class Child:
     @property
     def running(self) -> bool:
         return self.proc.poll() is None
+
+    @property
+    def exit_code(self) -> Optional[int]:
+        """The child's return code (None while it runs), except PREEMPTED
+        for a child running ranks (horovodrun) once it exited and every rank
+        said it was preempted (`launch_contract.PREEMPTED_LINE`): horovodrun
+        turns its ranks' 75 into 1, or even 0."""
+        code = self.proc.poll()
+        if code is None or not isinstance(self._sink, RankDemux):
+            return code
+        if self._final is None:
+            self.reader.join(timeout=5)  # the ranks' last lines
+            self._final = PREEMPTED if len(self._sink.preempted) == self._ranks else code
+        return self._final
 
     def signal_group(self, signum: int) -> None:
         try:
