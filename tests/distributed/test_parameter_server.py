@@ -285,12 +285,15 @@ def test_epoch_level_callbacks_see_every_step_applied(shared):
     # ThroughputMonitor: the chief's batches are paced by the workers' steps
     # (it waits once `lag` closures are in flight), so the rate it reports
     # is that of training, not that of scheduling alone, which the workers'
-    # steps would not pace at all. The bound is loose: the whole fit's rate
-    # also counts each epoch's validation and saved files, which a loaded
-    # machine slows the most (a ratio of 3.5 was seen in CI).
+    # steps would not pace at all (queueing a closure takes well under a
+    # millisecond: over 32,000 samples/s, hundreds of times the whole fit's
+    # rate on a loaded machine). The whole fit's rate is a loose yardstick:
+    # it also counts each epoch's validation and saved files, which a loaded
+    # machine slows the most (CI saw the monitor's rate at 3.5 and at 12.6
+    # times the whole fit's).
     overall = epochs * steps * 32 / report["seconds"]
     for rate in history["samples_per_sec"]:
-        assert overall / 10 < rate < overall * 10, (rate, overall)
+        assert overall / 10 < rate < overall * 40, (rate, overall)
     # A batch-level callback that cannot work: a one-line error naming it.
     assert re.match(r"TensorBoard\(profile_batch=\.\.\.\) profiles the chief", report["profile_error"])
     assert "\n" not in report["profile_error"]
