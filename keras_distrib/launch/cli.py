@@ -337,11 +337,10 @@ def launch(config: LaunchConfig, out: Optional[TextIO] = None,
     """
     out, err = out or sys.stdout, err or sys.stderr
     check_config(config)
-    if config.min_workers and config.backend == "horovod":
-        backends.horovod_spec(config)  # fail now when Horovod is missing
-        return supervise(ElasticJob(config), config, out, err).exit_code
     if config.backend == "horovod":
-        job = backends.horovod_job(config)
+        job = backends.horovod_job(config)  # fails now when Horovod is missing
+        if config.min_workers:
+            return supervise(ElasticJob(config), config, out, err).exit_code
         if not config.hosts:
             warn_if_oversubscribed(config.nproc, err)
         return supervise(job, config, out, err).exit_code

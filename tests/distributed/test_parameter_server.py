@@ -286,11 +286,11 @@ def test_epoch_level_callbacks_see_every_step_applied(shared):
     # (it waits once `lag` closures are in flight), so the rate it reports
     # is that of training, not that of scheduling alone, which the workers'
     # steps would not pace at all (queueing a closure takes well under a
-    # millisecond: over 32,000 samples/s, more than a hundred times the whole fit's
-    # rate on a loaded machine). The whole fit's rate is a loose yardstick:
-    # it also counts each epoch's validation and saved files, which a loaded
-    # machine slows the most (CI saw the monitor's rate at 3.5 and at 12.6
-    # times the whole fit's).
+    # millisecond: over 32,000 samples/s, more than a hundred times the
+    # whole fit's rate on a loaded machine). The whole fit's rate is a loose
+    # yardstick: it also counts each epoch's validation and saved files,
+    # which a loaded machine slows the most (CI saw the monitor's rate at 3.5
+    # and at 12.6 times the whole fit's).
     overall = epochs * steps * 32 / report["seconds"]
     for rate in history["samples_per_sec"]:
         assert overall / 10 < rate < overall * 40, (rate, overall)
