@@ -29,6 +29,10 @@ reshuffles every epoch draws a new order.
 
 It also writes the backup when `fit` stops on a SIGTERM
 (`keras_distrib.preemption`), at the step where every worker stopped.
+
+Under `keras-distrib launch` the chief reports each backup it wrote in one
+line (`launch_contract.BACKUP_LINE`), which the launcher keeps off its
+output and uses to say from which step a restarted job goes on.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ import keras
 import numpy as np
 
 from keras_distrib import preemption
+from keras_distrib.cluster import launch_contract
 from keras_distrib.input import fit_input
 from keras_distrib.callbacks import _common
 from keras_distrib.training import optimizer_shards
@@ -217,6 +222,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         for name in _backups(self.backup_dir):
             if os.path.join(self.backup_dir, name) != final:
                 shutil.rmtree(os.path.join(self.backup_dir, name), ignore_errors=True)
+        if launch_contract.RESTART_ENV in os.environ:
+            print(f"{launch_contract.BACKUP_LINE}{_point(state)}.", flush=True)
 
     def _restore(self) -> None:
         """The chief loads the backup; every worker gets its values."""
@@ -243,14 +250,19 @@ def _resuming_line(path: str, state: dict, num_replicas: int) -> str:
     """What a resumed run says first: the step it goes on from, and, when
     the backup was made with other replicas (an elastic restart), that the
     global batches and so the steps stay the same."""
-    line = (f"keras_distrib: resuming from step {state['global_step']} (epoch "
-            f"{state['epoch'] + 1}, step {state['step']}) of the backup in {path}.")
+    line = f"{launch_contract.RESUMING_LINE}{_point(state)} of the backup in {path}."
     made_with = state.get("num_replicas")
     if made_with is not None and made_with != num_replicas:
         line += (f" It was made with {made_with} replica{'s' * (made_with != 1)}, this run "
                  f"has {num_replicas}: "
                  "each replica's share of the global batch changes, the steps do not.")
     return line
+
+
+def _point(state: dict) -> str:
+    """`step 12 (epoch 2, step 4)`: the global step, and the epoch (from 1)
+    and the steps done in it."""
+    return f"step {state['global_step']} (epoch {state['epoch'] + 1}, step {state['step']})"
 
 
 def _backups(directory: str) -> list:

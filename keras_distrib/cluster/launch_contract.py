@@ -9,11 +9,33 @@ again resumes from it. The launcher exits with it too when it was asked to
 stop, and restarts the job on it under `--max-restarts`.
 """
 
+import re
+from typing import Optional
+
 PREEMPTED = 75
+# How the lines the launcher reads in its workers' output begin.
+LINE_START = "keras_distrib: "
 # How each worker's line begins as it exits with PREEMPTED. horovodrun
 # exits 1 (or, racing with itself, 0) whatever its ranks' non-zero codes,
 # so the launcher tells a preempted horovodrun by its ranks' lines.
-PREEMPTED_LINE = "keras_distrib: preempted (SIGTERM): "
+PREEMPTED_LINE = LINE_START + "preempted (SIGTERM): "
+# How the chief's line begins when `BackupAndRestore` has written a backup,
+# `keras_distrib: backup saved at step 12 (epoch 2, step 4).`, printed only
+# under the launcher (`RESTART_ENV` set), which keeps it off its output and
+# names the step when it restarts the job or changes its workers. The line
+# of a resumed run, `RESUMING_LINE`, tells it the same of the backup read.
+BACKUP_LINE = LINE_START + "backup saved at "
+RESUMING_LINE = LINE_START + "resuming from "
+_POINT = re.compile(f"(?:{re.escape(BACKUP_LINE)}|{re.escape(RESUMING_LINE)})"
+                    r"(step \d+ \(epoch \d+, step \d+\))")
+
+
+def backup_point(line: str) -> Optional[str]:
+    """`step 12 (epoch 2, step 4)` from a line holding a `BACKUP_LINE` or a
+    `RESUMING_LINE` (after a progress bar's text, say), or None."""
+    match = _POINT.search(line)
+    return match.group(1) if match else None
+
 
 # Environment variables the launcher sets for its workers.
 # The private directory (mode 0700, removed by the launcher whatever way the

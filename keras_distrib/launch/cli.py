@@ -79,7 +79,12 @@ Every child gets these environment variables:
     KERAS_DISTRIB_WORLD_SIZE  N (with --ps: 1 + --workers; ps tasks get none)
     KERAS_DISTRIB_LOCAL_RANK  its index among the ranks (tasks) on its host
     KERAS_DISTRIB_RESTART     how many times the job was restarted before
-                              this run (0 on the first; always 0 with --ps)
+                              this run (0 on the first; always 0 with --ps);
+                              with it set, BackupAndRestore's chief reports
+                              each backup in a line the launcher reads and
+                              does not print (`keras_distrib: backup saved
+                              at step ...`), to name the step a restart
+                              goes on from
     KERAS_DISTRIB_SHM_DIR     ranks on this machine only (not with --ps): a private
                               directory (mode 0700, in /dev/shm) for
                               shared-memory files, new for each run and

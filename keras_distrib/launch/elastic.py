@@ -21,7 +21,9 @@ answers, the job is asked to save and stop (SIGTERM: every rank stops at
 the same step and `BackupAndRestore` writes its backup there, exit code
 `PREEMPTED`), and the next attempt takes the host back (not counted as a
 restart). Each change prints one line: `[launcher] 2 -> 1 workers: host
-10.0.0.2 lost (it does not answer); training goes on from the last backup`.
+10.0.0.2 lost (it does not answer); training goes on from the last backup,
+step 12 (epoch 2, step 4)` (the step as the job's chief reported it:
+`launch_contract.BACKUP_LINE`).
 
 The training stays the one the user asked for whatever the membership:
 the global batch is split over the workers there are, and a resumed
@@ -47,7 +49,7 @@ from keras_distrib.launch.endings import Ending, SuperviseResult
 from keras_distrib.launch.output import Printer, note, say
 from keras_distrib.launch.plan import parse_hosts, plan
 from keras_distrib.launch.processes import SignalTrap
-from keras_distrib.launch.restarts import Job, finish, run_attempt, should_restart
+from keras_distrib.launch.restarts import Job, finish, from_backup, run_attempt, should_restart
 
 PROBE_SECONDS = 10.0
 PROBE_INTERVAL = 5.0
@@ -211,7 +213,7 @@ def _shrink(state: _Membership, bad_slot: Optional[int], result: SuperviseResult
     say(err, f"restart {restarts}/{config.max_restarts}: {result.failed.outcome()}.")
     if len(state.members) != before:
         note(printer, err, f"{before} -> {len(state.members)} workers: {why}; "
-                           "training goes on from the last backup.")
+                           f"training goes on from {from_backup(printer, 'the last backup')}.")
     return gone
 
 
@@ -220,7 +222,8 @@ def _take_back(state: _Membership, host: str, printer: Printer, err: TextIO) -> 
     state.lost.remove(host)
     state.members = sorted(state.members + [s for s, h in enumerate(state.hosts) if h == host])
     note(printer, err, f"{before} -> {len(state.members)} workers: {_named([host])} answers "
-                       "again; training goes on from the backup the job just saved.")
+                       "again; training goes on from "
+                       f"{from_backup(printer, 'the backup the job just saved')}.")
 
 
 def _too_few(state: _Membership, config: LaunchConfig, restarts: int,

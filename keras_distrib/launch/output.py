@@ -25,7 +25,8 @@ import re
 import threading
 from typing import Optional, Sequence, TextIO
 
-from keras_distrib.cluster.launch_contract import PREEMPTED_LINE
+from keras_distrib.cluster.launch_contract import (BACKUP_LINE, LINE_START, PREEMPTED_LINE,
+                                                   backup_point)
 
 # TensorFlow's C++ start-up and runtime logs, which every rank prints
 # whatever the script does (some even with TF_CPP_MIN_LOG_LEVEL=2); a
@@ -67,6 +68,9 @@ class Printer:
     def __init__(self, stream: TextIO, hide_tf_noise: bool = False):
         self._stream = stream
         self._hide_tf_noise = hide_tf_noise
+        # The job's last backup as its chief reported it (`launch_contract.
+        # backup_point`), or None: the step a restarted job goes on from.
+        self.backup_point: Optional[str] = None
         self._lock = threading.Lock()
         self._open: Optional[tuple[object, str]] = None  # (source, text) of the open line
 
@@ -138,7 +142,13 @@ class Stream:
         lines = []
         for piece in _BREAKS.split(text):
             if piece in ("\n", "\r\n"):
-                lines.append(self._current())
+                line = self._current()
+                point = backup_point(line)
+                if point is not None:
+                    self._printer.backup_point = point
+                line = line.partition(BACKUP_LINE)[0]  # that line is for the launcher only
+                if line or point is None:
+                    lines.append(line)
                 self._segment, self._last, self._redrawn, self._shown = "", "", False, None
             elif piece == "\r":
                 self._last, self._segment, self._redrawn = self._current(), "", True
@@ -146,7 +156,10 @@ class Stream:
                 self._segment += piece
         redraw = None
         if self._redrawn:
-            current = self._current()
+            # A report to the launcher may follow a progress bar's text on its
+            # line: the redraw shows the text before any keras_distrib line,
+            # which shows, or not, when its line ends.
+            current = self._current().partition(LINE_START)[0]
             if current and current != self._shown:
                 redraw = self._shown = current
         for line in lines:

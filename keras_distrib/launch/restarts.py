@@ -77,8 +77,18 @@ def run_attempts(job: Job, config: LaunchConfig, printer: Printer,
                 break
             restarts += 1
             say(err, f"restart {restarts}/{config.max_restarts}: {result.failed.outcome()}; "
-                     f"starting all {len(job)} ranks again.")
+                     f"starting all {len(job)} ranks again"
+                     f"{from_backup(printer, ', from the last backup', unknown='')}.")
         return finish(result, restarts, len(job), config, trap, err)
+
+
+def from_backup(printer: Printer, which: str, unknown: Optional[str] = None) -> str:
+    """`which` and the step of the job's last backup, as its chief reported
+    it (`launch_contract.BACKUP_LINE`): `the last backup, step 12 (epoch 2,
+    step 4)`; `unknown` (default: `which` alone) when it reported none."""
+    if printer.backup_point is None:
+        return which if unknown is None else unknown
+    return f"{which}, {printer.backup_point}"
 
 
 def finish(result: SuperviseResult, restarts: int, size: int, config: LaunchConfig,

@@ -40,6 +40,20 @@ def _assert_ends_as_one_process(out, n, uninterrupted, *script_flags):
             np.testing.assert_allclose(got, want, atol=1e-5, rtol=0, err_msg=f"rank {rank}")
 
 
+def _assert_goes_on_from_the_step_it_names(output, line_start):
+    """The launcher's line `line_start` + `step N (epoch E, step S).` is
+    there, and the job's next attempt resumes from that step."""
+    lines = output.splitlines()
+    at = next((i for i, line in enumerate(lines) if line.startswith(line_start)), None)
+    assert at is not None, output[-3000:]
+    point = re.fullmatch(r"(step \d+ \(epoch \d+, step \d+\))\.",
+                         lines[at][len(line_start):])
+    assert point, lines[at]
+    resumed = next(line for line in lines[at:] if "keras_distrib: resuming from" in line)
+    assert f"keras_distrib: resuming from {point.group(1)} of the backup" in resumed, (
+        lines[at], resumed)
+
+
 def _assert_nothing_left(out, n):
     attempts = [a for runs in fault_job.attempts(out, n).values() for a in runs]
     assert not [a.pid for a in attempts if process_alive(a.pid, zombies_count=False)]
@@ -61,9 +75,10 @@ def test_a_worker_killed_again_is_left_out_and_the_rest_ends_exact(tmp_path, uni
     code, output = _killed_twice(tmp_path, "--strategy", strategy, "--optimizer", "sgd",
                                  env={"FAULTS_LOGICAL_CPUS": "2"})
     assert code == 0, output[-3000:]
-    assert ("[launcher] 2 -> 1 workers: slot 1 on host 127.0.0.1 left out (its rank failed "
-            "again within --elastic_grace=60s); training goes on from the last backup."
-            in output), output[-3000:]
+    _assert_goes_on_from_the_step_it_names(
+        output, "[launcher] 2 -> 1 workers: slot 1 on host 127.0.0.1 left out (its rank "
+                "failed again within --elastic_grace=60s); training goes on from the last "
+                "backup, ")
     assert "the rank succeeded; 2 of 3 restarts used; exit code 0." in output
     assert [len(runs) for runs in fault_job.attempts(tmp_path, 2).values()] == [3, 2]
     _assert_ends_as_one_process(tmp_path, 1, uninterrupted, "--optimizer", "sgd")
@@ -113,10 +128,12 @@ def test_a_lost_host_is_left_out_and_taken_back_and_the_run_ends_exact(tmp_path,
         *script_flags, expect=None, timeout=280, during=_lose_and_return(bed, tmp_path),
         env=env, wrap=wrap, launch_flags=("--hosts", bed.hosts_flag(), *flags, *ELASTIC))
     assert code == 0, output[-3000:]
-    assert (f"[launcher] 2 -> 1 workers: host {b} lost (it does not answer); training goes "
-            "on from the last backup." in output), output[-3000:]
-    assert (f"[launcher] 1 -> 2 workers: host {b} answers again; training goes on from the "
-            "backup the job just saved." in output), output[-3000:]
+    _assert_goes_on_from_the_step_it_names(
+        output, f"[launcher] 2 -> 1 workers: host {b} lost (it does not answer); training "
+                "goes on from the last backup, ")
+    _assert_goes_on_from_the_step_it_names(
+        output, f"[launcher] 1 -> 2 workers: host {b} answers again; training goes on from "
+                "the backup the job just saved, ")
     # Each resumed attempt says from which step, and that the steps are the same.
     resumed = re.findall(r"\[rank 0\] keras_distrib: resuming from step \d+ .* It was made "
                          r"with (\d) replicas?, this run has (\d): each replica's share of the "

@@ -268,6 +268,51 @@ def test_an_elastic_launch_left_with_fewer_than_min_workers_stops_in_one_line(
     _assert_all_gone(tmp_path)
 
 
+# Rank 0 reports backups as BackupAndRestore's chief does under the
+# launcher (after a progress bar's text, too), or the backup it resumed
+# from; rank 1 then fails, on every attempt with 2 workers.
+BACKUPS_THEN_RANK_1_FAILS = """\
+    if RANK == 0:
+        if RESTART == 0:
+            print("keras_distrib: backup saved at step 4 (epoch 1, step 4).", flush=True)
+            print("\\r1/9 [===]keras_distrib: backup saved at step 8 (epoch 1, step 8).",
+                  flush=True)
+        else:
+            print("keras_distrib: resuming from step 8 (epoch 1, step 8) of the backup in "
+                  "/b.", flush=True)
+        put(f"reported.a{RESTART}")
+        if int(os.environ["KERAS_DISTRIB_WORLD_SIZE"]) == 2:
+            time.sleep(600)
+    else:
+        wait_for(f"reported.a{RESTART}")
+        sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("elastic", [False, True])
+def test_a_restart_names_the_step_of_the_last_backup_the_chief_reported(
+        tmp_path, launcher, elastic):
+    flags = ("--min_workers", "1") if elastic else ()
+    code, out, err = _run(launcher, "-n", "2", "--max_restarts", "2", *flags,
+                          _script(tmp_path, BACKUPS_THEN_RANK_1_FAILS))
+    restart = ("keras-distrib: restart 1/2: rank 1 failed with exit code 3; starting all 2 "
+               "ranks again, from the last backup, step 8 (epoch 1, step 8).")
+    if elastic:
+        assert code == 0, err
+        assert ("[launcher] 2 -> 1 workers: slot 1 on host 127.0.0.1 left out (its rank failed "
+                "again within --elastic_grace=60s); training goes on from the last backup, "
+                "step 8 (epoch 1, step 8).") in err.splitlines(), err
+    else:
+        assert code == 3, err
+        assert restart in _launcher_lines(err), err
+    # The reports are the launcher's: not shown, nor in a failed rank's tail;
+    # the resumed run's own line is, and what preceded a report on its line.
+    assert "backup saved" not in out + err, out + err
+    assert "[rank 0] keras_distrib: resuming from step 8 (epoch 1, step 8)" in out, out
+    assert "[rank 0] 1/9 [===]\n" in out, out
+    _assert_all_gone(tmp_path)
+
+
 # --------------------------------------------------------------------------
 # Signals to the launcher
 

@@ -19,6 +19,7 @@ import keras_distrib as kd
 from helpers import Batches, Crash, CrashAfter, build, make_data
 from keras_distrib import preemption
 from keras_distrib.callbacks import backup_and_restore
+from keras_distrib.cluster import launch_contract
 
 EPOCHS, BATCH = 3, 32  # 203 samples: 7 steps per epoch, 21 in all
 
@@ -75,6 +76,25 @@ def test_a_run_resumed_after_a_crash_equals_an_uninterrupted_one(
     else:
         assert "resuming" not in said
     assert os.listdir(tmp_path) == []  # removed after the normal end
+
+
+def test_under_the_launcher_the_chief_reports_each_backup_it_writes(
+        data, tmp_path, capsys, monkeypatch):
+    """The line `keras-distrib launch` reads to say from which step a
+    restarted job goes on; the resumed run's own line names the same."""
+    _fit(_model(), data, tmp_path / "alone", epochs=1)
+    assert capsys.readouterr().out == ""  # not under the launcher: nothing
+    monkeypatch.setenv(launch_contract.RESTART_ENV, "0")
+    with pytest.raises(Crash):
+        _fit(_model(), data, tmp_path / "b", CrashAfter(10))
+    reports = capsys.readouterr().out.splitlines()
+    assert reports == ["keras_distrib: backup saved at step 4 (epoch 1, step 4).",
+                       "keras_distrib: backup saved at step 8 (epoch 2, step 1)."]
+    _fit(_model(), data, tmp_path / "b")
+    resumed = capsys.readouterr().out.splitlines()
+    assert launch_contract.backup_point(resumed[0]) == "step 8 (epoch 2, step 1)", resumed
+    assert [launch_contract.backup_point(line) for line in resumed[1:]] == [
+        f"step {s} (epoch {s // 7 + 1}, step {s % 7})" for s in (12, 16, 20)], resumed
 
 
 def test_a_pydataset_run_resumes_exactly(tmp_path):
