@@ -91,10 +91,11 @@ class Checkpointed(keras.layers.Layer):
 def test_keras_remat_in_a_layer_trains_as_without_it():
     x, y = make_data()
 
-    def trained(layer, strategy):
+    def trained(make_layer, strategy):
+        # Made after the seed: a Keras initializer draws its seed when made.
         keras.utils.set_random_seed(1)
         inputs = keras.Input((FEATURES,))
-        outputs = keras.layers.Dense(CLASSES)(layer(inputs))
+        outputs = keras.layers.Dense(CLASSES)(make_layer()(inputs))
         model = (keras.Model(inputs, outputs) if strategy is None
                  else kd.DistributedModel(inputs, outputs, strategy=strategy))
         model.compile(optimizer="sgd",
@@ -102,7 +103,7 @@ def test_keras_remat_in_a_layer_trains_as_without_it():
         model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
         return model.get_weights()
 
-    want = trained(keras.layers.Dense(16, activation="relu"), None)
+    want = trained(lambda: keras.layers.Dense(16, activation="relu"), None)
     for strategy in (None, "mirrored"):
-        for a, b in zip(trained(Checkpointed(), strategy), want):
+        for a, b in zip(trained(Checkpointed, strategy), want):
             np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
