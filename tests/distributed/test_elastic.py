@@ -4,8 +4,10 @@ ends (tests/workers/faults.py: a learning-rate schedule, shuffled arrays, a
 backup every 4 steps).
 
 On this host a slot is a process: one killed twice in a row is left out
-(there, each worker's model is split over its two logical CPUs: hybrid
-`tensor_parallel` and `pipeline`, with SGD).
+(`multi_worker` with SGD; hybrid `tensor_parallel` and `pipeline`, each
+worker's model split over its two logical CPUs, with SGD and with Adam).
+Under `--backend horovod` only a lost host is left out (horovodrun does not
+say which rank failed), so Horovod is tested across hosts, with Adam.
 Across hosts (network namespaces, tests/netns_hosts.py, whose ssh stand-in
 cannot reach a host whose link is down), a host whose link is cut is lost
 and, when the link is back, taken in again at the job's next backup
@@ -67,13 +69,20 @@ def _killed_twice(out, *script_flags, env=None):
                   launch_flags=ELASTIC, env=env)
 
 
-# Hybrid data x model parallelism: each worker's model split over its 2
-# logical CPUs, the workers data-parallel; SGD.
-@pytest.mark.parametrize("strategy", ["tensor_parallel", "pipeline"])
+# One machine, where a slot is a process: `multi_worker`, and hybrid data x
+# model parallelism (each worker's model split over its 2 logical CPUs, the
+# workers data-parallel), with SGD and with Adam (whose slots the
+# model-parallel strategies split over the devices).
+@pytest.mark.parametrize("strategy, optimizer", [
+    ("tensor_parallel", "sgd"), ("tensor_parallel", "adam"), ("pipeline", "sgd"),
+    ("pipeline", "adam"), ("multi_worker", "sgd"),
+])
 def test_a_worker_killed_again_is_left_out_and_the_rest_ends_exact(tmp_path, uninterrupted,
-                                                                    strategy):
-    code, output = _killed_twice(tmp_path, "--strategy", strategy, "--optimizer", "sgd",
-                                 env={"FAULTS_LOGICAL_CPUS": "2"})
+                                                                    strategy, optimizer):
+    # Adam is the worker's default: its reference is the lost-host tests' too.
+    flags = ("--optimizer", "sgd") if optimizer == "sgd" else ()
+    env = {} if strategy == "multi_worker" else {"FAULTS_LOGICAL_CPUS": "2"}
+    code, output = _killed_twice(tmp_path, "--strategy", strategy, *flags, env=env)
     assert code == 0, output[-3000:]
     _assert_goes_on_from_the_step_it_names(
         output, "[launcher] 2 -> 1 workers: slot 1 on host 127.0.0.1 left out (its rank "
@@ -81,7 +90,7 @@ def test_a_worker_killed_again_is_left_out_and_the_rest_ends_exact(tmp_path, uni
                 "backup, ")
     assert "the rank succeeded; 2 of 3 restarts used; exit code 0." in output
     assert [len(runs) for runs in fault_job.attempts(tmp_path, 2).values()] == [3, 2]
-    _assert_ends_as_one_process(tmp_path, 1, uninterrupted, "--optimizer", "sgd")
+    _assert_ends_as_one_process(tmp_path, 1, uninterrupted, *flags)
     _assert_nothing_left(tmp_path, 2)
 
 
