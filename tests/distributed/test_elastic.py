@@ -8,9 +8,9 @@ On this host a slot is a process: one killed twice in a row is left out
 its two logical CPUs). Across hosts (network namespaces,
 tests/netns_hosts.py, whose ssh stand-in cannot reach a host whose link is
 down), a host whose link is cut is lost and, when the link is back, taken
-in again at the job's next backup (`multi_worker`, and `horovod` through
+in again at the job's next backup (`multi_worker`; `horovod` through
 horovodrun, which does not say which rank failed, so that only a lost
-host is left out under it). Each with SGD and with Adam.
+host is left out under it; hybrid `tensor_parallel` and `pipeline`).
 """
 
 import glob
@@ -113,19 +113,25 @@ def _lose_and_return(bed, out):
     return during
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
-@pytest.mark.parametrize("backend", ["tf", "horovod"])
+@pytest.mark.parametrize("engine, optimizer", [
+    ("multi_worker", "adam"), ("multi_worker", "sgd"), ("horovod", "adam"), ("horovod", "sgd"),
+    # hybrid: each worker's model split over its 2 logical CPUs
+    ("tensor_parallel", "adam"), ("pipeline", "sgd"),
+])
 def test_a_lost_host_is_left_out_and_taken_back_and_the_run_ends_exact(
-        tmp_path, hosts, uninterrupted, backend, optimizer):
+        tmp_path, hosts, uninterrupted, engine, optimizer):
     """Under `--backend horovod` each attempt is one horovodrun on the hosts
     that answer: the launcher runs on host 0, horovodrun reaches host 1 with
     the test bed's ssh, and Gloo's timeout ends the attempt."""
     optimizer_flags = ("--optimizer", "sgd") if optimizer == "sgd" else ()
     bed = hosts(2)
     b = bed.addresses[1]
-    if backend == "tf":
+    if engine != "horovod":
         flags = ("--ssh", "--ssh_command", bed.ssh_command)
         env, wrap, script_flags = {"KERAS_DISTRIB_HEARTBEAT_TIMEOUT": "3"}, None, ()
+        if engine != "multi_worker":
+            env["FAULTS_LOGICAL_CPUS"] = "2"
+            script_flags = ("--strategy", engine)
     else:
         pytest.importorskip("horovod.tensorflow")
         flags = ("--backend", "horovod")
