@@ -33,14 +33,33 @@ CASES = {
     # Loss scaling (as mixed_float16 compiles it): the inner optimizer is sharded.
     "adam_loss_scale": lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01)),
 }
+# A model with an Embedding, whose gradient is sparse (`tf.IndexedSlices`):
+# Adam adds the squares of duplicate rows, SGD leaves the rows not in the
+# batch as they are, and clipnorm takes the norm of the rows.
+EMBEDDING = {
+    "embedding_adam": lambda: keras.optimizers.Adam(0.01),
+    "embedding_sgd_clipnorm": lambda: keras.optimizers.SGD(0.1, clipnorm=0.05),
+}
+CASES.update(EMBEDDING)
 
 
-def graph():
-    """Inputs and outputs of the model (a constrained kernel among them)."""
+def graph(case=None):
+    """Inputs and outputs of the case's model: a constrained kernel among
+    them, or for the `EMBEDDING` cases a table of 13 x 5 (each of 2
+    workers' parts ends or starts in the middle of a row)."""
+    if case in EMBEDDING:
+        inputs = keras.Input((8,), dtype="int32")
+        embedded = keras.layers.Flatten()(keras.layers.Embedding(13, 5)(inputs))
+        return inputs, keras.layers.Dense(3)(embedded)
     inputs = keras.Input((8,))
     hidden = keras.layers.Dense(16, activation="relu",
                                 kernel_constraint=keras.constraints.MaxNorm(1.0))(inputs)
     return inputs, keras.layers.Dense(3)(keras.layers.Dense(7, activation="tanh")(hidden))
+
+
+def inputs(case, x):
+    """The case's model's input from the features `x`: ids for an Embedding."""
+    return (np.abs(x) * 4).astype("int32") % 13 if case in EMBEDDING else x
 
 
 def compile_kwargs(case):
@@ -50,16 +69,16 @@ def compile_kwargs(case):
 
 def plain_run(case, initial, x, y):
     """(weights, optimizer variables) of plain Keras on one device."""
-    model = keras.Model(*graph())
+    model = keras.Model(*graph(case))
     model.set_weights(initial)
     model.compile(**compile_kwargs(case))
-    model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    model.fit(inputs(case, x), y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
     return model.get_weights(), [np.asarray(v) for v in model.optimizer.variables]
 
 
 def plain_optimizer_shapes(case) -> list:
     """The variables of the case's optimizer built unsharded on the model."""
-    model = keras.Model(*graph())
+    model = keras.Model(*graph(case))
     optimizer = CASES[case]()
     optimizer.build(model.trainable_variables)
     return list(optimizer.variables)

@@ -33,7 +33,12 @@ reduced in one small all-reduce, and steps 3 and 4 are the same. A custom
 `train_step`'s own `apply_gradients` reduces whole gradients, as in stage 1.
 
 Every update the sharded optimizers make is elementwise, so each element
-gets the arithmetic it gets without sharding. Optimizers that read whole
+gets the arithmetic it gets without sharding. A sparse gradient (an
+`Embedding`'s `tf.IndexedSlices`) stays sparse: its rows arrive whole (in
+stage 2 too: they are gathered, as without sharding, not scattered), and
+each replica's part of it is the elements of those rows in its part,
+indexed in the flat piece (`optimizer_parts.sparse_piece_of`), so Keras's sparse update
+runs on the part as it runs on the whole table. Optimizers that read whole
 tensors (LAMB's trust ratio, Adafactor's factored moments, Muon's
 orthogonalization) are refused in one line. A `LossScaleOptimizer`
 (mixed_float16) checks the whole reduced gradients for NaN/Inf, the same
@@ -63,6 +68,8 @@ import tensorflow as tf
 
 from keras_distrib import _compat
 from keras_distrib.strategies import optimizer_sharding as sharding_option
+from keras_distrib.training.optimizer_parts import (Part, part_of, piece_of, piece_of_array,
+                                                      scaled, table)
 
 # Keras optimizers whose update of a variable is elementwise given its
 # gradient (besides clipping, done whole here).
@@ -128,15 +135,6 @@ def check_optimizer(optimizer) -> None:
             "(gradient_accumulation_steps=..., clip...=...); drop one of the two.")
 
 
-class _Part:
-    """One trainable variable (`whole`, `size` elements) and this replica's
-    part (`piece`, `length` of them; the last replicas' parts end in padding)."""
-
-    def __init__(self, whole, piece, size: int, length: int, replicas: int):
-        self.whole, self.piece = whole, piece
-        self.size, self.length, self.replicas = size, length, replicas
-
-
 class _Scattered:
     """A gradient stage 2's reduction made: this replica's part of the
     global mean gradient (`piece`), handed through `apply_gradients`."""
@@ -157,10 +155,10 @@ class OptimizerShards:
         self._strategy, self._switch = strategy, switch
         # Stage 2: the step's gradients arrive as this replica's parts.
         self.scatters = strategy.optimizer_sharding == sharding_option.GRADIENTS
-        self.parts: list[_Part] = []
-        self._by_whole: dict[int, _Part] = {}
+        self.parts: list[Part] = []
+        self._by_whole: dict[int, Part] = {}
         self._by_piece_key: dict = {}
-        self._slot_part: dict[int, _Part] = {}  # id(optimizer slot) -> its variable's part
+        self._slot_part: dict[int, Part] = {}  # id(optimizer slot) -> its variable's part
         self._loaded: Optional[dict] = None  # id(slot) -> whole value, for share_loaded
         self._whole: Optional[dict] = None  # id(slot) -> whole value, for saves (gathered())
         keras_build, keras_apply = optimizer.build, optimizer.apply
@@ -196,7 +194,7 @@ class OptimizerShards:
             length = math.ceil(size / n)
             piece = keras.Variable(initializer="zeros", shape=(length,), dtype=whole.dtype,
                                    trainable=False, name=whole.name)
-            parts.append(_Part(whole, piece, size, length, n))
+            parts.append(Part(whole, piece, size, length, n))
         by_piece = {id(p.piece): p for p in parts}
         add_slot = optimizer.add_variable_from_reference
 
@@ -236,24 +234,24 @@ class OptimizerShards:
             raise ValueError(
                 f"optimizer_sharding: the optimizer was built for other variables than "
                 f"{unknown[0]!r}; use one optimizer per set of variables.")
-        sparse = [v.path for g, v in pairs if isinstance(g, tf.IndexedSlices)]
-        if sparse:
-            raise ValueError(
-                f"optimizer_sharding: the gradient of {sparse[0]!r} is sparse (an Embedding's "
-                "or a gather's); sharded updates take dense gradients: use "
-                "optimizer_sharding=None for this model.")
         parts = [self._by_whole[id(v)] for _, v in pairs]
-        if isinstance(pairs[0][0], _Scattered):  # stage 2: this replica's parts, reduced
-            grads = self._clipped_pieces([g.piece for g, _ in pairs], parts)
+        here = self._strategy.replica_index()
+        if any(isinstance(g, _Scattered) for g, _ in pairs):
+            # Stage 2: this replica's parts, reduced; sparse gradients whole.
+            whole = [not isinstance(g, _Scattered) for g, _ in pairs]
+            grads = self._clipped_pieces([g if w else g.piece for (g, _), w in zip(pairs, whole)])
+            grads = [part_of(g, part, here) if w else g
+                     for g, part, w in zip(grads, parts, whole)]
         else:
             if not self._switch.reduced:
                 # A custom train_step's own gradients: reduced once, here (Keras
                 # would sum the parts, which differ from replica to replica).
                 pairs = self._strategy.reduce_applied_gradients(pairs)
-            grads = _compat.clip_gradients(optimizer,
-                                           [tf.convert_to_tensor(g) for g, _ in pairs])
-            grads = [_piece_of(g, part, self._strategy.replica_index())
-                     for g, part in zip(grads, parts)]
+            # Sparse gradients stay sparse, as Keras clips and applies them.
+            grads = _compat.clip_gradients(optimizer, [
+                g if isinstance(g, tf.IndexedSlices) else tf.convert_to_tensor(g)
+                for g, _ in pairs])
+            grads = [part_of(g, part, here) for g, part in zip(grads, parts)]
         self._update(keras_apply, grads, parts)
 
     def _update(self, keras_apply, pieces: list, parts: list) -> None:
@@ -261,7 +259,7 @@ class OptimizerShards:
         clipped gradients), then every replica's parts into the weights."""
         here = self._strategy.replica_index()
         for part in parts:
-            part.piece.assign(_piece_of(part.whole, part, here))
+            part.piece.assign(piece_of(part.whole, part, here))
         with self._switch.applying_reduced(), _compat.clipping_off(self.optimizer):
             keras_apply(pieces, [p.piece for p in parts])
         for part, value in zip(parts, self._gathered(parts)):
@@ -288,23 +286,29 @@ class OptimizerShards:
         present = [i for i, g in enumerate(gradients) if g is not None]
         for i in present:
             if isinstance(gradients[i], tf.IndexedSlices):
-                raise ValueError(
-                    f"optimizer_sharding: the gradient of {variables[i].path!r} is sparse (an "
-                    "Embedding's or a gather's); sharded updates take dense gradients: use "
-                    "optimizer_sharding=None for this model.")
+                continue
             if gradients[i].dtype != tf.float32:
                 raise ValueError(
                     f"optimizer_sharding='gradients' reduces float32 gradients, but that of "
                     f"{variables[i].path!r} is {gradients[i].dtype.name}; use "
                     "optimizer_sharding='optimizer'.")
+        # Sparse gradients (an Embedding's) travel as rows, as without
+        # sharding, and reach every replica whole; each updates its part.
+        sparse = [i for i in present if isinstance(gradients[i], tf.IndexedSlices)]
+        present = [i for i in present if i not in sparse]
+        out: list = [None] * len(gradients)
+        if sparse:
+            gathered = self._strategy.gather_sparse_gradients(
+                [gradients[i] for i in sparse], num_samples)
+            for i, g in zip(sparse, gathered):
+                out[i] = g
         parts = [self._by_whole[id(variables[i])] for i in present]
-        tables = [_table(gradients[i], p) for i, p in zip(present, parts)]
+        tables = [table(gradients[i], p) for i, p in zip(present, parts)]
         shared = tf.concat([*[tf.reshape(e, [-1]) for e in extras],
                             tf.reshape(tf.cast(num_samples, tf.float32), [1])], axis=0)
         tables.append(tf.tile(shared[None], [n, 1]))
         *rows, shared = self._strategy.reduce_scatter(tables)
         scale = 1.0 / tf.maximum(shared[-1], 1.0)
-        out: list = [None] * len(gradients)
         for i, row in zip(present, rows):
             out[i] = _Scattered(row * scale)
         means, start = [], 0
@@ -314,29 +318,35 @@ class OptimizerShards:
             start += size
         return out, means
 
-    def _clipped_pieces(self, pieces: list, parts: list) -> list:
+    def _clipped_pieces(self, pieces: list) -> list:
         """Keras's clipping (`BaseOptimizer._clip_gradients`) of whole
         gradients, done on this replica's parts: the norms come from each
-        replica's sums of squares, reduced in one all-reduce."""
+        replica's sums of squares, reduced in one all-reduce (a sparse
+        gradient, whole on every replica, adds its own)."""
         optimizer = self.optimizer
         clipnorm, global_clipnorm = optimizer.clipnorm, optimizer.global_clipnorm
+        whole = [isinstance(g, tf.IndexedSlices) for g in pieces]  # on every replica
         if clipnorm and clipnorm > 0 or global_clipnorm and global_clipnorm > 0:
+            # A sparse gradient's norm is its rows' (as tf.clip_by_norm takes it).
+            squares = [tf.reduce_sum(tf.square(g.values if w else g))
+                       for g, w in zip(pieces, whole)]
             (l2sums,) = self._strategy.all_reduce(
-                [tf.stack([tf.reduce_sum(tf.square(g)) for g in pieces])], "sum")
+                [tf.stack([tf.zeros([]) if w else s for s, w in zip(squares, whole)])], "sum")
+            l2sums = [s if w else l2sums[k] for k, (s, w) in enumerate(zip(squares, whole))]
             if clipnorm and clipnorm > 0:  # BaseOptimizer._clip_by_norm, per variable
                 out = []
-                for k, g in enumerate(pieces):
-                    l2sum = l2sums[k]
+                for g, l2sum in zip(pieces, l2sums):
                     l2norm = tf.where(l2sum > 0, tf.sqrt(tf.where(l2sum > 0, l2sum, 1.0)), l2sum)
-                    out.append(g * clipnorm / tf.maximum(l2norm, clipnorm))
+                    out.append(scaled(g, clipnorm / tf.maximum(l2norm, clipnorm)))
                 return out
-            use_norm = tf.sqrt(tf.reduce_sum(l2sums))  # keras's clip_by_global_norm
+            use_norm = tf.sqrt(tf.add_n(l2sums))  # keras's clip_by_global_norm
             scale = global_clipnorm * tf.minimum(1.0 / use_norm, 1.0 / global_clipnorm)
             scale = scale + (use_norm - use_norm)
-            return [g * scale for g in pieces]
+            return [scaled(g, scale) for g in pieces]
         if optimizer.clipvalue and optimizer.clipvalue > 0:
+            # Keras clips a sparse gradient dense (its duplicate rows summed).
             v = optimizer.clipvalue
-            return [tf.clip_by_value(g, -v, v) for g in pieces]
+            return [tf.clip_by_value(tf.convert_to_tensor(g), -v, v) for g in pieces]
         return pieces
 
     def _gathered(self, parts) -> list:
@@ -369,7 +379,7 @@ class OptimizerShards:
     # -- files: whole values (eager, every worker) -------------------------------------
 
     def _gather_whole(self, pieces) -> list:
-        """`[(variable holding this replica's part, its _Part), ...]` as whole
+        """`[(variable holding this replica's part, its Part), ...]` as whole
         arrays, every replica's parts joined (one collective for all)."""
         world, rank = self._strategy.world_size, self._strategy.rank
         slots = []
@@ -416,7 +426,7 @@ class OptimizerShards:
             if part is not None:
                 if self._loaded is not None:
                     self._loaded[id(variable)] = value
-                value = _piece_of_array(value, part, here)
+                value = piece_of_array(value, part, here)
             variable.assign(value)
 
     @contextlib.contextmanager
@@ -445,28 +455,5 @@ class OptimizerShards:
                         else np.zeros(shape, dtype))
         here = self._strategy.first_local_replica
         for variable, value in zip(sharded, self._strategy.sync_sum(mine)):
-            variable.assign(_piece_of_array(value, self._slot_part[id(variable)], here))
+            variable.assign(piece_of_array(value, self._slot_part[id(variable)], here))
         self._loaded = None
-
-
-def _table(value, part: _Part) -> tf.Tensor:
-    """`value` (a whole variable or gradient) as `[replicas, length]`: row r
-    is replica r's part (the last rows end in zeros; no copy when the parts
-    fill it exactly)."""
-    flat = tf.reshape(tf.convert_to_tensor(value), [-1])
-    if part.length * part.replicas != part.size:
-        flat = tf.pad(flat, [[0, part.length * part.replicas - part.size]])
-    return tf.reshape(flat, [part.replicas, part.length])
-
-
-def _piece_of(value, part: _Part, here) -> tf.Tensor:
-    """Replica `here`'s part of `value` (a whole variable or gradient)."""
-    return tf.gather(_table(value, part), tf.cast(here, tf.int32))
-
-
-def _piece_of_array(value, part: _Part, here: int) -> np.ndarray:
-    """`_piece_of` for a numpy value, eagerly."""
-    flat = np.asarray(value).reshape(-1)
-    padded = np.zeros(part.length * part.replicas, flat.dtype)
-    padded[:part.size] = flat
-    return padded[here * part.length:(here + 1) * part.length]

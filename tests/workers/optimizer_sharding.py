@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from sharding_cases import BATCH, CASES, EPOCHS, compile_kwargs, graph  # noqa: E402
+from sharding_cases import BATCH, CASES, EPOCHS, compile_kwargs, graph, inputs  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Directory for results.")
@@ -48,7 +48,8 @@ def main(argv):
 
 
 def _train(kd, strategy, case, x, y, out, initial_from):
-    model = kd.DistributedModel(*graph(), strategy=strategy)
+    x = inputs(case, x)
+    model = kd.DistributedModel(*graph(case), strategy=strategy)
     if initial_from:
         model.set_weights(_initial(initial_from, case))
     if strategy.is_chief:
@@ -75,12 +76,12 @@ def _initial(directory, case):
 
 def _resume(kd, strategy, case, x, y, out):
     backup = os.path.join(out, f"{case}-backup")
-    first = kd.DistributedModel(*graph(), strategy=strategy)
+    first = kd.DistributedModel(*graph(case), strategy=strategy)
     first.set_weights(_initial(out, case))
     first.compile(**compile_kwargs(case))
     first.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[
         kd.callbacks.BackupAndRestore(backup, delete_checkpoint=False)])
-    again = kd.DistributedModel(*graph(), strategy=strategy)
+    again = kd.DistributedModel(*graph(case), strategy=strategy)
     again.compile(**compile_kwargs(case))
     again.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
               callbacks=[kd.callbacks.BackupAndRestore(backup)])
