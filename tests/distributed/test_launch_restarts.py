@@ -5,7 +5,8 @@ on tiny plain-Python workers (no TensorFlow) written to tmp_path. Each
 worker records, per attempt, its pid, TF_CONFIG and what it sees of
 KERAS_DISTRIB_SHM_DIR in `rank{R}.a{RESTART}.json`; the fixture kills the
 launcher's process group and every recorded worker whatever happens, and
-the tests check that nothing was left for it to kill.
+the tests check that nothing was left for it to kill. One elastic test
+runs them on two hosts made of network namespaces (tests/netns_hosts.py).
 """
 
 import json
@@ -310,6 +311,34 @@ def test_a_restart_names_the_step_of_the_last_backup_the_chief_reported(
     assert "backup saved" not in out + err, out + err
     assert "[rank 0] keras_distrib: resuming from step 8 (epoch 1, step 8)" in out, out
     assert "[rank 0] 1/9 [===]\n" in out, out
+    _assert_all_gone(tmp_path)
+
+
+def test_an_elastic_launch_that_loses_a_host_below_min_workers_stops_naming_it(
+        tmp_path, launcher, hosts):
+    """Two hosts (network namespaces): host 1's link is cut and its rank
+    fails; the launcher finds host 1 does not answer, which leaves 1 slot,
+    fewer than --min_workers=2."""
+    bed = hosts(2)
+    script = _script(tmp_path, """\
+        if RANK == 1:
+            wait_for("cut")
+            sys.exit(3)
+        time.sleep(600)
+    """)
+    proc = launcher("-n", "2", "--hosts", bed.hosts_flag(), "--ssh", "--ssh_command",
+                    bed.ssh_command, "--min_workers", "2", "--max_restarts", "3", script)
+    _wait_for(tmp_path / "rank0.a0.json")
+    _wait_for(tmp_path / "rank1.a0.json")
+    bed.cut(1)
+    (tmp_path / "cut").touch()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, err
+    assert err.rstrip().endswith(
+        f"keras-distrib: 1 of 2 slots left, fewer than --min_workers=2; lost: host "
+        f"{bed.addresses[1]}; stopping."), err
+    assert set(_records(tmp_path)) == {(0, 0), (1, 0)}  # nothing started again
+    assert bed.pids() == [], "a process outlived the job on a host"
     _assert_all_gone(tmp_path)
 
 
