@@ -45,14 +45,6 @@ def part_of(gradient, part: Part, here):
     return piece_of(gradient, part, here)
 
 
-def scaled(gradient, factor):
-    """`gradient * factor`, a sparse one's rows scaled."""
-    if isinstance(gradient, tf.IndexedSlices):
-        return tf.IndexedSlices(gradient.values * factor, gradient.indices,
-                                gradient.dense_shape)
-    return gradient * factor
-
-
 def sparse_piece_of(gradient: tf.IndexedSlices, part: Part, here) -> tf.IndexedSlices:
     """Replica `here`'s part of a sparse gradient, still sparse: the elements
     of its rows that fall in the part, each indexed in the flat piece, in

@@ -68,8 +68,9 @@ import tensorflow as tf
 
 from keras_distrib import _compat
 from keras_distrib.strategies import optimizer_sharding as sharding_option
+from keras_distrib.strategies.gradients import scaled_gradient
 from keras_distrib.training.optimizer_parts import (Part, part_of, piece_of, piece_of_array,
-                                                      scaled, table)
+                                                      table)
 
 # Keras optimizers whose update of a variable is elementwise given its
 # gradient (besides clipping, done whole here).
@@ -283,19 +284,16 @@ class OptimizerShards:
         optimizer, n = self.optimizer, self._strategy.num_replicas
         if not optimizer.built:
             optimizer.build(list(variables))
-        present = [i for i, g in enumerate(gradients) if g is not None]
+        # Sparse gradients (an Embedding's) travel as rows, as without
+        # sharding, and reach every replica whole; each updates its part.
+        sparse = [i for i, g in enumerate(gradients) if isinstance(g, tf.IndexedSlices)]
+        present = [i for i, g in enumerate(gradients) if g is not None and i not in sparse]
         for i in present:
-            if isinstance(gradients[i], tf.IndexedSlices):
-                continue
             if gradients[i].dtype != tf.float32:
                 raise ValueError(
                     f"optimizer_sharding='gradients' reduces float32 gradients, but that of "
                     f"{variables[i].path!r} is {gradients[i].dtype.name}; use "
                     "optimizer_sharding='optimizer'.")
-        # Sparse gradients (an Embedding's) travel as rows, as without
-        # sharding, and reach every replica whole; each updates its part.
-        sparse = [i for i in present if isinstance(gradients[i], tf.IndexedSlices)]
-        present = [i for i in present if i not in sparse]
         out: list = [None] * len(gradients)
         if sparse:
             gathered = self._strategy.gather_sparse_gradients(
@@ -337,12 +335,12 @@ class OptimizerShards:
                 out = []
                 for g, l2sum in zip(pieces, l2sums):
                     l2norm = tf.where(l2sum > 0, tf.sqrt(tf.where(l2sum > 0, l2sum, 1.0)), l2sum)
-                    out.append(scaled(g, clipnorm / tf.maximum(l2norm, clipnorm)))
+                    out.append(scaled_gradient(g, clipnorm / tf.maximum(l2norm, clipnorm)))
                 return out
             use_norm = tf.sqrt(tf.add_n(l2sums))  # keras's clip_by_global_norm
             scale = global_clipnorm * tf.minimum(1.0 / use_norm, 1.0 / global_clipnorm)
             scale = scale + (use_norm - use_norm)
-            return [scaled(g, scale) for g in pieces]
+            return [scaled_gradient(g, scale) for g in pieces]
         if optimizer.clipvalue and optimizer.clipvalue > 0:
             # Keras clips a sparse gradient dense (its duplicate rows summed).
             v = optimizer.clipvalue
