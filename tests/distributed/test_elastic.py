@@ -56,6 +56,12 @@ def _assert_goes_on_from_the_step_it_names(output, line_start):
         lines[at], resumed)
 
 
+def _optimizer_flags(optimizer):
+    """The worker's flags for `optimizer`: none for Adam, its default, so
+    that the one-process reference is made once for every Adam test."""
+    return ("--optimizer", "sgd") if optimizer == "sgd" else ()
+
+
 def _assert_nothing_left(out, n):
     attempts = [a for runs in fault_job.attempts(out, n).values() for a in runs]
     assert not [a.pid for a in attempts if process_alive(a.pid, zombies_count=False)]
@@ -78,10 +84,9 @@ def _killed_twice(out, *script_flags, env=None):
                                                  ("pipeline", "adam")])
 def test_a_worker_killed_again_is_left_out_and_the_rest_ends_exact(tmp_path, uninterrupted,
                                                                     strategy, optimizer):
-    # Adam is the worker's default: its reference is the lost-host tests' too.
-    flags = ("--optimizer", "sgd") if optimizer == "sgd" else ()
-    env = {} if strategy == "multi_worker" else {"FAULTS_LOGICAL_CPUS": "2"}
-    code, output = _killed_twice(tmp_path, "--strategy", strategy, *flags, env=env)
+    flags = _optimizer_flags(optimizer)
+    code, output = _killed_twice(tmp_path, "--strategy", strategy, *flags,
+                                 env={"FAULTS_LOGICAL_CPUS": "2"})
     assert code == 0, output[-3000:]
     _assert_goes_on_from_the_step_it_names(
         output, "[launcher] 2 -> 1 workers: slot 1 on host 127.0.0.1 left out (its rank "
@@ -146,7 +151,7 @@ def test_a_lost_host_is_left_out_and_taken_back_and_the_run_ends_exact(
     """Under `--backend horovod` each attempt is one horovodrun on the hosts
     that answer: the launcher runs on host 0, horovodrun reaches host 1 with
     the test bed's ssh, and Gloo's timeout ends the attempt."""
-    optimizer_flags = ("--optimizer", "sgd") if optimizer == "sgd" else ()
+    optimizer_flags = _optimizer_flags(optimizer)
     bed = hosts(2)
     b = bed.addresses[1]
     if engine != "horovod":
