@@ -13,7 +13,8 @@ answer:
   within `--elastic_grace` seconds of its start, is left out (a worker
   killed again and again, a host that fails at start-up). Under
   `--backend horovod` an attempt is one horovodrun on the member slots,
-  which does not say which rank failed: there only lost hosts go.
+  and the rank that failed first is the one horovodrun names when it
+  stops the others.
 
 Below `--min_workers` slots the job fails, naming the hosts lost. While
 hosts are out, a thread asks them every `PROBE_INTERVAL` seconds; when one
@@ -164,8 +165,12 @@ def run_elastic(job: ElasticJob, printer: Printer, deadline: Optional[float],
             if not should_restart(result, restarts, config, trap, deadline):
                 return finish(result, restarts, len(state.members), config, trap, err)
             restarts += 1
-            # horovodrun is one child: which of its ranks failed is not known.
-            culprit = state.members[result.failed.index] if config.backend == "tf" else None
+            # Ranks are numbered in member-slot order; horovodrun, one child,
+            # says which of its ranks failed first (or nothing).
+            rank = (result.failed.index if config.backend == "tf"
+                    else result.failed.first_rank)
+            culprit = state.members[rank] if rank is not None and rank < len(state.members) \
+                else None
             again = (culprit is not None and culprit == last_culprit
                      and time.monotonic() - started < config.elastic_grace)
             last_culprit = culprit

@@ -46,6 +46,8 @@ class ChildExit:
     label: str
     returncode: int  # as Popen reports it: -N when killed by signal N
     tail: tuple[str, ...] = ()  # its last lines of output, up to --tail_lines
+    # For a child running ranks (horovodrun): the rank it saw fail first.
+    first_rank: Optional[int] = None
 
     @property
     def exit_code(self) -> int:
@@ -63,10 +65,12 @@ class ChildExit:
         return f"exit code {self.exit_code}"
 
     def outcome(self) -> str:
-        """`rank 1 failed with exit code 3`, or `rank 1 was preempted (exit code 75)`."""
+        """`rank 1 failed with exit code 3`, `rank 1 was preempted (exit
+        code 75)`, or `horovodrun failed with exit code 1 (its rank 1 first)`."""
         if self.preempted:
             return f"{self.label} was preempted (exit code {PREEMPTED})"
-        return f"{self.label} failed with {self.describe()}"
+        first = "" if self.first_rank is None else f" (its rank {self.first_rank} first)"
+        return f"{self.label} failed with {self.describe()}{first}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +111,8 @@ def watch(children: Sequence[Child], trap: SignalTrap, deadline: Optional[float]
                        if c.exit_code not in (None, 0)), None)
         if failed is not None:
             child = children[failed]
-            how = ChildExit(failed, child.label, child.exit_code)
+            how = ChildExit(failed, child.label, child.exit_code,
+                            first_rank=child.first_failed_rank)
             return SuperviseResult(Ending.CHILD_FAILED, how.exit_code, failed=how)
         if all(c.exit_code == 0 for c in children):
             return SuperviseResult(Ending.SUCCEEDED, 0)

@@ -50,6 +50,11 @@ _NOISE = re.compile("|".join(f"(?:{pattern})" for pattern in TF_LOG_NOISE))
 # Where a line ends (\r\n: ssh -tt's line ends) or is redrawn (a bare \r).
 _BREAKS = re.compile(r"(\r\n|\r|\n)")
 
+# horovodrun's own line when a rank fails and it stops the others
+# (horovod/runner/gloo_run.py): said once, by the first rank's watcher
+# that saw its rank fail.
+_FIRST_FAILED = re.compile(r"Terminating remaining workers after failure of Process (\d+)\.")
+
 
 def is_tf_log_noise(line: str) -> bool:
     """True for a line of TensorFlow's C++ logs that `TF_LOG_NOISE` names."""
@@ -199,6 +204,7 @@ class RankDemux:
         self._ranks: dict[tuple[int, Optional[str]], Stream] = {}
         self._pending = ""
         self.preempted: set[int] = set()  # ranks that said so (PREEMPTED_LINE)
+        self.first_failed: Optional[int] = None  # the rank horovodrun saw fail first
 
     def feed(self, text: str) -> None:
         self._pending += text
@@ -217,6 +223,9 @@ class RankDemux:
     def _route(self, record: str) -> None:
         match = self._prefix.match(record)
         if match is None:
+            failed = _FIRST_FAILED.match(record)
+            if failed is not None and self.first_failed is None:
+                self.first_failed = int(failed.group(1))
             self._own.feed(record)
             return
         key = (int(match.group("rank")), match.groupdict().get("stream"))

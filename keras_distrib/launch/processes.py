@@ -126,6 +126,14 @@ class Child:
             self._final = PREEMPTED if len(self._sink.preempted) == self._ranks else code
         return self._final
 
+    @property
+    def first_failed_rank(self) -> Optional[int]:
+        """For a child running ranks (horovodrun) that exited: the rank it
+        saw fail first, if it said so; else None."""
+        if not isinstance(self._sink, RankDemux) or self.exit_code is None:
+            return None
+        return self._sink.first_failed
+
     def signal_group(self, signum: int) -> None:
         try:
             os.killpg(self.proc.pid, signum)

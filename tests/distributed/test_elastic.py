@@ -5,13 +5,13 @@ backup every 4 steps).
 
 On this host a slot is a process: one killed twice in a row is left out
 (hybrid `tensor_parallel` and `pipeline`, each worker's model split over
-its two logical CPUs). Across hosts (network namespaces,
-tests/netns_hosts.py, whose ssh stand-in cannot reach a host whose link is
-down), a host whose link is cut is lost and, when the link is back, taken
-in again at the job's next backup (`multi_worker`; `horovod` through
-horovodrun, which does not say which rank failed, so that only a lost host
-is left out under it; hybrid `tensor_parallel` and `pipeline`); one cut for
-good stays out (`multi_worker`).
+its two logical CPUs; `horovod`, whose horovodrun names the rank that
+failed first). Across hosts (network namespaces, tests/netns_hosts.py,
+whose ssh stand-in cannot reach a host whose link is down), a host whose
+link is cut is lost and, when the link is back, taken in again at the
+job's next backup (`multi_worker`; `horovod` through horovodrun; hybrid
+`tensor_parallel` and `pipeline`); one cut for good stays out
+(`multi_worker`).
 """
 
 import glob
@@ -68,25 +68,31 @@ def _assert_nothing_left(out, n):
     assert not [a.shm_dir for a in attempts if a.shm_dir != "-" and os.path.exists(a.shm_dir)]
 
 
-def _killed_twice(out, *script_flags, env=None):
+def _killed_twice(out, *script_flags, env=None, launch_flags=()):
     """Rank 1 kills itself after its 5th step on the first two attempts."""
     return launch(out, 2, FAULTS, "--out", str(out), "--backup", str(out / "backup"),
                   "--fault", "kill", "--fault_attempts", "2", *script_flags, expect=None,
-                  launch_flags=ELASTIC, env=env)
+                  launch_flags=(*launch_flags, *ELASTIC), env=env)
 
 
 # One machine, where a slot is a process: hybrid data x model parallelism
 # (each worker's model split over its 2 logical CPUs, the workers
 # data-parallel), each with the optimizer its lost-host case below does not
 # use, so that both run SGD and Adam (whose slots the model-parallel
-# strategies split over the devices).
+# strategies split over the devices); and `horovod`, whose slot horovodrun
+# names.
 @pytest.mark.parametrize("strategy, optimizer", [("tensor_parallel", "sgd"),
-                                                 ("pipeline", "adam")])
+                                                 ("pipeline", "adam"), ("horovod", "sgd")])
 def test_a_worker_killed_again_is_left_out_and_the_rest_ends_exact(tmp_path, uninterrupted,
                                                                     strategy, optimizer):
     flags = _optimizer_flags(optimizer)
-    code, output = _killed_twice(tmp_path, "--strategy", strategy, *flags,
-                                 env={"FAULTS_LOGICAL_CPUS": "2"})
+    if strategy == "horovod":
+        pytest.importorskip("horovod.tensorflow")
+        env, launch_flags = None, ("--backend", "horovod")
+    else:
+        env, launch_flags = {"FAULTS_LOGICAL_CPUS": "2"}, ()
+    code, output = _killed_twice(tmp_path, "--strategy", strategy, *flags, env=env,
+                                 launch_flags=launch_flags)
     assert code == 0, output[-3000:]
     _assert_goes_on_from_the_step_it_names(
         output, "[launcher] 2 -> 1 workers: slot 1 on host 127.0.0.1 left out (its rank "

@@ -269,6 +269,52 @@ def test_an_elastic_launch_left_with_fewer_than_min_workers_stops_in_one_line(
     _assert_all_gone(tmp_path)
 
 
+# Under horovodrun (HOROVOD_RANK, no TF_CONFIG): rank 1 kills itself on
+# every attempt with 2 ranks, once rank 0 runs; rank 0 then waits to be
+# stopped, and alone it succeeds.
+HOROVOD_RANK_1_KILLED_AGAIN = textwrap.dedent("""\
+    import json, os, signal, sys, time
+    RANK, SIZE = int(os.environ["HOROVOD_RANK"]), int(os.environ["HOROVOD_SIZE"])
+    RESTART = int(os.environ["KERAS_DISTRIB_RESTART"])
+    HERE = os.path.dirname(os.path.abspath(__file__))
+    record = os.path.join(HERE, f"rank{RANK}.a{RESTART}.json")
+    with open(record + ".tmp", "w") as f:
+        json.dump({"pid": os.getpid(), "size": SIZE,
+                   "shm_dir": os.environ.get("KERAS_DISTRIB_SHM_DIR")}, f)
+    os.replace(record + ".tmp", record)
+    if SIZE == 1:
+        sys.exit(0)
+    if RANK == 1:
+        while not os.path.exists(os.path.join(HERE, f"rank0.a{RESTART}.json")):
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(600)
+""")
+
+
+def test_under_horovod_a_slot_whose_rank_is_killed_again_is_left_out(tmp_path, launcher):
+    """horovodrun, one child, names the rank that failed first when it stops
+    the others: that rank's slot goes as under `--backend tf`."""
+    pytest.importorskip("horovod")
+    script = tmp_path / "worker.py"
+    script.write_text(HOROVOD_RANK_1_KILLED_AGAIN)
+    code, _, err = _run(launcher, "-n", "2", "--backend", "horovod", "--min_workers", "1",
+                        "--max_restarts", "3", str(script))
+    assert code == 0, err
+    assert [line for line in _launcher_lines(err) if "restart " in line] == [
+        f"keras-distrib: restart {k}/3: horovodrun failed with exit code 1 (its rank 1 "
+        "first)." for k in (1, 2)], err
+    assert ("[launcher] 2 -> 1 workers: slot 1 on host 127.0.0.1 left out (its rank failed "
+            "again within --elastic_grace=60s); training goes on from the last backup."
+            ) in err.splitlines(), err
+    assert err.rstrip().endswith(
+        "keras-distrib: the rank succeeded; 2 of 3 restarts used; exit code 0."), err
+    records = _records(tmp_path)
+    assert set(records) == {(0, 0), (1, 0), (0, 1), (1, 1), (0, 2)}
+    assert records[0, 2]["size"] == 1
+    _assert_all_gone(tmp_path)
+
+
 # Rank 0 reports backups as BackupAndRestore's chief does under the
 # launcher (after a progress bar's text, too), or the backup it resumed
 # from; rank 1 then fails, on every attempt with 2 workers.
