@@ -2,22 +2,40 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
+CORE   := $(VENV)/.core
 STAMP  := $(VENV)/.installed
 # Horovod (optional extra) is built from source for the tests: ~2 min once,
 # then a cached wheel under .venv/horovod-wheels.
+HOROVOD_WHEEL := $(VENV)/.horovod-wheel
 HOROVOD := $(VENV)/.horovod
 
-.PHONY: demo test test-fast test-unit docs zoo-matrix bench clean
+.PHONY: demo setup test test-fast test-unit docs zoo-matrix bench clean
 
-$(STAMP): setup.cfg pyproject.toml
+# The package with TensorFlow and Keras, and what the Horovod build needs.
+$(CORE): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e . setuptools wheel packaging
+	touch $(CORE)
+
+# The extras: tests, benchmarks, Ray, docs.
+$(STAMP): $(CORE)
 	$(PY) -m pip install --quiet -e ".[test,bench,ray,docs]"
 	touch $(STAMP)
 
-$(HOROVOD): $(STAMP) scripts/install_horovod.sh
+# The wheel needs only TensorFlow, and its build writes nothing into the
+# venv: `make setup` compiles it while the extras install.
+$(HOROVOD_WHEEL): $(CORE) scripts/install_horovod.sh
+	bash scripts/install_horovod.sh --wheel-only $(VENV)
+	touch $(HOROVOD_WHEEL)
+
+$(HOROVOD): $(HOROVOD_WHEEL) $(STAMP)
 	bash scripts/install_horovod.sh $(VENV)
 	touch $(HOROVOD)
+
+# Everything the tests need, the Horovod build beside the rest.
+setup:
+	$(MAKE) -j3 $(HOROVOD) docs
 
 # The last two runs are also kept in $(VENV)/demo-*.log for the summary:
 # synchronous (multi_worker, 2 workers) vs asynchronous (parameter server,
@@ -57,10 +75,10 @@ demo: $(STAMP)
 # started.
 XDIST := -n 3 --dist loadgroup --no-loadscope-reorder
 # The docs are built first, so a broken page or link fails CI too.
-test: $(HOROVOD) docs
+test: setup
 	$(PY) -m pytest -q $(XDIST) --durations=20
 
-test-fast: $(HOROVOD)
+test-fast: setup
 	$(PY) -m pytest -q $(XDIST) tests/unit tests/integration
 
 # Needs neither Horovod nor TensorFlow's start-up.

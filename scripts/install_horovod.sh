@@ -2,7 +2,11 @@
 # Install Horovod 0.28.1 into a virtualenv, built from its PyPI sdist against
 # the TensorFlow already installed there (TF 2.21 on CPU, Gloo, no MPI).
 #
-# Usage: scripts/install_horovod.sh [VENV_DIR]      (default: .venv)
+# Usage: scripts/install_horovod.sh [--wheel-only] [VENV_DIR]   (default: .venv)
+#
+# --wheel-only builds (or finds) the wheel and installs nothing, so that it
+# can run beside another pip install into the same venv (`make setup`); a
+# second call without it installs the wheel.
 #
 # Horovod 0.28.1 (2023, the last release) ships no wheels. Against TF 2.21 it
 # compiles only with two changes from a plain `pip install horovod` (TF <= 2.18.1
@@ -20,6 +24,11 @@
 set -euo pipefail
 
 HVD_VERSION=0.28.1
+WHEEL_ONLY=0
+if [ "${1:-}" = "--wheel-only" ]; then
+    WHEEL_ONLY=1
+    shift
+fi
 VENV=${1:-.venv}
 PY="$VENV/bin/python"
 WHEEL_DIR="$VENV/horovod-wheels"
@@ -74,6 +83,10 @@ fi
 shopt -s nullglob
 cached=("$WHEEL_DIR"/horovod-"$HVD_VERSION"-*.whl)
 shopt -u nullglob
+if [ ${#cached[@]} -gt 0 ] && [ "$WHEEL_ONLY" = 1 ]; then
+    log "wheel already built: ${cached[0]}"
+    exit 0
+fi
 if [ ${#cached[@]} -gt 0 ]; then
     log "installing cached wheel ${cached[0]}"
     install_runtime_deps
@@ -93,7 +106,8 @@ trap 'rm -rf "$WORK"' EXIT
 # Build deps. A system cmake >= 3.13 is enough (horovod's setup.py checks
 # this; if it finds none it pip-installs one itself, into a temp dir); only
 # fetch the pip one when needed.
-pip_ install -q setuptools packaging wheel
+"$PY" -c "import setuptools, packaging, wheel" >/dev/null 2>&1 \
+    || pip_ install -q setuptools packaging wheel
 cmake_ok=0
 if command -v cmake >/dev/null 2>&1; then
     cmake_ver=$(cmake --version | sed -n 's/^cmake version \([0-9.]*\).*/\1/p')
@@ -157,6 +171,10 @@ shopt -s nullglob
 built=("$WHEEL_DIR"/horovod-"$HVD_VERSION"-*.whl)
 shopt -u nullglob
 [ ${#built[@]} -gt 0 ] || die "pip wheel produced no horovod-$HVD_VERSION wheel in $WHEEL_DIR"
+if [ "$WHEEL_ONLY" = 1 ]; then
+    log "done in $(elapsed) (wheel only: ${built[0]})"
+    exit 0
+fi
 
 install_runtime_deps
 pip_ install -q --no-deps --force-reinstall "${built[0]}"
