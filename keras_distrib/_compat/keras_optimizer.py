@@ -6,6 +6,7 @@ on Keras 3.15.1 / TensorFlow 2.21.0."""
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import tensorflow as tf
 
@@ -182,18 +183,31 @@ def clip_gradients(optimizer, grads: list) -> list:
     """`grads` clipped as the optimizer clips what it applies (`clipnorm`,
     `global_clipnorm` or `clipvalue`: `BaseOptimizer._clip_gradients`, which
     `apply` runs; Keras has no public entry to it)."""
-    return optimizer._clip_gradients(grads)
+    # The class's: another replica may be inside `clipping_off`.
+    return type(optimizer)._clip_gradients(optimizer, grads)
+
+
+_CLIPPING_OFF = threading.Lock()
 
 
 @contextlib.contextmanager
 def clipping_off(optimizer):
     """The optimizer applies gradients unclipped inside the block (at trace
-    time): they were clipped whole before it updates parts of variables."""
-    optimizer._clip_gradients = lambda grads: grads
+    time): they were clipped whole before it updates parts of variables.
+    MirroredStrategy traces its replicas in threads that run together, so
+    the block counts who is inside."""
+    with _CLIPPING_OFF:
+        inside = optimizer.__dict__.get("_kd_clipping_off", 0)
+        if not inside:
+            optimizer._clip_gradients = lambda grads: grads
+        optimizer.__dict__["_kd_clipping_off"] = inside + 1
     try:
         yield
     finally:
-        del optimizer._clip_gradients
+        with _CLIPPING_OFF:
+            optimizer.__dict__["_kd_clipping_off"] -= 1
+            if not optimizer.__dict__["_kd_clipping_off"]:
+                del optimizer._clip_gradients
 
 
 def moving_averages(optimizer) -> list:

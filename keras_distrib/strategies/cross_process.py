@@ -38,6 +38,11 @@ class CrossProcessHelpers(abc.ABC):
     def local_replica_values(self, variable: Any) -> list[np.ndarray]:
         """This process's copies of `variable`, one per local replica."""
 
+    def local_replica_variables(self, variable: Any) -> list:
+        """The variables holding `local_replica_values(variable)`, to assign
+        each its own value (one, `variable`, with one replica per process)."""
+        return [variable]
+
     def sync_sum(self, values: Sequence[Any]) -> list[np.ndarray]:
         """Elementwise sums over processes of one value per process (eager).
 

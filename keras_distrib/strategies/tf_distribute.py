@@ -184,5 +184,8 @@ class TFDistributeStrategy(Lockstep, Strategy):
         return self._tf_strategy.reduce("SUM", per_replica, axis=None).numpy()
 
     def local_replica_values(self, variable: Any) -> list[np.ndarray]:
+        return [np.asarray(v) for v in self.local_replica_variables(variable)]
+
+    def local_replica_variables(self, variable: Any) -> list:
         value = getattr(variable, "value", variable)
-        return [np.asarray(v) for v in self._tf_strategy.experimental_local_results(value)]
+        return list(self._tf_strategy.experimental_local_results(value))

@@ -1,12 +1,17 @@
 """Optimizer-state sharding (ZeRO stage 1): each replica updates its part.
 
 With `optimizer_sharding="optimizer"` (an option of the data-parallel
-strategies with one replica per process, `keras_distrib.strategies.optimizer_sharding`)
-the N replicas share out every trainable variable: replica r owns
+strategies, `keras_distrib.strategies.optimizer_sharding`) the N replicas
+(processes, or `mirrored`'s devices in one process) share out every
+trainable variable: replica r owns
 elements `[r*k, (r+1)*k)` of its flattened values (`k = ceil(size / N)`).
 The optimizer is built on these parts, so its slots (Adam's two moments,
 momentum, accumulators) take 1/N of the bytes on each replica, and
-`model.optimizer.variables` are this replica's parts.
+`model.optimizer.variables` are this replica's parts. Under `mirrored` a
+part is a distributed variable whose component on each device holds that
+device's part: Keras's update of it runs per device, as every mirrored
+update does, and files read and write the components one by one
+(`Strategy.local_replica_variables`).
 
 A step (`OptimizerShards.apply`, which the optimizer's `apply` becomes):
 
@@ -371,19 +376,22 @@ class OptimizerShards:
         averages = _compat.moving_averages(optimizer)
         for part, value in zip(self.parts, self._gather_whole(list(zip(averages, self.parts)))):
             part.whole.assign(value)
+        local = self._strategy.local_replica_variables
         for part, average in zip(self.parts, averages):
-            part.piece.assign(average)
+            for piece, mine in zip(local(part.piece), local(average)):
+                piece.assign(mine)
 
     # -- files: whole values (eager, every worker) -------------------------------------
 
     def _gather_whole(self, pieces) -> list:
         """`[(variable holding this replica's part, its Part), ...]` as whole
         arrays, every replica's parts joined (one collective for all)."""
-        world, rank = self._strategy.world_size, self._strategy.rank
+        first = self._strategy.first_local_replica
         slots = []
         for variable, part in pieces:
-            slot = np.zeros((world, part.length), np.dtype(variable.dtype))
-            slot[rank] = np.asarray(keras.ops.convert_to_numpy(variable))
+            slot = np.zeros((self._strategy.num_replicas, part.length), np.dtype(variable.dtype))
+            for i, mine in enumerate(self._strategy.local_replica_values(variable)):
+                slot[first + i] = mine
             slots.append(slot)
         return [summed.reshape(-1)[:part.size].reshape(part.whole.shape)
                 for summed, (_, part) in zip(self._strategy.sync_sum(slots), pieces)]
@@ -417,15 +425,21 @@ class OptimizerShards:
         variables = list(saved.variables)
         if len(store.keys()) != len(variables):
             return keras_load(store)  # Keras's own warning, nothing loaded
-        here = self._strategy.first_local_replica
         for i, variable in enumerate(variables):
             value = np.asarray(store[str(i)])
             part = self._slot_part.get(id(variable))
-            if part is not None:
-                if self._loaded is not None:
-                    self._loaded[id(variable)] = value
-                value = piece_of_array(value, part, here)
-            variable.assign(value)
+            if part is None:
+                variable.assign(value)
+                continue
+            if self._loaded is not None:
+                self._loaded[id(variable)] = value
+            self._assign_parts(variable, value)
+
+    def _assign_parts(self, variable, whole: np.ndarray) -> None:
+        """Each local replica's copy of `variable` takes its part of `whole`."""
+        part, first = self._slot_part[id(variable)], self._strategy.first_local_replica
+        for i, mine in enumerate(self._strategy.local_replica_variables(variable)):
+            mine.assign(piece_of_array(whole, part, first + i))
 
     @contextlib.contextmanager
     def keeping_loaded(self):
@@ -451,7 +465,6 @@ class OptimizerShards:
             mine.append(loaded[id(variable)]
                         if self._strategy.rank == root and id(variable) in loaded
                         else np.zeros(shape, dtype))
-        here = self._strategy.first_local_replica
         for variable, value in zip(sharded, self._strategy.sync_sum(mine)):
-            variable.assign(piece_of_array(value, self._slot_part[id(variable)], here))
+            self._assign_parts(variable, value)
         self._loaded = None
