@@ -43,9 +43,12 @@ class Mirrored(TFDistributeStrategy):
             `"auto"` (TensorFlow's choice: NCCL on GPUs, reduction to one
             device on CPUs), `"nccl"`, `"hierarchical_copy"` (both GPU only)
             or `"reduction_to_one_device"`.
-        optimizer_sharding: None; `"optimizer"` (ZeRO stage 1) and
-            `"gradients"` (stage 2) need one replica per process and is refused here with several devices
-            (use `"multi_worker"` with one worker per device, or `"horovod"`).
+        optimizer_sharding: None (every device keeps the optimizer's
+            slots for every variable), `"optimizer"` (ZeRO stage 1: each
+            device keeps them for its part of every variable, 1/N of it, and
+            updates that part) or `"gradients"` (stage 2: the reduced
+            gradients are scattered too); see
+            `keras_distrib.strategies.optimizer_sharding`.
 
     Example:
 
@@ -71,8 +74,7 @@ class Mirrored(TFDistributeStrategy):
             if devices is None
             else devices_lib.check_devices(devices)
         )
-        self.optimizer_sharding = sharding_option.check(
-            self.name, optimizer_sharding, one_replica_per_process=len(devices) == 1)
+        self.optimizer_sharding = sharding_option.check(self.name, optimizer_sharding)
         ops = _cross_device_ops(cross_device_ops, devices)
         super().__init__(
             _KeyedMirroredStrategy(devices=devices, cross_device_ops=ops)

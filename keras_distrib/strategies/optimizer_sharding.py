@@ -27,7 +27,7 @@ def check(strategy: str, value, one_replica_per_process: bool = True) -> Optiona
             "slots sharded over the replicas), 'gradients' (the reduced gradients too).")
     if not one_replica_per_process:
         raise ValueError(
-            f"optimizer_sharding={value!r} needs one replica per process; strategy "
-            f"{strategy!r} runs several in one: use 'multi_worker' (one worker per device) "
-            "or 'horovod'.")
+            f"optimizer_sharding={value!r} needs one replica per worker, but strategy "
+            f"{strategy!r} runs several in each: start one worker per device, or use "
+            "'mirrored' on one machine.")
     return value

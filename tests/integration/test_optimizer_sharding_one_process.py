@@ -50,13 +50,6 @@ def test_compressed_gradients_cannot_be_scattered():
     assert_one_line_error(excinfo, "cannot compress them", "optimizer_sharding='optimizer'")
 
 
-def test_several_replicas_in_one_process_are_refused():
-    for value in ("optimizer", "gradients"):
-        with pytest.raises(ValueError) as excinfo:
-            kd.strategies.get("mirrored", optimizer_sharding=value)  # 2 logical CPUs
-        assert_one_line_error(excinfo, "needs one replica per process", "'multi_worker'")
-
-
 @pytest.mark.parametrize("make, fragment", [
     (lambda: keras.optimizers.Lamb(), "cannot shard Lamb"),
     (lambda: keras.optimizers.Adafactor(), "cannot shard Adafactor"),
