@@ -169,8 +169,8 @@ def run_elastic(job: ElasticJob, printer: Printer, deadline: Optional[float],
             # says which of its ranks failed first (or nothing).
             rank = (result.failed.index if config.backend == "tf"
                     else result.failed.first_rank)
-            culprit = state.members[rank] if rank is not None and rank < len(state.members) \
-                else None
+            known = rank is not None and rank < len(state.members)
+            culprit = state.members[rank] if known else None
             again = (culprit is not None and culprit == last_culprit
                      and time.monotonic() - started < config.elastic_grace)
             last_culprit = culprit

@@ -21,10 +21,8 @@ STAGE2 = ["adam", "rmsprop_global_clipnorm", "sgd_momentum_clipnorm", "embedding
 
 
 def _sharded(case, mode, initial, x, y):
-    model = kd.DistributedModel(*cases.graph(case), strategy=kd.strategies.get(
-        "mirrored", optimizer_sharding=mode))
-    model.set_weights(initial)
-    model.compile(**cases.compile_kwargs(case))
+    """The case's model under `mirrored`, sharded (`mode`), trained."""
+    model = _compiled(case, mode, initial)
     model.fit(cases.inputs(case, x), y, batch_size=cases.BATCH, epochs=cases.EPOCHS,
               shuffle=False, verbose=0)
     return model
