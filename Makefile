@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 CORE   := $(VENV)/.core
 STAMP  := $(VENV)/.installed
-# Horovod (optional extra) is built from source for the tests: ~2 min once,
+# Horovod (optional extra) is built from source for the tests: ~1.5 min once,
 # then a cached wheel under .venv/horovod-wheels.
 HOROVOD_WHEEL := $(VENV)/.horovod-wheel
 HOROVOD := $(VENV)/.horovod
