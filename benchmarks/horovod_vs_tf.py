@@ -12,8 +12,9 @@ would pick ("horovod" under `horovodrun --gloo`, "multi_worker" under
                bandwidth, bytes * 2(n-1)/n / time.
   train step   `DistributedModel.fit` of a 784-1024-256-10 MLP (1.07M
                parameters), SGD, global batch 512 (256 per rank), one epoch
-               of --steps steps per repetition after a warm-up epoch; time
-               per step.
+               of --steps steps per repetition after a warm-up epoch; the
+               median step, timed from each batch's begin to its end (a
+               callback), the first batch of each fit left out.
 
 Every timing starts after a barrier, runs k calls (k agreed by both ranks so
 a timing lasts >= --min_timing_ms) and counts as the slower rank's time.
@@ -53,7 +54,8 @@ flags.DEFINE_integer("small_width", 64, "Width of the many-small case's layers."
 flags.DEFINE_integer("repeats", 5, "Timings per case per launch (R).")
 flags.DEFINE_integer("rounds", 2, "Launches per engine, alternating tf, hvd.")
 flags.DEFINE_float("min_timing_ms", 50.0, "Each all-reduce timing lasts at least this.")
-flags.DEFINE_integer("steps", 12, "Training steps per timed epoch.")
+flags.DEFINE_integer("steps", 12, "Training steps per timed epoch (the first is not "
+                     "timed).", lower_bound=2)
 flags.DEFINE_integer("batch", 512, "Global batch of the training step.")
 flags.DEFINE_bool("train_only", False, "Worker only: time the training step alone "
                   "(no all-reduce cases), as benchmarks/multi_host.py does for compression.")
@@ -163,6 +165,28 @@ def run_worker() -> None:
         h = keras.layers.Dense(256, activation="relu")(h)
         return inputs, keras.layers.Dense(10)(h)
 
+    class StepTimes(keras.callbacks.Callback):
+        # Each batch from its begin to its end, the first of each fit (it
+        # traces) left out: the step, without fit's set-up per call.
+        def __init__(self):
+            super().__init__()
+            self.times = []
+
+        def on_train_begin(self, logs=None):
+            self.times = []
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            if batch:
+                self.times.append(time.perf_counter() - self.start)
+
+    def median_step(fit_model, *args, **kwargs):
+        timer = StepTimes()
+        fit_model.fit(*args, epochs=1, shuffle=False, verbose=0, callbacks=[timer], **kwargs)
+        return float(np.median(timer.times))
+
     model = kd.DistributedModel(*mlp(), strategy=strategy)
     plain = keras.Model(*mlp())  # this rank's computation alone: no all-reduce
     plain.compile(optimizer=keras.optimizers.SGD(0.01),
@@ -174,14 +198,13 @@ def run_worker() -> None:
     step_times = []
     for _ in range(FLAGS.repeats):
         barrier_fn()
-        start = time.perf_counter()
-        model.fit(x, y, batch_size=FLAGS.batch, epochs=1, shuffle=False, verbose=0)
-        step_times.append((time.perf_counter() - start) / FLAGS.steps)
+        step_times.append(median_step(model, x, y, batch_size=FLAGS.batch))
     # The step's parts alone: the computation (plain Keras on this rank's
-    # share of the batch) and the all-reduce of the model's gradients.
+    # share of the batch, timed as the step is) and the all-reduce of the
+    # model's gradients.
     share = FLAGS.batch // world
-    batches = [(x[i:i + share], y[i:i + share]) for i in range(0, FLAGS.steps * share, share)]
-    plain.train_on_batch(*batches[0])
+    xs, ys = x[:FLAGS.steps * share], y[:FLAGS.steps * share]
+    plain.fit(xs, ys, batch_size=share, epochs=1, shuffle=False, verbose=0)  # warm-up
     compute_times, comm_times = [], []
     wire_dtype = {"none": tf.float32, "fp16": tf.float16, "bf16": tf.bfloat16}
     gradients = [tf.zeros(w.shape, wire_dtype[FLAGS.compression])
@@ -189,10 +212,7 @@ def run_worker() -> None:
     reduce_fn = replicated(lambda: strategy.all_reduce(list(gradients), "sum"))
     reduce_fn()
     for _ in range(FLAGS.repeats):
-        start = time.perf_counter()
-        for batch in batches:
-            plain.train_on_batch(*batch)
-        compute_times.append((time.perf_counter() - start) / len(batches))
+        compute_times.append(median_step(plain, xs, ys, batch_size=share))
         comm_times.append(timed(reduce_fn, FLAGS.steps))
     report["train"] = {"params": int(model.count_params()), "times": step_times,
                        "compute_times": compute_times, "comm_times": comm_times,

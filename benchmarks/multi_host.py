@@ -19,14 +19,17 @@ horovod_vs_tf.py's and benchmarks/allreduce.py's, so the cases are theirs):
   train step   the 784-1024-256-10 MLP (1.07M parameters, 4.3 MB of
                gradients), global batch `--batch`, over TF's ring in buckets
                of `--bytes_per_pack`, against its parts measured alone in the
-               same workers: compute (plain Keras `train_on_batch` on one
-               worker's share of the batch) and communication (the
-               all-reduce of the model's gradients). `step / max(compute,
-               comm)` is 1 when the all-reduce fully overlaps the backward
-               pass and up to 2 when they run one after the other (goal:
-               <= 1.15). The first layer's gradient (3.2 MB of the 4.3) is
-               made last and cannot overlap anything, so this model's bound
-               is about (compute + its all-reduce) / max(compute, comm).
+               same workers: compute (plain Keras `fit` on one worker's share
+               of the batch) and communication (the all-reduce of the
+               model's gradients). Steps are timed from each batch's begin
+               to its end, the median over the epoch (fit's set-up left
+               out). `step / max(compute, comm)` is 1 when the all-reduce
+               fully overlaps the backward pass and up to 2 when they run
+               one after the other (goal: <= 1.15). The first layer's
+               gradient (3.2 MB of the 4.3) is made last and cannot overlap
+               anything, and neither can the forward pass, so this model's
+               bound is about (compute + its all-reduce) / max(compute,
+               comm).
                With `--compressions`, the step again with gradients sent as
                fp16/bf16 (`DistributedOptimizer`; comm then times the
                all-reduce in that dtype).
@@ -64,7 +67,8 @@ flags.DEFINE_list("sizes", ["64K", "1M", "4M", "16M", "64M"],
                   "All-reduce sizes (float32), with K/M suffixes.")
 flags.DEFINE_list("compressions", ["fp16", "bf16"], "Training-step compressions to time.")
 flags.DEFINE_integer("repeats", 3, "Timings per case per launch.")
-flags.DEFINE_integer("steps", 8, "Training steps per timed epoch.")
+flags.DEFINE_integer("steps", 8, "Training steps per timed epoch (the first is not "
+                     "timed).", lower_bound=2)
 flags.DEFINE_integer("batch", 512, "Global batch of the training step.")
 flags.DEFINE_integer("bytes_per_pack", 1 << 20, "multi_worker's bytes_per_pack for the "
                      "training step over the link: gradient buckets, the last layer's first "

@@ -330,7 +330,8 @@ def multi_host(doc: _Doc, data: dict) -> None:
             "all-reduce bus bandwidth as a fraction of the link rate for ours over "
             "TensorFlow's ring, ours over Horovod's Gloo and raw "
             "`MultiWorkerMirroredStrategy` (goal: >= 0.8 from 4 MB), and the training step "
-            f"(global batch {data['batch']}) against its parts measured alone, compute and "
+            f"(global batch {data['batch']}; each step timed from its batch's begin to its "
+            "end, the median over an epoch) against its parts measured alone, compute and "
             "the gradient all-reduce (`step / max(compute, comm)`: 1 when they fully "
             f"overlap, up to 2 when they run one after the other). Medians of "
             f"{data['repeats']} timings.", "")
