@@ -103,6 +103,22 @@ def test_workers_end_identical_and_equal_single_process(run):
 
 
 @pytest.mark.slow
+def test_gradient_packs_start_before_the_backward_pass_ends(run):
+    # Across hosts, with gradients in packs, each all-reduce waits only for
+    # the gradients it carries: the first (the last layer's) for fewer of
+    # the step's matrix products than the last, so it overlaps the rest of
+    # the backward pass. Shared memory reduces outside TensorFlow's
+    # collectives.
+    n, _, _, ranks, _ = run
+    for r in ranks:
+        counts = r["matmuls_before_each_all_reduce"]
+        if n == 2:
+            assert counts == []
+        else:
+            assert len(counts) > 1 and counts == sorted(counts) and counts[0] < counts[-1], counts
+
+
+@pytest.mark.slow
 def test_evaluate_and_predict_match_single_process_on_every_worker(run):
     _, batch, _, ranks, _ = run
     model, _, x, y = _single_process(batch)

@@ -61,6 +61,26 @@ def seen_ids(strategy, x_ids, files_dir, batch):
     return seen
 
 
+def matmuls_before_each_all_reduce(model):
+    """For each of TensorFlow's all-reduces in the compiled training step,
+    in the order they were made: how many of the step's matrix products it
+    waits for (through its inputs and control inputs)."""
+    graph = model.train_function.compiled._list_all_concrete_functions()[-1].graph
+    counts = []
+    for op in graph.get_operations():
+        if op.type != "CollectiveReduceV2":
+            continue
+        seen, stack = set(), [op]
+        while stack:
+            node = stack.pop()
+            if node.name not in seen:
+                seen.add(node.name)
+                stack.extend(t.op for t in node.inputs)
+                stack.extend(node.control_inputs)
+        counts.append(sum(graph.get_operation_by_name(n).type == "MatMul" for n in seen))
+    return counts
+
+
 def _file_dataset(files_dir, batch):
     files = sorted(os.path.join(files_dir, f) for f in os.listdir(files_dir))
     return (
@@ -100,6 +120,7 @@ def main(argv):
         "history": history.history,
         "evaluate": model.evaluate(x, y, batch_size=FLAGS.batch, verbose=0),
         "iterations": int(model.optimizer.iterations.numpy()),
+        "matmuls_before_each_all_reduce": matmuls_before_each_all_reduce(model),
     }
     np.savez(os.path.join(FLAGS.out, f"rank{rank}.npz"),
              predict=model.predict(x, batch_size=FLAGS.batch, verbose=0),
