@@ -26,10 +26,10 @@ horovod_vs_tf.py's and benchmarks/allreduce.py's, so the cases are theirs):
                out). `step / max(compute, comm)` is 1 when the all-reduce
                fully overlaps the backward pass and up to 2 when they run
                one after the other (goal: <= 1.15). The first layer's
-               gradient (3.2 MB of the 4.3) is made last and cannot overlap
-               anything, and neither can the forward pass, so this model's
-               bound is about (compute + its all-reduce) / max(compute,
-               comm).
+               gradient (3.2 MB of the 4.3) is made last and its all-reduce
+               overlaps nothing, so this model's bound is about (compute +
+               that all-reduce + what of the earlier packs is still on the
+               wire when it starts) / max(compute, comm).
                With `--compressions`, the step again with gradients sent as
                fp16/bf16 (`DistributedOptimizer`; comm then times the
                all-reduce in that dtype).

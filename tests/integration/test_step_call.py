@@ -2,7 +2,8 @@
 
 Keras's own train/test function nests the step in a second compiled
 function and wraps the logs in a `tf.experimental.Optional`; ours is one
-function with neither (~0.6 ms a step less on the overhead benchmark).
+function with neither (a measurable share of a small model's step:
+benchmarks/overhead.py).
 These tests pin the shape of that function, and that it trains, evaluates
 and ends epochs exactly as Keras's does.
 """
