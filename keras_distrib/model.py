@@ -39,7 +39,7 @@ from keras_distrib import strategies
 from keras_distrib.strategies import registry
 from keras_distrib.strategies import tf_distribute
 from keras_distrib.strategies.base import Step, Strategy
-from keras_distrib.strategies.gradients import scaled_gradient
+from keras_distrib.training.gradients import scaled_gradient
 from keras_distrib.strategies.optimizer_tree import optimizers_in
 from keras_distrib.training import from_model as from_model_lib
 from keras_distrib.training import saving

@@ -9,7 +9,9 @@ again resumes from it. The launcher exits with it too when it was asked to
 stop, and restarts the job on it under `--max-restarts`.
 """
 
+import os
 import re
+import tempfile
 from typing import Optional
 
 PREEMPTED = 75
@@ -43,3 +45,13 @@ def backup_point(line: str) -> Optional[str]:
 SHM_DIR_ENV = "KERAS_DISTRIB_SHM_DIR"
 # How many times the launcher has restarted the job (0 on the first run).
 RESTART_ENV = "KERAS_DISTRIB_RESTART"
+
+
+def default_shm_directory() -> str:
+    """Where the workers' shared-memory files go when `SHM_DIR_ENV` is not
+    set, and where the launcher makes the private directory it sets it to:
+    /dev/shm (memory-backed) when present, else the temp directory."""
+    shm = "/dev/shm"
+    if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK):
+        return shm
+    return tempfile.gettempdir()

@@ -20,7 +20,6 @@ import os
 import stat
 import struct
 import sys
-import tempfile
 from typing import Callable, Optional
 
 from keras_distrib.cluster import launch_contract
@@ -40,12 +39,9 @@ def supported() -> bool:
     return sys.platform.startswith("linux") and hasattr(os, "mkfifo")
 
 
-def default_directory() -> str:
-    """/dev/shm (memory-backed) when present, else the temp directory."""
-    shm = "/dev/shm"
-    if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK):
-        return shm
-    return tempfile.gettempdir()
+# Where shared-memory files go by default: the launcher makes each attempt's
+# private directory there too.
+default_directory = launch_contract.default_shm_directory
 
 
 def base_directory(directory: Optional[str] = None) -> str:

@@ -24,6 +24,7 @@ import tempfile
 import time
 from typing import Callable, Iterator, Optional, Sequence, TextIO
 
+from keras_distrib.cluster import launch_contract
 from keras_distrib.launch.config import LaunchConfig
 from keras_distrib.launch.endings import Ending, SuperviseResult, end, watch
 from keras_distrib.launch.output import Printer, say
@@ -148,15 +149,13 @@ def private_directory(wanted: bool = True) -> Iterator[Optional[str]]:
     The workers on this host keep their shared-memory files in it
     (`KERAS_DISTRIB_SHM_DIR`): no other user can reach them, and nothing
     a killed attempt left there outlives the attempt. It is in /dev/shm
-    when there is one (`host_allreduce.default_directory`), so the files
-    are memory. Yields None (and makes nothing) when not `wanted`.
+    when there is one (`launch_contract.default_shm_directory`), so the
+    files are memory. Yields None (and makes nothing) when not `wanted`.
     """
     if not wanted:
         yield None
         return
-    # Imported here: NumPy (no TensorFlow), paid only when ranks run here.
-    from keras_distrib.collectives import host_allreduce
-    path = tempfile.mkdtemp(prefix="kd-", dir=host_allreduce.default_directory())
+    path = tempfile.mkdtemp(prefix="kd-", dir=launch_contract.default_shm_directory())
     try:
         os.chmod(path, 0o700)  # mkdtemp's 0700 may have been narrowed by the umask
         yield path

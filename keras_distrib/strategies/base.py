@@ -43,9 +43,9 @@ import tensorflow as tf
 from keras_distrib.input import data as data_lib
 from keras_distrib.input import sharding
 from keras_distrib.input.fit_input import FitInput
-from keras_distrib.strategies import gradients as gradients_lib
 from keras_distrib.strategies.cross_process import CrossProcessHelpers
 from keras_distrib.topology import Topology
+from keras_distrib.training import gradients as gradients_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +149,7 @@ class Strategy(CrossProcessHelpers):
     description: ClassVar[str] = ""
     capabilities: ClassVar[Capabilities] = Capabilities()
     # "optimizer": each replica keeps the optimizer's slots for its part of
-    # every variable (keras_distrib.strategies.optimizer_sharding; set by the
+    # every variable (keras_distrib.training.optimizer_sharding; set by the
     # data-parallel strategies that take the option).
     optimizer_sharding: Optional[str] = None
 
@@ -384,7 +384,7 @@ class Strategy(CrossProcessHelpers):
     def gather_sparse_gradients(self, gradients: Sequence[tf.IndexedSlices],
                                 num_samples) -> list:
         """Sparse gradients of every replica, as one device holds them for
-        the global batch (`keras_distrib.strategies.gradients.gather_sparse`:
+        the global batch (`keras_distrib.training.gradients.gather_sparse`:
         only the batch's rows travel, in two all-reduces)."""
         return gradients_lib.gather_sparse(self.all_reduce, self.num_replicas,
                                            self.replica_index(), gradients, num_samples)

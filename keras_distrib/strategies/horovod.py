@@ -33,10 +33,10 @@ import numpy as np
 import tensorflow as tf
 
 from keras_distrib import devices as devices_lib
-from keras_distrib.strategies import optimizer_sharding as sharding_option
 from keras_distrib.strategies.base import Capabilities
-from keras_distrib.strategies.gradients import reduce_op_name
 from keras_distrib.strategies.per_process import PerProcessStrategy
+from keras_distrib.training import optimizer_sharding as sharding_option
+from keras_distrib.training.gradients import reduce_op_name
 
 NOT_INSTALLED = (
     "strategy 'horovod' needs Horovod, which is not installed; build it with "

@@ -15,9 +15,9 @@ from keras_distrib import cluster as cluster_lib
 from keras_distrib.collectives import heartbeats, host_allreduce, pieces
 from keras_distrib.collectives import runtime, seconds
 from keras_distrib.collectives.watchdog import CollectiveWatchdog
-from keras_distrib.strategies import optimizer_sharding as sharding_option
-from keras_distrib.strategies.gradients import reduce_op_name
 from keras_distrib.strategies.tf_distribute import TFDistributeStrategy
+from keras_distrib.training import optimizer_sharding as sharding_option
+from keras_distrib.training.gradients import reduce_op_name
 
 _IMPLEMENTATIONS = {
     "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,

@@ -19,4 +19,8 @@ Around the model's calls:
 * `fit_state`: what one `fit` call keeps, and the `Resumable` protocol;
 * `chief_only`: one progress bar and one set of files across workers;
 * `saving`: atomic writes of `.keras` and `.weights.h5` files.
+
+What the model and the strategies both use: `gradients` (arithmetic that
+keeps sparse gradients sparse), `optimizer_sharding` (the option's values)
+and its implementation, `optimizer_shards` with `optimizer_parts`.
 """
