@@ -172,9 +172,6 @@ def run_worker() -> None:
             super().__init__()
             self.times = []
 
-        def on_train_begin(self, logs=None):
-            self.times = []
-
         def on_train_batch_begin(self, batch, logs=None):
             self.start = time.perf_counter()
 

@@ -68,8 +68,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from keras_distrib.collectives.shm_files import (HEADER_BYTES, SharedMemoryTamperedError,
-                                                 base_directory, create_segment,
-                                                 default_directory, open_segment,
+                                                 base_directory, create_segment, open_segment,
                                                  open_verified, private_directory_problem,
                                                  supported, temporary, write_exclusive)
 from keras_distrib.collectives.shm_layout import (ResultBuffers, chunk, layout, layout_key,
@@ -79,8 +78,7 @@ from keras_distrib.collectives.shm_peers import (MAX_WORKERS, STOPPED_GRACE, Pee
 
 __all__ = [
     "HostAllReduce", "MAX_WORKERS", "PeerLostError", "STOPPED_GRACE",
-    "SharedMemoryTamperedError", "base_directory", "create_segment", "default_directory",
-    "open_segment", "open_verified", "private_directory_problem", "supported",
+    "SharedMemoryTamperedError", "base_directory", "create_segment", "open_segment", "open_verified", "private_directory_problem", "supported",
     "write_exclusive",
 ]
 

@@ -39,11 +39,6 @@ def supported() -> bool:
     return sys.platform.startswith("linux") and hasattr(os, "mkfifo")
 
 
-# Where shared-memory files go by default: the launcher makes each attempt's
-# private directory there too.
-default_directory = launch_contract.default_shm_directory
-
-
 def base_directory(directory: Optional[str] = None) -> str:
     """Where the job directory goes: `directory`, else $KERAS_DISTRIB_SHM_DIR, else /dev/shm.
 
@@ -55,7 +50,7 @@ def base_directory(directory: Optional[str] = None) -> str:
     name = launch_contract.SHM_DIR_ENV
     from_env = os.environ.get(name)
     if not from_env:
-        return default_directory()
+        return launch_contract.default_shm_directory()
     problem = private_directory_problem(from_env)
     if problem:
         raise SharedMemoryTamperedError(

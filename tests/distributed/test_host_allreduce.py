@@ -209,7 +209,7 @@ def test_the_launcher_directory_holds_the_job_and_nothing_after(tmp_path):
         procs += [_start(tmp_path, r, 3, job, directory="", env=env) for r in (1, 2)]
         assert [p.wait(timeout=60) for p in procs] == [0, 0, 0]
     assert os.listdir(shm) == []
-    default = os.listdir(host_allreduce.default_directory())
+    default = os.listdir(launch_contract.default_shm_directory())
     assert not any(f.startswith(f"kd-{job}") for f in default)
 
 
