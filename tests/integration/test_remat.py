@@ -53,9 +53,14 @@ def without_remat():
     ("central_storage", "full"), ("pipeline", "full"), ("tensor_parallel", "full"),
 ])
 def test_remat_scope_trains_as_without_it(without_remat, strategy, mode):
+    # atol 1e-5, as the strategy equivalence tests: the rematerialized step
+    # is another graph, and on a loaded machine two runs of these 14 steps
+    # have ended a few 1e-6 apart (central_storage, its replicas on two
+    # logical CPUs); gradients 0.1% off move these weights by 6e-5, a lost
+    # gradient by far more.
     got = _trained(strategy, keras.RematScope(mode=mode))
     for a, b in zip(got, without_remat):
-        np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
 
 
 def _forward_passes(scope, strategy):
