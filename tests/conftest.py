@@ -8,15 +8,21 @@ the first test module outside tests/unit (while pytest captures the
 collection's output, which TensorFlow's start-up banners go to). The unit
 tier never imports TensorFlow (tests/unit/conftest.py checks that), so
 nothing here imports it at import time either.
+
+The collector skips what importing TensorFlow and Keras leaves, in the
+pytest processes as in those the tests start
+(tests/child_site/frozen_imports.py).
 """
 
 import os
 
 import pytest
 
+from child_site import frozen_imports
 from pure_helpers import CHILD_SITE
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+frozen_imports.install()
 
 UNIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "unit")
 _logical_cpus_configured = False
