@@ -78,8 +78,8 @@ from keras_distrib.collectives.shm_peers import (MAX_WORKERS, STOPPED_GRACE, Pee
 
 __all__ = [
     "HostAllReduce", "MAX_WORKERS", "PeerLostError", "STOPPED_GRACE",
-    "SharedMemoryTamperedError", "base_directory", "create_segment", "open_segment", "open_verified", "private_directory_problem", "supported",
-    "write_exclusive",
+    "SharedMemoryTamperedError", "base_directory", "create_segment", "open_segment",
+    "open_verified", "private_directory_problem", "supported", "write_exclusive",
 ]
 
 _JOB_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")

@@ -1,15 +1,14 @@
 """Run at start-up by every Python process the tests start: tests/conftest.py
-(fixture `child_site`) puts this directory on their PYTHONPATH. It changes
-what a process costs, not what it does.
+(fixture `child_site`) puts this directory on their PYTHONPATH.
 
 Keras imports pandas and matplotlib when it is imported, if they are
 installed (keras/src/trainers/data_adapters/array_slicing.py and
-keras/src/visualization/plot_image_gallery.py): about 0.7 CPU-s of the
-~4 s a TensorFlow process spends starting, paid by each of the processes a
-test run starts. The test environment has them for Ray Train (pandas) and
-the benchmark figures (matplotlib); no process a test starts uses them. A
-module set to None in `sys.modules` is one Python treats as missing, so
-`import pandas` raises ImportError, which Keras expects.
+keras/src/visualization/plot_image_gallery.py): about 0.7 CPU-s, paid by
+each of the processes a test run starts. The test environment has them for
+Ray Train (pandas) and the benchmark figures (matplotlib); no process a
+test starts uses them. A module set to None in `sys.modules` is one Python
+treats as missing, so `import pandas` raises ImportError, which Keras
+expects.
 
 Importing TensorFlow and Keras leaves some 400,000 objects behind, which
 Python's collector would walk at each of its full collections
