@@ -24,7 +24,8 @@ and writes there:
       link rate against the message size, between two hosts (network
       namespaces) joined by a rate-limited link (multi_host.json): one
       panel per link rate, a line per engine (ours over TF's ring, ours
-      over Horovod's Gloo, raw TF), the 0.8 goal dashed.
+      over Horovod's Gloo, raw TF), the link's ceiling (plain TCP, dotted)
+      and the 0.8 goal (dashed).
 
 A figure whose JSON is missing is skipped (with a note); a figure from a
 `--quick` run says so in its title. Redraw without re-running:
@@ -251,12 +252,15 @@ def plot_multi_host() -> str | None:
     fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4.4), squeeze=False)
     engines = {"ours_ring": ("ours over TF's ring", _OURS, "o"),
                "ours_gloo": ("ours over Horovod's Gloo", _OTHER, "s"),
-               "raw_tf": ("raw TF (MultiWorkerMirroredStrategy)", _PEER, "^")}
+               "raw_tf": ("raw TF (MultiWorkerMirroredStrategy)", _PEER, "^"),
+               "sockets": ("the link's ceiling: plain TCP, no reduction", _IDEAL, "x")}
     for ax, result in zip(axes[0], results):
         sizes = [size["bytes"] for size in result["allreduce"]]
         for key, (label, color, marker) in engines.items():
-            ax.plot(sizes, [size["bus_fraction"][key] for size in result["allreduce"]],
-                    marker=marker, color=color, label=label)
+            if key in result["allreduce"][0]["bus_fraction"]:
+                ax.plot(sizes, [size["bus_fraction"][key] for size in result["allreduce"]],
+                        marker=marker, color=color, label=label,
+                        linestyle=":" if key == "sockets" else "-")
         ax.axhline(0.8, color=_IDEAL, linestyle="--", linewidth=1, label="goal: 0.8 of the link")
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [size["name"] for size in result["allreduce"]])

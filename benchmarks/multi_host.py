@@ -29,7 +29,9 @@ horovod_vs_tf.py's and benchmarks/allreduce.py's, so the cases are theirs):
                gradient (3.2 MB of the 4.3) is made last and its all-reduce
                overlaps nothing, so this model's bound is about (compute +
                that all-reduce + what of the earlier packs is still on the
-               wire when it starts) / max(compute, comm).
+               wire when it starts) / max(compute, comm); the table prints
+               (compute + that all-reduce timed alone) / max(compute, comm)
+               as `bound`: perfect overlap cannot go under it.
                With `--compressions`, the step again with gradients sent as
                fp16/bf16 (`DistributedOptimizer`; comm then times the
                all-reduce in that dtype).
@@ -48,7 +50,9 @@ Run (as root):
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 import tempfile
 
@@ -82,6 +86,7 @@ flags.DEFINE_string("json", os.path.join(_harness.RESULTS_DIR, "multi_host.json"
 
 HVT = os.path.join(HERE, "horovod_vs_tf.py")
 ALLREDUCE = os.path.join(HERE, "allreduce.py")
+SOCKETS = os.path.join(HERE, "_sockets.py")
 BITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 
 
@@ -117,6 +122,28 @@ def _run(script, args, bed=None, horovod=False):
     return _harness.read_results(out_dir, 2)
 
 
+def _sockets(bed) -> list[dict]:
+    """The link's ceiling (benchmarks/_sockets.py): host 0 serves, host 1
+    connects; the timings of each size, as the serving side measured them."""
+    args = [f"--sizes={','.join(FLAGS.sizes)}", f"--repeats={FLAGS.repeats}"]
+    server = subprocess.Popen(bed.on(0, [sys.executable, SOCKETS, "serve", *args]),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        port = server.stdout.readline().strip()
+        client = subprocess.run(
+            bed.on(1, [sys.executable, SOCKETS, "connect", f"{bed.addresses[0]}:{port}", *args]),
+            capture_output=True, text=True, timeout=FLAGS.timeout)
+        out, err = server.communicate(timeout=FLAGS.timeout)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.communicate()
+    if server.returncode or client.returncode:
+        raise _harness.WorkersFailed("the plain-socket exchange failed",
+                                     err + client.stdout + client.stderr)
+    return json.loads(out)["cases"]
+
+
 def _median(values) -> float:
     return _harness.stats(values)[0]
 
@@ -130,12 +157,14 @@ def measure(rate: str) -> dict:
                                "--bytes_per_pack=0", "--pin"], bed)
         compressed = {c: _run(HVT, _hvt_args("tf", train_only="true", compression=c), bed)
                       for c in FLAGS.compressions}
+        sockets = _sockets(bed)
     wire = link_bytes_per_second(rate)
     sizes = []
     for i, case in enumerate(ring[0]["cases"][:len(FLAGS.sizes)]):
         times = {"ours_ring": _harness.slowest_rank(ring, lambda r: r["cases"][i]["times"]),
                  "ours_gloo": _harness.slowest_rank(gloo, lambda r: r["cases"][i]["times"]),
-                 "raw_tf": _harness.slowest_rank(raw, lambda r: r["cases"][i]["times"]["raw"])}
+                 "raw_tf": _harness.slowest_rank(raw, lambda r: r["cases"][i]["times"]["raw"]),
+                 "sockets": sockets[i]["times"]}
         sizes.append({"name": case["name"], "bytes": case["bytes"],
                       "bus_fraction": {k: case["bytes"] / _median(t) / wire
                                        for k, t in times.items()}})
@@ -144,30 +173,32 @@ def measure(rate: str) -> dict:
 
 
 def _train(reports) -> dict:
-    step, compute, comm = (_median(_harness.slowest_rank(reports, lambda r, k=k: r["train"][k]))
-                           for k in ("times", "compute_times", "comm_times"))
-    return {"step": step, "compute": compute, "comm": comm,
+    step, compute, comm, tail = (
+        _median(_harness.slowest_rank(reports, lambda r, k=k: r["train"][k]))
+        for k in ("times", "compute_times", "comm_times", "tail_times"))
+    return {"step": step, "compute": compute, "comm": comm, "tail": tail,
             "step_over_max_parts": step / max(compute, comm),
+            "bound": (compute + tail) / max(compute, comm),
             "weight_sum": reports[0]["train"]["final_weight_sum"]}
 
 
 def report(results: list[dict], one_host: dict) -> None:
     print("\nall-reduce bus bandwidth as a fraction of the link (goal >= 0.8 from 4 MB)")
     print(f"{'link':>7s} {'size':>7s} | {'ours/TF ring':>12s} {'ours/Gloo':>10s} "
-          f"{'raw TF':>8s}")
+          f"{'raw TF':>8s} | {'sockets':>8s}")
     for result in results:
         for size in result["allreduce"]:
             f = size["bus_fraction"]
             print(f"{result['rate']:>7s} {size['name']:>7s} | {f['ours_ring']:12.2f} "
-                  f"{f['ours_gloo']:10.2f} {f['raw_tf']:8.2f}")
+                  f"{f['ours_gloo']:10.2f} {f['raw_tf']:8.2f} | {f['sockets']:8.2f}")
     print("\ntraining step over TF's ring, ms (goal: step <= 1.15 x max(compute, comm))")
     print(f"{'where':>14s} | {'step':>7s} {'compute':>8s} {'comm':>7s} | "
-          f"{'step/max':>8s} {'vs one host':>11s}")
+          f"{'step/max':>8s} {'bound':>6s} {'vs one host':>11s}")
     rows = [("one host", one_host)] + [(r["rate"], r["train"]) for r in results] + [
         (f"{r['rate']} {c}", t) for r in results for c, t in r["compressed"].items()]
     for where, t in rows:
         print(f"{where:>14s} | {1e3 * t['step']:7.1f} {1e3 * t['compute']:8.1f} "
-              f"{1e3 * t['comm']:7.1f} | {t['step_over_max_parts']:8.2f} "
+              f"{1e3 * t['comm']:7.1f} | {t['step_over_max_parts']:8.2f} {t['bound']:6.2f} "
               f"{t['step'] / one_host['step']:11.2f}")
 
 

@@ -329,25 +329,31 @@ def multi_host(doc: _Doc, data: dict) -> None:
     doc.add("Two hosts (network namespaces) joined by a rate-limited link, one worker each: "
             "all-reduce bus bandwidth as a fraction of the link rate for ours over "
             "TensorFlow's ring, ours over Horovod's Gloo and raw "
-            "`MultiWorkerMirroredStrategy` (goal: >= 0.8 from 4 MB), and the training step "
+            "`MultiWorkerMirroredStrategy` (goal: >= 0.8 from 4 MB), beside the link's "
+            "ceiling (sockets: the same bytes exchanged over one plain TCP connection, no "
+            "reduction; no engine can beat it), and the training step "
             f"(global batch {data['batch']}; each step timed from its batch's begin to its "
             "end, the median over an epoch) against its parts measured alone, compute and "
             "the gradient all-reduce (`step / max(compute, comm)`: 1 when they fully "
-            f"overlap, up to 2 when they run one after the other). Medians of "
-            f"{data['repeats']} timings.", "")
-    rows = [(r["rate"], s["name"], *(_num(s["bus_fraction"][k])
-                                     for k in ("ours_ring", "ours_gloo", "raw_tf")))
+            "overlap, up to 2 when they run one after the other; `bound`: (compute + the "
+            "all-reduce of the first layer's gradients, made last) / max(compute, comm), "
+            f"the least perfect overlap can reach). Medians of {data['repeats']} timings.",
+            "")
+    rows = [(r["rate"], s["name"], *(_num(s["bus_fraction"].get(k))
+                                     for k in ("ours_ring", "ours_gloo", "raw_tf", "sockets")))
             for r in data["results"] for s in r["allreduce"]]
-    doc.add(*_table(["link", "size", "ours / TF ring", "ours / Gloo", "raw TF"], rows))
+    doc.add(*_table(["link", "size", "ours / TF ring", "ours / Gloo", "raw TF", "sockets"],
+                    rows))
     one = data.get("one_host")
     steps = ([("one host", one)] if one else []) + [(r["rate"], r["train"])
                                                     for r in data["results"]]
     steps += [(f"{r['rate']}, {c}", t) for r in data["results"]
               for c, t in (r.get("compressed") or {}).items()]
-    doc.add(*_table(["where", "step ms", "compute ms", "comm ms", "step / max",
+    doc.add(*_table(["where", "step ms", "compute ms", "comm ms", "step / max", "bound",
                      "step / one host"],
                     [(where, _num(1e3 * t["step"], 1), _num(1e3 * t["compute"], 1),
                       _num(1e3 * t["comm"], 1), _num(t["step_over_max_parts"]),
+                      _num(t.get("bound")),
                       _num(t["step"] / one["step"]) if one else "–") for where, t in steps]))
     doc.figure("multi_host.png", "All-reduce between two hosts against the link rate")
 

@@ -53,9 +53,10 @@ SPARSE = {
 }
 
 
-def _step(step, compute, comm):
-    return {"step": step, "compute": compute, "comm": comm,
-            "step_over_max_parts": step / max(compute, comm), "weight_sum": -38.7}
+def _step(step, compute, comm, tail):
+    return {"step": step, "compute": compute, "comm": comm, "tail": tail,
+            "step_over_max_parts": step / max(compute, comm),
+            "bound": (compute + tail) / max(compute, comm), "weight_sum": -38.7}
 
 
 MULTI_HOST = {
@@ -65,14 +66,16 @@ MULTI_HOST = {
         "rate": "1gbit", "link_bytes_per_second": 125000000.0,
         "allreduce": [
             {"name": "64 KB", "bytes": 65536,
-             "bus_fraction": {"ours_ring": 0.199, "ours_gloo": 0.131, "raw_tf": 0.276}},
+             "bus_fraction": {"ours_ring": 0.199, "ours_gloo": 0.131, "raw_tf": 0.276,
+                              "sockets": 0.912}},
             {"name": "4 MB", "bytes": 4194304,
-             "bus_fraction": {"ours_ring": 0.986, "ours_gloo": 0.971, "raw_tf": 0.987}},
+             "bus_fraction": {"ours_ring": 0.986, "ours_gloo": 0.971, "raw_tf": 0.987,
+                              "sockets": 0.996}},
         ],
-        "train": _step(0.0552, 0.0144, 0.0355),
-        "compressed": {"fp16": _step(0.0375, 0.0144, 0.0174)},
+        "train": _step(0.0552, 0.0144, 0.0355, 0.0270),
+        "compressed": {"fp16": _step(0.0375, 0.0144, 0.0174, 0.0133)},
     }],
-    "one_host": _step(0.0374, 0.0158, 0.0150),
+    "one_host": _step(0.0374, 0.0158, 0.0150, 0.0112),
 }
 
 
@@ -101,7 +104,9 @@ def test_sections_figures_and_missing_benchmarks(tmp_path):
     # Headline figures and ratios.
     assert "| `dense` | 208.8 [201.3, 220.6] | 244.1 MB |" in text
     assert "| dense/sparse step time | 7.08 [6.24, 7.45] |" in text
-    assert "| 1gbit | 4 MB | 0.99 | 0.97 | 0.99 |" in text
+    assert "| 1gbit | 4 MB | 0.99 | 0.97 | 0.99 | 1.00 |" in text
+    # step / max and its bound: (14.4 + 27.0) / 35.5 ms.
+    assert "| 1gbit | 55.2 | 14.4 | 35.5 | 1.55 | 1.17 | 1.48 |" in text
     assert "| 1gbit, fp16 |" in text
     # The figure beside the file, linked relatively; none for a missing PNG.
     assert "![All-reduce between two hosts against the link rate](results/multi_host.png)" in text
