@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import socket
-import sys
 import threading
 import time
 
@@ -33,6 +32,10 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("sizes", ["1M"], "Bytes per all-reduce, with K/M suffixes.")
 flags.DEFINE_integer("repeats", 3, "Timings per size.", lower_bound=1)
 flags.DEFINE_float("timeout", 60.0, "Seconds any socket operation may wait.")
+
+# Each command and the length of its argv: the script, the command, its arguments.
+_COMMANDS = {"serve": 2, "connect": 3}
+
 
 def _recv_into(sock: socket.socket, buffer: bytearray) -> None:
     view, got = memoryview(buffer), 0
@@ -74,8 +77,7 @@ def measure(sock: socket.socket, sizes: list[int], repeats: int) -> list[dict]:
 
 
 def main(argv):
-    if len(argv) < 2 or argv[1] not in ("serve", "connect") or len(argv) != (
-            2 if argv[1] == "serve" else 3):
+    if len(argv) < 2 or _COMMANDS.get(argv[1]) != len(argv):
         raise app.UsageError("use: _sockets.py serve | _sockets.py connect HOST:PORT")
     sizes = [_harness.parse_size(s) for s in FLAGS.sizes]
     if argv[1] == "serve":

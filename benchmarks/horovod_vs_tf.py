@@ -211,7 +211,8 @@ def run_worker() -> None:
     # computation is left to overlap their all-reduce, so compute + this is
     # the least a step can take however well the rest overlaps.
     tail_fn = replicated(lambda: strategy.all_reduce(list(gradients[:2]), "sum"))
-    reduce_fn(), tail_fn()
+    reduce_fn()  # trace + warm up
+    tail_fn()
     tail_times = []
     for _ in range(FLAGS.repeats):
         compute_times.append(median_step(plain, xs, ys, batch_size=share))
