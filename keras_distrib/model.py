@@ -57,42 +57,15 @@ Functional = _compat.functional_class()
 StrategyLike = Union[str, Strategy]
 
 
-@keras.saving.register_keras_serializable(package="keras_distrib")
-class DistributedModel(StrategyAdoption, ReplicaStep, GradientReduction, EntryPoints,
-                       keras.Model):
-    """A `keras.Model` trained on the strategy named by `strategy=`.
+class DistributedTrainer(StrategyAdoption, ReplicaStep, GradientReduction, EntryPoints):
+    """The distribution `DistributedModel` adds to Keras's trainer.
 
-    Usable three ways:
-
-    Example:
-
-    ```python
-    import keras, keras_distrib as kd
-
-    # 1. Functional.
-    inputs = keras.Input((8,))
-    outputs = keras.layers.Dense(1)(inputs)
-    model = kd.DistributedModel(inputs, outputs, strategy="mirrored")
-
-    # 2. Subclass.
-    class Net(kd.DistributedModel):
-        def __init__(self, **kwargs):
-            super().__init__(strategy="mirrored", **kwargs)
-            self.dense = keras.layers.Dense(1)
-
-        def call(self, x):
-            return self.dense(x)
-
-    # 3. Wrap an existing (even trained) model, keeping its weights.
-    model = kd.DistributedModel.from_model(keras_model, strategy="mirrored")
-
-    model.compile(optimizer="sgd", loss="mse")
-    model.fit(x, y, batch_size=64)   # batch_size is the global batch
-    ```
-
-    Args:
-        strategy: A name from `keras_distrib.strategies.available()` or a
-            `keras_distrib.strategies.Strategy` object. Default `"auto"`.
+    A mixin in Keras's own shape (Keras's trainer_test: "a model is just a
+    layer mixed in with a Trainer"): `DistributedModel` is this in front of
+    `keras.Model`; a layer mixed with this and Keras's backend trainer
+    trains distributed as well, once `_init_distribution(strategy)` has run
+    after the trainer's `__init__`. It holds the strategy and hands it the
+    function-making layer; the mixins hold the per-replica math.
     """
 
     # Only the chief prints and writes files (see keras_distrib.training.chief_only).
@@ -101,22 +74,6 @@ class DistributedModel(StrategyAdoption, ReplicaStep, GradientReduction, EntryPo
     # step, when the training loss is NaN/Inf (see `fit_checks.FiniteLossCheck`).
     # Set `model.check_finite = False` to train on such input anyway.
     check_finite = True
-
-    def __new__(cls, *args, **kwargs):
-        if _compat.is_functional_call(args, kwargs) and not issubclass(cls, Functional):
-            # `Net(inputs, outputs)` for a subclass `Net` (the Keras guide's
-            # custom train_step on a functional model): an instance of a
-            # functional variant of `Net`. Keras would instead rewrite the
-            # bases of every class up to keras.Model, turning all
-            # DistributedModel subclasses functional.
-            return super().__new__(_functional_variant(cls))
-        return super().__new__(cls)
-
-    def __init__(self, *args, strategy: StrategyLike = "auto", **kwargs):
-        resolved = strategies.get(strategy)
-        registry.check_not_model_options(kwargs, resolved)
-        super().__init__(*args, **kwargs)
-        self._init_distribution(resolved)
 
     def _init_distribution(self, strategy: Strategy) -> None:
         self._strategy = strategy
@@ -157,32 +114,6 @@ class DistributedModel(StrategyAdoption, ReplicaStep, GradientReduction, EntryPo
 
     jit_compile = property(keras.Model.jit_compile.fget, _set_jit_compile,
                            doc=keras.Model.jit_compile.__doc__)
-
-    @classmethod
-    def from_model(
-        cls, model: keras.Model, strategy: StrategyLike = "auto"
-    ) -> "DistributedModel":
-        """Wraps a copy of a Functional or Sequential Keras model, keeping its state.
-
-        Each layer is copied as it is (not re-created from its config, so
-        `Lambda` layers and layers without `get_config` copy too), its
-        variables made under the strategy with the same values; the model
-        passed in is left as it was. If it was compiled, the copy is
-        compiled the same way and the optimizer's state (step count,
-        slots) is carried over too.
-
-        Raises:
-            ValueError: for subclassed or unbuilt models.
-        """
-        from_model_lib.check_wrappable(model, Functional)
-        copied = placement.copy_functional(model)
-        wrapped = FunctionalDistributedModel(
-            copied.input, copied.output, name=model.name, strategy=strategy
-        )
-        if model.compiled:
-            from_model_lib.compile_like(model, wrapped)
-            from_model_lib.copy_optimizer_state(model, wrapped)
-        return wrapped
 
     # -- what the mixins take from the strategies ------------------------------
     # training/ lies below strategies/ and imports nothing from them.
@@ -275,7 +206,7 @@ class DistributedModel(StrategyAdoption, ReplicaStep, GradientReduction, EntryPo
             return self.predict_function
 
         def keras_make_predict_function():
-            super(DistributedModel, self).make_predict_function(force=True)
+            super(DistributedTrainer, self).make_predict_function(force=True)
             return self.predict_function
 
         self.predict_function = self._strategy.make_predict_function(
@@ -292,6 +223,95 @@ class DistributedModel(StrategyAdoption, ReplicaStep, GradientReduction, EntryPo
     def set_weights(self, weights):
         """`keras.Model.set_weights()`, from a plain model's list."""
         self.strategy.set_whole_weights(self, weights)
+
+
+@keras.saving.register_keras_serializable(package="keras_distrib")
+class DistributedModel(DistributedTrainer, keras.Model):
+    """A `keras.Model` trained on the strategy named by `strategy=`.
+
+    Usable three ways:
+
+    Example:
+
+    ```python
+    import keras, keras_distrib as kd
+
+    # 1. Functional.
+    inputs = keras.Input((8,))
+    outputs = keras.layers.Dense(1)(inputs)
+    model = kd.DistributedModel(inputs, outputs, strategy="mirrored")
+
+    # 2. Subclass.
+    class Net(kd.DistributedModel):
+        def __init__(self, **kwargs):
+            super().__init__(strategy="mirrored", **kwargs)
+            self.dense = keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.dense(x)
+
+    # 3. Wrap an existing (even trained) model, keeping its weights.
+    model = kd.DistributedModel.from_model(keras_model, strategy="mirrored")
+
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, y, batch_size=64)   # batch_size is the global batch
+    ```
+
+    Args:
+        strategy: A name from `keras_distrib.strategies.available()` or a
+            `keras_distrib.strategies.Strategy` object. Default `"auto"`.
+    """
+
+    def __new__(cls, *args, **kwargs):
+        if _compat.is_functional_call(args, kwargs) and not issubclass(cls, Functional):
+            # `Net(inputs, outputs)` for a subclass `Net` (the Keras guide's
+            # custom train_step on a functional model): an instance of a
+            # functional variant of `Net`. Keras would instead rewrite the
+            # bases of every class up to keras.Model, turning all
+            # DistributedModel subclasses functional.
+            return super().__new__(functional_variant(cls))
+        return super().__new__(cls)
+
+    def __init__(self, *args, strategy: StrategyLike = "auto", **kwargs):
+        if _compat.functional_arguments(args, kwargs) and not isinstance(self, Functional):
+            # A subclass's `super().__init__(inputs, outputs)` (Keras's
+            # "functional init in a subclass"): this instance becomes the
+            # functional variant of its class. Keras's `Model.__init__` would
+            # instead rewrite `__bases__` up to keras.Model, ours included,
+            # for the rest of the process (`inject_functional_model_class`).
+            self.__class__ = functional_variant(type(self))
+            FunctionalDistributedModel.__init__(self, *args, strategy=strategy, **kwargs)
+            return
+        resolved = strategies.get(strategy)
+        registry.check_not_model_options(kwargs, resolved)
+        super().__init__(*args, **kwargs)
+        self._init_distribution(resolved)
+
+    @classmethod
+    def from_model(
+        cls, model: keras.Model, strategy: StrategyLike = "auto"
+    ) -> "DistributedModel":
+        """Wraps a copy of a Functional or Sequential Keras model, keeping its state.
+
+        Each layer is copied as it is (not re-created from its config, so
+        `Lambda` layers and layers without `get_config` copy too), its
+        variables made under the strategy with the same values; the model
+        passed in is left as it was. If it was compiled, the copy is
+        compiled the same way and the optimizer's state (step count,
+        slots) is carried over too.
+
+        Raises:
+            ValueError: for subclassed or unbuilt models.
+        """
+        from_model_lib.check_wrappable(model, Functional)
+        copied = placement.copy_functional(model)
+        wrapped = FunctionalDistributedModel(
+            copied.input, copied.output, name=model.name, strategy=strategy
+        )
+        if model.compiled:
+            from_model_lib.compile_like(model, wrapped)
+            from_model_lib.copy_optimizer_state(model, wrapped)
+        return wrapped
 
     # -- saving: atomic files -------------------------------------------------
 
@@ -379,16 +399,19 @@ _compat.remat_in_graphs()
 
 
 @functools.lru_cache(maxsize=None)
-def _functional_variant(cls: type) -> type:
+def functional_variant(cls: type) -> type:
     """`cls` built from `(inputs, outputs)`: its methods, Functional's graph.
 
     The variant keeps `cls`'s name and module, so `isinstance` and saving
     see `cls` (loading calls `cls(inputs=..., outputs=...)`, which lands
-    here again).
+    here again). It derives from the variant of `cls`'s own
+    `DistributedModel` base, so a functional `Net(Base)` is also an
+    instance of functional `Base`, as with Keras's classes.
     """
-    if cls is DistributedModel:
-        return FunctionalDistributedModel
-    return type(cls.__name__, (cls, FunctionalDistributedModel),
+    if cls is DistributedModel or issubclass(cls, Functional):
+        return FunctionalDistributedModel if cls is DistributedModel else cls
+    parent = next(base for base in cls.__bases__ if issubclass(base, DistributedModel))
+    return type(cls.__name__, (cls, functional_variant(parent)),
                 {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
 

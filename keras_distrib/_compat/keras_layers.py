@@ -35,7 +35,7 @@ PRIVATE = (
     # that outputs it
     "keras.src.ops.node:Node._keras_history",
     "keras.src.ops.node:KerasHistory.operation",
-    # is_functional_call, save_as_keras_model
+    # is_functional_call, functional_arguments, save_as_keras_model
     "keras.src.models.model:functional_init_arguments",
     "keras.src.api_export:REGISTERED_OBJS_TO_NAMES",
     # take_added_losses, added_losses_per_thread, all_layers, call_has_training_arg
@@ -82,6 +82,15 @@ def clone_functional(template, **kwargs):
     inputs = tf.nest.map_structure(
         lambda x: keras.Input(**x._keras_history.operation.get_config()), template.input)
     return keras.models.clone_model(template, input_tensors=inputs, **kwargs)
+
+
+def functional_arguments(args, kwargs) -> bool:
+    """Whether `Model.__init__(*args, **kwargs)` takes the functional form:
+    Keras's own rule (`functional_init_arguments`), which `keras.Model`
+    applies to what a subclass passes up to it."""
+    from keras.src.models.model import functional_init_arguments
+
+    return functional_init_arguments(args, kwargs)
 
 
 def is_functional_call(args, kwargs) -> bool:

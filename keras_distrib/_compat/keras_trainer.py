@@ -32,7 +32,8 @@ _ADAPTERS = "keras.src.trainers.data_adapters"
 # Private names the shims below use (checked at import, see `versions`).
 PRIVATE = (
     *(f"{_TRAINER}.{hook}" for hook in KERAS_HOOKS),
-    # build_source
+    # build_source, build_forward
+    "keras.src.backend:compute_output_spec",
     "keras.src.trainers.epoch_iterator:EpochIterator.data_adapter",
     f"{_ADAPTERS}.py_dataset_adapter:PyDatasetAdapter.enqueuer",
     f"{_ADAPTERS}.py_dataset_adapter:PyDatasetAdapter.py_dataset",
@@ -108,6 +109,26 @@ def build_source(iterator):
         raise EmptyInput
 
     return ((0, 0, [absent_as_none(first_batch())]) for _ in range(1))
+
+
+def build_forward(model, iterator=None, data_batch=None) -> None:
+    """The first half of Keras's `Trainer._symbolic_build`: the model's
+    layers built from one batch (`data_batch`, or the first of `iterator`
+    as `build_source` gives it) by a symbolic call, nothing else."""
+    from keras.src.backend import compute_output_spec
+
+    if data_batch is None:
+        for _, _, batches in iterator:
+            data_batch = batches[0]
+            break
+
+    def symbolic(value):
+        if value is None:
+            return None
+        return keras.KerasTensor(value.shape, keras.backend.standardize_dtype(value.dtype))
+
+    x, _, _ = keras.utils.unpack_x_y_sample_weight(keras.tree.map_structure(symbolic, data_batch))
+    compute_output_spec(model, x, training=False)
 
 
 def class_weight_as_sample_weight(y, sample_weight, class_weight):

@@ -30,26 +30,19 @@ def is_positive_int(value) -> bool:
             and value >= 1)
 
 
-def check_batch_size(batch_size: Optional[int], num_replicas: int, strategy: str,
-                     name: str = "batch_size") -> None:
-    """Rejects a global batch that is not a positive integer, or that the
-    replicas cannot share evenly. `None` (the default batch) passes."""
+def check_batch_size(batch_size: Optional[int], name: str = "batch_size") -> None:
+    """Rejects a global batch that is not a positive integer. `None` (the
+    default batch) passes. Any positive global batch trains on any number
+    of replicas: a batch the replicas cannot share evenly is split into
+    sizes one apart (`replica_sizes`), and the reduction weighs each
+    replica's part by its sample count, so the step is the one-device
+    step on the whole batch, as with `tf.distribute`."""
     if batch_size is None:
         return
     if not is_positive_int(batch_size):
         raise ValueError(
             f"{name}={batch_size!r} must be a positive integer (the global batch), "
             "or None for the default."
-        )
-    if num_replicas <= 1:
-        return
-    if batch_size % num_replicas:
-        lower = batch_size - batch_size % num_replicas
-        examples = " or ".join(str(b) for b in (lower, lower + num_replicas) if b > 0)
-        raise ValueError(
-            f"{name}={batch_size} is not divisible by the {num_replicas} "
-            f"replicas of strategy {strategy!r}; use a multiple of "
-            f"{num_replicas} (e.g. {examples})."
         )
 
 
@@ -213,3 +206,27 @@ def check_finite(name: str, value: Any) -> None:
             "the weights NaN: clean the data, or set model.check_finite = False to "
             "train on it anyway."
         )
+
+
+def peek(generator):
+    """`(first, rest)`: the first element of the Python generator
+    `generator`, and a generator that yields it again and then the rest.
+
+    Keras takes a Python generator only as a real generator object
+    (`types.GeneratorType`), so the element read to build a model is put
+    back this way rather than by `itertools.chain`.
+
+    Raises:
+        ValueError: the generator yields nothing.
+    """
+    try:
+        first = next(generator)
+    except StopIteration:
+        raise ValueError("The input generator is empty: it yielded no batch; check "
+                         "that it yields at least one.") from None
+
+    def again():
+        yield first
+        yield from generator
+
+    return first, again()

@@ -131,7 +131,15 @@ class StrategyAdoption:
             with self._strategy.scope():
                 self.optimizer.build(self.trainable_variables)
 
-    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None, forward_only=False):
+        """Keras's build before the first step, under the strategy.
+
+        `forward_only` (`predict`): the layers only, as Keras's own predict
+        builds nothing but the model (its first call). Keras's full build
+        also builds the compiled metrics and loss from the batch's `y`,
+        which `predict` input does not have, and reads an optimizer an
+        uncompiled model does not hold.
+        """
         if iterator is not None:
             iterator = _compat.build_source(iterator)
         self._adopt_state()
@@ -146,7 +154,10 @@ class StrategyAdoption:
             return
         with self._strategy.scope(), fit_checks.same_model_or_error(self._strategy):
             try:
-                self._symbolic_build(iterator=iterator, data_batch=data_batch)
+                if forward_only:
+                    _compat.build_forward(self, iterator=iterator, data_batch=data_batch)
+                else:
+                    self._symbolic_build(iterator=iterator, data_batch=data_batch)
             except _compat.EmptyInput:
                 # Keras reads one batch to build; an empty input has none.
                 raise ValueError(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 from typing import Optional
 
 import keras
@@ -201,10 +202,22 @@ class EntryPoints:
         fit_checks.check_same_call(self._strategy, "predict", x, batch_size=batch_size,
                                    steps=steps, steps_per_execution=self.steps_per_execution)
         if not self.built:
-            self._maybe_symbolic_build(iterator=_compat.epoch_iterator(x, batch_size))
+            x = self._build_from_predict_input(x, batch_size)
         x, _, _, batch_size = self._strategy.distribute_input(x, batch_size=batch_size)
         with self._side_effects(callbacks) as callbacks, self._clearer_failure():
             return super().predict(x, batch_size, self._verbose(verbose), steps, callbacks)
+
+    def _build_from_predict_input(self, x, batch_size):
+        """Builds the model's layers from `x`'s first batch; returns `x`,
+        or for a Python generator (read once) one that yields that batch
+        again, then the rest: nothing it gave is lost."""
+        if isinstance(x, types.GeneratorType):
+            first, x = data_lib.peek(x)
+            self._maybe_symbolic_build(data_batch=first, forward_only=True)
+            return x
+        self._maybe_symbolic_build(iterator=_compat.epoch_iterator(x, batch_size),
+                                   forward_only=True)
+        return x
 
     def _verbose(self, verbose):
         if self.chief_only_side_effects and not self._strategy.is_chief:
@@ -239,7 +252,7 @@ class EntryPoints:
     @outside_scopes
     def predict_on_batch(self, x):
         if not self.built:
-            self._maybe_symbolic_build(data_batch=(x, None, None))
+            self._maybe_symbolic_build(data_batch=(x, None, None), forward_only=True)
         return super().predict_on_batch(x)
 
 

@@ -14,28 +14,6 @@ def _one_line(excinfo):
     assert "\n" not in str(excinfo.value)
 
 
-@pytest.mark.parametrize("method", ["fit", "evaluate", "predict"])
-def test_indivisible_batch_size(method):
-    x, y = make_data()
-    model = build("functional", "mirrored")
-    args = (x,) if method == "predict" else (x, y)
-    with pytest.raises(ValueError, match=r"batch_size=33 is not divisible by the 2 replicas.*32 or 34") as e:
-        getattr(model, method)(*args, batch_size=33, verbose=0)
-    _one_line(e)
-
-
-def test_indivisible_validation_batch_size():
-    x, y = make_data()
-    model = build("functional", "mirrored")
-    with pytest.raises(ValueError, match="batch_size=5 is not divisible"):
-        model.fit(x, y, batch_size=32, validation_data=(x, y), validation_batch_size=5, verbose=0)
-
-
-def test_single_accepts_any_batch_size():
-    x, y = make_data()
-    build("functional", "single").fit(x, y, batch_size=33, verbose=0)
-
-
 def test_subclass_with_functional_arguments():
     class Loose(kd.DistributedModel):
         def __init__(self, *args, **kwargs):

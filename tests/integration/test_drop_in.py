@@ -1,0 +1,107 @@
+"""DistributedModel as a drop-in `keras.Model`: what plain Keras does with a
+user's code, ours does too (each case written as users write it, and
+compared with plain Keras from the same weights where it computes)."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_distrib as kd
+from helpers import FEATURES, build, make_data, plain_model
+
+ATOL = 1e-5  # SGD, a few steps: the equivalence tests' bound
+
+
+def _dense_net(base, **kwargs):
+    class Dense(base):
+        def __init__(self, **kw):
+            super().__init__(**{**kwargs, **kw})
+            self.dense = keras.layers.Dense(3, kernel_initializer="ones")
+
+        def call(self, x):
+            return self.dense(x)
+
+    return Dense()
+
+
+# -- the class itself never changes -------------------------------------------------
+
+
+def test_functional_init_in_a_subclass_changes_no_class():
+    bases = kd.DistributedModel.__bases__
+
+    class Net(kd.DistributedModel):  # Keras's "functional init in a subclass"
+        def __init__(self):
+            inputs = keras.Input((FEATURES,))
+            super().__init__(inputs, keras.layers.Dense(2)(inputs), strategy="single")
+
+    net = Net()
+    assert isinstance(net, Net) and isinstance(net, kd.FunctionalDistributedModel)
+    inputs = keras.Input((FEATURES,))
+    with pytest.raises(Exception):
+        kd.DistributedModel({"a": "x"}, keras.layers.Dense(1)(inputs))
+    assert kd.DistributedModel.__bases__ == bases and Net.__bases__ == (kd.DistributedModel,)
+    later = _dense_net(kd.DistributedModel, strategy="single")  # a subclass still works
+    assert later(np.ones((2, FEATURES), "float32")).shape == (2, 3)
+
+
+# -- predict as Keras's ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["single", "mirrored"])
+def test_predict_on_an_unbuilt_uncompiled_subclass(strategy):
+    model = _dense_net(kd.DistributedModel, strategy=strategy)
+    out = model.predict(np.ones((10, FEATURES), "float32"), batch_size=4, verbose=0)
+    np.testing.assert_array_equal(out, np.full((10, 3), FEATURES, "float32"))
+
+
+@pytest.mark.parametrize("strategy", ["single", "mirrored"])
+def test_predict_before_fit_on_a_model_compiled_with_metrics(strategy):
+    model = _dense_net(kd.DistributedModel, strategy=strategy)
+    model.compile(optimizer="sgd", loss="mse", metrics=[keras.metrics.MeanSquaredError()])
+    out = model.predict(np.ones((10, FEATURES), "float32"), batch_size=4, verbose=0)
+    assert out.shape == (10, 3)
+    assert model.predict_on_batch(np.ones((3, FEATURES), "float32")).shape == (3, 3)
+
+
+@pytest.mark.parametrize("strategy", ["single", "mirrored", "central_storage"])
+def test_predict_on_a_generator_loses_no_batch(strategy):
+    def batches():
+        for i in range(4):
+            yield (np.full((2, FEATURES), i, "float32"),)
+
+    model = _dense_net(kd.DistributedModel, strategy=strategy)
+    out = model.predict(batches(), verbose=0)  # unbuilt: its first batch builds it
+    np.testing.assert_array_equal(out[:, 0], np.repeat(np.arange(4.0) * FEATURES, 2))
+    out = model.predict(batches(), verbose=0)  # built
+    assert out.shape == (8, 3)
+
+
+# -- any global batch -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["mirrored", "central_storage"])
+def test_a_batch_the_replicas_cannot_share_evenly_trains_as_one_device(strategy):
+    x, y = make_data()
+    reference, model = build("functional", "single"), build("functional", strategy)
+    for m in (reference, model):
+        m.fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0,
+              validation_data=(x, y), validation_batch_size=7)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(model.evaluate(x, y, batch_size=33, verbose=0),
+                               reference.evaluate(x, y, batch_size=33, verbose=0), atol=ATOL)
+    np.testing.assert_allclose(model.predict(x, batch_size=33, verbose=0),
+                               reference.predict(x, batch_size=33, verbose=0), atol=ATOL)
+
+
+def test_plain_keras_reference_trains_with_that_batch_too():
+    # The control: the reference is Keras itself (same weights, batch 5).
+    x, y = make_data()
+    plain, ours = plain_model(), build("functional", "single")
+    plain.compile(optimizer=keras.optimizers.SGD(0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    for m in (plain, ours):
+        m.fit(x, y, batch_size=5, epochs=1, shuffle=False, verbose=0)
+    for a, b in zip(ours.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
