@@ -344,9 +344,12 @@ class FunctionalDistributedModel(DistributedModel, Functional):
     def __init__(self, inputs, outputs, name=None, *, strategy: StrategyLike = "auto", **kwargs):
         resolved = strategies.get(strategy)
         registry.check_not_model_options(kwargs, resolved)
-        if placement.owned_by_another(keras.Model(inputs, outputs).variables):
+        graph = keras.Model(inputs, outputs)
+        if placement.owned_by_another(graph.variables, graph):
             # Layers another DistributedModel trains: this one gets its own
-            # copies (a variable lives under one strategy).
+            # copies (a variable lives under one strategy). A
+            # DistributedModel nested in this graph as a layer is not
+            # another: this model trains it, as a Keras model its sub-models.
             inputs, outputs = placement.copy_graph(inputs, outputs)
         Functional.__init__(self, inputs, outputs, name=name, **kwargs)
         self._init_distribution(resolved)

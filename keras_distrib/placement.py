@@ -15,7 +15,9 @@ A variable lives under one strategy. A `DistributedModel` made from the
 layers of another live `DistributedModel` (the Functional API lets two
 models share layers) therefore gets copies of them (`copy_functional`, as
 `from_model` does), and a subclassed one that takes such layers is refused
-in one line.
+in one line. A `DistributedModel` nested in another as a layer is not
+another model but part of it: the outer one takes its variables over
+(`nested_in`), as a Keras model trains its sub-models.
 
 `copy_functional` is what `DistributedModel.from_model` wraps: a copy of
 a Functional graph whose layers are copies of the originals, object by
@@ -94,9 +96,18 @@ def _owner(variable):
     return None if model is None or strategy is None else (model, strategy)
 
 
-def owned_by_another(variables: Iterable[Any]) -> bool:
-    """Whether any of `variables` belongs to a live `DistributedModel`."""
-    return any(_owner(v) is not None for v in variables)
+def owned_by_another(variables: Iterable[Any], model=None) -> bool:
+    """Whether any of `variables` belongs to a live `DistributedModel` other
+    than one nested in `model` (a sub-model used as a layer of it)."""
+    return any(owner is not None and not nested_in(owner[0], model)
+               for owner in map(_owner, variables))
+
+
+def nested_in(layer, model) -> bool:
+    """Whether `layer` is one of `model`'s layers, at any depth. A model
+    nested in another trains as part of it, as in Keras, so the outer
+    model takes over the variables the inner one held."""
+    return model is not None and any(layer is inner for inner in _compat.all_layers(model))
 
 
 def _check_not_taken(variable, strategy, model) -> None:
@@ -104,7 +115,7 @@ def _check_not_taken(variable, strategy, model) -> None:
     if owner is None:
         return
     other_model, other_strategy = owner
-    if other_model is model or other_strategy is strategy:
+    if other_model is model or other_strategy is strategy or nested_in(other_model, model):
         return
     raise ValueError(
         f"Variable {variable.path!r} belongs to model {other_model.name!r} on strategy "

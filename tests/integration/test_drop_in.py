@@ -105,3 +105,36 @@ def test_plain_keras_reference_trains_with_that_batch_too():
         m.fit(x, y, batch_size=5, epochs=1, shuffle=False, verbose=0)
     for a, b in zip(ours.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
+
+
+# -- a DistributedModel nested in another ---------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["single", "mirrored"])
+def test_a_subclass_nested_in_a_functional_model_trains_with_it(strategy):
+    x, y = make_data()
+    y = y.astype("float32")[:, None]
+
+    def trained(inner, outer_class, **kwargs):
+        inputs = keras.Input((FEATURES,))
+        outer = outer_class(inputs, keras.layers.Dense(1, kernel_initializer="ones")(
+            inner(inputs)), **kwargs)
+        outer.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        outer.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        return outer.get_weights()
+
+    class Inner(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = keras.layers.Dense(3, kernel_initializer="ones")
+
+        def call(self, x):
+            return self.dense(x) * 0.1
+
+    class DistributedInner(Inner, kd.DistributedModel):
+        pass
+
+    expected = trained(Inner(), keras.Model)
+    got = trained(DistributedInner(strategy=strategy), kd.DistributedModel, strategy=strategy)
+    for a, b in zip(got, expected):
+        np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
