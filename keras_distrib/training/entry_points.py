@@ -141,7 +141,7 @@ class EntryPoints:
         watch = preemption.PreemptionWatch(self.fit_state, self._preemption_vote())
         self.fit_state.watch = watch
         first = [watch]
-        if self.check_finite:
+        if self.check_finite and not _stops_quietly_on_nan(callbacks):
             # Per-batch logs are global values only with one process; with
             # several, the exact epoch logs are checked, so all stop together.
             first.append(fit_checks.FiniteLossCheck(per_batch=self._strategy.world_size == 1))
@@ -254,6 +254,13 @@ class EntryPoints:
         if not self.built:
             self._maybe_symbolic_build(data_batch=(x, None, None), forward_only=True)
         return super().predict_on_batch(x)
+
+
+def _stops_quietly_on_nan(callbacks) -> bool:
+    """Whether the user passed `keras.callbacks.TerminateOnNaN`, whose
+    contract is to stop training quietly at a NaN/Inf loss: then that, not
+    our error (`fit_checks.FiniteLossCheck`), is what happens."""
+    return any(isinstance(c, keras.callbacks.TerminateOnNaN) for c in callback_list(callbacks))
 
 
 def callback_list(callbacks) -> list:

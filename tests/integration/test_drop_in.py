@@ -138,3 +138,15 @@ def test_a_subclass_nested_in_a_functional_model_trains_with_it(strategy):
     got = trained(DistributedInner(strategy=strategy), kd.DistributedModel, strategy=strategy)
     for a, b in zip(got, expected):
         np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
+
+
+# -- callbacks keep their contracts ---------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["single", "mirrored"])
+def test_terminate_on_nan_stops_quietly(strategy):
+    x, y = make_data()
+    model = build("functional", strategy, optimizer=keras.optimizers.SGD(1e30))
+    history = model.fit(x, y, batch_size=32, epochs=5, verbose=0,
+                        callbacks=[keras.callbacks.TerminateOnNaN()])
+    assert len(history.history["loss"]) == 1 and not np.isfinite(history.history["loss"][0])
