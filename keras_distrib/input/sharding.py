@@ -183,6 +183,11 @@ def _shard_arrays(x, y, sample_weight, batch_size, rows, seed, repeat=False, fir
     # tf.data would stack a list of inputs into one tensor: a multi-input
     # `x=[xa, xb]` stays a structure of separate inputs as a tuple.
     arrays = tuple(keras.tree.lists_to_tuples(a) for a in (x, y, sample_weight) if a is not None)
+    if len(arrays) == 1:
+        # `x` alone: each batch is `x`'s batch itself, not `(x,)`, as Keras's
+        # own array input gives it (`pack_x_y_sample_weight`); a custom
+        # `train_step(self, data)` (keras-io's GAN, VAE) reads `data` as x.
+        arrays = keras.utils.pack_x_y_sample_weight(arrays[0])
     data_lib.check_same_length(x=x, y=y, sample_weight=sample_weight)
     n = int(tf.nest.flatten(x)[0].shape[0])
     ragged = any(isinstance(t, tf.RaggedTensor) for t in tf.nest.flatten(arrays))

@@ -150,3 +150,33 @@ def test_terminate_on_nan_stops_quietly(strategy):
     history = model.fit(x, y, batch_size=32, epochs=5, verbose=0,
                         callbacks=[keras.callbacks.TerminateOnNaN()])
     assert len(history.history["loss"]) == 1 and not np.isfinite(history.history["loss"][0])
+
+
+# -- what a custom step receives --------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["single", "mirrored"])
+def test_fit_without_y_hands_a_custom_train_step_x_itself(strategy):
+    # keras-io's DCGAN and VAE: `fit(images)`, then `train_step(self, data)`
+    # uses `data` as the batch of images.
+    seen = []
+
+    class AutoEncoder(kd.DistributedModel):
+        def __init__(self):
+            super().__init__(strategy=strategy)
+            self.dense = keras.layers.Dense(FEATURES)
+
+        def call(self, x):
+            return self.dense(x)
+
+        def train_step(self, data):
+            seen.append(type(data))
+            loss = keras.ops.mean((self(data) - data) ** 2)  # fails on a tuple
+            return {"loss": loss}
+
+    x, _ = make_data()
+    model = AutoEncoder()
+    model.compile(optimizer="sgd")
+    history = model.fit(x, batch_size=32, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+    assert tuple not in seen and seen
