@@ -11,6 +11,8 @@ Keras 3's own tf.distribute paths fail for multi-worker engines
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 import weakref
 from typing import Any, Callable, ClassVar, Optional, Sequence
 
@@ -113,7 +115,8 @@ class TFDistributeStrategy(Lockstep, Strategy):
 
         def seeded_fn(shard):
             index = tf.distribute.get_replica_context().replica_id_in_sync_group
-            with replica_seeds.as_replica(index):
+            with replica_seeds.as_replica(index), \
+                    _warnings_shown(tf.get_static_value(index) in (None, first)):
                 return replica_fn(shard)
 
         per_replica = self._tf_strategy.experimental_distribute_values_from_function(value_fn)
@@ -189,3 +192,18 @@ class TFDistributeStrategy(Lockstep, Strategy):
     def local_replica_variables(self, variable: Any) -> list:
         value = getattr(variable, "value", variable)
         return list(self._tf_strategy.experimental_local_results(value))
+
+
+@contextlib.contextmanager
+def _warnings_shown(shown: bool):
+    """Python warnings of the step (Keras's input-structure warning, a
+    user's layer's) shown once, by the first local replica: every replica
+    runs the step's Python, which plain Keras runs once. TensorFlow runs
+    the replicas' threads one at a time (`mirrored_run`), so the filter set
+    for a replica is not in force while another runs alongside."""
+    if shown:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield

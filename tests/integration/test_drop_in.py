@@ -180,3 +180,22 @@ def test_fit_without_y_hands_a_custom_train_step_x_itself(strategy):
     history = model.fit(x, batch_size=32, epochs=1, verbose=0)
     assert np.isfinite(history.history["loss"][0])
     assert tuple not in seen and seen
+
+
+@pytest.mark.parametrize("strategy", ["single", "mirrored", "central_storage"])
+def test_a_warning_of_the_step_is_shown_once(strategy):
+    import warnings
+
+    class Loud(keras.layers.Layer):
+        def call(self, x):
+            warnings.warn("kd-test: a user's layer warns")
+            return x
+
+    inputs = keras.Input((FEATURES,))
+    model = kd.DistributedModel(inputs, keras.layers.Dense(2)(Loud()(inputs)), strategy=strategy)
+    model.build((None, FEATURES))  # the warnings of predict's trace alone are counted
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.predict(np.ones((4, FEATURES), "float32"), batch_size=4, verbose=0)
+    assert [str(w.message) for w in caught if "kd-test" in str(w.message)] == [
+        "kd-test: a user's layer warns"]
