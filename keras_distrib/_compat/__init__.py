@@ -67,6 +67,7 @@ from keras_distrib._compat.keras_layers import (
     all_layers,
     call_has_training_arg,
     clone_functional,
+    direct_layers,
     drop_whole_layer_variables,
     functional_arguments,
     functional_class,

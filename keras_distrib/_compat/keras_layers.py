@@ -38,7 +38,8 @@ PRIVATE = (
     # is_functional_call, functional_arguments, save_as_keras_model
     "keras.src.models.model:functional_init_arguments",
     "keras.src.api_export:REGISTERED_OBJS_TO_NAMES",
-    # take_added_losses, added_losses_per_thread, all_layers, call_has_training_arg
+    # take_added_losses, added_losses_per_thread, all_layers, direct_layers,
+    # call_has_training_arg
     f"{_LAYER}._get_own_losses",
     f"{_LAYER}._clear_losses",
     f"{_LAYER}._losses",
@@ -292,6 +293,13 @@ def all_layers(model) -> list:
     """Every layer nested in `model` (`Layer._flatten_layers`), found through
     custom layers too, which `model.layers` does not descend into."""
     return list(model._flatten_layers(include_self=False, recursive=True))
+
+
+def direct_layers(model) -> list:
+    """`model.layers` (its direct sub-layers, `Layer._flatten_layers`),
+    also for a layer mixed with a trainer, which has no `layers` property
+    (Keras's trainer_test builds models that way)."""
+    return list(model._flatten_layers(include_self=False, recursive=False))
 
 
 def call_has_training_arg(model) -> bool:

@@ -80,7 +80,8 @@ def test_predict_on_a_generator_loses_no_batch(strategy):
 # -- any global batch -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("strategy", ["mirrored", "central_storage"])
+@pytest.mark.parametrize("strategy", ["mirrored", "central_storage", "tensor_parallel",
+                                      "pipeline"])
 def test_a_batch_the_replicas_cannot_share_evenly_trains_as_one_device(strategy):
     x, y = make_data()
     reference, model = build("functional", "single"), build("functional", strategy)

@@ -64,8 +64,8 @@ Under a configured cluster (the launcher) each worker runs the whole
 pipeline on its local devices and the strategy is data-parallel across
 workers (`keras_distrib.strategies.hybrid`): after the last backward pass
 of a step, the summed gradients are all-reduced once with every worker's.
-An explicit `batch_size` must then be divisible by `num_micro_batches`
-times the number of workers.
+Any global batch trains: micro-batches the batch does not divide into
+evenly are one row apart, each weighed by its row count.
 """
 
 from __future__ import annotations
@@ -106,8 +106,8 @@ class Pipeline(WorkerReplicas, Strategy):
         num_micro_batches: micro-batches per global batch (default
             `4 * num_stages`: GPipe's measurements show the bubble becomes
             negligible from about 4 micro-batches per stage, and 8 divides
-            the default batch of 32 for 2 stages). An explicit `batch_size`
-            must be divisible by it.
+            the default batch of 32 for 2 stages). A batch it does not
+            divide is split into micro-batches one row apart.
         schedule: `"1f1b"` (default: one forward, one backward; holds at
             most `num_stages - s` micro-batches of activations on stage
             `s`) or `"gpipe"` (all forwards, then all backwards; holds all
@@ -266,18 +266,6 @@ class Pipeline(WorkerReplicas, Strategy):
         )
 
     # -- input --------------------------------------------------------------------------
-
-    def check_batch_size(self, batch_size: Optional[int], name: str = "batch_size") -> None:
-        super().check_batch_size(batch_size, name)
-        m = self.num_micro_batches * self.world_size
-        if batch_size is not None and batch_size % m:
-            lower = batch_size - batch_size % m
-            examples = " or ".join(str(b) for b in (lower, lower + m) if b > 0)
-            workers = f" x {self.world_size} workers" if self.world_size > 1 else ""
-            raise ValueError(
-                f"{name}={batch_size} is not divisible by num_micro_batches="
-                f"{self.num_micro_batches}{workers} of strategy 'pipeline'; use a multiple of "
-                f"{m} (e.g. {examples}).")
 
     # -- execution ----------------------------------------------------------------------
 

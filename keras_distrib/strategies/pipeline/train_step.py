@@ -112,10 +112,14 @@ class _ScheduledStep:
         with _compat.captured_output_losses(model) as per_output:
             loss = _compat.compute_loss(model, x=micro_batch.x, y=micro_batch.y, y_pred=y_pred,
                                         sample_weight=micro_batch.sample_weight, training=True)
-        micro_batch.output_sums = [tf.cast(v, tf.float32) * tf.cast(
-            batch_rows(micro_batch.x), tf.float32) for v in per_output]
-        # This micro-batch's share of the global mean loss.
-        loss = loss * tf.cast(batch_rows(micro_batch.x), loss.dtype) / tf.cast(
+        rows = tf.cast(batch_rows(micro_batch.x), tf.float32)
+        # An empty micro-batch's mean is NaN (0/0); its sum is 0.
+        micro_batch.output_sums = [tf.where(rows > 0, tf.cast(v, tf.float32) * rows, 0.0)
+                                   for v in per_output]
+        # This micro-batch's share of the global mean loss. A batch with
+        # fewer rows than micro-batches leaves some empty: Keras's loss of
+        # no rows has shape [0], whose sum is their share, 0.
+        loss = tf.reduce_sum(loss) * tf.cast(batch_rows(micro_batch.x), loss.dtype) / tf.cast(
             self.rows, loss.dtype)
         target = model.optimizer.scale_loss(loss)
         micro_batch.loss = tf.add_n([loss, *(tf.cast(a, loss.dtype)

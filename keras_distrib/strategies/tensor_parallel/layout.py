@@ -154,6 +154,12 @@ class LayerPlan:
     reason: str = ""
 
 
+def _layers_of(template) -> list:
+    """`template.layers`; none for a layer mixed with a trainer (Keras's
+    "a model is a layer and a Trainer"), whose own variables stay whole."""
+    return list(getattr(template, "layers", ()))
+
+
 def plan_layers(template, layout: Mapping[str, str], devices: Sequence[str]) -> dict[str, LayerPlan]:
     """Layer name -> `LayerPlan` for the functional `template`.
 
@@ -162,8 +168,9 @@ def plan_layers(template, layout: Mapping[str, str], devices: Sequence[str]) -> 
             patterns of different kinds, or a layer the layout asks to split
             that cannot be split.
     """
-    layers = [layer for layer in template.layers if layer.weights or _is_splittable_type(layer)]
-    names = [layer.name for layer in template.layers]
+    layers = [layer for layer in _layers_of(template)
+              if layer.weights or _is_splittable_type(layer)]
+    names = [layer.name for layer in _layers_of(template)]
     for pattern in layout:
         if not any(re.fullmatch(pattern, name) for name in names):
             raise ValueError(
@@ -237,7 +244,7 @@ def _graph_links(template):
     they are left out, and so never paired.
     """
     producer_of_tensor, uses = {}, {}
-    for layer in template.layers:
+    for layer in _layers_of(template):
         try:
             outputs = _flat(layer.output)
         except (AttributeError, ValueError):
@@ -245,7 +252,7 @@ def _graph_links(template):
         for tensor in outputs:
             producer_of_tensor[id(tensor)] = layer
     producers = {}
-    for layer in template.layers:
+    for layer in _layers_of(template):
         try:
             inputs = _flat(layer.input)
         except (AttributeError, ValueError):

@@ -179,7 +179,7 @@ class TensorParallel(WorkerReplicas, Strategy):
         moved = []
         # Eagerly, and at once: this may run inside fit's symbolic build.
         with tf.init_scope(), _compat.variables_made_at_once():
-            for layer in model.layers:
+            for layer in _compat.direct_layers(model):
                 if layer in self._laid_out or not layer.built:
                     continue  # a subclass's layer is laid out once its first call built it
                 plan = plans.get(layer.name)
@@ -201,7 +201,7 @@ class TensorParallel(WorkerReplicas, Strategy):
         (`holds`) and its layers (`plan()` without a model)."""
         for variable in model.weights:
             self._held[id(variable.value)] = variable.value
-        self._last_layers = [weakref.ref(layer) for layer in model.layers]
+        self._last_layers = [weakref.ref(layer) for layer in _compat.direct_layers(model)]
 
     def _lay_out(self, layer, plan) -> None:
         self._laid_out.add(layer)
@@ -282,7 +282,7 @@ class TensorParallel(WorkerReplicas, Strategy):
         return keras_make_predict_function()
 
     def _check_laid_out(self, model) -> None:
-        missing = [layer.name for layer in model.layers
+        missing = [layer.name for layer in _compat.direct_layers(model)
                    if layer.weights and layer not in self._laid_out]
         if missing:
             raise ValueError(
@@ -306,7 +306,7 @@ class TensorParallel(WorkerReplicas, Strategy):
         lives, and the bytes of its optimizer's variables per device, read
         from the variables; `print()` it for a table with bytes per device."""
         if model is not None:
-            layers = list(model.layers)
+            layers = list(_compat.direct_layers(model))
         else:
             layers = [layer for layer in (ref() for ref in self._last_layers) if layer is not None]
         kinds = {layer.name: self._kinds[layer] for layer in layers if layer in self._kinds}
@@ -351,7 +351,7 @@ class TensorParallel(WorkerReplicas, Strategy):
 def _whole_entries(model) -> list:
     """`model.weights` in order, with each split layer's shards standing
     once, as that layer's `SplitLayer`, where its first shard is."""
-    owners = {id(variable): split for layer in model.layers
+    owners = {id(variable): split for layer in _compat.direct_layers(model)
               if (split := SplitLayer.of(layer)) is not None for variable in split.variables()}
     entries, done = [], set()
     for variable in model.weights:
