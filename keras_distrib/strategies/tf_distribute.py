@@ -19,6 +19,7 @@ from typing import Any, Callable, ClassVar, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
+from keras_distrib import _compat
 from keras_distrib import replica_seeds
 from keras_distrib.input import data as data_lib
 from keras_distrib.strategies.base import Capabilities, Strategy
@@ -107,7 +108,10 @@ class TFDistributeStrategy(Lockstep, Strategy):
     # -- the step -------------------------------------------------------------------
 
     def run(self, replica_fn: Callable, batch: Any):
-        shards = data_lib.split_batch(batch, self.num_local_replicas)
+        # A generator's None (an optional input) reaches here as an empty
+        # Optional, which Keras's step function turns back into None; the
+        # split must see it as None too.
+        shards = data_lib.split_batch(_compat.absent_as_none(batch), self.num_local_replicas)
         first = self.first_local_replica
 
         def value_fn(ctx):

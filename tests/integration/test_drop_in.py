@@ -200,3 +200,24 @@ def test_a_warning_of_the_step_is_shown_once(strategy):
         model.predict(np.ones((4, FEATURES), "float32"), batch_size=4, verbose=0)
     assert [str(w.message) for w in caught if "kd-test" in str(w.message)] == [
         "kd-test: a user's layer warns"]
+
+
+@pytest.mark.parametrize("strategy", ["single", "mirrored", "central_storage"])
+def test_an_optional_input_given_as_none_by_a_generator(strategy):
+    class OptionalInput(keras.layers.Layer):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(2, kernel_initializer="ones")
+
+        def call(self, x, o=None):
+            return self.dense(x if o is None else x + o)
+
+    x_in, o_in = keras.Input((2,), name="x"), keras.Input((2,), name="o", optional=True)
+    model = kd.DistributedModel({"x": x_in, "o": o_in}, OptionalInput()(x_in, o_in),
+                                strategy=strategy)
+
+    def batches():
+        for _ in range(4):
+            yield ({"x": np.ones((2, 2), "float32"), "o": None},)
+
+    np.testing.assert_array_equal(model.predict(batches(), verbose=0), np.full((8, 2), 2.0))
