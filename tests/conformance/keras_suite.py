@@ -210,9 +210,14 @@ FILES = (
 )
 
 
-def expose_all(namespace: dict, strategy: str) -> None:
-    """Every file of `FILES` under `strategy` into `namespace`."""
-    for relpath in FILES:
+# The files run under multi_worker, in 2 processes: the model classes and
+# the callbacks.
+MULTI_WORKER_FILES = tuple(f for f in FILES if not f.startswith("trainers/"))
+
+
+def expose_all(namespace: dict, strategy: str, files=FILES) -> None:
+    """Every file of `files` under `strategy` into `namespace`."""
+    for relpath in files:
         expose(namespace, relpath, [strategy])
 
 
@@ -224,6 +229,7 @@ def expose(namespace: dict, relpath: str, strategies) -> None:
     for strategy in strategies:
         module = load(relpath, None if strategy == "keras" else strategy)
         for name, cls in test_classes(module).items():
-            namespace[f"{name}__{strategy}"] = type(f"{name}__{strategy}", (cls,),
-                                                    {"kd_strategy": strategy,
-                                                     "__module__": namespace["__name__"]})
+            namespace[f"{name}__{strategy}"] = type(
+                f"{name}__{strategy}", (cls,),
+                {"kd_strategy": strategy, "kd_test": f"{relpath}::{name}",
+                 "__module__": namespace["__name__"]})
