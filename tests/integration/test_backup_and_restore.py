@@ -28,9 +28,10 @@ def _model(strategy="single"):
     return build("functional", strategy, optimizer=keras.optimizers.Adam(0.01))
 
 
-def _fit(model, data, backup_dir, *extra, save_freq=4, epochs=EPOCHS):
+def _fit(model, data, backup_dir, *extra, save_freq=4, epochs=EPOCHS, **options):
     x, y = data
-    callbacks = [kd.callbacks.BackupAndRestore(backup_dir, save_freq=save_freq), *extra]
+    callbacks = [kd.callbacks.BackupAndRestore(backup_dir, save_freq=save_freq, **options),
+                 *extra]
     if isinstance(x, keras.utils.PyDataset):
         return model.fit(x, epochs=epochs, shuffle=True, verbose=0, callbacks=callbacks)
     return model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=True, verbose=0,
@@ -208,12 +209,32 @@ def test_delete_checkpoint_false_keeps_the_last_backup_and_resumes_at_the_end(da
     _assert_same_state(again, model)
 
 
+def test_double_checkpoint_resumes_from_the_backup_before_a_damaged_one(
+        data, uninterrupted, tmp_path, capsys):
+    with pytest.raises(Crash):
+        _fit(_model(), data, tmp_path, CrashAfter(10), double_checkpoint=True)
+    assert sorted(os.listdir(tmp_path)) == ["backup-000000000004", "backup-000000000008"]
+    (tmp_path / "backup-000000000008" / backup_and_restore.WEIGHTS).write_text("0")
+    capsys.readouterr()
+    second = _model()
+    _fit(second, data, tmp_path, double_checkpoint=True)
+    said = capsys.readouterr().out.splitlines()
+    assert said[:2] == [
+        f"keras_distrib: the backup {tmp_path / 'backup-000000000008'} is damaged "
+        f"(weights.weights.h5 is missing or not an HDF5 file); it is removed and training "
+        "resumes from the backup before it.",
+        f"keras_distrib: resuming from step 4 (epoch 1, step 4) of the backup in "
+        f"{tmp_path / 'backup-000000000004'}."], said
+    _assert_same_state(second, uninterrupted[4])
+
+
 def test_a_damaged_backup_is_a_one_line_error(data, tmp_path):
     damaged = tmp_path / "backup-000000000004"
     damaged.mkdir()
     (damaged / "state.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"^The backup .*backup-000000000004 is damaged "
-                                         r"\(.*\); delete that directory") as error:
+                                         r"\(.*\) and no older one reads; delete .* to "
+                                         r"start afresh\.$") as error:
         _fit(_model(), data, tmp_path)
     assert "\n" not in str(error.value)
 
@@ -260,3 +281,4 @@ def test_sigterm_stops_fit_after_a_library_replaced_the_handler(data, tmp_path):
         assert library_got == [signal.SIGTERM]
     finally:
         signal.signal(signal.SIGTERM, previous)
+
