@@ -35,6 +35,10 @@ It also writes the backup when `fit` stops on a SIGTERM
 Under `keras-distrib launch` the chief reports each backup it wrote in one
 line (`launch_contract.BACKUP_LINE`), which the launcher keeps off its
 output and uses to say from which step a restarted job goes on.
+
+Keras's own `keras.callbacks.BackupAndRestore` given to
+`DistributedModel.fit` is replaced by this one, with its arguments
+(`keras_distrib.callbacks.keras_backup`).
 """
 
 from __future__ import annotations
@@ -82,7 +86,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         delete_checkpoint: Remove the backups when `fit` ends normally
             (as Keras does), so that the next run trains afresh.
 
-    The arguments are those of `keras.callbacks.BackupAndRestore`.
+    The arguments are those of `keras.callbacks.BackupAndRestore`, which
+    `DistributedModel.fit` replaces by this one (`keras_backup`).
 
     Example:
 
@@ -193,8 +198,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         if preemption.stopped_at(self.model) is not None:
             self._save()
         elif self.delete_checkpoint and self._strategy.is_chief:
-            for path in self._backup_paths():
-                shutil.rmtree(path, ignore_errors=True)
+            self._delete_backups()
+
+    def _delete_backups(self) -> None:
+        for path in self._backup_paths():
+            shutil.rmtree(path, ignore_errors=True)
 
     # -- saving and restoring ------------------------------------------------------
 
@@ -235,7 +243,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         # The new one is the newest: backups are named by the global step.
-        for path in self._backup_paths()[:-self._keep]:
+        paths = self._backup_paths()
+        self._published(paths[-self._keep:])
+        for path in paths[:-self._keep]:
             shutil.rmtree(path, ignore_errors=True)
         if launch_contract.RESTART_ENV in os.environ:
             print(f"{launch_contract.BACKUP_LINE}{_point(state)}.", flush=True)
@@ -248,6 +258,10 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _keep(self) -> int:
         """How many backups stay: the newest, and with `double_checkpoint` the one before."""
         return 2 if self.double_checkpoint else 1
+
+    def _published(self, kept: list) -> None:
+        """Called on the chief after each backup with the paths of those
+        that stay (oldest first), before the others are removed."""
 
     def _restore(self) -> None:
         """The chief loads the backup; every worker gets its values."""
@@ -342,8 +356,11 @@ def _read_state(path: str) -> dict:
 
 def _remove_unfinished(directory: str) -> None:
     for name in os.listdir(directory):
-        if name.startswith(".tmp-"):
-            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+        path = os.path.join(directory, name)
+        if name.startswith(".tmp-") and os.path.islink(path):
+            os.remove(path)  # a link to a backup's file (KerasBackupAndRestore)
+        elif name.startswith(".tmp-"):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _fsync_dir(path: str) -> None:

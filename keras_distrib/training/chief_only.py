@@ -6,11 +6,13 @@ strategy `DistributedModel` therefore, on every worker but the chief:
 
 * turns the progress bar off (`verbose=0`);
 * points `ModelCheckpoint`, `TensorBoard`, `CSVLogger` and the writes of
-  `BackupAndRestore` at a private scratch directory that is deleted after
-  the call. These callbacks still *run* there: saving may read replicated
-  variables with collectives, which every worker must join.
-  `BackupAndRestore` still *reads* the chief's backup, so every worker
-  resumes from the same state.
+  a `BackupAndRestore` subclass with hooks of its own at a private scratch
+  directory that is deleted after the call. These callbacks still *run*
+  there: saving may read replicated variables with collectives, which
+  every worker must join. Such a `BackupAndRestore` still *reads* the
+  chief's backup, so every worker resumes from the same state. (Keras's
+  class itself, and subclasses without hooks of their own, were replaced
+  by keras_distrib's before: `keras_distrib.callbacks.keras_backup`.)
 
 The user's callback objects are never modified (copies are redirected).
 Opt out with `model.chief_only_side_effects = False`.
