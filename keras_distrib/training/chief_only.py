@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import os
 import shutil
 import tempfile
@@ -69,10 +70,17 @@ class _ReadOnlyBackup(keras.callbacks.BackupAndRestore):
     @classmethod
     def of(cls, callback, scratch):
         redirected_copy = copy.copy(callback)
-        redirected_copy.__class__ = cls
+        redirected_copy.__class__ = _read_only(type(callback))
         redirected_copy._scratch = scratch
         return redirected_copy
 
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
         _compat.redirect_backup_writes(self, self._scratch)
+
+
+@functools.lru_cache(maxsize=None)
+def _read_only(backup_class: type) -> type:
+    """`_ReadOnlyBackup` in front of `backup_class`: a subclass's own hooks
+    still run, around Keras's."""
+    return type(f"ReadOnly{backup_class.__name__}", (_ReadOnlyBackup, backup_class), {})

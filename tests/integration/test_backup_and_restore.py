@@ -20,6 +20,7 @@ from helpers import Batches, Crash, CrashAfter, build, make_data, plain_model
 from keras_distrib import preemption
 from keras_distrib.callbacks import backup_and_restore, keras_backup
 from keras_distrib.cluster import launch_contract
+from keras_distrib.training import chief_only
 
 EPOCHS, BATCH = 3, 32  # 203 samples: 7 steps per epoch, 21 in all
 
@@ -375,3 +376,11 @@ def test_keras_backup_and_restore_is_adopted_unless_its_code_would_be_lost(tmp_p
                                          r"keras_distrib.callbacks.BackupAndRestore"):
         keras_backup.KerasBackupAndRestore(kept[0])
 
+
+def test_a_keras_backup_subclass_keeps_its_own_hooks_on_the_other_workers(tmp_path):
+    """Not adopted, it runs as Keras's callback, its writes redirected to
+    scratch on workers other than the chief: its own code runs there too."""
+    with chief_only.redirected([_OwnHook(str(tmp_path))], is_chief=False,
+                               enabled=True) as (redirected,):
+        assert isinstance(redirected, _OwnHook)
+        assert type(redirected).on_epoch_end is _OwnHook.on_epoch_end
