@@ -17,8 +17,10 @@ The class is made of mixins from `keras_distrib.training`, one concern each:
 strategy's), `replica_step.ReplicaStep` (the per-replica math),
 `gradient_reduction.GradientReduction` (the step's one reduction) and
 `entry_points.EntryPoints` (`fit`, `evaluate`, `predict`). This module keeps
-what needs the strategies: resolving `strategy=`, the function-making layer,
-the strategy-side helpers the mixins ask for, `from_model` and loading.
+what needs the strategies or the callbacks: resolving `strategy=`, the
+function-making layer, the helpers the mixins ask for (such as putting
+keras_distrib's `BackupAndRestore` in place of Keras's), `from_model` and
+loading.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import tensorflow as tf
 
 from keras_distrib import _compat
 from keras_distrib import placement
+from keras_distrib.callbacks import keras_backup
 from keras_distrib.strategies.parameter_server import sharded_variables
 from keras_distrib import strategies
 from keras_distrib.strategies import registry
@@ -115,8 +118,8 @@ class DistributedTrainer(StrategyAdoption, ReplicaStep, GradientReduction, Entry
     jit_compile = property(keras.Model.jit_compile.fget, _set_jit_compile,
                            doc=keras.Model.jit_compile.__doc__)
 
-    # -- what the mixins take from the strategies ------------------------------
-    # training/ lies below strategies/ and imports nothing from them.
+    # -- what the mixins take from the strategies and the callbacks -----------
+    # training/ lies below strategies/ and callbacks/ and imports nothing from them.
 
     def _weight_gradients(self, tape, target, factor=None) -> list:
         """The gradients of `target` for `trainable_weights` (see
@@ -132,6 +135,11 @@ class DistributedTrainer(StrategyAdoption, ReplicaStep, GradientReduction, Entry
         """`optimizer` and the optimizers it applies through (`optimizers_in`):
         each is adopted (`StrategyAdoption`)."""
         return optimizers_in(optimizer)
+
+    def _with_keras_backup_adopted(self, callbacks):
+        """`fit`'s callbacks with keras_distrib's `BackupAndRestore` in place of
+        Keras's (`keras_backup.adopt_keras_backup`)."""
+        return keras_backup.adopt_keras_backup(callbacks)
 
     # -- metrics: read through the strategy -----------------------------------
 

@@ -9,7 +9,8 @@ One module per thing wrapped:
 - `keras_backend`: Keras variables on TensorFlow, the stateless scope,
   the backend's seed draws;
 - `keras_optimizer`: Keras's TensorFlow optimizer internals;
-- `keras_callbacks`: BackupAndRestore's paths, TensorBoard's profiling;
+- `keras_callbacks`: BackupAndRestore's paths and progress, TensorBoard's
+  profiling;
 - `tf_distribute`: tf.distribute scopes, merge calls, collectives,
   ShardedVariable, Slurm, strategy options, DistributedDataset;
 - `tf_data`: tf.data graph rewriting, batch size, auto-sharding;
@@ -61,7 +62,12 @@ from keras_distrib._compat.keras_backend import (
     variables_made_at_once,
     wrap_backend_draw_seed,
 )
-from keras_distrib._compat.keras_callbacks import redirect_backup_writes, tensorboard_profiles
+from keras_distrib._compat.keras_callbacks import (
+    backup_paths,
+    redirect_backup_writes,
+    show_backup_progress,
+    tensorboard_profiles,
+)
 from keras_distrib._compat.keras_layers import (
     added_losses_per_thread,
     all_layers,

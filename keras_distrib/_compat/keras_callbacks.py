@@ -1,5 +1,6 @@
-"""Keras's callback internals: where `BackupAndRestore` writes and whether
-`TensorBoard` profiles. Verified on Keras 3.15.1."""
+"""Keras's callback internals: where `BackupAndRestore` writes and the
+progress it shows, and whether `TensorBoard` profiles. Verified on Keras
+3.15.1."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ PRIVATE = (
     f"{_BACKUP}._training_metadata_path",
     f"{_BACKUP}._prev_weights_path",
     f"{_BACKUP}._prev_training_metadata_path",
+    # backup_paths (the four above), show_backup_progress
+    f"{_BACKUP}._current_epoch",
+    f"{_BACKUP}._last_batch_seen",
     # tensorboard_profiles
     "keras.src.callbacks.tensorboard:TensorBoard._start_batch",
 )
@@ -27,6 +31,24 @@ def redirect_backup_writes(callback, directory: str) -> None:
     callback._training_metadata_path = os.path.join(directory, "training_metadata.json")
     callback._prev_weights_path = f"{callback._weights_path}.bkp"
     callback._prev_training_metadata_path = f"{callback._training_metadata_path}.bkp"
+
+
+def backup_paths(callback) -> tuple:
+    """A `BackupAndRestore`'s file paths, set in its `__init__` from
+    `backup_dir` (Keras has no public names for them): `(weights, training
+    metadata, previous weights, previous training metadata)`, the last two
+    written with `double_checkpoint`."""
+    return (callback._weights_path, callback._training_metadata_path,
+            callback._prev_weights_path, callback._prev_training_metadata_path)
+
+
+def show_backup_progress(callback, epochs_done: int, last_batch: int) -> None:
+    """Sets the progress a `BackupAndRestore` keeps as its own hooks do:
+    `_current_epoch`, the epochs done (set at each epoch's end), and
+    `_last_batch_seen`, the index of the epoch's last batch seen (0 after
+    an epoch's end)."""
+    callback._current_epoch = epochs_done
+    callback._last_batch_seen = last_batch
 
 
 def tensorboard_profiles(callback) -> bool:

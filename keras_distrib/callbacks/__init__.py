@@ -9,7 +9,8 @@ must use them, in the same order.
 
 * `BackupAndRestore` (collective): crash-safe backups every epoch or N
   steps; `fit` resumes exactly where the last one stands (also written when
-  the workers stop on a SIGTERM).
+  the workers stop on a SIGTERM). `DistributedModel.fit` runs it in place of
+  Keras's own `keras.callbacks.BackupAndRestore` (`keras_backup`).
 * `BroadcastInitialWeights` (collective): start from one rank's state.
 * `MetricAverage` (collective): logs averaged over processes; put it first.
 * `LearningRateWarmup`: gradual warmup to `lr * num_replicas` (Goyal et al.).

@@ -12,9 +12,11 @@ one unit that appears atomically:
         state.json                     epoch, step in it, global step, shuffle seed
 
 The chief writes it under a temporary name, syncs it to disk, then renames
-it into place and removes the older one, so an interrupted save always
-leaves the previous backup usable (leftover temporary directories are
-removed at the next start). Only the chief reads it too: it shares the
+it into place and removes the older one (keeps the one before it too with
+`double_checkpoint`), so an interrupted save always leaves the previous
+backup usable (leftover temporary directories are removed at the next
+start). A backup that does not read (a damaged disk) is skipped for the
+one before it, when there is one. Only the chief reads it too: it shares the
 resume point with one collective and its restored weights and optimizer
 state with a broadcast, so workers need not share a file system.
 
@@ -33,6 +35,10 @@ It also writes the backup when `fit` stops on a SIGTERM
 Under `keras-distrib launch` the chief reports each backup it wrote in one
 line (`launch_contract.BACKUP_LINE`), which the launcher keeps off its
 output and uses to say from which step a restarted job goes on.
+
+Keras's own `keras.callbacks.BackupAndRestore` given to
+`DistributedModel.fit` is replaced by this one, with its arguments
+(`keras_distrib.callbacks.keras_backup`).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ import shutil
 import uuid
 from typing import Optional
 
+import h5py
 import keras
 import numpy as np
 
@@ -74,8 +81,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         save_freq: `"epoch"` (after every epoch) or an int: after every
             that many training steps (and also where `fit` stops on a
             SIGTERM).
+        double_checkpoint: Keep the backup before the newest one too, to
+            resume from when the newest does not read (as Keras does).
         delete_checkpoint: Remove the backups when `fit` ends normally
             (as Keras does), so that the next run trains afresh.
+
+    The arguments are those of `keras.callbacks.BackupAndRestore`, which
+    `DistributedModel.fit` replaces by this one (`keras_backup`).
 
     Example:
 
@@ -85,7 +97,8 @@ class BackupAndRestore(keras.callbacks.Callback):
     ```
     """
 
-    def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint: bool = True):
+    def __init__(self, backup_dir, save_freq="epoch", double_checkpoint: bool = False,
+                 delete_checkpoint: bool = True):
         super().__init__()
         if not isinstance(backup_dir, (str, os.PathLike)) or not os.fspath(backup_dir):
             raise ValueError(f"backup_dir={backup_dir!r} must be a directory path.")
@@ -99,8 +112,10 @@ class BackupAndRestore(keras.callbacks.Callback):
                 f"save_freq={save_freq!r} must be 'epoch' or a number of steps >= 1.")
         self.backup_dir = os.path.abspath(os.fspath(backup_dir))
         self.save_freq = save_freq
+        self.double_checkpoint = bool(double_checkpoint)
         self.delete_checkpoint = bool(delete_checkpoint)
         self._found: Optional[tuple] = None  # the chief's (path, state) to restore
+        self._damaged: list = []  # the chief's newer backups that did not read
         self._start = fit_input.Start()
         self._global_step = 0
         self._seed: Optional[int] = None
@@ -114,7 +129,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         from it. Returns None when there is nothing to resume.
         """
         strategy = model.strategy
-        found = _latest(self.backup_dir) if strategy.is_chief else None
+        found, self._damaged = _latest(self.backup_dir) if strategy.is_chief else (None, [])
+        for path, reason in self._damaged:
+            print(f"keras_distrib: the backup {path} is damaged ({reason}); it is removed "
+                  "and training resumes from the backup before it.", flush=True)
         mine = np.zeros(6, np.int64)
         if found is not None:
             _, state = found
@@ -149,6 +167,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self._strategy.is_chief:
             os.makedirs(self.backup_dir, exist_ok=True)
             _remove_unfinished(self.backup_dir)
+            for path, _ in self._damaged:
+                shutil.rmtree(path, ignore_errors=True)
         if self._resuming:
             self._restore()
         self._epoch, self._step = self._start.epoch, self._start.step
@@ -178,8 +198,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         if preemption.stopped_at(self.model) is not None:
             self._save()
         elif self.delete_checkpoint and self._strategy.is_chief:
-            for name in _backups(self.backup_dir):
-                shutil.rmtree(os.path.join(self.backup_dir, name), ignore_errors=True)
+            self._delete_backups()
+
+    def _delete_backups(self) -> None:
+        for path in self._backup_paths():
+            shutil.rmtree(path, ignore_errors=True)
 
     # -- saving and restoring ------------------------------------------------------
 
@@ -219,11 +242,26 @@ class BackupAndRestore(keras.callbacks.Callback):
             _fsync_dir(self.backup_dir)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        for name in _backups(self.backup_dir):
-            if os.path.join(self.backup_dir, name) != final:
-                shutil.rmtree(os.path.join(self.backup_dir, name), ignore_errors=True)
+        # The new one is the newest: backups are named by the global step.
+        paths = self._backup_paths()
+        self._published(paths[-self._keep:])
+        for path in paths[:-self._keep]:
+            shutil.rmtree(path, ignore_errors=True)
         if launch_contract.RESTART_ENV in os.environ:
             print(f"{launch_contract.BACKUP_LINE}{_point(state)}.", flush=True)
+
+    def _backup_paths(self) -> list:
+        """The complete backups' directories, oldest first."""
+        return [os.path.join(self.backup_dir, name) for name in _backups(self.backup_dir)]
+
+    @property
+    def _keep(self) -> int:
+        """How many backups stay: the newest, and with `double_checkpoint` the one before."""
+        return 2 if self.double_checkpoint else 1
+
+    def _published(self, kept: list) -> None:
+        """Called on the chief after each backup with the paths of those
+        that stay (oldest first), before the others are removed."""
 
     def _restore(self) -> None:
         """The chief loads the backup; every worker gets its values."""
@@ -274,36 +312,55 @@ def _backups(directory: str) -> list:
     return sorted(n for n in names if _BACKUP.match(n))
 
 
-def _latest(directory: str) -> Optional[tuple]:
-    """`(path, state)` of the newest complete backup, or None."""
-    names = _backups(directory)
-    if not names:
-        return None
-    path = os.path.join(directory, names[-1])
-    return path, _read_state(path)
+def _latest(directory: str) -> tuple:
+    """`(path, state)` of the newest backup that reads, or None; and the
+    `(path, reason)` of the newer ones that do not.
+
+    Raises:
+        ValueError: no backup reads but some exist (a one-line error).
+    """
+    damaged = []
+    for name in reversed(_backups(directory)):
+        path = os.path.join(directory, name)
+        try:
+            return (path, _read_state(path)), damaged
+        except _Damaged as e:
+            damaged.append((path, str(e)))
+    if damaged:
+        path, reason = damaged[0]
+        raise ValueError(f"The backup {path} is damaged ({reason}) and no older one reads; "
+                         f"delete {directory} to start afresh.")
+    return None, []
+
+
+class _Damaged(Exception):
+    """A backup that does not read; the message says why."""
 
 
 def _read_state(path: str) -> dict:
-    file = os.path.join(path, STATE)
     try:
-        with open(file) as f:
+        with open(os.path.join(path, STATE)) as f:
             state = json.load(f)
-        if state.get("format") != _FORMAT or not os.path.exists(os.path.join(path, WEIGHTS)):
-            raise ValueError("unknown format or no weights")
+        if state.get("format") != _FORMAT:
+            raise ValueError("unknown format")
         for key in ("epoch", "step", "global_step"):
             int(state[key])
+        # The weights are read only once the model is built; a file that is
+        # not HDF5 at all (overwritten, zeroed) is seen here already.
+        if not h5py.is_hdf5(os.path.join(path, WEIGHTS)):
+            raise ValueError(f"{WEIGHTS} is missing or not an HDF5 file")
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(
-            f"The backup {path} is damaged ({e}); delete that directory to resume "
-            "from the previous backup, or the whole backup_dir to start afresh."
-        ) from None
+        raise _Damaged(e) from None
     return state
 
 
 def _remove_unfinished(directory: str) -> None:
     for name in os.listdir(directory):
-        if name.startswith(".tmp-"):
-            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+        path = os.path.join(directory, name)
+        if name.startswith(".tmp-") and os.path.islink(path):
+            os.remove(path)  # a link to a backup's file (KerasBackupAndRestore)
+        elif name.startswith(".tmp-"):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _fsync_dir(path: str) -> None:

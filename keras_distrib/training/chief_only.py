@@ -6,11 +6,13 @@ strategy `DistributedModel` therefore, on every worker but the chief:
 
 * turns the progress bar off (`verbose=0`);
 * points `ModelCheckpoint`, `TensorBoard`, `CSVLogger` and the writes of
-  `BackupAndRestore` at a private scratch directory that is deleted after
-  the call. These callbacks still *run* there: saving may read replicated
-  variables with collectives, which every worker must join.
-  `BackupAndRestore` still *reads* the chief's backup, so every worker
-  resumes from the same state.
+  a `BackupAndRestore` subclass with hooks of its own at a private scratch
+  directory that is deleted after the call. These callbacks still *run*
+  there: saving may read replicated variables with collectives, which
+  every worker must join. Such a `BackupAndRestore` still *reads* the
+  chief's backup, so every worker resumes from the same state. (Keras's
+  class itself, and subclasses without hooks of their own, were replaced
+  by keras_distrib's before: `keras_distrib.callbacks.keras_backup`.)
 
 The user's callback objects are never modified (copies are redirected).
 Opt out with `model.chief_only_side_effects = False`.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import os
 import shutil
 import tempfile
@@ -67,10 +70,17 @@ class _ReadOnlyBackup(keras.callbacks.BackupAndRestore):
     @classmethod
     def of(cls, callback, scratch):
         redirected_copy = copy.copy(callback)
-        redirected_copy.__class__ = cls
+        redirected_copy.__class__ = _read_only(type(callback))
         redirected_copy._scratch = scratch
         return redirected_copy
 
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
         _compat.redirect_backup_writes(self, self._scratch)
+
+
+@functools.lru_cache(maxsize=None)
+def _read_only(backup_class: type) -> type:
+    """`_ReadOnlyBackup` in front of `backup_class`: a subclass's own hooks
+    still run, around Keras's."""
+    return type(f"ReadOnly{backup_class.__name__}", (_ReadOnlyBackup, backup_class), {})

@@ -7,10 +7,12 @@ strategy (`fit` as a `FitInput`), and runs Keras's own loop with:
 
 * side effects on the chief only (`chief_only`) and the strategy's
   one-line errors in place of TensorFlow's (`_clearer_failure`);
-* for `fit`, one `FitState` (`model.fit_state`), the resume point of a
-  `Resumable` callback, and internal callbacks around the user's: the
-  preemption watch, the finite-loss check, and the check that all replicas
-  agree (`_internal_callbacks`).
+* for `fit`, Keras's `BackupAndRestore` replaced by ours (which the model
+  does: `_with_keras_backup_adopted`), one `FitState`
+  (`model.fit_state`), the resume point of a `Resumable` callback, and
+  internal callbacks around the user's: the preemption watch, the
+  finite-loss check, and the check that all replicas agree
+  (`_internal_callbacks`).
 
 `with_resume_and_preemption` wraps the train function the model makes: the
 steps to replay after a resume, the preemption check after each step.
@@ -55,6 +57,9 @@ class EntryPoints:
             self._strategy, "fit", x, batch_size=batch_size, epochs=epochs,
             initial_epoch=kwargs.get("initial_epoch", 0), steps=steps_per_epoch,
             steps_per_execution=self.steps_per_execution)
+        # Keras's BackupAndRestore resumes at an epoch's start, reshuffled, and
+        # is not crash-safe: ours takes its place, with its arguments.
+        callbacks = self._with_keras_backup_adopted(callbacks)
         self._strategy.check_callbacks(callback_list(callbacks))
         backup = fit_state_lib.resumable_among(callback_list(callbacks))
         start = backup.resume_point(self) if backup is not None else None
@@ -81,6 +86,12 @@ class EntryPoints:
                      "; nothing was saved (add keras_distrib.callbacks.BackupAndRestore)")
             raise preemption.announce(state.preempted_at, where)
         return history
+
+    def _with_keras_backup_adopted(self, callbacks):
+        """`callbacks` with Keras's `BackupAndRestore` replaced by
+        keras_distrib's (`keras_distrib.callbacks.keras_backup`). The model
+        defines it: training/ lies below the callbacks and imports none."""
+        raise NotImplementedError
 
     def _keras_fit(self, fit: FitInput, state: fit_state_lib.FitState, epochs, verbose,
                    callbacks, kwargs):

@@ -148,6 +148,12 @@ def test_only_the_chief_printed_and_wrote_files(run):
     _, _, out, _, stdout = run
     files = out / "files"
     assert sorted(os.listdir(files)) == ["backup", "ckpt-1.keras", "ckpt-2.keras", "log.csv", "tb"]
+    # Keras's BackupAndRestore ran as keras_distrib's: the chief's one backup
+    # of step 14, and Keras's file names leading to its files.
+    assert sorted(os.listdir(files / "backup")) == [
+        "backup-000000000014", "latest.weights.h5", "training_metadata.json"]
+    with open(files / "backup" / "training_metadata.json") as f:
+        assert json.load(f)["epoch"] == 2
     with open(files / "log.csv") as f:
         assert len(f.read().strip().splitlines()) == 3  # header + 2 epochs, one writer
     assert len(glob.glob(str(files / "tb" / "train" / "events.*"))) == 1

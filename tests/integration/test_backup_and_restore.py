@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 
 import keras_distrib as kd
-from helpers import Batches, Crash, CrashAfter, build, make_data
+from helpers import Batches, Crash, CrashAfter, build, make_data, plain_model
 from keras_distrib import preemption
-from keras_distrib.callbacks import backup_and_restore
+from keras_distrib.callbacks import backup_and_restore, keras_backup
 from keras_distrib.cluster import launch_contract
+from keras_distrib.training import chief_only
 
 EPOCHS, BATCH = 3, 32  # 203 samples: 7 steps per epoch, 21 in all
 
@@ -28,9 +29,10 @@ def _model(strategy="single"):
     return build("functional", strategy, optimizer=keras.optimizers.Adam(0.01))
 
 
-def _fit(model, data, backup_dir, *extra, save_freq=4, epochs=EPOCHS):
+def _fit(model, data, backup_dir, *extra, save_freq=4, epochs=EPOCHS, **options):
     x, y = data
-    callbacks = [kd.callbacks.BackupAndRestore(backup_dir, save_freq=save_freq), *extra]
+    callbacks = [kd.callbacks.BackupAndRestore(backup_dir, save_freq=save_freq, **options),
+                 *extra]
     if isinstance(x, keras.utils.PyDataset):
         return model.fit(x, epochs=epochs, shuffle=True, verbose=0, callbacks=callbacks)
     return model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=True, verbose=0,
@@ -208,12 +210,32 @@ def test_delete_checkpoint_false_keeps_the_last_backup_and_resumes_at_the_end(da
     _assert_same_state(again, model)
 
 
+def test_double_checkpoint_resumes_from_the_backup_before_a_damaged_one(
+        data, uninterrupted, tmp_path, capsys):
+    with pytest.raises(Crash):
+        _fit(_model(), data, tmp_path, CrashAfter(10), double_checkpoint=True)
+    assert sorted(os.listdir(tmp_path)) == ["backup-000000000004", "backup-000000000008"]
+    (tmp_path / "backup-000000000008" / backup_and_restore.WEIGHTS).write_text("0")
+    capsys.readouterr()
+    second = _model()
+    _fit(second, data, tmp_path, double_checkpoint=True)
+    said = capsys.readouterr().out.splitlines()
+    assert said[:2] == [
+        f"keras_distrib: the backup {tmp_path / 'backup-000000000008'} is damaged "
+        f"(weights.weights.h5 is missing or not an HDF5 file); it is removed and training "
+        "resumes from the backup before it.",
+        f"keras_distrib: resuming from step 4 (epoch 1, step 4) of the backup in "
+        f"{tmp_path / 'backup-000000000004'}."], said
+    _assert_same_state(second, uninterrupted[4])
+
+
 def test_a_damaged_backup_is_a_one_line_error(data, tmp_path):
     damaged = tmp_path / "backup-000000000004"
     damaged.mkdir()
     (damaged / "state.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"^The backup .*backup-000000000004 is damaged "
-                                         r"\(.*\); delete that directory") as error:
+                                         r"\(.*\) and no older one reads; delete .* to "
+                                         r"start afresh\.$") as error:
         _fit(_model(), data, tmp_path)
     assert "\n" not in str(error.value)
 
@@ -260,3 +282,105 @@ def test_sigterm_stops_fit_after_a_library_replaced_the_handler(data, tmp_path):
         assert library_got == [signal.SIGTERM]
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+# -- Keras's own BackupAndRestore, passed to a DistributedModel --------------------------
+
+KERAS_EPOCHS, KERAS_SAVE_FREQ = 4, 3  # 28 steps; backups at steps 3, 6, 9, ...
+
+
+def _fit_with_keras_backup(model, data, backup_dir, *extra, process):
+    """`fit` with `keras.callbacks.BackupAndRestore`, shuffled input and no
+    seed: the random state of each run is that of a new process (`process`)."""
+    keras.utils.set_random_seed(process)
+    x, y = data
+    return model.fit(x, y, batch_size=BATCH, epochs=KERAS_EPOCHS, verbose=0, callbacks=[
+        keras.callbacks.BackupAndRestore(backup_dir, save_freq=KERAS_SAVE_FREQ), *extra])
+
+
+def _resumed_and_uninterrupted(make_model, data, tmp_path):
+    """A run crashed after step 11 (epoch 2, step 4: its last backup is
+    mid-epoch, at step 9) and run again in a "new process", and the same
+    run uninterrupted; all from the same initial weights. Also what the
+    backup directory held after the crash."""
+    reference = make_model()
+    _fit_with_keras_backup(reference, data, tmp_path / "reference", process=1)
+    with pytest.raises(Crash):
+        _fit_with_keras_backup(make_model(), data, tmp_path / "run", CrashAfter(11), process=1)
+    after_the_crash = sorted(os.listdir(tmp_path / "run"))
+    resumed = make_model()
+    _fit_with_keras_backup(resumed, data, tmp_path / "run", process=2)
+    return resumed, reference, after_the_crash
+
+
+def _largest_difference(a, b) -> float:
+    return max(float(np.abs(wa - wb).max()) for wa, wb in zip(a.get_weights(), b.get_weights()))
+
+
+@pytest.mark.parametrize("strategy", ["single", "mirrored"])
+def test_keras_backup_and_restore_resumes_a_distributed_model_exactly(data, tmp_path, strategy):
+    """Keras's callback is adopted as ours: the resumed run goes on at the
+    step after the backup, with the shuffle seed of the crashed run."""
+    resumed, reference, after_the_crash = _resumed_and_uninterrupted(
+        lambda: build("functional", strategy), data, tmp_path)
+    assert int(resumed.optimizer.iterations.numpy()) == 7 * KERAS_EPOCHS
+    # The same float32 operations on the same batches: SGD's 28 steps end
+    # within rounding of the reductions' order (measured below 1e-6).
+    assert _largest_difference(resumed, reference) < 1e-5
+    # Keras's file names lead to the backup; all is gone after the end.
+    assert after_the_crash == ["backup-000000000009", "latest.weights.h5",
+                               "training_metadata.json"]
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_keras_backup_and_restore_on_a_plain_keras_model_is_not_exact(data, tmp_path):
+    """The control: Keras restores the weights of step 9 but trains epoch 2
+    again from its start, in a new order, so it ends far from the run that
+    was not interrupted."""
+    def plain():
+        model = plain_model()
+        model.compile(optimizer=keras.optimizers.SGD(0.1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    resumed, reference, _ = _resumed_and_uninterrupted(plain, data, tmp_path)
+    assert _largest_difference(resumed, reference) > 1e-3
+
+
+class _OtherDefaults(keras.callbacks.BackupAndRestore):
+    def __init__(self, backup_dir):
+        super().__init__(backup_dir, save_freq=5, double_checkpoint=True)
+
+
+class _OwnHook(keras.callbacks.BackupAndRestore):
+    def on_epoch_end(self, epoch, logs=None):
+        self.ended = epoch
+        super().on_epoch_end(epoch, logs)
+
+
+def test_keras_backup_and_restore_is_adopted_unless_its_code_would_be_lost(tmp_path):
+    adopted = keras_backup.adopt_keras_backup([
+        [keras.callbacks.BackupAndRestore(tmp_path / "a", save_freq=3)],
+        _OtherDefaults(str(tmp_path / "b"))])
+    assert [type(c) for c in adopted] == [keras_backup.KerasBackupAndRestore] * 2
+    assert [(c.save_freq, c.double_checkpoint, c.delete_checkpoint) for c in adopted] == [
+        (3, False, True), (5, True, True)]
+    kept = [_OwnHook(str(tmp_path / "c")), keras.callbacks.BackupAndRestore("gs://bucket/d")]
+    assert keras_backup.adopt_keras_backup(kept) is kept
+    listed = keras.callbacks.CallbackList([keras.callbacks.BackupAndRestore(str(tmp_path))])
+    copied = keras_backup.adopt_keras_backup(listed)
+    assert type(listed.callbacks[0]) is keras.callbacks.BackupAndRestore  # the user's, as it was
+    assert type(copied.callbacks[0]) is keras_backup.KerasBackupAndRestore
+    with pytest.raises(ValueError, match=r"^_OwnHook overrides on_epoch_end of "
+                                         r"keras.callbacks.BackupAndRestore, .*; pass "
+                                         r"keras_distrib.callbacks.BackupAndRestore"):
+        keras_backup.KerasBackupAndRestore(kept[0])
+
+
+def test_a_keras_backup_subclass_keeps_its_own_hooks_on_the_other_workers(tmp_path):
+    """Not adopted, it runs as Keras's callback, its writes redirected to
+    scratch on workers other than the chief: its own code runs there too."""
+    with chief_only.redirected([_OwnHook(str(tmp_path))], is_chief=False,
+                               enabled=True) as (redirected,):
+        assert isinstance(redirected, _OwnHook)
+        assert type(redirected).on_epoch_end is _OwnHook.on_epoch_end
