@@ -9,8 +9,8 @@ imported under (`Model`, `Functional`, `Sequential`, trainer_test's backend
 (`bindings`). The rebinding is an assignment placed right after each import
 statement of the file (module level, `if` blocks and function bodies alike),
 so classes the file defines at import time already subclass ours. The
-assertions are Keras's, unchanged, but for the few in `BY_DESIGN`: each
-states what keras_distrib does differently on purpose, and why.
+assertions are Keras's, unchanged: where keras_distrib differs on purpose,
+the test is listed in expected.txt with the reason (`expectations`).
 
 What the tests receive:
 
@@ -52,22 +52,6 @@ _BINDINGS = "__kd_conformance_bindings__"
 # Names a file uses for Keras's own class, not for a model a user builds:
 # sequential_test's `Functional` is the class of Sequential's inner graph.
 _KEEP = {"models/sequential_test.py": {"Functional"}}
-
-# Keras's assertions of behaviour keras_distrib changes on purpose, and what
-# it asserts instead: {file: ((Keras's source, ours, why), ...)}. Each must
-# occur once in Keras's file, so a changed test file fails to load.
-BY_DESIGN = {
-    "callbacks/backup_and_restore_test.py": ((
-        "self.assertEqual(int(model.layers[0].counter.value), 17)",
-        "self.assertEqual(int(model.layers[0].counter.value), 15)",
-        "test_best_case_step: Keras's BackupAndRestore, after a crash at step 2 of 3 "
-        "in epoch 1, restores the weights of step 2 (the layer counted 2 calls) and "
-        "trains epoch 1 from its start again: 2 + 5 * 3 calls. DistributedModel.fit "
-        "adopts it as keras_distrib's, which goes on at step 3, as an uninterrupted "
-        "run would: the 5 epochs make 15 calls.",
-    ),),
-}
-
 
 @functools.lru_cache(maxsize=None)
 def bindings() -> dict:
@@ -167,14 +151,7 @@ def load(relpath: str, strategy: str | None) -> types.ModuleType:
     tag = strategy or "keras"
     name = f"kd_conformance.{tag}.{relpath[:-3].replace('/', '.')}"
     with open(path) as f:
-        source = f.read()
-    if strategy is not None:
-        for keras_assertion, ours, _ in BY_DESIGN.get(relpath, ()):
-            if source.count(keras_assertion) != 1:
-                raise AssertionError(f"{relpath} no longer has {keras_assertion!r} once: "
-                                     "update keras_suite.BY_DESIGN.")
-            source = source.replace(keras_assertion, ours)
-    tree = ast.parse(source, filename=path)
+        tree = ast.parse(f.read(), filename=path)
     if strategy is not None:
         tree = ast.fix_missing_locations(_Rebind(_KEEP.get(relpath, ())).visit(tree))
     module = types.ModuleType(name)
