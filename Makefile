@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 HOROVOD_WHEEL := $(VENV)/.horovod-wheel
 HOROVOD := $(VENV)/.horovod
 
-.PHONY: demo setup test test-fast test-unit docs zoo-matrix bench clean
+.PHONY: demo setup test test-fast test-unit docs zoo-matrix conformance-matrix bench clean
 
 # The package with TensorFlow and Keras, and what the Horovod build needs.
 $(CORE): setup.cfg pyproject.toml
@@ -67,8 +67,9 @@ demo: $(STAMP)
 	@grep -h '^\[rank 0\] result: ' $(DEMO_LOG)-sharded.log | sed 's/^\[rank 0\] result: //'
 
 # The test tiers (tests/unit: pure Python, no TensorFlow; tests/integration:
-# one process; tests/distributed: tests that start processes), then the
-# model zoo: setup.cfg's testpaths. The 20 slowest tests are listed at the end.
+# one process; tests/distributed: tests that start processes), the model
+# zoo, then Keras's own tests on DistributedModel (tests/conformance):
+# setup.cfg's testpaths. The 20 slowest tests are listed at the end.
 # Three pytest-xdist workers, each test file whole in one of them, the
 # long groups handed out first (see tests/conftest.py): on the 2-core CI
 # machine a third keeps the cores busy while tests wait on processes they
@@ -94,6 +95,11 @@ docs: $(STAMP)
 # docs/zoo.md (make test checks that the page says what the zoo found).
 zoo-matrix: $(HOROVOD)
 	KD_ZOO_WRITE_README=1 $(PY) -m pytest -q tests/zoo
+
+# Writes docs/conformance.md's matrix from tests/conformance/expected.txt
+# (make test checks that the page says what the conformance tier asserts).
+conformance-matrix: $(STAMP)
+	KD_CONFORMANCE_WRITE_PAGE=1 $(PY) -m pytest -q tests/conformance/test_matrix.py
 
 # Each benchmark prints its table and saves its measurements as JSON under
 # benchmarks/results/; _plots.py then draws the PNG figures from those files

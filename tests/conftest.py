@@ -75,8 +75,8 @@ def _group(path: str) -> str:
 # --no-loadscope-reorder, so xdist keeps it): the long ones first, so that
 # the last to be handed out, when the other workers may already be idle,
 # are short. A group's place is its first file's.
-_FIRST = ("probes_and_zoo", "fault_job", "tests/distributed/", "tests/zoo/",
-          "tests/integration/", "tests/unit/")
+_FIRST = ("probes_and_zoo", "fault_job", "tests/conformance/test_", "tests/distributed/",
+          "tests/zoo/", "tests/integration/", "tests/unit/")
 
 
 def _rank(group: str) -> int:

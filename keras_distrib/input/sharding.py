@@ -111,6 +111,11 @@ def shard(strategy, x, y=None, sample_weight=None, batch_size=None, shuffle=Fals
     if is_array_like(x):
         return _shard_arrays(x, y, sample_weight, batch_size or 32, rows,
                              seed if shuffle else None, repeat, first_epoch), None
+    if any(leaf is None for leaf in tf.nest.flatten(x)) and is_array_like(
+            [leaf for leaf in tf.nest.flatten(x) if leaf is not None]):
+        raise TypeError(
+            "Multi-worker array input cannot hold None (an optional input given as None): "
+            "pass that input as an array, or feed a tf.data.Dataset or PyDataset.")
     raise TypeError(
         f"Multi-worker input must be numpy arrays, tensors, a tf.data.Dataset or "
         f"a keras.utils.PyDataset, got {type(x).__name__}; wrap a generator in a "

@@ -90,3 +90,10 @@ def test_array_shards_of_two_workers_make_each_global_batch(n, shuffle):
         seen.extend(ids.tolist())
     assert sorted(seen) == list(range(n))
     assert (seen == list(range(n))) != (shuffle and n > 1)
+
+
+def test_array_input_holding_none_is_a_one_line_error():
+    x = np.ones((8, 2), "float32")
+    with pytest.raises(TypeError, match=r"^Multi-worker array input cannot hold None \(an "
+                                        r"optional input given as None\): pass that input"):
+        sharding.shard(kd.strategies.get("single"), {"x": x, "o": None}, x[:, 0], None, 4)
