@@ -6,6 +6,7 @@ a DistributedDataset. Verified on TensorFlow 2.21.0."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Iterator
 
 import numpy as np
@@ -59,6 +60,9 @@ PRIVATE = (
     # set_variable_partitioner, variable_partitioner
     f"{_DISTRIBUTE}.parameter_server_strategy_v2:ParameterServerStrategyV2Extended"
     "._variable_partitioner",
+    # plain_usable_creator, make_plain_usable
+    f"{_DISTRIBUTE}.values:DistributedVariable",
+    "keras.src.backend.common.variables:Variable._value",
     # undistributed
     f"{_DISTRIBUTE}.input_lib:DistributedDataset._original_dataset",
     f"{_DISTRIBUTE}.input_lib:DistributedDatasetsFromFunction._dataset_fn",
@@ -170,6 +174,66 @@ def convert_sharded_variables_to_numpy() -> None:
         return np.asarray(self.numpy(), dtype=dtype)
 
     cls.__array__ = __array__
+
+
+def plain_usable_creator(next_creator, **kwargs):
+    """A variable creator (`tf.variable_creator_scope`) whose distributed
+    variables plain Keras code can use (`make_plain_usable`)."""
+    variable = next_creator(**kwargs)
+    make_plain_usable(variable)
+    return variable
+
+
+def make_plain_usable(variable: Any) -> None:
+    """Lets code outside the strategy use tf.distribute variable `variable`
+    (or the one under Keras variable `variable`) as a plain `tf.Variable`:
+    read as a Python number.
+
+    - `int()`, `float()`, `complex()`. Keras's `int(variable)` is
+      `int(variable.value)`, and users (and Keras's own BackupAndRestore
+      tests) read a counter a layer keeps as `int(layer.counter.value)`.
+      Under a strategy `value` is a `MirroredVariable` (or
+      `SyncOnReadVariable`), which TensorFlow 2.21 gives none of them (its
+      `ResourceVariable` and `AggregatingVariable` have them): "int()
+      argument must be ... not 'MirroredVariable'". They read the value as
+      `numpy()` does: outside a replica, a mirrored variable's (every copy
+      holds it) or a sync-on-read variable's aggregate.
+
+    The variable's class becomes a subclass of its own that adds these.
+    Only the variables our strategies make (or take over) change:
+    TensorFlow's classes, and variables a user makes with them elsewhere,
+    stay as they are. Does nothing for any other variable.
+    """
+    import keras
+    from tensorflow.python.distribute import values
+
+    if isinstance(variable, keras.Variable):
+        variable = variable._value  # not `.value`: no initializer run, no autocast
+    cls = type(variable)
+    if isinstance(variable, values.DistributedVariable) and not getattr(cls, "_kd_plain_usable",
+                                                                        False):
+        variable.__class__ = _plain_usable(cls)
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_usable(cls: type) -> type:
+    """`cls` with `make_plain_usable`'s additions; same name, module and
+    layout (no new slot), so reprs, checks by name and the instance's
+    memory stay the class's own."""
+    # As ResourceVariable's (tensorflow/python/ops/resource_variable_ops.py).
+    def __int__(self):
+        return int(self.numpy())
+
+    def __float__(self):
+        return float(self.numpy())
+
+    def __complex__(self):
+        return complex(self.numpy())
+
+    return type(cls.__name__, (cls,), {
+        "__slots__": (), "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+        "_kd_plain_usable": True, "__int__": __int__, "__float__": __float__,
+        "__complex__": __complex__})
 
 
 # -- TensorFlow runtime -------------------------------------------------------------

@@ -11,12 +11,14 @@ Keras 3's own tf.distribute paths fail for multi-worker engines
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
 
+from keras_distrib import _compat
 from keras_distrib import replica_seeds
 from keras_distrib.input import data as data_lib
 from keras_distrib.strategies.base import Capabilities, Strategy
@@ -95,12 +97,26 @@ class TFDistributeStrategy(Lockstep, Strategy):
 
     # -- placement ----------------------------------------------------------------
 
+    @contextlib.contextmanager
     def scope(self):
-        return self._tf_strategy.scope()
+        """The engine's scope, whose variables plain Keras code can use as
+        it uses a plain variable: `int(layer.counter)`
+        (`_compat.make_plain_usable`)."""
+        with self._tf_strategy.scope(), tf.variable_creator_scope(_compat.plain_usable_creator):
+            yield
 
     def holds(self, variable: Any) -> bool:
         value = getattr(variable, "value", variable)
         return getattr(value, "_distribute_strategy", None) is self._tf_strategy
+
+    def place(self, model) -> list:
+        moved = super().place(model)
+        # Those built in the engine's own scope (tf.distribute code builds
+        # inside `with strategy.scope():`) were made without `scope()`'s
+        # creator.
+        for variable in model.variables:
+            _compat.make_plain_usable(variable)
+        return moved
 
     # -- the step -------------------------------------------------------------------
 

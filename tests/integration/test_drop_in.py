@@ -5,9 +5,10 @@ compared with plain Keras from the same weights where it computes)."""
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import keras_distrib as kd
-from helpers import FEATURES, build, make_data, plain_model
+from helpers import CLASSES, FEATURES, build, make_data, plain_model
 
 ATOL = 1e-5  # SGD, a few steps: the equivalence tests' bound
 
@@ -138,3 +139,52 @@ def test_a_subclass_nested_in_a_functional_model_trains_with_it(strategy):
     got = trained(DistributedInner(strategy=strategy), kd.DistributedModel, strategy=strategy)
     for a, b in zip(got, expected):
         np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
+
+
+# -- a variable read as a Python number -----------------------------------------------
+
+
+class _CallCounter(keras.layers.Layer):
+    """Counts its calls in a weight, as the layer of Keras's BackupAndRestore
+    tests does."""
+
+    def build(self, input_shape):
+        self.counter = self.add_weight(shape=(), initializer="zeros", trainable=False)
+
+    def call(self, x):
+        self.counter.assign_add(1)
+        return x
+
+
+@pytest.mark.parametrize("strategy", ["single", "mirrored", "central_storage"])
+def test_a_counter_a_layer_keeps_reads_as_a_python_number(strategy):
+    x, y = make_data(24)  # 3 steps of 8
+
+    def trained(model_class, **kwargs):
+        counter = _CallCounter()
+        inputs = keras.Input((FEATURES,))
+        model = model_class(inputs, keras.layers.Dense(CLASSES)(counter(inputs)), **kwargs)
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        return counter.counter, model.optimizer.iterations
+
+    expected, _ = trained(keras.Model)
+    counter, iterations = trained(kd.DistributedModel, strategy=strategy)
+    # Each replica calls the layer once a step, on its own copy: steps, as
+    # plain Keras counts them.
+    assert int(expected) == 3
+    assert int(counter) == int(counter.value) == int(expected)
+    assert float(counter) == float(counter.value) == 3.0
+    assert int(iterations) == 3
+
+
+def test_a_counter_built_in_a_tf_distribute_scope_reads_as_a_python_number():
+    x, y = make_data(24)
+    with tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():  # tf.distribute's habit
+        counter = _CallCounter()
+        inputs = keras.Input((FEATURES,))
+        model = kd.DistributedModel(inputs, keras.layers.Dense(CLASSES)(counter(inputs)))
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert int(counter.counter) == int(counter.counter.value) == 3
+
