@@ -100,7 +100,8 @@ class TFDistributeStrategy(Lockstep, Strategy):
     @contextlib.contextmanager
     def scope(self):
         """The engine's scope, whose variables plain Keras code can use as
-        it uses a plain variable: `int(layer.counter)`
+        it uses a plain variable: `int(layer.counter)`, and a plain
+        `keras.Model` sharing layers with ours trains them
         (`_compat.make_plain_usable`)."""
         with self._tf_strategy.scope(), tf.variable_creator_scope(_compat.plain_usable_creator):
             yield

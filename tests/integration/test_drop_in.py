@@ -188,3 +188,33 @@ def test_a_counter_built_in_a_tf_distribute_scope_reads_as_a_python_number():
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     assert int(counter.counter) == int(counter.counter.value) == 3
 
+
+# -- a plain keras.Model sharing layers with one ---------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["single", "mirrored", "central_storage"])
+@pytest.mark.parametrize("optimizer", ["SGD", "AdamW"])  # AdamW reads them in its update
+def test_a_plain_model_sharing_layers_with_a_distributed_one_trains_them(strategy, optimizer):
+    x, _ = make_data()
+    rng = np.random.default_rng(1)
+    y, z = rng.normal(size=(len(x), 1)), rng.normal(size=(len(x), 16))
+
+    def trained(model_class, **kwargs):
+        keras.utils.set_random_seed(7)
+        inputs = keras.Input((FEATURES,))
+        hidden = keras.layers.Dense(16)(inputs)
+        encoder = keras.Model(inputs, hidden)  # kept for later, as users do
+        full = model_class(inputs, keras.layers.Dense(1)(hidden), **kwargs)
+        full.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        full.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+        encoder.compile(optimizer=getattr(keras.optimizers, optimizer)(0.01), loss="mse")
+        encoder.fit(x, z, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        results = [*encoder.get_weights(), encoder.evaluate(x, z, verbose=0),
+                   encoder.predict(x, verbose=0)]
+        full.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)  # on what it trained
+        return results + full.get_weights()
+
+    expected = trained(keras.Model)
+    got = trained(kd.DistributedModel, strategy=strategy)
+    for a, b in zip(got, expected):
+        np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
