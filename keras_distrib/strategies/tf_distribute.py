@@ -98,12 +98,27 @@ class TFDistributeStrategy(Lockstep, Strategy):
 
     # -- placement ----------------------------------------------------------------
 
+    @contextlib.contextmanager
     def scope(self):
-        return self._tf_strategy.scope()
+        """The engine's scope, whose variables plain Keras code can use as
+        it uses a plain variable: `int(layer.counter)`, and a plain
+        `keras.Model` sharing layers with ours trains them
+        (`_compat.make_plain_usable`)."""
+        with self._tf_strategy.scope(), tf.variable_creator_scope(_compat.plain_usable_creator):
+            yield
 
     def holds(self, variable: Any) -> bool:
         value = getattr(variable, "value", variable)
         return getattr(value, "_distribute_strategy", None) is self._tf_strategy
+
+    def place(self, model) -> list:
+        moved = super().place(model)
+        # Those built in the engine's own scope (tf.distribute code builds
+        # inside `with strategy.scope():`) were made without `scope()`'s
+        # creator.
+        for variable in model.variables:
+            _compat.make_plain_usable(variable)
+        return moved
 
     # -- the step -------------------------------------------------------------------
 

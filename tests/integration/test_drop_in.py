@@ -5,9 +5,10 @@ compared with plain Keras from the same weights where it computes)."""
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import keras_distrib as kd
-from helpers import FEATURES, build, make_data, plain_model
+from helpers import CLASSES, FEATURES, build, make_data, plain_model
 
 ATOL = 1e-5  # SGD, a few steps: the equivalence tests' bound
 
@@ -221,3 +222,81 @@ def test_an_optional_input_given_as_none_by_a_generator(strategy):
             yield ({"x": np.ones((2, 2), "float32"), "o": None},)
 
     np.testing.assert_array_equal(model.predict(batches(), verbose=0), np.full((8, 2), 2.0))
+
+# -- a variable read as a Python number -----------------------------------------------
+
+
+class _CallCounter(keras.layers.Layer):
+    """Counts its calls in a weight, as the layer of Keras's BackupAndRestore
+    tests does."""
+
+    def build(self, input_shape):
+        self.counter = self.add_weight(shape=(), initializer="zeros", trainable=False)
+
+    def call(self, x):
+        self.counter.assign_add(1)
+        return x
+
+
+@pytest.mark.parametrize("strategy", ["single", "mirrored", "central_storage"])
+def test_a_counter_a_layer_keeps_reads_as_a_python_number(strategy):
+    x, y = make_data(24)  # 3 steps of 8
+
+    def trained(model_class, **kwargs):
+        counter = _CallCounter()
+        inputs = keras.Input((FEATURES,))
+        model = model_class(inputs, keras.layers.Dense(CLASSES)(counter(inputs)), **kwargs)
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        return counter.counter, model.optimizer.iterations
+
+    expected, _ = trained(keras.Model)
+    counter, iterations = trained(kd.DistributedModel, strategy=strategy)
+    # Each replica calls the layer once a step, on its own copy: steps, as
+    # plain Keras counts them.
+    assert int(expected) == 3
+    assert int(counter) == int(counter.value) == int(expected)
+    assert float(counter) == float(counter.value) == 3.0
+    assert int(iterations) == 3
+
+
+def test_a_counter_built_in_a_tf_distribute_scope_reads_as_a_python_number():
+    x, y = make_data(24)
+    with tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():  # tf.distribute's habit
+        counter = _CallCounter()
+        inputs = keras.Input((FEATURES,))
+        model = kd.DistributedModel(inputs, keras.layers.Dense(CLASSES)(counter(inputs)))
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert int(counter.counter) == int(counter.counter.value) == 3
+
+
+# -- a plain keras.Model sharing layers with one ---------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["single", "mirrored", "central_storage"])
+@pytest.mark.parametrize("optimizer", ["SGD", "AdamW"])  # AdamW reads them in its update
+def test_a_plain_model_sharing_layers_with_a_distributed_one_trains_them(strategy, optimizer):
+    x, _ = make_data()
+    rng = np.random.default_rng(1)
+    y, z = rng.normal(size=(len(x), 1)), rng.normal(size=(len(x), 16))
+
+    def trained(model_class, **kwargs):
+        keras.utils.set_random_seed(7)
+        inputs = keras.Input((FEATURES,))
+        hidden = keras.layers.Dense(16)(inputs)
+        encoder = keras.Model(inputs, hidden)  # kept for later, as users do
+        full = model_class(inputs, keras.layers.Dense(1)(hidden), **kwargs)
+        full.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        full.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+        encoder.compile(optimizer=getattr(keras.optimizers, optimizer)(0.01), loss="mse")
+        encoder.fit(x, z, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        results = [*encoder.get_weights(), encoder.evaluate(x, z, verbose=0),
+                   encoder.predict(x, verbose=0)]
+        full.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)  # on what it trained
+        return results + full.get_weights()
+
+    expected = trained(keras.Model)
+    got = trained(kd.DistributedModel, strategy=strategy)
+    for a, b in zip(got, expected):
+        np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
