@@ -326,15 +326,12 @@ class Pipeline(WorkerReplicas, Strategy):
         cached = model.__dict__.get("_kd_pipeline_stages")
         if cached is not None and cached.strategy is self:
             return cached
-        # A Functional model is its graph; a Sequential one holds it.
-        graph = model if isinstance(model, _compat.functional_class()) else \
-            _compat.graph_of(model)
-        if graph is None:
+        if not isinstance(model, _compat.functional_class()):
             raise ValueError(
                 f"strategy='pipeline' needs a Functional or Sequential model, got subclassed "
                 f"{type(model).__name__}; build it with DistributedModel(inputs, outputs) or "
                 "DistributedModel.from_model(model).")
-        stages = Stages(self, cut_graph(graph, self.num_stages, self.split_at))
+        stages = Stages(self, cut_graph(model, self.num_stages, self.split_at))
         model.__dict__["_kd_pipeline_stages"] = stages
         return stages
 
