@@ -32,15 +32,12 @@ def is_positive_int(value) -> bool:
 
 def check_batch_size(batch_size: Optional[int], num_replicas: int = 1, strategy: str = "",
                      name: str = "batch_size") -> None:
-    """Rejects a global batch that is not a positive integer, or smaller
-    than the replica count. `None` (the default batch) passes. Any other
-    global batch trains: a batch the replicas cannot share evenly is split
-    into sizes one apart (`replica_sizes`), and the reduction weighs each
-    replica's part by its sample count, so the step is the one-device step
-    on the whole batch, as with `tf.distribute`. (An epoch's last, shorter
-    batch may leave a replica without rows; an explicit batch that always
-    would is refused, since Keras's loss of no rows poisons the logged
-    mean.)"""
+    """Rejects a global batch that is not a positive integer. `None` (the
+    default batch) passes. Any other global batch trains, as with
+    `tf.distribute`: a batch the replicas cannot share evenly is split into
+    sizes one apart (`replica_sizes`; smaller than the replica count, some
+    get none), and the reduction weighs each replica's part by its sample
+    count, so the step is the one-device step on the whole batch."""
     if batch_size is None:
         return
     if not is_positive_int(batch_size):
@@ -48,10 +45,6 @@ def check_batch_size(batch_size: Optional[int], num_replicas: int = 1, strategy:
             f"{name}={batch_size!r} must be a positive integer (the global batch), "
             "or None for the default."
         )
-    if batch_size < num_replicas:
-        raise ValueError(
-            f"{name}={batch_size} is smaller than the {num_replicas} replicas of strategy "
-            f"{strategy!r}, so some would get no sample; use {name} >= {num_replicas}.")
 
 
 def replica_sizes(global_size: tf.Tensor, num_replicas: int) -> list[tf.Tensor]:

@@ -44,7 +44,8 @@ class ReplicaStep:
         loss_and_gradients = self.replica_compiled(self._loss_and_gradients)
         loss, y_pred, gradients, output_losses = loss_and_gradients(x, y, sample_weight)
         num_samples = _batch_size(x)
-        _compat.loss_tracker(self).update_state(loss, sample_weight=num_samples)
+        _compat.loss_tracker(self).update_state(_unless_empty(loss, num_samples),
+                                                sample_weight=num_samples)
         if gradients and self._accumulation_steps == 1:
             gradients = self.reduce_with_statistics(gradients, num_samples, output_losses, x)
             self.apply_reduced_gradients(gradients)
@@ -134,7 +135,7 @@ class ReplicaStep:
                 self, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False
             )
         rows = _batch_size(x)
-        _compat.loss_tracker(self).update_state(loss, sample_weight=rows)
+        _compat.loss_tracker(self).update_state(_unless_empty(loss, rows), sample_weight=rows)
         if output_losses:
             count = tf.cast(rows, tf.float32)
             *sums, total = self._strategy.all_reduce(
@@ -188,3 +189,13 @@ def _static_rows(x):
 
 def _batch_size(x):
     return tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
+
+
+def _unless_empty(loss, rows):
+    """`loss` for the `loss` log, or 0 where the replica got no rows (a
+    batch smaller than the replica count leaves some empty). Keras's loss of
+    no rows is NaN, or its values, none (`reduce_values` keeps shape (0,)),
+    and Keras's `Mean` of either, even weighed by 0, is NaN."""
+    if tuple(loss.shape) == (0,):
+        return tf.zeros([], loss.dtype)
+    return tf.where(tf.cast(rows, tf.int32) > 0, loss, tf.zeros_like(loss))

@@ -97,6 +97,19 @@ def test_a_batch_the_replicas_cannot_share_evenly_trains_as_one_device(strategy)
                                reference.predict(x, batch_size=33, verbose=0), atol=ATOL)
 
 
+@pytest.mark.parametrize("strategy", ["mirrored", "central_storage"])
+def test_a_batch_smaller_than_the_replica_count_trains_as_one_device(strategy):
+    x, y = make_data(7)
+    reference, model = build("functional", "single"), build("functional", strategy)
+    logs = [m.fit(x, y, batch_size=1, epochs=1, shuffle=False, verbose=0).history["loss"]
+            for m in (reference, model)]
+    np.testing.assert_allclose(logs[1], logs[0], atol=ATOL)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(model.evaluate(x, y, batch_size=1, verbose=0),
+                               reference.evaluate(x, y, batch_size=1, verbose=0), atol=ATOL)
+
+
 def test_plain_keras_reference_trains_with_that_batch_too():
     # The control: the reference is Keras itself (same weights, batch 5).
     x, y = make_data()
