@@ -34,6 +34,7 @@ import importlib.util
 import os
 import sys
 import types
+import unittest
 
 import keras
 
@@ -215,6 +216,25 @@ FILES = (
 MULTI_WORKER_FILES = tuple(f for f in FILES if not f.startswith("trainers/"))
 
 
+# Where every execution mode runs: Keras parametrizes many trainer tests
+# over run_eagerly / tf.function / XLA (`_eager`, `_graph_fn`, `_jit`).
+# Under the other strategies those run in the mode `fit` runs by default
+# (tf.function) only, which keeps the tier within its time: each of
+# Keras's test functions still runs under every strategy.
+ALL_MODES = ("single",)
+_DEFAULT_MODE = ("_graph_fn", "_non_jit", "_graph")
+
+
+def other_mode(name: str, names) -> bool:
+    """Whether test `name` is an eager or XLA variant of a test whose
+    default-mode variant is among `names`."""
+    for suffix in ("_eager", "_jit"):
+        if name.endswith(suffix):
+            base = name[: -len(suffix)]
+            return any(base + mode in names for mode in _DEFAULT_MODE)
+    return False
+
+
 def expose_all(namespace: dict, strategy: str, files=FILES) -> None:
     """Every file of `files` under `strategy` into `namespace`."""
     for relpath in files:
@@ -229,7 +249,10 @@ def expose(namespace: dict, relpath: str, strategies) -> None:
     for strategy in strategies:
         module = load(relpath, None if strategy == "keras" else strategy)
         for name, cls in test_classes(module).items():
-            namespace[f"{name}__{strategy}"] = type(
-                f"{name}__{strategy}", (cls,),
-                {"kd_strategy": strategy, "kd_test": f"{relpath}::{name}",
-                 "__module__": namespace["__name__"]})
+            attributes = {"kd_strategy": strategy, "kd_test": f"{relpath}::{name}",
+                          "__module__": namespace["__name__"]}
+            if strategy not in ALL_MODES and strategy != "keras":
+                names = set(unittest.TestLoader().getTestCaseNames(cls))
+                # Not run: unittest collects only callables.
+                attributes.update({test: None for test in names if other_mode(test, names)})
+            namespace[f"{name}__{strategy}"] = type(f"{name}__{strategy}", (cls,), attributes)

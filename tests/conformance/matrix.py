@@ -51,8 +51,12 @@ def cells(listed: dict) -> dict:
             if strategy == "multi_worker" and relpath not in keras_suite.MULTI_WORKER_FILES:
                 continue
             passed = failing = skipped = 0
+            names = {t.split("::")[1] for t, _ in tests}
             for test, skipped_by_keras in tests:
                 key = f"{relpath}::{test}"
+                if strategy not in keras_suite.ALL_MODES and keras_suite.other_mode(
+                        test.split("::")[1], names):
+                    continue
                 if skipped_by_keras or ("*", key) in listed:
                     skipped += 1
                 elif (strategy, key) in listed:
