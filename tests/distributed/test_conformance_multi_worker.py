@@ -36,7 +36,7 @@ def test_keras_model_and_callback_tests_pass_under_multi_worker(tmp_path):
     launch(tmp_path, 2, os.path.join(WORKERS, "keras_conformance.py"), str(tmp_path),
            timeout=900)
     chief = _outcomes(tmp_path / "rank0.xml")
-    assert len(chief) > 150, f"the chief ran only {len(chief)} tests"
+    assert len(chief) > 140, f"the chief ran only {len(chief)} tests"
     failed = sorted(name for name, outcome in chief.items() if outcome == "failed")
     assert not failed, f"{len(failed)} of Keras's tests failed under multi_worker: {failed}"
     assert os.path.exists(tmp_path / "rank1.xml"), "rank 1 wrote no results"
