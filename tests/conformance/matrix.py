@@ -19,7 +19,7 @@ import keras_suite
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAGE = os.path.join(ROOT, "docs", "conformance.md")
 BEGIN, END = "<!-- conformance-matrix:begin -->", "<!-- conformance-matrix:end -->"
-# Strategies run in one process (tests/conformance/test_<strategy>.py), and
+# Strategies run in one process (tests/conformance/test_keras_on_<strategy>.py), and
 # multi_worker across 2 processes for the files of MULTI_WORKER_FILES.
 IN_PROCESS = ("single", "mirrored", "central_storage", "tensor_parallel", "pipeline")
 STRATEGIES = IN_PROCESS + ("multi_worker",)
