@@ -30,8 +30,7 @@ def is_positive_int(value) -> bool:
             and value >= 1)
 
 
-def check_batch_size(batch_size: Optional[int], num_replicas: int = 1, strategy: str = "",
-                     name: str = "batch_size") -> None:
+def check_batch_size(batch_size: Optional[int], name: str = "batch_size") -> None:
     """Rejects a global batch that is not a positive integer. `None` (the
     default batch) passes. Any other global batch trains, as with
     `tf.distribute`: a batch the replicas cannot share evenly is split into

@@ -272,11 +272,10 @@ class Strategy(CrossProcessHelpers):
     # -- input ------------------------------------------------------------------
 
     def check_batch_size(self, batch_size: Optional[int], name: str = "batch_size") -> None:
-        """Rejects a global batch that is not a positive integer or is
-        smaller than the replica count (`name`: the argument, for the
-        message). Any other global batch trains: replicas share it as
-        evenly as it divides (`data.replica_sizes`)."""
-        data_lib.check_batch_size(batch_size, self.num_replicas, self.name, name)
+        """Rejects a global batch that is not a positive integer (`name`:
+        the argument, for the message). Any other global batch trains:
+        replicas share it as evenly as it divides (`data.replica_sizes`)."""
+        data_lib.check_batch_size(batch_size, name)
 
     def distribute_fit_input(self, fit: FitInput) -> FitInput:
         """What `fit` hands Keras instead of the user's input.

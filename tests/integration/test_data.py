@@ -37,10 +37,10 @@ def test_split_inside_tf_function_with_unknown_batch():
 
 
 def test_check_batch_size():
-    data.check_batch_size(None, 2, "mirrored")
-    data.check_batch_size(33, 2, "mirrored")
-    data.check_batch_size(3, 2, "mirrored")
-    data.check_batch_size(1, 2, "mirrored")
+    data.check_batch_size(None)
+    data.check_batch_size(33)
+    data.check_batch_size(3)
+    data.check_batch_size(1)
     for bad in (0, -4, 2.5, "32", True):
         with pytest.raises(ValueError, match=r"must be a positive integer \(the global batch\)"):
             data.check_batch_size(bad)
