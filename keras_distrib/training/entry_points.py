@@ -145,18 +145,24 @@ class EntryPoints:
         """`callbacks` with ours around the user's.
 
         First: `PreemptionWatch` (the train function asks it after every
-        step whether to stop) and, unless opted out, `FiniteLossCheck`. Last
+        step whether to stop) and, unless opted out, `FiniteLossCheck`; where
+        the user passed `TerminateOnNaN`, not that but, with several
+        processes, `NonFiniteLossVote` (all workers stop together). Last
         (after the user's `on_train_begin` set the weights: broadcasts,
         restores): `ReplicasAgree`, with several processes.
         """
         watch = preemption.PreemptionWatch(self.fit_state, self._preemption_vote())
         self.fit_state.watch = watch
         first = [watch]
-        if self.check_finite and not _stops_quietly_on_nan(callbacks):
+        several = self._strategy.world_size > 1
+        if _stops_quietly_on_nan(callbacks):
+            if several:  # each worker's TerminateOnNaN sees its own loss
+                first.append(fit_checks.NonFiniteLossVote())
+        elif self.check_finite:
             # Per-batch logs are global values only with one process; with
             # several, the exact epoch logs are checked, so all stop together.
-            first.append(fit_checks.FiniteLossCheck(per_batch=self._strategy.world_size == 1))
-        last = [fit_checks.ReplicasAgree()] if self._strategy.world_size > 1 else []
+            first.append(fit_checks.FiniteLossCheck(per_batch=not several))
+        last = [fit_checks.ReplicasAgree()] if several else []
         if not isinstance(callbacks, keras.callbacks.CallbackList):
             yield [*first, *(keras.tree.flatten(callbacks) if callbacks else []), *last]
             return

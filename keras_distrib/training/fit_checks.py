@@ -5,6 +5,9 @@ Cheap checks that turn silent failures into one-line errors:
 * `sparse_categorical_classes`: what the labels of a sparse categorical
   loss may be (the model checks numpy labels against it before training);
 * `FiniteLossCheck`: stops `fit` when the training loss is NaN/Inf;
+* `NonFiniteLossVote`: with several processes and Keras's
+  `TerminateOnNaN`, every worker stops after the step where any saw a
+  NaN/Inf loss;
 * `check_same_call`: every worker makes the same call (fit, evaluate or
   predict) with the same batch size and amount of data; otherwise each
   would wait in a collective the others never join;
@@ -99,6 +102,26 @@ class FiniteLossCheck(keras.callbacks.Callback):
         loss = non_finite_loss(logs)
         if loss is not None:
             _raise_non_finite(loss, f"in epoch {epoch + 1}")
+
+
+class NonFiniteLossVote(keras.callbacks.Callback):
+    """With several processes, stops `fit` on every worker after the step
+    where any worker's loss was NaN/Inf.
+
+    Keras's `TerminateOnNaN` reads the per-batch logs, which with several
+    processes hold each worker's own loss: a NaN in one worker's shard stops
+    that worker alone, and the others wait in the next step's all-reduce
+    for it. This callback sums the workers' "my loss is not finite" flags
+    after every batch (one 8-byte collective a step, only when the user
+    passed `TerminateOnNaN` to a multi-process `fit`), so all stop together
+    and `TerminateOnNaN` keeps its contract: training ends quietly.
+    """
+
+    def on_train_batch_end(self, batch, logs=None):
+        mine = np.float64(non_finite_loss(logs) is not None)
+        (total,) = self.model.strategy.sync_sum([mine])
+        if total > 0:
+            self.model.stop_training = True
 
 
 def non_finite_loss(logs):

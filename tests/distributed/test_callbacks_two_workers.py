@@ -100,3 +100,16 @@ def test_two_workers_nan_and_drift_stop_every_rank(two_workers):
             "step 4: replica 1 (rank 1) weights differ from replica 0 (rank 0): checksum")
     assert ranks[0]["drift_error"] == ranks[1]["drift_error"]
     assert "ReplicaDivergenceError: step 4: replica 1 (rank 1)" in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_two_workers_terminate_on_nan_stops_every_rank_quietly(two_workers):
+    # Only rank 1's loss of step 3 is NaN: without a vote rank 1 alone stops
+    # and rank 0 waits in step 4's all-reduce.
+    _, ranks, _, _ = two_workers
+    finite = [[True, True, False], [True, True, False]]
+    finite[0][2] = True  # rank 0's forward pass of step 3 had finite weights
+    for r in ranks:
+        assert r["terminate_on_nan"] == {"batches": 3, "finite": finite[r["rank"]],
+                                         "epochs": 1}

@@ -8,6 +8,9 @@ A. rank 1 changes its weights before `fit`; `BroadcastInitialWeights` must
    run along.
 B. rank 1 sets a weight to NaN after step 2: the check at step 2 must stop
    both ranks.
+N. Keras's TerminateOnNaN; rank 1 sets its output bias to NaN after step 2, so
+   only rank 1's loss of step 3 is NaN (rank 0's forward pass still had
+   finite weights): both ranks must stop quietly after step 3.
 C. rank 1 nudges a weight after step 3: the check at step 4 must stop both
    ranks, naming replica 1. This one is re-raised, so the job fails.
 
@@ -65,6 +68,15 @@ class Record(keras.callbacks.Callback):
         self.epoch_logs.append(dict(logs))
 
 
+class CountBatches(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.losses = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.losses.append(float(logs["loss"]))
+
+
 class OnRank(keras.callbacks.Callback):
     """Runs `action(model)` on one rank after one batch."""
 
@@ -82,6 +94,11 @@ def nan_weight(model):
     value = v.numpy()
     value[0, 0] = np.nan
     v.assign(value)
+
+
+def nan_output_bias(model):
+    v = model.trainable_variables[-1]
+    v.assign(np.full(v.shape, np.nan, "float32"))
 
 
 def nudge_weight(model):
@@ -135,6 +152,16 @@ def main(argv):
         )
     except kdc.ReplicaDivergenceError as e:
         result["nan_error"] = str(e)
+
+    # N: TerminateOnNaN, a NaN loss on rank 1 only.
+    batches = CountBatches()
+    history = build("functional", strategy).fit(
+        x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+        callbacks=[OnRank(1, 1, nan_output_bias), keras.callbacks.TerminateOnNaN(), batches],
+    )
+    result["terminate_on_nan"] = {"batches": len(batches.losses),
+                                  "finite": [bool(np.isfinite(v)) for v in batches.losses],
+                                  "epochs": len(history.epoch)}
 
     # C: drift on rank 1 only; the error ends the job.
     try:
