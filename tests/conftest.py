@@ -63,11 +63,17 @@ _SHARING = {"probes_and_zoo": ("tests/zoo/",
                           "tests/distributed/test_network_faults.py")}
 
 
-def _group(path: str) -> str:
-    """The xdist group of the test file at `path` (from the rootdir)."""
+def _group(path: str, item) -> str:
+    """The xdist group of test `item` of the file at `path` (from the
+    rootdir): its file's, or its `_SHARING` group's. The conformance
+    tier's files share no fixture: a group per Keras file they run, so the
+    workers share their long runs evenly."""
     for name, prefixes in _SHARING.items():
         if path.startswith(prefixes):
             return name
+    keras_test = getattr(getattr(item, "cls", None), "kd_test", None)
+    if keras_test is not None:
+        return f"{path}::{keras_test.split('::')[0]}"
     return path
 
 
@@ -75,8 +81,9 @@ def _group(path: str) -> str:
 # --no-loadscope-reorder, so xdist keeps it): the long ones first, so that
 # the last to be handed out, when the other workers may already be idle,
 # are short. A group's place is its first file's.
-_FIRST = ("probes_and_zoo", "fault_job", "tests/conformance/test_", "tests/distributed/",
-          "tests/zoo/", "tests/integration/", "tests/unit/")
+_FIRST = ("probes_and_zoo", "fault_job", "tests/conformance/test_keras_on_single.py::trainers/",
+          "tests/conformance/test_", "tests/distributed/", "tests/zoo/", "tests/integration/",
+          "tests/unit/")
 
 
 def _rank(group: str) -> int:
@@ -86,7 +93,7 @@ def _rank(group: str) -> int:
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """When pytest-xdist runs the tests (`make test`: `--dist loadgroup`),
-    keeps each test file in one worker: a file's module fixtures (one
+    keeps each test file in one worker (`_group`): a file's module fixtures (one
     launch of real workers that serves several tests) run once, and the
     files of `_SHARING` go together; the groups are ordered by `_FIRST`.
     Tests run in file order within a file, as without xdist."""
@@ -94,7 +101,7 @@ def pytest_collection_modifyitems(config, items):
         return
     groups = {}
     for item in items:
-        groups[item] = _group(os.path.relpath(item.path, config.rootpath))
+        groups[item] = _group(os.path.relpath(item.path, config.rootpath), item)
         item.add_marker(pytest.mark.xdist_group(groups[item]))
     # The workers' collections are what xdist schedules (a worker's own
     # `dist` option reads "no"; `loadgroup` says how the run distributes).

@@ -11,6 +11,7 @@ conformance-matrix` writes it (KD_CONFORMANCE_WRITE_PAGE=1).
 
 from __future__ import annotations
 
+import functools
 import os
 import unittest
 
@@ -32,13 +33,20 @@ def _skipped_by_keras(method) -> bool:
     return False
 
 
-def tests_of(relpath: str) -> list[tuple[str, bool]]:
-    """`("Class::test", skipped_by_keras)` for every test of Keras's file."""
-    module = keras_suite.load(relpath, None)
+@functools.lru_cache(maxsize=None)
+def _classes(relpath: str) -> list:
+    return sorted(keras_suite.test_classes(keras_suite.load(relpath, None)).items())
+
+
+def tests_of(relpath: str, strategy: str) -> list[tuple[str, bool]]:
+    """`("Class::test", skipped_by_keras)` for every test of Keras's file
+    the tier runs under `strategy` (`keras_suite.not_run`)."""
     found = []
-    for name, cls in sorted(keras_suite.test_classes(module).items()):
+    for name, cls in _classes(relpath):
+        left_out = keras_suite.not_run(cls, strategy)
         for test in unittest.TestLoader().getTestCaseNames(cls):
-            found.append((f"{name}::{test}", _skipped_by_keras(getattr(cls, test))))
+            if test not in left_out:
+                found.append((f"{name}::{test}", _skipped_by_keras(getattr(cls, test))))
     return found
 
 
@@ -46,17 +54,12 @@ def cells(listed: dict) -> dict:
     """`{(file, strategy): (passed, listed, skipped)}`."""
     table = {}
     for relpath in keras_suite.FILES:
-        tests = tests_of(relpath)
         for strategy in STRATEGIES:
             if strategy == "multi_worker" and relpath not in keras_suite.MULTI_WORKER_FILES:
                 continue
             passed = failing = skipped = 0
-            names = {t.split("::")[1] for t, _ in tests}
-            for test, skipped_by_keras in tests:
+            for test, skipped_by_keras in tests_of(relpath, strategy):
                 key = f"{relpath}::{test}"
-                if strategy not in keras_suite.ALL_MODES and keras_suite.other_mode(
-                        test.split("::")[1], names):
-                    continue
                 if skipped_by_keras or ("*", key) in listed:
                     skipped += 1
                 elif (strategy, key) in listed:
