@@ -87,8 +87,9 @@ class _RegisterAfterKeras(importlib.abc.MetaPathFinder):
 
 
 def _start() -> None:
-    from keras_distrib.collectives import runtime
+    from keras_distrib.collectives import flight_recorder, runtime
 
+    flight_recorder.install()  # a launched rank answers the launcher from now on
     runtime.bootstrap()  # first: it may import Keras, which must not recurse here
     if "keras" in sys.modules:
         importlib.import_module("keras_distrib.model")

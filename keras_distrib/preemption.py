@@ -39,6 +39,7 @@ import keras
 import numpy as np
 
 from keras_distrib.cluster import launch_contract
+from keras_distrib.collectives import flight_recorder
 
 EXIT_CODE = launch_contract.PREEMPTED
 # Steps between the flag collectives of a custom train_step (see above).
@@ -156,6 +157,8 @@ class PreemptionWatch(keras.callbacks.Callback):
     def after_step(self) -> None:
         self._calls += 1
         self._steps += 1
+        per_call = self.model.steps_per_execution
+        flight_recorder.record_step(self._epoch, self._calls * per_call, self._steps * per_call)
         if self._agreed_to_stop():
             model = self.model
             model.stop_training = True

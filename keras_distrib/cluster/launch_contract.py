@@ -28,6 +28,10 @@ PREEMPTED_LINE = LINE_START + "preempted (SIGTERM): "
 # of a resumed run, `RESUMING_LINE`, tells it the same of the backup read.
 BACKUP_LINE = LINE_START + "backup saved at "
 RESUMING_LINE = LINE_START + "resuming from "
+# How a rank's flight-recorder account begins (one line of JSON follows;
+# keras_distrib.collectives.flight_recorder), read and left out of the
+# output by the launcher, which prints every rank's account as one screen.
+FLIGHT_RECORDER_LINE = LINE_START + "flight recorder: "
 _POINT = re.compile(f"(?:{re.escape(BACKUP_LINE)}|{re.escape(RESUMING_LINE)})"
                     r"(step \d+ \(epoch \d+, step \d+\))")
 
@@ -43,6 +47,9 @@ def backup_point(line: str) -> Optional[str]:
 # The private directory (mode 0700, removed by the launcher whatever way the
 # job ends) where the shared-memory all-reduce keeps its files.
 SHM_DIR_ENV = "KERAS_DISTRIB_SHM_DIR"
+# The file descriptor (the rank's standard input) on which the launcher asks
+# a rank for its flight-recorder account: a line `report <reason>`.
+CONTROL_FD_ENV = "KERAS_DISTRIB_CONTROL_FD"
 # How many times the launcher has restarted the job (0 on the first run).
 RESTART_ENV = "KERAS_DISTRIB_RESTART"
 

@@ -228,7 +228,7 @@ class HostAllReduce(PeerGroup):
         buffers = self._slots[self._calls % 2]
         self._calls += 1
         buffers[self.rank][:flat.nbytes].view(flat.dtype)[:] = flat
-        self._barrier()
+        self._barrier(nbytes=flat.nbytes)
         out = np.empty((self.world_size, flat.size), flat.dtype)
         for q in range(self.world_size):
             out[q] = buffers[q][:flat.nbytes].view(flat.dtype)
@@ -261,7 +261,7 @@ class HostAllReduce(PeerGroup):
             for q in range(self.world_size):
                 if q != self.rank:
                     mine[q] = t[q]
-        self._barrier()
+        self._barrier(nbytes=int(offsets[-1]) * dtype.itemsize)
         rows = []
         for t, start in zip(tables, offsets):
             k = t.shape[1]
@@ -288,7 +288,7 @@ class HostAllReduce(PeerGroup):
             for start, end, flat in pieces(members, flats):
                 for lo, hi in outside(start, end, own):
                     region[lo:hi] = 0 if flat is None else flat[lo - start:hi - start]
-        self._barrier()
+        self._barrier(nbytes=nbytes)
         for (dtype, members, offset, count), per_slot in zip(groups, views):
             own_lo, own_hi = chunk(count, self.world_size, self.rank)
             for start, end, flat in pieces(members, flats):
@@ -302,7 +302,7 @@ class HostAllReduce(PeerGroup):
                 np.add(flat[lo - start:hi - start], per_slot[self._peers[0]][lo:hi], out=out)
                 for peer in self._peers[1:]:
                     np.add(out, per_slot[peer][lo:hi], out=out)
-        self._barrier()
+        self._barrier(nbytes=nbytes)
         scale = None
         if divide_by_last:  # one group (float32); the count is its last element,
             # in the last worker's chunk (`chunk`'s last part always ends there)

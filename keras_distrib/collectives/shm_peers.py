@@ -19,6 +19,7 @@ import stat
 import time
 from typing import Optional, Sequence
 
+from keras_distrib.collectives import flight_recorder
 from keras_distrib.collectives.shm_files import (SharedMemoryTamperedError, base_directory,
                                                  make_fifo, open_verified,
                                                  private_directory_problem, read_pid,
@@ -121,30 +122,36 @@ class PeerGroup:
 
     # -- synchronisation -----------------------------------------------------
 
-    def _barrier(self, timeout: Optional[float] = None) -> None:
-        """Returns once every worker has entered this (numbered) barrier."""
+    def _barrier(self, timeout: Optional[float] = None, nbytes: int = 0) -> None:
+        """Returns once every worker has entered this (numbered) barrier
+        (of a collective of `nbytes`, for the flight recorder)."""
         self._barriers += 1
         for peer in self._peers:
             os.write(self._fds[peer], self._token)
         timeout = self.timeout if timeout is None else timeout
         start = time.monotonic()
         stopped_since: dict = {}
-        while True:
-            late = [p for p in self._peers if self._received[p] < self._barriers]
-            if not late:
-                return
-            ready, _, _ = select.select([self._read_fd], [], [], _POLL)
-            if ready:
-                for sender in os.read(self._read_fd, 4096):
-                    self._received[sender] += 1
-                continue
-            self._check_peers(late, stopped_since)
-            if timeout is not None and time.monotonic() - start > timeout:
-                raise PeerLostError(
-                    f"shared-memory all-reduce: workers {late} did not arrive within "
-                    f"{timeout:g}s (collective_timeout); a worker is stuck or runs "
-                    "different code."
-                )
+        what = f"the shared-memory all-reduce, {nbytes} bytes"
+        with flight_recorder.in_collective(what):
+            while True:
+                late = [p for p in self._peers if self._received[p] < self._barriers]
+                if not late:
+                    return
+                ready, _, _ = select.select([self._read_fd], [], [], _POLL)
+                if ready:
+                    for sender in os.read(self._read_fd, 4096):
+                        self._received[sender] += 1
+                    continue
+                try:
+                    self._check_peers(late, stopped_since)
+                    if timeout is not None and time.monotonic() - start > timeout:
+                        raise PeerLostError(
+                            f"shared-memory all-reduce: workers {late} did not arrive within "
+                            f"{timeout:g}s (collective_timeout); a worker is stuck or runs "
+                            "different code.")
+                except PeerLostError as e:
+                    flight_recorder.report(f"its collective failed: {e}")
+                    raise
 
     def _check_peers(self, late: Sequence[int], stopped_since: dict,
                      others: Sequence[int] = ()) -> None:

@@ -34,6 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_distrib import _compat
+from keras_distrib.collectives import flight_recorder
 
 
 class CollectiveWatchdog:
@@ -57,6 +58,7 @@ class CollectiveWatchdog:
         self._tokens = itertools.count(1)
         self._changed = threading.Condition()
         self._thread: Optional[threading.Thread] = None
+        flight_recorder.watch(self)
 
     def arm(self, what: str) -> int:
         """Starts the clock for a collective (`what` names it); returns its token."""
@@ -75,11 +77,20 @@ class CollectiveWatchdog:
         with self._changed:
             self._armed.pop(int(token), None)
 
+    def in_flight(self) -> list[tuple[str, float]]:
+        """`(what, seconds since armed)` of each collective armed now."""
+        now = time.monotonic()
+        with self._changed:
+            return [(what, now - (deadline - self.timeout))
+                    for deadline, what in self._armed.values()]
+
     def around(self, values: Sequence[tf.Tensor], collective: Callable[[list], list],
                what: str) -> list:
         """`collective(values)`, armed while it runs (eager or in a graph):
-        its inputs wait for the arming, its results for the disarming."""
-        token = self._arm_op(what)
+        its inputs wait for the arming, its results for the disarming.
+        `what` is told with the bytes the values hold (when their shapes
+        are known)."""
+        token = self._arm_op(_with_bytes(what, values))
         with tf.control_dependencies([token]):
             values = [tf.identity(v) for v in values]
         return self._disarmed_after(token, collective(values))
@@ -121,6 +132,27 @@ class CollectiveWatchdog:
                     f"{what} did not complete within collective_timeout={self.timeout:g}s: a "
                     "worker is stuck, stopped, or runs different code (the workers' output "
                     "says which)")
-                self._armed.clear()
                 break
+        flight_recorder.report(f"its collective watchdog fired: {self.fired}")
+        with self._changed:
+            self._armed.clear()
         _compat.abort_collective_ops(self.fired)
+
+
+def _with_bytes(what: str, values: Sequence[tf.Tensor]) -> str:
+    """`what, 4.2 MB` (the values' bytes), or `what` when a shape is unknown."""
+    total = 0
+    for value in values:
+        count = value.shape.num_elements()
+        if count is None:
+            return what
+        total += count * value.dtype.size
+    return f"{what}, {_size(total)}"
+
+
+def _size(count: int) -> str:
+    for unit in ("bytes", "kB", "MB"):
+        if count < 1000 or unit == "MB":
+            return f"{count:g} {unit}" if unit == "bytes" else f"{count:.1f} {unit}"
+        count /= 1000
+    return f"{count} bytes"

@@ -18,6 +18,7 @@ import time
 from typing import Callable, Optional, Sequence, TextIO
 
 from keras_distrib.cluster.launch_contract import PREEMPTED
+from keras_distrib.launch import flight
 from keras_distrib.launch.config import LaunchConfig
 from keras_distrib.launch.output import Printer, say
 from keras_distrib.launch.processes import (Child, SignalTrap, describe_stopped, signal_name,
@@ -95,15 +96,19 @@ def exit_code(returncode: int) -> int:
 def watch(children: Sequence[Child], trap: SignalTrap, deadline: Optional[float],
           straggler_warning: float = 0.0,
           warn: Callable[[str], None] = lambda message: None,
-          resize: Callable[[], bool] = lambda: False) -> SuperviseResult:
+          resize: Callable[[], bool] = lambda: False,
+          show_accounts: Callable[[str], None] = lambda why: None) -> SuperviseResult:
     """Waits until the attempt ends one way or another; stops nothing.
 
     Says nothing either, but for one `warn(line)` when children still run
-    `straggler_warning` seconds (> 0) after one exited 0. Ends `RESIZING`
-    when `resize()` says so (elastic launches).
+    `straggler_warning` seconds (> 0) after one exited 0, and the ranks'
+    flight-recorder screen (`show_accounts(why)`) on SIGUSR1. Ends
+    `RESIZING` when `resize()` says so (elastic launches).
     """
     straggling = _Stragglers(children, straggler_warning, warn)
     while True:
+        if trap.accounts_wanted():
+            show_accounts("the launcher got SIGUSR1; the job goes on")
         if trap.received:
             signum = trap.received[0]
             return SuperviseResult(Ending.INTERRUPTED, 128 + signum, signum=signum)
@@ -155,8 +160,12 @@ class _Stragglers:
 
 def end(result: SuperviseResult, children: Sequence[Child], config: LaunchConfig,
         trap: SignalTrap, printer: Printer, err: TextIO,
-        unit: str = "rank") -> SuperviseResult:
+        unit: str = "rank", started: float = 0.0) -> SuperviseResult:
     """Stops the children still running, and says why.
+
+    Shows the ranks' flight-recorder screen (`launch.flight`) at a timeout,
+    and at a failure when a rank reported a stall since `started` (the
+    attempt's start, `time.monotonic()`).
 
     Returns `result`, for a failed child with the tail of its output and
     the stopped children filled in; after a signal, with `PREEMPTED` as
@@ -183,9 +192,15 @@ def end(result: SuperviseResult, children: Sequence[Child], config: LaunchConfig
     elif result.ending is Ending.TIMED_OUT:
         printer.end_line()
         say(err, f"timed out after {config.timeout:g}s (--timeout); stopping all {unit}s.")
+        flight.show(children, printer.accounts, err, f"--timeout={config.timeout:g}s passed")
         stop(children, trap, config.grace_seconds)
     elif result.ending is Ending.CHILD_FAILED:
         stopped = tuple(filter(None, (describe_stopped(c) for c in children)))
+        if printer.accounts.since(started):  # a rank stalled: where is everyone?
+            printer.end_line()
+            flight.show(children, printer.accounts, err,
+                        f"{children[result.failed.index].label} failed after a stall",
+                        since=started)
         stop(children, trap, config.grace_seconds)
         child = children[result.failed.index]
         child.reader.join(timeout=5)  # the last lines are the interesting ones

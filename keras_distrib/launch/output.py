@@ -21,12 +21,14 @@ The launcher's own lines go to `err`: `keras-distrib: ...` (`say`), or
 from __future__ import annotations
 
 import collections
+import json
 import re
 import threading
+import time
 from typing import Optional, Sequence, TextIO
 
-from keras_distrib.cluster.launch_contract import (BACKUP_LINE, LINE_START, PREEMPTED_LINE,
-                                                   backup_point)
+from keras_distrib.cluster.launch_contract import (BACKUP_LINE, FLIGHT_RECORDER_LINE, LINE_START,
+                                                   PREEMPTED_LINE, backup_point)
 
 # TensorFlow's C++ start-up and runtime logs, which every rank prints
 # whatever the script does (some even with TF_CPP_MIN_LOG_LEVEL=2); a
@@ -76,6 +78,8 @@ class Printer:
         # The job's last backup as its chief reported it (`launch_contract.
         # backup_point`), or None: the step a restarted job goes on from.
         self.backup_point: Optional[str] = None
+        # The children's flight-recorder accounts (`launch.flight`).
+        self.accounts = Accounts()
         self._lock = threading.Lock()
         self._open: Optional[tuple[object, str]] = None  # (source, text) of the open line
 
@@ -122,6 +126,51 @@ class Printer:
             pass
 
 
+class Accounts:
+    """The latest flight-recorder account each child's stream delivered, by
+    label, and when each child's recorder said it was ready to answer."""
+
+    def __init__(self):
+        self._lock = threading.Condition()
+        self._latest: dict[str, tuple[float, dict]] = {}  # label -> (monotonic, account)
+        self._ready: dict[str, float] = {}  # label -> monotonic
+
+    def add(self, label: str, text: str) -> None:
+        """Keeps the account in `text` (JSON) from the child labelled `label`."""
+        try:
+            account = json.loads(text)
+        except ValueError:
+            return  # a line cut short (the rank died writing it): nothing to show
+        with self._lock:
+            if account.get("ready"):
+                self._ready[label] = time.monotonic()
+            else:
+                self._latest[label] = (time.monotonic(), account)
+            self._lock.notify_all()
+
+    def ready_since(self, label: str, moment: float) -> bool:
+        """Whether the child's recorder said it answers, at or after `moment`."""
+        with self._lock:
+            return self._ready.get(label, -1.0) >= moment
+
+    def since(self, moment: float) -> dict[str, dict]:
+        """`{label: account}` of the accounts that came at or after `moment`."""
+        with self._lock:
+            return {label: account for label, (when, account) in self._latest.items()
+                    if when >= moment}
+
+    def wait_for(self, labels: Sequence[str], moment: float, seconds: float) -> None:
+        """Until every child of `labels` gave an account since `moment`, at
+        most `seconds`."""
+        deadline = time.monotonic() + seconds
+        with self._lock:
+            while not all(self._latest.get(label, (-1.0,))[0] >= moment for label in labels):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._lock.wait(left)
+
+
 class Stream:
     """One output stream's text, as whole lines and redraws of the open line.
 
@@ -133,8 +182,9 @@ class Stream:
     """
 
     def __init__(self, prefix: str, printer: Printer, tail: collections.deque,
-                 tail_prefix: str = ""):
+                 tail_prefix: str = "", label: Optional[str] = None):
         self._prefix = prefix
+        self._label = label if label is not None else prefix.strip("[] ")
         self._printer = printer
         self._tail = tail
         self._tail_prefix = tail_prefix
@@ -148,6 +198,12 @@ class Stream:
         for piece in _BREAKS.split(text):
             if piece in ("\n", "\r\n"):
                 line = self._current()
+                line, account, given = line.partition(FLIGHT_RECORDER_LINE)
+                if account:  # for the launcher only (launch.flight)
+                    self._printer.accounts.add(self._label, given)
+                    if not line:
+                        self._segment, self._last, self._redrawn, self._shown = "", "", False, None
+                        continue
                 point = backup_point(line)
                 if point is not None:
                     self._printer.backup_point = point

@@ -25,7 +25,7 @@ from typing import Collection, Optional, Sequence, TextIO
 
 from keras_distrib import cluster as cluster_lib
 from keras_distrib.launch.config import LaunchConfig, LaunchError
-from keras_distrib.cluster.launch_contract import RESTART_ENV, SHM_DIR_ENV
+from keras_distrib.cluster.launch_contract import CONTROL_FD_ENV, RESTART_ENV, SHM_DIR_ENV
 
 # Ports on remote hosts cannot be probed from here, so multi-host launches
 # without --port_base use fixed ones (base + index of the rank on its host).
@@ -97,6 +97,7 @@ class RankPlan:
         env.update({
             "KERAS_DISTRIB_LOCAL_RANK": str(self.local_rank),
             RESTART_ENV: str(self.restart),
+            CONTROL_FD_ENV: "0",  # its stdin: the launcher asks it for its account there
             "PYTHONUNBUFFERED": "1",
             **tf_log_env(),
         })

@@ -85,11 +85,12 @@ class Child:
         # Own session: a signal to the group reaches the rank and anything it
         # spawned, and a terminal's Ctrl-C reaches only the launcher, which
         # forwards it once (no double interrupt).
+        self.started = time.monotonic()
         self.proc = subprocess.Popen(
             _tied_to_launcher(spec.argv), env={**os.environ, **spec.env},
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True)
-        own = Stream(f"[{self.label}] ", printer, self.tail)
+        own = Stream(f"[{self.label}] ", printer, self.tail, label=self.label)
         self._sink = own if spec.rank_prefix is None else RankDemux(
             spec.rank_prefix, own, printer, self.tail)
         self.reader = threading.Thread(target=self._pump, name=f"pump {self.label}", daemon=True)
@@ -134,6 +135,16 @@ class Child:
             return None
         return self._sink.first_failed
 
+    def ask_report(self, why: str) -> None:
+        """Asks the child for its flight-recorder account (`launch.flight`),
+        on its standard input; a child that stopped reading is not waited for."""
+        line = "report " + " ".join(why.split()) + "\n"
+        try:
+            os.set_blocking(self.proc.stdin.fileno(), False)
+            os.write(self.proc.stdin.fileno(), line.encode())
+        except (OSError, ValueError):
+            pass  # exited, or its pipe is full: it shows as not answering
+
     def signal_group(self, signum: int) -> None:
         try:
             os.killpg(self.proc.pid, signum)
@@ -142,12 +153,15 @@ class Child:
 
 
 class SignalTrap:
-    """Records SIGINT/SIGTERM/SIGHUP instead of dying, so children can be stopped."""
+    """Records SIGINT/SIGTERM/SIGHUP instead of dying, so children can be
+    stopped; and SIGUSR1, a request for the ranks' flight-recorder screen
+    (`accounts_wanted`), on which the job goes on."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
     def __init__(self):
         self.received: list[int] = []
+        self._accounts_wanted = 0
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> "SignalTrap":
@@ -156,11 +170,21 @@ class SignalTrap:
         if threading.current_thread() is threading.main_thread():
             for signum in self.SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._record)
+            self._previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._want_accounts)
         return self
 
     def _record(self, signum, frame) -> None:
         del frame
         self.received.append(signum)
+
+    def _want_accounts(self, signum, frame) -> None:
+        del signum, frame
+        self._accounts_wanted += 1
+
+    def accounts_wanted(self) -> bool:
+        """Whether SIGUSR1 came since the last call."""
+        wanted, self._accounts_wanted = self._accounts_wanted > 0, 0
+        return wanted
 
     def __exit__(self, *exc) -> None:
         for signum, handler in self._previous.items():

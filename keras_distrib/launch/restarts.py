@@ -25,6 +25,7 @@ import time
 from typing import Callable, Iterator, Optional, Sequence, TextIO
 
 from keras_distrib.cluster import launch_contract
+from keras_distrib.launch import flight
 from keras_distrib.launch.config import LaunchConfig
 from keras_distrib.launch.endings import Ending, SuperviseResult, end, watch
 from keras_distrib.launch.output import Printer, say
@@ -113,6 +114,7 @@ def run_attempt(job: Job, restart: int, config: LaunchConfig, trap: SignalTrap,
     """Starts, watches and ends one attempt; nothing of it outlives this call.
     `resize`: see `endings.watch`."""
     children: list[Child] = []
+    started = time.monotonic()
     with private_directory(job.private_dir) as shm_dir:
         try:
             for spec in job.specs(restart, shm_dir):
@@ -122,8 +124,13 @@ def run_attempt(job: Job, restart: int, config: LaunchConfig, trap: SignalTrap,
                 printer.end_line()
                 say(err, message)
 
-            result = watch(children, trap, deadline, config.straggler_warning, warn, resize)
-            return end(result, children, config, trap, printer, err)
+            def show_accounts(why: str) -> None:
+                printer.end_line()
+                flight.show(children, printer.accounts, err, why)
+
+            result = watch(children, trap, deadline, config.straggler_warning, warn, resize,
+                           show_accounts)
+            return end(result, children, config, trap, printer, err, started=started)
         finally:
             for child in children:
                 child.signal_group(signal.SIGKILL)

@@ -27,6 +27,8 @@ names the launcher's other modules and its users take from here:
                       worker tasks restarted alone, lost ps tasks
     elastic           `ElasticJob` (--min_workers): attempts on the slots that
                       answer, hosts lost and taken back
+    flight            the ranks' flight-recorder accounts as one screen (on a
+                      stall, at --timeout, on SIGUSR1)
 """
 
 from __future__ import annotations

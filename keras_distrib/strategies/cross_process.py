@@ -22,6 +22,8 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
+from keras_distrib.collectives import flight_recorder
+
 
 class CrossProcessHelpers(abc.ABC):
     """Collectives across processes, eager, for use between steps.
@@ -54,7 +56,8 @@ class CrossProcessHelpers(abc.ABC):
             return arrays
         dtype = np.result_type(*arrays) if arrays else np.float64
         flat = np.concatenate([a.astype(dtype).ravel() for a in arrays])
-        summed = np.asarray(self._sum_over_processes(flat))
+        with flight_recorder.in_collective(f"an eager sum over processes, {flat.nbytes} bytes"):
+            summed = np.asarray(self._sum_over_processes(flat))
         out, start = [], 0
         for a in arrays:
             out.append(summed[start : start + a.size].reshape(a.shape).astype(a.dtype))

@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from keras_distrib import _compat
 from keras_distrib import cluster as cluster_lib
-from keras_distrib.collectives import heartbeats, host_allreduce, pieces
+from keras_distrib.collectives import flight_recorder, heartbeats, host_allreduce, pieces
 from keras_distrib.collectives import runtime, seconds
 from keras_distrib.collectives.watchdog import CollectiveWatchdog
 from keras_distrib.strategies.tf_distribute import TFDistributeStrategy
@@ -311,6 +311,7 @@ class MultiWorker(TFDistributeStrategy):
             return host_allreduce.PeerLostError(f"multi_worker: {self._watchdog.fired}.")
         lost = heartbeats.lost_peer(error, self._info)
         if lost is not None:
+            flight_recorder.report(f"it lost a peer: {lost}")
             return host_allreduce.PeerLostError(f"multi_worker: {lost}")
         return None
 

@@ -76,6 +76,10 @@ def test_a_cut_link_ends_both_workers_in_one_line_naming_the_peer(tmp_path, host
     summary = output[output.index("keras-distrib: rank "):]
     assert f"worker 1 at {b} is unreachable" in summary or \
         f"worker 0 at {a}, the coordination service's leader, is unreachable" in summary
+    # The flight recorder's screen: the ranks said on their own whom they lost.
+    screen = output[output.index("keras-distrib: flight recorder ("):]
+    assert re.search(rf"reported on its own: it lost a peer: (worker 1 at {b} is unreachable|"
+                     rf"worker 0 at {a}, the coordination service's leader)", screen), screen
     _assert_nothing_left(bed, tmp_path)
 
 
