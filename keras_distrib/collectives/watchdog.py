@@ -54,17 +54,18 @@ class CollectiveWatchdog:
     def __init__(self, timeout: float):
         self.timeout = float(timeout)
         self.fired: Optional[str] = None  # the message, once it aborted the collectives
-        self._armed: dict[int, tuple[float, str]] = {}  # token -> (deadline, what)
+        self._armed: dict[int, tuple[float, str, str]] = {}  # token -> (deadline, what, size)
         self._tokens = itertools.count(1)
         self._changed = threading.Condition()
         self._thread: Optional[threading.Thread] = None
         flight_recorder.watch(self)
 
-    def arm(self, what: str) -> int:
-        """Starts the clock for a collective (`what` names it); returns its token."""
+    def arm(self, what: str, size: str = "") -> int:
+        """Starts the clock for a collective (`what` names it, `size` its
+        bytes for the flight recorder); returns its token."""
         with self._changed:
             token = next(self._tokens)
-            self._armed[token] = (time.monotonic() + self.timeout, what)
+            self._armed[token] = (time.monotonic() + self.timeout, what, size)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._watch, daemon=True,
                                                 name="keras_distrib-collective-watchdog")
@@ -81,8 +82,8 @@ class CollectiveWatchdog:
         """`(what, seconds since armed)` of each collective armed now."""
         now = time.monotonic()
         with self._changed:
-            return [(what, now - (deadline - self.timeout))
-                    for deadline, what in self._armed.values()]
+            return [(f"{what}, {size}" if size else what, now - (deadline - self.timeout))
+                    for deadline, what, size in self._armed.values()]
 
     def around(self, values: Sequence[tf.Tensor], collective: Callable[[list], list],
                what: str) -> list:
@@ -90,7 +91,7 @@ class CollectiveWatchdog:
         its inputs wait for the arming, its results for the disarming.
         `what` is told with the bytes the values hold (when their shapes
         are known)."""
-        token = self._arm_op(_with_bytes(what, values))
+        token = self._arm_op(what, _size_of(values))
         with tf.control_dependencies([token]):
             values = [tf.identity(v) for v in values]
         return self._disarmed_after(token, collective(values))
@@ -106,8 +107,8 @@ class CollectiveWatchdog:
         flat = self._disarmed_after(token, tf.nest.flatten(results))
         return tf.nest.pack_sequence_as(results, flat)
 
-    def _arm_op(self, what: str) -> tf.Tensor:
-        return tf.numpy_function(lambda: np.int64(self.arm(what)), [], tf.int64,
+    def _arm_op(self, what: str, size: str = "") -> tf.Tensor:
+        return tf.numpy_function(lambda: np.int64(self.arm(what, size)), [], tf.int64,
                                  stateful=True, name="kd_watchdog_arm")
 
     def _disarmed_after(self, token: tf.Tensor, results: list) -> list:
@@ -123,7 +124,7 @@ class CollectiveWatchdog:
                 if not self._armed:
                     self._changed.wait()
                     continue
-                deadline, what = min(self._armed.values())
+                deadline, what, _ = min(self._armed.values())
                 left = deadline - time.monotonic()
                 if left > 0:
                     self._changed.wait(left)
@@ -139,15 +140,15 @@ class CollectiveWatchdog:
         _compat.abort_collective_ops(self.fired)
 
 
-def _with_bytes(what: str, values: Sequence[tf.Tensor]) -> str:
-    """`what, 4.2 MB` (the values' bytes), or `what` when a shape is unknown."""
+def _size_of(values: Sequence[tf.Tensor]) -> str:
+    """`4.2 MB` (the values' bytes), or "" when a shape is unknown."""
     total = 0
     for value in values:
         count = value.shape.num_elements()
         if count is None:
-            return what
+            return ""
         total += count * value.dtype.size
-    return f"{what}, {_size(total)}"
+    return _size(total)
 
 
 def _size(count: int) -> str:
