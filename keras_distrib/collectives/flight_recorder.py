@@ -60,12 +60,17 @@ def watch(watchdog) -> None:
     _watchdogs.add(watchdog)
 
 
+def described(what: str, nbytes: Optional[int]) -> str:
+    """`what, 4096 bytes`, or `what` when the size is unknown (None)."""
+    return what if nbytes is None else f"{what}, {nbytes} bytes"
+
+
 @contextlib.contextmanager
-def in_collective(what: str) -> Iterator[None]:
-    """An eager collective named `what` runs within."""
+def in_collective(what: str, nbytes: Optional[int]) -> Iterator[None]:
+    """An eager collective named `what`, of `nbytes`, runs within."""
     token = next(_tokens)
     with _lock:
-        _eager[token] = (what, time.monotonic())
+        _eager[token] = (described(what, nbytes), time.monotonic())
     try:
         yield
     finally:
@@ -73,8 +78,9 @@ def in_collective(what: str) -> Iterator[None]:
             _eager.pop(token, None)
 
 
-def snapshot(reason: str) -> dict:
-    """The account: rank, step, collectives waited in, every thread's stack."""
+def snapshot(reason: str, asked: bool = False) -> dict:
+    """The account: rank, step, collectives waited in, every thread's stack;
+    `reason` why it is taken, `asked` whether the launcher asked for it."""
     now = time.monotonic()
     with _lock:
         eager = [(what, now - since) for what, since in _eager.values()]
@@ -90,15 +96,15 @@ def snapshot(reason: str) -> dict:
                                     is_user_code(f.filename)] for f in frames]})
     threads.sort(key=lambda t: not t["main"])
     return {"rank": _rank(), "pid": os.getpid(), "host": socket.gethostname(),
-            "reason": reason, "step": _step,
+            "reason": reason, "asked": asked, "step": _step,
             "collectives": [{"what": what, "waited": round(waited, 3)}
                             for what, waited in sorted(waiting, key=lambda w: -w[1])],
             "threads": threads}
 
 
-def report(reason: str) -> None:
+def report(reason: str, asked: bool = False) -> None:
     """Prints the account on stderr as one line the launcher reads."""
-    _say(json.dumps(snapshot(reason), separators=(",", ":")))
+    _say(json.dumps(snapshot(reason, asked), separators=(",", ":")))
 
 
 def install() -> None:
@@ -138,7 +144,7 @@ def _answer(fd: int) -> None:
         for line in lines:
             command, _, reason = line.decode("utf-8", "replace").partition(" ")
             if command == "report":
-                report(f"asked by the launcher: {reason}")
+                report(reason, asked=True)
 
 
 def _rank() -> Optional[int]:

@@ -131,8 +131,7 @@ class PeerGroup:
         timeout = self.timeout if timeout is None else timeout
         start = time.monotonic()
         stopped_since: dict = {}
-        what = f"the shared-memory all-reduce, {nbytes} bytes"
-        with flight_recorder.in_collective(what):
+        with flight_recorder.in_collective("the shared-memory all-reduce", nbytes):
             while True:
                 late = [p for p in self._peers if self._received[p] < self._barriers]
                 if not late:

@@ -54,18 +54,19 @@ class CollectiveWatchdog:
     def __init__(self, timeout: float):
         self.timeout = float(timeout)
         self.fired: Optional[str] = None  # the message, once it aborted the collectives
-        self._armed: dict[int, tuple[float, str, str]] = {}  # token -> (deadline, what, size)
+        # token -> (deadline, what, bytes or None)
+        self._armed: dict[int, tuple[float, str, Optional[int]]] = {}
         self._tokens = itertools.count(1)
         self._changed = threading.Condition()
         self._thread: Optional[threading.Thread] = None
         flight_recorder.watch(self)
 
-    def arm(self, what: str, size: str = "") -> int:
-        """Starts the clock for a collective (`what` names it, `size` its
-        bytes for the flight recorder); returns its token."""
+    def arm(self, what: str, nbytes: Optional[int] = None) -> int:
+        """Starts the clock for a collective (`what` names it, `nbytes` its
+        size for the flight recorder); returns its token."""
         with self._changed:
             token = next(self._tokens)
-            self._armed[token] = (time.monotonic() + self.timeout, what, size)
+            self._armed[token] = (time.monotonic() + self.timeout, what, nbytes)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._watch, daemon=True,
                                                 name="keras_distrib-collective-watchdog")
@@ -82,8 +83,8 @@ class CollectiveWatchdog:
         """`(what, seconds since armed)` of each collective armed now."""
         now = time.monotonic()
         with self._changed:
-            return [(f"{what}, {size}" if size else what, now - (deadline - self.timeout))
-                    for deadline, what, size in self._armed.values()]
+            return [(flight_recorder.described(what, nbytes), now - (deadline - self.timeout))
+                    for deadline, what, nbytes in self._armed.values()]
 
     def around(self, values: Sequence[tf.Tensor], collective: Callable[[list], list],
                what: str) -> list:
@@ -91,7 +92,7 @@ class CollectiveWatchdog:
         its inputs wait for the arming, its results for the disarming.
         `what` is told with the bytes the values hold (when their shapes
         are known)."""
-        token = self._arm_op(what, _size_of(values))
+        token = self._arm_op(what, _bytes_of(values))
         with tf.control_dependencies([token]):
             values = [tf.identity(v) for v in values]
         return self._disarmed_after(token, collective(values))
@@ -107,8 +108,8 @@ class CollectiveWatchdog:
         flat = self._disarmed_after(token, tf.nest.flatten(results))
         return tf.nest.pack_sequence_as(results, flat)
 
-    def _arm_op(self, what: str, size: str = "") -> tf.Tensor:
-        return tf.numpy_function(lambda: np.int64(self.arm(what, size)), [], tf.int64,
+    def _arm_op(self, what: str, nbytes: Optional[int] = None) -> tf.Tensor:
+        return tf.numpy_function(lambda: np.int64(self.arm(what, nbytes)), [], tf.int64,
                                  stateful=True, name="kd_watchdog_arm")
 
     def _disarmed_after(self, token: tf.Tensor, results: list) -> list:
@@ -140,20 +141,12 @@ class CollectiveWatchdog:
         _compat.abort_collective_ops(self.fired)
 
 
-def _size_of(values: Sequence[tf.Tensor]) -> str:
-    """`4.2 MB` (the values' bytes), or "" when a shape is unknown."""
+def _bytes_of(values: Sequence[tf.Tensor]) -> Optional[int]:
+    """The values' bytes, or None when a shape is unknown."""
     total = 0
     for value in values:
         count = value.shape.num_elements()
         if count is None:
-            return ""
+            return None
         total += count * value.dtype.size
-    return _size(total)
-
-
-def _size(count: int) -> str:
-    for unit in ("bytes", "kB", "MB"):
-        if count < 1000 or unit == "MB":
-            return f"{count:g} {unit}" if unit == "bytes" else f"{count:.1f} {unit}"
-        count /= 1000
-    return f"{count} bytes"
+    return total

@@ -66,7 +66,7 @@ def render(children: Sequence, given: dict, why: str, seconds: float,
         lines.append(f"  {child.label} (pid {account['pid']} on {account['host']}): "
                      f"{_step(account['step'])}; {_waiting(account)}")
         lines.append(f"      at {_where(account)}")
-        if account["reason"] and not account["reason"].startswith("asked"):
+        if not account["asked"]:
             lines.append(f"      reported on its own: {account['reason']}")
     missing = not_arrived(children, given)
     if missing:

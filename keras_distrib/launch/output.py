@@ -182,9 +182,9 @@ class Stream:
     """
 
     def __init__(self, prefix: str, printer: Printer, tail: collections.deque,
-                 tail_prefix: str = "", label: Optional[str] = None):
+                 tail_prefix: str = ""):
         self._prefix = prefix
-        self._label = label if label is not None else prefix.strip("[] ")
+        self._label = prefix.strip("[] ")  # `[rank 1] `: the child's label
         self._printer = printer
         self._tail = tail
         self._tail_prefix = tail_prefix

@@ -90,7 +90,7 @@ class Child:
             _tied_to_launcher(spec.argv), env={**os.environ, **spec.env},
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True)
-        own = Stream(f"[{self.label}] ", printer, self.tail, label=self.label)
+        own = Stream(f"[{self.label}] ", printer, self.tail)
         self._sink = own if spec.rank_prefix is None else RankDemux(
             spec.rank_prefix, own, printer, self.tail)
         self.reader = threading.Thread(target=self._pump, name=f"pump {self.label}", daemon=True)

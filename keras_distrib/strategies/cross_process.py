@@ -56,7 +56,7 @@ class CrossProcessHelpers(abc.ABC):
             return arrays
         dtype = np.result_type(*arrays) if arrays else np.float64
         flat = np.concatenate([a.astype(dtype).ravel() for a in arrays])
-        with flight_recorder.in_collective(f"an eager sum over processes, {flat.nbytes} bytes"):
+        with flight_recorder.in_collective("an eager sum over processes", flat.nbytes):
             summed = np.asarray(self._sum_over_processes(flat))
         out, start = [], 0
         for a in arrays:
