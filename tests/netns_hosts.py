@@ -8,13 +8,16 @@ each other only over that link, as on two machines: the launcher treats the
 addresses as remote (`keras_distrib.cluster.is_local_host`), so a
 multi-worker job takes TensorFlow's collectives, not shared memory; a link
 can be rate-limited (`tc` token bucket on both ends), cut and restored.
+Each host also has a management link (a link of its own at the switch), which
+the ssh stand-in below crosses: `cut(host, training_only=True)` leaves it
+up, so ssh reaches a host its peers cannot.
 
 `bed.ssh_command` is what `keras-distrib launch --ssh --ssh_command` needs
 to start a rank "on" a host: this file run as
 `python netns_hosts.py exec PREFIX HOST COMMAND`, which execs
 `ip netns exec <PREFIX>-<HOST> sh -c COMMAND` (the rank replaces it, so
 killing the child kills the rank, as ssh -tt does). As ssh would, it cannot
-reach a host whose link is cut: it waits for the link up to
+reach a host whose management link is cut: it waits for the link up to
 `CONNECT_SECONDS`, then exits 255.
 
 `bed.ssh_program(directory)` writes an `ssh` for programs that call it
@@ -148,6 +151,10 @@ class TestBed:
             if self.rate:
                 self._limit(ns, "eth0")
                 self._limit(self.switch, port)
+            # The host's management network, which the ssh stand-in crosses:
+            # a link of its own, so that the training link can be cut alone.
+            _ip("-n", self.switch, "link", "add", f"m{host}", "type", "bridge")
+            _ip("-n", self.switch, "link", "set", f"m{host}", "up")
 
     def _limit(self, ns: str, dev: str) -> None:
         """A token bucket of `rate` on `dev`'s egress (both ends of a link)."""
@@ -186,12 +193,18 @@ class TestBed:
 
     # -- the network ------------------------------------------------------------
 
-    def cut(self, host: int) -> None:
-        """Takes `host`'s link down at the switch: nothing reaches it or leaves it."""
+    def cut(self, host: int, training_only: bool = False) -> None:
+        """Takes `host`'s link down at the switch: nothing reaches it or
+        leaves it. `training_only`: its management network stays up, so the
+        ssh stand-in still reaches it (a firewall on the training ports, a
+        dead NIC on the fast fabric)."""
         _ip("-n", self.switch, "link", "set", f"p{host}", "down")
+        if not training_only:
+            _ip("-n", self.switch, "link", "set", f"m{host}", "down")
 
     def restore(self, host: int) -> None:
-        _ip("-n", self.switch, "link", "set", f"p{host}", "up")
+        for link in (f"p{host}", f"m{host}"):
+            _ip("-n", self.switch, "link", "set", link, "up")
 
     def run(self, host: int, *argv: str, **kwargs) -> subprocess.CompletedProcess:
         """Runs `argv` on `host` and waits (a 60 s bound)."""
@@ -206,8 +219,9 @@ CONNECT_SECONDS = 20.0
 
 
 def _link_up(prefix: str, host: str) -> bool:
-    """Whether `host`'s link at the switch is up (`TestBed.cut` takes it down)."""
-    port = f"p{int(host.rsplit('.', 1)[1]) - 1}"
+    """Whether `host`'s management link at the switch is up (`TestBed.cut`
+    takes it down, but for `training_only`)."""
+    port = f"m{int(host.rsplit('.', 1)[1]) - 1}"
     shown = _ip("-n", f"{prefix}-switch", "-o", "link", "show", port, check=False).stdout
     flags = shown.split("<", 1)[1].split(">", 1)[0].split(",") if "<" in shown else []
     return "UP" in flags

@@ -46,7 +46,7 @@ if info is not None:
 from __future__ import annotations
 
 from .addresses import parse_address
-from .errors import ClusterConfigError
+from .errors import ClusterConfigError, PeersMissingError
 from .explicit import from_explicit
 from . import launch_contract  # noqa: F401  (what the launcher and its workers agree on)
 from .info import ClusterInfo, require_training_workers
@@ -59,6 +59,7 @@ from .tf_config import from_tf_config
 __all__ = [
     "CHIEF",
     "ClusterConfigError",
+    "PeersMissingError",
     "ClusterInfo",
     "DEFAULT_SLURM_PORT_BASE",
     "EVALUATOR",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ClusterConfigError"]
+__all__ = ["ClusterConfigError", "PeersMissingError"]
 
 
 class ClusterConfigError(ValueError):
@@ -12,3 +12,12 @@ class ClusterConfigError(ValueError):
         # Launchers and log scrapers print errors as one line; collapse any
         # newline a caller's value may have smuggled in.
         super().__init__(" ".join(str(message).split()))
+
+
+class PeersMissingError(ClusterConfigError):
+    """Peers did not answer at start-up; `ranks` are the training tasks
+    among them (positions in `ClusterInfo.workers`)."""
+
+    def __init__(self, message: str, ranks: tuple = ()):
+        super().__init__(message)
+        self.ranks = tuple(ranks)

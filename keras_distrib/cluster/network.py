@@ -20,7 +20,7 @@ from typing import Optional
 
 from . import roles
 from .addresses import parse_address
-from .errors import ClusterConfigError
+from .errors import ClusterConfigError, PeersMissingError
 from .info import ClusterInfo
 
 __all__ = [
@@ -231,8 +231,9 @@ def wait_for_peers(info: ClusterInfo, timeout: Optional[float], poll: float = 0.
 
     Raises:
         ClusterConfigError: a peer's host name stayed unresolvable, naming
-            it; or on timeout, naming the first peer (lowest rank, then ps
-            tasks) that did not answer.
+            it; or on timeout (`PeersMissingError`, with the ranks of the
+            training tasks missing), naming the first peer (lowest rank,
+            then ps tasks) that did not answer.
 
     Example:
 
@@ -263,10 +264,11 @@ def wait_for_peers(info: ClusterInfo, timeout: Optional[float], poll: float = 0.
             if label in unresolved:
                 raise _unresolved_error(label, address, unresolved[label][1])
             _, port = parse_address(address, label)
-            raise ClusterConfigError(
+            raise PeersMissingError(
                 f"{label} at {address} did not answer within {timeout:g}s; "
                 f"is it started? Check that it runs and that port {port} is "
-                "reachable from this host (firewall, --bind address)."
+                "reachable from this host (firewall, --bind address).",
+                ranks=[info.workers.index(a) for _, a in pending if a in info.workers],
             )
         time.sleep(poll)
 

@@ -11,7 +11,8 @@ taken when asked, every thread's Python stack.
 `report(reason)` prints the account as one line on stderr
 (`launch_contract.FLIGHT_RECORDER_LINE` and JSON), which the launcher reads
 off the rank's output. A rank reports on its own when its watchdog fires or
-it loses a peer; the launcher asks the others (and every rank on
+it loses a peer (naming the ranks it could not reach, `lost`: an elastic
+launch leaves out the one the others could not reach); the launcher asks the others (and every rank on
 `kill -USR1 <launcher>`, at a failure that followed a stall, and at
 `--timeout`) through the control channel: the rank's standard input, whose
 file descriptor `KERAS_DISTRIB_CONTROL_FD` names (set by the launcher, over
@@ -33,7 +34,7 @@ import threading
 import time
 import traceback
 import weakref
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 from keras_distrib.cluster.launch_contract import CONTROL_FD_ENV, FLIGHT_RECORDER_LINE
 
@@ -78,9 +79,11 @@ def in_collective(what: str, nbytes: Optional[int]) -> Iterator[None]:
             _eager.pop(token, None)
 
 
-def snapshot(reason: str, asked: bool = False) -> dict:
+def snapshot(reason: str, asked: bool = False, lost: Sequence[int] = ()) -> dict:
     """The account: rank, step, collectives waited in, every thread's stack;
-    `reason` why it is taken, `asked` whether the launcher asked for it."""
+    `reason` why it is taken, `asked` whether the launcher asked for it,
+    `lost` the ranks this one could not reach (its own diagnosis, which the
+    launcher weighs when it decides whom to leave out of an elastic job)."""
     now = time.monotonic()
     with _lock:
         eager = [(what, now - since) for what, since in _eager.values()]
@@ -96,15 +99,15 @@ def snapshot(reason: str, asked: bool = False) -> dict:
                                     is_user_code(f.filename)] for f in frames]})
     threads.sort(key=lambda t: not t["main"])
     return {"rank": _rank(), "pid": os.getpid(), "host": socket.gethostname(),
-            "reason": reason, "asked": asked, "step": _step,
+            "reason": reason, "asked": asked, "lost": sorted(set(lost)), "step": _step,
             "collectives": [{"what": what, "waited": round(waited, 3)}
                             for what, waited in sorted(waiting, key=lambda w: -w[1])],
             "threads": threads}
 
 
-def report(reason: str, asked: bool = False) -> None:
+def report(reason: str, asked: bool = False, lost: Sequence[int] = ()) -> None:
     """Prints the account on stderr as one line the launcher reads."""
-    _say(json.dumps(snapshot(reason, asked), separators=(",", ":")))
+    _say(json.dumps(snapshot(reason, asked, lost), separators=(",", ":")))
 
 
 def install() -> None:

@@ -75,6 +75,17 @@ def lost_peer(error: BaseException, info: cluster_lib.ClusterInfo) -> Optional[s
     return None
 
 
+def lost_ranks(error: BaseException) -> list[int]:
+    """The ranks (worker tasks) a heartbeat failure in `error` names: the
+    unhealthy tasks on the leader, the leader (0) on a task that lost it;
+    [] when `error` is not one."""
+    text = str(error)
+    unhealthy = _UNHEALTHY.search(text)
+    if unhealthy:
+        return [int(task) for job, task in _TASK.findall(unhealthy[1]) if job == "worker"]
+    return [0] if _HEARTBEAT_RPC in text else []
+
+
 def _describe(job: str, task: int, info: cluster_lib.ClusterInfo) -> str:
     """`worker 1 at host:port` (the address from the cluster, if it has it)."""
     addresses = list(info.workers) if job == "worker" else []

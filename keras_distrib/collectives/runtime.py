@@ -29,6 +29,7 @@ from typing import Optional
 
 from keras_distrib import cluster as cluster_lib
 from keras_distrib.cluster.network import listen_address
+from keras_distrib.collectives import flight_recorder
 from keras_distrib.collectives.seconds import check_seconds, seconds_from_env
 
 # Seconds the import-time start waits for every peer to come up.
@@ -112,7 +113,11 @@ def start(info: cluster_lib.ClusterInfo, peer_timeout: float) -> None:
 
     cluster_lib.check_own_port_free(info)
     with _listening_on(info.address):
-        cluster_lib.wait_for_peers(info, timeout=peer_timeout)
+        try:
+            cluster_lib.wait_for_peers(info, timeout=peer_timeout)
+        except cluster_lib.PeersMissingError as e:
+            flight_recorder.report(f"it did not find its peers: {e}", lost=e.ranks)
+            raise
     spec = tf.train.ClusterSpec({"worker": list(info.workers)})
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
         spec, task_type="worker", task_id=info.rank, rpc_layer="grpc")

@@ -32,7 +32,12 @@ STOPPED_GRACE = 3.0  # seconds a late peer may stay stopped before the wait fail
 
 
 class PeerLostError(RuntimeError):
-    """A peer exited, stopped, or did not answer within the timeout."""
+    """A peer exited, stopped, or did not answer within the timeout;
+    `peers`: the ranks that did not arrive, when known."""
+
+    def __init__(self, message: str, peers: Sequence[int] = ()):
+        super().__init__(message)
+        self.peers = tuple(peers)
 
 
 class PeerGroup:
@@ -147,9 +152,9 @@ class PeerGroup:
                         raise PeerLostError(
                             f"shared-memory all-reduce: workers {late} did not arrive within "
                             f"{timeout:g}s (collective_timeout); a worker is stuck or runs "
-                            "different code.")
+                            "different code.", peers=late)
                 except PeerLostError as e:
-                    flight_recorder.report(f"its collective failed: {e}")
+                    flight_recorder.report(f"its collective failed: {e}", lost=e.peers)
                     raise
 
     def _check_peers(self, late: Sequence[int], stopped_since: dict,
@@ -166,7 +171,7 @@ class PeerGroup:
             if state == "exited":
                 raise PeerLostError(
                     f"shared-memory all-reduce: worker {peer} (pid {pid}) exited; "
-                    "see its output for the cause.")
+                    "see its output for the cause.", peers=[peer])
             if peer not in late or state != "stopped":
                 stopped_since.pop(peer, None)
                 continue
@@ -174,7 +179,7 @@ class PeerGroup:
                 raise PeerLostError(
                     f"shared-memory all-reduce: worker {peer} (pid {pid}) is stopped "
                     f"(SIGSTOP or a debugger) and has not arrived for {STOPPED_GRACE:g}s; "
-                    "resume it (kill -CONT) or stop the job.")
+                    "resume it (kill -CONT) or stop the job.", peers=[peer])
 
     def _wait_for_file(self, path: str, worker: int, timeout: Optional[float],
                        late_message: str) -> None:
@@ -185,7 +190,7 @@ class PeerGroup:
         while not os.path.lexists(path):  # a planted link counts: verification rejects it
             self._check_peers([worker], stopped_since, others=list(self._pids))
             if deadline is not None and time.monotonic() > deadline:
-                raise PeerLostError(late_message)
+                raise PeerLostError(late_message, peers=[worker])
             time.sleep(pause)
             pause = min(2 * pause, _FILE_POLL_MAX)
 

@@ -6,25 +6,32 @@ order, with a new `TF_CONFIG` for that many workers. When an attempt fails
 and `--max_restarts` allows, the next one runs on the slots that still
 answer:
 
-* a remote host is asked to run `true` through `--ssh_command`; one that
-  does not within `PROBE_SECONDS` is lost, with all its slots (so is one
-  that cannot be reached before the first attempt);
-* a slot whose rank failed first in two attempts in a row, the second
-  within `--elastic_grace` seconds of its start, is left out (a worker
-  killed again and again, a host that fails at start-up). Under
-  `--backend horovod` an attempt is one horovodrun on the member slots,
-  and the rank that failed first is the one horovodrun names when it
-  stops the others.
+* a remote host is present when ssh (`--ssh_command`) reaches it and,
+  from it, a probe reaches the job's rendezvous over the training network
+  (`keras_distrib.launch.reachability`: a port the launcher holds on its
+  own address among the hosts); one that is not is lost, with all its
+  slots (so is one that is not present before the first attempt);
+* otherwise the failure is charged to one rank (`keras_distrib.launch.blame`:
+  the ranks' own diagnosis of whom they could not reach, else the rank
+  that failed first). Its slot is left out when it was charged in two
+  attempts in a row, the second within `--elastic_grace` seconds of its
+  start (a worker killed or stopped again and again, a host that fails at
+  start-up), or at once when the ranks on both sides were alive and could
+  not reach each other (a partition the probe does not see: the slot stays
+  out). Under `--backend horovod` an attempt is one horovodrun on the
+  member slots, and the rank that failed first is the one horovodrun names
+  when it stops the others.
 
 Below `--min_workers` slots the job fails, naming the hosts lost. While
-hosts are out, a thread asks them every `PROBE_INTERVAL` seconds; when one
-answers, the job is asked to save and stop (SIGTERM: every rank stops at
+hosts are out, a thread probes them every `PROBE_INTERVAL` seconds; when one
+is present again, the job is asked to save and stop (SIGTERM: every rank stops at
 the same step and `BackupAndRestore` writes its backup there, exit code
 `PREEMPTED`), and the next attempt takes the host back (not counted as a
 restart). Each change prints one line: `[launcher] 2 -> 1 workers: host
-10.0.0.2 lost (it does not answer); training goes on from the last backup,
-step 12 (epoch 2, step 4)` (the step as the job's chief reported it:
-`launch_contract.BACKUP_LINE`).
+10.0.0.2 lost (ssh reaches it, but it cannot reach the job's rendezvous at
+10.0.0.1:41234 on the training network); training goes on from the last
+backup, step 12 (epoch 2, step 4)` (the step as the job's chief reported
+it: `launch_contract.BACKUP_LINE`).
 
 The training stays the one the user asked for whatever the membership:
 the global batch is split over the workers there are, and a resumed
@@ -35,24 +42,21 @@ global step, with the same shuffle (docs/failures.md).
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
-import shlex
-import subprocess
 import threading
 import time
 from typing import Optional, Sequence, TextIO
 
 from keras_distrib import cluster as cluster_lib
-from keras_distrib.launch import backends
+from keras_distrib.launch import backends, blame
 from keras_distrib.launch.config import LaunchConfig
 from keras_distrib.launch.endings import Ending, SuperviseResult
 from keras_distrib.launch.output import Printer, note, say
 from keras_distrib.launch.plan import parse_hosts, plan
 from keras_distrib.launch.processes import SignalTrap
+from keras_distrib.launch.reachability import Rendezvous
 from keras_distrib.launch.restarts import Job, finish, from_backup, run_attempt, should_restart
 
-PROBE_SECONDS = 10.0
 PROBE_INTERVAL = 5.0
 EXIT_TOO_FEW = 1  # the exit code when fewer than --min_workers slots are left
 
@@ -64,36 +68,13 @@ def slot_hosts(config: LaunchConfig) -> list[str]:
     return [config.bind] * config.nproc
 
 
-def answers(host: str, config: LaunchConfig) -> bool:
-    """Whether `host` runs `true` through `--ssh_command` within
-    `PROBE_SECONDS` (this machine always does)."""
-    if cluster_lib.is_local_host(host):
-        return True
-    argv = [*shlex.split(config.ssh_command), host.strip("[]"), "true"]
-    try:
-        return subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True,
-                              timeout=PROBE_SECONDS).returncode == 0
-    except subprocess.TimeoutExpired:
-        return False
-
-
-def unreachable(hosts: Sequence[str], config: LaunchConfig) -> list[str]:
-    """The hosts among `hosts` that do not answer, asked all at once."""
-    hosts = list(dict.fromkeys(hosts))
-    if not hosts:
-        return []
-    with concurrent.futures.ThreadPoolExecutor(len(hosts)) as pool:
-        answered = list(pool.map(lambda h: answers(h, config), hosts))
-    return [h for h, ok in zip(hosts, answered) if not ok]
-
-
 class _Rejoin:
-    """Asks the hosts that are out, every `PROBE_INTERVAL` seconds, in a
-    thread; `returned` holds the first that answers."""
+    """Probes the hosts that are out, every `PROBE_INTERVAL` seconds, in a
+    thread; `returned` holds the first that is present again."""
 
-    def __init__(self, hosts: Sequence[str], config: LaunchConfig):
+    def __init__(self, hosts: Sequence[str], rendezvous: Rendezvous):
         self.returned: Optional[str] = None
-        self._hosts, self._config = list(hosts), config
+        self._hosts, self._rendezvous = list(hosts), rendezvous
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         if self._hosts:
@@ -101,7 +82,7 @@ class _Rejoin:
 
     def _run(self) -> None:
         while not self._stop.wait(PROBE_INTERVAL):
-            back = [h for h in self._hosts if answers(h, self._config)]
+            back = [h for h in self._hosts if self._rendezvous.why_out(h) is None]
             if back and not self._stop.is_set():
                 self.returned = back[0]
                 return
@@ -140,18 +121,18 @@ def run_elastic(job: ElasticJob, printer: Printer, deadline: Optional[float],
     """Runs the attempts of an elastic job (see module doc); returns how the last ended."""
     config = job.config
     hosts = slot_hosts(config)
-    gone = unreachable([h for h in hosts if not cluster_lib.is_local_host(h)], config)
-    state = _Membership(hosts, [s for s, h in enumerate(hosts) if h not in gone], list(gone))
-    if gone:
-        note(printer, err, f"{config.nproc} -> {len(state.members)} workers before the start: "
-                           f"{_named(gone)} {'does' if len(gone) == 1 else 'do'} not answer.")
-    with SignalTrap() as trap:
+    with Rendezvous(hosts, config.ssh_command) as rendezvous, SignalTrap() as trap:
+        gone = rendezvous.out([h for h in hosts if not cluster_lib.is_local_host(h)])
+        state = _Membership(hosts, [s for s, h in enumerate(hosts) if h not in gone], list(gone))
+        if gone:
+            note(printer, err, f"{config.nproc} -> {len(state.members)} workers before the "
+                               f"start: {_out_because(gone)}.")
         restarts, attempts, last_culprit, last_ports = 0, 0, None, set()
         while True:
             if len(state.members) < config.min_workers:
                 return _too_few(state, config, restarts, err)
             job = _job(config, state, attempts, last_ports)
-            rejoin = _Rejoin(state.lost, config)
+            rejoin = _Rejoin(state.lost, rendezvous)
             started = time.monotonic()
             try:
                 result = run_attempt(job, attempts, config, trap, deadline, printer, err,
@@ -165,18 +146,24 @@ def run_elastic(job: ElasticJob, printer: Printer, deadline: Optional[float],
             if not should_restart(result, restarts, config, trap, deadline):
                 return finish(result, restarts, len(state.members), config, trap, err)
             restarts += 1
-            # Ranks are numbered in member-slot order; horovodrun, one child,
-            # says which of its ranks failed first (or nothing).
-            rank = (result.failed.index if config.backend == "tf"
-                    else result.failed.first_rank)
-            known = rank is not None and rank < len(state.members)
-            culprit = state.members[rank] if known else None
+            # What the ranks said before the launcher stopped any of them.
+            charged = _charged(result, config,
+                               printer.accounts.lost_between(started, result.seen))
+            known = charged.rank is not None and charged.rank < len(state.members)
+            culprit = state.members[charged.rank] if known else None
             again = (culprit is not None and culprit == last_culprit
                      and time.monotonic() - started < config.elastic_grace)
             last_culprit = culprit
-            if _shrink(state, culprit if again else None, result, restarts, config, printer,
+            left_out = culprit if (again or charged.partition) else None
+            if _shrink(state, left_out, charged, result, restarts, config, rendezvous, printer,
                        err):
                 last_culprit = None  # a lost host explains the failure
+
+
+def _charged(result: SuperviseResult, config: LaunchConfig, lost: dict) -> blame.Charge:
+    """Whom the failed attempt is charged to: the ranks' diagnosis, or the
+    rank that failed first."""
+    return blame.charge(_first(result, config), blame.ranks_of(lost))
 
 
 def _job(config: LaunchConfig, state: _Membership, attempt: int, last_ports: set) -> Job:
@@ -200,26 +187,49 @@ def _job(config: LaunchConfig, state: _Membership, attempt: int, last_ports: set
     return Job(len(told), specs, private_dir=any(p.local for p in told))
 
 
-def _shrink(state: _Membership, bad_slot: Optional[int], result: SuperviseResult,
-            restarts: int, config: LaunchConfig, printer: Printer, err: TextIO) -> list:
-    """After a failed attempt: leaves out the hosts that do not answer (and
-    returns them), or else `bad_slot`; says what runs next."""
+def _shrink(state: _Membership, left_out: Optional[int], charged: blame.Charge,
+            result: SuperviseResult, restarts: int, config: LaunchConfig,
+            rendezvous: Rendezvous, printer: Printer, err: TextIO) -> bool:
+    """After a failed attempt: leaves out the hosts that are not present
+    (and returns True), or else the slot `left_out` (charged with the
+    failure, see `_charged`); says what runs next."""
     before = len(state.members)
-    gone = unreachable([state.hosts[s] for s in state.members
-                        if not cluster_lib.is_local_host(state.hosts[s])], config)
+    gone = rendezvous.out([state.hosts[s] for s in state.members
+                           if not cluster_lib.is_local_host(state.hosts[s])])
     if gone:
-        state.lost += gone
+        state.lost += list(gone)
         state.members = [s for s in state.members if state.hosts[s] not in gone]
-        why = f"{_named(gone)} lost ({'it does' if len(gone) == 1 else 'they do'} not answer)"
-    elif bad_slot is not None:
-        state.members.remove(bad_slot)
-        why = (f"slot {bad_slot} on {_named([state.hosts[bad_slot]])} left out (its rank "
-               f"failed again within --elastic_grace={config.elastic_grace:g}s)")
+        why = _out_because(gone)
+    elif left_out is not None:
+        state.members.remove(left_out)
+        where = f"slot {left_out} on {_named([state.hosts[left_out]])} left out"
+        if charged.partition:
+            why = (f"{where} (its rank {charged.rank} and rank 0 could not reach each other, "
+                   "though it reaches the job's rendezvous; it stays out)")
+        else:
+            who = ("its rank failed" if charged.rank == _first(result, config)
+                   else "the other ranks lost its rank")
+            why = f"{where} ({who} again within --elastic_grace={config.elastic_grace:g}s)"
     say(err, f"restart {restarts}/{config.max_restarts}: {result.failed.outcome()}.")
     if len(state.members) != before:
         note(printer, err, f"{before} -> {len(state.members)} workers: {why}; "
                            f"training goes on from {from_backup(printer, 'the last backup')}.")
-    return gone
+    return bool(gone)
+
+
+def _first(result: SuperviseResult, config: LaunchConfig) -> Optional[int]:
+    """The rank that failed first; horovodrun, one child, says which of its
+    ranks did (or nothing)."""
+    return result.failed.index if config.backend == "tf" else result.failed.first_rank
+
+
+def _out_because(gone: dict) -> str:
+    """`host b lost (it does not answer)`, the hosts grouped by why."""
+    by_why: dict = {}
+    for host, why in gone.items():
+        by_why.setdefault(why, []).append(host)
+    return "; ".join(f"{_named(hosts)} lost ({why[len(hosts) > 1]})"
+                     for why, hosts in by_why.items())
 
 
 def _take_back(state: _Membership, host: str, printer: Printer, err: TextIO) -> None:

@@ -86,6 +86,9 @@ class SuperviseResult:
     # For CHILD_FAILED: `rank 1 (pid 123) was stopped (SIGSTOP)` for each
     # child stopped when the failure was seen, the likely cause.
     stopped: tuple[str, ...] = ()
+    # For CHILD_FAILED: when the failure was seen (`time.monotonic()`), before
+    # anything was stopped: what ranks said after it is no diagnosis.
+    seen: float = 0.0
 
 
 def exit_code(returncode: int) -> int:
@@ -118,7 +121,8 @@ def watch(children: Sequence[Child], trap: SignalTrap, deadline: Optional[float]
             child = children[failed]
             how = ChildExit(failed, child.label, child.exit_code,
                             first_rank=child.first_failed_rank)
-            return SuperviseResult(Ending.CHILD_FAILED, how.exit_code, failed=how)
+            return SuperviseResult(Ending.CHILD_FAILED, how.exit_code, failed=how,
+                                   seen=time.monotonic())
         if all(c.exit_code == 0 for c in children):
             return SuperviseResult(Ending.SUCCEEDED, 0)
         if resize():  # after the checks above: a job that finished is not resized

@@ -128,12 +128,15 @@ class Printer:
 
 class Accounts:
     """The latest flight-recorder account each child's stream delivered, by
-    label, and when each child's recorder said it was ready to answer."""
+    label, when each child's recorder said it was ready to answer, and the
+    peers each said it lost."""
 
     def __init__(self):
         self._lock = threading.Condition()
         self._latest: dict[str, tuple[float, dict]] = {}  # label -> (monotonic, account)
         self._ready: dict[str, float] = {}  # label -> monotonic
+        # label -> [(monotonic, the ranks it could not reach)], its diagnoses
+        self._lost: dict[str, list[tuple[float, frozenset]]] = {}
 
     def add(self, label: str, text: str) -> None:
         """Keeps the account in `text` (JSON) from the child labelled `label`."""
@@ -146,6 +149,9 @@ class Accounts:
                 self._ready[label] = time.monotonic()
             else:
                 self._latest[label] = (time.monotonic(), account)
+                if account.get("lost"):
+                    self._lost.setdefault(label, []).append(
+                        (time.monotonic(), frozenset(account["lost"])))
             self._lock.notify_all()
 
     def ready_since(self, label: str, moment: float) -> bool:
@@ -158,6 +164,14 @@ class Accounts:
         with self._lock:
             return {label: account for label, (when, account) in self._latest.items()
                     if when >= moment}
+
+    def lost_between(self, start: float, end: float) -> dict[str, frozenset]:
+        """`{label: ranks}`: the ranks each child said it could not reach
+        (a lost peer, one that never arrived) from `start` to `end`."""
+        with self._lock:
+            found = {label: [ranks for when, ranks in told if start <= when <= end]
+                     for label, told in self._lost.items()}
+        return {label: frozenset().union(*said) for label, said in found.items() if said}
 
     def wait_for(self, labels: Sequence[str], moment: float, seconds: float) -> None:
         """Until every child of `labels` gave an account since `moment`, at

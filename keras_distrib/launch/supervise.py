@@ -26,7 +26,8 @@ names the launcher's other modules and its users take from here:
     parameter_server  `ParameterServerJob`: one attempt until the chief exits,
                       worker tasks restarted alone, lost ps tasks
     elastic           `ElasticJob` (--min_workers): attempts on the slots that
-                      answer, hosts lost and taken back
+                      can train, hosts lost and taken back (`reachability`: the
+                      probe of a host; `blame`: whom a failed attempt is charged to)
     flight            the ranks' flight-recorder accounts as one screen (on a
                       stall, at --timeout, on SIGUSR1)
 """

@@ -311,7 +311,8 @@ class MultiWorker(TFDistributeStrategy):
             return host_allreduce.PeerLostError(f"multi_worker: {self._watchdog.fired}.")
         lost = heartbeats.lost_peer(error, self._info)
         if lost is not None:
-            flight_recorder.report(f"it lost a peer: {lost}")
+            flight_recorder.report(f"it lost a peer: {lost}",
+                                   lost=heartbeats.lost_ranks(error))
             return host_allreduce.PeerLostError(f"multi_worker: {lost}")
         return None
 

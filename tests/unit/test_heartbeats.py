@@ -58,3 +58,9 @@ def test_a_cut_off_worker_names_the_leader(monkeypatch):
 
 def test_other_errors_are_left_alone():
     assert heartbeats.lost_peer(ValueError("shapes differ"), INFO) is None
+
+
+def test_a_heartbeat_failure_gives_the_ranks_it_names_for_the_launcher():
+    assert heartbeats.lost_ranks(RuntimeError(ON_THE_LEADER)) == [2]
+    assert heartbeats.lost_ranks(RuntimeError(ON_THE_CUT_HOST)) == [0]
+    assert heartbeats.lost_ranks(ValueError("shapes differ")) == []

@@ -1,0 +1,139 @@
+"""Whether a host can take part in training: ssh reaches it, and it reaches
+the job's rendezvous over the training network.
+
+An elastic launch (`--min_workers`) counts a host as present when its ranks
+could train, not only when ssh answers: ssh may cross a management network
+while the training traffic goes over another (a separate data network, a
+firewall on the training ports, a dead NIC on the fast fabric). So the
+launcher holds the job's rendezvous, a TCP port open on its own address
+among the job's hosts (the address the ranks use to reach each other), for
+the life of the job, and a probe run on the host through `--ssh_command`
+connects to it:
+
+    ssh b python -S -c '<connect to 10.0.0.1:41234>'
+
+The probe's exit code says which: 0, the host reaches the rendezvous;
+`UNREACHED`, ssh works but the rendezvous did not answer within
+`CONNECT_SECONDS`; anything else (ssh's 255, no end within
+`PROBE_SECONDS`), the host does not answer at all. This machine is always
+present.
+
+When the launcher's machine is not one of the job's hosts there is no
+address of the training network to hold the rendezvous on; the probe is
+then ssh's alone, and the ranks' own diagnosis (`keras_distrib.launch.blame`)
+still decides whom an attempt's failure is charged to.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import shlex
+import socket
+import subprocess
+import sys
+import threading
+from typing import Optional, Sequence
+
+from keras_distrib import cluster as cluster_lib
+
+PROBE_SECONDS = 10.0  # the whole probe, ssh included
+CONNECT_SECONDS = 5.0  # the probe's connection to the rendezvous
+UNREACHED = 3  # the probe's exit code when ssh worked and the rendezvous did not answer
+
+# What the probe runs on the host: stdlib only, without site (-S), so that
+# it starts in milliseconds.
+_CONNECT = ("import socket, sys\n"
+            "try:\n"
+            "    socket.create_connection((sys.argv[1], int(sys.argv[2])), "
+            "timeout=float(sys.argv[3])).close()\n"
+            "except OSError:\n"
+            f"    sys.exit({UNREACHED})\n")
+
+# Why a host is out, for one host and for several.
+NO_ANSWER = ("it does not answer", "they do not answer")
+
+
+class Rendezvous:
+    """The job's rendezvous and the probe that asks hosts to reach it.
+
+    `address` is `host:port` of the port the launcher holds, None when this
+    machine is not among `hosts` (the probe is then ssh's alone). Close it
+    (or use it as a context manager) when the job ends.
+
+    Example:
+
+    ```python
+    with Rendezvous(["10.0.0.1", "10.0.0.2"], "ssh") as rendezvous:
+        rendezvous.why_out("10.0.0.2")   # None, or ("it does not answer", ...)
+    ```
+    """
+
+    def __init__(self, hosts: Sequence[str], ssh_command: str):
+        self._ssh = shlex.split(ssh_command)
+        self._server: Optional[socket.socket] = None
+        self.address: Optional[str] = None
+        own = next((h for h in hosts if cluster_lib.is_local_host(h)), None)
+        if own is None or all(cluster_lib.is_local_host(h) for h in hosts):
+            return  # nothing to reach it from, or nowhere to hold it
+        bare = own.strip("[]")
+        family = socket.AF_INET6 if ":" in bare else socket.AF_INET
+        self._server = socket.create_server((bare, 0), family=family)
+        self._host, self._port = bare, self._server.getsockname()[1]
+        self.address = f"[{bare}]:{self._port}" if family == socket.AF_INET6 else \
+            f"{bare}:{self._port}"
+        threading.Thread(target=self._accept, daemon=True,
+                         name="keras_distrib-rendezvous").start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self._server.accept()
+            except OSError:
+                return  # closed
+            connection.close()
+
+    def close(self) -> None:
+        if self._server is not None:
+            try:  # wakes the accept() under way, which would keep the port open
+                self._server.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._server.close()
+
+    def __enter__(self) -> "Rendezvous":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def why_out(self, host: str) -> Optional[tuple[str, str]]:
+        """None when `host` is present; else why not, for one host and for several."""
+        if cluster_lib.is_local_host(host):
+            return None
+        command = "true"
+        if self.address is not None:
+            command = shlex.join([sys.executable, "-S", "-c", _CONNECT, self._host,
+                                  str(self._port), f"{CONNECT_SECONDS:g}"])
+        argv = [*self._ssh, host.strip("[]"), command]
+        try:
+            code = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True,
+                                  timeout=PROBE_SECONDS).returncode
+        except subprocess.TimeoutExpired:
+            return NO_ANSWER
+        if code == 0:
+            return None
+        if code == UNREACHED and self.address is not None:
+            where = f"the job's rendezvous at {self.address} on the training network"
+            return (f"ssh reaches it, but it cannot reach {where}",
+                    f"ssh reaches them, but they cannot reach {where}")
+        return NO_ANSWER
+
+    def out(self, hosts: Sequence[str]) -> dict[str, tuple[str, str]]:
+        """`{host: why}` for the hosts among `hosts` that are not present,
+        asked all at once."""
+        hosts = list(dict.fromkeys(hosts))
+        if not hosts:
+            return {}
+        with concurrent.futures.ThreadPoolExecutor(len(hosts)) as pool:
+            why = list(pool.map(self.why_out, hosts))
+        return {h: w for h, w in zip(hosts, why) if w is not None}
