@@ -43,6 +43,10 @@ Exit codes:
     124       --timeout passed
     2         bad flags or configuration; nothing was started
 
+With `--private_network` (one host), the launcher and its ranks run in a
+network namespace of their own that has only loopback: nothing a rank
+opens is reachable from another machine.
+
 With `--hosts` naming other machines, nothing is started: the launcher
 prints (and with `--output_dir` writes) each rank's `TF_CONFIG` and the
 command to run on its host; `--ssh` starts them over ssh instead.
@@ -113,7 +117,7 @@ from absl import app
 from absl import flags
 
 from keras_distrib import cluster as cluster_lib
-from keras_distrib.launch import backends
+from keras_distrib.launch import backends, private_network
 from keras_distrib.launch.config import (DEFAULT_SSH_COMMAND, ELASTIC_GRACE, GRACE_SECONDS,
                                          STRAGGLER_WARNING, LaunchConfig, LaunchError,
                                          check_config)
@@ -181,6 +185,11 @@ flags.DEFINE_float("elastic_grace", ELASTIC_GRACE, "With --min_workers: a slot w
 flags.DEFINE_float("grace_seconds", GRACE_SECONDS, "Seconds a rank gets to "
                    "exit after SIGTERM (time for the chief to write a backup) "
                    "before SIGKILL.", lower_bound=0)
+flags.DEFINE_bool("private_network", False, "One-host jobs: run the launcher and its "
+                  "ranks in a network namespace of their own with loopback only, so that "
+                  "nothing a rank opens (TensorFlow's servers listen on all interfaces) is "
+                  "reachable from another machine. Needs root or unprivileged user "
+                  "namespaces; the ranks then have no network beyond loopback.")
 flags.DEFINE_float("straggler_warning", STRAGGLER_WARNING, "When a rank exits 0 and others "
                    "still run this many seconds later, say which (a rank waiting for the "
                    "finished one in a collective waits until its collective timeout); "
@@ -404,7 +413,13 @@ def main(argv: Sequence[str]) -> int:
         _print_error(f"unknown subcommand {argv[1]!r}; valid subcommands: {', '.join(SUBCOMMANDS)}.")
         return EXIT_USAGE
     try:
-        return launch(config_from_flags(argv[2:]))
+        config = config_from_flags(argv[2:])
+        if FLAGS.private_network:
+            private_network.check(config)
+            if not private_network.inside():
+                private_network.enter(sys.argv)  # this launcher again, in the namespace
+            private_network.loopback_up()
+        return launch(config)
     except (LaunchError, cluster_lib.ClusterConfigError) as e:
         _print_error(str(e))
         return EXIT_USAGE

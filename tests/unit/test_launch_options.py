@@ -279,3 +279,17 @@ def test_an_elastic_attempt_plans_the_member_slots_only(tmp_path):
     assert members.spec_config(config).nproc == 3
     local = LaunchConfig(nproc=3, script=script, min_workers=1, max_restarts=1)
     assert elastic._Membership(elastic.slot_hosts(local), [0, 2]).spec_config(local).nproc == 2
+
+
+def test_a_private_network_is_for_one_host_jobs(tmp_path):
+    from keras_distrib.launch import private_network
+
+    script = rank_script(tmp_path, "")
+    private_network.check(LaunchConfig(nproc=2, script=script))
+    private_network.check(LaunchConfig(nproc=2, script=script, hosts=("127.0.0.1:2",)))
+    with pytest.raises(LaunchError) as excinfo:
+        private_network.check(LaunchConfig(nproc=2, script=script,
+                                           hosts=("127.0.0.1:1", "198.51.100.7:1")))
+    assert str(excinfo.value) == (
+        "--private_network keeps the job on this machine's loopback, but --hosts names "
+        "198.51.100.7; drop --private_network or run the job on one host.")
