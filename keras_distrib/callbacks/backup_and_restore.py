@@ -15,8 +15,12 @@ The chief writes it under a temporary name, syncs it to disk, then renames
 it into place and removes the older one (keeps the one before it too with
 `double_checkpoint`), so an interrupted save always leaves the previous
 backup usable (leftover temporary directories are removed at the next
-start). A backup that does not read (a damaged disk) is skipped for the
-one before it, when there is one. Only the chief reads it too: it shares the
+start). `state.json` holds the SHA-256 of the weights file as synced to
+disk, so a backup whose file changed since (truncated, overwritten, a bad
+sector) does not read; a backup that does not read is skipped for the one
+before it, when there is one, else resuming fails in one line. A backup
+that cannot be written (a full disk) fails `fit` in one line
+(`BackupWriteError`), keeping the previous one. Only the chief reads it too: it shares the
 resume point with one collective and its restored weights and optimizer
 state with a broadcast, so workers need not share a file system.
 
@@ -44,6 +48,7 @@ Keras's own `keras.callbacks.BackupAndRestore` given to
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -227,9 +232,13 @@ class BackupAndRestore(keras.callbacks.Callback):
             "num_replicas": self._strategy.num_replicas,
         }
         tmp = os.path.join(self.backup_dir, f".tmp-{uuid.uuid4().hex[:12]}")
-        os.makedirs(tmp)
         try:
+            os.makedirs(tmp)
             keras.Model.save_weights(self.model, os.path.join(tmp, WEIGHTS))
+            # The weights' digest, read back from the disk once synced: a
+            # backup whose file changed since (truncated, overwritten, a bad
+            # sector) is seen as damaged at restore instead of read silently.
+            state["weights_sha256"] = _synced_digest(os.path.join(tmp, WEIGHTS))
             with open(os.path.join(tmp, STATE), "w") as f:
                 json.dump(state, f)
                 f.flush()
@@ -240,6 +249,11 @@ class BackupAndRestore(keras.callbacks.Callback):
                 shutil.rmtree(final)
             os.rename(tmp, final)
             _fsync_dir(self.backup_dir)
+        except OSError as e:  # a full disk, a file system gone read-only
+            raise BackupWriteError(
+                f"BackupAndRestore: cannot write the backup of {_point(state)} to "
+                f"{self.backup_dir}: {_os_reason(e)}; the last backup is kept. Free space "
+                "there or pass another backup_dir.") from None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         # The new one is the newest: backups are named by the global step.
@@ -333,6 +347,11 @@ def _latest(directory: str) -> tuple:
     return None, []
 
 
+class BackupWriteError(OSError):
+    """A backup could not be written (one line: where, why, the fix); the
+    previous backup is kept."""
+
+
 class _Damaged(Exception):
     """A backup that does not read; the message says why."""
 
@@ -346,9 +365,13 @@ def _read_state(path: str) -> dict:
         for key in ("epoch", "step", "global_step"):
             int(state[key])
         # The weights are read only once the model is built; a file that is
-        # not HDF5 at all (overwritten, zeroed) is seen here already.
-        if not h5py.is_hdf5(os.path.join(path, WEIGHTS)):
+        # not HDF5 at all (overwritten, zeroed) or that changed since it was
+        # written is seen here already.
+        weights = os.path.join(path, WEIGHTS)
+        if not h5py.is_hdf5(weights):
             raise ValueError(f"{WEIGHTS} is missing or not an HDF5 file")
+        if "weights_sha256" in state and _digest(weights) != state["weights_sha256"]:
+            raise ValueError(f"{WEIGHTS} changed since it was written (its SHA-256 differs)")
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise _Damaged(e) from None
     return state
@@ -361,6 +384,32 @@ def _remove_unfinished(directory: str) -> None:
             os.remove(path)  # a link to a backup's file (KerasBackupAndRestore)
         elif name.startswith(".tmp-"):
             shutil.rmtree(path, ignore_errors=True)
+
+
+def _os_reason(error: OSError) -> str:
+    """`No space left on device`: the reason of an OS error, also from
+    h5py's, which carries the errno in a message of several lines."""
+    code = error.errno
+    if code is None:
+        found = re.search(r"errno = (\d+)", str(error))
+        code = int(found[1]) if found else None
+    return os.strerror(code) if code else " ".join(str(error).split())
+
+
+def _digest(path: str) -> str:
+    """The SHA-256 of the file at `path`, in hex."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _synced_digest(path: str) -> str:
+    """Syncs the file at `path` to disk, then returns its digest."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return _digest(path)
 
 
 def _fsync_dir(path: str) -> None:

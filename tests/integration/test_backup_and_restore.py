@@ -10,6 +10,7 @@ import json
 import os
 import random
 import signal
+import subprocess
 
 import keras
 import numpy as np
@@ -227,6 +228,71 @@ def test_double_checkpoint_resumes_from_the_backup_before_a_damaged_one(
         f"keras_distrib: resuming from step 4 (epoch 1, step 4) of the backup in "
         f"{tmp_path / 'backup-000000000004'}."], said
     _assert_same_state(second, uninterrupted[4])
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_backup_whose_weights_changed_since_is_damaged(data, uninterrupted, tmp_path, capsys,
+                                                         damage):
+    """A byte flipped in the middle of the weights (the file still HDF5,
+    the values wrong) or the file cut short: the backup before it is used."""
+    with pytest.raises(Crash):
+        _fit(_model(), data, tmp_path, CrashAfter(10), double_checkpoint=True)
+    weights = tmp_path / "backup-000000000008" / backup_and_restore.WEIGHTS
+    content = bytearray(weights.read_bytes())
+    if damage == "flip":
+        content[-len(content) // 3] ^= 0xFF
+    else:
+        del content[len(content) * 3 // 4:]
+    weights.write_bytes(bytes(content))
+    capsys.readouterr()
+    second = _model()
+    _fit(second, data, tmp_path, double_checkpoint=True)
+    said = capsys.readouterr().out.splitlines()
+    assert said[0].startswith(f"keras_distrib: the backup {tmp_path / 'backup-000000000008'} "
+                              "is damaged ("), said
+    assert said[1].startswith("keras_distrib: resuming from step 4 (epoch 1, step 4)"), said
+    _assert_same_state(second, uninterrupted[4])
+
+
+class _FillDisk(keras.callbacks.Callback):
+    """After step `after`, fills the file system of `directory` up."""
+
+    def __init__(self, directory, after):
+        super().__init__()
+        self.directory, self.after, self.steps = directory, after, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps += 1
+        if self.steps != self.after:
+            return
+        with open(os.path.join(self.directory, "filler"), "wb") as f:
+            try:
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+            except OSError:
+                pass
+
+
+def test_a_backup_that_cannot_be_written_is_one_line_and_keeps_the_last(data, tmp_path):
+    """The disk fills up between the first and second backups (a small
+    tmpfs): one line, the first backup kept, no temporary left."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small file system needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], check=True)
+    try:
+        backups = disk / "backups"
+        with pytest.raises(backup_and_restore.BackupWriteError) as error:
+            _fit(_model(), data, backups, _FillDisk(disk, after=5))
+        assert str(error.value) == (
+            f"BackupAndRestore: cannot write the backup of step 8 (epoch 2, step 1) to "
+            f"{backups}: No space left on device; the last backup is kept. Free space there or "
+            "pass another backup_dir.")
+        assert os.listdir(backups) == ["backup-000000000004"]
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
 
 
 def test_a_damaged_backup_is_a_one_line_error(data, tmp_path):
