@@ -123,6 +123,7 @@ bench: $(HOROVOD)
 	# Two hosts as network namespaces: needs root.
 	PATH=$(VENV)/bin:$$PATH $(PY) benchmarks/multi_host.py $(BENCH_FLAGS)
 	$(PY) benchmarks/elastic.py $(BENCH_FLAGS)
+	$(PY) benchmarks/chaos.py $(BENCH_FLAGS)
 	$(PY) benchmarks/_plots.py
 	$(PY) benchmarks/results_md.py
 

@@ -35,7 +35,7 @@ flags.DEFINE_string("out", None, "The markdown file to write (default: RESULTS.m
 # print their tables only.
 KNOWN = ("overhead", "allreduce", "weak_scaling", "strong_scaling", "model_parallel",
          "sparse_embeddings", "remat", "optimizer_sharding", "bigger_models", "multi_host",
-         "elastic")
+         "elastic", "chaos")
 PRINT_ONLY = ("horovod_vs_tf", "parameter_server")
 
 
@@ -373,6 +373,26 @@ def elastic(doc: _Doc, data: dict) -> None:
     doc.misses(data)
 
 
+def chaos(doc: _Doc, data: dict) -> None:
+    counts, trials = data["counts"], data["trials"]
+    doc.add(f"{len(trials)} trials (seed {data['seed']}) of a `multi_worker` job on two hosts "
+            "(network namespaces), one worker each, `--min_workers 1 --max_restarts 4`, "
+            f"heartbeat timeout {data['heartbeat_s']:g} s, with one or two random faults "
+            "at a random step. Exact: the weights of an uninterrupted one-process run "
+            "(max |dw| <= 1e-5); clear: a non-zero exit with one line of the launcher's; "
+            "anything else (a hang, other weights, a process or /dev/shm file left) must "
+            "not happen.", "")
+    doc.add(*_table(["trials", "faults injected", "exact ends", "clear ends",
+                     "anything else"],
+                    [(str(len(trials)), str(data["faults_injected"]), str(counts["exact"]),
+                      str(counts["clear"]), str(counts["other"]))]))
+    doc.add(*_table(["trial", "faults, after step", "end", "seconds"],
+                    [(str(t["index"] + 1), f"{' + '.join(t['faults'])}, {t['step']}",
+                      f"{t['end']}: {t['why']}".replace("|", "/"), _num(t["seconds"], 0))
+                     for t in trials]))
+    doc.misses(data)
+
+
 def generic(doc: _Doc, data: dict) -> None:
     settings = [(k, v) for k, v in data.items()
                 if k != "meta" and isinstance(v, (int, float, str, bool))]
@@ -399,6 +419,7 @@ SECTIONS = {
     "bigger_models": ("Fitting a bigger model: bytes per device", bigger_models),
     "multi_host": ("Two hosts on a rate-limited link", multi_host),
     "elastic": ("Elastic: a host lost and taken back", elastic),
+    "chaos": ("Chaos: random faults in a row, and what was lost", chaos),
 }
 
 

@@ -21,7 +21,8 @@ one-line warning.
 
 With `--max_restarts N`, a failed or preempted rank makes the launcher
 stop the others and start all ranks again, on new ports, up to N times
-(one `restart K/N` line each; the last line says how many were used). A
+(one `restart K/N` line each; the last line says how many were used and,
+after a failure, the failed rank's own last line). A
 signal to the launcher never restarts. `--timeout` bounds all of it.
 With `--min_workers M` as well (elastic), a restart goes on with the hosts
 that still answer and leaves out a slot whose rank fails again at once,

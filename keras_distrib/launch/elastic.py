@@ -128,9 +128,10 @@ def run_elastic(job: ElasticJob, printer: Printer, deadline: Optional[float],
             note(printer, err, f"{config.nproc} -> {len(state.members)} workers before the "
                                f"start: {_out_because(gone)}.")
         restarts, attempts, last_culprit, last_ports = 0, 0, None, set()
+        result = None
         while True:
             if len(state.members) < config.min_workers:
-                return _too_few(state, config, restarts, err)
+                return _too_few(state, config, restarts, err, result)
             job = _job(config, state, attempts, last_ports)
             rejoin = _Rejoin(state.lost, rendezvous)
             started = time.monotonic()
@@ -241,11 +242,17 @@ def _take_back(state: _Membership, host: str, printer: Printer, err: TextIO) -> 
                        f"{from_backup(printer, 'the backup the job just saved')}.")
 
 
-def _too_few(state: _Membership, config: LaunchConfig, restarts: int,
-             err: TextIO) -> SuperviseResult:
+def _too_few(state: _Membership, config: LaunchConfig, restarts: int, err: TextIO,
+             last: Optional[SuperviseResult]) -> SuperviseResult:
+    """Stops the job, saying why in one line: the slots left, the hosts
+    lost, and the last failure with the failed rank's own last line (a
+    damaged backup, a full disk: a cause no other membership cures)."""
     lost = f"; lost: {_named(state.lost)}" if state.lost else ""
+    failure = ""
+    if last is not None and last.failed is not None:
+        failure = f"; the last failure: {last.failed.outcome_and_last_line()}"
     say(err, f"{len(state.members)} of {config.nproc} slots left, fewer than "
-             f"--min_workers={config.min_workers}{lost}; stopping.")
+             f"--min_workers={config.min_workers}{lost}{failure}; stopping.")
     return SuperviseResult(Ending.CHILD_FAILED, EXIT_TOO_FEW, restarts=restarts)
 
 

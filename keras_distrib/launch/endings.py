@@ -73,6 +73,12 @@ class ChildExit:
         first = "" if self.first_rank is None else f" (its rank {self.first_rank} first)"
         return f"{self.label} failed with {self.describe()}{first}"
 
+    def outcome_and_last_line(self) -> str:
+        """`outcome()`, then the child's own last line when it wrote one:
+        `rank 0 failed with exit code 1: ValueError: The backup ...`."""
+        said = self.tail[-1].strip() if self.tail else ""
+        return f"{self.outcome()}: {said}" if said else self.outcome()
+
 
 @dataclasses.dataclass(frozen=True)
 class SuperviseResult:

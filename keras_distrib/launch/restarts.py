@@ -175,7 +175,7 @@ def _summarize(result: SuperviseResult, size: int, config: LaunchConfig, err: Te
     if result.ending is Ending.SUCCEEDED:
         what = f"all {size} ranks succeeded" if size > 1 else "the rank succeeded"
     elif result.ending is Ending.CHILD_FAILED:
-        what = result.failed.outcome()
+        what = result.failed.outcome_and_last_line()
     elif result.ending is Ending.INTERRUPTED:
         what = f"stopped by {signal_name(result.signum)}"
     else:

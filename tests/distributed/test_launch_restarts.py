@@ -264,7 +264,8 @@ def test_an_elastic_launch_left_with_fewer_than_min_workers_stops_in_one_line(
                         _script(tmp_path, RANK_1_ALWAYS_FAILS))
     assert code == 1, err
     assert err.rstrip().endswith(
-        "keras-distrib: 1 of 2 slots left, fewer than --min_workers=2; stopping."), err
+        "keras-distrib: 1 of 2 slots left, fewer than --min_workers=2; the last failure: "
+        "rank 1 failed with exit code 3; stopping."), err
     assert set(_records(tmp_path)) == {(0, 0), (1, 0), (0, 1), (1, 1)}
     _assert_all_gone(tmp_path)
 
@@ -382,7 +383,7 @@ def test_an_elastic_launch_that_loses_a_host_below_min_workers_stops_naming_it(
     assert proc.returncode == 1, err
     assert err.rstrip().endswith(
         f"keras-distrib: 1 of 2 slots left, fewer than --min_workers=2; lost: host "
-        f"{bed.addresses[1]}; stopping."), err
+        f"{bed.addresses[1]}; the last failure: rank 1 failed with exit code 3; stopping."), err
     assert set(_records(tmp_path)) == {(0, 0), (1, 0)}  # nothing started again
     assert bed.pids() == [], "a process outlived the job on a host"
     _assert_all_gone(tmp_path)
