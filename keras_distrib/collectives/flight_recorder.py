@@ -47,13 +47,22 @@ _watchdogs: "weakref.WeakSet" = weakref.WeakSet()
 _eager: dict[int, tuple[str, float]] = {}  # token -> (what, since: monotonic)
 _tokens = itertools.count(1)
 _reader: Optional[threading.Thread] = None
+_progress_told = -1e9  # when this rank last told the launcher it progresses (monotonic)
+# At most one progress line per this many seconds.
+PROGRESS_SECONDS = 1.0
 
 
 def record_step(epoch: int, step: int, steps_done: int) -> None:
     """This process finished `step` (1-based) of `epoch` (0-based), its
-    `steps_done`-th optimizer step of the running `fit`."""
-    global _step
+    `steps_done`-th optimizer step of the running `fit`. A launched rank
+    tells the launcher it progresses, at most every `PROGRESS_SECONDS`
+    (`--stall_warning` watches these lines)."""
+    global _step, _progress_told
     _step = {"epoch": epoch + 1, "step": step, "steps_done": steps_done}
+    now = time.monotonic()
+    if _reader is not None and now - _progress_told >= PROGRESS_SECONDS:
+        _progress_told = now
+        _say(json.dumps({"progress": _step}, separators=(",", ":")))
 
 
 def watch(watchdog) -> None:

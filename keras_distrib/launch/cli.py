@@ -186,6 +186,10 @@ flags.DEFINE_float("elastic_grace", ELASTIC_GRACE, "With --min_workers: a slot w
 flags.DEFINE_float("grace_seconds", GRACE_SECONDS, "Seconds a rank gets to "
                    "exit after SIGTERM (time for the chief to write a backup) "
                    "before SIGKILL.", lower_bound=0)
+flags.DEFINE_float("stall_warning", 0.0, "When no rank has finished a training step for "
+                   "this many seconds (once training began), print every rank's step, the "
+                   "collective it waits in and its stacks (the flight recorder's screen); "
+                   "the job goes on. 0: never.")
 flags.DEFINE_bool("private_network", False, "One-host jobs: run the launcher and its "
                   "ranks in a network namespace of their own with loopback only, so that "
                   "nothing a rank opens (TensorFlow's servers listen on all interfaces) is "
@@ -310,6 +314,7 @@ def config_from_flags(positional: Sequence[str]) -> LaunchConfig:
         elastic_grace=FLAGS.elastic_grace,
         grace_seconds=FLAGS.grace_seconds,
         straggler_warning=FLAGS.straggler_warning,
+        stall_warning=FLAGS.stall_warning,
         ps=FLAGS.ps,
         ps_tasks_run_script=FLAGS.ps_tasks_run_script,
     )

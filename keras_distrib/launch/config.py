@@ -59,6 +59,9 @@ class LaunchConfig:
     max_restarts: int = 0
     grace_seconds: float = GRACE_SECONDS
     straggler_warning: float = STRAGGLER_WARNING  # 0: never
+    # Seconds without a finished training step (after the first) before the
+    # flight recorder's screen is shown, the job going on; 0: never.
+    stall_warning: float = 0.0
     # Parameter-server mode (--ps M >= 1): a chief runs the script, `nproc`
     # worker tasks and `ps` ps tasks run TensorFlow servers
     # (`keras_distrib.strategies.parameter_server.task_server`), or the script too with
@@ -121,6 +124,9 @@ def check_config(config: LaunchConfig) -> None:
         raise LaunchError(f"--max_restarts={config.max_restarts} must be >= 0 (0: no restarts).")
     if config.straggler_warning < 0:
         raise LaunchError(f"--straggler_warning={config.straggler_warning:g} must be >= 0 "
+                          "(0: no warning).")
+    if config.stall_warning < 0:
+        raise LaunchError(f"--stall_warning={config.stall_warning:g} must be >= 0 "
                           "(0: no warning).")
     if config.grace_seconds < 0:
         raise LaunchError(f"--grace_seconds={config.grace_seconds:g} must be >= 0.")

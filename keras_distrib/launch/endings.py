@@ -106,13 +106,15 @@ def watch(children: Sequence[Child], trap: SignalTrap, deadline: Optional[float]
           straggler_warning: float = 0.0,
           warn: Callable[[str], None] = lambda message: None,
           resize: Callable[[], bool] = lambda: False,
-          show_accounts: Callable[[str], None] = lambda why: None) -> SuperviseResult:
+          show_accounts: Callable[[str], None] = lambda why: None,
+          stalled: Callable[[], None] = lambda: None) -> SuperviseResult:
     """Waits until the attempt ends one way or another; stops nothing.
 
     Says nothing either, but for one `warn(line)` when children still run
     `straggler_warning` seconds (> 0) after one exited 0, and the ranks'
-    flight-recorder screen (`show_accounts(why)`) on SIGUSR1. Ends
-    `RESIZING` when `resize()` says so (elastic launches).
+    flight-recorder screen (`show_accounts(why)`) on SIGUSR1; `stalled()`
+    checks for a stall of the training on each round (`flight.NoProgress`).
+    Ends `RESIZING` when `resize()` says so (elastic launches).
     """
     straggling = _Stragglers(children, straggler_warning, warn)
     while True:
@@ -136,6 +138,7 @@ def watch(children: Sequence[Child], trap: SignalTrap, deadline: Optional[float]
         if deadline is not None and time.monotonic() >= deadline:
             return SuperviseResult(Ending.TIMED_OUT, EXIT_TIMEOUT)
         straggling.check()
+        stalled()
         time.sleep(0.05)
 
 

@@ -15,8 +15,10 @@ for how long, or the innermost line of the user's code its main thread is
 at), the ranks that did not answer (stopped by SIGSTOP, or gone), and the
 ranks that did not arrive at the collective the others wait in. Then every
 thread's stack, rank by rank. The launcher shows it on `kill -USR1
-<launcher pid>` (and goes on), when an attempt times out, and when a rank
-fails after any rank stalled.
+<launcher pid>` (and goes on), when no rank finished a training step for
+`--stall_warning` seconds (`NoProgress`; the ranks say they progress in a
+short line at most once a second; the job goes on), when an attempt times
+out, and when a rank fails after any rank stalled.
 """
 
 from __future__ import annotations
@@ -51,6 +53,29 @@ def show(children: Sequence, accounts: Accounts, err: TextIO, why: str,
     ready = frozenset(c.label for c in answering)
     err.write(render(children, given, why, seconds, ready) + "\n")
     err.flush()
+
+
+class NoProgress:
+    """`--stall_warning`: shows the screen (`show(why)`) when no rank
+    finished a training step for `seconds` (> 0), once per stall, the job
+    going on. Armed by the first step after `started` (an attempt's start:
+    loading and building take as long as they take)."""
+
+    def __init__(self, accounts: Accounts, seconds: float, show, started: float):
+        self._accounts, self._seconds, self._show = accounts, seconds, show
+        self._started = started
+        self._shown_for: Optional[float] = None  # the last progress a screen was shown after
+
+    def check(self) -> None:
+        if not self._seconds:
+            return
+        last = self._accounts.last_progress()
+        if last is None or last < self._started or last == self._shown_for:
+            return
+        if time.monotonic() - last >= self._seconds:
+            self._shown_for = last
+            self._show(f"no rank finished a training step for {self._seconds:g}s "
+                       "(--stall_warning); the job goes on")
 
 
 def render(children: Sequence, given: dict, why: str, seconds: float,

@@ -128,8 +128,8 @@ class Printer:
 
 class Accounts:
     """The latest flight-recorder account each child's stream delivered, by
-    label, when each child's recorder said it was ready to answer, and the
-    peers each said it lost."""
+    label, when each child's recorder said it was ready to answer, the
+    peers each said it lost, and when any last said it made progress."""
 
     def __init__(self):
         self._lock = threading.Condition()
@@ -137,6 +137,7 @@ class Accounts:
         self._ready: dict[str, float] = {}  # label -> monotonic
         # label -> [(monotonic, the ranks it could not reach)], its diagnoses
         self._lost: dict[str, list[tuple[float, frozenset]]] = {}
+        self._progress: Optional[float] = None  # when a child last finished a step
 
     def add(self, label: str, text: str) -> None:
         """Keeps the account in `text` (JSON) from the child labelled `label`."""
@@ -147,6 +148,8 @@ class Accounts:
         with self._lock:
             if account.get("ready"):
                 self._ready[label] = time.monotonic()
+            elif account.get("progress"):
+                self._progress = time.monotonic()
             else:
                 self._latest[label] = (time.monotonic(), account)
                 if account.get("lost"):
@@ -164,6 +167,11 @@ class Accounts:
         with self._lock:
             return {label: account for label, (when, account) in self._latest.items()
                     if when >= moment}
+
+    def last_progress(self) -> Optional[float]:
+        """When a child last said it finished a training step (monotonic), or None."""
+        with self._lock:
+            return self._progress
 
     def lost_between(self, start: float, end: float) -> dict[str, frozenset]:
         """`{label: ranks}`: the ranks each child said it could not reach

@@ -128,8 +128,10 @@ def run_attempt(job: Job, restart: int, config: LaunchConfig, trap: SignalTrap,
                 printer.end_line()
                 flight.show(children, printer.accounts, err, why)
 
+            no_progress = flight.NoProgress(printer.accounts, config.stall_warning,
+                                            show_accounts, started)
             result = watch(children, trap, deadline, config.straggler_warning, warn, resize,
-                           show_accounts)
+                           show_accounts, no_progress.check)
             return end(result, children, config, trap, printer, err, started=started)
         finally:
             for child in children:
