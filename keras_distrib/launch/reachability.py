@@ -27,7 +27,10 @@ still decides whom an attempt's failure is charged to.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import os
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -72,6 +75,9 @@ class Rendezvous:
         self._ssh = shlex.split(ssh_command)
         self._server: Optional[socket.socket] = None
         self.address: Optional[str] = None
+        self._lock = threading.Lock()
+        self._probes: set = set()  # the probes under way (Popen)
+        self._closed = False
         own = next((h for h in hosts if cluster_lib.is_local_host(h)), None)
         if own is None or all(cluster_lib.is_local_host(h) for h in hosts):
             return  # nothing to reach it from, or nowhere to hold it
@@ -93,6 +99,15 @@ class Rendezvous:
             connection.close()
 
     def close(self) -> None:
+        """Closes the port and kills the probes under way (one waiting for a
+        host that is gone would outlive the launcher)."""
+        with self._lock:
+            self._closed = True
+            probes = list(self._probes)
+        for probe in probes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(probe.pid, signal.SIGKILL)
+            probe.wait()
         if self._server is not None:
             try:  # wakes the accept() under way, which would keep the port open
                 self._server.shutdown(socket.SHUT_RDWR)
@@ -114,12 +129,7 @@ class Rendezvous:
         if self.address is not None:
             command = shlex.join([sys.executable, "-S", "-c", _CONNECT, self._host,
                                   str(self._port), f"{CONNECT_SECONDS:g}"])
-        argv = [*self._ssh, host.strip("[]"), command]
-        try:
-            code = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True,
-                                  timeout=PROBE_SECONDS).returncode
-        except subprocess.TimeoutExpired:
-            return NO_ANSWER
+        code = self._run([*self._ssh, host.strip("[]"), command])
         if code == 0:
             return None
         if code == UNREACHED and self.address is not None:
@@ -127,6 +137,26 @@ class Rendezvous:
             return (f"ssh reaches it, but it cannot reach {where}",
                     f"ssh reaches them, but they cannot reach {where}")
         return NO_ANSWER
+
+    def _run(self, argv: Sequence[str]) -> Optional[int]:
+        """The probe's exit code; None when it did not end within
+        `PROBE_SECONDS` (it is killed) or the rendezvous is closed."""
+        with self._lock:
+            if self._closed:
+                return None
+            probe = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, start_new_session=True)
+            self._probes.add(probe)
+        try:
+            return probe.wait(timeout=PROBE_SECONDS)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(probe.pid, signal.SIGKILL)
+            probe.wait()
+            return None
+        finally:
+            with self._lock:
+                self._probes.discard(probe)
 
     def out(self, hosts: Sequence[str]) -> dict[str, tuple[str, str]]:
         """`{host: why}` for the hosts among `hosts` that are not present,
