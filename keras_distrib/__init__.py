@@ -87,8 +87,11 @@ class _RegisterAfterKeras(importlib.abc.MetaPathFinder):
 
 
 def _start() -> None:
+    from keras_distrib.cluster import gpu_share
     from keras_distrib.collectives import flight_recorder, runtime
 
+    if not runtime.is_launcher():
+        gpu_share.assign()  # this process's own GPUs, before TensorFlow touches them
     flight_recorder.install()  # a launched rank answers the launcher from now on
     runtime.bootstrap()  # first: it may import Keras, which must not recurse here
     if "keras" in sys.modules:

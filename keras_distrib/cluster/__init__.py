@@ -48,6 +48,7 @@ from __future__ import annotations
 from .addresses import parse_address
 from .errors import ClusterConfigError, PeersMissingError
 from .explicit import from_explicit
+from . import gpu_share  # noqa: F401  (the GPUs each process of a host sees)
 from . import launch_contract  # noqa: F401  (what the launcher and its workers agree on)
 from .info import ClusterInfo, require_training_workers
 from .network import check_own_port_free, free_ports, is_local_host, wait_for_peers

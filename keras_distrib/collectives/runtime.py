@@ -51,7 +51,7 @@ def bootstrap() -> None:
     importing the package (only using it).
     """
     global _failed
-    if os.environ.get(_OPT_OUT, "1") == "0" or _is_launcher():
+    if os.environ.get(_OPT_OUT, "1") == "0" or is_launcher():
         return
     try:
         info = cluster_lib.resolve()
@@ -204,7 +204,9 @@ def _runs_collectives(info) -> bool:
     return bool(getattr(info, "is_training_task", True)) and not getattr(info, "has_ps", False)
 
 
-def _is_launcher() -> bool:
+def is_launcher() -> bool:
+    """Whether this process is keras_distrib's own command (the launcher, a
+    task server): it starts no runtime and picks no GPUs for itself."""
     # `keras-distrib ...` (console script) or `python -m keras_distrib.X`
     # (sys.argv[0] is "-m" while the package is imported for it).
     program = os.path.basename(sys.argv[0]) if sys.argv else ""

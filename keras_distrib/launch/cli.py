@@ -83,6 +83,10 @@ Every child gets these environment variables:
                               I I+1; ps tasks get none)
     KERAS_DISTRIB_WORLD_SIZE  N (with --ps: 1 + --workers; ps tasks get none)
     KERAS_DISTRIB_LOCAL_RANK  its index among the ranks (tasks) on its host
+    KERAS_DISTRIB_LOCAL_WORLD_SIZE  the ranks (tasks) on its host
+    CUDA_VISIBLE_DEVICES      with several ranks on its host: its own GPUs,
+                              --gpus_per_worker of them by local rank (a share
+                              of the launcher's CUDA_VISIBLE_DEVICES when set)
     KERAS_DISTRIB_RESTART     how many times the job was restarted before
                               this run (0 on the first; always 0 with --ps);
                               with it set, BackupAndRestore's chief reports
@@ -186,6 +190,10 @@ flags.DEFINE_float("elastic_grace", ELASTIC_GRACE, "With --min_workers: a slot w
 flags.DEFINE_float("grace_seconds", GRACE_SECONDS, "Seconds a rank gets to "
                    "exit after SIGTERM (time for the chief to write a backup) "
                    "before SIGKILL.", lower_bound=0)
+flags.DEFINE_integer("gpus_per_worker", 1, "GPUs each rank of a host gets: rank r of "
+                     "its host sees GPUs r*K..r*K+K-1 (CUDA_VISIBLE_DEVICES; a share of "
+                     "this machine's CUDA_VISIBLE_DEVICES when it is set). 0: every rank sees "
+                     "every GPU. One rank per host keeps all its GPUs.")
 flags.DEFINE_float("stall_warning", 0.0, "When no rank has finished a training step for "
                    "this many seconds (once training began), print every rank's step, the "
                    "collective it waits in and its stacks (the flight recorder's screen); "
@@ -315,6 +323,7 @@ def config_from_flags(positional: Sequence[str]) -> LaunchConfig:
         grace_seconds=FLAGS.grace_seconds,
         straggler_warning=FLAGS.straggler_warning,
         stall_warning=FLAGS.stall_warning,
+        gpus_per_worker=FLAGS.gpus_per_worker,
         ps=FLAGS.ps,
         ps_tasks_run_script=FLAGS.ps_tasks_run_script,
     )

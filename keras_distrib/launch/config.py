@@ -59,6 +59,9 @@ class LaunchConfig:
     max_restarts: int = 0
     grace_seconds: float = GRACE_SECONDS
     straggler_warning: float = STRAGGLER_WARNING  # 0: never
+    # GPUs each rank of a host gets (CUDA_VISIBLE_DEVICES by local rank,
+    # `keras_distrib.cluster.gpu_share`); 0: every rank sees every GPU.
+    gpus_per_worker: int = 1
     # Seconds without a finished training step (after the first) before the
     # flight recorder's screen is shown, the job going on; 0: never.
     stall_warning: float = 0.0
@@ -125,6 +128,9 @@ def check_config(config: LaunchConfig) -> None:
     if config.straggler_warning < 0:
         raise LaunchError(f"--straggler_warning={config.straggler_warning:g} must be >= 0 "
                           "(0: no warning).")
+    if config.gpus_per_worker < 0:
+        raise LaunchError(f"--gpus_per_worker={config.gpus_per_worker} must be >= 0 (0: every "
+                          "rank sees every GPU of its host).")
     if config.stall_warning < 0:
         raise LaunchError(f"--stall_warning={config.stall_warning:g} must be >= 0 "
                           "(0: no warning).")

@@ -25,6 +25,7 @@ from typing import Collection, Optional, Sequence, TextIO
 
 from keras_distrib import cluster as cluster_lib
 from keras_distrib.launch.config import LaunchConfig, LaunchError
+from keras_distrib.cluster import gpu_share
 from keras_distrib.cluster.launch_contract import CONTROL_FD_ENV, RESTART_ENV, SHM_DIR_ENV
 
 # Ports on remote hosts cannot be probed from here, so multi-host launches
@@ -65,6 +66,9 @@ class RankPlan:
     # The attempt's private shared-memory directory; only for a rank on
     # this host (a path here means nothing on another machine).
     shm_dir: Optional[str] = None
+    local_size: int = 1  # the ranks (tasks) on its host
+    gpus_per_worker: int = 1  # --gpus_per_worker
+    gpus: Optional[str] = None  # its CUDA_VISIBLE_DEVICES (cluster.gpu_share); None: as is
 
     @property
     def rank(self) -> int:
@@ -96,6 +100,8 @@ class RankPlan:
             env["KERAS_DISTRIB_WORLD_SIZE"] = str(self.info.world_size)
         env.update({
             "KERAS_DISTRIB_LOCAL_RANK": str(self.local_rank),
+            gpu_share.LOCAL_SIZE_ENV: str(self.local_size),
+            gpu_share.GPUS_PER_WORKER_ENV: str(self.gpus_per_worker),
             RESTART_ENV: str(self.restart),
             CONTROL_FD_ENV: "0",  # its stdin: the launcher asks it for its account there
             "PYTHONUNBUFFERED": "1",
@@ -103,6 +109,8 @@ class RankPlan:
         })
         if self.shm_dir is not None:
             env[SHM_DIR_ENV] = self.shm_dir
+        if self.gpus is not None:
+            env[gpu_share.VISIBLE] = self.gpus
         return env
 
 
@@ -197,7 +205,14 @@ def plan(config: LaunchConfig, avoid_ports: Collection[int] = ()) -> list[RankPl
             infos = [cluster_lib.ClusterInfo(addresses, r) for r in range(size)]
     except cluster_lib.ClusterConfigError as e:
         raise LaunchError(str(e)) from None
-    return [RankPlan(h, lr, loc, info)
+    sizes = collections.Counter(hosts)
+    # Each rank's own GPUs: a share of this machine's CUDA_VISIBLE_DEVICES
+    # for ranks here, GPU numbers on other hosts.
+    visible = os.environ.get(gpu_share.VISIBLE)
+    return [RankPlan(h, lr, loc, info, local_size=sizes[h],
+                     gpus_per_worker=config.gpus_per_worker,
+                     gpus=gpu_share.share(lr, sizes[h], config.gpus_per_worker,
+                                          visible if loc else None))
             for h, lr, loc, info in zip(hosts, local_ranks, local, infos)]
 
 
