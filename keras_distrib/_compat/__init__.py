@@ -63,6 +63,7 @@ from keras_distrib._compat.keras_backend import (
     wrap_backend_draw_seed,
 )
 from keras_distrib._compat.keras_callbacks import (
+    ProfileElsewhere,
     backup_paths,
     redirect_backup_writes,
     show_backup_progress,

@@ -1,5 +1,5 @@
 """Keras's callback internals: where `BackupAndRestore` writes and the
-progress it shows, and whether `TensorBoard` profiles. Verified on Keras
+progress it shows, whether `TensorBoard` profiles and where. Verified on Keras
 3.15.1."""
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ PRIVATE = (
     f"{_BACKUP}._last_batch_seen",
     # tensorboard_profiles
     "keras.src.callbacks.tensorboard:TensorBoard._start_batch",
+    # ProfileElsewhere
+    "keras.src.callbacks.tensorboard:TensorBoard._start_profiler",
 )
 
 
@@ -56,3 +58,15 @@ def tensorboard_profiles(callback) -> bool:
     (`profile_batch` > 0: Keras keeps only the parsed `_start_batch`;
     keras/src/callbacks/tensorboard.py `_init_profile_batch`, Keras 3.15)."""
     return getattr(callback, "_start_batch", 0) > 0
+
+
+class ProfileElsewhere:
+    """Put in front of a `keras.callbacks.TensorBoard` class: its profiler
+    writes to `self.profile_dir`, not to its train directory (Keras starts
+    it in `_start_profiler(logdir)`; the warm-up start with logdir="" saves
+    nothing and stays)."""
+
+    profile_dir: str
+
+    def _start_profiler(self, logdir):
+        super()._start_profiler(self.profile_dir if logdir else logdir)

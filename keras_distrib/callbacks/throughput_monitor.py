@@ -26,7 +26,10 @@ class ThroughputMonitor(keras.callbacks.Callback):
     * `samples_per_sec_per_worker`: that divided by the number of processes;
     * `step_time`: the median step time in seconds;
     * `scaling_efficiency`: `samples_per_sec / (world_size *
-      single_worker_throughput)`, when `single_worker_throughput` is given.
+      single_worker_throughput)`, when `single_worker_throughput` is given;
+    * with several processes, `slowest_rank` and
+      `slowest_rank_samples_per_sec`: the rank whose own steps ran at the
+      lowest rate, and that rate (the straggler to look at).
 
     Under an asynchronous strategy (`"parameter_server"`) a batch is the
     chief scheduling a step; it waits for the oldest step in flight once
@@ -35,7 +38,9 @@ class ThroughputMonitor(keras.callbacks.Callback):
 
     The numbers are averaged over processes (one collective per epoch), so
     every rank logs the same values; the chief also writes them with
-    `tf.summary` to `log_dir`. Epochs without a timed step add nothing.
+    `tf.summary` to `log_dir` (give it the `TensorBoard` callback's
+    `log_dir` to see them beside its runs), with each rank's own rate as
+    `throughput/samples_per_sec_rank_R`. Epochs without a timed step add nothing.
 
     Args:
         global_batch_size: Samples per step over all replicas.
@@ -100,24 +105,27 @@ class ThroughputMonitor(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         timed = self._steps > 0
-        mine = np.array(
-            [
-                self._steps * self.global_batch_size / self._busy if timed else 0.0,
-                float(np.median(self._step_times)) if timed else 0.0,
-                1.0 if timed else 0.0,
-            ]
-        )
-        if self._strategy.world_size > 1:
+        world_size, rank = self._strategy.world_size, self._strategy.rank
+        own = self._steps * self.global_batch_size / self._busy if timed else 0.0
+        # The means, and each rank's own rate in its slot: one sum for all.
+        mine = np.zeros(3 + world_size)
+        mine[:3] = [own, float(np.median(self._step_times)) if timed else 0.0, float(timed)]
+        mine[3 + rank] = own
+        if world_size > 1:
             (mine,) = self._strategy.sync_sum([mine])
         if mine[2] == 0:
             return
         samples_per_sec, step_time = mine[0] / mine[2], mine[1] / mine[2]
-        world_size = self._strategy.world_size
+        per_rank = mine[3:]
         results = {
             "samples_per_sec": samples_per_sec,
             "samples_per_sec_per_worker": samples_per_sec / world_size,
             "step_time": step_time,
         }
+        if world_size > 1 and mine[2] == world_size:  # every rank timed some steps
+            slowest = int(np.argmin(per_rank))
+            results["slowest_rank"] = slowest
+            results["slowest_rank_samples_per_sec"] = per_rank[slowest]
         if self.single_worker_throughput:
             results["scaling_efficiency"] = samples_per_sec / (
                 world_size * self.single_worker_throughput
@@ -129,6 +137,10 @@ class ThroughputMonitor(keras.callbacks.Callback):
             with self._writer.as_default():
                 for key, value in sorted(results.items()):
                     tf.summary.scalar(f"throughput/{key}", value, step=epoch)
+                if world_size > 1:
+                    for r, value in enumerate(per_rank):
+                        tf.summary.scalar(f"throughput/samples_per_sec_rank_{r}", value,
+                                          step=epoch)
             self._writer.flush()
 
     def on_train_end(self, logs=None):

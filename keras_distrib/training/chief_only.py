@@ -7,7 +7,9 @@ strategy `DistributedModel` therefore, on every worker but the chief:
 * turns the progress bar off (`verbose=0`);
 * points `ModelCheckpoint`, `TensorBoard`, `CSVLogger` and the writes of
   a `BackupAndRestore` subclass with hooks of its own at a private scratch
-  directory that is deleted after the call. These callbacks still *run*
+  directory that is deleted after the call; a `TensorBoard` that profiles
+  (`profile_batch`) writes this worker's profile to `log_dir/rank-N/train`,
+  a run of its own beside the chief's `train`. These callbacks still *run*
   there: saving may read replicated variables with collectives, which
   every worker must join. Such a `BackupAndRestore` still *reads* the
   chief's backup, so every worker resumes from the same state. (Keras's
@@ -34,8 +36,9 @@ from keras_distrib import _compat
 
 
 @contextlib.contextmanager
-def redirected(callbacks, is_chief: bool, enabled: bool) -> Iterator[Optional[list]]:
-    """Yields the callbacks this worker should run."""
+def redirected(callbacks, is_chief: bool, enabled: bool,
+               rank: int = 0) -> Iterator[Optional[list]]:
+    """Yields the callbacks this worker (of `rank`) should run."""
     if is_chief or not enabled or not callbacks:
         yield callbacks
         return
@@ -43,19 +46,23 @@ def redirected(callbacks, is_chief: bool, enabled: bool) -> Iterator[Optional[li
         callbacks = callbacks.callbacks
     scratch = tempfile.mkdtemp(prefix="keras_distrib-worker-")
     try:
-        yield [_redirect(cb, os.path.join(scratch, str(i))) for i, cb in enumerate(callbacks)]
+        yield [_redirect(cb, os.path.join(scratch, str(i)), rank)
+               for i, cb in enumerate(callbacks)]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _redirect(callback, scratch: str):
+def _redirect(callback, scratch: str, rank: int):
     os.makedirs(scratch, exist_ok=True)
     if isinstance(callback, keras.callbacks.ModelCheckpoint):
         callback = copy.copy(callback)
         callback.filepath = os.path.join(scratch, os.path.basename(callback.filepath))
     elif isinstance(callback, keras.callbacks.TensorBoard):
+        profile_dir = os.path.join(callback.log_dir, f"rank-{rank}", "train")
         callback = copy.copy(callback)
         callback.log_dir = scratch
+        if _compat.tensorboard_profiles(callback):
+            callback = _RankProfile.of(callback, profile_dir)
     elif isinstance(callback, keras.callbacks.CSVLogger):
         callback = copy.copy(callback)
         callback.filename = os.path.join(scratch, os.path.basename(callback.filename))
@@ -77,6 +84,26 @@ class _ReadOnlyBackup(keras.callbacks.BackupAndRestore):
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
         _compat.redirect_backup_writes(self, self._scratch)
+
+
+class _RankProfile(_compat.ProfileElsewhere, keras.callbacks.TensorBoard):
+    """A worker's `TensorBoard(profile_batch=...)`: its summaries go to
+    scratch (the chief writes the scalars, once), its profile to
+    `log_dir/rank-N/train`, a run of its own beside the chief's `train`."""
+
+    @classmethod
+    def of(cls, callback, profile_dir):
+        profiling = copy.copy(callback)
+        profiling.__class__ = _rank_profile(type(callback))
+        profiling.profile_dir = profile_dir
+        return profiling
+
+
+@functools.lru_cache(maxsize=None)
+def _rank_profile(tensorboard_class: type) -> type:
+    """`_RankProfile` in front of `tensorboard_class` (a subclass's own hooks run)."""
+    return type(f"RankProfile{tensorboard_class.__name__}", (_RankProfile, tensorboard_class),
+                {})
 
 
 @functools.lru_cache(maxsize=None)

@@ -255,7 +255,8 @@ class EntryPoints:
 
     def _side_effects(self, callbacks):
         return chief_only.redirected(
-            callbacks, self._strategy.is_chief, self.chief_only_side_effects
+            callbacks, self._strategy.is_chief, self.chief_only_side_effects,
+            rank=self._strategy.rank,
         )
 
     @outside_scopes

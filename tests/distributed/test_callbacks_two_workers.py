@@ -83,10 +83,53 @@ def test_two_workers_warmup_and_chief_only_summaries(two_workers):
             [warmup_rate(s, 2, 4, LR) for s in range(5)], rel=1e-6)
         assert r["batch_lr"][4:] == pytest.approx([2 * LR] * 4, rel=1e-6)
         assert r["final_lr"] == pytest.approx(2 * LR, rel=1e-6)
-    assert len(glob.glob(str(out / "tb" / "events.*"))) == 1
+    assert len(glob.glob(str(out / "tb" / "events.*"))) == 1  # the throughput monitor's
     prefix = RANK_PREFIX
     assert prefix.format(0) + "Epoch 2: finished gradual learning rate warmup to 0.2." in proc.stdout
     assert prefix.format(1) + "Epoch 2: finished" not in proc.stdout
+
+
+def _scalars(directory):
+    """`{tag: [(step, value)]}` of the event files in `directory`, read
+    with TensorBoard's own reader (Keras writes tensor summaries)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
+
+    events = EventAccumulator(str(directory), size_guidance={"tensors": 0})
+    events.Reload()
+    return {tag: [(e.step, float(tensor_util.make_ndarray(e.tensor_proto)))
+                  for e in events.Tensors(tag)]
+            for tag in events.Tags()["tensors"]
+            if not tag.startswith("keras") and tag != "batch_2"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_two_workers_tensorboard_writes_the_chiefs_scalars_once_and_a_profile_per_rank(
+        two_workers):
+    _, ranks, out, _ = two_workers
+    tb = out / "tb"
+    # One run of scalars, the chief's: each epoch's loss once, as in history.
+    assert sorted(p.name for p in tb.iterdir() if p.is_dir()) == ["rank-1", "train"]
+    assert len(glob.glob(str(tb / "train" / "events.*"))) == 1
+    train = _scalars(tb / "train")
+    losses = [value for _, value in train["epoch_loss"]]
+    assert losses == pytest.approx(ranks[0]["history"]["loss"], rel=1e-6)
+    # A profile of batch 2 per rank: the chief's in its train run, rank 1's
+    # in a run of its own; rank 1 wrote no scalars there.
+    assert glob.glob(str(tb / "train" / "plugins" / "profile" / "*" / "*.xplane.pb"))
+    assert glob.glob(str(tb / "rank-1" / "train" / "plugins" / "profile" / "*" / "*.xplane.pb"))
+    assert not glob.glob(str(tb / "rank-1" / "**" / "events.*"), recursive=True)
+    # The throughput monitor's figures beside them: each rank's own rate,
+    # and the slowest of the two.
+    throughput = _scalars(tb)
+    per_rank = [[v for _, v in throughput[f"throughput/samples_per_sec_rank_{r}"]]
+                for r in range(2)]
+    slowest = [int(v) for _, v in throughput["throughput/slowest_rank"]]
+    assert len(slowest) == 2 and all(len(rates) == 2 for rates in per_rank)
+    for epoch, rank in enumerate(slowest):
+        assert per_rank[rank][epoch] == min(per_rank[0][epoch], per_rank[1][epoch])
+    assert ranks[0]["history"]["slowest_rank"] == [float(r) for r in slowest]
 
 
 @pytest.mark.slow

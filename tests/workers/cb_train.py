@@ -5,7 +5,8 @@ Three trainings in one job, on the multi_worker strategy:
 A. rank 1 changes its weights before `fit`; `BroadcastInitialWeights` must
    undo that; a callback writes a rank-dependent value into the epoch logs
    ahead of `MetricAverage`; warmup, throughput and the consistency check
-   run along.
+   run along, and Keras's TensorBoard profiling batch 2, whose logs the
+   throughput monitor shares (--out/tb).
 B. rank 1 sets a weight to NaN after step 2: the check at step 2 must stop
    both ranks.
 N. Keras's TerminateOnNaN; rank 1 sets its output bias to NaN after step 2, so
@@ -124,6 +125,9 @@ def main(argv):
     history = model.fit(
         x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
         callbacks=[
+            # First: it sees the epoch logs before RankValue's text, which no
+            # summary takes.
+            keras.callbacks.TensorBoard(os.path.join(FLAGS.out, "tb"), profile_batch=2),
             RankValue(rank),
             kdc.MetricAverage(),
             kdc.BroadcastInitialWeights(),
