@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -86,6 +87,7 @@ class TestBed:
         self.addresses = [f"{SUBNET}.{i + 1}" for i in range(n)]
         self.switch = f"{self.prefix}-switch"
         self._made: list[str] = []
+        self._etc: list[str] = []  # /etc/netns/<namespace> directories made
 
     # -- names ------------------------------------------------------------------
 
@@ -108,10 +110,21 @@ class TestBed:
         os.chmod(path, 0o755)
         return directory
 
-    def on(self, host: int, argv: list[str]) -> list[str]:
-        """`argv` to run on `host` (for Popen)."""
-        return ["ip", "netns", "exec", self.namespace(host), *_own_name(self.addresses[host]),
-                *argv]
+    def on(self, host: int, argv: list[str], name: Optional[str] = None) -> list[str]:
+        """`argv` to run on `host` (for Popen), under the host name `name`
+        (default: its address)."""
+        return ["ip", "netns", "exec", self.namespace(host),
+                *_own_name(name or self.addresses[host]), *argv]
+
+    def hosts_file(self, host: int, lines: list[str]) -> None:
+        """`lines` as `host`'s /etc/hosts: `ip netns exec` mounts
+        /etc/netns/<namespace>/hosts over it, so names resolve there as a
+        cluster's DNS would resolve them (removed by `close`)."""
+        directory = os.path.join("/etc/netns", self.namespace(host))
+        os.makedirs(directory, exist_ok=True)
+        self._etc.append(directory)
+        with open(os.path.join(directory, "hosts"), "w") as f:
+            f.write("\n".join(["127.0.0.1 localhost", *lines]) + "\n")
 
     def hosts_flag(self, slots: int = 1) -> str:
         """`--hosts` for the launcher: every host with `slots` ranks."""
@@ -190,6 +203,9 @@ class TestBed:
         for name in reversed(self._made):
             _ip("netns", "del", name, check=False)
         self._made.clear()
+        for directory in self._etc:
+            shutil.rmtree(directory, ignore_errors=True)
+        self._etc.clear()
 
     # -- the network ------------------------------------------------------------
 

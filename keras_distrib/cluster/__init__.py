@@ -12,6 +12,9 @@ index. The cluster comes from, in this order:
    `keras-distrib launch` set it (`from_tf_config`),
 3. a Slurm job step started with `srun`, all tasks workers (`from_slurm`;
    with `KERAS_DISTRIB_NUM_PS=M`, task 0 the chief and the last M ps tasks),
+4. a pod of a Kubernetes Indexed Job (or JobSet) whose manifest sets
+   `KERAS_DISTRIB_WORLD_SIZE`: rank `JOB_COMPLETION_INDEX`, peers by the
+   pods' stable DNS names (`from_indexed_job`),
 
 and `resolve()` tries them in that order. Every malformed input fails with a
 `ClusterConfigError` (a `ValueError`) whose one-line message names the field
@@ -20,8 +23,9 @@ trains on workers only calls `require_training_workers(info, name)`.
 
 One module per concern: `errors`, `roles` (task type names), `addresses`
 (`parse_address` and the shared checks), `info` (`ClusterInfo`,
-`require_training_workers`), the sources `explicit`, `tf_config` and
-`slurm`, `resolve`, `network` (port and peer checks), and
+`require_training_workers`), the sources `explicit`, `tf_config`,
+`slurm` and `kubernetes`, `resolve`, `gpu_share` (the GPUs each process of a
+host sees), `network` (port and peer checks), and
 `launch_contract` (the environment variables and exit codes
 `keras-distrib launch` and its workers agree on).
 
@@ -51,6 +55,7 @@ from .explicit import from_explicit
 from . import gpu_share  # noqa: F401  (the GPUs each process of a host sees)
 from . import launch_contract  # noqa: F401  (what the launcher and its workers agree on)
 from .info import ClusterInfo, require_training_workers
+from .kubernetes import from_indexed_job
 from .network import check_own_port_free, free_ports, is_local_host, wait_for_peers
 from .resolve import resolve
 from .roles import CHIEF, EVALUATOR, PS, TASK_TYPES, TRAINING_TASK_TYPES, WORKER
@@ -60,6 +65,7 @@ from .tf_config import from_tf_config
 __all__ = [
     "CHIEF",
     "ClusterConfigError",
+    "from_indexed_job",
     "PeersMissingError",
     "ClusterInfo",
     "DEFAULT_SLURM_PORT_BASE",

@@ -8,6 +8,7 @@ from typing import Mapping, Optional
 from .errors import ClusterConfigError
 from .explicit import ExplicitCluster, from_explicit
 from .info import ClusterInfo
+from .kubernetes import from_indexed_job
 from .slurm import from_slurm
 from .tf_config import from_tf_config
 
@@ -20,7 +21,9 @@ def resolve(
     environ: Mapping[str, str] = os.environ,
     task_type: Optional[str] = None,
 ) -> Optional[ClusterInfo]:
-    """Finds this process's cluster: explicit > `TF_CONFIG` > Slurm > None.
+    """Finds this process's cluster: explicit > `TF_CONFIG` > Slurm > a
+    Kubernetes Indexed Job (`JOB_COMPLETION_INDEX` with
+    `KERAS_DISTRIB_WORLD_SIZE`) > None.
 
     The cluster may have any roles (chief, worker, ps, evaluator); a
     strategy that trains on workers only checks with
@@ -67,7 +70,8 @@ def resolve(
             f"task_type={task_type!r} was given without cluster; pass the "
             "cluster and task_index too, or none of them."
         )
-    info = from_tf_config(environ)
-    if info is not None:
-        return info
-    return from_slurm(environ)
+    for source in (from_tf_config, from_slurm, from_indexed_job):
+        info = source(environ)
+        if info is not None:
+            return info
+    return None
