@@ -248,6 +248,8 @@ def one_trial(bed: netns_hosts.TestBed, seed: int, index: int, reference) -> dic
         with open(log_path) as f:
             output = f.read()
         end, why = _judge(code, output, out, reference)
+        if not injected:  # the job never paused where its faults were due
+            why = f"{why}; no fault injected: {_first_launcher_line(output)}"
         left = _left_behind(bed, proc, out)
         if left:
             end, why = "other", f"{why}; left behind: {left}"
@@ -274,6 +276,12 @@ def _inject(trial: Trial, faults) -> tuple[bool, list]:
     pending = [thread for thread in (FAULTS[name](trial) for name in faults) if thread]
     open(os.path.join(trial.out, "go"), "w").close()
     return True, pending
+
+
+def _first_launcher_line(output: str) -> str:
+    """The launcher's first line of its own (a membership change), if any."""
+    return next((line for line in output.splitlines() if line.startswith("[launcher] ")),
+                "(the launcher said nothing)")
 
 
 def _judge(code, output: str, out: str, reference) -> tuple[str, str]:
@@ -364,16 +372,18 @@ def run() -> int:
                   f"{t['step']:2d}: {t['end']:5s} ({t['seconds']:.0f} s) {t['why']}", flush=True)
     counts = {end: sum(t["end"] == end for t in trials) for end in ("exact", "clear", "other")}
     injected = [f for t in trials if t["injected"] for f in t["faults"]]
+    drawn = sum(len(t["faults"]) for t in trials)
     print(f"\n{len(trials)} trials (seed {FLAGS.seed}), 2 hosts x 1 worker, multi_worker, "
           f"--min_workers 1 --max_restarts 4, heartbeat timeout {FLAGS.heartbeat:g} s")
-    print(f"faults injected   {len(injected)} ({_harness.name_counts(injected)})")
+    print(f"faults injected   {len(injected)} of {drawn} drawn "
+          f"({_harness.name_counts(injected)})")
     print(f"exact ends        {counts['exact']}")
     print(f"clear ends        {counts['clear']}")
     print(f"anything else     {counts['other']} (must be 0)")
     print(f"{load}; wall time {watch.elapsed():.0f} s")
     _harness.save_results(FLAGS.json, "chaos", {
         "seed": FLAGS.seed, "heartbeat_s": FLAGS.heartbeat, "counts": counts,
-        "faults_injected": len(injected), "trials": trials,
+        "faults_injected": len(injected), "faults_drawn": drawn, "trials": trials,
         "misses": [f"trial {t['index'] + 1}: {t['why']}" for t in trials
                    if t["end"] == "other"]},
         quick=FLAGS.quick, load=load)

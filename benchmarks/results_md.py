@@ -382,9 +382,10 @@ def chaos(doc: _Doc, data: dict) -> None:
             "(max |dw| <= 1e-5); clear: a non-zero exit with one line of the launcher's; "
             "anything else (a hang, other weights, a process or /dev/shm file left) must "
             "not happen.", "")
-    doc.add(*_table(["trials", "faults injected", "exact ends", "clear ends",
+    injected = f"{data['faults_injected']} of {data.get('faults_drawn', '?')}"
+    doc.add(*_table(["trials", "faults injected (of drawn)", "exact ends", "clear ends",
                      "anything else"],
-                    [(str(len(trials)), str(data["faults_injected"]), str(counts["exact"]),
+                    [(str(len(trials)), injected, str(counts["exact"]),
                       str(counts["clear"]), str(counts["other"]))]))
     doc.add(*_table(["trial", "faults, after step", "end", "seconds"],
                     [(str(t["index"] + 1), f"{' + '.join(t['faults'])}, {t['step']}",

@@ -14,7 +14,7 @@ connects to it:
 
 The probe's exit code says which: 0, the host reaches the rendezvous;
 `UNREACHED`, ssh works but the rendezvous did not answer within
-`CONNECT_SECONDS`; anything else (ssh's 255, no end within
+`CONNECT_SECONDS` (the probe tries again meanwhile); anything else (ssh's 255, no end within
 `PROBE_SECONDS`), the host does not answer at all. This machine is always
 present.
 
@@ -44,13 +44,20 @@ CONNECT_SECONDS = 5.0  # the probe's connection to the rendezvous
 UNREACHED = 3  # the probe's exit code when ssh worked and the rendezvous did not answer
 
 # What the probe runs on the host: stdlib only, without site (-S), so that
-# it starts in milliseconds.
-_CONNECT = ("import socket, sys\n"
-            "try:\n"
-            "    socket.create_connection((sys.argv[1], int(sys.argv[2])), "
-            "timeout=float(sys.argv[3])).close()\n"
-            "except OSError:\n"
-            f"    sys.exit({UNREACHED})\n")
+# it starts in milliseconds. It tries again until its time is up: right
+# after a link comes back the first attempt can fail at once ("No route to
+# host" while the neighbour entry is still marked failed).
+_CONNECT = ("import socket, sys, time\n"
+            "deadline = time.monotonic() + float(sys.argv[3])\n"
+            "while True:\n"
+            "    try:\n"
+            "        socket.create_connection((sys.argv[1], int(sys.argv[2])), "
+            "timeout=max(0.1, deadline - time.monotonic())).close()\n"
+            "        break\n"
+            "    except OSError:\n"
+            "        if time.monotonic() >= deadline:\n"
+            f"            sys.exit({UNREACHED})\n"
+            "        time.sleep(0.2)\n")
 
 # Why a host is out, for one host and for several.
 NO_ANSWER = ("it does not answer", "they do not answer")
