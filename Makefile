@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 HOROVOD_WHEEL := $(VENV)/.horovod-wheel
 HOROVOD := $(VENV)/.horovod
 
-.PHONY: demo setup test test-fast test-unit docs zoo-matrix conformance-matrix bench clean
+.PHONY: demo setup slurm-packages test test-fast test-unit docs zoo-matrix conformance-matrix bench clean
 
 # The package with TensorFlow and Keras, and what the Horovod build needs.
 $(CORE): setup.cfg pyproject.toml
@@ -33,9 +33,14 @@ $(HOROVOD): $(HOROVOD_WHEEL) $(STAMP)
 	bash scripts/install_horovod.sh $(VENV)
 	touch $(HOROVOD)
 
-# Everything the tests need, the Horovod build beside the rest.
+# Everything the tests need, the Horovod build beside the rest, and Slurm
+# for its test bed (Debian's packages, as root; one line and skipped tests
+# elsewhere).
 setup:
-	$(MAKE) -j3 $(HOROVOD) docs
+	$(MAKE) -j3 $(HOROVOD) docs slurm-packages
+
+slurm-packages:
+	bash scripts/install_slurm.sh
 
 # The last two runs are also kept in $(VENV)/demo-*.log for the summary:
 # synchronous (multi_worker, 2 workers) vs asynchronous (parameter server,

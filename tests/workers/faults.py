@@ -14,6 +14,7 @@ sent SIGTERM (the preemption test's signal then lands mid-training,
 however loaded the machine; `--hold_on_attempt` on one attempt only, saying
 so in `--out/held-rank<r>`); with `--pause_after_step N` every rank says
 so in `--out/paused-rank<r>` after global step N and waits for `--out/go`
+(writing `--out/sigterm-rank<r>` if it is sent SIGTERM meanwhile)
 (a network-fault test cuts a link meanwhile, tests/distributed/
 test_network_faults.py). Every rank that finishes writes its final
 weights and step count to `--out/rank<r>.npz`; every attempt appends a
@@ -109,9 +110,13 @@ class _PauseUntilGo(keras.callbacks.Callback):
             return
         open(os.path.join(FLAGS.out, f"paused-rank{self.rank}"), "w").close()
         deadline = time.monotonic() + 120
+        told = False
         while not os.path.exists(os.path.join(FLAGS.out, "go")):
             if time.monotonic() > deadline:
                 sys.exit(f"rank paused after step {self.after} was never told to go on")
+            if preemption.requested() and not told:  # a test waits for this
+                open(os.path.join(FLAGS.out, f"sigterm-rank{self.rank}"), "w").close()
+                told = True
             time.sleep(0.05)
 
 
@@ -162,7 +167,9 @@ class _StepLog(keras.callbacks.Callback):
 
 def main(argv):
     del argv
-    attempt = int(os.environ.get("KERAS_DISTRIB_RESTART", "0"))
+    # The launcher's attempt, or the run of a requeued Slurm job.
+    attempt = int(os.environ.get("KERAS_DISTRIB_RESTART") or
+                  os.environ.get("SLURM_RESTART_COUNT") or 0)
     keras.utils.set_random_seed(3)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(240, 8)).astype("float32")
