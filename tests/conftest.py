@@ -63,14 +63,23 @@ _SHARING = {"probes_and_zoo": ("tests/zoo/",
                           "tests/distributed/test_network_faults.py")}
 
 
+# Files whose tests share no module fixture and mostly wait (heartbeat and
+# probe timeouts, links cut and restored): a group per test, so that their
+# waits overlap other workers' work instead of queueing in one worker.
+_EACH_TEST_ALONE = ("tests/distributed/test_elastic.py",)
+
+
 def _group(path: str, item) -> str:
     """The xdist group of test `item` of the file at `path` (from the
     rootdir): its file's, or its `_SHARING` group's. The conformance
     tier's files share no fixture: a group per Keras file they run, so the
-    workers share their long runs evenly."""
+    workers share their long runs evenly; `_EACH_TEST_ALONE`'s tests go
+    one by one."""
     for name, prefixes in _SHARING.items():
         if path.startswith(prefixes):
             return name
+    if path in _EACH_TEST_ALONE:
+        return f"{path}::{item.name}"
     keras_test = getattr(getattr(item, "cls", None), "kd_test", None)
     if keras_test is not None:
         return f"{path}::{keras_test.split('::')[0]}"
