@@ -5,7 +5,9 @@ per namespace host, and `munged`, from Debian's packages
 The bed's hosts (tests/netns_hosts.py) become nodes `n0`, `n1`, ... at
 their addresses, each resolving the others by name (its /etc/hosts). The
 controller runs on n0, as do the clients (`sbatch`, `scancel`, `scontrol`,
-`squeue`: `bed.slurm(*argv)`), which find it through `SLURM_CONF`. Slurm
+`squeue`: `bed.slurm(*argv)`), which find it through `SLURM_CONF`. A batch
+job that exits 75 (its workers preempted, a backup saved) is queued again
+(`RequeueExit=75`). Slurm
 runs as root, tracks processes without cgroups (`proctrack/linuxproc`,
 `task/none`; slurmd still opens the cgroup v1 hierarchies, mounted afresh
 in each node's namespace because `ip netns exec` hides the machine's),
@@ -72,6 +74,7 @@ SelectTypeParameters=CR_Core
 SlurmdParameters=config_overrides
 ReturnToService=2
 JobRequeue=1
+RequeueExit=75
 KillWait=10
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
@@ -162,10 +165,13 @@ class SlurmBed(netns_hosts.TestBed):
         return int(re.match(r"\d+", said.strip())[0])
 
     def job_state(self, job: int) -> str:
-        """`RUNNING`, `COMPLETED`, `FAILED`, ... (`scontrol show job`)."""
+        """`RUNNING`, `COMPLETED`, `FAILED`, ..., and for a pending job why:
+        `PENDING BeginTime` (`scontrol show job`)."""
         shown = self.slurm("scontrol", "show", "job", str(job), check=False).stdout
-        found = re.search(r"JobState=(\w+)", shown)
-        return found[1] if found else "UNKNOWN"
+        found = re.search(r"JobState=(\w+) Reason=(\w+)", shown)
+        if not found:
+            return "UNKNOWN"
+        return f"PENDING {found[2]}" if found[1] == "PENDING" else found[1]
 
     def wait_for_job(self, job: int, seconds: float = 240, until=("COMPLETED", "FAILED",
                                                                    "CANCELLED", "TIMEOUT",

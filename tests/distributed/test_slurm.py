@@ -59,8 +59,8 @@ def test_an_sbatch_job_on_two_nodes_trains_as_one_process(slurm, tmp_path, unint
 def test_scancel_signal_term_saves_and_the_requeued_job_resumes_exact(slurm, tmp_path,
                                                                     uninterrupted):
     """The workers pause after step 6; `scancel --signal=TERM` reaches them
-    there; they stop at one step, save, exit 75, and the script requeues
-    the job, whose second run resumes from that backup."""
+    there; they stop at one step, save, exit 75, Slurm queues the job again,
+    and its second run resumes from that backup."""
     job = _submit(slurm, tmp_path, "--pause_after_step", "6")
     deadline = time.monotonic() + 180
     while len(glob.glob(str(tmp_path / "paused-rank*"))) < 2:
@@ -73,10 +73,16 @@ def test_scancel_signal_term_saves_and_the_requeued_job_resumes_exact(slurm, tmp
         assert time.monotonic() < deadline, _log(tmp_path)
         time.sleep(0.1)
     (tmp_path / "go").touch()
-    # Requeued, Slurm holds the job about two minutes (its BeginTime) before
-    # it starts again; an operator in a hurry starts it now.
-    assert slurm.wait_for_job(job, until=("PENDING", "COMPLETED")) == "PENDING", _log(tmp_path)
+    # Exit code 75 requeues it (the cluster's RequeueExit=75), and Slurm
+    # holds it about two minutes (its BeginTime); an operator in a hurry
+    # starts it now.
+    assert slurm.wait_for_job(job, until=("PENDING BeginTime", "COMPLETED", "FAILED")) \
+        == "PENDING BeginTime", _log(tmp_path)
     slurm.slurm("scontrol", "update", f"JobId={job}", "StartTime=now")
+    deadline = time.monotonic() + 120
+    while [a.number for a in fault_job.attempts(tmp_path, 2)[0]] != [0, 1]:
+        assert time.monotonic() < deadline, _log(tmp_path)
+        time.sleep(0.2)
     assert slurm.wait_for_job(job) == "COMPLETED", _log(tmp_path)
     log = _log(tmp_path)
     assert "keras_distrib: resuming from step" in log, log
@@ -99,8 +105,14 @@ def test_a_node_taken_down_mid_job_stops_every_worker_at_one_step_in_one_line(sl
         time.sleep(0.1)
     try:
         slurm.slurm("scontrol", "update", "NodeName=n1", "State=DOWN", "Reason=test")
+        # Slurm's SIGTERM reaches the chief while it waits; it goes on then.
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "sigterm-rank0").exists():
+            assert time.monotonic() < deadline, _log(tmp_path)
+            time.sleep(0.1)
         (tmp_path / "go").touch()
-        assert slurm.wait_for_job(job, until=("PENDING", "COMPLETED", "FAILED")) == "PENDING"
+        assert slurm.wait_for_job(job, until=("PENDING BeginTime", "COMPLETED", "FAILED")) \
+            == "PENDING BeginTime"
     finally:
         slurm.slurm("scancel", str(job), check=False)
         slurm.slurm("scontrol", "update", "NodeName=n1", "State=RESUME", check=False)
