@@ -243,12 +243,12 @@ class BackupAndRestore(keras.callbacks.Callback):
                 json.dump(state, f)
                 f.flush()
                 os.fsync(f.fileno())
-            _fsync_dir(tmp)
+            _fsync(tmp)
             final = os.path.join(self.backup_dir, f"backup-{self._global_step:012d}")
             if os.path.exists(final):
                 shutil.rmtree(final)
             os.rename(tmp, final)
-            _fsync_dir(self.backup_dir)
+            _fsync(self.backup_dir)
         except OSError as e:  # a full disk, a file system gone read-only
             raise BackupWriteError(
                 f"BackupAndRestore: cannot write the backup of {_point(state)} to "
@@ -404,15 +404,12 @@ def _digest(path: str) -> str:
 
 def _synced_digest(path: str) -> str:
     """Syncs the file at `path` to disk, then returns its digest."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync(path)
     return _digest(path)
 
 
-def _fsync_dir(path: str) -> None:
+def _fsync(path: str) -> None:
+    """Syncs the file or directory at `path` to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
