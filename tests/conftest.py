@@ -89,11 +89,8 @@ def _group(path: str, item) -> str:
 # The order in which the xdist workers are handed groups (`make test` passes
 # --no-loadscope-reorder, so xdist keeps it): the long ones first, so that
 # the last to be handed out, when the other workers may already be idle,
-# are short; first of all those that mostly wait (the chaos campaign, the
-# elastic jobs), whose waits the CPU-bound groups fill. A group's place is
-# its first file's.
-_FIRST = ("tests/distributed/test_chaos.py", "tests/distributed/test_elastic.py",
-          "probes_and_zoo", "fault_job", "tests/conformance/test_keras_on_single.py::trainers/",
+# are short. A group's place is its first file's.
+_FIRST = ("probes_and_zoo", "fault_job", "tests/conformance/test_keras_on_single.py::trainers/",
           "tests/conformance/test_", "tests/distributed/", "tests/zoo/", "tests/integration/",
           "tests/unit/")
 
