@@ -71,15 +71,30 @@ def _redirect(callback, scratch: str, rank: int):
     return callback
 
 
+def _copy_as(front: type, callback, **attributes):
+    """A copy of `callback` whose class has `front` in front of its own
+    (`_in_front`), with `attributes` set."""
+    copied = copy.copy(callback)
+    copied.__class__ = _in_front(front, type(callback))
+    vars(copied).update(attributes)
+    return copied
+
+
+@functools.lru_cache(maxsize=None)
+def _in_front(front: type, callback_class: type) -> type:
+    """`front` in front of `callback_class`: a subclass's own hooks still
+    run, around Keras's. Named `<front.NAMED><class>`."""
+    return type(f"{front.NAMED}{callback_class.__name__}", (front, callback_class), {})
+
+
 class _ReadOnlyBackup(keras.callbacks.BackupAndRestore):
     """Restores from the chief's backup, then writes to scratch."""
 
+    NAMED = "ReadOnly"
+
     @classmethod
     def of(cls, callback, scratch):
-        redirected_copy = copy.copy(callback)
-        redirected_copy.__class__ = _read_only(type(callback))
-        redirected_copy._scratch = scratch
-        return redirected_copy
+        return _copy_as(cls, callback, _scratch=scratch)
 
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
@@ -91,23 +106,8 @@ class _RankProfile(_compat.ProfileElsewhere, keras.callbacks.TensorBoard):
     scratch (the chief writes the scalars, once), its profile to
     `log_dir/rank-N/train`, a run of its own beside the chief's `train`."""
 
+    NAMED = "RankProfile"
+
     @classmethod
     def of(cls, callback, profile_dir):
-        profiling = copy.copy(callback)
-        profiling.__class__ = _rank_profile(type(callback))
-        profiling.profile_dir = profile_dir
-        return profiling
-
-
-@functools.lru_cache(maxsize=None)
-def _rank_profile(tensorboard_class: type) -> type:
-    """`_RankProfile` in front of `tensorboard_class` (a subclass's own hooks run)."""
-    return type(f"RankProfile{tensorboard_class.__name__}", (_RankProfile, tensorboard_class),
-                {})
-
-
-@functools.lru_cache(maxsize=None)
-def _read_only(backup_class: type) -> type:
-    """`_ReadOnlyBackup` in front of `backup_class`: a subclass's own hooks
-    still run, around Keras's."""
-    return type(f"ReadOnly{backup_class.__name__}", (_ReadOnlyBackup, backup_class), {})
+        return _copy_as(cls, callback, profile_dir=profile_dir)
