@@ -78,11 +78,14 @@ def test_scancel_signal_term_saves_and_the_requeued_job_resumes_exact(slurm, tmp
     # starts it now.
     assert slurm.wait_for_job(job, until=("PENDING BeginTime", "COMPLETED", "FAILED")) \
         == "PENDING BeginTime", _log(tmp_path)
-    slurm.slurm("scontrol", "update", f"JobId={job}", "StartTime=now")
     deadline = time.monotonic() + 120
     while [a.number for a in fault_job.attempts(tmp_path, 2)[0]] != [0, 1]:
         assert time.monotonic() < deadline, _log(tmp_path)
-        time.sleep(0.2)
+        # Again while it still waits: an update made while Slurm was still
+        # requeueing the job can be overwritten by its hold.
+        if slurm.job_state(job) == "PENDING BeginTime":
+            slurm.slurm("scontrol", "update", f"JobId={job}", "StartTime=now")
+        time.sleep(1)
     assert slurm.wait_for_job(job) == "COMPLETED", _log(tmp_path)
     log = _log(tmp_path)
     assert "keras_distrib: resuming from step" in log, log
