@@ -5,6 +5,7 @@ tests/workers/faults.py (`strategy="auto"`) find their cluster in Slurm's
 variables alone."""
 
 import glob
+import json
 import os
 import sys
 import time
@@ -54,6 +55,26 @@ def test_an_sbatch_job_on_two_nodes_trains_as_one_process(slurm, tmp_path, unint
     job = _submit(slurm, tmp_path)
     assert slurm.wait_for_job(job) == "COMPLETED", _log(tmp_path)
     _assert_one_process_weights(tmp_path, uninterrupted)
+
+
+def test_a_parameter_server_step_trains_and_ends_with_its_chief(slurm, tmp_path):
+    """`KERAS_DISTRIB_NUM_PS=1` with 3 tasks on 2 nodes: task 0 the chief
+    (the coordinator), task 1 a worker, task 2 the ps; every task runs
+    the script, the strategy turns the worker and ps tasks into servers, and
+    those end once their chief is gone, so the step and the job end with it."""
+    job = slurm.sbatch(SBATCH, "--chdir", ROOT, "-o", str(tmp_path / "slurm-%j.out"),
+                       "-N", "2", "-n", "3", "--ntasks-per-node=2",
+                       args=(os.path.join("tests", "workers", "ps_train.py"), "warmup",
+                             str(tmp_path)),
+                       PYTHON=sys.executable, TF_CPP_MIN_LOG_LEVEL="2", KERAS_DISTRIB_NUM_PS="1")
+    assert slurm.wait_for_job(job) == "COMPLETED", _log(tmp_path)
+    with open(tmp_path / "warmup.json") as f:
+        report = json.load(f)
+    for kind in ("float", "schedule"):  # 1500 samples, batch 50, 2 epochs
+        assert report[kind]["iterations"] == 60, report
+    log = _log(tmp_path)
+    for task in ("worker 0", "ps 0"):
+        assert f"keras_distrib: {task}: the chief at " in log and "is gone" in log, log
 
 
 def test_scancel_signal_term_saves_and_the_requeued_job_resumes_exact(slurm, tmp_path,

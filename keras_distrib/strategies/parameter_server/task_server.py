@@ -14,7 +14,12 @@ every task runs the script) the strategy's constructor calls `serve(info)`
 on those tasks instead, and never returns.
 
 A server exits 0, quietly, on SIGTERM (how the launcher, Kubernetes or
-Slurm end it) and SIGINT (see `serve`). Importing this module is cheap:
+Slurm end it) and SIGINT (see `serve`). It also ends, exit 0 with one line,
+once its chief is gone: the chief's port refused connections for
+`CHIEF_GONE_SECONDS` in a row after it had answered. Under `srun` (every
+task runs the script, `KERAS_DISTRIB_NUM_PS`) nobody else would end the
+servers, and the job step would outlive its training; the exit code of the
+step is then the chief's. Importing this module is cheap:
 TensorFlow is imported when a server starts.
 
 Example:
@@ -31,12 +36,14 @@ if info is not None and info.task_type in ("worker", "ps"):
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
+import socket
 import sys
 import threading
 import time
-from typing import NoReturn
+from typing import NoReturn, Optional
 
 from keras_distrib import cluster as cluster_lib
 
@@ -45,6 +52,11 @@ SERVER_TASK_TYPES = (cluster_lib.WORKER, cluster_lib.PS)
 
 # Seconds between re-installs of the SIGTERM handler while serving (see `serve`).
 _HANDLER_REFRESH_SECONDS = 0.5
+
+# How long the chief's port must refuse connections, after it had answered,
+# before a server takes the chief for gone: longer than a launcher needs to
+# see the chief's exit and stop the servers itself.
+CHIEF_GONE_SECONDS = 10.0
 
 # This process's server, once `serve` started it.
 _server = None
@@ -114,12 +126,49 @@ def serve(info: cluster_lib.ClusterInfo) -> NoReturn:
     )
     print(f"keras_distrib: {info.task_type} {info.task_index} serving on {info.address} "
           f"(pid {os.getpid()})", file=sys.stderr, flush=True)
+    _wait_for_the_chief_to_go(info, main_thread)
+
+
+def _wait_for_the_chief_to_go(info: cluster_lib.ClusterInfo, main_thread: bool) -> NoReturn:
+    """Serves until the chief is gone (`_ChiefWatch`), then exits 0."""
+    chief = _ChiefWatch(info.workers[0])
     while True:
         # Python runs signal handlers between bytecodes of the main thread,
         # which `Server.join()` would block forever.
         time.sleep(_HANDLER_REFRESH_SECONDS)
         if main_thread:
             _install_handlers()
+        if chief.gone():
+            print(f"keras_distrib: {info.task_type} {info.task_index}: the chief at "
+                  f"{info.workers[0]} is gone (its port refuses connections); this server ends.",
+                  file=sys.stderr, flush=True)
+            _exit_quietly(signal.SIGTERM, None)
+
+
+class _ChiefWatch:
+    """Whether the chief's port has refused connections for
+    `CHIEF_GONE_SECONDS` in a row since it last answered. A chief not
+    yet up (still importing TensorFlow) is not gone, and neither is one
+    that cannot be reached at all (a timeout, an unreachable network:
+    that is the launcher's or the scheduler's to judge)."""
+
+    def __init__(self, address: str):
+        self.address = cluster_lib.parse_address(address, "chief")
+        self.answered = False
+        self.refused_since: Optional[float] = None
+
+    def gone(self) -> bool:
+        try:
+            with socket.create_connection(self.address, timeout=1.0):
+                pass
+        except OSError as e:
+            if self.answered and e.errno == errno.ECONNREFUSED:
+                now = time.monotonic()
+                self.refused_since = self.refused_since or now
+                return now - self.refused_since >= CHIEF_GONE_SECONDS
+            return False
+        self.answered, self.refused_since = True, None
+        return False
 
 
 def _install_handlers() -> None:
