@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 HOROVOD_WHEEL := $(VENV)/.horovod-wheel
 HOROVOD := $(VENV)/.horovod
 
-.PHONY: demo setup slurm-packages test test-fast test-unit docs zoo-matrix conformance-matrix bench clean
+.PHONY: demo setup bed-packages test test-fast test-unit docs zoo-matrix conformance-matrix bench clean
 
 # The package with TensorFlow and Keras, and what the Horovod build needs.
 $(CORE): setup.cfg pyproject.toml
@@ -18,9 +18,9 @@ $(CORE): setup.cfg pyproject.toml
 	$(PY) -m pip install --quiet -e . setuptools wheel packaging
 	touch $(CORE)
 
-# The extras: tests, benchmarks, Ray, docs.
+# The extras: tests, benchmarks, Ray, docs, mpi4py.
 $(STAMP): $(CORE)
-	$(PY) -m pip install --quiet -e ".[test,bench,ray,docs]"
+	$(PY) -m pip install --quiet -e ".[test,bench,ray,docs,mpi]"
 	touch $(STAMP)
 
 # The wheel needs only TensorFlow, and its build writes nothing into the
@@ -34,13 +34,13 @@ $(HOROVOD): $(HOROVOD_WHEEL) $(STAMP)
 	touch $(HOROVOD)
 
 # Everything the tests need, the Horovod build beside the rest, and Slurm
-# for its test bed (Debian's packages, as root; one line and skipped tests
-# elsewhere).
+# and Open MPI for their test beds (Debian's packages, as root; one line and
+# skipped tests elsewhere).
 setup:
-	$(MAKE) -j3 $(HOROVOD) docs slurm-packages
+	$(MAKE) -j3 $(HOROVOD) docs bed-packages
 
-slurm-packages:
-	bash scripts/install_slurm.sh
+bed-packages:
+	bash scripts/install_test_beds.sh
 
 # The last two runs are also kept in $(VENV)/demo-*.log for the summary:
 # synchronous (multi_worker, 2 workers) vs asynchronous (parameter server,

@@ -1,6 +1,6 @@
 """A real Slurm cluster on the multi-host test bed: `slurmctld`, one `slurmd`
 per namespace host, and `munged`, from Debian's packages
-(scripts/install_slurm.sh), with a `slurm.conf` of ours.
+(scripts/install_test_beds.sh), with a `slurm.conf` of ours.
 
 The bed's hosts (tests/netns_hosts.py) become nodes `n0`, `n1`, ... at
 their addresses, each resolving the others by name (its /etc/hosts). The
@@ -42,7 +42,7 @@ def unavailable() -> Optional[str]:
     missing = [d for d in DAEMONS if shutil.which(d) is None]
     if missing:
         return (f"the Slurm bed needs {', '.join(missing)} (Debian: slurmctld slurmd "
-                "slurm-client munge; scripts/install_slurm.sh installs them)")
+                "slurm-client munge; scripts/install_test_beds.sh installs them)")
     return None
 
 

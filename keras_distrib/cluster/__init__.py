@@ -12,7 +12,9 @@ index. The cluster comes from, in this order:
    `keras-distrib launch` set it (`from_tf_config`),
 3. a Slurm job step started with `srun`, all tasks workers (`from_slurm`;
    with `KERAS_DISTRIB_NUM_PS=M`, task 0 the chief and the last M ps tasks),
-4. a pod of a Kubernetes Indexed Job (or JobSet) whose manifest sets
+4. a job started by Open MPI's `mpirun`, all processes workers, which find
+   each other through mpi4py (`from_openmpi`),
+5. a pod of a Kubernetes Indexed Job (or JobSet) whose manifest sets
    `KERAS_DISTRIB_WORLD_SIZE`: rank `JOB_COMPLETION_INDEX`, peers by the
    pods' stable DNS names (`from_indexed_job`),
 
@@ -24,14 +26,15 @@ trains on workers only calls `require_training_workers(info, name)`.
 One module per concern: `errors`, `roles` (task type names), `addresses`
 (`parse_address` and the shared checks), `info` (`ClusterInfo`,
 `require_training_workers`), the sources `explicit`, `tf_config`,
-`slurm` and `kubernetes`, `resolve`, `gpu_share` (the GPUs each process of a
+`slurm`, `openmpi` and `kubernetes`, `resolve`, `gpu_share` (the GPUs each process of a
 host sees), `network` (port and peer checks), and
 `launch_contract` (the environment variables and exit codes
 `keras-distrib launch` and its workers agree on).
 
 This package is pure Python on purpose: the launcher and the tests import it
 without paying for TensorFlow's import. Only `from_slurm` imports TensorFlow,
-lazily, to reuse its Slurm host-list expansion.
+lazily, to reuse its Slurm host-list expansion; only `from_openmpi` imports
+mpi4py, lazily, under `mpirun`.
 
 Example:
 
@@ -56,6 +59,7 @@ from . import gpu_share  # noqa: F401  (the GPUs each process of a host sees)
 from . import launch_contract  # noqa: F401  (what the launcher and its workers agree on)
 from .info import ClusterInfo, require_training_workers
 from .kubernetes import from_indexed_job
+from .openmpi import from_openmpi
 from .network import check_own_port_free, free_ports, is_local_host, wait_for_peers
 from .resolve import resolve
 from .roles import CHIEF, EVALUATOR, PS, TASK_TYPES, TRAINING_TASK_TYPES, WORKER
@@ -77,6 +81,7 @@ __all__ = [
     "check_own_port_free",
     "free_ports",
     "from_explicit",
+    "from_openmpi",
     "from_slurm",
     "from_tf_config",
     "is_local_host",

@@ -9,6 +9,7 @@ from .errors import ClusterConfigError
 from .explicit import ExplicitCluster, from_explicit
 from .info import ClusterInfo
 from .kubernetes import from_indexed_job
+from .openmpi import from_openmpi
 from .slurm import from_slurm
 from .tf_config import from_tf_config
 
@@ -21,8 +22,8 @@ def resolve(
     environ: Mapping[str, str] = os.environ,
     task_type: Optional[str] = None,
 ) -> Optional[ClusterInfo]:
-    """Finds this process's cluster: explicit > `TF_CONFIG` > Slurm > a
-    Kubernetes Indexed Job (`JOB_COMPLETION_INDEX` with
+    """Finds this process's cluster: explicit > `TF_CONFIG` > Slurm >
+    `mpirun` (Open MPI) > a Kubernetes Indexed Job (`JOB_COMPLETION_INDEX` with
     `KERAS_DISTRIB_WORLD_SIZE`) > None.
 
     The cluster may have any roles (chief, worker, ps, evaluator); a
@@ -70,7 +71,7 @@ def resolve(
             f"task_type={task_type!r} was given without cluster; pass the "
             "cluster and task_index too, or none of them."
         )
-    for source in (from_tf_config, from_slurm, from_indexed_job):
+    for source in (from_tf_config, from_slurm, from_openmpi, from_indexed_job):
         info = source(environ)
         if info is not None:
             return info
