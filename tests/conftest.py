@@ -132,6 +132,38 @@ def pytest_configure(config):
             "(pytest<9.2): pip install -e '.[test]'")
 
 
+# -- where the suite's CPU time goes ------------------------------------------------------
+
+# `KD_CPU_REPORT=FILE make test` appends a line per test phase to FILE: the
+# CPU seconds (user + system) of this pytest process and of the processes it
+# started and reaped meanwhile (launched workers, beds), and the wall
+# seconds. The suite runs on two cores, so its time is its CPU time: this is
+# how to find what to share or trim (a processes' cost lands on the test
+# that reaps them; a session fixture's on the first test that asks for it).
+_CPU_REPORT = os.environ.get("KD_CPU_REPORT")
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    own, children = (resource.getrusage(who) for who in
+                     (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+if _CPU_REPORT:
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        import json
+        import time
+
+        cpu, wall = _cpu_seconds(), time.monotonic()
+        yield
+        with open(_CPU_REPORT, "a") as f:
+            f.write(json.dumps({"test": item.nodeid, "cpu": round(_cpu_seconds() - cpu, 2),
+                                "wall": round(time.monotonic() - wall, 2)}) + "\n")
+
+
 # -- fixtures shared by the tiers ------------------------------------------------------
 
 
