@@ -7,7 +7,9 @@ strategy `DistributedModel` therefore, on every worker but the chief:
 * turns the progress bar off (`verbose=0`);
 * points `ModelCheckpoint`, `TensorBoard`, `CSVLogger` and the writes of
   a `BackupAndRestore` subclass with hooks of its own at a private scratch
-  directory that is deleted after the call; a `TensorBoard` that profiles
+  directory that is deleted after the call (`scratch_directory`: one that
+  a killed worker could not delete is deleted by the next worker of the
+  machine to make one); a `TensorBoard` that profiles
   (`profile_batch`) writes this worker's profile to `log_dir/rank-N/train`,
   a run of its own beside the chief's `train`. These callbacks still *run*
   there: saving may read replicated variables with collectives, which
@@ -44,12 +46,39 @@ def redirected(callbacks, is_chief: bool, enabled: bool,
         return
     if isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = callbacks.callbacks
-    scratch = tempfile.mkdtemp(prefix="keras_distrib-worker-")
+    scratch = scratch_directory()
     try:
         yield [_redirect(cb, os.path.join(scratch, str(i)), rank)
                for i, cb in enumerate(callbacks)]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+# A worker's scratch directory: `<temp dir>/keras_distrib-worker-<pid>-<random>`.
+SCRATCH_PREFIX = "keras_distrib-worker-"
+
+
+def scratch_directory() -> str:
+    """A new scratch directory for this process, after deleting those of
+    processes of this machine that no longer run: a worker killed (SIGKILL,
+    a scheduler's kill after its grace time) in `fit` never ran its
+    cleanup."""
+    parent = tempfile.gettempdir()
+    for name in os.listdir(parent):
+        pid = name[len(SCRATCH_PREFIX):].split("-", 1)[0]
+        if name.startswith(SCRATCH_PREFIX) and pid.isdigit() and not _runs(int(pid)):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-", dir=parent)
+
+
+def _runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def _redirect(callback, scratch: str, rank: int):

@@ -450,3 +450,25 @@ def test_a_keras_backup_subclass_keeps_its_own_hooks_on_the_other_workers(tmp_pa
                                enabled=True) as (redirected,):
         assert isinstance(redirected, _OwnHook)
         assert type(redirected).on_epoch_end is _OwnHook.on_epoch_end
+
+
+def test_a_killed_workers_scratch_is_deleted_by_the_next_worker(tmp_path, monkeypatch):
+    """A worker SIGKILLed in `fit` leaves its scratch directory; the next
+    worker of the machine to make one deletes it (its pid no longer runs),
+    and leaves a running process's alone."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen(["sleep", "60"])
+    gone.kill()
+    gone.wait()
+    left = tmp_path / f"{chief_only.SCRATCH_PREFIX}{gone.pid}-abc"
+    (left / "0").mkdir(parents=True)
+    (left / "0" / "model.keras").write_bytes(b"half a checkpoint")
+    running = tmp_path / f"{chief_only.SCRATCH_PREFIX}{os.getpid()}-def"
+    running.mkdir()
+    with chief_only.redirected([keras.callbacks.CSVLogger(str(tmp_path / "log.csv"))],
+                               is_chief=False, enabled=True) as (logger,):
+        assert logger.filename.startswith(f"{tmp_path}/{chief_only.SCRATCH_PREFIX}{os.getpid()}-")
+        assert not left.exists() and running.exists()
+    assert sorted(os.listdir(tmp_path)) == [running.name]
