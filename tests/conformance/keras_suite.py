@@ -230,10 +230,11 @@ MULTI_WORKER_FILES = tuple(f for f in FILES if not f.startswith("trainers/")
 ALL_MODES = ("single",)
 _DEFAULT_MODE = ("_graph_fn", "_non_jit", "_graph")
 # Keras's tests of how the loop counts steps, parametrized over counts and
-# data sizes (steps_per_execution 3, 8, 32, 101; known and unknown sizes):
-# they test the loop every strategy shares, so under the other strategies
-# each runs in its first parametrization (of the default mode), and all of
-# them under `single`.
+# data sizes (steps_per_execution 3, 8, 32, 101; known and unknown sizes)
+# and modes: they test the loop every strategy shares, so under the other
+# strategies each runs in its first parametrization (of the default mode);
+# under `single` every parametrization runs in the default mode, and the
+# first in each other mode.
 _LOOP_COUNTING = ("test_steps_per_execution", "test_steps_per_epoch")
 
 
@@ -251,19 +252,23 @@ def not_run(cls: type, strategy: str) -> set:
     """The tests of Keras's TestCase `cls` the tier leaves out under
     `strategy`: other modes' variants and the loop-counting tests'
     further parametrizations (see ALL_MODES, _LOOP_COUNTING)."""
-    if strategy in ALL_MODES or strategy == "keras":
+    if strategy == "keras":
         return set()
     names = unittest.TestLoader().getTestCaseNames(cls)
-    left_out = {name for name in names if other_mode(name, names)}
+    everywhere = strategy in ALL_MODES
+    left_out = set() if everywhere else {name for name in names if other_mode(name, names)}
     kept = set()
     for name in names:
         method = getattr(cls, name)
         function = getattr(method, "__wrapped__", method).__name__
         if name in left_out or not function.startswith(_LOOP_COUNTING):
             continue
-        if function in kept:
+        mode = name.rsplit("_", 1)[-1] if other_mode(name, names) else ""
+        if everywhere and not mode:
+            continue  # every parametrization in the default mode
+        if (function, mode) in kept:
             left_out.add(name)
-        kept.add(function)
+        kept.add((function, mode))
     return left_out
 
 

@@ -8,6 +8,7 @@ tier out.
 
 import contextlib
 import os
+import shutil
 
 import pytest
 
@@ -45,20 +46,36 @@ def hosts(netns_usable):
 def uninterrupted(tmp_path_factory):
     """`uninterrupted(n, *script_flags)`: the final state of
     tests/workers/faults.py (with `script_flags`) run by n workers on this
-    host without a fault, what the fault tests compare
-    with (made once per n; tests/conftest.py keeps their files in one
-    xdist worker)."""
+    host without a fault, what the fault tests compare with. Made once per
+    run for each `(n, script_flags)`: under pytest-xdist the workers share
+    one directory (the run's base temp directory's parent), and the first
+    worker to need a reference makes it there while the others wait on its
+    lock."""
+    import fcntl
+    import hashlib
+
     import fault_job
     from helpers import launch
 
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
     finals = {}
 
     def run(n, *script_flags):
-        if (n, script_flags) not in finals:
-            out = tmp_path_factory.mktemp(f"uninterrupted{n}")
-            launch(out, n, fault_job.FAULTS, "--out", str(out), "--backup", str(out / "backup"),
-                   *script_flags)
-            finals[n, script_flags] = fault_job.results(out, n)
-        return finals[n, script_flags]
+        key = (n, script_flags)
+        if key not in finals:
+            name = hashlib.sha256(repr(key).encode()).hexdigest()[:12]
+            out = root / f"uninterrupted{n}-{name}"
+            with open(root / f"uninterrupted{n}-{name}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not (out / "done").exists():
+                    shutil.rmtree(out, ignore_errors=True)
+                    out.mkdir()
+                    launch(out, n, fault_job.FAULTS, "--out", str(out), "--backup",
+                           str(out / "backup"), *script_flags)
+                    (out / "done").touch()
+            finals[key] = fault_job.results(out, n)
+        return finals[key]
 
     return run
