@@ -430,3 +430,12 @@ def _can_write_atomically(filepath, overwrite, kwargs) -> bool:
     if not saving.is_local(filepath) or kwargs.get("max_shard_size"):
         return False
     return overwrite or not os.path.exists(os.fspath(filepath))
+
+
+# Keras's legacy HDF5 loader (`model.save("m.h5")`, `keras.models.load_model`)
+# finds a class by the bare name saved in the file's config, where the
+# `.keras` format reads the registered "keras_distrib>..." name: both are
+# known, so either file loads back into the class that saved it.
+for _cls in (DistributedModel, FunctionalDistributedModel):
+    keras.saving.get_custom_objects().setdefault(_cls.__name__, _cls)
+del _cls

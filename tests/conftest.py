@@ -134,12 +134,13 @@ def pytest_configure(config):
 
 # -- where the suite's CPU time goes ------------------------------------------------------
 
-# `KD_CPU_REPORT=FILE make test` appends a line per test phase to FILE: the
-# CPU seconds (user + system) of this pytest process and of the processes it
-# started and reaped meanwhile (launched workers, beds), and the wall
-# seconds. The suite runs on two cores, so its time is its CPU time: this is
-# how to find what to share or trim (a processes' cost lands on the test
-# that reaps them; a session fixture's on the first test that asks for it).
+# `KD_CPU_REPORT=FILE make test` appends a line per test to FILE: the CPU
+# seconds (user + system) of this pytest process and of the processes it
+# started and reaped meanwhile (launched workers, beds), the wall seconds,
+# when it started and in which xdist worker (to see the run's tail). The
+# suite runs on two cores, so its time is its CPU time: this is how to find
+# what to share or trim (a processes' cost lands on the test that reaps
+# them; a session fixture's on the first test that asks for it).
 _CPU_REPORT = os.environ.get("KD_CPU_REPORT")
 
 
@@ -157,11 +158,13 @@ if _CPU_REPORT:
         import json
         import time
 
-        cpu, wall = _cpu_seconds(), time.monotonic()
+        cpu, wall, started = _cpu_seconds(), time.monotonic(), time.time()
         yield
         with open(_CPU_REPORT, "a") as f:
             f.write(json.dumps({"test": item.nodeid, "cpu": round(_cpu_seconds() - cpu, 2),
-                                "wall": round(time.monotonic() - wall, 2)}) + "\n")
+                                "wall": round(time.monotonic() - wall, 2),
+                                "start": round(started, 1),
+                                "worker": os.environ.get("PYTEST_XDIST_WORKER")}) + "\n")
 
 
 # -- fixtures shared by the tiers ------------------------------------------------------

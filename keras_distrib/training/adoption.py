@@ -128,6 +128,9 @@ class StrategyAdoption:
         # Keras skips compiling on load when `compile` is overridden.
         self.compile(**keras.saving.deserialize_keras_object(config))
         if self.built:
+            # The loaded layers' variables become the strategy's first: the
+            # optimizer's slots (an EMA's too) are made beside them.
+            self._take_variables()
             with self._strategy.scope():
                 self.optimizer.build(self.trainable_variables)
 

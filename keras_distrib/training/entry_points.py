@@ -51,7 +51,7 @@ class EntryPoints:
         self._strategy.check_batch_size(batch_size)
         self._strategy.check_batch_size(kwargs.get("validation_batch_size"),
                                         "validation_batch_size")
-        self._check_fit_input(x, y, sample_weight)
+        self._check_fit_input(x, y, sample_weight, callbacks)
         steps_per_epoch = kwargs.pop("steps_per_epoch", None)
         fit_checks.check_same_call(
             self._strategy, "fit", x, batch_size=batch_size, epochs=epochs,
@@ -125,18 +125,19 @@ class EntryPoints:
         finally:
             self.__dict__["_fit_state"] = None
 
-    def _check_fit_input(self, x, y, sample_weight) -> None:
+    def _check_fit_input(self, x, y, sample_weight, callbacks) -> None:
         """Bad input that is cheap to see before training: one-line errors.
 
         Reads numpy arrays (one pass each) and what TensorFlow knows of a
         dataset without reading it; the same on every worker, which all get
-        the same arguments.
+        the same arguments. NaN/Inf input is let through to a `fit` given
+        `TerminateOnNaN`: the user said what a non-finite loss should do.
         """
         data_lib.check_not_empty(x)
         sparse = fit_checks.sparse_categorical_classes(self)
         if sparse is not None:
             data_lib.check_sparse_labels(y, *sparse)
-        if self.check_finite:
+        if self.check_finite and not _stops_quietly_on_nan(callbacks):
             for name, value in (("x", x), ("y", y), ("sample_weight", sample_weight)):
                 data_lib.check_finite(name, value)
 

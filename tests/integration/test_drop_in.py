@@ -167,6 +167,21 @@ def test_terminate_on_nan_stops_quietly(strategy):
     assert len(history.history["loss"]) == 1 and not np.isfinite(history.history["loss"][0])
 
 
+@pytest.mark.parametrize("strategy", ["single", "mirrored"])
+def test_terminate_on_nan_takes_non_finite_input_as_keras_does(strategy):
+    # Keras's own TerminateOnNaN tests make the loss NaN with inf input:
+    # the user who passes the callback said what a NaN loss should do, so the
+    # input is not refused (without the callback it is, in one line).
+    x, y = make_data()
+    x[0, 0] = np.inf
+    model = build("functional", strategy)
+    history = model.fit(x, y, batch_size=32, epochs=3, verbose=0,
+                        callbacks=[keras.callbacks.TerminateOnNaN()])
+    assert len(history.history["loss"]) == 1 and not np.isfinite(history.history["loss"][0])
+    with pytest.raises(ValueError, match=r"^x holds inf at row 0; .* set model.check_finite"):
+        model.fit(x, y, batch_size=32, verbose=0)
+
+
 # -- what a custom step receives --------------------------------------------------------
 
 
@@ -313,3 +328,39 @@ def test_a_plain_model_sharing_layers_with_a_distributed_one_trains_them(strateg
     got = trained(kd.DistributedModel, strategy=strategy)
     for a, b in zip(got, expected):
         np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
+
+
+# -- saved and loaded back ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["single", "mirrored"])
+def test_a_legacy_h5_file_loads_back_into_the_class_that_saved_it(strategy, tmp_path):
+    x, _ = make_data()
+    model = build("functional", strategy)
+    model.save(tmp_path / "model.h5")  # Keras's legacy HDF5 format
+    loaded = keras.models.load_model(tmp_path / "model.h5")
+    assert type(loaded) is kd.FunctionalDistributedModel
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+
+
+@keras.saving.register_keras_serializable(package="test_drop_in")
+class SequentialNet(kd.DistributedModel, keras.Sequential):
+    """A `keras.Sequential` trained by DistributedModel."""
+
+
+def test_a_model_saved_with_ema_weights_loads_under_mirrored(tmp_path):
+    # keras.callbacks.SwapEMAWeights' own test: a Sequential built at its
+    # first fit, an optimizer with EMA slots; compiled again on load, the
+    # optimizer makes its slots beside the loaded variables.
+    x, y = make_data()
+    model = SequentialNet([keras.layers.Dense(CLASSES, kernel_initializer="ones")],
+                        strategy="mirrored")
+    model.compile(optimizer=keras.optimizers.SGD(use_ema=True, ema_momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0,
+              callbacks=[keras.callbacks.SwapEMAWeights(swap_on_epoch=True)])
+    model.save(tmp_path / "model.keras")
+    loaded = keras.saving.load_model(tmp_path / "model.keras")
+    assert loaded.strategy.name == "mirrored"
+    assert loaded.evaluate(x, y, verbose=0) == pytest.approx(model.evaluate(x, y, verbose=0),
+                                                             abs=ATOL)
