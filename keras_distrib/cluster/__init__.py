@@ -25,11 +25,11 @@ trains on workers only calls `require_training_workers(info, name)`.
 
 One module per concern: `errors`, `roles` (task type names), `addresses`
 (`parse_address` and the shared checks), `info` (`ClusterInfo`,
-`require_training_workers`), the sources `explicit`, `tf_config`,
-`slurm`, `openmpi` and `kubernetes`, `resolve`, `gpu_share` (the GPUs each process of a
-host sees), `network` (port and peer checks), and
-`launch_contract` (the environment variables and exit codes
-`keras-distrib launch` and its workers agree on).
+`require_training_workers`), the sources `explicit`, `tf_config`, `slurm`,
+`openmpi` and `kubernetes`, `resolve`, `gpu_share` (the GPUs each process of
+a host sees), `network` (port and peer checks), `process_state` (what became
+of a process of this machine), and `launch_contract` (the environment
+variables and exit codes `keras-distrib launch` and its workers agree on).
 
 This package is pure Python on purpose: the launcher and the tests import it
 without paying for TensorFlow's import. Only `from_slurm` imports TensorFlow,
@@ -57,6 +57,7 @@ from .errors import ClusterConfigError, PeersMissingError
 from .explicit import from_explicit
 from . import gpu_share  # noqa: F401  (the GPUs each process of a host sees)
 from . import launch_contract  # noqa: F401  (what the launcher and its workers agree on)
+from . import process_state  # noqa: F401  (what became of a process of this machine)
 from .info import ClusterInfo, require_training_workers
 from .kubernetes import from_indexed_job
 from .openmpi import from_openmpi

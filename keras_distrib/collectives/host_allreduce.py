@@ -53,8 +53,8 @@ watching the peers) and `shm_layout` (where the arrays sit in a slot, the
 chunks, the result buffers); this module holds `HostAllReduce`, its data
 segment and the reduce-scatter/all-gather, and re-exports their public names.
 
-None of these modules needs TensorFlow (NumPy and
-`keras_distrib.cluster.launch_contract` only): `keras_distrib.strategies.multi_worker`
+None of these modules needs TensorFlow (NumPy, and of
+`keras_distrib.cluster` `launch_contract` and `process_state` only): `keras_distrib.strategies.multi_worker`
 calls `HostAllReduce` from the training step through `tf.numpy_function`.
 """
 

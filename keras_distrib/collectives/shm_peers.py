@@ -19,6 +19,7 @@ import stat
 import time
 from typing import Optional, Sequence
 
+from keras_distrib.cluster.process_state import process_state
 from keras_distrib.collectives import flight_recorder
 from keras_distrib.collectives.shm_files import (SharedMemoryTamperedError, base_directory,
                                                  make_fifo, open_verified,
@@ -167,7 +168,7 @@ class PeerGroup:
         now = time.monotonic()
         for peer in list(late) + [p for p in others if p not in late]:
             pid = self._pids.get(peer)
-            state = _process_state(pid)
+            state = process_state(pid)
             if state == "exited":
                 raise PeerLostError(
                     f"shared-memory all-reduce: worker {peer} (pid {pid}) exited; "
@@ -226,24 +227,3 @@ class PeerGroup:
             self.close()
         except Exception:  # interpreter shutdown, or a constructor that failed early
             pass
-
-
-def _process_state(pid: Optional[int]) -> str:
-    """'exited', 'stopped' (SIGSTOP, a debugger) or 'running' (also: unknown)."""
-    if pid is None:
-        return "running"
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return "exited"
-    except PermissionError:
-        pass
-    # A zombie (exited, not yet reaped by the launcher) still answers kill().
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "running"
-    if state in ("Z", "X"):
-        return "exited"
-    return "stopped" if state in ("T", "t") else "running"

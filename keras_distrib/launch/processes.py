@@ -29,6 +29,7 @@ import time
 from typing import Optional, Sequence
 
 from keras_distrib.cluster.launch_contract import PREEMPTED
+from keras_distrib.cluster.process_state import state_letter
 from keras_distrib.launch.config import LaunchError
 from keras_distrib.launch.output import Printer, RankDemux, Stream
 
@@ -227,17 +228,6 @@ def describe_stopped(child: Child) -> Optional[str]:
     A stopped rank cannot answer its peers, which then fail (timeouts,
     lost connections): it, not they, is what to look at.
     """
-    state = _process_state(child.proc.pid) if child.running else None
+    state = state_letter(child.proc.pid) if child.running else None
     how = {"T": "SIGSTOP", "t": "held by a debugger"}.get(state)
     return f"{child.label} (pid {child.proc.pid}) was stopped ({how})" if how else None
-
-
-def _process_state(pid: int) -> Optional[str]:
-    """The state letter in /proc/PID/stat (R, S, D, T...); None off Linux or when gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # "PID (COMMAND) STATE ...": the command may hold spaces and parentheses.
-    return stat[stat.rfind(")") + 2:][:1] or None

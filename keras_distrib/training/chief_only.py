@@ -35,6 +35,7 @@ from typing import Iterator, Optional
 import keras
 
 from keras_distrib import _compat
+from keras_distrib.cluster.process_state import process_state
 
 
 @contextlib.contextmanager
@@ -66,19 +67,10 @@ def scratch_directory() -> str:
     parent = tempfile.gettempdir()
     for name in os.listdir(parent):
         pid = name[len(SCRATCH_PREFIX):].split("-", 1)[0]
-        if name.startswith(SCRATCH_PREFIX) and pid.isdigit() and not _runs(int(pid)):
+        if name.startswith(SCRATCH_PREFIX) and pid.isdigit() and \
+                process_state(int(pid)) == "exited":
             shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
     return tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-", dir=parent)
-
-
-def _runs(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        return True
-    return True
 
 
 def _redirect(callback, scratch: str, rank: int):
