@@ -9,7 +9,7 @@ user wrote (`TF_CONFIG cluster.worker[1]`, `cluster['ps'][0]`, ...).
 from __future__ import annotations
 
 import ipaddress
-from typing import Any, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from .errors import ClusterConfigError
 
@@ -158,3 +158,20 @@ def check_index(index: Any, size: int, field: str, what: str) -> None:
         raise ClusterConfigError(
             f"{field}={index} is out of range for {size} {what}; use 0..{size - 1}."
         )
+
+
+def whole_number(environ: Mapping[str, str], name: str, fix: str,
+                 default: Optional[int] = None) -> int:
+    """The environment variable `name` as a whole number (`default` when
+    unset and one is given).
+
+    Raises:
+        ClusterConfigError: `<name>=<value> must be a whole number<fix>`,
+            one line (`fix` says what the variable is, or how to set it).
+    """
+    value = environ.get(name)
+    if value is None and default is not None:
+        return default
+    if value is None or not value.strip().isdigit():
+        raise ClusterConfigError(f"{name}={value!r} must be a whole number{fix}")
+    return int(value)

@@ -25,7 +25,7 @@ import os
 import socket
 from typing import Callable, Mapping, Optional
 
-from .addresses import check_index
+from .addresses import check_index, whole_number
 from .errors import ClusterConfigError
 from .info import ClusterInfo
 
@@ -59,12 +59,13 @@ def from_indexed_job(environ: Mapping[str, str] = os.environ,
     """
     if INDEX_ENV not in environ or SIZE_ENV not in environ:
         return None
-    index = _count(environ, INDEX_ENV, "the pod's index, which an Indexed Job sets")
-    size = _count(environ, SIZE_ENV, "set it in the pod template to the Job's completions")
+    index = whole_number(environ, INDEX_ENV, " (the pod's index, which an Indexed Job sets).")
+    size = whole_number(environ, SIZE_ENV,
+                        " (set it in the pod template to the Job's completions).")
     if size < 1:
         raise ClusterConfigError(f"{SIZE_ENV}={size} must be >= 1 (the Job's completions).")
     check_index(index, size, INDEX_ENV, "pods (KERAS_DISTRIB_WORLD_SIZE)")
-    port = _count(environ, PORT_ENV, "the workers' port", DEFAULT_PORT)
+    port = whole_number(environ, PORT_ENV, " (the workers' port).", DEFAULT_PORT)
     if not 1 <= port <= 65535:
         raise ClusterConfigError(f"{PORT_ENV}={port} must be a port in 1..65535.")
     host = hostname().split(".", 1)[0]
@@ -84,13 +85,3 @@ def from_indexed_job(environ: Mapping[str, str] = os.environ,
     subdomain = labels[1]
     workers = tuple(f"{stem}-{r}.{subdomain}:{port}" for r in range(size))
     return ClusterInfo(workers, index)
-
-
-def _count(environ: Mapping[str, str], name: str, what: str,
-           default: Optional[int] = None) -> int:
-    value = environ.get(name)
-    if value is None and default is not None:
-        return default
-    if value is None or not value.strip().isdigit():
-        raise ClusterConfigError(f"{name}={value!r} must be a whole number ({what}).")
-    return int(value)

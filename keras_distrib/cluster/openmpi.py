@@ -31,7 +31,7 @@ import os
 import socket
 from typing import Callable, Mapping, Optional, Sequence
 
-from .addresses import check_index
+from .addresses import check_index, whole_number
 from .errors import ClusterConfigError
 from .info import ClusterInfo
 from .network import free_ports
@@ -62,7 +62,8 @@ def from_openmpi(environ: Mapping[str, str] = os.environ,
     """
     if RANK_ENV not in environ or SIZE_ENV not in environ:
         return None
-    rank, size = _count(environ, RANK_ENV), _count(environ, SIZE_ENV)
+    rank, size = (whole_number(environ, name, "; start the job with mpirun.")
+                  for name in (RANK_ENV, SIZE_ENV))
     if size < 1:
         raise ClusterConfigError(f"{SIZE_ENV}={size} must be >= 1; start the job with mpirun.")
     check_index(rank, size, RANK_ENV, "mpirun processes")
@@ -86,8 +87,8 @@ def _exchanged(rank: int, size: int, exchange: Exchange) -> ClusterInfo:
         raise ClusterConfigError(
             f"the mpirun processes exchanged {len(everyone)} addresses for {SIZE_ENV}={size}; "
             "start every process of the job with the same mpirun.")
-    one_host = len({host for host, _ in everyone}) == 1
-    workers = tuple(f"{'127.0.0.1' if one_host else host}:{port}" for host, port in everyone)
+    one_host = len({name for name, _ in everyone}) == 1
+    workers = tuple(f"{'127.0.0.1' if one_host else name}:{port}" for name, port in everyone)
     return ClusterInfo(workers, rank)
 
 
@@ -104,11 +105,3 @@ def _allgather(mine: tuple[str, int]) -> Sequence[tuple[str, int]]:
         return MPI.COMM_WORLD.allgather(mine)
     finally:
         MPI.Finalize()
-
-
-def _count(environ: Mapping[str, str], name: str) -> int:
-    value = environ[name].strip()
-    if not value.isdigit():
-        raise ClusterConfigError(
-            f"{name}={environ[name]!r} must be a whole number; start the job with mpirun.")
-    return int(value)
