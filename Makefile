@@ -80,11 +80,17 @@ demo: $(STAMP)
 # machine a third keeps the cores busy while tests wait on processes they
 # started.
 XDIST := -n 3 --dist loadgroup --no-loadscope-reorder
+# The project's own modules compiled once, before the tests start hundreds
+# of processes that import them: where PYTHONDONTWRITEBYTECODE is set (CI
+# images set it), each process would compile them again.
+BYTECODE := $(PY) -m compileall -q keras_distrib tests benchmarks examples
 # The docs are built first, so a broken page or link fails CI too.
 test: setup
+	$(BYTECODE)
 	$(PY) -m pytest -q $(XDIST) --durations=20
 
 test-fast: setup
+	$(BYTECODE)
 	$(PY) -m pytest -q $(XDIST) tests/unit tests/integration
 
 # Needs neither Horovod nor TensorFlow's start-up.
