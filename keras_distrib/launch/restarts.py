@@ -1,39 +1,36 @@
-"""The attempts of a job, and the policy that restarts them.
+"""A fixed job (`Job`) and the policy that restarts it.
 
-`run_attempts` starts one attempt of a `Job` after another: all of its
-children, from `Job.specs(restart, shm_dir)` (new ports on each attempt,
-`KERAS_DISTRIB_RESTART`). When a child fails (exits non-zero, `PREEMPTED`
-included, or is killed by a signal) and `config.max_restarts` allows, the
-others are stopped and the job starts again (`should_restart`); a signal
-to the launcher or the timeout (which bounds all attempts together) ends
-it for good. Nothing of an attempt outlives it.
+Every attempt of a `Job` runs all of its children, from `Job.specs(restart,
+shm_dir)` (new ports on each attempt, `KERAS_DISTRIB_RESTART`). When a
+child fails (exits non-zero, `PREEMPTED` included, or is killed by a
+signal) and `config.max_restarts` allows, the others are stopped and the
+job starts again (`should_restart`); a signal to the launcher or the
+timeout (which bounds all attempts together) ends it for good. The
+attempts themselves are run by `keras_distrib.launch.agent`, whose hooks
+`Job` implements; `should_restart`, `finish` and `from_backup` serve the
+elastic jobs too.
 
 Each attempt with children on this host gets a private directory (mode
-0700, in /dev/shm when there is one: `private_directory`) for the
+0700, in /dev/shm when there is one: `agent.private_directory`) for the
 workers' shared-memory files, removed when the attempt ends, whatever way.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
-import shutil
-import signal
-import tempfile
+import functools
 import time
-from typing import Callable, Iterator, Optional, Sequence, TextIO
+from typing import Callable, Optional, Sequence, TextIO, Union
 
-from keras_distrib.cluster import launch_contract
-from keras_distrib.launch import flight
+from keras_distrib.launch.agent import Agent, Attempt, JobKind
 from keras_distrib.launch.config import LaunchConfig
-from keras_distrib.launch.endings import Ending, SuperviseResult, end, watch
+from keras_distrib.launch.endings import Ending, SuperviseResult
 from keras_distrib.launch.output import Printer, say
-from keras_distrib.launch.processes import Child, ChildSpec, SignalTrap, signal_name, start
+from keras_distrib.launch.processes import ChildSpec, SignalTrap, signal_name
 
 
 @dataclasses.dataclass(frozen=True)
-class Job:
+class Job(JobKind):
     """What `supervise` starts on every attempt of a job.
 
     `specs(restart, shm_dir)` gives the children of one attempt: `restart`
@@ -63,25 +60,38 @@ class Job:
         specs = list(specs)
         return cls(len(specs), lambda restart, shm_dir: specs)
 
+    def attempt(self, restart: int) -> Attempt:
+        """The attempt after `restart` restarts."""
+        return Attempt(restart, functools.partial(self.specs, restart), self.private_dir,
+                       restarts=restart)
 
-def run_attempts(job: Job, config: LaunchConfig, printer: Printer,
-                 deadline: Optional[float], err: TextIO) -> SuperviseResult:
-    """Runs attempts of `job` while the restart policy allows; returns how the last ended.
+    def first_attempt(self, agent: Agent) -> Attempt:
+        return self.attempt(0)
 
-    Says why a failed attempt is not followed by another when restarts
-    are left, and, under --max_restarts, sums the job up in one last line.
-    """
-    with SignalTrap() as trap:
-        restarts = 0
-        while True:
-            result = run_attempt(job, restarts, config, trap, deadline, printer, err)
-            if not should_restart(result, restarts, config, trap, deadline):
-                break
-            restarts += 1
-            say(err, f"restart {restarts}/{config.max_restarts}: {result.failed.outcome()}; "
-                     f"starting all {len(job)} ranks again"
-                     f"{from_backup(printer, ', from the last backup', unknown='')}.")
-        return finish(result, restarts, len(job), config, trap, err)
+    def next_attempt(self, attempt: Attempt, result: SuperviseResult,
+                     agent: Agent) -> Union[Attempt, SuperviseResult]:
+        """All children again while the restart policy allows; says why a
+        failed attempt is not followed by another when restarts are left,
+        and, under --max_restarts, sums the job up in one last line."""
+        restarts = attempt.restarts
+        if not should_restart(result, restarts, agent.config, agent.trap, agent.deadline):
+            return finish(result, restarts, len(self), agent.config, agent.trap, agent.err)
+        restarts += 1
+        say(agent.err, f"restart {restarts}/{agent.config.max_restarts}: "
+                       f"{result.failed.outcome()}; starting all {len(self)} ranks again"
+                       f"{from_backup(agent.printer, ', from the last backup', unknown='')}.")
+        return self.attempt(restarts)
+
+
+def run_attempt(job: Job, restart: int, config: LaunchConfig, trap: SignalTrap,
+                deadline: Optional[float], printer: Printer, err: TextIO,
+                resize: Callable[[], bool] = lambda: False) -> SuperviseResult:
+    """One attempt of `job`, outside a run of its attempts
+    (`agent.Agent.run_attempt`); nothing of it outlives this call.
+    `resize`: see `endings.watch`."""
+    attempt = job.attempt(restart)
+    attempt.resize = resize
+    return Agent(config, printer, err, trap, deadline).run_attempt(job, attempt)
 
 
 def from_backup(printer: Printer, which: str, unknown: Optional[str] = None) -> str:
@@ -108,40 +118,6 @@ def finish(result: SuperviseResult, restarts: int, size: int, config: LaunchConf
     return result
 
 
-def run_attempt(job: Job, restart: int, config: LaunchConfig, trap: SignalTrap,
-                deadline: Optional[float], printer: Printer, err: TextIO,
-                resize: Callable[[], bool] = lambda: False) -> SuperviseResult:
-    """Starts, watches and ends one attempt; nothing of it outlives this call.
-    `resize`: see `endings.watch`."""
-    children: list[Child] = []
-    started = time.monotonic()
-    with private_directory(job.private_dir) as shm_dir:
-        try:
-            for spec in job.specs(restart, shm_dir):
-                children.append(start(spec, config.tail_lines, printer))
-
-            def warn(message: str) -> None:
-                printer.end_line()
-                say(err, message)
-
-            def show_accounts(why: str) -> None:
-                printer.end_line()
-                flight.show(children, printer.accounts, err, why)
-
-            no_progress = flight.NoProgress(printer.accounts, config.stall_warning,
-                                            show_accounts, started)
-            result = watch(children, trap, deadline, config.straggler_warning, warn, resize,
-                           show_accounts, no_progress.check)
-            return end(result, children, config, trap, printer, err, started=started)
-        finally:
-            for child in children:
-                child.signal_group(signal.SIGKILL)
-            for child in children:
-                child.proc.wait()
-                child.reader.join(timeout=5)
-            printer.end_line()
-
-
 def should_restart(result: SuperviseResult, restarts: int, config: LaunchConfig,
                    trap: SignalTrap, deadline: Optional[float]) -> bool:
     """The restart policy: a failed child, restarts left, time left, no signal."""
@@ -149,27 +125,6 @@ def should_restart(result: SuperviseResult, restarts: int, config: LaunchConfig,
             and restarts < config.max_restarts
             and not trap.received
             and (deadline is None or time.monotonic() < deadline))
-
-
-@contextlib.contextmanager
-def private_directory(wanted: bool = True) -> Iterator[Optional[str]]:
-    """A new directory of mode 0700 for one attempt, removed after it.
-
-    The workers on this host keep their shared-memory files in it
-    (`KERAS_DISTRIB_SHM_DIR`): no other user can reach them, and nothing
-    a killed attempt left there outlives the attempt. It is in /dev/shm
-    when there is one (`launch_contract.default_shm_directory`), so the
-    files are memory. Yields None (and makes nothing) when not `wanted`.
-    """
-    if not wanted:
-        yield None
-        return
-    path = tempfile.mkdtemp(prefix="kd-", dir=launch_contract.default_shm_directory())
-    try:
-        os.chmod(path, 0o700)  # mkdtemp's 0700 may have been narrowed by the umask
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _summarize(result: SuperviseResult, size: int, config: LaunchConfig, err: TextIO) -> None:

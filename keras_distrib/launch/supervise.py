@@ -13,6 +13,9 @@ back as a `SuperviseResult`; its `exit_code` is the launcher's.
 One concern per module; this one holds `supervise` and re-exports the
 names the launcher's other modules and its users take from here:
 
+    agent             the loop: attempts started, monitored and stopped, the
+                      job's kind deciding what follows each; each attempt's
+                      private directory
     output            the children's output as `[label] ` lines, progress bars
                       redrawn in place, horovodrun's ranks demultiplexed,
                       TensorFlow's start-up noise left out; the launcher's own lines
@@ -21,8 +24,8 @@ names the launcher's other modules and its users take from here:
                       (SIGTERM, SIGCONT, the grace period, SIGKILL)
     endings           how an attempt ended (`Ending`, `ChildExit`,
                       `SuperviseResult`, exit codes), stopping the rest, saying why
-    restarts          `Job`, its attempts one after another and the restart policy
-                      (--max_restarts), each attempt's private directory
+    restarts          `Job`, a fixed job: all its ranks again after a failure,
+                      under the restart policy (--max_restarts)
     parameter_server  `ParameterServerJob`: one attempt until the chief exits,
                       worker tasks restarted alone, lost ps tasks
     elastic           `ElasticJob` (--min_workers): attempts on the slots that
@@ -39,6 +42,8 @@ import time
 from typing import Sequence, TextIO, Union
 
 from keras_distrib.cluster.launch_contract import PREEMPTED
+from keras_distrib.launch import agent
+from keras_distrib.launch.agent import private_directory
 from keras_distrib.launch.config import LaunchConfig
 from keras_distrib.launch.endings import (EXIT_TIMEOUT, ChildExit, Ending, SuperviseResult,
                                           exit_code)
@@ -47,7 +52,7 @@ from keras_distrib.launch.output import TF_LOG_NOISE, Printer, is_tf_log_noise
 from keras_distrib.launch.parameter_server import (DEFAULT_WORKER_RESTARTS, ParameterServerJob,
                                                    supervise_parameter_server)
 from keras_distrib.launch.processes import ChildSpec
-from keras_distrib.launch.restarts import Job, private_directory, run_attempts
+from keras_distrib.launch.restarts import Job
 
 __all__ = [
     "ChildExit", "ChildSpec", "DEFAULT_WORKER_RESTARTS", "EXIT_TIMEOUT", "ElasticJob", "Ending",
@@ -88,4 +93,4 @@ def supervise(job: Union[Job, ParameterServerJob, ElasticJob, Sequence[ChildSpec
         return run_elastic(job, printer, deadline, err)
     if not isinstance(job, Job):
         job = Job.of(job)
-    return run_attempts(job, config, printer, deadline, err)
+    return agent.run(job, config, printer, deadline, err)
