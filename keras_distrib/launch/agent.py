@@ -23,6 +23,8 @@ The kinds, each in its own module:
 
     restarts.Job                      all ranks again after a failure, while
                                       --max_restarts allows
+    parameter_server.ParameterServerJob  one attempt until the chief exits;
+                                      worker tasks restarted alone within it
 """
 
 from __future__ import annotations

@@ -1,16 +1,16 @@
 """A parameter-server job under the launcher: one attempt, worker tasks restarted alone.
 
-A `ParameterServerJob` (a chief, worker and ps tasks) is supervised in one
-attempt (`supervise_parameter_server`): the job ends when the chief exits,
-with its exit code, and then the servers are stopped. A worker task that
-exits meanwhile is started again at once, alone, with the same argv and
-environment (the same port): it is stateless, and TensorFlow's
-coordinator re-queues its work and reconnects when it is back; at most
-`--max_restarts` times over all workers (`DEFAULT_WORKER_RESTARTS` when
-that is 0). A ps task that exits is not (its variables are gone): the
-chief is expected to fail, and if it still runs `PS_LOSS_GRACE_SECONDS`
-later the launcher stops everything and exits with 1. Those events are
-one `[launcher] ...` line each on `err`.
+A `ParameterServerJob` (a chief, worker and ps tasks) runs as one attempt
+of the launcher's agent (`keras_distrib.launch.agent`, whose hooks it
+implements): the job ends when the chief exits, with its exit code, and
+then the servers are stopped. A worker task that exits meanwhile is
+started again at once, alone, with the same argv and environment (the same
+port): it is stateless, and TensorFlow's coordinator re-queues its work
+and reconnects when it is back; at most `--max_restarts` times over all
+workers (`DEFAULT_WORKER_RESTARTS` when that is 0). A ps task that exits
+is not (its variables are gone): the chief is expected to fail, and if it
+still runs `PS_LOSS_GRACE_SECONDS` later the launcher stops everything and
+exits with 1. Those events are one `[launcher] ...` line each on `err`.
 """
 
 from __future__ import annotations
@@ -18,16 +18,17 @@ from __future__ import annotations
 import dataclasses
 import signal
 import time
-from typing import Optional, TextIO
+from typing import Sequence
 
-from keras_distrib.launch.config import LaunchConfig
-from keras_distrib.launch.endings import EXIT_TIMEOUT, ChildExit, Ending, SuperviseResult, end
-from keras_distrib.launch.output import Printer, note
-from keras_distrib.launch.processes import Child, ChildSpec, SignalTrap, start, stop
+from keras_distrib.launch import processes
+from keras_distrib.launch.agent import Agent, Attempt, JobKind
+from keras_distrib.launch.endings import EXIT_TIMEOUT, ChildExit, Ending, SuperviseResult
+from keras_distrib.launch.output import note
+from keras_distrib.launch.processes import ChildSpec
 
 
 @dataclasses.dataclass(frozen=True)
-class ParameterServerJob:
+class ParameterServerJob(JobKind):
     """The tasks of a parameter-server job, each one child, by role.
 
     The chief runs the script; the worker and ps tasks run TensorFlow
@@ -48,6 +49,8 @@ class ParameterServerJob:
     workers: tuple[ChildSpec, ...]
     ps: tuple[ChildSpec, ...]
 
+    unit = "task"
+
     def __len__(self) -> int:
         return 1 + len(self.workers) + len(self.ps)
 
@@ -55,6 +58,29 @@ class ParameterServerJob:
     def specs(self) -> list[ChildSpec]:
         """Every task's spec: the chief, the workers, the ps tasks."""
         return [self.chief, *self.workers, *self.ps]
+
+    def first_attempt(self, agent: Agent) -> Attempt:
+        """The job's one attempt."""
+        return Attempt(0, lambda shm_dir: self.specs)
+
+    def start(self, attempt: Attempt, specs: Sequence[ChildSpec], agent: Agent) -> None:
+        """The servers first: the chief connects to them as soon as it can."""
+        attempt.children = [None] * len(specs)
+        for i in [*range(1, len(specs)), 0]:
+            attempt.children[i] = agent.start_child(specs[i])
+
+    def monitor(self, attempt: Attempt, agent: Agent) -> SuperviseResult:
+        return _watch_parameter_server(self, attempt, agent)
+
+    def stop(self, attempt: Attempt, result: SuperviseResult, agent: Agent) -> SuperviseResult:
+        if result.ending is Ending.SUCCEEDED:  # the servers' work is done
+            processes.stop(attempt.children, agent.trap, agent.config.grace_seconds)
+        return super().stop(attempt, result, agent)
+
+    def next_attempt(self, attempt: Attempt, result: SuperviseResult,
+                     agent: Agent) -> SuperviseResult:
+        """How the job ended: it has one attempt."""
+        return result
 
 
 # Restarts of worker tasks in a parameter-server job when --max_restarts
@@ -68,43 +94,13 @@ DEFAULT_WORKER_RESTARTS = 100
 PS_LOSS_GRACE_SECONDS = 60.0
 
 
-def supervise_parameter_server(job: ParameterServerJob, config: LaunchConfig,
-                               printer: Printer, deadline: Optional[float],
-                               err: TextIO) -> SuperviseResult:
-    """Runs a parameter-server job until its chief exits (module docstring).
-
-    Nothing of it outlives this call, replaced worker tasks included.
-    """
-    specs = job.specs
-    children: list[Optional[Child]] = [None] * len(specs)
-    replaced: list[Child] = []  # worker tasks that exited and were started again
-    with SignalTrap() as trap:
-        try:
-            # The servers first: the chief connects to them as soon as it can.
-            for i in [*range(1, len(specs)), 0]:
-                children[i] = start(specs[i], config.tail_lines, printer)
-            result = _watch_parameter_server(job, children, replaced, config, trap,
-                                             deadline, printer, err)
-            if result.ending is Ending.SUCCEEDED:  # the servers' work is done
-                stop(children, trap, config.grace_seconds)
-            return end(result, children, config, trap, printer, err, unit="task")
-        finally:
-            running = [c for c in children if c is not None]
-            for child in running:
-                child.signal_group(signal.SIGKILL)
-            for child in running + replaced:
-                child.proc.wait()
-                child.reader.join(timeout=5)
-            printer.end_line()
-
-
-def _watch_parameter_server(job: ParameterServerJob, children: list[Child],
-                            replaced: list[Child], config: LaunchConfig,
-                            trap: SignalTrap, deadline: Optional[float],
-                            printer: Printer, err: TextIO) -> SuperviseResult:
+def _watch_parameter_server(job: ParameterServerJob, attempt: Attempt,
+                            agent: Agent) -> SuperviseResult:
     """Waits until the chief exits (or a signal, the timeout, a lost cause);
     meanwhile starts exited worker tasks again and notes lost ps tasks."""
-    specs = job.specs
+    specs, children = job.specs, attempt.children
+    config, trap, deadline = agent.config, agent.trap, agent.deadline
+    printer, err = agent.printer, agent.err
     workers = range(1, 1 + len(job.workers))
     ps_tasks = range(1 + len(job.workers), len(specs))
     limit = config.max_restarts or DEFAULT_WORKER_RESTARTS
@@ -140,8 +136,8 @@ def _watch_parameter_server(job: ParameterServerJob, children: list[Child],
             note(printer, err, f"{child.label} exited ({_short(how)}); "
                                f"restarting it (restart {restarts})")
             child.signal_group(signal.SIGKILL)  # whatever it started in its group
-            replaced.append(child)
-            children[i] = start(specs[i], config.tail_lines, printer)
+            attempt.replaced.append(child)
+            children[i] = agent.start_child(specs[i])
         for i in ps_tasks:
             child = children[i]
             if child.proc.poll() is None or any(h.index == i for _, h in lost_ps):

@@ -43,14 +43,13 @@ from typing import Sequence, TextIO, Union
 
 from keras_distrib.cluster.launch_contract import PREEMPTED
 from keras_distrib.launch import agent
-from keras_distrib.launch.agent import private_directory
+from keras_distrib.launch.agent import JobKind, private_directory
 from keras_distrib.launch.config import LaunchConfig
 from keras_distrib.launch.endings import (EXIT_TIMEOUT, ChildExit, Ending, SuperviseResult,
                                           exit_code)
 from keras_distrib.launch.elastic import ElasticJob, run_elastic
 from keras_distrib.launch.output import TF_LOG_NOISE, Printer, is_tf_log_noise
-from keras_distrib.launch.parameter_server import (DEFAULT_WORKER_RESTARTS, ParameterServerJob,
-                                                   supervise_parameter_server)
+from keras_distrib.launch.parameter_server import DEFAULT_WORKER_RESTARTS, ParameterServerJob
 from keras_distrib.launch.processes import ChildSpec
 from keras_distrib.launch.restarts import Job
 
@@ -87,10 +86,7 @@ def supervise(job: Union[Job, ParameterServerJob, ElasticJob, Sequence[ChildSpec
     # unless the user set the level (then they see what they asked for).
     printer = Printer(out, hide_tf_noise="TF_CPP_MIN_LOG_LEVEL" not in os.environ)
     deadline = time.monotonic() + config.timeout if config.timeout > 0 else None
-    if isinstance(job, ParameterServerJob):
-        return supervise_parameter_server(job, config, printer, deadline, err)
     if isinstance(job, ElasticJob):
         return run_elastic(job, printer, deadline, err)
-    if not isinstance(job, Job):
-        job = Job.of(job)
-    return agent.run(job, config, printer, deadline, err)
+    kind = job if isinstance(job, JobKind) else Job.of(job)
+    return agent.run(kind, config, printer, deadline, err)
