@@ -25,6 +25,8 @@ The kinds, each in its own module:
                                       --max_restarts allows
     parameter_server.ParameterServerJob  one attempt until the chief exits;
                                       worker tasks restarted alone within it
+    elastic.ElasticJob                attempts on the slots that answer
+                                      (--min_workers), hosts lost and taken back
 """
 
 from __future__ import annotations

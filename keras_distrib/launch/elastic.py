@@ -37,25 +37,31 @@ The training stays the one the user asked for whatever the membership:
 the global batch is split over the workers there are, and a resumed
 `fit` (`keras_distrib.callbacks.BackupAndRestore`) continues at the same
 global step, with the same shuffle (docs/failures.md).
+
+`ElasticJob` is the job's kind for the launcher's agent
+(`keras_distrib.launch.agent`): it plans each attempt, stops one when a
+lost host answers again, and decides the membership of the next.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import functools
 import threading
 import time
-from typing import Optional, Sequence, TextIO
+from typing import Iterator, Optional, Sequence, TextIO, Union
 
 from keras_distrib import cluster as cluster_lib
 from keras_distrib.launch import backends, blame
+from keras_distrib.launch.agent import Agent, Attempt, JobKind
 from keras_distrib.launch.config import LaunchConfig
 from keras_distrib.launch.endings import Ending, SuperviseResult
 from keras_distrib.launch.output import Printer, note, say
 from keras_distrib.launch.plan import parse_hosts, plan
-from keras_distrib.launch.processes import SignalTrap
 from keras_distrib.launch.reachability import Rendezvous
-from keras_distrib.launch.restarts import Job, finish, from_backup, run_attempt, should_restart
+from keras_distrib.launch.restarts import Job, finish, from_backup, should_restart
 
 PROBE_INTERVAL = 5.0
 EXIT_TOO_FEW = 1  # the exit code when fewer than --min_workers slots are left
@@ -108,57 +114,85 @@ class _Membership:
                                    hosts=tuple(f"{h}:{c}" for h, c in counts.items()))
 
 
-@dataclasses.dataclass(frozen=True)
-class ElasticJob:
+class ElasticJob(JobKind):
     """What `supervise` runs for `--min_workers`: ranks on the slots of
-    `config` that answer, planned again for every attempt."""
+    `config` that answer, planned again for every attempt (module doc).
 
-    config: LaunchConfig
+    It holds the state of its run under way (the rendezvous, which slots
+    are members), made again each time it runs (`session`).
+    """
 
+    def __init__(self, config: LaunchConfig):
+        self.config = config
+        self._hosts: list[str] = []  # of every slot
+        self._rendezvous: Optional[Rendezvous] = None
+        self._state: Optional[_Membership] = None
+        self._last_culprit: Optional[int] = None  # the slot charged with the last failure
+        self._last_ports: set = set()  # the ports of the last attempt's ranks
+        self._returned: Optional[str] = None  # the host that answered again in the last attempt
 
-def run_elastic(job: ElasticJob, printer: Printer, deadline: Optional[float],
-                err: TextIO) -> SuperviseResult:
-    """Runs the attempts of an elastic job (see module doc); returns how the last ended."""
-    config = job.config
-    hosts = slot_hosts(config)
-    with Rendezvous(hosts, config.ssh_command) as rendezvous, SignalTrap() as trap:
-        gone = rendezvous.out([h for h in hosts if not cluster_lib.is_local_host(h)])
-        state = _Membership(hosts, [s for s, h in enumerate(hosts) if h not in gone], list(gone))
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        self._hosts = slot_hosts(self.config)
+        with Rendezvous(self._hosts, self.config.ssh_command) as rendezvous:
+            self._rendezvous, self._last_culprit, self._last_ports = rendezvous, None, set()
+            yield
+
+    def first_attempt(self, agent: Agent) -> Union[Attempt, SuperviseResult]:
+        """On the slots whose hosts are present; says which are not."""
+        config, hosts = self.config, self._hosts
+        gone = self._rendezvous.out([h for h in hosts if not cluster_lib.is_local_host(h)])
+        self._state = _Membership(hosts, [s for s, h in enumerate(hosts) if h not in gone],
+                                  list(gone))
         if gone:
-            note(printer, err, f"{config.nproc} -> {len(state.members)} workers before the "
-                               f"start: {_out_because(gone)}.")
-        restarts, attempts, last_culprit, last_ports = 0, 0, None, set()
-        result = None
-        while True:
-            if len(state.members) < config.min_workers:
-                return _too_few(state, config, restarts, err, result)
-            job = _job(config, state, attempts, last_ports)
-            rejoin = _Rejoin(state.lost, rendezvous)
-            started = time.monotonic()
-            try:
-                result = run_attempt(job, attempts, config, trap, deadline, printer, err,
-                                     resize=lambda: rejoin.returned is not None)
-            finally:
-                rejoin.stop()
-            attempts += 1
-            if result.ending is Ending.RESIZING:
-                _take_back(state, rejoin.returned, printer, err)
-                continue
-            if not should_restart(result, restarts, config, trap, deadline):
-                return finish(result, restarts, len(state.members), config, trap, err)
-            restarts += 1
-            # What the ranks said before the launcher stopped any of them.
-            charged = _charged(result, config,
-                               printer.accounts.lost_between(started, result.seen))
-            known = charged.rank is not None and charged.rank < len(state.members)
-            culprit = state.members[charged.rank] if known else None
-            again = (culprit is not None and culprit == last_culprit
-                     and time.monotonic() - started < config.elastic_grace)
-            last_culprit = culprit
-            left_out = culprit if (again or charged.partition) else None
-            if _shrink(state, left_out, charged, result, restarts, config, rendezvous, printer,
-                       err):
-                last_culprit = None  # a lost host explains the failure
+            note(agent.printer, agent.err, f"{config.nproc} -> {len(self._state.members)} "
+                                           f"workers before the start: {_out_because(gone)}.")
+        return self._attempt(0, 0, agent, None)
+
+    def monitor(self, attempt: Attempt, agent: Agent) -> SuperviseResult:
+        """Also ends the attempt when a lost host answers again (`RESIZING`)."""
+        rejoin = _Rejoin(self._state.lost, self._rendezvous)
+        attempt.resize = lambda: rejoin.returned is not None
+        try:
+            return super().monitor(attempt, agent)
+        finally:
+            rejoin.stop()
+            self._returned = rejoin.returned
+
+    def next_attempt(self, attempt: Attempt, result: SuperviseResult,
+                     agent: Agent) -> Union[Attempt, SuperviseResult]:
+        """With a host taken back (not a restart); after a failure, while
+        the restart policy allows, without the hosts lost or the slot
+        charged with it (`_shrink`)."""
+        config, state, restarts = self.config, self._state, attempt.restarts
+        if result.ending is Ending.RESIZING:
+            _take_back(state, self._returned, agent.printer, agent.err)
+            return self._attempt(attempt.number + 1, restarts, agent, result)
+        if not should_restart(result, restarts, agent):
+            return finish(result, restarts, len(state.members), agent)
+        restarts += 1
+        # What the ranks said before the launcher stopped any of them.
+        charged = _charged(result, config,
+                           agent.printer.accounts.lost_between(attempt.started, result.seen))
+        known = charged.rank is not None and charged.rank < len(state.members)
+        culprit = state.members[charged.rank] if known else None
+        again = (culprit is not None and culprit == self._last_culprit
+                 and time.monotonic() - attempt.started < config.elastic_grace)
+        self._last_culprit = culprit
+        left_out = culprit if (again or charged.partition) else None
+        if _shrink(state, left_out, charged, result, restarts, config, self._rendezvous,
+                   agent.printer, agent.err):
+            self._last_culprit = None  # a lost host explains the failure
+        return self._attempt(attempt.number + 1, restarts, agent, result)
+
+    def _attempt(self, number: int, restarts: int, agent: Agent,
+                 last: Optional[SuperviseResult]) -> Union[Attempt, SuperviseResult]:
+        """The attempt on the member slots; below --min_workers, the job's end."""
+        if len(self._state.members) < self.config.min_workers:
+            return _too_few(self._state, self.config, restarts, agent.err, last)
+        job = _job(self.config, self._state, number, self._last_ports)
+        return Attempt(number, functools.partial(job.specs, number), job.private_dir,
+                       restarts=restarts)
 
 
 def _charged(result: SuperviseResult, config: LaunchConfig, lost: dict) -> blame.Charge:

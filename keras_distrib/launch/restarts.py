@@ -74,8 +74,8 @@ class Job(JobKind):
         failed attempt is not followed by another when restarts are left,
         and, under --max_restarts, sums the job up in one last line."""
         restarts = attempt.restarts
-        if not should_restart(result, restarts, agent.config, agent.trap, agent.deadline):
-            return finish(result, restarts, len(self), agent.config, agent.trap, agent.err)
+        if not should_restart(result, restarts, agent):
+            return finish(result, restarts, len(self), agent)
         restarts += 1
         say(agent.err, f"restart {restarts}/{agent.config.max_restarts}: "
                        f"{result.failed.outcome()}; starting all {len(self)} ranks again"
@@ -103,14 +103,14 @@ def from_backup(printer: Printer, which: str, unknown: Optional[str] = None) -> 
     return f"{which}, {printer.backup_point}"
 
 
-def finish(result: SuperviseResult, restarts: int, size: int, config: LaunchConfig,
-           trap: SignalTrap, err: TextIO) -> SuperviseResult:
+def finish(result: SuperviseResult, restarts: int, size: int, agent: Agent) -> SuperviseResult:
     """The job's last attempt `result` with the restarts used; says why no
     restart followed a failure when restarts were left, and, under
     --max_restarts, sums the job up in one last line."""
+    config, err = agent.config, agent.err
     result = dataclasses.replace(result, restarts=restarts)
     if result.ending is Ending.CHILD_FAILED and restarts < config.max_restarts:
-        why = (f"got {signal_name(trap.received[0])}" if trap.received
+        why = (f"got {signal_name(agent.trap.received[0])}" if agent.trap.received
                else f"--timeout={config.timeout:g}s has passed")
         say(err, f"no restart: {why}.")
     if config.max_restarts:
@@ -118,13 +118,12 @@ def finish(result: SuperviseResult, restarts: int, size: int, config: LaunchConf
     return result
 
 
-def should_restart(result: SuperviseResult, restarts: int, config: LaunchConfig,
-                   trap: SignalTrap, deadline: Optional[float]) -> bool:
+def should_restart(result: SuperviseResult, restarts: int, agent: Agent) -> bool:
     """The restart policy: a failed child, restarts left, time left, no signal."""
     return (result.ending is Ending.CHILD_FAILED
-            and restarts < config.max_restarts
-            and not trap.received
-            and (deadline is None or time.monotonic() < deadline))
+            and restarts < agent.config.max_restarts
+            and not agent.trap.received
+            and (agent.deadline is None or time.monotonic() < agent.deadline))
 
 
 def _summarize(result: SuperviseResult, size: int, config: LaunchConfig, err: TextIO) -> None:

@@ -10,6 +10,10 @@ ports, `KERAS_DISTRIB_RESTART`). How the job ended (all succeeded, which
 child failed and how, the launcher was interrupted, the timeout hit) comes
 back as a `SuperviseResult`; its `exit_code` is the launcher's.
 
+The job object is its own kind (`agent.JobKind`): the hooks through which
+the one loop of `keras_distrib.launch.agent` starts, monitors and stops
+each attempt and decides what follows it.
+
 One concern per module; this one holds `supervise` and re-exports the
 names the launcher's other modules and its users take from here:
 
@@ -47,7 +51,7 @@ from keras_distrib.launch.agent import JobKind, private_directory
 from keras_distrib.launch.config import LaunchConfig
 from keras_distrib.launch.endings import (EXIT_TIMEOUT, ChildExit, Ending, SuperviseResult,
                                           exit_code)
-from keras_distrib.launch.elastic import ElasticJob, run_elastic
+from keras_distrib.launch.elastic import ElasticJob
 from keras_distrib.launch.output import TF_LOG_NOISE, Printer, is_tf_log_noise
 from keras_distrib.launch.parameter_server import DEFAULT_WORKER_RESTARTS, ParameterServerJob
 from keras_distrib.launch.processes import ChildSpec
@@ -55,21 +59,24 @@ from keras_distrib.launch.restarts import Job
 
 __all__ = [
     "ChildExit", "ChildSpec", "DEFAULT_WORKER_RESTARTS", "EXIT_TIMEOUT", "ElasticJob", "Ending",
-    "Job",
+    "Job", "JobKind",
     "PREEMPTED", "ParameterServerJob", "SuperviseResult",
     "TF_LOG_NOISE", "exit_code", "is_tf_log_noise", "private_directory", "supervise",
 ]
 
 
-def supervise(job: Union[Job, ParameterServerJob, ElasticJob, Sequence[ChildSpec]],
+def supervise(job: Union[JobKind, Sequence[ChildSpec]],
               config: LaunchConfig, out: TextIO, err: TextIO) -> SuperviseResult:
     """Runs the job's attempts, streams their lines, and returns how the job ended.
 
-    `job`: a `Job`, or a list of `ChildSpec`s (the same on every attempt).
-    A failed attempt is followed by another while `config.max_restarts`
-    allows, the launcher was not signalled and `config.timeout` (which
-    bounds all attempts together) has not passed. A `ParameterServerJob`
-    runs once, until its chief exits (see `keras_distrib.launch.parameter_server`).
+    `job`: a `Job`, `ParameterServerJob` or `ElasticJob` (its kind decides
+    what follows each attempt), or a list of `ChildSpec`s (a `Job`, the
+    same on every attempt). A failed attempt of a `Job` is followed by
+    another while `config.max_restarts` allows, the launcher was not
+    signalled and `config.timeout` (which bounds all attempts together)
+    has not passed. A `ParameterServerJob` runs once, until its chief
+    exits (see `keras_distrib.launch.parameter_server`); an `ElasticJob`
+    goes on with the slots that answer (`keras_distrib.launch.elastic`).
 
     The result's `exit_code` is 0 when all succeed; the last failed
     child's code (128+signal when killed; `PREEMPTED` when it was
@@ -86,7 +93,5 @@ def supervise(job: Union[Job, ParameterServerJob, ElasticJob, Sequence[ChildSpec
     # unless the user set the level (then they see what they asked for).
     printer = Printer(out, hide_tf_noise="TF_CPP_MIN_LOG_LEVEL" not in os.environ)
     deadline = time.monotonic() + config.timeout if config.timeout > 0 else None
-    if isinstance(job, ElasticJob):
-        return run_elastic(job, printer, deadline, err)
     kind = job if isinstance(job, JobKind) else Job.of(job)
     return agent.run(kind, config, printer, deadline, err)
