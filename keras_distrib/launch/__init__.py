@@ -12,16 +12,22 @@ The command's user documentation is `keras_distrib.launch.cli`'s docstring
                 `Job` (or `ParameterServerJob`) that `supervise` runs
     supervise   `supervise(job, config, out, err)`: runs a job, from the
                 modules below, and re-exports their public names
+    agent       the one loop every job runs in: each attempt started,
+                monitored and stopped, then the job's kind (`JobKind`: `Job`,
+                `ParameterServerJob`, `ElasticJob`) decides what follows;
+                each attempt's private directory
     output      the children's output prefixed (`[label] `, `[rank N] `),
                 progress bars redrawn in place; the launcher's own lines
     processes   `ChildSpec`; starting a child in its own process group,
                 trapping signals, stopping the children
     endings     how an attempt ended and the exit code; stopping the rest,
                 the failed child's tail
-    restarts    `Job`: attempts one after another, the restart policy
-                (--max_restarts), each attempt's private directory
+    restarts    `Job`: all its ranks again after a failure, the restart
+                policy (--max_restarts)
     parameter_server  `ParameterServerJob` (--ps): until the chief exits,
                 worker tasks restarted alone, lost ps tasks
+    elastic     `ElasticJob` (--min_workers): attempts on the slots that
+                answer, hosts lost and taken back
 
 What the launcher and its workers agree on (exit code `PREEMPTED`, the
 `KERAS_DISTRIB_RESTART` and `KERAS_DISTRIB_SHM_DIR` variables) is in

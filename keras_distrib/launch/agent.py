@@ -3,17 +3,16 @@ monitored and stopped, and after each the kind's decision.
 
 The shape is torch elastic's `SimpleElasticAgent` (start the workers,
 monitor them, stop or restart them). `run(kind, config, printer,
-deadline, err)` traps the signals to the launcher and asks the job's
-kind (a `JobKind`) for its attempts:
+deadline, err)`, within the kind's `session` and the launcher's signal
+trap, asks the job's kind (a `JobKind`) for its attempts:
 
-    step = kind.first_attempt(agent)
-    while step is an Attempt:
-        kind.start(attempt, specs, agent)    its children, in its private directory
-        result = kind.monitor(attempt, agent)    until it ends, how it ended
-        result = kind.stop(attempt, result, agent)   what runs is stopped, the end said
-        step = kind.next_attempt(attempt, result, agent)   the next attempt, or how
-                                                           the job ended
-    return step
+    attempt = kind.first_attempt(agent)
+    while it is an `Attempt` (else it is how the job ended):
+        kind.start(attempt, its specs, agent)       its children, in its private directory
+        result = kind.monitor(attempt, agent)       waits until it ends
+        result = kind.stop(attempt, result, agent)  stops what still runs, says how it ended
+        attempt = kind.next_attempt(attempt, result, agent)
+    return attempt
 
 Nothing of an attempt outlives it, whatever happens (a child that cannot
 start included): the agent kills its children's process groups, waits
