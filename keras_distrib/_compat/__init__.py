@@ -4,8 +4,9 @@ One module per thing wrapped:
 
 - `keras_trainer`: Keras's Trainer / Model hooks, the build's input,
   compile internals, the compiled loss and its trackers;
-- `keras_layers`: layers and Functional graphs, added losses, saving under
-  Keras's public class name, a built layer's variables and tracker;
+- `keras_layers`: layers and Functional graphs (their nodes), added
+  losses, a layer's own metrics, saving under Keras's public class name,
+  a built layer's variables and tracker;
 - `keras_backend`: Keras variables on TensorFlow, the stateless scope,
   the backend's seed draws;
 - `keras_optimizer`: Keras's TensorFlow optimizer internals;
@@ -55,6 +56,7 @@ from keras_distrib._compat import tf_data
 from keras_distrib._compat import tf_distribute
 from keras_distrib._compat.keras_backend import (
     add_through_tensorflow,
+    backing_variable,
     remat_in_graphs,
     replace_variable_value,
     set_variable_value,
@@ -78,12 +80,15 @@ from keras_distrib._compat.keras_layers import (
     drop_whole_layer_variables,
     functional_arguments,
     functional_class,
+    functional_graph,
     graph_of,
     inlined_functional,
     is_functional_call,
     layer_state_unlocked,
     layer_tensors,
     name_damaged_keras_files,
+    node_lists,
+    own_metrics,
     save_as_keras_model,
     take_added_losses,
     whole_layer_variables,
