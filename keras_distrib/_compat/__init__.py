@@ -3,7 +3,8 @@
 One module per thing wrapped:
 
 - `keras_trainer`: Keras's Trainer / Model hooks, the build's input,
-  compile internals, the compiled loss and its trackers;
+  compile internals, the compiled loss and its trackers, a loss
+  function's arguments, `fit`'s validation call;
 - `keras_layers`: layers and Functional graphs (their nodes), added
   losses, a layer's own metrics, saving under Keras's public class name,
   a built layer's variables and tracker;
@@ -13,7 +14,8 @@ One module per thing wrapped:
 - `keras_callbacks`: BackupAndRestore's paths and progress, TensorBoard's
   profiling;
 - `tf_distribute`: tf.distribute scopes, merge calls, collectives,
-  ShardedVariable, Slurm, strategy options, DistributedDataset;
+  ShardedVariable, a variable's strategy, Slurm, strategy options,
+  DistributedDataset;
 - `tf_data`: tf.data graph rewriting, batch size, auto-sharding;
 - `versions`: the tested versions, the warning on others, the probe.
 
@@ -124,10 +126,12 @@ from keras_distrib._compat.keras_trainer import (
     epoch_iterator,
     hide_distribute_strategy,
     jit_compile_off,
+    loss_function_arguments,
     loss_tracker,
     output_loss_metrics,
     train_validation_split,
     unscaled_losses_where,
+    validation_in_fit,
 )
 from keras_distrib._compat.tf_data import (
     UnseededShuffleError,
@@ -157,6 +161,7 @@ from keras_distrib._compat.tf_distribute import (
     undistributed,
     updates_in_cross_replica_context,
     variable_partitioner,
+    variable_strategy,
     without_default_strategy_creator,
 )
 from keras_distrib._compat.versions import TESTED, warn_if_untested
