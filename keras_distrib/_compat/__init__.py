@@ -43,6 +43,13 @@ configured cluster (`runtime.bootstrap`). The launcher and a plain
 override of a method Keras no longer calls would otherwise be silently
 skipped).
 
+The rest of keras_distrib uses no private TensorFlow / Keras name but
+these Trainer methods (`KERAS_HOOKS`): tests/unit/test_compat_fence.py
+reads the other modules' sources and fails on any private name they use
+that keras_distrib does not define itself, and
+tests/integration/test_compat.py on a private name of ours that a Keras
+or TensorFlow class we subclass has too.
+
 Verified on: TensorFlow 2.21.0 (tensorflow-cpu), Keras 3.15.1, Python 3.11.
 """
 

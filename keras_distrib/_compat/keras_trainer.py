@@ -20,6 +20,8 @@ from keras_distrib._compat import versions
 # exposes no public hook between "a step function" and "the function fit
 # calls", nor for the build that fit/evaluate/predict run before the first
 # step (keras/src/backend/tensorflow/trainer.py, keras/src/trainers/trainer.py).
+# They are the only private Keras names the model's code outside _compat
+# uses, on `self` and `super()`.
 KERAS_HOOKS = (
     "_make_function",  # step function -> train/test function (TF trainer)
     "_maybe_symbolic_build",  # builds model, metrics and optimizer before fit
