@@ -150,14 +150,14 @@ def copy_functional(model):
     """
     import keras
 
-    graph = getattr(model, "_functional", model)
+    graph = _compat.functional_graph(model)
     template = keras.Model(graph.input, graph.output, name=model.name)
     memo: dict[int, Any] = {}
     for layer in template.layers:
         # The copies are linked into the new graph only: none of the old
         # graph's nodes (or the layers and models they lead to) is copied.
-        memo[id(layer._inbound_nodes)] = []
-        memo[id(layer._outbound_nodes)] = []
+        for nodes in _compat.node_lists(layer):
+            memo[id(nodes)] = []
     copies: dict[int, Any] = {}
 
     def copy_layer(layer):
@@ -176,7 +176,8 @@ def copy_objects(structure):
 
     def copied(item):
         if isinstance(item, keras.metrics.Metric):
-            memo = {id(v._value): None for v in item.variables}  # made afresh below
+            memo = {id(_compat.backing_variable(v)): None  # made afresh below
+                    for v in item.variables}
             twin = structural_copy(item, memo)
             for variable in item.variables:
                 _compat.set_variable_value(memo[id(variable)], np.asarray(variable.numpy()))
@@ -221,12 +222,12 @@ def _copy_with_values(layer, memo: dict):
     to a device the class's again."""
     variables = _unique(list(getattr(layer, "variables", ())) + _metric_variables(layer))
     for variable in variables:
-        memo[id(variable._value)] = None  # made afresh below, not copied
+        memo[id(_compat.backing_variable(variable))] = None  # made afresh below, not copied
     twin = structural_copy(layer, memo)
     _relink_trackers(memo)
     for variable in variables:
         copied = memo[id(variable)]
-        if copied._value is None:
+        if _compat.backing_variable(copied) is None:
             _compat.set_variable_value(copied, np.asarray(variable.numpy()))
     if getattr(vars(twin).get("call"), "_kd_pinned", False):
         del vars(twin)["call"]
@@ -341,7 +342,7 @@ def _default_setstate(obj) -> bool:
 
 
 def _metric_variables(layer) -> list:
-    return [v for metric in getattr(layer, "_metrics", []) for v in metric.variables]
+    return [v for metric in _compat.own_metrics(layer) for v in metric.variables]
 
 
 def _unique(variables) -> list:

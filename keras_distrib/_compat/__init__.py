@@ -3,16 +3,19 @@
 One module per thing wrapped:
 
 - `keras_trainer`: Keras's Trainer / Model hooks, the build's input,
-  compile internals, the compiled loss and its trackers;
-- `keras_layers`: layers and Functional graphs, added losses, saving under
-  Keras's public class name, a built layer's variables and tracker;
+  compile internals, the compiled loss and its trackers, a loss
+  function's arguments, `fit`'s validation call;
+- `keras_layers`: layers and Functional graphs (their nodes), added
+  losses, a layer's own metrics, saving under Keras's public class name,
+  a built layer's variables and tracker;
 - `keras_backend`: Keras variables on TensorFlow, the stateless scope,
   the backend's seed draws;
 - `keras_optimizer`: Keras's TensorFlow optimizer internals;
 - `keras_callbacks`: BackupAndRestore's paths and progress, TensorBoard's
   profiling;
 - `tf_distribute`: tf.distribute scopes, merge calls, collectives,
-  ShardedVariable, Slurm, strategy options, DistributedDataset;
+  ShardedVariable, a variable's strategy, Slurm, strategy options,
+  DistributedDataset;
 - `tf_data`: tf.data graph rewriting, batch size, auto-sharding;
 - `versions`: the tested versions, the warning on others, the probe.
 
@@ -40,6 +43,13 @@ configured cluster (`runtime.bootstrap`). The launcher and a plain
 override of a method Keras no longer calls would otherwise be silently
 skipped).
 
+The rest of keras_distrib uses no private TensorFlow / Keras name but
+these Trainer methods (`KERAS_HOOKS`): tests/unit/test_compat_fence.py
+reads the other modules' sources and fails on any private name they use
+that keras_distrib does not define itself, and
+tests/integration/test_compat.py on a private name of ours that a Keras
+or TensorFlow class we subclass has too.
+
 Verified on: TensorFlow 2.21.0 (tensorflow-cpu), Keras 3.15.1, Python 3.11.
 """
 
@@ -55,6 +65,7 @@ from keras_distrib._compat import tf_data
 from keras_distrib._compat import tf_distribute
 from keras_distrib._compat.keras_backend import (
     add_through_tensorflow,
+    backing_variable,
     remat_in_graphs,
     replace_variable_value,
     set_variable_value,
@@ -78,12 +89,15 @@ from keras_distrib._compat.keras_layers import (
     drop_whole_layer_variables,
     functional_arguments,
     functional_class,
+    functional_graph,
     graph_of,
     inlined_functional,
     is_functional_call,
     layer_state_unlocked,
     layer_tensors,
     name_damaged_keras_files,
+    node_lists,
+    own_metrics,
     save_as_keras_model,
     take_added_losses,
     whole_layer_variables,
@@ -119,10 +133,12 @@ from keras_distrib._compat.keras_trainer import (
     epoch_iterator,
     hide_distribute_strategy,
     jit_compile_off,
+    loss_function_arguments,
     loss_tracker,
     output_loss_metrics,
     train_validation_split,
     unscaled_losses_where,
+    validation_in_fit,
 )
 from keras_distrib._compat.tf_data import (
     UnseededShuffleError,
@@ -152,6 +168,7 @@ from keras_distrib._compat.tf_distribute import (
     undistributed,
     updates_in_cross_replica_context,
     variable_partitioner,
+    variable_strategy,
     without_default_strategy_creator,
 )
 from keras_distrib._compat.versions import TESTED, warn_if_untested

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 # Private names the shims below use (checked at import, see `versions`).
 PRIVATE = (
-    # variable_value, replace_variable_value
+    # backing_variable, variable_value, replace_variable_value
     "keras.src.backend.common.variables:Variable._value",
     # set_variable_value
     "keras.src.backend.tensorflow.core:Variable._initialize",
@@ -44,6 +44,15 @@ def add_through_tensorflow(variable) -> None:
         return tf_variable.assign_add(tf.cast(value, tf_variable.dtype))
 
     variable.assign_add = assign_add
+
+
+def backing_variable(variable):
+    """The TensorFlow variable under Keras variable `variable`
+    (`Variable._value`), or None while it is not initialized. The public
+    `value` is a tensor (autocast, or the initializer's value while
+    uninitialized), not that object; copying a layer leaves it out, to be
+    made again (`set_variable_value`)."""
+    return variable._value
 
 
 def variable_value(variable):

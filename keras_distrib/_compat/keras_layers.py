@@ -1,8 +1,8 @@
 """Keras's layer and model internals: the Functional class and graph
-(nodes, replaying a graph), layers' added losses, saving under Keras's
-public class name, loading's message for a damaged `.keras` file, and
-taking whole variables off a built Dense or Embedding. Verified on Keras
-3.15.1 / TensorFlow 2.21.0."""
+(nodes, replaying a graph), layers' added losses and own metrics, saving
+under Keras's public class name, loading's message for a damaged `.keras`
+file, and taking whole variables off a built Dense or Embedding. Verified
+on Keras 3.15.1 / TensorFlow 2.21.0."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ _LAYER = "keras.src.layers.layer:Layer"
 PRIVATE = (
     # name_damaged_keras_files
     "keras.src.saving.saving_api:load_model",
-    # functional_class, graph_of, inlined_functional, layer_tensors
+    # functional_class, functional_graph, graph_of, inlined_functional,
+    # layer_tensors
     "keras.src.models.functional:Functional",
     "keras.src.models.sequential:Sequential._functional",
     "keras.src.ops.function:Function._run_through_graph",
@@ -35,6 +36,10 @@ PRIVATE = (
     # that outputs it
     "keras.src.ops.node:Node._keras_history",
     "keras.src.ops.node:KerasHistory.operation",
+    # node_lists, own_metrics
+    "keras.src.ops.operation:Operation._inbound_nodes",
+    "keras.src.ops.operation:Operation._outbound_nodes",
+    f"{_LAYER}._metrics",
     # is_functional_call, functional_arguments, save_as_keras_model
     "keras.src.models.model:functional_init_arguments",
     "keras.src.api_export:REGISTERED_OBJS_TO_NAMES",
@@ -83,6 +88,29 @@ def clone_functional(template, **kwargs):
     inputs = tf.nest.map_structure(
         lambda x: keras.Input(**x._keras_history.operation.get_config()), template.input)
     return keras.models.clone_model(template, input_tensors=inputs, **kwargs)
+
+
+def functional_graph(model):
+    """The Functional graph of a Functional or Sequential `model`: a
+    Sequential's inner Functional (`Sequential._functional`, None while it
+    has no input shape), else `model` itself. Keras has no public accessor;
+    `from_model` checks and copies that graph."""
+    return getattr(model, "_functional", model)
+
+
+def node_lists(layer) -> tuple:
+    """`layer`'s lists of the graph nodes that call it and that its outputs
+    feed (`Operation._inbound_nodes`, `_outbound_nodes`): what links it
+    into Functional graphs, which a copy of the layer leaves behind."""
+    return layer._inbound_nodes, layer._outbound_nodes
+
+
+def own_metrics(layer) -> list:
+    """The metrics `layer` tracks itself (`Layer._metrics`, e.g. a `Mean`
+    made in a custom layer's `__init__`): their variables are not in
+    `layer.variables`, and copying the layer copies them too. The public
+    `metrics` adds the sub-layers' (and a model's compiled metrics)."""
+    return list(getattr(layer, "_metrics", []))
 
 
 def functional_arguments(args, kwargs) -> bool:

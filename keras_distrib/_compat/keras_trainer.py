@@ -1,7 +1,8 @@
 """Keras's Trainer and Model internals: the step-function and build hooks
 `DistributedModel` overrides, the build's input, compile arguments, the
-compiled loss and its trackers, and the strategy and XLA switches Keras's
-trainer reads. Verified on Keras 3.15.1 / TensorFlow 2.21.0."""
+compiled loss and its trackers, a loss function's arguments, `fit`'s
+validation call, and the strategy and XLA switches Keras's trainer reads.
+Verified on Keras 3.15.1 / TensorFlow 2.21.0."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from keras_distrib._compat import versions
 # exposes no public hook between "a step function" and "the function fit
 # calls", nor for the build that fit/evaluate/predict run before the first
 # step (keras/src/backend/tensorflow/trainer.py, keras/src/trainers/trainer.py).
+# They are the only private Keras names the model's code outside _compat
+# uses, on `self` and `super()`.
 KERAS_HOOKS = (
     "_make_function",  # step function -> train/test function (TF trainer)
     "_maybe_symbolic_build",  # builds model, metrics and optimizer before fit
@@ -53,6 +56,10 @@ PRIVATE = (
     "keras.src.trainers.trainer:Trainer._loss_tracker",
     "keras.src.trainers.trainer:Trainer._jit_compile",
     f"{_TRAINER}._distribute_strategy",
+    # loss_function_arguments
+    "keras.src.losses.losses:LossFunctionWrapper._fn_kwargs",
+    # validation_in_fit: what the keyword it reads makes `evaluate` use
+    f"{_TRAINER}._eval_epoch_iterator",
     # epoch_iterator, train_validation_split
     "keras.src.backend.tensorflow.trainer:TFEpochIterator",
     f"{_ADAPTERS}.array_slicing:train_validation_split",
@@ -228,6 +235,22 @@ def unscaled_losses_where(is_ours) -> None:
         unless_ours._kd_wrapped = True
         functools.update_wrapper(unless_ours, keras_function)
         setattr(loss_module, name, unless_ours)
+
+
+def loss_function_arguments(loss) -> dict:
+    """The keyword arguments a Keras loss made from a loss function passes
+    it (`LossFunctionWrapper._fn_kwargs`: e.g. `axis`, `from_logits`,
+    `ignore_class` of `SparseCategoricalCrossentropy`), `{}` for any other.
+    Only some of them have public attributes."""
+    return getattr(loss, "_fn_kwargs", {})
+
+
+def validation_in_fit(evaluate_kwargs: dict) -> bool:
+    """Whether `evaluate` was called by Keras's `fit` for its validation:
+    the TF trainer's `fit` passes the private keyword
+    `_use_cached_eval_dataset=True`, and `evaluate` then reads the batches
+    `fit` prepared (`_eval_epoch_iterator`) instead of its `x`."""
+    return bool(evaluate_kwargs.get("_use_cached_eval_dataset"))
 
 
 def compute_loss(model, **kwargs):

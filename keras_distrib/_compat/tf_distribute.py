@@ -1,7 +1,8 @@
 """tf.distribute internals: strategy scopes and variable creators, merge
-calls, collective keys and the collective runtime, ShardedVariable, Slurm
-host lists, parameter-server and strategy options, and the dataset behind
-a DistributedDataset. Verified on TensorFlow 2.21.0."""
+calls, collective keys and the collective runtime, ShardedVariable, the
+strategy a variable belongs to, Slurm host lists, parameter-server and
+strategy options, and the dataset behind a DistributedDataset. Verified on
+TensorFlow 2.21.0."""
 
 from __future__ import annotations
 
@@ -67,6 +68,10 @@ PRIVATE = (
     f"{_DISTRIBUTE}.distribute_lib:get_update_replica_id",
     f"{_DISTRIBUTE}.distribute_lib:UpdateContext",
     "keras.src.backend.common.variables:Variable._value",
+    # variable_strategy
+    f"{_DISTRIBUTE}.values:DistributedVariable._distribute_strategy",
+    f"{_DISTRIBUTE}.ps_values:AggregatingVariable._distribute_strategy",
+    "tensorflow.python.ops.resource_variable_ops:BaseResourceVariable._distribute_strategy",
     # undistributed
     f"{_DISTRIBUTE}.input_lib:DistributedDataset._original_dataset",
     f"{_DISTRIBUTE}.input_lib:DistributedDatasetsFromFunction._dataset_fn",
@@ -178,6 +183,14 @@ def convert_sharded_variables_to_numpy() -> None:
         return np.asarray(self.numpy(), dtype=dtype)
 
     cls.__array__ = __array__
+
+
+def variable_strategy(variable: Any) -> Any:
+    """The tf.distribute strategy TensorFlow variable `variable` was made
+    under (`_distribute_strategy`), or None. Distributed, aggregating and
+    resource variables all keep it; only the first two have the public
+    `distribute_strategy`."""
+    return getattr(variable, "_distribute_strategy", None)
 
 
 def plain_usable_creator(next_creator, **kwargs):

@@ -109,7 +109,7 @@ class TFDistributeStrategy(Lockstep, Strategy):
 
     def holds(self, variable: Any) -> bool:
         value = getattr(variable, "value", variable)
-        return getattr(value, "_distribute_strategy", None) is self._tf_strategy
+        return _compat.variable_strategy(value) is self._tf_strategy
 
     def place(self, model) -> list:
         moved = super().place(model)

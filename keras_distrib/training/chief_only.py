@@ -112,6 +112,7 @@ class _ReadOnlyBackup(keras.callbacks.BackupAndRestore):
     """Restores from the chief's backup, then writes to scratch."""
 
     NAMED = "ReadOnly"
+    _scratch: str  # the directory its writes go to (`of`)
 
     @classmethod
     def of(cls, callback, scratch):

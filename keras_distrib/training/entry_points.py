@@ -199,7 +199,7 @@ class EntryPoints:
                  sample_weight=None, steps=None, callbacks=None, **kwargs):
         x = _compat.undistributed(x)
         self._strategy.check_batch_size(batch_size)
-        if kwargs.get("_use_cached_eval_dataset"):
+        if _compat.validation_in_fit(kwargs):
             # Validation inside fit: the input was distributed by fit already.
             if preemption.stopped_at(self) is not None:
                 return {}  # stopping on a SIGTERM: no time for validation

@@ -36,6 +36,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_distrib import _compat
+
 
 def sparse_categorical_classes(model):
     """`(num_classes, ignore_class)` when `model` is compiled with one sparse
@@ -53,7 +55,7 @@ def sparse_categorical_classes(model):
             return None
     ignore_class = None
     if isinstance(loss, keras.losses.SparseCategoricalCrossentropy):
-        if getattr(loss, "_fn_kwargs", {}).get("axis", -1) != -1:
+        if _compat.loss_function_arguments(loss).get("axis", -1) != -1:
             return None
         ignore_class = loss.ignore_class
     elif loss is not keras.losses.sparse_categorical_crossentropy:

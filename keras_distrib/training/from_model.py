@@ -18,7 +18,7 @@ from keras_distrib import placement
 def check_wrappable(model: keras.Model, functional: type) -> None:
     """Raises a one-line ValueError unless `model` is a built Functional
     (of class `functional`, Keras's) or Sequential model."""
-    graph = getattr(model, "_functional", model)
+    graph = _compat.functional_graph(model)
     if isinstance(model, keras.Sequential) and not isinstance(graph, functional):
         raise ValueError(
             f"from_model needs a built model, but Sequential {model.name!r} has no "

@@ -2,14 +2,20 @@
 
 That nothing else uses them (a scan of the sources) is checked in
 tests/unit/test_compat_fence.py; here, what _compat does about versions,
-Keras's hooks and the private names it declares (checked at import).
+Keras's hooks and the private names it declares (checked at import), and
+that no private name of ours is also one of a Keras or TensorFlow class
+we subclass (which the scan of our sources alone cannot tell).
 """
 
+import ast
 import functools
+import importlib
+import inspect
 import os
 import re
 import subprocess
 import sys
+import textwrap
 import types
 import warnings
 
@@ -144,3 +150,93 @@ def test_instance_attributes_resolve_where_the_class_assigns_them(monkeypatch):
     assert not versions.resolves("kd_fake_module:Child._absent")
     assert not versions.resolves("kd_fake_module:Absent.read")
     assert not versions.resolves("kd_no_such_module:value")
+
+
+# -- our private names on classes that subclass Keras's or TensorFlow's ------------------
+
+def _our_modules():
+    """Every module of keras_distrib outside _compat and the launcher (which
+    never imports TensorFlow), imported."""
+    found = []
+    for directory, _, files in os.walk(PACKAGE):
+        for name in sorted(files):
+            dotted = os.path.relpath(os.path.join(directory, name), ROOT)[:-3].replace(os.sep, ".")
+            if name.endswith(".py") and not dotted.startswith(
+                    ("keras_distrib._compat", "keras_distrib.launch")):
+                found.append(importlib.import_module(dotted.removesuffix(".__init__")))
+    return found
+
+
+def _classes_on_keras() -> list:
+    """Our classes with a TensorFlow/Keras class among their bases: those
+    our modules define, and those made at run time from a mixin of ours
+    (`DistributedOptimizer`'s, over any Keras optimizer)."""
+    from keras_distrib import optimizers
+
+    found = [cls for module in _our_modules() for cls in vars(module).values()
+             if isinstance(cls, type) and cls.__module__ == module.__name__
+             and any(map(_is_foreign, cls.__mro__))]
+    return found + [type("Wrapped", (optimizers._Distributed, keras.optimizers.Optimizer), {})]
+
+
+def _is_foreign(cls) -> bool:
+    return cls.__module__.split(".")[0] in ("keras", "tensorflow")
+
+
+def _private_names_on_self(cls) -> set:
+    """The private names the body of our class `cls` defines, and that its
+    methods use on `self`, `cls` or `super()` (attributes, `getattr(self, "_x")`)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    names = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+    names |= {target.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+              for target in getattr(node, "targets", [getattr(node, "target", None)])
+              if isinstance(target, ast.Name)}
+    for node in ast.walk(tree):
+        owner, name = None, None
+        if isinstance(node, ast.Attribute):
+            owner, name = node.value, node.attr
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in (
+                "getattr", "hasattr", "setattr", "delattr") and len(node.args) >= 2:
+            owner, name = node.args[0], getattr(node.args[1], "value", None)
+        if getattr(owner, "id", None) in ("self", "cls") or (
+                isinstance(owner, ast.Call) and getattr(owner.func, "id", None) == "super"):
+            names.add(name)
+    return {n for n in names if isinstance(n, str) and n.startswith("_")
+            and not n.startswith("__")}
+
+
+def _keras_uses(cls, name: str) -> bool:
+    """Whether a TensorFlow/Keras class among `cls`'s bases has `name`, or
+    its code names it (as an attribute, a global or a string)."""
+    for klass in filter(_is_foreign, cls.__mro__):
+        if name in vars(klass):
+            return True
+        for value in vars(klass).values():
+            for code in versions._code_objects(value):
+                if name in code.co_names or name in code.co_consts:
+                    return True
+    return False
+
+
+def test_our_private_names_on_keras_subclasses_are_ours_or_declared_hooks():
+    """A private name our code defines or uses on `self` in a class that
+    subclasses a TensorFlow or Keras class is that class's too when its
+    code has it: then it is one of the Keras hooks `DistributedModel`
+    overrides or calls on purpose (`_compat.KERAS_HOOKS`), else it goes
+    through `_compat` (tests/unit/test_compat_fence.py checks the rest
+    from the sources alone)."""
+    shared, hooks_used = [], set()
+    for cls in _classes_on_keras():
+        ours = [k for k in cls.__mro__ if k.__module__.startswith("keras_distrib.")
+                and not k.__module__.startswith("keras_distrib._compat")]
+        for name in sorted(set().union(*map(_private_names_on_self, ours))):
+            if _keras_uses(cls, name):
+                hooks_used.add(name)
+                if name not in _compat.KERAS_HOOKS:
+                    shared.append(f"{cls.__module__}.{cls.__qualname__}.{name}")
+    assert shared == [], (
+        "private names our classes share with the Keras/TensorFlow classes they subclass: "
+        "read or set them through keras_distrib/_compat/, or declare an override of a Keras "
+        f"hook in _compat.KERAS_HOOKS: {shared}")
+    # The scan sees DistributedModel's overrides of Keras's trainer.
+    assert {"_make_function", "_maybe_symbolic_build", "_resolve_auto_jit_compile"} <= hooks_used

@@ -130,7 +130,7 @@ class ParameterServer(Strategy):
 
     def holds(self, variable: Any) -> bool:
         value = getattr(variable, "value", variable)
-        return getattr(value, "_distribute_strategy", None) is self._engine
+        return _compat.variable_strategy(value) is self._engine
 
     # -- input ----------------------------------------------------------------------
 
