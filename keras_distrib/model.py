@@ -172,8 +172,8 @@ class DistributedTrainer(StrategyAdoption, ReplicaStep, GradientReduction, Entry
         fn = getattr(self, name)
         if not applies:
             fn = functools.partial(self._train_step, apply_gradients=False)
-        return Step(fn, kind, custom=getattr(type(self), name) is not getattr(DistributedModel, name),
-                    applies=applies)
+        custom = getattr(type(self), name) is not getattr(DistributedModel, name)
+        return Step(fn, kind, custom=custom, applies=applies)
 
     def _make_train_function(self):
         k = self._accumulation_steps

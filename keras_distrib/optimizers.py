@@ -132,7 +132,8 @@ class _Distributed:
                 for i, v in enumerate(variables)
             ]
             object.__setattr__(self, "_kd_accumulators", accumulators)
-            object.__setattr__(self, "_kd_samples", local_zeros([], tf.float32, "accumulated_samples"))
+            object.__setattr__(self, "_kd_samples",
+                               local_zeros([], tf.float32, "accumulated_samples"))
 
     def accumulate(self, gradients: Sequence[Optional[tf.Tensor]], num_samples) -> None:
         """Adds one batch's local gradients (replica context)."""

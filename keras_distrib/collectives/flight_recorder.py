@@ -12,7 +12,8 @@ taken when asked, every thread's Python stack.
 (`launch_contract.FLIGHT_RECORDER_LINE` and JSON), which the launcher reads
 off the rank's output. A rank reports on its own when its watchdog fires or
 it loses a peer (naming the ranks it could not reach, `lost`: an elastic
-launch leaves out the one the others could not reach); the launcher asks the others (and every rank on
+launch leaves out the one the others could not reach); the launcher asks
+the others (and every rank on
 `kill -USR1 <launcher>`, at a failure that followed a stall, and at
 `--timeout`) through the control channel: the rank's standard input, whose
 file descriptor `KERAS_DISTRIB_CONTROL_FD` names (set by the launcher, over

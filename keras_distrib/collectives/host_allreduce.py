@@ -54,8 +54,9 @@ chunks, the result buffers); this module holds `HostAllReduce`, its data
 segment and the reduce-scatter/all-gather, and re-exports their public names.
 
 None of these modules needs TensorFlow (NumPy, and of
-`keras_distrib.cluster` `launch_contract` and `process_state` only): `keras_distrib.strategies.multi_worker`
-calls `HostAllReduce` from the training step through `tf.numpy_function`.
+`keras_distrib.cluster` `launch_contract` and `process_state` only):
+`keras_distrib.strategies.multi_worker` calls `HostAllReduce` from the
+training step through `tf.numpy_function`.
 """
 
 from __future__ import annotations
@@ -131,7 +132,8 @@ class HostAllReduce(PeerGroup):
         if not supported():
             raise RuntimeError("the shared-memory all-reduce needs Linux (named pipes, /dev/shm).")
         if not 2 <= world_size <= MAX_WORKERS:
-            raise ValueError(f"world_size={world_size} must be in [2, {MAX_WORKERS}] for shared memory.")
+            raise ValueError(
+                f"world_size={world_size} must be in [2, {MAX_WORKERS}] for shared memory.")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must be in [0, {world_size}).")
         if not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id):
@@ -283,13 +285,13 @@ class HostAllReduce(PeerGroup):
                  for dtype, members, offset, count in groups]
         # Copy in what the peers sum: everything but this worker's own chunk,
         # which it sums straight from its inputs (half the copying, with two).
-        for (dtype, members, offset, count), per_slot in zip(groups, views):
+        for (_dtype, members, _offset, count), per_slot in zip(groups, views):
             region, own = per_slot[self.rank], chunk(count, self.world_size, self.rank)
             for start, end, flat in pieces(members, flats):
                 for lo, hi in outside(start, end, own):
                     region[lo:hi] = 0 if flat is None else flat[lo - start:hi - start]
         self._barrier(nbytes=nbytes)
-        for (dtype, members, offset, count), per_slot in zip(groups, views):
+        for (_dtype, members, _offset, count), per_slot in zip(groups, views):
             own_lo, own_hi = chunk(count, self.world_size, self.rank)
             for start, end, flat in pieces(members, flats):
                 lo, hi = max(start, own_lo), min(end, own_hi)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import numbers
 from typing import Any, Optional
 
-import keras
 import numpy as np
 import tensorflow as tf
 

@@ -100,7 +100,8 @@ def rank_job(plans: Sequence[RankPlan], config: LaunchConfig) -> Job:
 # How horovodrun prefixes each piece of a rank's output (gloo: `[0]<stdout>:`,
 # mpirun: `[1,0]<stdout>:`; an optional timestamp in front with
 # --prefix-output-with-timestamp). horovodrun has no option to turn it off.
-HOROVODRUN_RANK_PREFIX = r"(?:\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4})?\[(?:\d+,)?(?P<rank>\d+)\]<(?P<stream>std(?:out|err))>:"
+HOROVODRUN_RANK_PREFIX = (r"(?:\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4})?"
+                          r"\[(?:\d+,)?(?P<rank>\d+)\]<(?P<stream>std(?:out|err))>:")
 
 
 def horovod_spec(config: LaunchConfig, shm_dir: Optional[str] = None,

@@ -58,10 +58,11 @@ each with its `TF_CONFIG` `{"cluster": {"chief": [...], "worker": [...],
 "ps": [...]}, "task": {"type": ROLE, "index": I}}` (free ports on `--bind`;
 with `--hosts`, tasks fill the host slots chief first, then workers, then
 ps). Only the chief runs `python train.py ...`: it is the coordinator and
-sends the work to the others, which run `python -m keras_distrib.strategies.parameter_server.task_server`
-(a bare TensorFlow server, same interpreter). With `--ps_tasks_run_script`
-every task runs the script (Kubeflow style) and the strategy serves on the
-worker and ps tasks. Lines are prefixed `[chief] `, `[worker I] `, `[ps I] `.
+sends the work to the others, which run
+`python -m keras_distrib.strategies.parameter_server.task_server` (a bare
+TensorFlow server, same interpreter). With `--ps_tasks_run_script` every
+task runs the script (Kubeflow style) and the strategy serves on the worker
+and ps tasks. Lines are prefixed `[chief] `, `[worker I] `, `[ps I] `.
 Without `--ps`, `--workers N` is `-n N`; `--backend horovod` has no `--ps`.
 
 The job ends when the chief exits, with its exit code; then the servers
@@ -77,7 +78,8 @@ Signals, `--timeout` and `--grace_seconds` work as for ranks.
 
 Every child gets these environment variables:
 
-    TF_CONFIG                 {"cluster": {"worker": [...]}, "task": {"type": "worker", "index": RANK}}
+    TF_CONFIG                 {"cluster": {"worker": [...]},
+                               "task": {"type": "worker", "index": RANK}}
                               (with --ps: the chief, worker and ps tasks, as above)
     KERAS_DISTRIB_RANK        its rank, 0..N-1 (with --ps: the chief 0, worker
                               I I+1; ps tasks get none)
@@ -147,7 +149,8 @@ flags.DEFINE_integer("workers", None, "Number of worker tasks; the same as -n "
 flags.DEFINE_integer("ps", 0, "Number of parameter-server tasks; >= 1 makes a "
                      "parameter-server job: a chief runs the script, the "
                      "--workers worker tasks and these ps tasks run "
-                     "`python -m keras_distrib.strategies.parameter_server.task_server`.", lower_bound=0)
+                     "`python -m keras_distrib.strategies.parameter_server.task_server`.",
+                     lower_bound=0)
 flags.DEFINE_bool("ps_tasks_run_script", False, "With --ps: every task (chief, "
                   "workers, ps) runs the script, as under Kubeflow; the "
                   "strategy then serves on the worker and ps tasks.")
@@ -425,7 +428,8 @@ def main(argv: Sequence[str]) -> int:
         _print_error(f"missing subcommand; usage: {USAGE}")
         return EXIT_USAGE
     if argv[1] not in SUBCOMMANDS:
-        _print_error(f"unknown subcommand {argv[1]!r}; valid subcommands: {', '.join(SUBCOMMANDS)}.")
+        _print_error(f"unknown subcommand {argv[1]!r}; valid subcommands: "
+                     f"{', '.join(SUBCOMMANDS)}.")
         return EXIT_USAGE
     try:
         config = config_from_flags(argv[2:])

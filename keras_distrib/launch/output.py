@@ -45,7 +45,8 @@ TF_LOG_NOISE = (
     # the second line of cpu_feature_guard's notice
     r"To enable the following instructions: .*rebuild TensorFlow",
     # CUDA probing on a machine without a GPU, logged as errors
-    r"(?:E\d{4} |\d{4}-\d\d-\d\d .*: E ).*\] (?:failed call to cuInit|Unable to register cu\w+ factory)",
+    r"(?:E\d{4} |\d{4}-\d\d-\d\d .*: E ).*\] "
+    r"(?:failed call to cuInit|Unable to register cu\w+ factory)",
 )
 _NOISE = re.compile("|".join(f"(?:{pattern})" for pattern in TF_LOG_NOISE))
 

@@ -9,7 +9,8 @@ attempt's private shared-memory directory (`RankPlan.restart`, `shm_dir`).
 A parameter-server job (`--ps M`) plans one `chief`, `--workers N` `worker`
 tasks and M `ps` tasks, laid out in that order over the host slots; each
 `RankPlan` is then one task (`label`: `chief`, `worker 0`, `ps 0`), and
-the worker and ps tasks run `python -m keras_distrib.strategies.parameter_server.task_server` instead
+the worker and ps tasks run
+`python -m keras_distrib.strategies.parameter_server.task_server` instead
 of the script unless `--ps_tasks_run_script` (`task_argv`).
 """
 
@@ -133,9 +134,11 @@ def parse_hosts(hosts: Sequence[str], nproc: int, parameter_server: bool = False
     names = [name for name, _ in entries]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
-        raise LaunchError(f"--hosts lists {repeated[0]!r} twice; give it once with slots, e.g. {repeated[0]}:2.")
+        raise LaunchError(f"--hosts lists {repeated[0]!r} twice; give it once with slots, "
+                          f"e.g. {repeated[0]}:2.")
     if parameter_server:
-        count, unit, flag = f"the job has {nproc} tasks (a chief, --workers, --ps)", "task", "--workers"
+        count = f"the job has {nproc} tasks (a chief, --workers, --ps)"
+        unit, flag = "task", "--workers"
     else:
         count, unit, flag = f"-n is {nproc}", "rank", "-n"
     if all(slots is None for _, slots in entries):
@@ -319,7 +322,8 @@ def print_dry_run(plans: Sequence[RankPlan], config: LaunchConfig, out: TextIO) 
         lines.append(f"{p.label} on {p.host}: TF_CONFIG={p.info.tf_config_json()}")
         lines.append(f"  {shell_command(p, config)}")
     if config.output_dir:
-        lines.append(f"keras-distrib: wrote TF_CONFIG files and host scripts to {config.output_dir}")
+        lines.append("keras-distrib: wrote TF_CONFIG files and host scripts to "
+                     f"{config.output_dir}")
     out.write("\n".join(lines) + "\n")
     out.flush()
 

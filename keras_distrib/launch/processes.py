@@ -197,7 +197,8 @@ def start(spec: ChildSpec, tail_lines: int, printer: Printer) -> Child:
     try:
         return Child(spec, tail_lines, printer)
     except OSError as e:
-        raise LaunchError(f"cannot start {spec.label} ({spec.argv[0]}): {e.strerror or e}.") from None
+        raise LaunchError(
+            f"cannot start {spec.label} ({spec.argv[0]}): {e.strerror or e}.") from None
 
 
 def stop(children: Sequence[Child], trap: SignalTrap, grace: float) -> None:

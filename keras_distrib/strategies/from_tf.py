@@ -10,8 +10,8 @@ adopts the object (and `strategy="auto"` inside a scope adopts the scope's):
 | `OneDeviceStrategy(d)` | `"single"` on `d` |
 | `MirroredStrategy(devices, cross_device_ops)` | `"mirrored"` on that very object |
 | `experimental.CentralStorageStrategy(...)` | `"central_storage"` on that very object |
-| `MultiWorkerMirroredStrategy(communication_options=...)` | `"multi_worker"` with its implementation and timeout |
-| `ParameterServerStrategy(resolver, variable_partitioner)` | `"parameter_server"` with that partitioner |
+| `MultiWorkerMirroredStrategy(communication_options=o)` | `"multi_worker"` as `o` says |
+| `ParameterServerStrategy(resolver, variable_partitioner)` | `"parameter_server"`, that split |
 | `TPUStrategy(resolver)` | `"tpu"` |
 
 In-process engines are wrapped as they are, so variables the user made in
@@ -67,7 +67,8 @@ def adopt(engine: tf.distribute.Strategy):
 def _counterpart(engine, registry):
     """Our strategy for an engine we do not wrap, with its options."""
     if isinstance(engine, tf.distribute.OneDeviceStrategy):
-        return registry.create("single", device=devices_lib.short(engine.extended.worker_devices[0]))
+        device = devices_lib.short(engine.extended.worker_devices[0])
+        return registry.create("single", device=device)
     if isinstance(engine, tf.distribute.MultiWorkerMirroredStrategy):
         return registry.create("multi_worker", **_multi_worker_options(engine, registry))
     if isinstance(engine, (tf.distribute.ParameterServerStrategy,

@@ -21,7 +21,12 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+from typing import TYPE_CHECKING
+
 from keras_distrib import cluster as cluster_lib
+
+if TYPE_CHECKING:  # the classes register themselves here (see above)
+    from keras_distrib.strategies.base import Strategy
 
 # Built-in strategies: registered name -> the module that defines the class.
 BUILTIN = {

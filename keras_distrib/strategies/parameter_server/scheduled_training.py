@@ -67,7 +67,8 @@ class ScheduledTraining:
         model: the `DistributedModel` (built, compiled, optimizer built).
         engine: the `tf.distribute.ParameterServerStrategy`.
         coordinator: its `ClusterCoordinator`.
-        plan: the input plan of this `fit` (`keras_distrib.strategies.parameter_server.per_worker_input`).
+        plan: the input plan of this `fit`
+            (`keras_distrib.strategies.parameter_server.per_worker_input`).
         step_fn: the per-step function (`model.train_step`).
         lag: closures in flight before a call waits for the oldest.
         lost: turns an error the coordinator gave up on (a lost ps) into

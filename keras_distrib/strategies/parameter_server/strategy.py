@@ -8,12 +8,14 @@ Keras's `fit` with it:
 
 * the cluster has a `chief` (runs the user's script: the coordinator),
   `worker`s and `ps` tasks (plain TensorFlow servers; see
-  `keras_distrib.strategies.parameter_server.task_server` and `keras-distrib launch --workers N --ps M`);
+  `keras_distrib.strategies.parameter_server.task_server` and
+  `keras-distrib launch --workers N --ps M`);
 * variables live on the ps tasks (round robin, or split over them by
   `variable_partitioner`);
 * `fit` schedules each `steps_per_execution` steps as one closure that a
-  free worker runs (`keras_distrib.strategies.parameter_server.scheduled_training`), reading its input
-  as `keras_distrib.strategies.parameter_server.per_worker_input` describes; workers apply their
+  free worker runs (`keras_distrib.strategies.parameter_server.scheduled_training`),
+  reading its input as `keras_distrib.strategies.parameter_server.per_worker_input`
+  describes; workers apply their
   updates without waiting for each other;
 * `evaluate`, `predict` and `fit`'s validation run on the chief, reading
   the variables from the ps tasks: exact, in order.

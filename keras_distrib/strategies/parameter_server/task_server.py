@@ -6,7 +6,8 @@ the coordinator, and it sends the functions to run to the `worker` tasks
 and keeps the variables on the `ps` tasks. Those tasks run no user code,
 only a TensorFlow gRPC server, which this module starts:
 
-    python -m keras_distrib.strategies.parameter_server.task_server   # the cluster and task from TF_CONFIG
+    # the cluster and task from TF_CONFIG
+    python -m keras_distrib.strategies.parameter_server.task_server
 
 That is what `keras-distrib launch --workers N --ps M train.py` runs on
 the worker and ps tasks; with `--ps_tasks_run_script` (Kubeflow style,
@@ -185,22 +186,27 @@ def _exit_quietly(signum, frame) -> None:
         os._exit(0 if signum == signal.SIGTERM else 128 + signum)
 
 
+def _error(message: str) -> None:
+    print(f"keras_distrib.strategies.parameter_server.task_server: error: {message}",
+          file=sys.stderr, flush=True)
+
+
 def main() -> int:
-    """`python -m keras_distrib.strategies.parameter_server.task_server`: serves the task `TF_CONFIG` names."""
+    """`python -m keras_distrib.strategies.parameter_server.task_server`:
+    serves the task `TF_CONFIG` names."""
     try:
         info = cluster_lib.resolve()
     except cluster_lib.ClusterConfigError as e:
-        print(f"keras_distrib.strategies.parameter_server.task_server: error: {e}", file=sys.stderr, flush=True)
+        _error(str(e))
         return 2
     if info is None:
-        print("keras_distrib.strategies.parameter_server.task_server: error: no cluster in the environment; set "
-              "TF_CONFIG to this task's cluster and task (type 'worker' or 'ps').",
-              file=sys.stderr, flush=True)
+        _error("no cluster in the environment; set TF_CONFIG to this task's cluster and "
+               "task (type 'worker' or 'ps').")
         return 2
     try:
         serve(info)
     except ValueError as e:
-        print(f"keras_distrib.strategies.parameter_server.task_server: error: {e}", file=sys.stderr, flush=True)
+        _error(str(e))
         return 2
 
 

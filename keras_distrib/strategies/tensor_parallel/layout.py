@@ -160,7 +160,8 @@ def _layers_of(template) -> list:
     return list(getattr(template, "layers", ()))
 
 
-def plan_layers(template, layout: Mapping[str, str], devices: Sequence[str]) -> dict[str, LayerPlan]:
+def plan_layers(template, layout: Mapping[str, str],
+                devices: Sequence[str]) -> dict[str, LayerPlan]:
     """Layer name -> `LayerPlan` for the functional `template`.
 
     Raises:

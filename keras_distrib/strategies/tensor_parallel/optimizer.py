@@ -102,7 +102,8 @@ class OptimizerFiles:
 
     @classmethod
     def install(cls, model) -> None:
-        splits = [s for s in (SplitLayer.of(layer) for layer in _compat.direct_layers(model)) if s is not None]
+        splits = [s for s in (SplitLayer.of(layer) for layer in _compat.direct_layers(model))
+                  if s is not None]
         # Keras saves each of these on its own (a LossScaleOptimizer's inner
         # one, a MultiOptimizer's and its sub-optimizers: each their `variables`).
         for opt in optimizers_in(getattr(model, "optimizer", None)):

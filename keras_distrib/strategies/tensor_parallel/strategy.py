@@ -5,8 +5,8 @@ parallelism, Shoeybi et al., 2019, arXiv:1909.08053). The model's own
 layers are laid out in place (`place`): each Dense / Embedding the layout
 splits then holds one shard of its kernel (embeddings) and bias per
 device, created on that device, and a forward pass that computes each part
-where its shard lives (see `keras_distrib.strategies.tensor_parallel.layout` for the layout and the default
-plan). Other layers are placed whole on one device and run there.
+where its shard lives (see `keras_distrib.strategies.tensor_parallel.layout`
+for the layout and the default plan). Other layers are placed whole on one device and run there.
 
 Communication, per split layer, inside the one step (no all-reduce across
 replicas: there is one replica, and autodiff through the per-device ops
