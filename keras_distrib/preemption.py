@@ -131,7 +131,7 @@ class PreemptionWatch(keras.callbacks.Callback):
 
     `DistributedModel`'s train function calls `after_step()` after each of
     its calls (not a batch callback: one would make Keras convert every
-    step's logs on the loop's thread, ~1 ms a step); this callback only
+    step's logs on the loop's thread, at every step); this callback only
     tracks the epoch. Checkpointing callbacks see `model.stop_training` and
     the stopping point (`stopped_at(model)`) in that step's batch end.
 

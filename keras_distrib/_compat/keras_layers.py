@@ -360,8 +360,8 @@ def drop_whole_layer_variables(layer) -> None:
     What `Layer.__delattr__` does for a variable attribute: Keras's tracker
     forgets it (`_untrack_variable`) and TensorFlow's AutoTrackable drops
     its dependency, so nothing keeps the whole variable alive; but not the
-    `gc.collect()` Keras then runs, which costs ~0.2 s per variable in a
-    process holding many objects (and a split layer drops two). `bias` is
+    `gc.collect()` Keras then runs, costly in a process holding many
+    objects (docs/design.md, section 1.1, row 22; a split layer drops two). `bias` is
     then None, as with `use_bias=False`.
     """
     for name in _WHOLE_VARIABLE_ATTRIBUTES[type(layer).__name__]:

@@ -1,8 +1,8 @@
 """All-reduce through shared memory between worker processes on one host.
 
 TensorFlow's CPU collectives go through gRPC even between processes on the
-same machine: 4 MB of gradients take ~50 ms there, as long as three
-training steps of a 1M-parameter MLP (docs/design.md section 1.2). When every
+same machine, at a small fraction of memory's speed (docs/design.md, section
+1.2, row 4). When every
 worker of a job runs on this host, the `"multi_worker"` strategy reduces
 gradients here instead, the way NCCL uses shared memory inside a node:
 

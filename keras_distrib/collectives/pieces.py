@@ -4,9 +4,8 @@ collectives, and joined back after.
 `bytes_per_pack` (TensorFlow's `CommunicationOptions`) packs small
 tensors into one all-reduce but never cuts a large one, and TensorFlow's
 ring all-reduce over gRPC moves one large tensor at well below the link's
-rate: between two hosts on a 1 Gbit/s link (benchmarks/multi_host.py's
-test bed), a 16 MB or 64 MB tensor reached 0.70 of the link as one
-all-reduce and 0.94 as 1 MB pieces. The pieces are whole elements of the
+rate, and the same bytes in pieces near it (docs/design.md, section 1.2,
+row 15). The pieces are whole elements of the
 flattened tensor, so each element is summed as before; `join` restores
 the shapes.
 """

@@ -49,7 +49,8 @@ class MultiWorker(TFDistributeStrategy):
     between GPUs. When every worker is on this host and has no GPU, the
     gradient all-reduce of the training step goes through shared memory
     instead (`implementation="shm"`, what `"auto"` picks there): TF's gRPC
-    collectives cost ~50 ms per 4 MB even between local processes. Every
+    collectives are slow even between local processes (docs/design.md,
+    section 1.2, row 4). Every
     worker runs the same script; `keras-distrib launch` starts them and sets
     `TF_CONFIG`. Variables start equal on all workers (broadcast from worker
     0 when they are created).

@@ -21,7 +21,8 @@ same variables at once, and how each step here avoids them:
   logs are exact aggregates of the steps applied.
 * **The step counter.** `optimizer.iterations.assign_add(1)` is a
   read-then-write in Keras 3 (`KerasVariable.assign_add` is
-  `assign(self + 1)`): measured 32 after 40 concurrent steps. In the scope
+  `assign(self + 1)`), which loses concurrent steps (docs/design.md,
+  section 1.1, row 5). In the scope
   the counter reads as the true global count at the start of the step (so
   learning-rate schedules see the real step), and the step's increment is
   then applied with TensorFlow's atomic `assign_add` on the ps.
