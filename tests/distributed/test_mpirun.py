@@ -66,8 +66,11 @@ def test_mpirun_across_two_hosts_trains_as_one_process(tmp_path, hosts, uninterr
 
 
 def test_mpirun_gives_each_process_of_a_host_its_own_gpu():
-    report = ("import os, keras_distrib; print('rank', os.environ['OMPI_COMM_WORLD_RANK'], "
-              "'sees', os.environ.get('CUDA_VISIBLE_DEVICES'))")
+    # One write per line: mpirun forwards the ranks' output as it comes, and
+    # an unbuffered print writes its pieces one by one.
+    report = ("import os, keras_distrib; os.write(1, ('rank %s sees %s\\n' % ("
+              "os.environ['OMPI_COMM_WORLD_RANK'], os.environ.get('CUDA_VISIBLE_DEVICES'))"
+              ").encode())")
     code, output = _mpirun(["mpirun", "-np", "2", sys.executable, "-c", report], _environment(),
                            timeout=120)
     assert code == 0, output[-3000:]
