@@ -14,7 +14,7 @@ from helpers import ROOT
 def test_digits_example_trains_with_two_workers_through_the_launcher():
     proc = subprocess.run(
         [sys.executable, "-m", "keras_distrib.launch", "launch", "-n", "2",
-         "examples/train_digits.py", "--config", "configs/digits_2workers.json", "--epochs", "8"],
+         "examples/train_digits.py", "--config", "configs/digits_2workers.json", "--epochs", "4"],
         cwd=ROOT, capture_output=True, text=True, timeout=280,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
