@@ -17,7 +17,7 @@ import json
 import os
 import tempfile
 import weakref
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -31,6 +31,16 @@ class CrossProcessHelpers(abc.ABC):
     Uses the strategy's `world_size`, `rank` and `is_chief` (`Strategy`'s
     topology properties).
     """
+
+    if TYPE_CHECKING:  # `Strategy`'s topology properties, which these helpers use
+        @property
+        def world_size(self) -> int: ...
+
+        @property
+        def rank(self) -> int: ...
+
+        @property
+        def is_chief(self) -> bool: ...
 
     @abc.abstractmethod
     def _sum_over_processes(self, flat: np.ndarray) -> np.ndarray:

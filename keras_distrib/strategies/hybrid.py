@@ -34,7 +34,7 @@ before that import (see `examples/` and `tests/workers/hybrid_train.py`).
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -51,6 +51,11 @@ class WorkerReplicas:
     """
 
     _workers = None  # the `multi_worker` strategy carrying the collectives
+
+    if TYPE_CHECKING:  # the strategy's (`Strategy`)
+        name: ClassVar[str]
+
+        def broadcast_model_state(self, model: Any) -> None: ...
 
     def _join_workers(self, devices: Sequence[str],
                       workers: Optional[Mapping[str, Any]]) -> Topology:
