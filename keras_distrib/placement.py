@@ -128,7 +128,7 @@ def _check_not_taken(variable, strategy, model) -> None:
 # -- from_model: a copy without configs ---------------------------------------------
 
 
-def copy_graph(inputs, outputs):
+def copy_graph(inputs: Any, outputs: Any) -> tuple[Any, Any]:
     """`(inputs, outputs)` of a copy of the graph between `inputs` and
     `outputs` (see `copy_functional`)."""
     import keras
@@ -137,7 +137,7 @@ def copy_graph(inputs, outputs):
     return copied.input, copied.output
 
 
-def copy_functional(model):
+def copy_functional(model: Any) -> Any:
     """A Functional copy of the Functional (or Sequential) `model`: new
     inputs, and a copy of each of its layers called on them in its graph's
     order. Shared layers stay shared, nested models are copied whole, and

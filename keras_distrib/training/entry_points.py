@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import types
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import keras
 import tensorflow as tf
@@ -295,7 +295,8 @@ def callback_list(callbacks) -> list:
     return list(keras.tree.flatten(callbacks or []))
 
 
-def with_resume_and_preemption(model, train_function):
+def with_resume_and_preemption(model: Any, train_function: Callable[..., Any]
+                               ) -> Callable[..., Any]:
     """`train_function`, then the preemption check (`PreemptionWatch`);
     except that its first calls after a resume (as many as the model's
     replay count says) only pull their batches: the steps the run did

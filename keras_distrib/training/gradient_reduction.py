@@ -37,7 +37,7 @@ class ReductionSwitch:
     the replicas' (see `install_reduction_switch`).
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._applying = 0
 
