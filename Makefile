@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 HOROVOD_WHEEL := $(VENV)/.horovod-wheel
 HOROVOD := $(VENV)/.horovod
 
-.PHONY: demo setup bed-packages test test-fast test-unit docs zoo-matrix conformance-matrix bench clean
+.PHONY: demo setup bed-packages test test-fast test-unit typecheck docs zoo-matrix conformance-matrix bench clean
 
 # The package with TensorFlow and Keras, and what the Horovod build needs.
 $(CORE): setup.cfg pyproject.toml
@@ -18,9 +18,9 @@ $(CORE): setup.cfg pyproject.toml
 	$(PY) -m pip install --quiet -e . setuptools wheel packaging
 	touch $(CORE)
 
-# The extras: tests, benchmarks, Ray, docs, mpi4py.
+# The extras: tests, benchmarks, Ray, docs, mpi4py, linters.
 $(STAMP): $(CORE)
-	$(PY) -m pip install --quiet -e ".[test,bench,ray,docs,mpi]"
+	$(PY) -m pip install --quiet -e ".[test,bench,ray,docs,mpi,lint]"
 	touch $(STAMP)
 
 # The wheel needs only TensorFlow, and its build writes nothing into the
@@ -96,6 +96,12 @@ test-fast: setup
 # Needs neither Horovod nor TensorFlow's start-up.
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit
+
+# mypy on the package, as pyproject.toml's [tool.mypy] says: the whole
+# package in mypy's default mode, the modules users import strictly. Its
+# cache lives in the venv, so a second run checks only what changed.
+typecheck: $(STAMP)
+	$(PY) -m mypy --cache-dir $(VENV)/.mypy_cache
 
 # The MkDocs site (mkdocs.yml, docs/) into $(VENV)/site; --strict makes
 # every warning (a broken link, an API name that does not resolve) an error.

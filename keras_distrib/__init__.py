@@ -28,7 +28,16 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import sys
-from typing import Any
+import types
+from importlib.machinery import ModuleSpec
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+if TYPE_CHECKING:  # the public names as type checkers see them (at run time: `__getattr__`)
+    from keras_distrib import callbacks as callbacks
+    from keras_distrib import optimizers as optimizers
+    from keras_distrib import strategies as strategies
+    from keras_distrib.model import DistributedModel as DistributedModel
+    from keras_distrib.model import FunctionalDistributedModel as FunctionalDistributedModel
 
 __version__ = "0.1.0"
 
@@ -68,7 +77,8 @@ class _RegisterAfterKeras(importlib.abc.MetaPathFinder):
     whatever the order of the two imports.
     """
 
-    def find_spec(self, fullname, path=None, target=None):
+    def find_spec(self, fullname: str, path: Optional[Sequence[str]] = None,
+                  target: Optional[types.ModuleType] = None) -> Optional[ModuleSpec]:
         if fullname != "keras":
             return None
         sys.meta_path.remove(self)
@@ -77,12 +87,12 @@ class _RegisterAfterKeras(importlib.abc.MetaPathFinder):
             return spec
         exec_module = spec.loader.exec_module
 
-        def exec_then_register(module):
+        def exec_then_register(module: types.ModuleType) -> None:
             exec_module(module)
             sys.modules[fullname] = module
             importlib.import_module("keras_distrib.model")
 
-        spec.loader.exec_module = exec_then_register
+        setattr(spec.loader, "exec_module", exec_then_register)  # this spec's loader only
         return spec
 
 

@@ -29,9 +29,10 @@ import functools
 import itertools
 import os
 import warnings
-from typing import Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_distrib import _compat
@@ -55,7 +56,7 @@ from keras_distrib.training.replica_step import ReplicaStep
 _compat.warn_if_untested()
 _compat.check_hooks()
 _compat.unscaled_losses_where(lambda: tf_distribute.entered() is not None)
-Functional = _compat.functional_class()
+Functional: Any = _compat.functional_class()  # Keras's (not exported), a class
 
 StrategyLike = Union[str, Strategy]
 
@@ -78,6 +79,16 @@ class DistributedTrainer(StrategyAdoption, ReplicaStep, GradientReduction, Entry
     # Set `model.check_finite = False` to train on such input anyway.
     check_finite = True
 
+    # The strategy (`_init_distribution`), and Keras's trainer's functions
+    # and steps per call, which the function-making layer below sets and reads.
+    # Its `super()` calls reach Keras's trainer, after these mixins in the
+    # model's classes, where mypy cannot follow (`# type: ignore[...]  # Keras's`).
+    _strategy: Strategy
+    train_function: Optional[Callable[..., Any]]
+    test_function: Optional[Callable[..., Any]]
+    predict_function: Optional[Callable[..., Any]]
+    steps_per_execution: int
+
     def _init_distribution(self, strategy: Strategy) -> None:
         self._strategy = strategy
         # Whether XLA compiles each replica's math separately (set by the
@@ -95,16 +106,17 @@ class DistributedTrainer(StrategyAdoption, ReplicaStep, GradientReduction, Entry
         """The strategy this model trains on."""
         return self._strategy
 
-    def _resolve_auto_jit_compile(self):
+    def _resolve_auto_jit_compile(self) -> bool:
         """Keras's `jit_compile="auto"` (True on GPU machines, in `compile` and
         for `predict` before it), but False where the strategy's step cannot
         be compiled by XLA (`Strategy.without_xla`)."""
         strategy = getattr(self, "_strategy", None)
         if strategy is not None and strategy.without_xla():
             return False
-        return super()._resolve_auto_jit_compile()
+        resolved: bool = super()._resolve_auto_jit_compile()  # type: ignore[misc]  # Keras's
+        return resolved
 
-    def _set_jit_compile(self, value):
+    def _set_jit_compile(self, value: Union[bool, str]) -> None:
         # Keras's setter, also reached from `compile`: an explicit True where
         # XLA cannot compile the step warns with the reason and stays off.
         reason = value is True and self._strategy.without_xla()
@@ -121,7 +133,8 @@ class DistributedTrainer(StrategyAdoption, ReplicaStep, GradientReduction, Entry
     # -- what the mixins take from the strategies and the callbacks -----------
     # training/ lies below strategies/ and callbacks/ and imports nothing from them.
 
-    def _weight_gradients(self, tape, target, factor=None) -> list:
+    def _weight_gradients(self, tape: tf.GradientTape, target: Any,
+                          factor: Any = None) -> list[Any]:
         """The gradients of `target` for `trainable_weights` (see
         `ReplicaStep._loss_and_gradients`), each multiplied by `factor`
         unless it is None. Variables split over parameter servers need their
@@ -131,34 +144,35 @@ class DistributedTrainer(StrategyAdoption, ReplicaStep, GradientReduction, Entry
             return gradients
         return [scaled_gradient(g, factor) for g in gradients]
 
-    def _optimizers_applying(self, optimizer) -> list:
+    def _optimizers_applying(self, optimizer: Any) -> list[Any]:
         """`optimizer` and the optimizers it applies through (`optimizers_in`):
         each is adopted (`StrategyAdoption`)."""
         return optimizers_in(optimizer)
 
-    def _with_keras_backup_adopted(self, callbacks):
+    def _with_keras_backup_adopted(self, callbacks: Any) -> Any:
         """`fit`'s callbacks with keras_distrib's `BackupAndRestore` in place of
         Keras's (`keras_backup.adopt_keras_backup`)."""
         return keras_backup.adopt_keras_backup(callbacks)
 
     # -- metrics: read through the strategy -----------------------------------
 
-    def get_metrics_result(self):
-        return self._strategy.read_metrics(self, super().get_metrics_result)
+    def get_metrics_result(self) -> dict[str, Any]:
+        keras_read = super().get_metrics_result  # type: ignore[misc]  # Keras's
+        return self._strategy.read_metrics(self, keras_read)
 
-    def reset_metrics(self):
-        super().reset_metrics()
+    def reset_metrics(self) -> None:
+        super().reset_metrics()  # type: ignore[misc]  # Keras's
         self._strategy.metrics_reset(self)
 
     # -- the function-making layer: the strategy's ---------------------------
 
-    def make_train_function(self, force=False):
+    def make_train_function(self, force: bool = False) -> Callable[..., Any]:
         if self.train_function is not None and not force:
             return self.train_function
         self.train_function = with_resume_and_preemption(self, self._make_train_function())
         return self.train_function
 
-    def make_test_function(self, force=False):
+    def make_test_function(self, force: bool = False) -> Callable[..., Any]:
         if self.test_function is not None and not force:
             return self.test_function
         self.test_function = self._strategy_function(self._step("test"))
@@ -175,7 +189,7 @@ class DistributedTrainer(StrategyAdoption, ReplicaStep, GradientReduction, Entry
         custom = getattr(type(self), name) is not getattr(DistributedModel, name)
         return Step(fn, kind, custom=custom, applies=applies)
 
-    def _make_train_function(self):
+    def _make_train_function(self) -> Callable[..., Any]:
         k = self._accumulation_steps
         step = self._step("train")
         if k == 1:
@@ -194,27 +208,29 @@ class DistributedTrainer(StrategyAdoption, ReplicaStep, GradientReduction, Entry
         accumulate_and_apply = self._strategy_function(step)
         steps = itertools.count()
 
-        def train_function(iterator):
+        def train_function(iterator: Any) -> Any:
             if next(steps) % k == k - 1:
                 return accumulate_and_apply(iterator)
             return accumulate(iterator)
 
         return train_function
 
-    def _strategy_function(self, step: Step):
+    def _strategy_function(self, step: Step) -> Callable[..., Any]:
         """The function Keras's loop calls for `step`: the strategy's, made
         with Keras's maker (`_compat.KERAS_HOOKS`), one compiled call per step
         where it can (`step_call`)."""
+        keras_maker = super()._make_function  # type: ignore[misc]  # Keras's
         keras_make_function = functools.partial(
-            step_call.one_call_per_step, self, keras_make_function=super()._make_function)
+            step_call.one_call_per_step, self, keras_make_function=keras_maker)
         return self._strategy.make_step_function(self, step, keras_make_function)
 
-    def make_predict_function(self, force=False):
+    def make_predict_function(self, force: bool = False) -> Callable[..., Any]:
         if self.predict_function is not None and not force:
             return self.predict_function
 
-        def keras_make_predict_function():
-            super(DistributedTrainer, self).make_predict_function(force=True)
+        def keras_make_predict_function() -> Optional[Callable[..., Any]]:
+            keras_model = super(DistributedTrainer, self)
+            keras_model.make_predict_function(force=True)  # type: ignore[attr-defined]  # Keras's
             return self.predict_function
 
         self.predict_function = self._strategy.make_predict_function(
@@ -223,18 +239,18 @@ class DistributedTrainer(StrategyAdoption, ReplicaStep, GradientReduction, Entry
 
     # -- weights: whole values, as a plain model's --------------------------------
 
-    def get_weights(self):
+    def get_weights(self) -> list[np.ndarray]:
         """`keras.Model.get_weights()`: a plain model's list, also where the
         strategy splits variables (`tensor_parallel`: each comes whole)."""
         return self.strategy.whole_weights(self)
 
-    def set_weights(self, weights):
+    def set_weights(self, weights: Sequence[Any]) -> None:
         """`keras.Model.set_weights()`, from a plain model's list."""
         self.strategy.set_whole_weights(self, weights)
 
 
 @keras.saving.register_keras_serializable(package="keras_distrib")
-class DistributedModel(DistributedTrainer, keras.Model):
+class DistributedModel(DistributedTrainer, keras.Model):  # type: ignore[misc]  # Keras has no types
     """A `keras.Model` trained on the strategy named by `strategy=`.
 
     Usable three ways:
@@ -270,24 +286,27 @@ class DistributedModel(DistributedTrainer, keras.Model):
             `keras_distrib.strategies.Strategy` object. Default `"auto"`.
     """
 
-    def __new__(cls, *args, **kwargs):
+    def __new__(cls, *args: Any, **kwargs: Any) -> DistributedModel:
+        made_as: type = cls
         if _compat.is_functional_call(args, kwargs) and not issubclass(cls, Functional):
             # `Net(inputs, outputs)` for a subclass `Net` (the Keras guide's
             # custom train_step on a functional model): an instance of a
             # functional variant of `Net`. Keras would instead rewrite the
             # bases of every class up to keras.Model, turning all
             # DistributedModel subclasses functional.
-            return super().__new__(functional_variant(cls))
-        return super().__new__(cls)
+            made_as = functional_variant(made_as)
+        made: DistributedModel = super().__new__(made_as)
+        return made
 
-    def __init__(self, *args, strategy: StrategyLike = "auto", **kwargs):
+    def __init__(self, *args: Any, strategy: StrategyLike = "auto", **kwargs: Any):
         if _compat.functional_arguments(args, kwargs) and not isinstance(self, Functional):
             # A subclass's `super().__init__(inputs, outputs)` (Keras's
             # "functional init in a subclass"): this instance becomes the
             # functional variant of its class. Keras's `Model.__init__` would
             # instead rewrite `__bases__` up to keras.Model, ours included,
             # for the rest of the process (`inject_functional_model_class`).
-            self.__class__ = functional_variant(type(self))
+            own_class: type = type(self)
+            self.__class__ = functional_variant(own_class)
             FunctionalDistributedModel.__init__(self, *args, strategy=strategy, **kwargs)
             return
         resolved = strategies.get(strategy)
@@ -323,23 +342,27 @@ class DistributedModel(DistributedTrainer, keras.Model):
 
     # -- saving: atomic files -------------------------------------------------
 
-    def save(self, filepath, overwrite=True, **kwargs):
+    def save(self, filepath: saving.PathLike, overwrite: bool = True, **kwargs: Any) -> None:
         """`keras.Model.save`, written atomically (temp file + rename)."""
         if not _can_write_atomically(filepath, overwrite, kwargs):
-            return super().save(filepath, overwrite=overwrite, **kwargs)
+            super().save(filepath, overwrite=overwrite, **kwargs)
+            return
         with saving.atomic_path(filepath) as tmp:
             super().save(tmp, overwrite=True, **kwargs)
 
-    def save_weights(self, filepath, overwrite=True, **kwargs):
+    def save_weights(self, filepath: saving.PathLike, overwrite: bool = True,
+                     **kwargs: Any) -> None:
         """`keras.Model.save_weights`, written atomically (temp file + rename)."""
         if not _can_write_atomically(filepath, overwrite, kwargs):
-            return super().save_weights(filepath, overwrite=overwrite, **kwargs)
+            super().save_weights(filepath, overwrite=overwrite, **kwargs)
+            return
         with saving.atomic_path(filepath) as tmp:
             super().save_weights(tmp, overwrite=True, **kwargs)
 
 
 @keras.saving.register_keras_serializable(package="keras_distrib")
-class FunctionalDistributedModel(DistributedModel, Functional):
+class FunctionalDistributedModel(DistributedModel,
+                                 Functional):  # type: ignore[misc]  # Keras has no types
     """What `DistributedModel(inputs, outputs, ...)` returns.
 
     The model is made of the layers between `inputs` and `outputs`, as
@@ -349,7 +372,8 @@ class FunctionalDistributedModel(DistributedModel, Functional):
     (a variable lives under one strategy).
     """
 
-    def __init__(self, inputs, outputs, name=None, *, strategy: StrategyLike = "auto", **kwargs):
+    def __init__(self, inputs: Any, outputs: Any, name: Optional[str] = None, *,
+                 strategy: StrategyLike = "auto", **kwargs: Any):
         resolved = strategies.get(strategy)
         registry.check_not_model_options(kwargs, resolved)
         graph = keras.Model(inputs, outputs)
@@ -363,7 +387,7 @@ class FunctionalDistributedModel(DistributedModel, Functional):
         self._init_distribution(resolved)
         self._take_variables()
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         """Keras's Functional config, and the strategy's name (`"strategy"`).
 
         The file names Keras's own public `keras.Model` as its class (see
@@ -373,7 +397,7 @@ class FunctionalDistributedModel(DistributedModel, Functional):
         `keras.models.load_model` return a `DistributedModel` on that
         strategy (`_strategy_for_loading`).
         """
-        config = super().get_config()
+        config: dict[str, Any] = super().get_config()
         if type(self) is FunctionalDistributedModel:
             config[_SAVED_STRATEGY_KEY] = self._strategy.name
         return config
@@ -382,7 +406,7 @@ class FunctionalDistributedModel(DistributedModel, Functional):
 _SAVED_STRATEGY_KEY = "strategy"
 
 
-def _strategy_for_loading(name):
+def _strategy_for_loading(name: Any) -> StrategyLike:
     """The strategy a loaded model trains on: the one it was saved with,
     unless a strategy's scope is entered (then that one, as Keras loads
     into a scope), or it cannot run here (a cluster strategy in a notebook:
@@ -397,11 +421,14 @@ def _strategy_for_loading(name):
         return "auto"
 
 
-def _load_saved(config, custom_objects=None):
+def _load_saved(config: dict[str, Any],
+                custom_objects: Optional[dict[str, Any]] = None) -> FunctionalDistributedModel:
     """`keras.Model.from_config` of a file written by a FunctionalDistributedModel."""
     config = dict(config)
     config[_SAVED_STRATEGY_KEY] = _strategy_for_loading(config.get(_SAVED_STRATEGY_KEY))
-    return FunctionalDistributedModel.from_config(config, custom_objects=custom_objects)
+    loaded: FunctionalDistributedModel = FunctionalDistributedModel.from_config(
+        config, custom_objects=custom_objects)
+    return loaded
 
 
 _compat.save_as_keras_model(FunctionalDistributedModel, _SAVED_STRATEGY_KEY, _load_saved)
@@ -421,12 +448,13 @@ def functional_variant(cls: type) -> type:
     """
     if cls is DistributedModel or issubclass(cls, Functional):
         return FunctionalDistributedModel if cls is DistributedModel else cls
-    parent = next(base for base in cls.__bases__ if issubclass(base, DistributedModel))
+    parent: type = next(base for base in cls.__bases__ if issubclass(base, DistributedModel))
     return type(cls.__name__, (cls, functional_variant(parent)),
                 {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
 
-def _can_write_atomically(filepath, overwrite, kwargs) -> bool:
+def _can_write_atomically(filepath: saving.PathLike, overwrite: bool,
+                          kwargs: dict[str, Any]) -> bool:
     if not saving.is_local(filepath) or kwargs.get("max_shard_size"):
         return False
     return overwrite or not os.path.exists(os.fspath(filepath))

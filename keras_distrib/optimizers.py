@@ -15,7 +15,7 @@ applies them once (so accumulation also saves communication).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import keras
 import tensorflow as tf
@@ -92,7 +92,7 @@ def DistributedOptimizer(  # noqa: N802 (reads as a class, like Horovod's)
     base = type(optimizer)
     if issubclass(base, _Distributed):
         base = base._kd_wrapped
-    cls = type(
+    cls: type[Any] = type(
         base.__name__,
         (_Distributed, base),
         {
@@ -112,15 +112,21 @@ class _Distributed:
     _kd_wrapped: type
     compression: Compression = COMPRESSIONS["none"]
     backward_passes_per_step: int = 1
+    # Made by `build` when accumulating: per-replica sums of local gradients
+    # and of sample counts (`tf.Variable`s).
+    _kd_accumulators: list[tf.Variable]
+    _kd_samples: tf.Variable
 
-    def build(self, variables):
-        super().build(variables)
+    def build(self, variables: Sequence[Any]) -> None:
+        # The wrapped optimizer's, next after this class in the class
+        # `DistributedOptimizer` makes.
+        super().build(variables)  # type: ignore[misc]  # not this mixin's base class
         if self.backward_passes_per_step > 1:
             # Per-replica (sync-on-read) sums of local gradients: each replica
             # accumulates its own until the step that all-reduces them. Kept
             # out of the optimizer's tracked variables so saved files stay
             # those of the plain optimizer.
-            def local_zeros(shape, dtype, name):
+            def local_zeros(shape: Any, dtype: Any, name: str) -> tf.Variable:
                 return tf.Variable(
                     tf.zeros(shape, dtype), trainable=False, name=name,
                     synchronization=tf.VariableSynchronization.ON_READ,
@@ -135,16 +141,17 @@ class _Distributed:
             object.__setattr__(self, "_kd_samples",
                                local_zeros([], tf.float32, "accumulated_samples"))
 
-    def accumulate(self, gradients: Sequence[Optional[tf.Tensor]], num_samples) -> None:
+    def accumulate(self, gradients: Sequence[Optional[tf.Tensor]], num_samples: Any) -> None:
         """Adds one batch's local gradients (replica context)."""
         for accumulator, gradient in zip(self._kd_accumulators, gradients):
             if gradient is not None:
                 accumulator.assign_add(tf.cast(gradient, accumulator.dtype))
         self._kd_samples.assign_add(tf.cast(num_samples, tf.float32))
 
-    def take_accumulated(self, gradients: Sequence[Optional[tf.Tensor]]):
+    def take_accumulated(self, gradients: Sequence[Optional[tf.Tensor]]
+                         ) -> tuple[list[Optional[tf.Tensor]], tf.Tensor]:
         """Returns the accumulated local gradients and sample count; resets them."""
-        taken = []
+        taken: list[Optional[tf.Tensor]] = []
         for accumulator, gradient in zip(self._kd_accumulators, gradients):
             if gradient is None:
                 taken.append(None)

@@ -30,7 +30,7 @@ import copy
 import copyreg
 import types
 import weakref
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence, Union
 
 import numpy as np
 
@@ -128,7 +128,7 @@ def _check_not_taken(variable, strategy, model) -> None:
 # -- from_model: a copy without configs ---------------------------------------------
 
 
-def copy_graph(inputs, outputs):
+def copy_graph(inputs: Any, outputs: Any) -> tuple[Any, Any]:
     """`(inputs, outputs)` of a copy of the graph between `inputs` and
     `outputs` (see `copy_functional`)."""
     import keras
@@ -137,7 +137,7 @@ def copy_graph(inputs, outputs):
     return copied.input, copied.output
 
 
-def copy_functional(model):
+def copy_functional(model: Any) -> Any:
     """A Functional copy of the Functional (or Sequential) `model`: new
     inputs, and a copy of each of its layers called on them in its graph's
     order. Shared layers stay shared, nested models are copied whole, and
@@ -275,6 +275,8 @@ def structural_copy(obj, memo: dict):
     # that no id in it is reused by a temporary (a state dict).
     memo.setdefault(id(memo), []).append(obj)
     cls = type(obj)
+    copied: Any  # a list, dict, tuple or bound method, as `obj` is
+    reduced: Union[str, tuple[Any, ...]]  # `obj` as the pickle protocol describes it
     if cls is list:
         copied = memo[id(obj)] = []
         copied.extend(structural_copy(item, memo) for item in obj)
@@ -296,7 +298,8 @@ def structural_copy(obj, memo: dict):
     if _is_keras_saveable(cls):
         # The protocol's default for a plain class: `object.__reduce_ex__`
         # itself would defer to `KerasSaveable.__reduce__`.
-        reduced = (copyreg.__newobj__, (cls,), object.__getstate__(obj))
+        newobj = copyreg.__newobj__  # type: ignore[attr-defined]  # not in typeshed's copyreg
+        reduced = (newobj, (cls,), object.__getstate__(obj))
     elif cls.__reduce__ is not object.__reduce__ or cls.__reduce_ex__ is not object.__reduce_ex__:
         return copy.deepcopy(obj, memo)  # the class's own protocol
     else:

@@ -68,7 +68,7 @@ def requested() -> bool:
     return _requested
 
 
-def local_vote() -> np.ndarray:
+def local_vote() -> np.float32:
     """This process's vote for the step's all-reduce (runs inside the step)."""
     return np.float32(1.0 if _requested else 0.0)
 

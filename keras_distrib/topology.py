@@ -14,6 +14,7 @@ TensorFlow.
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 ROLES = ("chief", "worker", "ps", "evaluator")
 
@@ -57,7 +58,7 @@ class Topology:
     num_data_shards: int = 1
     data_shard_index: int = 0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(self.devices))
         if self.role not in ROLES:
             raise ValueError(f"role={self.role!r} is not one of {ROLES}.")
@@ -81,8 +82,8 @@ class Topology:
             )
 
     @classmethod
-    def data_parallel(cls, devices, num_processes: int = 1, process_index: int = 0,
-                      local_rank: int = 0) -> "Topology":
+    def data_parallel(cls, devices: Sequence[str], num_processes: int = 1,
+                      process_index: int = 0, local_rank: int = 0) -> "Topology":
         """One replica per local device, the same count in every process, and
         one data shard per process (the synchronous data-parallel shape).
 

@@ -165,5 +165,5 @@ def remat_in_graphs() -> None:
 
         return rematerialized
 
-    remat._kd_wrapped = True
+    setattr(remat, "_kd_wrapped", True)
     core.remat = remat

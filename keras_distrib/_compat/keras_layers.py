@@ -171,7 +171,7 @@ def name_damaged_keras_files() -> None:
                 "bytes) but is no zip archive, i.e. truncated (a copy cut short) or of "
                 "another format; copy it again, or load an earlier checkpoint.") from None
 
-    load_model._kd_wrapped = True
+    setattr(load_model, "_kd_wrapped", True)
     for module in (saving_api, keras.saving, keras.models):
         if getattr(module, "load_model", None) is keras_load:
             module.load_model = load_model
@@ -205,7 +205,7 @@ def save_as_keras_model(cls: type, marker: str, load: Any) -> None:
             return load(config, custom_objects)
         return keras_from_config(model_cls, config, custom_objects=custom_objects)
 
-    from_config._kd_wrapped = True
+    setattr(from_config, "_kd_wrapped", True)
     functools.update_wrapper(from_config, keras_from_config)
     keras.Model.from_config = classmethod(from_config)
 

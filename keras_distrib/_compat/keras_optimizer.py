@@ -150,7 +150,7 @@ def _route_update_step(optimizer, is_sharded) -> None:
                 [gradient] = distribution.experimental_local_results(gradient)[:1]
                 optimizer.update_step(gradient, variable, learning_rate)
 
-    distributed_update_step._kd_sharded = True
+    setattr(distributed_update_step, "_kd_sharded", True)
     optimizer._distributed_tf_update_step = distributed_update_step
 
 

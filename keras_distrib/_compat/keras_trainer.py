@@ -232,7 +232,7 @@ def unscaled_losses_where(is_ours) -> None:
         def unless_ours(value, keras_function=keras_function):
             return value if is_ours() else keras_function(value)
 
-        unless_ours._kd_wrapped = True
+        setattr(unless_ours, "_kd_wrapped", True)
         functools.update_wrapper(unless_ours, keras_function)
         setattr(loss_module, name, unless_ours)
 

@@ -154,7 +154,7 @@ def outside_strategy_scopes() -> Iterator[None]:
         graph._distribution_strategy_stack, graph._variable_creator_stack = modes, creators
 
 
-def sharded_variable_class() -> type:
+def sharded_variable_class() -> type[Any]:
     """TensorFlow's `ShardedVariable` (what `ParameterServerStrategy` with a
     `variable_partitioner` creates for a variable split over several ps).
 
@@ -237,7 +237,7 @@ def make_plain_usable(variable: Any) -> None:
 
     if isinstance(variable, keras.Variable):
         variable = variable._value  # not `.value`: no initializer run, no autocast
-    cls = type(variable)
+    cls: type = type(variable)
     if isinstance(variable, values.DistributedVariable) and not getattr(cls, "_kd_plain_usable",
                                                                         False):
         variable.__class__ = _plain_usable(cls)

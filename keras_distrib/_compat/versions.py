@@ -62,7 +62,7 @@ def resolves(spec: str) -> bool:
     installed versions (see the module docstring for instance attributes)."""
     module_name, _, path = spec.partition(":")
     try:
-        owner = importlib.import_module(module_name)
+        owner: object = importlib.import_module(module_name)
     except ImportError:
         return False
     *parents, name = path.split(".")

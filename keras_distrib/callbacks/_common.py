@@ -10,10 +10,13 @@ import tensorflow as tf
 
 from keras_distrib.strategies.base import Strategy
 
+# The `logs` Keras passes a callback's hooks: metric name -> value, or None.
+Logs = Optional[dict[str, Any]]
+
 _fallback: Optional[Strategy] = None
 
 
-def strategy_of(callback) -> Strategy:
+def strategy_of(callback: Any) -> Strategy:
     """The strategy `callback.model` trains on.
 
     A `DistributedModel` answers with `model.strategy`. A plain `keras.Model`
@@ -64,7 +67,7 @@ class StepCounter:
     the count still advances by the steps that ran.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.total = 0
         self._seen_in_epoch = 0
 

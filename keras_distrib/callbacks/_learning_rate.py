@@ -16,7 +16,7 @@ from keras_distrib.callbacks.scaled_schedule import ScaledSchedule
 _ADJUSTED: "weakref.WeakKeyDictionary[Any, tuple[str, Any]]" = weakref.WeakKeyDictionary()
 
 
-def optimizer_of(callback):
+def optimizer_of(callback: Any) -> Any:
     """The optimizer whose rate counts (the inner one of a LossScaleOptimizer)."""
     optimizer = getattr(callback.model, "optimizer", None)
     if optimizer is None:
@@ -26,7 +26,7 @@ def optimizer_of(callback):
     return getattr(optimizer, "inner_optimizer", None) or optimizer
 
 
-def schedule_of(optimizer) -> Optional[keras.optimizers.schedules.LearningRateSchedule]:
+def schedule_of(optimizer: Any) -> Optional[keras.optimizers.schedules.LearningRateSchedule]:
     rate = _compat.learning_rate_or_schedule(optimizer)
     if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
         return rate
@@ -38,7 +38,7 @@ def schedule_of(optimizer) -> Optional[keras.optimizers.schedules.LearningRateSc
     return None
 
 
-def read_rate(optimizer) -> float:
+def read_rate(optimizer: Any) -> float:
     return float(np.asarray(optimizer.learning_rate))
 
 
@@ -48,7 +48,7 @@ CONFLICT = (
 )
 
 
-def claim(optimizer, kind: str, original: Any) -> tuple[Any, bool]:
+def claim(optimizer: Any, kind: str, original: Any) -> tuple[Any, bool]:
     """Records that `kind` adjusts `optimizer`.
 
     Returns `(rate before any adjustment, whether this is the first claim)`.
@@ -65,7 +65,7 @@ def claim(optimizer, kind: str, original: Any) -> tuple[Any, bool]:
     return original, True
 
 
-def install_schedule(model, optimizer, schedule) -> None:
+def install_schedule(model: Any, optimizer: Any, schedule: Any) -> None:
     """Makes `optimizer` use `schedule` from the next step on.
 
     The train function may already be traced with the old schedule inside
@@ -75,7 +75,7 @@ def install_schedule(model, optimizer, schedule) -> None:
     model.make_train_function(force=True)
 
 
-def unwrap(schedule):
+def unwrap(schedule: Any) -> tuple[Any, Optional[ScaledSchedule]]:
     """(inner schedule, the ScaledSchedule around it or None)."""
     if isinstance(schedule, ScaledSchedule):
         return schedule.schedule, schedule

@@ -54,7 +54,7 @@ import os
 import re
 import shutil
 import uuid
-from typing import Optional
+from typing import Any, Literal, Optional, Union
 
 import h5py
 import keras
@@ -70,9 +70,12 @@ WEIGHTS = "weights.weights.h5"
 STATE = "state.json"
 _FORMAT = 1
 _BACKUP = re.compile(r"^backup-(\d{12})$")
+# A backup that reads, `(path, state)`, and one that does not, `(path, why)`.
+_Found = tuple[str, dict[str, Any]]
+_Damage = tuple[str, str]
 
 
-class BackupAndRestore(keras.callbacks.Callback):
+class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras has no types
     """Backs up training every epoch or every N steps; resumes after a failure.
 
     Use it with a `keras_distrib.DistributedModel` on any strategy (every
@@ -102,8 +105,9 @@ class BackupAndRestore(keras.callbacks.Callback):
     ```
     """
 
-    def __init__(self, backup_dir, save_freq="epoch", double_checkpoint: bool = False,
-                 delete_checkpoint: bool = True):
+    def __init__(self, backup_dir: Union[str, os.PathLike[str]],
+                 save_freq: Union[Literal["epoch"], int] = "epoch",
+                 double_checkpoint: bool = False, delete_checkpoint: bool = True):
         super().__init__()
         if not isinstance(backup_dir, (str, os.PathLike)) or not os.fspath(backup_dir):
             raise ValueError(f"backup_dir={backup_dir!r} must be a directory path.")
@@ -119,15 +123,15 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.save_freq = save_freq
         self.double_checkpoint = bool(double_checkpoint)
         self.delete_checkpoint = bool(delete_checkpoint)
-        self._found: Optional[tuple] = None  # the chief's (path, state) to restore
-        self._damaged: list = []  # the chief's newer backups that did not read
+        self._found: Optional[_Found] = None  # the chief's backup to restore
+        self._damaged: list[_Damage] = []  # the chief's newer backups that did not read
         self._start = fit_input.Start()
         self._global_step = 0
         self._seed: Optional[int] = None
 
     # -- before fit builds its input (called by DistributedModel.fit) ----------------
 
-    def resume_point(self, model) -> Optional[fit_input.Start]:
+    def resume_point(self, model: Any) -> Optional[fit_input.Start]:
         """Where the newest backup stands, the same on every worker (collective).
 
         The chief reads the backup directory; the others learn the result
@@ -161,7 +165,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     # -- Keras callback hooks ------------------------------------------------------
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: _common.Logs = None) -> None:
         if not getattr(self, "_prepared", False):
             raise ValueError(
                 "keras_distrib.callbacks.BackupAndRestore needs the fit of a "
@@ -179,27 +183,27 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._epoch, self._step = self._start.epoch, self._start.step
         self._saved_at = self._global_step
 
-    def on_epoch_begin(self, epoch, logs=None):
+    def on_epoch_begin(self, epoch: int, logs: _common.Logs = None) -> None:
         if epoch != self._start.epoch:
             self._step = 0
         self._epoch = epoch
 
-    def on_train_batch_end(self, batch, logs=None):
+    def on_train_batch_end(self, batch: int, logs: _common.Logs = None) -> None:
         done = batch + 1
         if done <= self._step:
             return  # a step replayed after a resume (a no-op)
         self._global_step += done - self._step
         self._step = done
-        if (self.save_freq != "epoch"
+        if (isinstance(self.save_freq, int)  # not "epoch"
                 and self._global_step // self.save_freq > self._saved_at // self.save_freq):
             self._save()
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: _common.Logs = None) -> None:
         if self.save_freq == "epoch" and preemption.stopped_at(self.model) is None:
             self._epoch, self._step = epoch + 1, 0
             self._save()
 
-    def on_train_end(self, logs=None):
+    def on_train_end(self, logs: _common.Logs = None) -> None:
         if preemption.stopped_at(self.model) is not None:
             self._save()
         elif self.delete_checkpoint and self._strategy.is_chief:
@@ -226,7 +230,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         # Steps still running elsewhere (parameter servers) land first, so
         # the backup holds every step counted in its state.
         self._strategy.settle(self.model)
-        state = {
+        state: dict[str, Any] = {
             "format": _FORMAT, "epoch": self._epoch, "step": self._step,
             "global_step": self._global_step, "seed": self._seed,
             "num_replicas": self._strategy.num_replicas,
@@ -264,7 +268,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if launch_contract.RESTART_ENV in os.environ:
             print(f"{launch_contract.BACKUP_LINE}{_point(state)}.", flush=True)
 
-    def _backup_paths(self) -> list:
+    def _backup_paths(self) -> list[str]:
         """The complete backups' directories, oldest first."""
         return [os.path.join(self.backup_dir, name) for name in _backups(self.backup_dir)]
 
@@ -273,7 +277,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         """How many backups stay: the newest, and with `double_checkpoint` the one before."""
         return 2 if self.double_checkpoint else 1
 
-    def _published(self, kept: list) -> None:
+    def _published(self, kept: list[str]) -> None:
         """Called on the chief after each backup with the paths of those
         that stay (oldest first), before the others are removed."""
 
@@ -283,6 +287,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         optimizer = getattr(model, "optimizer", None)
         shards = optimizer_shards.of(optimizer)
         if strategy.is_chief:
+            assert self._found is not None  # resume_point found the backup
             path, state = self._found
             print(_resuming_line(path, state, strategy.num_replicas), flush=True)
             # A sharded optimizer keeps the whole slots read for share_loaded.
@@ -298,7 +303,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         strategy.broadcast_derived_state(model)
 
 
-def _resuming_line(path: str, state: dict, num_replicas: int) -> str:
+def _resuming_line(path: str, state: dict[str, Any], num_replicas: int) -> str:
     """What a resumed run says first: the step it goes on from, and, when
     the backup was made with other replicas (an elastic restart), that the
     global batches and so the steps stay the same."""
@@ -311,13 +316,13 @@ def _resuming_line(path: str, state: dict, num_replicas: int) -> str:
     return line
 
 
-def _point(state: dict) -> str:
+def _point(state: dict[str, Any]) -> str:
     """`step 12 (epoch 2, step 4)`: the global step, and the epoch (from 1)
     and the steps done in it."""
     return f"step {state['global_step']} (epoch {state['epoch'] + 1}, step {state['step']})"
 
 
-def _backups(directory: str) -> list:
+def _backups(directory: str) -> list[str]:
     """Names of the complete backups in `directory`, oldest first."""
     try:
         names = os.listdir(directory)
@@ -326,14 +331,14 @@ def _backups(directory: str) -> list:
     return sorted(n for n in names if _BACKUP.match(n))
 
 
-def _latest(directory: str) -> tuple:
+def _latest(directory: str) -> tuple[Optional[_Found], list[_Damage]]:
     """`(path, state)` of the newest backup that reads, or None; and the
     `(path, reason)` of the newer ones that do not.
 
     Raises:
         ValueError: no backup reads but some exist (a one-line error).
     """
-    damaged = []
+    damaged: list[_Damage] = []
     for name in reversed(_backups(directory)):
         path = os.path.join(directory, name)
         try:
@@ -356,10 +361,10 @@ class _Damaged(Exception):
     """A backup that does not read; the message says why."""
 
 
-def _read_state(path: str) -> dict:
+def _read_state(path: str) -> dict[str, Any]:
     try:
         with open(os.path.join(path, STATE)) as f:
-            state = json.load(f)
+            state: dict[str, Any] = json.load(f)
         if state.get("format") != _FORMAT:
             raise ValueError("unknown format")
         for key in ("epoch", "step", "global_step"):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import keras
 
 from keras_distrib.callbacks import _common
 
 
-class BroadcastInitialWeights(keras.callbacks.Callback):
+class BroadcastInitialWeights(keras.callbacks.Callback):  # type: ignore[misc]  # Keras has no types
     """Copies the model's and the optimizer's variables from process `root`.
 
     Runs once per callback instance, at the start of the first `fit`, on
@@ -39,7 +41,7 @@ class BroadcastInitialWeights(keras.callbacks.Callback):
         self.root = root
         self.broadcast_done = False
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: _common.Logs = None) -> None:
         if self.broadcast_done:
             return
         strategy = _common.strategy_of(self)
@@ -55,7 +57,8 @@ class BroadcastInitialWeights(keras.callbacks.Callback):
         if optimizer is not None and not optimizer.built:
             with strategy.scope():
                 optimizer.build(self.model.trainable_variables)
-        variables, seen = [], set()
+        variables: list[Any] = []
+        seen: set[int] = set()
         for variable in [*self.model.variables, *(optimizer.variables if optimizer else [])]:
             if id(variable) not in seen:
                 seen.add(id(variable))

@@ -31,7 +31,7 @@ import copy
 import inspect
 import os
 import uuid
-from typing import Optional
+from typing import Any, Optional
 
 import keras
 
@@ -39,7 +39,7 @@ from keras_distrib import _compat
 from keras_distrib.callbacks import backup_and_restore as ours
 
 
-def adopt_keras_backup(callbacks):
+def adopt_keras_backup(callbacks: Any) -> Any:
     """`fit`'s `callbacks` with each adoptable Keras `BackupAndRestore`
     replaced by a `KerasBackupAndRestore`.
 

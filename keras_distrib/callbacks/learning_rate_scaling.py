@@ -11,7 +11,7 @@ from keras_distrib.callbacks import _learning_rate as lr_lib
 from keras_distrib.callbacks.scaled_schedule import ScaledSchedule
 
 
-class LearningRateScaling(keras.callbacks.Callback):
+class LearningRateScaling(keras.callbacks.Callback):  # type: ignore[misc]  # Keras has no types
     """Multiplies the learning rate by the number of replicas, once.
 
     The linear scaling rule (Goyal et al. 2017): with N replicas the global
@@ -51,7 +51,7 @@ class LearningRateScaling(keras.callbacks.Callback):
         self.applied_multiplier: Optional[float] = None
         self._done = False
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: _common.Logs = None) -> None:
         if self._done:
             return
         self._done = True

@@ -12,7 +12,7 @@ from keras_distrib.callbacks import _learning_rate as lr_lib
 from keras_distrib.callbacks.scaled_schedule import ConstantRate, ScaledSchedule
 
 
-class LearningRateWarmup(keras.callbacks.Callback):
+class LearningRateWarmup(keras.callbacks.Callback):  # type: ignore[misc]  # Keras has no types
     """Raises the learning rate linearly, per batch, to `lr * multiplier`.
 
     The gradual warmup of Goyal et al. (2017), "Accurate, Large Minibatch
@@ -89,7 +89,7 @@ class LearningRateWarmup(keras.callbacks.Callback):
         self._epoch = 0
         self._lr: Optional[float] = None
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: _common.Logs = None) -> None:
         strategy = _common.strategy_of(self)
         self._is_chief = strategy.is_chief
         self._optimizer = lr_lib.optimizer_of(self)
@@ -109,7 +109,7 @@ class LearningRateWarmup(keras.callbacks.Callback):
             # optimizer's step inside each step, not the batches seen here.
             schedule = ConstantRate(lr_lib.read_rate(self._optimizer))
         if schedule is None:
-            self._schedule = None
+            self._schedule: Optional[ScaledSchedule] = None
             self.initial_lr, _ = lr_lib.claim(
                 self._optimizer, "warmup", lr_lib.read_rate(self._optimizer)
             )
@@ -128,10 +128,10 @@ class LearningRateWarmup(keras.callbacks.Callback):
             self._schedule = ScaledSchedule(inner, self.multiplier, self.warmup_steps)
             lr_lib.install_schedule(self.model, self._optimizer, self._schedule)
 
-    def on_epoch_begin(self, epoch, logs=None):
+    def on_epoch_begin(self, epoch: int, logs: _common.Logs = None) -> None:
         self._epoch = epoch
 
-    def on_train_batch_begin(self, batch, logs=None):
+    def on_train_batch_begin(self, batch: int, logs: _common.Logs = None) -> None:
         if self._schedule is not None:
             step = int(np.asarray(self._optimizer.iterations))
             self._lr = float(np.asarray(self._schedule(step)))
@@ -150,7 +150,7 @@ class LearningRateWarmup(keras.callbacks.Callback):
                 f"to {self._lr:.6g}."
             )
 
-    def on_train_batch_end(self, batch, logs=None):
+    def on_train_batch_end(self, batch: int, logs: _common.Logs = None) -> None:
         if logs is not None:
             lr = self._lr if self._lr is not None else lr_lib.read_rate(self._optimizer)
             logs["lr"] = lr

@@ -8,7 +8,7 @@ import numpy as np
 from keras_distrib.callbacks import _common
 
 
-class MetricAverage(keras.callbacks.Callback):
+class MetricAverage(keras.callbacks.Callback):  # type: ignore[misc]  # Keras has no types
     """Replaces every number in the logs by its mean over the processes.
 
     At the end of each epoch (and of each training batch with
@@ -47,16 +47,16 @@ class MetricAverage(keras.callbacks.Callback):
             # the other callbacks' batch ends asynchronously.
             self.on_train_batch_end = self._average_batch
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: _common.Logs = None) -> None:
         self._strategy = _common.strategy_of(self)
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: _common.Logs = None) -> None:
         self.average(logs)
 
-    def _average_batch(self, batch, logs=None):
+    def _average_batch(self, batch: int, logs: _common.Logs = None) -> None:
         self.average(logs)
 
-    def average(self, logs) -> None:
+    def average(self, logs: _common.Logs) -> None:
         """Averages the numbers in `logs` over processes, in place."""
         strategy = getattr(self, "_strategy", None) or _common.strategy_of(self)
         if logs is None or strategy.world_size == 1:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import keras
 import numpy as np
 
 from keras_distrib.callbacks import _common
+from keras_distrib.strategies.base import Strategy
 
 # Per local replica: [non-finite flag, sum, sum of squares].
 _PER_REPLICA = 3
@@ -20,7 +21,7 @@ class ReplicaDivergenceError(RuntimeError):
     """Training state is non-finite or replicas no longer hold equal weights."""
 
 
-class ReplicaConsistencyCheck(keras.callbacks.Callback):
+class ReplicaConsistencyCheck(keras.callbacks.Callback):  # type: ignore[misc]  # Keras has no types
     """Every `every_n_steps` training steps, checks that training is sound.
 
     Three checks, over all replicas of all processes:
@@ -68,19 +69,19 @@ class ReplicaConsistencyCheck(keras.callbacks.Callback):
         """Training steps seen so far."""
         return self._counter.total
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: _common.Logs = None) -> None:
         self._strategy = _common.strategy_of(self)
 
-    def on_epoch_begin(self, epoch, logs=None):
+    def on_epoch_begin(self, epoch: int, logs: _common.Logs = None) -> None:
         self._counter.new_epoch()
 
-    def on_train_batch_end(self, batch, logs=None):
+    def on_train_batch_end(self, batch: int, logs: _common.Logs = None) -> None:
         before = self._counter.total
         self._counter.advance(batch)
         if self._counter.total // self.every_n_steps > before // self.every_n_steps:
             self.check((logs or {}).get("loss"))
 
-    def check(self, loss=None) -> None:
+    def check(self, loss: Any = None) -> None:
         """Runs the checks now (on every process); raises on a finding."""
         strategy = self._strategy
         mine = self._local_findings(strategy, loss)
@@ -89,7 +90,7 @@ class ReplicaConsistencyCheck(keras.callbacks.Callback):
         if message:
             raise ReplicaDivergenceError(message)
 
-    def _local_findings(self, strategy, loss) -> np.ndarray:
+    def _local_findings(self, strategy: Strategy, loss: Any) -> np.ndarray:
         loss_bad = loss is not None and not np.all(np.isfinite(np.asarray(loss, np.float64)))
         replicas: Optional[list[list[float]]] = None
         for variable in self.model.trainable_variables:
@@ -113,7 +114,8 @@ def verdict(gathered: np.ndarray, step: int, atol: float) -> Optional[str]:
     `gathered[r]` is process r's row as `_local_findings` builds it.
     """
     bad_loss = [rank for rank, row in enumerate(gathered) if row[1]]
-    replicas = []  # (global index, rank, non-finite, sum, sum of squares)
+    # (global index, rank, non-finite, sum, sum of squares)
+    replicas: list[tuple[int, int, bool, float, float]] = []
     for rank, row in enumerate(gathered):
         first, count = int(row[0]), int(row[2])
         stats = row[_HEADER : _HEADER + _PER_REPLICA * count].reshape(count, _PER_REPLICA)
@@ -121,7 +123,7 @@ def verdict(gathered: np.ndarray, step: int, atol: float) -> Optional[str]:
             replicas.append((first + i, rank, bool(nonfinite), total, squares))
     replicas.sort()
 
-    findings = []
+    findings: list[str] = []
     if bad_loss:
         findings.append(f"non-finite loss on {_ranks(bad_loss)}")
     nonfinite = [(g, r) for g, r, bad, _, _ in replicas if bad]
@@ -134,11 +136,11 @@ def verdict(gathered: np.ndarray, step: int, atol: float) -> Optional[str]:
             if abs(rep[3] - ref[3]) > atol or abs(rep[4] - ref[4]) > atol
         ]
         if apart:
-            first = apart[0]
+            one = apart[0]
             findings.append(
                 f"{_replicas([(g, r) for g, r, *_ in apart])} weights differ from replica "
                 f"{ref[0]} (rank {ref[1]}): checksum (sum, sum of squares) "
-                f"({first[3]:.9g}, {first[4]:.9g}) vs ({ref[3]:.9g}, {ref[4]:.9g})"
+                f"({one[3]:.9g}, {one[4]:.9g}) vs ({ref[3]:.9g}, {ref[4]:.9g})"
             )
     if not findings:
         return None
@@ -149,6 +151,6 @@ def _ranks(ranks: Sequence[int]) -> str:
     return ", ".join(f"rank {r}" for r in ranks)
 
 
-def _replicas(pairs) -> str:
+def _replicas(pairs: Sequence[tuple[int, int]]) -> str:
     word = "replica" if len(pairs) == 1 else "replicas"
     return f"{word} " + ", ".join(f"{g} (rank {r})" for g, r in pairs)

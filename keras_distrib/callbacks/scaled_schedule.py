@@ -6,10 +6,11 @@ from typing import Any
 
 import keras
 from keras import ops
+from keras.optimizers.schedules import LearningRateSchedule
 
 
 @keras.saving.register_keras_serializable(package="keras_distrib")
-class ScaledSchedule(keras.optimizers.schedules.LearningRateSchedule):
+class ScaledSchedule(LearningRateSchedule):  # type: ignore[misc]  # Keras has no types
     """Multiplies a schedule by `multiplier`, reached linearly over a warmup.
 
     `rate(step) = schedule(step) * factor(step)` where, with `step` the
@@ -38,8 +39,8 @@ class ScaledSchedule(keras.optimizers.schedules.LearningRateSchedule):
     ```
     """
 
-    def __init__(self, schedule, multiplier: float, warmup_steps: int = 0):
-        if not isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
+    def __init__(self, schedule: LearningRateSchedule, multiplier: float, warmup_steps: int = 0):
+        if not isinstance(schedule, LearningRateSchedule):
             raise TypeError(
                 "ScaledSchedule wraps a keras.optimizers.schedules.LearningRateSchedule, "
                 f"got {type(schedule).__name__}."
@@ -50,18 +51,18 @@ class ScaledSchedule(keras.optimizers.schedules.LearningRateSchedule):
         self.multiplier = float(multiplier)
         self.warmup_steps = int(warmup_steps)
 
-    def factor(self, step) -> Any:
+    def factor(self, step: Any) -> Any:
         """The multiplier applied at optimizer step `step`."""
         if self.warmup_steps == 0:
             return ops.convert_to_tensor(self.multiplier, "float32")
         progress = ops.minimum(ops.cast(step, "float32") / float(self.warmup_steps), 1.0)
         return 1.0 + (self.multiplier - 1.0) * progress
 
-    def __call__(self, step):
+    def __call__(self, step: Any) -> Any:
         rate = ops.convert_to_tensor(self.schedule(step))
         return rate * ops.cast(self.factor(step), rate.dtype)
 
-    def get_config(self) -> dict:
+    def get_config(self) -> dict[str, Any]:
         return {
             "schedule": keras.saving.serialize_keras_object(self.schedule),
             "multiplier": self.multiplier,
@@ -69,14 +70,14 @@ class ScaledSchedule(keras.optimizers.schedules.LearningRateSchedule):
         }
 
     @classmethod
-    def from_config(cls, config: dict) -> "ScaledSchedule":
+    def from_config(cls, config: dict[str, Any]) -> "ScaledSchedule":
         config = dict(config)
         config["schedule"] = keras.saving.deserialize_keras_object(config["schedule"])
         return cls(**config)
 
 
 @keras.saving.register_keras_serializable(package="keras_distrib")
-class ConstantRate(keras.optimizers.schedules.LearningRateSchedule):
+class ConstantRate(LearningRateSchedule):  # type: ignore[misc]  # Keras has no types
     """A learning rate that does not change: `rate(step) = rate`.
 
     `LearningRateWarmup` wraps a float rate in it (inside a `ScaledSchedule`)
@@ -88,8 +89,8 @@ class ConstantRate(keras.optimizers.schedules.LearningRateSchedule):
     def __init__(self, rate: float):
         self.rate = float(rate)
 
-    def __call__(self, step):
+    def __call__(self, step: Any) -> Any:
         return ops.convert_to_tensor(self.rate, "float32")
 
-    def get_config(self) -> dict:
+    def get_config(self) -> dict[str, Any]:
         return {"rate": self.rate}

@@ -12,7 +12,7 @@ import tensorflow as tf
 from keras_distrib.callbacks import _common
 
 
-class ThroughputMonitor(keras.callbacks.Callback):
+class ThroughputMonitor(keras.callbacks.Callback):  # type: ignore[misc]  # Keras has no types
     """Times the training steps and adds throughput to the epoch logs.
 
     Each training batch is timed from `on_train_batch_begin` to
@@ -76,24 +76,24 @@ class ThroughputMonitor(keras.callbacks.Callback):
         self.global_batch_size = global_batch_size
         self.single_worker_throughput = single_worker_throughput
         self.log_dir = log_dir
-        self._writer = None
+        self._writer: Optional[tf.summary.SummaryWriter] = None
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: _common.Logs = None) -> None:
         self._strategy = _common.strategy_of(self)
         self._skip_next = True
         if self.log_dir and self._strategy.is_chief and self._writer is None:
             self._writer = tf.summary.create_file_writer(self.log_dir)
 
-    def on_epoch_begin(self, epoch, logs=None):
+    def on_epoch_begin(self, epoch: int, logs: _common.Logs = None) -> None:
         self._step_times: list[float] = []
         self._busy = 0.0
         self._steps = 0
 
-    def on_train_batch_begin(self, batch, logs=None):
+    def on_train_batch_begin(self, batch: int, logs: _common.Logs = None) -> None:
         self._begin_batch = batch
         self._start = time.perf_counter()
 
-    def on_train_batch_end(self, batch, logs=None):
+    def on_train_batch_end(self, batch: int, logs: _common.Logs = None) -> None:
         elapsed = time.perf_counter() - self._start
         if self._skip_next:
             self._skip_next = False
@@ -103,7 +103,7 @@ class ThroughputMonitor(keras.callbacks.Callback):
         self._steps += steps
         self._step_times.extend([elapsed / steps] * steps)
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: _common.Logs = None) -> None:
         timed = self._steps > 0
         world_size, rank = self._strategy.world_size, self._strategy.rank
         own = self._steps * self.global_batch_size / self._busy if timed else 0.0
@@ -143,7 +143,7 @@ class ThroughputMonitor(keras.callbacks.Callback):
                                           step=epoch)
             self._writer.flush()
 
-    def on_train_end(self, logs=None):
+    def on_train_end(self, logs: _common.Logs = None) -> None:
         if self._writer is not None:
             self._writer.close()
             self._writer = None

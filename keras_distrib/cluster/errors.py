@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Iterable
+
 __all__ = ["ClusterConfigError", "PeersMissingError"]
 
 
@@ -18,6 +20,6 @@ class PeersMissingError(ClusterConfigError):
     """Peers did not answer at start-up; `ranks` are the training tasks
     among them (positions in `ClusterInfo.workers`)."""
 
-    def __init__(self, message: str, ranks: tuple = ()):
+    def __init__(self, message: str, ranks: Iterable[int] = ()):
         super().__init__(message)
         self.ranks = tuple(ranks)

@@ -124,7 +124,7 @@ def _own_address_of_name(name: str) -> str:
     except (OSError, UnicodeError):
         return ""  # TensorFlow's server listens on every interface anyway
     for _, _, _, _, sockaddr in infos:
-        ip = sockaddr[0]
+        ip = str(sockaddr[0])  # (host, port, ...): the host is a str for IP families
         if not ipaddress.ip_address(ip.split("%")[0]).is_loopback and _is_own_ip(ip):
             return ip
     return ""

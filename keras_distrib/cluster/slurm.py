@@ -218,7 +218,7 @@ def _check_slurm_placement(
     host, port = parse_address(workers[rank], "Slurm worker")
     node = environ.get("SLURMD_NODENAME")
     local_id = environ.get("SLURM_LOCALID")
-    expected_port = port_base + int(local_id) if (local_id or "").isdigit() else port
+    expected_port = port_base + int(local_id) if local_id and local_id.isdigit() else port
     if (node and node != host) or expected_port != port:
         raise ClusterConfigError(
             f"Slurm task {rank} runs on node {node or host!r} with local id "

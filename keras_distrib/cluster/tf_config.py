@@ -134,7 +134,7 @@ def _tf_config_tasks(cluster: Any) -> dict[str, list[tuple[str, Any]]]:
                 f"TF_CONFIG cluster.{task_type} must be a list of 'host:port' "
                 f"strings, got {type(addresses).__name__}."
             )
-    tasks = {t: [] for t in roles.TASK_TYPES}
+    tasks: dict[str, list[tuple[str, Any]]] = {t: [] for t in roles.TASK_TYPES}
     for key in _CLUSTER_KEYS:
         task_type = roles.CHIEF if key == roles.LEGACY_CHIEF else key
         tasks[task_type] += [

@@ -139,8 +139,10 @@ class HostAllReduce(PeerGroup):
         if not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id):
             raise ValueError(f"job_id={job_id!r} must be 1 to 64 letters, digits, '_' or '-'.")
         super().__init__(rank, world_size, job_id, timeout, directory)
-        self._segment = None  # mmap of the header page + 2 x world_size slots
-        self._slots = None  # uint8 view, shape (2, world_size, slot_bytes)
+        # The mmap of the header page + 2 x world_size slots, and its uint8
+        # view of shape (2, world_size, slot_bytes).
+        self._segment: Optional[mmap.mmap] = None
+        self._slots: Optional[np.ndarray] = None
         self._generation = 0
         self._calls = 0
         self._layouts: dict = {}
@@ -227,6 +229,7 @@ class HostAllReduce(PeerGroup):
         array = np.ascontiguousarray(array)
         flat = array.reshape(-1)
         self._reserve(flat.nbytes)
+        assert self._slots is not None  # made by _reserve
         buffers = self._slots[self._calls % 2]
         self._calls += 1
         buffers[self.rank][:flat.nbytes].view(flat.dtype)[:] = flat
@@ -247,7 +250,7 @@ class HostAllReduce(PeerGroup):
         peer's slot, in the order `all_reduce` sums a chunk. One barrier is
         enough, as in `all_gather`.
         """
-        tables = [np.ascontiguousarray(t) for t in tables]
+        tables = tuple(np.ascontiguousarray(t) for t in tables)
         dtype = tables[0].dtype
         for t in tables:
             if t.ndim != 2 or t.shape[0] != self.world_size or t.dtype != dtype:
@@ -255,6 +258,7 @@ class HostAllReduce(PeerGroup):
                                  f"dtype, not {t.dtype} of shape {t.shape}")
         offsets = np.cumsum([0] + [t.size for t in tables])
         self._reserve(int(offsets[-1]) * dtype.itemsize)
+        assert self._slots is not None  # made by _reserve
         buffers = self._slots[self._calls % 2]
         self._calls += 1
         slots = [b[:int(offsets[-1]) * dtype.itemsize].view(dtype) for b in buffers]
@@ -279,6 +283,7 @@ class HostAllReduce(PeerGroup):
         flats = [a.reshape(-1) for a in arrays]
         groups, nbytes = self._layout(arrays)
         self._reserve(nbytes)
+        assert self._slots is not None  # made by _reserve
         buffers = self._slots[self._calls % 2]
         self._calls += 1
         views = [[b[offset:offset + count * dtype.itemsize].view(dtype) for b in buffers]

@@ -24,7 +24,8 @@ def cut(values: Sequence[tf.Tensor], max_bytes: int) -> tuple[list, Plan]:
     """`values` with each one larger than `max_bytes` (> 0) replaced by
     the consecutive pieces of its flattened elements, and the plan
     `join` needs. Values of unknown shape pass whole."""
-    pieces, plan = [], []
+    pieces: list[tf.Tensor] = []
+    plan: Plan = []
     for value in values:
         count = value.shape.num_elements()
         per_piece = max(1, max_bytes // value.dtype.size)

@@ -49,7 +49,7 @@ def layout_key(arrays: Sequence[np.ndarray]) -> tuple:
 class ResultBuffers:
     """Aligned memory for the results of successive calls, reused when free."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._buffers: list = []  # buffers the results are views of
 
     def take(self, nbytes: int) -> np.ndarray:

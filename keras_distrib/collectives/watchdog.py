@@ -113,8 +113,12 @@ class CollectiveWatchdog:
                                  stateful=True, name="kd_watchdog_arm")
 
     def _disarmed_after(self, token: tf.Tensor, results: list) -> list:
+        def disarm(t: np.ndarray) -> np.int64:
+            self.disarm(int(t))
+            return np.int64(0)
+
         with tf.control_dependencies(results):
-            done = tf.numpy_function(lambda t: np.int64(self.disarm(t) or 0), [token], tf.int64,
+            done = tf.numpy_function(disarm, [token], tf.int64,
                                      stateful=True, name="kd_watchdog_disarm")
         with tf.control_dependencies([done]):
             return [tf.identity(r) for r in results]

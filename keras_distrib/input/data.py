@@ -26,7 +26,7 @@ import tensorflow as tf
 def is_positive_int(value) -> bool:
     """An integer >= 1 (numpy integers too), not a bool."""
     return (isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-            and value >= 1)
+            and int(value) >= 1)
 
 
 def check_batch_size(batch_size: Optional[int], name: str = "batch_size") -> None:

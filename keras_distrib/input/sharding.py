@@ -24,7 +24,7 @@ of a resumable `fit`, take this path with one worker too (see
 from __future__ import annotations
 
 import itertools
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import keras
 import numpy as np
@@ -86,8 +86,10 @@ def fit_input(strategy, fit: FitInput) -> FitInput:
         steps_per_epoch=steps if steps is not None else fit.steps_per_epoch, seed=seed)
 
 
-def shard(strategy, x, y=None, sample_weight=None, batch_size=None, shuffle=False, seed=0,
-          repeat=False, first_epoch=0):
+def shard(strategy: Any, x: Any, y: Any = None, sample_weight: Any = None,
+          batch_size: Optional[int] = None, shuffle: Union[bool, str] = False,
+          seed: Optional[int] = 0, repeat: bool = False,
+          first_epoch: int = 0) -> tuple[Any, Optional[int]]:
     """This worker's share of `(x, y, sample_weight)` as one Keras input.
 
     With `repeat=True` (arrays only) the batches of one epoch follow each
@@ -96,6 +98,9 @@ def shard(strategy, x, y=None, sample_weight=None, batch_size=None, shuffle=Fals
     whole run instead of building and tearing down one per epoch (a
     teardown waits for tf.data's autotune thread, below).
     Shuffled arrays and PyDatasets start at epoch `first_epoch`'s order.
+
+    `strategy` is the model's (a `keras_distrib.strategies` Strategy, a
+    layer above this one).
 
     Returns:
         `(inputs, batch_size)` to hand to Keras in place of the originals

@@ -62,8 +62,8 @@ class Attempt:
     restarts: int = 0  # the restarts of the job before it
     # Asked while it runs: whether to stop it, to resize the job (`endings.watch`).
     resize: Callable[[], bool] = lambda: False
-    # Its children, in the order of `specs` (None: not started yet).
-    children: list[Optional[Child]] = dataclasses.field(default_factory=list)
+    # Its children, in the order of `specs`, as they start.
+    children: list[Child] = dataclasses.field(default_factory=list)
     # Children it replaced while it ran, to be waited for when it ends.
     replaced: list[Child] = dataclasses.field(default_factory=list)
     started: float = 0.0  # `time.monotonic()` when it started
@@ -129,10 +129,9 @@ class Agent:
                 result = kind.monitor(attempt, self)
                 return kind.stop(attempt, result, self)
             finally:
-                started = [c for c in attempt.children if c is not None]
-                for child in started:
+                for child in attempt.children:
                     child.signal_group(signal.SIGKILL)
-                for child in started + attempt.replaced:
+                for child in attempt.children + attempt.replaced:
                     child.proc.wait()
                     child.reader.join(timeout=5)
                 self.printer.end_line()

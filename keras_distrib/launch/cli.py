@@ -131,7 +131,7 @@ from keras_distrib.launch.config import (DEFAULT_SSH_COMMAND, ELASTIC_GRACE, GRA
 from keras_distrib.launch.plan import (DEFAULT_REMOTE_PORT_BASE, check_local_ports,
                                        plan, print_dry_run, write_output_dir)
 from keras_distrib.launch.parameter_server import DEFAULT_WORKER_RESTARTS
-from keras_distrib.launch.supervise import ElasticJob, supervise
+from keras_distrib.launch.supervise import ElasticJob, JobKind, supervise
 
 SUBCOMMANDS = ("launch",)
 USAGE = ("keras-distrib launch -n N [--hosts H1:S1,H2:S2] script.py [script args...]; "
@@ -347,7 +347,7 @@ def _nproc() -> int:
             raise LaunchError("--workers is required with --ps, e.g. "
                               "`keras-distrib launch --workers 2 --ps 1 train.py`.")
         raise LaunchError("-n/--nproc is required, e.g. `keras-distrib launch -n 2 train.py`.")
-    return nproc if nproc is not None else workers
+    return int(nproc if nproc is not None else workers)
 
 
 # --------------------------------------------------------------------------
@@ -370,7 +370,7 @@ def launch(config: LaunchConfig, out: Optional[TextIO] = None,
     out, err = out or sys.stdout, err or sys.stderr
     check_config(config)
     if config.backend == "horovod":
-        job = backends.horovod_job(config)  # fails now when Horovod is missing
+        job: JobKind = backends.horovod_job(config)  # fails now when Horovod is missing
         if config.min_workers:
             return supervise(ElasticJob(config), config, out, err).exit_code
         if not config.hosts:

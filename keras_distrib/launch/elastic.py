@@ -138,10 +138,20 @@ class ElasticJob(JobKind):
             self._rendezvous, self._last_culprit, self._last_ports = rendezvous, None, set()
             yield
 
+    def _held(self) -> Rendezvous:
+        """The rendezvous of the run under way (`session` holds it)."""
+        assert self._rendezvous is not None
+        return self._rendezvous
+
+    def _membership(self) -> _Membership:
+        """The slots of the run under way (from `first_attempt` on)."""
+        assert self._state is not None
+        return self._state
+
     def first_attempt(self, agent: Agent) -> Union[Attempt, SuperviseResult]:
         """On the slots whose hosts are present; says which are not."""
         config, hosts = self.config, self._hosts
-        gone = self._rendezvous.out([h for h in hosts if not cluster_lib.is_local_host(h)])
+        gone = self._held().out([h for h in hosts if not cluster_lib.is_local_host(h)])
         self._state = _Membership(hosts, [s for s, h in enumerate(hosts) if h not in gone],
                                   list(gone))
         if gone:
@@ -151,7 +161,7 @@ class ElasticJob(JobKind):
 
     def monitor(self, attempt: Attempt, agent: Agent) -> SuperviseResult:
         """Also ends the attempt when a lost host answers again (`RESIZING`)."""
-        rejoin = _Rejoin(self._state.lost, self._rendezvous)
+        rejoin = _Rejoin(self._membership().lost, self._held())
         attempt.resize = lambda: rejoin.returned is not None
         try:
             return super().monitor(attempt, agent)
@@ -164,8 +174,9 @@ class ElasticJob(JobKind):
         """With a host taken back (not a restart); after a failure, while
         the restart policy allows, without the hosts lost or the slot
         charged with it (`_shrink`)."""
-        config, state, restarts = self.config, self._state, attempt.restarts
+        config, state, restarts = self.config, self._membership(), attempt.restarts
         if result.ending is Ending.RESIZING:
+            assert self._returned is not None  # RESIZING: a lost host answered again
             _take_back(state, self._returned, agent.printer, agent.err)
             return self._attempt(attempt.number + 1, restarts, agent, result)
         if not should_restart(result, restarts, agent):
@@ -174,13 +185,13 @@ class ElasticJob(JobKind):
         # What the ranks said before the launcher stopped any of them.
         charged = _charged(result, config,
                            agent.printer.accounts.lost_between(attempt.started, result.seen))
-        known = charged.rank is not None and charged.rank < len(state.members)
-        culprit = state.members[charged.rank] if known else None
+        rank = charged.rank
+        culprit = state.members[rank] if rank is not None and rank < len(state.members) else None
         again = (culprit is not None and culprit == self._last_culprit
                  and time.monotonic() - attempt.started < config.elastic_grace)
         self._last_culprit = culprit
         left_out = culprit if (again or charged.partition) else None
-        if _shrink(state, left_out, charged, result, restarts, config, self._rendezvous,
+        if _shrink(state, left_out, charged, result, restarts, config, self._held(),
                    agent.printer, agent.err):
             self._last_culprit = None  # a lost host explains the failure
         return self._attempt(attempt.number + 1, restarts, agent, result)
@@ -188,9 +199,10 @@ class ElasticJob(JobKind):
     def _attempt(self, number: int, restarts: int, agent: Agent,
                  last: Optional[SuperviseResult]) -> Union[Attempt, SuperviseResult]:
         """The attempt on the member slots; below --min_workers, the job's end."""
-        if len(self._state.members) < self.config.min_workers:
-            return _too_few(self._state, self.config, restarts, agent.err, last)
-        job = _job(self.config, self._state, number, self._last_ports)
+        state = self._membership()
+        if len(state.members) < self.config.min_workers:
+            return _too_few(state, self.config, restarts, agent.err, last)
+        job = _job(self.config, state, number, self._last_ports)
         return Attempt(number, functools.partial(job.specs, number), job.private_dir,
                        restarts=restarts)
 
@@ -245,6 +257,7 @@ def _shrink(state: _Membership, left_out: Optional[int], charged: blame.Charge,
             who = ("its rank failed" if charged.rank == _first(result, config)
                    else "the other ranks lost its rank")
             why = f"{where} ({who} again within --elastic_grace={config.elastic_grace:g}s)"
+    assert result.failed is not None  # a failed attempt's result names its child
     say(err, f"restart {restarts}/{config.max_restarts}: {result.failed.outcome()}.")
     if len(state.members) != before:
         note(printer, err, f"{before} -> {len(state.members)} workers: {why}; "
@@ -255,7 +268,9 @@ def _shrink(state: _Membership, left_out: Optional[int], charged: blame.Charge,
 def _first(result: SuperviseResult, config: LaunchConfig) -> Optional[int]:
     """The rank that failed first; horovodrun, one child, says which of its
     ranks did (or nothing)."""
-    return result.failed.index if config.backend == "tf" else result.failed.first_rank
+    failed = result.failed
+    assert failed is not None  # a failed attempt's result names its child
+    return failed.index if config.backend == "tf" else failed.first_rank
 
 
 def _out_because(gone: dict) -> str:

@@ -127,7 +127,9 @@ def watch(children: Sequence[Child], trap: SignalTrap, deadline: Optional[float]
                        if c.exit_code not in (None, 0)), None)
         if failed is not None:
             child = children[failed]
-            how = ChildExit(failed, child.label, child.exit_code,
+            code = child.exit_code
+            assert code is not None  # it exited: it is the one failed
+            how = ChildExit(failed, child.label, code,
                             first_rank=child.first_failed_rank)
             return SuperviseResult(Ending.CHILD_FAILED, how.exit_code, failed=how,
                                    seen=time.monotonic())
@@ -186,6 +188,7 @@ def end(result: SuperviseResult, children: Sequence[Child], config: LaunchConfig
     children in messages (`rank`, or `task` in a parameter-server job).
     """
     if result.ending is Ending.INTERRUPTED:
+        assert result.signum is not None  # an INTERRUPTED result names its signal
         printer.end_line()  # a progress bar must not swallow the message
         say(err, f"got {signal_name(result.signum)}; stopping all {unit}s.")
         stop(children, trap, config.grace_seconds)
@@ -208,6 +211,7 @@ def end(result: SuperviseResult, children: Sequence[Child], config: LaunchConfig
         flight.show(children, printer.accounts, err, f"--timeout={config.timeout:g}s passed")
         stop(children, trap, config.grace_seconds)
     elif result.ending is Ending.CHILD_FAILED:
+        assert result.failed is not None  # a CHILD_FAILED result names its child
         stopped = tuple(filter(None, (describe_stopped(c) for c in children)))
         if printer.accounts.since(started):  # a rank stalled: where is everyone?
             printer.end_line()
@@ -228,6 +232,7 @@ def end(result: SuperviseResult, children: Sequence[Child], config: LaunchConfig
 def _report_failure(result: SuperviseResult, err: TextIO) -> None:
     """The failed child, its last lines, and any stopped child as the likely cause."""
     failed = result.failed
+    assert failed is not None
     lines = [f"keras-distrib: {failed.outcome()}; last output:"]
     lines += [f"    {line}" for line in failed.tail] or ["    (no output)"]
     for stopped in result.stopped:

@@ -132,7 +132,7 @@ class Accounts:
     label, when each child's recorder said it was ready to answer, the
     peers each said it lost, and when any last said it made progress."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Condition()
         self._latest: dict[str, tuple[float, dict]] = {}  # label -> (monotonic, account)
         self._ready: dict[str, float] = {}  # label -> monotonic

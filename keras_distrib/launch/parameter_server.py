@@ -65,9 +65,10 @@ class ParameterServerJob(JobKind):
 
     def start(self, attempt: Attempt, specs: Sequence[ChildSpec], agent: Agent) -> None:
         """The servers first: the chief connects to them as soon as it can."""
-        attempt.children = [None] * len(specs)
-        for i in [*range(1, len(specs)), 0]:
-            attempt.children[i] = agent.start_child(specs[i])
+        attempt.children = []
+        for spec in specs[1:]:
+            attempt.children.append(agent.start_child(spec))
+        attempt.children.insert(0, agent.start_child(specs[0]))
 
     def monitor(self, attempt: Attempt, agent: Agent) -> SuperviseResult:
         return _watch_parameter_server(self, attempt, agent)

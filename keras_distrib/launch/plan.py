@@ -334,13 +334,15 @@ def write_output_dir(plans: Sequence[RankPlan], config: LaunchConfig) -> None:
     In a parameter-server job the files are named by role and index:
     `chief-0.tf_config.json`, `worker-1.tf_config.json`, `ps-0.tf_config.json`.
     """
-    os.makedirs(config.output_dir, exist_ok=True)
+    output_dir = config.output_dir
+    assert output_dir is not None  # called when --output_dir is given
+    os.makedirs(output_dir, exist_ok=True)
     by_host: dict[str, list[RankPlan]] = {}
     for p in plans:
         by_host.setdefault(p.host, []).append(p)
         name = (f"{p.info.task_type}-{p.info.task_index}" if config.parameter_server
                 else f"rank-{p.rank}")
-        path = os.path.join(config.output_dir, f"{name}.tf_config.json")
+        path = os.path.join(output_dir, f"{name}.tf_config.json")
         with open(path, "w") as f:
             f.write(p.info.tf_config_json() + "\n")
     for host, host_plans in by_host.items():
@@ -352,7 +354,7 @@ def write_output_dir(plans: Sequence[RankPlan], config: LaunchConfig) -> None:
         lines += [shell_command(p, config) + " &" for p in host_plans]
         lines.append("wait")
         safe = re.sub(r"[^A-Za-z0-9._-]", "_", host)
-        path = os.path.join(config.output_dir, f"host-{safe}.sh")
+        path = os.path.join(output_dir, f"host-{safe}.sh")
         with open(path, "w") as f:
             f.write("\n".join(lines) + "\n")
         os.chmod(path, 0o755)

@@ -26,7 +26,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Optional, Sequence
+import types
+from typing import Any, Callable, Optional, Sequence, Union
 
 from keras_distrib.cluster.launch_contract import PREEMPTED
 from keras_distrib.cluster.process_state import state_letter
@@ -81,7 +82,8 @@ class Child:
 
     def __init__(self, spec: ChildSpec, tail_lines: int, printer: Printer):
         self.label = spec.label
-        self._ranks, self._final = spec.ranks, None
+        self._ranks = spec.ranks
+        self._final: Optional[int] = None
         self.tail: collections.deque[str] = collections.deque(maxlen=max(tail_lines, 1))
         # Own session: a signal to the group reaches the rank and anything it
         # spawned, and a terminal's Ctrl-C reaches only the launcher, which
@@ -101,14 +103,16 @@ class Child:
         # os.read, not readline: a progress bar's redraws end in no newline
         # and must show as they come.
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        fd = self.proc.stdout.fileno()
+        stdout = self.proc.stdout
+        assert stdout is not None  # started with stdout=PIPE
+        fd = stdout.fileno()
         try:
             while data := os.read(fd, 65536):
                 self._sink.feed(decoder.decode(data))
             self._sink.feed(decoder.decode(b"", final=True))
             self._sink.close()
         finally:
-            self.proc.stdout.close()
+            stdout.close()
 
     @property
     def running(self) -> bool:
@@ -140,9 +144,11 @@ class Child:
         """Asks the child for its flight-recorder account (`launch.flight`),
         on its standard input; a child that stopped reading is not waited for."""
         line = "report " + " ".join(why.split()) + "\n"
+        stdin = self.proc.stdin
+        assert stdin is not None  # started with stdin=PIPE
         try:
-            os.set_blocking(self.proc.stdin.fileno(), False)
-            os.write(self.proc.stdin.fileno(), line.encode())
+            os.set_blocking(stdin.fileno(), False)
+            os.write(stdin.fileno(), line.encode())
         except (OSError, ValueError):
             pass  # exited, or its pipe is full: it shows as not answering
 
@@ -153,6 +159,10 @@ class Child:
             pass  # the group is gone already
 
 
+# What signal.signal returns and takes: a handler, SIG_DFL or SIG_IGN, or None.
+_Handler = Union[Callable[[int, Optional[types.FrameType]], Any], int, signal.Handlers, None]
+
+
 class SignalTrap:
     """Records SIGINT/SIGTERM/SIGHUP instead of dying, so children can be
     stopped; and SIGUSR1, a request for the ranks' flight-recorder screen
@@ -160,10 +170,10 @@ class SignalTrap:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.received: list[int] = []
         self._accounts_wanted = 0
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, _Handler] = {}
 
     def __enter__(self) -> "SignalTrap":
         # Handlers can only be set from the main thread; elsewhere (a caller's
@@ -230,5 +240,5 @@ def describe_stopped(child: Child) -> Optional[str]:
     lost connections): it, not they, is what to look at.
     """
     state = state_letter(child.proc.pid) if child.running else None
-    how = {"T": "SIGSTOP", "t": "held by a debugger"}.get(state)
+    how = {"T": "SIGSTOP", "t": "held by a debugger"}.get(state or "")
     return f"{child.label} (pid {child.proc.pid}) was stopped ({how})" if how else None

@@ -98,9 +98,11 @@ class Rendezvous:
                          name="keras_distrib-rendezvous").start()
 
     def _accept(self) -> None:
+        server = self._server
+        assert server is not None  # started once the port is held
         while True:
             try:
-                connection, _ = self._server.accept()
+                connection, _ = server.accept()
             except OSError:
                 return  # closed
             connection.close()

@@ -77,6 +77,7 @@ class Job(JobKind):
         if not should_restart(result, restarts, agent):
             return finish(result, restarts, len(self), agent)
         restarts += 1
+        assert result.failed is not None  # should_restart: a CHILD_FAILED result
         say(agent.err, f"restart {restarts}/{agent.config.max_restarts}: "
                        f"{result.failed.outcome()}; starting all {len(self)} ranks again"
                        f"{from_backup(agent.printer, ', from the last backup', unknown='')}.")
@@ -131,8 +132,10 @@ def _summarize(result: SuperviseResult, size: int, config: LaunchConfig, err: Te
     if result.ending is Ending.SUCCEEDED:
         what = f"all {size} ranks succeeded" if size > 1 else "the rank succeeded"
     elif result.ending is Ending.CHILD_FAILED:
+        assert result.failed is not None  # a CHILD_FAILED result names its child
         what = result.failed.outcome_and_last_line()
     elif result.ending is Ending.INTERRUPTED:
+        assert result.signum is not None  # an INTERRUPTED result names its signal
         what = f"stopped by {signal_name(result.signum)}"
     else:
         what = f"timed out after {config.timeout:g}s"

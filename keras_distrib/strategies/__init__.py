@@ -16,7 +16,17 @@ launcher pay for none of them.
 """
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the names below as type checkers see them (at run time: `__getattr__`)
+    from keras_distrib.strategies.base import ReplicaMemory as ReplicaMemory
+    from keras_distrib.strategies.base import Strategy as Strategy
+    from keras_distrib.strategies.mirrored import Mirrored as Mirrored
+    from keras_distrib.strategies.multi_worker import MultiWorker as MultiWorker
+    from keras_distrib.strategies.registry import available as available
+    from keras_distrib.strategies.registry import register as register
+    from keras_distrib.strategies.resolve import get as get
+    from keras_distrib.strategies.single import SingleDevice as SingleDevice
 
 # Public name -> module that defines it.
 _LAZY = {

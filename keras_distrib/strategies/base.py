@@ -35,7 +35,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
-from typing import Any, Callable, ClassVar, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, Sequence, Union
 
 import numpy as np
 import tensorflow as tf
@@ -46,6 +46,9 @@ from keras_distrib.input.fit_input import FitInput
 from keras_distrib.strategies.cross_process import CrossProcessHelpers
 from keras_distrib.topology import Topology
 from keras_distrib.training import gradients as gradients_lib
+
+if TYPE_CHECKING:  # not at import: it loads Keras
+    from keras_distrib.optimizers import Compression
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +88,7 @@ class Step:
     gradients.
     """
 
-    fn: Callable
+    fn: Callable[..., Any]
     kind: str
     custom: bool = False
     applies: bool = True
@@ -116,13 +119,14 @@ class ReplicaMemory:
 def _size(count: float) -> str:
     if count < 1024:
         return f"{count:.0f} B"
-    for unit in ("KiB", "MiB", "GiB"):
+    for unit in ("KiB", "MiB"):
         count /= 1024
-        if count < 1024 or unit == "GiB":
+        if count < 1024:
             return f"{count:.1f} {unit}"
+    return f"{count / 1024:.1f} GiB"
 
 
-def variable_bytes(variables, parts: int = 1) -> int:
+def variable_bytes(variables: Sequence[Any], parts: int = 1) -> int:
     """Bytes of `variables`' values (one copy each), or of one of `parts`
     equal parts of each (rounded up)."""
     return sum(-(-int(np.prod(v.shape)) // parts)
@@ -153,7 +157,7 @@ class Strategy(CrossProcessHelpers):
     # data-parallel strategies that take the option).
     optimizer_sharding: Optional[str] = None
 
-    def __init_subclass__(cls, **kwargs):
+    def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if cls.__dict__.get("name"):
             from keras_distrib.strategies import registry
@@ -217,14 +221,14 @@ class Strategy(CrossProcessHelpers):
     # -- placement --------------------------------------------------------------
 
     @abc.abstractmethod
-    def scope(self) -> contextlib.AbstractContextManager:
+    def scope(self) -> contextlib.AbstractContextManager[Any]:
         """Context under which variables are created for this strategy."""
 
     @abc.abstractmethod
     def holds(self, variable: Any) -> bool:
         """Whether `variable` was created under this strategy's scope."""
 
-    def place(self, model) -> list:
+    def place(self, model: Any) -> list[Any]:
         """Makes `model`'s variables this strategy's, in place, and returns
         the variables it moved.
 
@@ -243,21 +247,22 @@ class Strategy(CrossProcessHelpers):
         placement.remake(moving, self, model)
         return moving
 
-    def whole_weights(self, model) -> list[np.ndarray]:
+    def whole_weights(self, model: Any) -> list[np.ndarray]:
         """`model.get_weights()`: its weights as a plain Keras model of the
         same architecture lists them (Keras's own list by default; strategies
         that split variables gather each one's parts)."""
         import keras  # not at import, as in place()
 
-        return keras.layers.Layer.get_weights(model)
+        weights: list[np.ndarray] = keras.layers.Layer.get_weights(model)
+        return weights
 
-    def set_whole_weights(self, model, weights: Sequence[Any]) -> None:
+    def set_whole_weights(self, model: Any, weights: Sequence[Any]) -> None:
         """`model.set_weights(weights)`, from such a list."""
         import keras
 
         keras.layers.Layer.set_weights(model, weights)
 
-    def describe(self, model) -> ReplicaMemory:
+    def describe(self, model: Any) -> ReplicaMemory:
         """Bytes each replica holds for `model` (every replica a whole copy
         of the weights and gradients, or with `optimizer_sharding="gradients"`
         the reduced gradients of its parts; strategies that split the model
@@ -296,7 +301,8 @@ class Strategy(CrossProcessHelpers):
             return fit
         return sharding.fit_input(self, fit)
 
-    def distribute_input(self, x, y=None, sample_weight=None, batch_size=None):
+    def distribute_input(self, x: Any, y: Any = None, sample_weight: Any = None,
+                         batch_size: Optional[int] = None) -> tuple[Any, Any, Any, Optional[int]]:
         """`(x, y, sample_weight, batch_size)` for `evaluate` / `predict`."""
         if self.topology.num_data_shards == 1:
             return x, y, sample_weight, batch_size
@@ -310,7 +316,8 @@ class Strategy(CrossProcessHelpers):
     # -- execution ----------------------------------------------------------------
 
     @abc.abstractmethod
-    def make_step_function(self, model, step: Step, keras_make_function: Callable):
+    def make_step_function(self, model: Any, step: Step,
+                           keras_make_function: Callable[..., Any]) -> Callable[..., Any]:
         """The train/test function Keras's loop calls, from a per-replica step.
 
         Args:
@@ -323,13 +330,15 @@ class Strategy(CrossProcessHelpers):
         """
 
     @abc.abstractmethod
-    def make_predict_function(self, model, step: Step, keras_make_predict_function: Callable):
+    def make_predict_function(self, model: Any, step: Step,
+                              keras_make_predict_function: Callable[..., Any]
+                              ) -> Callable[..., Any]:
         """The predict function Keras's loop calls (all rows, in order), from
         the per-replica `step` (kind `"predict"`); `keras_make_predict_function()`
         is Keras's own, which runs `model.predict_step` as one replica."""
 
     @abc.abstractmethod
-    def run(self, replica_fn: Callable, batch: Any):
+    def run(self, replica_fn: Callable[..., Any], batch: Any) -> Any:
         """Runs `replica_fn(shard)` on this process's replicas.
 
         `batch` is this process's part of the global batch; it is split over
@@ -339,7 +348,7 @@ class Strategy(CrossProcessHelpers):
     # -- gradient reduction (replica context) ----------------------------------------
 
     @abc.abstractmethod
-    def all_reduce(self, values: Sequence[tf.Tensor], op: str = "sum") -> list:
+    def all_reduce(self, values: Sequence[tf.Tensor], op: str = "sum") -> list[tf.Tensor]:
         """Sums (or averages) a list of tensors over all replicas."""
 
     def all_gather(self, value: tf.Tensor) -> tf.Tensor:
@@ -355,7 +364,7 @@ class Strategy(CrossProcessHelpers):
         (table,) = self.all_reduce([tf.pad(value[None], padding)], "sum")
         return table
 
-    def reduce_scatter(self, tables: Sequence[tf.Tensor]) -> list:
+    def reduce_scatter(self, tables: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         """Row `replica_index()` of the sum over replicas of each of `tables`
         (`[num_replicas, k]` each, shapes the same on all), replica context. By
         default an all-reduce, then the rows; engines with a reduce-scatter
@@ -363,7 +372,8 @@ class Strategy(CrossProcessHelpers):
         here = tf.cast(self.replica_index(), tf.int32)
         return [tf.gather(t, here) for t in self.all_reduce(list(tables), "sum")]
 
-    def reduce_gradients(self, gradients: list, num_samples, compression=None) -> list:
+    def reduce_gradients(self, gradients: list[tf.Tensor], num_samples: Any,
+                         compression: Optional[Compression] = None) -> list[tf.Tensor]:
         """Global mean gradient from each replica's gradient of its loss *sum*.
 
         The replica's sample count travels in the same all-reduce as the
@@ -383,19 +393,20 @@ class Strategy(CrossProcessHelpers):
         return [g * tf.cast(scale, g.dtype) for g in gradients]
 
     def gather_sparse_gradients(self, gradients: Sequence[tf.IndexedSlices],
-                                num_samples) -> list:
+                                num_samples: Any) -> list[tf.IndexedSlices]:
         """Sparse gradients of every replica, as one device holds them for
         the global batch (`keras_distrib.training.gradients.gather_sparse`:
         only the batch's rows travel, in two all-reduces)."""
         return gradients_lib.gather_sparse(self.all_reduce, self.num_replicas,
                                            self.replica_index(), gradients, num_samples)
 
-    def replica_index(self):
+    def replica_index(self) -> Union[int, tf.Tensor]:
         """This replica's global index, in a replica's step (one replica per
         process by default: the rank)."""
         return self.rank
 
-    def reduce_applied_gradients(self, grads_and_vars: list) -> list:
+    def reduce_applied_gradients(self, grads_and_vars: list[tuple[Any, Any]]
+                                 ) -> list[tuple[Any, Any]]:
         """The gradients an optimizer applies when a custom `train_step` (or
         a GAN's, with several optimizers) calls `apply_gradients` itself,
         from the replica's own `(gradient, variable)` pairs: each gradient
@@ -419,26 +430,26 @@ class Strategy(CrossProcessHelpers):
 
     # -- results ---------------------------------------------------------------------
 
-    def read_metrics(self, model, read: Callable[[], dict]) -> dict:
+    def read_metrics(self, model: Any, read: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """`model`'s metric results as this process reports them; `read()`
         reads them from the metric variables (Keras's `get_metrics_result`).
         By default: `settle`, then `metric_results` of what `read()` gives."""
         self.settle(model)
         return self.metric_results(read())
 
-    def metric_results(self, results: dict) -> dict:
+    def metric_results(self, results: dict[str, Any]) -> dict[str, Any]:
         """Metric values as this process should report them (default: as read)."""
         return results
 
     # `read_summed_metrics` (exact values across processes) is a
     # cross-process helper: `CrossProcessHelpers`.
 
-    def settle(self, model) -> None:
+    def settle(self, model: Any) -> None:
         """Finishes work still running elsewhere and brings its results into
         `model`'s metric variables, before Keras reads them (engines that
         schedule steps asynchronously; others have nothing to do)."""
 
-    def metrics_reset(self, model) -> None:
+    def metrics_reset(self, model: Any) -> None:
         """Keras has just reset `model`'s metrics (a new epoch, or evaluate)."""
 
     def failure(self, error: Exception) -> Optional[Exception]:
@@ -449,7 +460,7 @@ class Strategy(CrossProcessHelpers):
 
     # -- set-up (the cross-process helpers: `CrossProcessHelpers`) -------------------------
 
-    def adopt_optimizer(self, optimizer) -> None:
+    def adopt_optimizer(self, optimizer: Any) -> None:
         """Called by `compile` with the optimizer (made under `scope()`) before
         Keras sees it; strategies that must change how it applies updates
         do it here."""
@@ -464,7 +475,7 @@ class Strategy(CrossProcessHelpers):
         """
         return None
 
-    def sync_initial_state(self, model) -> None:
+    def sync_initial_state(self, model: Any) -> None:
         """Makes every replica start from the same weights (after builds).
 
         Engines that broadcast initial values when variables are created

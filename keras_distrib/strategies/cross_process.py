@@ -17,7 +17,7 @@ import json
 import os
 import tempfile
 import weakref
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -32,6 +32,16 @@ class CrossProcessHelpers(abc.ABC):
     topology properties).
     """
 
+    if TYPE_CHECKING:  # `Strategy`'s topology properties, which these helpers use
+        @property
+        def world_size(self) -> int: ...
+
+        @property
+        def rank(self) -> int: ...
+
+        @property
+        def is_chief(self) -> bool: ...
+
     @abc.abstractmethod
     def _sum_over_processes(self, flat: np.ndarray) -> np.ndarray:
         """Elementwise sum over processes of one 1-D array per process."""
@@ -40,7 +50,7 @@ class CrossProcessHelpers(abc.ABC):
     def local_replica_values(self, variable: Any) -> list[np.ndarray]:
         """This process's copies of `variable`, one per local replica."""
 
-    def local_replica_variables(self, variable: Any) -> list:
+    def local_replica_variables(self, variable: Any) -> list[Any]:
         """The variables holding `local_replica_values(variable)`, to assign
         each its own value (one, `variable`, with one replica per process)."""
         return [variable]
@@ -82,7 +92,7 @@ class CrossProcessHelpers(abc.ABC):
         for variable, value in zip(variables, self.sync_sum(mine)):
             variable.assign(value)
 
-    def broadcast_derived_state(self, model, root: int = 0) -> None:
+    def broadcast_derived_state(self, model: Any, root: int = 0) -> None:
         """Called once `model`'s variables hold `root`'s values: what its
         layers keep besides variables comes from `root` too, then they
         reload (`reload_derived_state`).
@@ -99,7 +109,7 @@ class CrossProcessHelpers(abc.ABC):
                     self._broadcast_assets(layer, root)
         reload_derived_state(model)
 
-    def _broadcast_assets(self, layer, root: int) -> None:
+    def _broadcast_assets(self, layer: Any, root: int) -> None:
         payload = json.dumps(_asset_files(layer)).encode() if self.rank == root else b""
         (size,) = self.sync_sum([np.int64(len(payload))])
         mine = np.zeros(int(size), np.int32)
@@ -109,7 +119,7 @@ class CrossProcessHelpers(abc.ABC):
         if self.rank != root:
             _load_asset_files(layer, json.loads(received.astype(np.uint8).tobytes()))
 
-    def broadcast_model_state(self, model) -> None:
+    def broadcast_model_state(self, model: Any) -> None:
         """Gives every process process 0's weights and optimizer state (eager).
 
         For engines that do not broadcast when variables are created
@@ -149,7 +159,8 @@ class CrossProcessHelpers(abc.ABC):
             seed = int(tf.random.uniform([], 0, 2**31 - 1, dtype=tf.int64))
         return int(self.sync_sum([np.int64(seed if self.is_chief else 0)])[0])
 
-    def read_summed_metrics(self, model, read: Callable[[], dict]) -> dict:
+    def read_summed_metrics(self, model: Any,
+                            read: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """`read()` while every metric variable of `model` holds its sum over
         the processes (one collective, eager): what one device reports for
         all their samples, since metric states are sums (totals and counts,
@@ -179,7 +190,7 @@ class CrossProcessHelpers(abc.ABC):
                 variable.assign(value)
 
 
-def reload_derived_state(model) -> None:
+def reload_derived_state(model: Any) -> None:
     """After `model`'s variables were assigned directly (a broadcast of
     process 0's values), has each layer that derives state from them
     reload them through Keras's hook, as loading a file does: an adapted
@@ -190,14 +201,14 @@ def reload_derived_state(model) -> None:
             _load_own_variables(layer, layer)
 
 
-def _load_own_variables(layer, source) -> None:
+def _load_own_variables(layer: Any, source: Any) -> None:
     """`layer.load_own_variables` of what `source.save_own_variables` gives."""
-    store: dict = {}
+    store: dict[str, Any] = {}
     source.save_own_variables(store)
     layer.load_own_variables(store)
 
 
-def _asset_files(layer) -> dict:
+def _asset_files(layer: Any) -> dict[str, str]:
     """The files `layer.save_assets` writes, name -> content (latin-1 text)."""
     with tempfile.TemporaryDirectory(prefix="kd-assets-") as directory:
         layer.save_assets(directory)
@@ -208,7 +219,7 @@ def _asset_files(layer) -> dict:
         return files
 
 
-def _load_asset_files(layer, files: dict) -> None:
+def _load_asset_files(layer: Any, files: dict[str, str]) -> None:
     """`layer.load_assets` of a directory holding `files` (`_asset_files`)."""
     with tempfile.TemporaryDirectory(prefix="kd-assets-") as directory:
         for name, content in files.items():
@@ -217,29 +228,30 @@ def _load_asset_files(layer, files: dict) -> None:
         layer.load_assets(directory)
 
 
-def _layer_tree(layer) -> list:
+def _layer_tree(layer: Any) -> list[Any]:
     # Not at import: keras_distrib sets up TensorFlow before Keras loads.
     from keras_distrib import _compat
 
     return [layer, *_compat.all_layers(layer)]
 
 
-def _has_derived_state(layer) -> bool:
+def _has_derived_state(layer: Any) -> bool:
     """Keras's adaptable preprocessing layers (`Normalization`,
     `Discretization`, `StringLookup`, `TextVectorization`, ...)."""
     return hasattr(layer, "finalize_state") or _has_assets(layer)
 
 
-def _has_assets(layer) -> bool:
+def _has_assets(layer: Any) -> bool:
     """Whether `layer` keeps files besides its variables (a vocabulary)."""
     return hasattr(layer, "save_assets") and hasattr(layer, "load_assets")
 
 
-def np_dtype(variable) -> np.dtype:
-    return np.dtype(getattr(variable.dtype, "as_numpy_dtype", variable.dtype))
+def np_dtype(variable: Any) -> np.dtype[Any]:
+    dtype: np.dtype[Any] = np.dtype(getattr(variable.dtype, "as_numpy_dtype", variable.dtype))
+    return dtype
 
 
-def _aggregation(variable) -> str:
+def _aggregation(variable: Any) -> str:
     """A variable's tf.distribute aggregation, as Keras names it ("sum",
     "mean", "only_first_replica", "none"); Keras's and TensorFlow's
     variables both say."""
@@ -247,7 +259,7 @@ def _aggregation(variable) -> str:
     return str(getattr(kind, "name", kind)).lower()
 
 
-def _read_now(value):
+def _read_now(value: Any) -> Any:
     """`value`, or a variable's current value (a tensor) if it is one."""
     if hasattr(value, "assign_add"):  # a Keras or TensorFlow variable
         return tf.convert_to_tensor(value)

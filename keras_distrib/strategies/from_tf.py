@@ -30,13 +30,14 @@ import tensorflow as tf
 from keras_distrib import _compat
 from keras_distrib import devices as devices_lib
 from keras_distrib.strategies import tf_distribute
+from keras_distrib.strategies.base import Strategy
 
 # Engines mapped to a strategy that does not wrap them (OneDevice, cluster
 # engines) -> that strategy.
 _MAPPED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def adopt(engine: tf.distribute.Strategy):
+def adopt(engine: tf.distribute.Strategy) -> Strategy:
     """The keras_distrib strategy that trains as `engine` would.
 
     Raises:

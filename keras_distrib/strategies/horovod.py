@@ -162,7 +162,7 @@ class Horovod(PerProcessStrategy):
         flat = np.asarray(flat)
         wire = flat.dtype
         if tf.as_dtype(wire) not in _ALLREDUCE_DTYPES:
-            wire = np.float64 if np.issubdtype(wire, np.floating) else np.int64
+            wire = np.dtype(np.float64 if np.issubdtype(wire, np.floating) else np.int64)
         summed = self._hvd.allreduce(tf.constant(flat.astype(wire)), op=self._hvd.Sum)
         return np.asarray(summed).astype(flat.dtype)
 

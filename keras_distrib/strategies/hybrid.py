@@ -34,13 +34,16 @@ before that import (see `examples/` and `tests/workers/hybrid_train.py`).
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Optional, Sequence, cast
 
 import numpy as np
 import tensorflow as tf
 
 from keras_distrib import cluster as cluster_lib
 from keras_distrib.topology import Topology
+
+if TYPE_CHECKING:
+    from keras_distrib.strategies.multi_worker import MultiWorker
 
 
 class WorkerReplicas:
@@ -50,7 +53,13 @@ class WorkerReplicas:
     collective is the identity.
     """
 
-    _workers = None  # the `multi_worker` strategy carrying the collectives
+    # The `multi_worker` strategy carrying the collectives.
+    _workers: Optional[MultiWorker] = None
+
+    if TYPE_CHECKING:  # the strategy's (`Strategy`)
+        name: ClassVar[str]
+
+        def broadcast_model_state(self, model: Any) -> None: ...
 
     def _join_workers(self, devices: Sequence[str],
                       workers: Optional[Mapping[str, Any]]) -> Topology:
@@ -73,7 +82,7 @@ class WorkerReplicas:
                             devices=tuple(devices), role="chief")
         from keras_distrib.strategies import registry
 
-        self._workers = registry.create("multi_worker", **dict(workers or {}))
+        self._workers = cast("MultiWorker", registry.create("multi_worker", **dict(workers or {})))
         rank, size = self._workers.rank, self._workers.world_size
         return Topology(
             num_replicas=size, num_local_replicas=1, first_local_replica=rank,

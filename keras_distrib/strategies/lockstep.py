@@ -12,7 +12,7 @@ inside one XLA cluster.
 from __future__ import annotations
 
 import abc
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import tensorflow as tf
 
@@ -21,6 +21,9 @@ from keras_distrib import _compat
 
 class Lockstep(abc.ABC):
     """`make_step_function` / `make_predict_function` for lockstep engines."""
+
+    if TYPE_CHECKING:  # the strategy's (`Strategy.run`)
+        def run(self, replica_fn: Callable, batch: Any) -> Any: ...
 
     @abc.abstractmethod
     def step_logs(self, model, outputs: Any) -> Any:

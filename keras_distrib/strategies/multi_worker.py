@@ -300,7 +300,7 @@ class MultiWorker(TFDistributeStrategy):
 
         return self._watched([tf.convert_to_tensor(v) for v in values], across)
 
-    def _watched(self, values: list, collective: Callable[[list], list]) -> list:
+    def _watched(self, values: Sequence[Any], collective: Callable[[list], list]) -> list:
         """`collective(values)` (TensorFlow's collectives, in a step) under the
         watchdog that enforces `collective_timeout`, if there is one."""
         if self._watchdog is None:

@@ -21,11 +21,11 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from keras_distrib import cluster as cluster_lib
 
-if TYPE_CHECKING:  # the classes register themselves here (see above)
+if TYPE_CHECKING:  # for annotations only: at run time this module imports no strategy
     from keras_distrib.strategies.base import Strategy
 
 # Built-in strategies: registered name -> the module that defines the class.
@@ -41,7 +41,7 @@ BUILTIN = {
     "tensor_parallel": "keras_distrib.strategies.tensor_parallel.strategy",
 }
 
-_CLASSES: dict[str, type] = {}
+_CLASSES: dict[str, type[Strategy]] = {}
 _ALIASES: dict[str, str] = {}
 AUTO = "auto"
 _AUTO_DESCRIPTION = (
@@ -51,7 +51,7 @@ _AUTO_DESCRIPTION = (
 )
 
 
-def register(cls: type) -> None:
+def register(cls: type[Strategy]) -> None:
     """Adds strategy class `cls` under `cls.name` and `cls.aliases`.
 
     Raises:
@@ -76,7 +76,7 @@ def available() -> dict[str, str]:
     return {AUTO: _AUTO_DESCRIPTION, **{n: c.description for n, c in _CLASSES.items()}}
 
 
-def create(name: str, **options) -> "Strategy":
+def create(name: str, **options: Any) -> Strategy:
     """Builds the strategy registered as `name` (any case, an alias, or
     `"auto"`) with `options`.
 
@@ -99,7 +99,7 @@ def create(name: str, **options) -> "Strategy":
     return cls(**options)
 
 
-def strategy_class(name: str) -> type:
+def strategy_class(name: str) -> type[Strategy]:
     """The class registered as `name` (any case, an alias), importing its
     module when it is a built-in one not imported yet.
 
@@ -131,7 +131,7 @@ def canonical(name: str) -> str:
 
 # TensorFlow allows one collective runtime per process: later requests for
 # such a strategy get the first instance (with the same options).
-_STARTED: dict[str, tuple[dict, "Strategy"]] = {}
+_STARTED: dict[str, tuple[dict[str, Any], Strategy]] = {}
 
 
 def started(name: str) -> bool:
@@ -139,7 +139,7 @@ def started(name: str) -> bool:
     return canonical(name) in _STARTED
 
 
-def _one_per_process(key, cls, options):
+def _one_per_process(key: str, cls: type[Strategy], options: dict[str, Any]) -> Strategy:
     if key in _STARTED:
         started_options, strategy = _STARTED[key]
         if options and options != started_options:
@@ -153,7 +153,7 @@ def _one_per_process(key, cls, options):
     return strategy
 
 
-def check_not_model_options(kwargs: dict, strategy: "Strategy") -> None:
+def check_not_model_options(kwargs: dict[str, Any], strategy: Strategy) -> None:
     """Rejects strategy options passed to the model constructor.
 
     Keras's Functional model ignores keyword arguments it does not know, so
@@ -172,7 +172,7 @@ def check_not_model_options(kwargs: dict, strategy: "Strategy") -> None:
         )
 
 
-def _check_options(name: str, cls: type, options: dict) -> None:
+def _check_options(name: str, cls: type[Strategy], options: dict[str, Any]) -> None:
     params = inspect.signature(cls).parameters
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return

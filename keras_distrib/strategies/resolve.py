@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Any, Optional, Union
 
 import tensorflow as tf
 
@@ -23,7 +23,7 @@ from keras_distrib.strategies.tf_distribute import entered
 
 
 def get(strategy: Union[str, Strategy, tf.distribute.Strategy] = registry.AUTO,
-        **options) -> Strategy:
+        **options: Any) -> Strategy:
     """Builds or adopts the strategy `strategy` names.
 
     Raises:
@@ -32,7 +32,7 @@ def get(strategy: Union[str, Strategy, tf.distribute.Strategy] = registry.AUTO,
             another strategy asked for inside a scope.
         TypeError: `strategy` is none of the above.
     """
-    scope = entered()
+    scope: Optional[Strategy] = entered()
     if scope is None and tf.distribute.has_strategy() and not isinstance(strategy, Strategy):
         # A tf.distribute strategy's scope (the user's): models built there
         # train on it, as Keras's do.
@@ -61,7 +61,8 @@ def get(strategy: Union[str, Strategy, tf.distribute.Strategy] = registry.AUTO,
     return registry.create(strategy, **options)
 
 
-def _the_entered(scope: Strategy, strategy) -> Strategy:
+def _the_entered(scope: Strategy,
+                 strategy: Union[str, Strategy, tf.distribute.Strategy]) -> Strategy:
     """Inside a strategy's `scope()` (e.g. `keras.models.load_model` there, as
     TensorFlow's tutorials do) models use that strategy, as Keras's do.
     """

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from typing import Any, Callable, ClassVar, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -71,7 +71,7 @@ class TFDistributeStrategy(Lockstep, Strategy):
     capabilities = Capabilities(keras_gradient_accumulation=False)
     # Options of the collectives inside a step (`all_reduce`), over the
     # engine's own; None: the engine's.
-    _step_collective_options: ClassVar[Optional[Any]] = None
+    _step_collective_options: Optional[Any] = None
 
     def __init__(self, tf_strategy: tf.distribute.Strategy, num_processes: int = 1,
                  process_index: int = 0, local_rank: int = 0):

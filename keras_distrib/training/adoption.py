@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import inspect
 import weakref
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -25,7 +26,7 @@ from keras_distrib import placement
 from keras_distrib.input import data as data_lib
 from keras_distrib.training import fit_checks
 from keras_distrib.training import optimizer_shards
-from keras_distrib.training.gradient_reduction import install_reduction_switch
+from keras_distrib.training.gradient_reduction import ReductionSwitch, install_reduction_switch
 from keras_distrib.training.outside_scopes import outside_scopes
 
 _COMPILE_SIGNATURE = inspect.signature(keras.Model.compile)
@@ -41,6 +42,14 @@ class StrategyAdoption:
 
     Uses `_optimizers_applying`, which the model defines.
     """
+
+    # The model's: Keras's, and its strategy (a `keras_distrib.strategies`
+    # Strategy, a layer above this one) and reduction switch.
+    variables: Any
+    metrics: Any
+    dtype_policy: Any
+    _strategy: Any
+    _reduction_switch: ReductionSwitch
 
     def __call__(self, *args, **kwargs):
         # Lazily built (subclassed) models create their variables on the first
@@ -66,9 +75,9 @@ class StrategyAdoption:
         unheld = [v for v in self.variables if not self._strategy.holds(v)]
         if unheld:
             fit_checks.check_same_model(self._strategy, unheld)
-        moved = {id(v) for v in self._strategy.place(self)}
+        placed = {id(v) for v in self._strategy.place(self)}
         placement.claim(self.variables, self._strategy, self)
-        moved = [v for v in self.variables if id(v) in moved]
+        moved = [v for v in self.variables if id(v) in placed]
         if moved:
             self._strategy.broadcast_variables(moved)
             self._strategy.broadcast_derived_state(self)

@@ -30,7 +30,7 @@ import functools
 import os
 import shutil
 import tempfile
-from typing import Iterator, Optional
+from typing import ClassVar, Iterator, Optional, Protocol
 
 import keras
 
@@ -92,17 +92,24 @@ def _redirect(callback, scratch: str, rank: int):
     return callback
 
 
-def _copy_as(front: type, callback, **attributes):
+class _Front(Protocol):
+    """A class `_in_front` puts in front of a callback's, by its name."""
+
+    NAMED: ClassVar[str]
+
+
+def _copy_as(front: type[_Front], callback, **attributes):
     """A copy of `callback` whose class has `front` in front of its own
     (`_in_front`), with `attributes` set."""
     copied = copy.copy(callback)
-    copied.__class__ = _in_front(front, type(callback))
+    callback_class: type = type(callback)
+    copied.__class__ = _in_front(front, callback_class)
     vars(copied).update(attributes)
     return copied
 
 
 @functools.lru_cache(maxsize=None)
-def _in_front(front: type, callback_class: type) -> type:
+def _in_front(front: type[_Front], callback_class: type) -> type:
     """`front` in front of `callback_class`: a subclass's own hooks still
     run, around Keras's. Named `<front.NAMED><class>`."""
     return type(f"{front.NAMED}{callback_class.__name__}", (front, callback_class), {})

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import types
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import keras
 import tensorflow as tf
@@ -41,6 +41,11 @@ from keras_distrib.training.outside_scopes import outside_scopes
 class EntryPoints:
     """`fit`, `evaluate`, `predict` and the `*_on_batch` calls of
     `DistributedModel` (see module doc)."""
+
+    # The model's: its strategy (a `keras_distrib.strategies` Strategy, a
+    # layer above this one) and whether `fit` checks its input is finite.
+    _strategy: Any
+    check_finite: bool
 
     @outside_scopes
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
@@ -103,7 +108,8 @@ class EntryPoints:
                 self._side_effects(callbacks) as callbacks, \
                 self._internal_callbacks(callbacks) as callbacks, \
                 self._clearer_failure():
-            return super().fit(
+            # Keras's Model.fit, after these mixins in the model's classes.
+            return super().fit(  # type: ignore[misc]  # not this mixin's base class
                 fit.x, fit.y, fit.batch_size, epochs, self._verbose(verbose),
                 callbacks, fit.validation_split, fit.validation_data,
                 fit.shuffle, fit.class_weight, fit.sample_weight,
@@ -289,7 +295,8 @@ def callback_list(callbacks) -> list:
     return list(keras.tree.flatten(callbacks or []))
 
 
-def with_resume_and_preemption(model, train_function):
+def with_resume_and_preemption(model: Any, train_function: Callable[..., Any]
+                               ) -> Callable[..., Any]:
     """`train_function`, then the preemption check (`PreemptionWatch`);
     except that its first calls after a resume (as many as the model's
     replay count says) only pull their batches: the steps the run did

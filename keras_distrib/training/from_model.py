@@ -8,6 +8,8 @@ count and slots. The copy itself is `placement.copy_functional`'s.
 
 from __future__ import annotations
 
+from typing import Any
+
 import keras
 import numpy as np
 
@@ -73,7 +75,8 @@ def copy_optimizer_state(source: keras.Model, target: keras.Model) -> None:
         target.optimizer.build(target.trainable_variables)
     # The strategy's hooks for a built optimizer (tensor_parallel: the file layout).
     target.strategy.sync_initial_state(target)
-    saved, layout = {}, {}
+    saved: dict[str, Any] = {}
+    layout: dict[str, Any] = {}
     src.save_own_variables(saved)
     target.optimizer.save_own_variables(layout)
     shapes = [np.shape(saved[str(i)]) for i in range(len(saved))]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from typing import Any, Callable
 
 import keras
 import tensorflow as tf
@@ -36,7 +37,7 @@ class ReductionSwitch:
     the replicas' (see `install_reduction_switch`).
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._applying = 0
 
@@ -62,6 +63,14 @@ class GradientReduction:
 
     Uses the model's `record_output_losses` (`replica_step.ReplicaStep`).
     """
+
+    # The model's: Keras's, its strategy (a `keras_distrib.strategies`
+    # Strategy, a layer above this one) and `ReplicaStep`'s.
+    optimizer: Any
+    trainable_weights: Any
+    _strategy: Any
+    _reduction_switch: ReductionSwitch
+    record_output_losses: Callable[..., None]
 
     @property
     def _accumulation_steps(self) -> int:
@@ -105,7 +114,7 @@ class GradientReduction:
                                      name="kd_preemption_vote")
             extras.append(tf.reshape(mine, []))
             vote.carried = True  # at trace time
-        if scatter:  # optimizer_sharding="gradients": this replica's parts
+        if scatter and shards is not None:  # optimizer_sharding="gradients": this replica's parts
             parts, means = shards.reduce_scatter(self.trainable_weights, gradients,
                                                  num_samples, extras)
             reduced = [*parts, *means]

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import tensorflow as tf
 
 
-def scaled_gradient(gradient, factor):
+def scaled_gradient(gradient: Any, factor: Any) -> Any:
     """`gradient * factor`, for dense and sparse (`tf.IndexedSlices`) gradients."""
     if gradient is None:
         return None

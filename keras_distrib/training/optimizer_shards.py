@@ -152,7 +152,7 @@ class _Scattered:
 class OptimizerShards:
     """What one sharded optimizer needs (see module doc)."""
 
-    def __init__(self, optimizer, strategy, switch, saved=None):
+    def __init__(self, optimizer, strategy, switch, saved=None) -> None:
         self._optimizer = weakref.ref(optimizer)
         # What Keras saves and loads besides the optimizer: the
         # LossScaleOptimizer around it (its variables: its own, then the

@@ -13,6 +13,7 @@ XLA compiling each replica's math where the strategy asks for it
 from __future__ import annotations
 
 import contextlib
+from typing import Any, Callable
 
 import keras
 import tensorflow as tf
@@ -28,6 +29,15 @@ class ReplicaStep:
     `gradient_reduction.GradientReduction`) and `_weight_gradients`, which
     the model defines.
     """
+
+    # The model's: Keras's, its strategy (a `keras_distrib.strategies`
+    # Strategy, a layer above this one) and `GradientReduction`'s.
+    optimizer: Any
+    compute_metrics: Callable[..., Any]
+    _strategy: Any
+    _accumulation_steps: int
+    reduce_with_statistics: Callable[..., list]
+    apply_reduced_gradients: Callable[[list], None]
 
     def train_step(self, data):
         """One optimizer step on this replica's shard of the global batch.

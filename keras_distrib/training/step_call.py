@@ -54,5 +54,6 @@ def one_call_per_step(model, step_function: Callable, keras_make_function: Calla
             return one_step_on_iterator(iterator)
         return keras_function(iterator)
 
-    function.compiled = one_step_on_iterator  # what each step calls (its graph is tested)
+    # What each step calls (its graph is tested).
+    setattr(function, "compiled", one_step_on_iterator)
     return function

@@ -108,7 +108,7 @@ def plan(fit: FitInput) -> Plan:
 
 def _arrays_plan(fit, x, y, sample_weight, steps, validation) -> Plan:
     batch_size = fit.batch_size or 32
-    arrays = (x, y, sample_weight)
+    arrays: tuple[Any, ...] = (x, y, sample_weight)
     split = fit.validation_split or 0.0
     if split:
         if validation is not None:

@@ -46,7 +46,7 @@ progress bar's step count.
 from __future__ import annotations
 
 import collections
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import keras
 import numpy as np
@@ -94,7 +94,8 @@ class ScheduledTraining:
         self._logs: Optional[dict] = None  # running_logs, until a fold or reset changes it
         self.dirty = False
         self._iterator = None
-        self._py_state = None  # (Keras's ticket iterator, index into the PyDataset)
+        # [Keras's ticket iterator, index into the PyDataset]
+        self._py_state: Optional[list[Any]] = None
         self._closure = tf.function(self._run_steps, reduce_retracing=True)
 
     # -- on the worker -----------------------------------------------------------
@@ -182,6 +183,7 @@ class ScheduledTraining:
         """The next `count` batches of the PyDataset, in order; a new epoch
         (Keras made a new ticket iterator) starts again at batch 0."""
         data = self.plan.py_dataset
+        assert data is not None  # the chief feeds a PyDataset
         if self._py_state is None or self._py_state[0] is not ticket_iterator:
             if self._py_state is not None:
                 data.on_epoch_end()

@@ -36,7 +36,7 @@ call `strategy.extended.update` on the slots themselves, and a
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import keras
 import tensorflow as tf
@@ -121,12 +121,13 @@ def gradients(tape: tf.GradientTape, target, variables: Sequence, **kwargs) -> l
     variables = list(variables)
     if not any(is_sharded(v) for v in variables):
         return tape.gradient(target, variables, **kwargs)
-    sources, spans = [], []
+    sources: list[Any] = []
+    spans: list[tuple[int, Optional[list[Any]]]] = []  # (start in `sources`, its shards)
     for variable in variables:
         if is_sharded(variable):
-            parts = shards(variable)
-            spans.append((len(sources), parts))
-            sources.extend(parts)
+            pieces = shards(variable)
+            spans.append((len(sources), pieces))
+            sources.extend(pieces)
         else:
             spans.append((len(sources), None))
             sources.append(variable)
@@ -239,5 +240,5 @@ def install(optimizer) -> None:
         with tf.variable_creator_scope(_sharded_slot_creator(value)):
             return add_slot(reference_variable, *args, **kwargs)
 
-    add_variable_from_reference.shards_slots = True
+    setattr(add_variable_from_reference, "shards_slots", True)
     optimizer.add_variable_from_reference = add_variable_from_reference

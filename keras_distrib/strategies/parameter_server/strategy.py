@@ -92,8 +92,7 @@ class ParameterServer(Strategy):
     capabilities = Capabilities(one_per_process=True, asynchronous=True)
 
     def __init__(self, variable_partitioner=None, lag: Optional[int] = None):
-        info = cluster_lib.resolve()
-        _check_cluster(info)
+        info = _check_cluster(cluster_lib.resolve())
         if info.role in (cluster_lib.WORKER, cluster_lib.PS):
             from keras_distrib.strategies.parameter_server import task_server
 
@@ -317,7 +316,8 @@ def failure_summary(text: str, info) -> str:
     return first
 
 
-def _check_cluster(info) -> None:
+def _check_cluster(info: Optional[cluster_lib.ClusterInfo]) -> cluster_lib.ClusterInfo:
+    """`info`, once it is a cluster this strategy can train on."""
     example = "e.g. keras-distrib launch --workers 2 --ps 1 train.py"
     if info is None:
         raise ValueError("strategy='parameter_server' needs a cluster with 'chief', 'worker' "
@@ -334,3 +334,4 @@ def _check_cluster(info) -> None:
     if info.role == cluster_lib.EVALUATOR:
         raise ValueError("strategy='parameter_server' has no work for an 'evaluator' task; "
                          "run it without this strategy.")
+    return info

@@ -136,11 +136,11 @@ def _walk_calls(model, layers: list, stage_of: dict, devices) -> _Walk:
     (a nested model's `input`/`output` are those of its own graph): the
     layers' (those of `layers`), and the operations between them
     (`h + a`), which are computed in the stage of their latest input."""
-    layers = {id(layer): layer for layer in layers}
+    by_id = {id(layer): layer for layer in layers}
     walk = _Walk(made_at={id(t): -1 for t in model.inputs}, used_at={}, consumed_at={},
                  known=list(model.inputs))
     for operation, (inputs, outputs) in _compat.layer_tensors(model).items():
-        layer = layers.get(operation)
+        layer = by_id.get(operation)
         if layer is not None:
             stage = stage_of[layer.name]
             _check_placement(layer, devices[stage])
@@ -148,6 +148,7 @@ def _walk_calls(model, layers: list, stage_of: dict, devices) -> _Walk:
             stage = max([walk.made_at.get(id(t), -1) for t in inputs] + [0])
         for t in inputs:
             if walk.made_at.get(id(t), -1) > stage:
+                assert layer is not None  # an operation is in the stage of its latest input
                 raise ValueError(
                     f"Layer {layer.name!r} (stage {stage}) uses a tensor made in a later "
                     "stage; pipeline stages must follow the layer graph (a shared layer "

@@ -161,7 +161,7 @@ class Pipeline(WorkerReplicas, Strategy):
             num_stages = len(split_at) + 1 if split_at else None
         elif not data_lib.is_positive_int(num_stages):
             raise ValueError(f"num_stages={num_stages!r} must be an integer >= 1.")
-        if split_at and len(split_at) != num_stages - 1:
+        if split_at and num_stages is not None and len(split_at) != num_stages - 1:
             raise ValueError(
                 f"split_at names {len(split_at)} layer(s) but num_stages={num_stages} needs "
                 f"{num_stages - 1} (the first layer of each stage after the first).")
@@ -240,13 +240,14 @@ class Pipeline(WorkerReplicas, Strategy):
         placement.remake(moving, self, model)
         return moved + moving
 
-    def describe(self, model) -> PipelinePlan:
+    # Not `Strategy.describe`'s ReplicaMemory: the stages' placement, per device.
+    def describe(self, model) -> PipelinePlan:  # type: ignore[override]
         """Which layer and variable lives on which device, and bytes per device.
 
         Read from the variables' actual placement (not from the plan).
         """
         stages = self._stages(model)
-        layer_stages = [[] for _ in range(self.num_stages)]
+        layer_stages: list[list[str]] = [[] for _ in range(self.num_stages)]
         for layer, stage in stages.layers:
             layer_stages[stage].append(layer.name)
         placement = {v.path: device_of(v) for v in model.variables}

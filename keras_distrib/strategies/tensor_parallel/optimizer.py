@@ -126,7 +126,8 @@ class OptimizerFiles:
                 if axis is not None:
                     for i, shard in enumerate(shards):
                         shard_of[_compat.optimizer_slot_prefix(shard)] = (id(shards), i, axis)
-        slots, order = {}, []
+        slots: dict[tuple[int, str], dict[int, Any]] = {}  # key -> {shard index: slot}
+        order: list[tuple[Any, Optional[int]]] = []  # ([variable], None) or (key, axis)
         for variable in self.optimizer.variables:
             owner = next(((p, shard_of[p]) for p in shard_of if variable.name.startswith(p)),
                          None)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from typing import Any, Optional
 
 import tensorflow as tf
 
@@ -35,6 +36,12 @@ class SplitForward:
     holds what it reads: `layer`, `kind`, `devices`, `home`, `sizes`,
     `groups` of shards, `is_dense`, and `last_output`, the latest column
     output with its parts)."""
+
+    # `SplitLayer`'s, as its __init__ makes them.
+    devices: tuple[str, ...]
+    home: str
+    sizes: list[int]
+    last_output: Optional[tuple[Any, list]]
 
     def call(self, inputs, *args, **kwargs):
         if not self.is_dense:
@@ -123,7 +130,8 @@ class SplitForward:
         """The row layer's input, one slice per device: the producing column
         layer's parts when it is that layer's latest output, else slices of it."""
         producer = _PRODUCERS.get(id(inputs))
-        if (producer is not None and producer.last_output[0] is inputs
+        if (producer is not None and producer.last_output is not None
+                and producer.last_output[0] is inputs
                 and producer.sizes == self.sizes and producer.devices == self.devices):
             return list(producer.last_output[1])
         pieces, start = [], 0

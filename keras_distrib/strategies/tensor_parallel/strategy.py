@@ -314,7 +314,8 @@ class TensorParallel(WorkerReplicas, Strategy):
         return tensor_layout.describe(layers, kinds, self._devices,
                                       optimizer.variables if optimizer is not None else ())
 
-    def describe(self, model) -> tensor_layout.Plan:
+    # Not `Strategy.describe`'s ReplicaMemory: the shards' placement, per device.
+    def describe(self, model) -> tensor_layout.Plan:  # type: ignore[override]
         """`plan(model)`: where each weight of `model` lives."""
         return self.plan(model)
 
@@ -373,5 +374,5 @@ def _run_on(layer, device: str) -> None:
         with tf.device(device):
             return call(*args, **kwargs)
 
-    call_on_device._kd_pinned = True  # from_model's copy takes the class's call back
+    setattr(call_on_device, "_kd_pinned", True)  # from_model's copy takes the class's call back
     object.__setattr__(layer, "call", call_on_device)
