@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 HOROVOD_WHEEL := $(VENV)/.horovod-wheel
 HOROVOD := $(VENV)/.horovod
 
-.PHONY: demo setup bed-packages test test-fast test-unit typecheck docs zoo-matrix conformance-matrix bench clean
+.PHONY: demo setup bed-packages test test-fast test-unit lint typecheck docs zoo-matrix conformance-matrix bench clean
 
 # The package with TensorFlow and Keras, and what the Horovod build needs.
 $(CORE): setup.cfg pyproject.toml
@@ -84,8 +84,10 @@ XDIST := -n 3 --dist loadgroup --no-loadscope-reorder
 # of processes that import them: where PYTHONDONTWRITEBYTECODE is set (CI
 # images set it), each process would compile them again.
 BYTECODE := $(PY) -m compileall -q keras_distrib tests benchmarks examples
-# The docs are built first, so a broken page or link fails CI too.
+# The docs are built first, so a broken page or link fails CI too, and
+# the lint and type checks (make lint) run before the tests.
 test: setup
+	$(MAKE) --no-print-directory lint
 	$(BYTECODE)
 	$(PY) -m pytest -q $(XDIST) --durations=20
 
@@ -96,6 +98,11 @@ test-fast: setup
 # Needs neither Horovod nor TensorFlow's start-up.
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit
+
+# ruff's rules (pyproject.toml's [tool.ruff]) on every Python file of the
+# repository, then the type check.
+lint: typecheck
+	$(VENV)/bin/ruff check .
 
 # mypy on the package, as pyproject.toml's [tool.mypy] says: the whole
 # package in mypy's default mode, the modules users import strictly. Its
