@@ -34,6 +34,11 @@ model.fit(x, y, batch_size=256, epochs=10, callbacks=[
 ```
 """
 
+# Keras first: importing it imports keras_distrib.model (see
+# keras_distrib._RegisterAfterKeras), which uses these callbacks' modules;
+# imported from one of them instead, it would find that one half made.
+import keras  # noqa: F401
+
 from keras_distrib.callbacks.backup_and_restore import BackupAndRestore
 from keras_distrib.callbacks.broadcast_initial_weights import BroadcastInitialWeights
 from keras_distrib.callbacks.learning_rate_scaling import LearningRateScaling
