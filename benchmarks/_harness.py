@@ -98,7 +98,8 @@ def launch_workers(
         except subprocess.TimeoutExpired:
             proc.kill()
             output, _ = proc.communicate()
-        raise WorkersFailed(f"the launcher did not end within {timeout + 30:g}s", output or "")
+        raise WorkersFailed(f"the launcher did not end within {timeout + 30:g}s",
+                            output or "") from None
     except BaseException:  # Ctrl-C: the launcher got it too; make sure it ends
         proc.send_signal(signal.SIGTERM)
         try:

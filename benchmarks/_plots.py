@@ -62,7 +62,8 @@ def _load(name: str):
 
 
 def _quick(data: dict) -> str:
-    return "\n[--quick run: numbers for testing, not for reading]" if data["meta"].get("quick") else ""
+    return ("\n[--quick run: numbers for testing, not for reading]" if data["meta"].get("quick")
+            else "")
 
 
 def _errorbar(ax, xs, summaries, **kwargs):
@@ -155,8 +156,10 @@ def plot_throughput() -> str | None:
                        f"{weak['model']}; median of {weak['repeats']} repetitions, bars [min, max]")
     if strong is not None:
         _scaling_panel(axes.pop(0), strong,
-                       f"strong scaling: global batch {strong['global_batch']} split over the workers",
-                       f"{strong['model']}; median of {strong['repeats']} repetitions, bars [min, max]")
+                       f"strong scaling: global batch {strong['global_batch']} "
+                       "split over the workers",
+                       f"{strong['model']}; median of {strong['repeats']} repetitions, "
+                       "bars [min, max]")
     meta = (weak or strong)["meta"]
     fig.suptitle(f"keras_distrib.DistributedModel.fit, CPU workers ({meta['time'][:10]}, "
                  f"{meta['cpus']} cores, shared machine)", fontsize=10)
@@ -224,7 +227,8 @@ def plot_allreduce() -> str | None:
     labels = list(small)
     stats = [_harness.run_summary(small[k]) for k in labels]
     ax_small.bar(range(len(labels)), [s["median"] for s in stats],
-                 yerr=[[s["median"] - s["min"] for s in stats], [s["max"] - s["median"] for s in stats]],
+                 yerr=[[s["median"] - s["min"] for s in stats],
+                       [s["max"] - s["median"] for s in stats]],
                  color=[colors.get(k, "0.5") for k in labels], capsize=4)
     ax_small.set_xticks(range(len(labels)), [short[k] for k in labels], fontsize=8)
     ax_small.set_yscale("log")
@@ -232,8 +236,8 @@ def plot_allreduce() -> str | None:
     many = next((c for launch in data["launches"] for c in launch["cases"]
                  if c["name"] == "many-small"), None)
     if many:
-        ax_small.set_title(f"many-small: {many['num_tensors']} tensors, {_harness.human(many['bytes'])}",
-                           fontsize=10)
+        ax_small.set_title(f"many-small: {many['num_tensors']} tensors, "
+                           f"{_harness.human(many['bytes'])}", fontsize=10)
     ax_small.grid(alpha=0.3, axis="y")
     meta = data["meta"]
     fig.suptitle(f"all-reduce bus bandwidth, median of {data['repeats']} timings per launch "

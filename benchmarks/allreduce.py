@@ -144,7 +144,8 @@ def run_worker() -> None:
         # the all-reduced (hence identical) per-call time.
         total_us = float(all_sum_scalar(tf.constant(round(seconds_per_call * 1e6), tf.float32)))
         mean_s = max(total_us / world, 1.0) / 1e6
-        return int(min(max(1, math.ceil(FLAGS.min_timing_ms / 1e3 / mean_s)), _MAX_CALLS_PER_TIMING))
+        return int(min(max(1, math.ceil(FLAGS.min_timing_ms / 1e3 / mean_s)),
+                       _MAX_CALLS_PER_TIMING))
 
     def make_variant(name, tensors):
         if name == "raw":
@@ -248,9 +249,11 @@ def print_table(results: list[dict]) -> tuple[list[str], dict]:
     print(f"\nours: multi_worker implementation={results[0]['implementation']} "
           f"bytes_per_pack={bpp}; {world} workers; "
           f"{FLAGS.repeats} interleaved repetitions; TF {results[0]['tf_version']}")
-    print(f"{'case':>10s} {'tensors':>7s} {'collectives':>11s} {'k':>4s} | {'bus GB/s (median)':^26s} | "
+    print(f"{'case':>10s} {'tensors':>7s} {'collectives':>11s} {'k':>4s} | "
+          f"{'bus GB/s (median)':^26s} | "
           f"{'ours/raw':^22s} | {'ours/batched':^22s} | check  target")
-    print(f"{'':>10s} {'':>7s} {'r/b/ours':>11s} {'':>4s} | {'raw':>8s} {'batched':>8s} {'ours':>8s} | "
+    print(f"{'':>10s} {'':>7s} {'r/b/ours':>11s} {'':>4s} | "
+          f"{'raw':>8s} {'batched':>8s} {'ours':>8s} | "
           f"{'median [min, max]':^22s} | {'median [min, max]':^22s} |")
     for i, case in enumerate(results[0]["cases"]):
         per_rank = [r["cases"][i] for r in results]
@@ -284,7 +287,8 @@ def print_table(results: list[dict]) -> tuple[list[str], dict]:
             "checks_ok": ok,
         })
         colls = "/".join(str(case["collectives"][v]) for v in VARIANTS)
-        print(f"{case['name']:>10s} {case['num_tensors']:>7d} {colls:>11s} {case['calls_per_timing']:>4d} | "
+        print(f"{case['name']:>10s} {case['num_tensors']:>7d} {colls:>11s} "
+              f"{case['calls_per_timing']:>4d} | "
               + " ".join(f"{_harness.stats(bus[v])[0]:8.3f}" for v in VARIANTS)
               + f" | {_harness.fmt_stats(vs_raw):^22s} | {_harness.fmt_stats(vs_batched):^22s} | "
               f"{'ok' if ok else 'WRONG':5s}  {target}")
@@ -300,9 +304,9 @@ def run_driver() -> int:
     print(f"all-reduce benchmark: {FLAGS.nproc} worker processes on {os.cpu_count()} cores; "
           "ratios > 1 mean ours is faster; k = calls per timing")
     w, layers = FLAGS.small_width, FLAGS.small_layers
-    print(f"many-small = {2 * layers} tensors, {_harness.human(layers * (w * w + w) * 4)}: the kernels "
-          f"and biases of {layers} x Dense({w}); collectives = CollectiveReduce ops per call "
-          "(raw/batched/ours)")
+    print(f"many-small = {2 * layers} tensors, {_harness.human(layers * (w * w + w) * 4)}: "
+          f"the kernels and biases of {layers} x Dense({w}); collectives = CollectiveReduce ops "
+          "per call (raw/batched/ours)")
     misses, launches = [], []
     for bpp in FLAGS.bytes_per_pack:
         try:

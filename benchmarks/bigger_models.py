@@ -63,7 +63,8 @@ def run_worker() -> None:
 
     if FLAGS.config == "in_process":
         cpu = tf.config.list_physical_devices("CPU")[0]
-        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+        tf.config.set_logical_device_configuration(cpu,
+                                                   [tf.config.LogicalDeviceConfiguration()] * 2)
     import keras
 
     import keras_distrib as kd
@@ -110,7 +111,8 @@ def run_driver() -> int:
     sharded = _harness.read_results(out_dir, 2)
     found["optimizer_sharding"] = {
         "parameters": sharded[0]["optimizer_sharding"]["parameters"],
-        "per_device": {k: v for r in sharded for k, v in r["optimizer_sharding"]["per_device"].items()}}
+        "per_device": {k: v for r in sharded
+                       for k, v in r["optimizer_sharding"]["per_device"].items()}}
     whole = max(sum(v) for v in found["data_parallel"]["per_device"].values())
     print(f"\nMLP {FLAGS.layers} x Dense({FLAGS.units}) on 64 inputs "
           f"({found['data_parallel']['parameters']:,} parameters), Adam: weights + optimizer "

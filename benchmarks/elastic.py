@@ -10,8 +10,9 @@ cut for good: both workers stop when the coordination service's
 heartbeat times out (`--heartbeat`, seconds; TensorFlow's default is
 10), the launcher finds host 1 does not answer (its probe gives a host
 10 s) and starts the job on host 0 alone. Once it has trained up to step
-`--lose_after` again there, the link comes back; the launcher's probe (every 5 s) sees it, the job saves and
-stops, and starts again on both hosts.
+`--lose_after` again there, the link comes back; the launcher's probe
+(every 5 s) sees it, the job saves and stops, and starts again on both
+hosts.
 
 Measured per run, from the workers' own step log (`--step_log`):
 

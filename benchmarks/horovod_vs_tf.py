@@ -72,7 +72,8 @@ _MAX_CALLS_PER_TIMING = 2000
 
 
 def cases() -> list[tuple[str, list[tuple[int, ...]]]]:
-    result = [(_harness.human(_harness.parse_size(t)), [(max(_harness.parse_size(t) // 4, 1),)]) for t in FLAGS.sizes]
+    result = [(_harness.human(_harness.parse_size(t)), [(max(_harness.parse_size(t) // 4, 1),)])
+              for t in FLAGS.sizes]
     w = FLAGS.small_width
     result.append(("many-small", [(w, w), (w,)] * FLAGS.small_layers))
     return result

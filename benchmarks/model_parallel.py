@@ -226,7 +226,7 @@ def run_config(name: str) -> dict:
                               timeout=FLAGS.timeout)
     except subprocess.TimeoutExpired as e:
         raise _harness.WorkersFailed(f"{name} did not finish within {FLAGS.timeout:g}s",
-                                     str(e.output or ""))
+                                     str(e.output or "")) from None
     if done.returncode != 0:
         raise _harness.WorkersFailed(f"{name} exited with code {done.returncode}", done.stdout)
     return _harness.read_results(out_dir, 1)[0]

@@ -161,9 +161,9 @@ def measure(rate: str) -> dict:
     wire = link_bytes_per_second(rate)
     sizes = []
     for i, case in enumerate(ring[0]["cases"][:len(FLAGS.sizes)]):
-        times = {"ours_ring": _harness.slowest_rank(ring, lambda r: r["cases"][i]["times"]),
-                 "ours_gloo": _harness.slowest_rank(gloo, lambda r: r["cases"][i]["times"]),
-                 "raw_tf": _harness.slowest_rank(raw, lambda r: r["cases"][i]["times"]["raw"]),
+        times = {"ours_ring": _harness.slowest_rank(ring, lambda r, i=i: r["cases"][i]["times"]),
+                 "ours_gloo": _harness.slowest_rank(gloo, lambda r, i=i: r["cases"][i]["times"]),
+                 "raw_tf": _harness.slowest_rank(raw, lambda r, i=i: r["cases"][i]["times"]["raw"]),
                  "sockets": sockets[i]["times"]}
         sizes.append({"name": case["name"], "bytes": case["bytes"],
                       "bus_fraction": {k: case["bytes"] / _median(t) / wire

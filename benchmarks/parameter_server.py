@@ -166,8 +166,8 @@ def run_worker() -> None:
         def train_step(self, data):
             features, labels, _ = keras.utils.unpack_x_y_sample_weight(data)
             # Not optimizer.iterations: inside a step it reads as the step's
-            # start value (keras_distrib.strategies.parameter_server.scheduled_training), and is bumped
-            # after the step returns. A plain tf.Variable on the ps is not.
+            # start value (keras_distrib.strategies.parameter_server.scheduled_training),
+            # and is bumped after the step returns. A plain tf.Variable on the ps is not.
             count = hist["count"]
             r0 = count.read_value()
             with tf.control_dependencies([r0]):
@@ -305,7 +305,8 @@ def run_ps(workers: int) -> dict:
             log = open(os.path.join(out_dir, f"{kind}{index}.log"), "w+")
             logs.append(log)
             servers.append(subprocess.Popen(
-                [sys.executable, "-m", "keras_distrib.strategies.parameter_server.task_server"], cwd=_harness.REPO_ROOT,
+                [sys.executable, "-m", "keras_distrib.strategies.parameter_server.task_server"],
+                cwd=_harness.REPO_ROOT,
                 env={**env, "TF_CONFIG": tf_config(kind, index)}, stdin=subprocess.DEVNULL,
                 stdout=log, stderr=subprocess.STDOUT, preexec_fn=_pinned(core)))
         chief = subprocess.Popen(
@@ -320,7 +321,7 @@ def run_ps(workers: int) -> dict:
             chief.kill()
             output, _ = chief.communicate()
             raise _harness.WorkersFailed(f"the chief did not finish within {FLAGS.timeout:g}s",
-                                         output + _server_output(logs))
+                                         output + _server_output(logs)) from None
         if chief.returncode != 0:
             raise _harness.WorkersFailed(f"the chief exited with code {chief.returncode}",
                                          output + _server_output(logs))

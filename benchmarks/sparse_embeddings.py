@@ -146,7 +146,8 @@ def run_driver() -> None:
         return
     print(f"\nEmbedding({FLAGS.vocab:,} x {FLAGS.dim}), global batch {FLAGS.batch}, "
           f"{FLAGS.optimizer}; 2 workers (multi_worker) or 1 process (plain Keras)")
-    print(f"{'config':8s} {'step ms median [min, max]':^30s} {'MB to the reductions per step':>30s}")
+    print(f"{'config':8s} {'step ms median [min, max]':^30s} "
+          f"{'MB to the reductions per step':>30s}")
     for name in CONFIGS:
         r = runs[name]
         mb = r[0]["bytes_per_step"] / 2**20

@@ -70,7 +70,8 @@ IDEAL_SPEEDUP = 2.0
 def run_config(name: str) -> dict:
     workers = weak_scaling._CONFIGS[name][0]
     if FLAGS.global_batch % workers:
-        raise app.UsageError(f"--global_batch {FLAGS.global_batch} does not split over {workers} workers.")
+        raise app.UsageError(f"--global_batch {FLAGS.global_batch} does not split over "
+                             f"{workers} workers.")
     return weak_scaling.run_config(name, per_worker_batch=FLAGS.global_batch // workers)
 
 
@@ -93,7 +94,8 @@ def run_driver() -> int:
 
     ratios = {}
     best, best_names = _harness.fastest_per_repetition(runs, weak_scaling.ONE_WORKER)
-    print(f"\n{'speedup (paired per repetition, ideal 2.0)':46s} {'median [min, max]':^22s}  efficiency")
+    print(f"\n{'speedup (paired per repetition, ideal 2.0)':46s} {'median [min, max]':^22s}"
+          "  efficiency")
     rows = [("mw2 / fastest one-worker", "mw2", best),
             ("peer: raw2 / fastest one-worker", "raw2", best),
             ("mw2 / mw1", "mw2", runs.get("mw1")),
@@ -106,7 +108,8 @@ def run_driver() -> int:
         if a in runs and base:
             ratios[label] = _harness.paired_ratios(runs[a], base)
             eff = [r / IDEAL_SPEEDUP for r in ratios[label]]
-            print(f"{label:46s} {_harness.fmt_stats(ratios[label]):^22s}  {_harness.fmt_stats(eff)}")
+            print(f"{label:46s} {_harness.fmt_stats(ratios[label]):^22s}  "
+                  f"{_harness.fmt_stats(eff)}")
     if "mw2" in runs and "indep2" in runs:
         label = "against the ceiling: mw2 / indep2"
         ratios[label] = _harness.paired_ratios(runs["mw2"], runs["indep2"])
@@ -116,7 +119,8 @@ def run_driver() -> int:
         ratios[label] = _harness.paired_ratios(runs["mw2"], runs["lock2"])
         print(f"{label:46s} {_harness.fmt_stats(ratios[label]):^22s}")
     if best:
-        print(f"fastest one-worker configuration per repetition: {_harness.name_counts(best_names)}")
+        print("fastest one-worker configuration per repetition: "
+              f"{_harness.name_counts(best_names)}")
     speedup = ratios.get("mw2 / fastest one-worker")
     if speedup:
         print(f"speedup of 2 workers (mw2) over the fastest one worker: "
@@ -137,7 +141,8 @@ def run_driver() -> int:
         "configs": weak_scaling.configs_json(runs),
         "ratios": {k: _harness.run_summary(v) for k, v in ratios.items()},
         "fastest_one_worker": best_names,
-        "speedup": None if not speedup else {**_harness.run_summary(speedup), "ideal": IDEAL_SPEEDUP},
+        "speedup": (None if not speedup else
+                    {**_harness.run_summary(speedup), "ideal": IDEAL_SPEEDUP}),
         "misses": misses,
     }, quick=FLAGS.quick, load=load)
     return 1 if FLAGS.strict and misses else 0

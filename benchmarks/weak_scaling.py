@@ -430,7 +430,8 @@ def configs_json(runs: dict) -> dict:
 
 
 def non_finite_losses(runs: dict) -> list[str]:
-    return sorted({n for n, rs in runs.items() for r in rs if not all(map(math.isfinite, r["loss"]))})
+    return sorted({n for n, rs in runs.items() for r in rs
+                   if not all(map(math.isfinite, r["loss"]))})
 
 
 def model_description(params: int) -> str:
@@ -503,7 +504,8 @@ def run_driver() -> int:
     best, best_names = _harness.fastest_per_repetition(runs, ONE_WORKER)
     if "mw2" in runs and best:
         print(f"\nfastest one-worker configuration per repetition: "
-              f"{_harness.name_counts(best_names)}  (of {', '.join(c for c in ONE_WORKER if c in runs)})")
+              f"{_harness.name_counts(best_names)}  "
+              f"(of {', '.join(c for c in ONE_WORKER if c in runs)})")
         efficiency = _harness.paired_ratios(runs["mw2"], best, 2)
         line, met = _harness.target_line(
             "efficiency mw2 / (2 x fastest one-worker)", efficiency, TARGET_EFFICIENCY)

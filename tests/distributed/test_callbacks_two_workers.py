@@ -85,7 +85,8 @@ def test_two_workers_warmup_and_chief_only_summaries(two_workers):
         assert r["final_lr"] == pytest.approx(2 * LR, rel=1e-6)
     assert len(glob.glob(str(out / "tb" / "events.*"))) == 1  # the throughput monitor's
     prefix = RANK_PREFIX
-    assert prefix.format(0) + "Epoch 2: finished gradual learning rate warmup to 0.2." in proc.stdout
+    assert (prefix.format(0) + "Epoch 2: finished gradual learning rate warmup to 0.2."
+            in proc.stdout)
     assert prefix.format(1) + "Epoch 2: finished" not in proc.stdout
 
 

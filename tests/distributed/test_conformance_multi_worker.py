@@ -7,16 +7,11 @@ fail) or for every strategy (skipped).
 """
 
 import os
-import sys
 import xml.etree.ElementTree as ET
 
 import pytest
 
 from helpers import WORKERS, launch
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "conformance"))
-import expectations  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

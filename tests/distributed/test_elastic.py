@@ -6,9 +6,10 @@ backup every 4 steps).
 On this host a slot is a process: one killed (or stopped: the others
 report losing it) twice in a row is left out (hybrid `tensor_parallel` and
 `pipeline`, each worker's model split over its two logical CPUs;
-`horovod`, whose horovodrun names the rank that failed first). Across hosts (network namespaces, tests/netns_hosts.py,
-whose ssh stand-in cannot reach a host whose link is down), a host whose
-link is cut is lost and, when the link is back, taken in again at the
+`horovod`, whose horovodrun names the rank that failed first). Across
+hosts (network namespaces, tests/netns_hosts.py, whose ssh stand-in
+cannot reach a host whose link is down), a host whose link is cut is lost
+and, when the link is back, taken in again at the
 job's next backup (`multi_worker`; `horovod` through horovodrun; hybrid
 `tensor_parallel` and `pipeline`), also when only its training link is cut
 and ssh still reaches it (`multi_worker`, `horovod`); one cut for good

@@ -118,7 +118,7 @@ def test_sharded_optimizer_example_fits_the_budget_on_two_workers_and_learns():
     rows = re.findall(r"^\[rank (\d)\] worker(\d) +([0-9.]+) +([0-9.]+) +([0-9.]+) +([0-9.]+)$",
                       out, re.M)
     assert sorted((rank, worker) for rank, worker, *_ in rows) == [("0", "0"), ("1", "1")]
-    for _, _, weights, optimizer, total, row_budget in rows:
+    for _, _, weights, optimizer, total, _row_budget in rows:
         # Adam's two slots, halved: as many bytes as the weights.
         assert float(optimizer) == float(weights) and float(total) <= budget
     results = re.findall(r"result: multi_worker: .* validation accuracy ([0-9.]+)", out)

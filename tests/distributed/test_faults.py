@@ -32,7 +32,7 @@ MISMATCH = "tests/workers/mismatch.py"
 
 
 def _last_error_line(output):
-    lines = [l for l in output.splitlines() if "Error: " in l]
+    lines = [line for line in output.splitlines() if "Error: " in line]
     return lines[-1] if lines else output[-2000:]
 
 

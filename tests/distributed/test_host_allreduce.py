@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from helpers import WORKERS
-from keras_distrib.collectives import host_allreduce
+from keras_distrib.collectives import host_allreduce  # noqa: F401  (imports the real package first)
 from keras_distrib.cluster import launch_contract
 
 sys.path.insert(0, WORKERS)
@@ -82,7 +82,8 @@ def test_sums_are_exact_identical_and_leave_no_files(tmp_path, world):
         for i in range(len(per_rank[0])):
             want = sum(np.asarray(p[i], np.float64) for p in per_rank)
             got = results[0][f"c{call}_{i}"]
-            assert got.shape == np.shape(per_rank[0][i]) and got.dtype == np.asarray(per_rank[0][i]).dtype
+            assert (got.shape == np.shape(per_rank[0][i])
+                    and got.dtype == np.asarray(per_rank[0][i]).dtype)
             tol = 1e-2 if got.dtype == np.float16 else 1e-5
             np.testing.assert_allclose(got.astype(np.float64), want, atol=tol, rtol=tol)
             for other in results[1:]:  # each element is summed by one worker only

@@ -8,7 +8,6 @@ each rank trained on the whole data from the same initial weights.
 """
 
 import json
-import os
 
 import numpy as np
 import pytest

@@ -70,12 +70,13 @@ def _check_report(output: str, nproc: int, args, host="127.0.0.1"):
     for rank in range(nproc):
         lines = _lines_of(output, rank)
         assert "to stderr" in lines
-        config = json.loads(next(l for l in lines if l.startswith("TF_CONFIG="))[10:])
-        env = json.loads(next(l for l in lines if l.startswith("ENV="))[4:])
+        config = json.loads(next(line for line in lines if line.startswith("TF_CONFIG="))[10:])
+        env = json.loads(next(line for line in lines if line.startswith("ENV="))[4:])
         assert env["KERAS_DISTRIB_RANK"] == str(rank)
         assert env["KERAS_DISTRIB_WORLD_SIZE"] == str(nproc)
         assert env["PYTHONUNBUFFERED"] == "1"
-        assert json.loads(next(l for l in lines if l.startswith("ARGS="))[5:]) == list(args)
+        assert json.loads(next(line for line in lines
+                               if line.startswith("ARGS="))[5:]) == list(args)
         assert config["task"] == {"type": "worker", "index": rank}
         configs.append(config)
     workers = configs[0]["cluster"]["worker"]
@@ -283,7 +284,8 @@ def test_tf_cpp_min_log_level_defaults_to_2_and_the_users_value_wins(
         monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
     else:
         monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", user_value)
-    script = rank_script(tmp_path, 'print("LEVEL=" + os.environ.get("TF_CPP_MIN_LOG_LEVEL", "unset"))')
+    script = rank_script(tmp_path,
+                         'print("LEVEL=" + os.environ.get("TF_CPP_MIN_LOG_LEVEL", "unset"))')
     assert launch.launch(LaunchConfig(nproc=2, script=script)) == 0
     out, _ = capfd.readouterr()
     for rank in range(2):
@@ -304,7 +306,8 @@ TF_BANNERS = [
     "is optimized to use available CPU instructions in performance-critical operations.",
     "To enable the following instructions: AVX2 AVX512F FMA, in other operations, rebuild "
     "TensorFlow with the appropriate compiler flags.",
-    "2024-05-01 12:00:00.123456: I tensorflow/core/util/port.cc:113] oneDNN custom operations are on.",
+    "2024-05-01 12:00:00.123456: I tensorflow/core/util/port.cc:113] oneDNN custom operations "
+    "are on.",
     "E0000 00:00:1795414311.000000   26383 cuda_executor.cc:1228] failed call to cuInit: "
     "INTERNAL: CUDA error: Failed call to cuInit: UNKNOWN ERROR (303)",
 ]
@@ -341,7 +344,8 @@ def test_failure_tail_leaves_out_tf_banners_and_ends_with_the_traceback(
 def test_horovod_backend_output_has_one_prefix_style(tmp_path, capfd, no_leftovers):
     pytest.importorskip("horovod.tensorflow")
     script = tmp_path / "hvd_worker.py"
-    script.write_text(RANK_PRELUDE.replace('"KERAS_DISTRIB_RANK"', '"HOROVOD_RANK"') + textwrap.dedent("""\
+    script.write_text(RANK_PRELUDE.replace('"KERAS_DISTRIB_RANK"', '"HOROVOD_RANK"')
+                      + textwrap.dedent("""\
         print("hello", flush=True)
         if RANK == 0:
             for i in range(5):
@@ -360,7 +364,8 @@ def test_horovod_backend_output_has_one_prefix_style(tmp_path, capfd, no_leftove
                 ("[rank 0] ", "[rank 1] ", "[horovodrun] ")), repr(out)
     for rank in range(2):
         assert {"hello", "to stderr"} <= set(_lines_of(out, rank)), out
-    assert "\r[rank 0] " in out and ("\r[rank 0] 4/5\n" in out or "\n[rank 0] 4/5\n" in out), repr(out)
+    assert "\r[rank 0] " in out and ("\r[rank 0] 4/5\n" in out
+                                     or "\n[rank 0] 4/5\n" in out), repr(out)
     assert not any(process_alive(pid) for pid in rank_pids(tmp_path).values())
 
 
@@ -456,7 +461,7 @@ def _launch_two_sleepers(tmp_path, no_leftovers) -> subprocess.Popen:
     proc = _cli("launch", "-n", "2", script)
     no_leftovers.append(proc)
     lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout], daemon=True).start()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
     ready, deadline = set(), time.monotonic() + 40
     while not {"[rank 0] ready\n", "[rank 1] ready\n"} <= ready:
         ready.add(lines.get(timeout=max(deadline - time.monotonic(), 0.1)))

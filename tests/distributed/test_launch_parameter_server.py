@@ -8,7 +8,8 @@ Three kinds of test:
   `--ps_tasks_run_script` and plain-Python scripts that act out each role
   by their `TF_CONFIG` task type, so they take a second, not TensorFlow's
   start-up;
-* real clusters: servers run `python -m keras_distrib.strategies.parameter_server.task_server` and the
+* real clusters: servers run
+  `python -m keras_distrib.strategies.parameter_server.task_server` and the
   chief script below connects to them with
   `tf.distribute.ParameterServerStrategy` + `ClusterCoordinator` directly
   (not through keras_distrib's strategy); the task server's own
@@ -198,7 +199,8 @@ def test_cli_bad_parameter_server_flags_give_one_line_error(tmp_path, token, arg
 @pytest.mark.slow
 def test_workers_flag_without_ps_is_n(tmp_path, token):
     # --workers N is -n N: the same ranks, `[rank N]` lines.
-    script = write_script(tmp_path, "import os; print('size', os.environ['KERAS_DISTRIB_WORLD_SIZE'])")
+    script = write_script(tmp_path,
+                          "import os; print('size', os.environ['KERAS_DISTRIB_WORLD_SIZE'])")
     code, out, errors = _cli_error(tmp_path, "--workers", "2", "-n", "2", script)
     assert code == 0, errors
     assert sorted(out.splitlines()) == ["[rank 0] size 2", "[rank 1] size 2"]
@@ -423,8 +425,8 @@ def test_task_server_without_a_cluster_is_a_one_line_error(tmp_path):
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [
-        "keras_distrib.strategies.parameter_server.task_server: error: no cluster in the environment; set TF_CONFIG to "
-        "this task's cluster and task (type 'worker' or 'ps')."]
+        "keras_distrib.strategies.parameter_server.task_server: error: no cluster in the "
+        "environment; set TF_CONFIG to this task's cluster and task (type 'worker' or 'ps')."]
 
 
 @pytest.mark.slow
@@ -522,12 +524,13 @@ def test_parameter_server_job_trains_and_leaves_nothing_running(tmp_path, launch
     run.wait_for(r"^\[chief\] VALUE", timeout=100)
     assert run.finish(timeout=60) == 0, run.text()
     assert "[chief] VALUE 30.0" in run.out, run.text()
-    tf_config = json.loads(next(l for l in run.out if l.startswith("[chief] TF_CONFIG="))[18:])
+    tf_config = json.loads(next(line for line in run.out
+                                if line.startswith("[chief] TF_CONFIG="))[18:])
     assert tf_config["task"] == {"type": "chief", "index": 0}
     cluster = tf_config["cluster"]
     servers = _serving(run, 3)
     assert servers["worker 0"][0] == cluster["worker"][0]
     assert servers["worker 1"][0] == cluster["worker"][1]
     assert servers["ps 0"][0] == cluster["ps"][0]
-    assert not any(l.startswith("[launcher]") for l in run.err), run.text()
+    assert not any(line.startswith("[launcher]") for line in run.err), run.text()
     assert not _wait_until_gone(token)

@@ -146,7 +146,7 @@ def test_rank_failing_once_is_restarted_on_new_ports(tmp_path, launcher):
     assert code == 0, err
     lines = _launcher_lines(err)
     assert lines.count("keras-distrib: rank 1 failed with exit code 3; last output:") == 1, err
-    assert [l for l in lines if "restart 1/" in l] == [
+    assert [line for line in lines if "restart 1/" in line] == [
         "keras-distrib: restart 1/2: rank 1 failed with exit code 3; "
         "starting all 2 ranks again."], err
     assert lines[-1] == "keras-distrib: all 2 ranks succeeded; 1 of 2 restarts used; exit code 0."
@@ -171,7 +171,7 @@ def test_always_failing_rank_exits_with_its_code_after_every_restart(tmp_path, l
     code, _, err = _run(launcher, "-n", "2", "--max_restarts=2", script)
     assert code == 3, err
     lines = _launcher_lines(err)
-    assert [l for l in lines if l.startswith("keras-distrib: restart ")] == [
+    assert [line for line in lines if line.startswith("keras-distrib: restart ")] == [
         f"keras-distrib: restart {k}/2: rank 1 failed with exit code 3; "
         "starting all 2 ranks again." for k in (1, 2)], err
     assert lines[-1] == ("keras-distrib: rank 1 failed with exit code 3; "
@@ -424,7 +424,7 @@ def test_sigterm_to_the_launcher_stops_all_ranks_without_restart(
     assert proc.returncode == code, err
     lines = _launcher_lines(err)
     assert "keras-distrib: got SIGTERM; stopping all ranks." in lines, err
-    assert not any(l.startswith("keras-distrib: restart ") for l in lines), err
+    assert not any(line.startswith("keras-distrib: restart ") for line in lines), err
     assert (f"keras-distrib: every rank exited with {PREEMPTED} (preempted) or 0; "
             f"exit code {PREEMPTED}." in lines) == (code == PREEMPTED), err
     assert lines[-1] == (f"keras-distrib: stopped by SIGTERM; 0 of 3 restarts used; "

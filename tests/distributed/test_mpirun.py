@@ -18,7 +18,8 @@ from pure_helpers import ROOT, kill_process_group
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(shutil.which("mpirun") is None,
-                       reason="Open MPI's mpirun is not installed (make setup installs it as root)"),
+                       reason="Open MPI's mpirun is not installed "
+                              "(make setup installs it as root)"),
 ]
 
 # mpirun refuses to run as root unless told twice; the suite runs as root.

@@ -171,8 +171,6 @@ def test_only_the_chief_printed_and_wrote_files(run):
 @pytest.mark.parametrize("env", [{"KERAS_DISTRIB_PEER_TIMEOUT": "3"},
                                  {"KERAS_DISTRIB_BOOTSTRAP": "0"}])
 def test_peer_that_never_answers_is_named(tmp_path, env):
-    from keras_distrib import cluster
-
     ports = cluster.free_ports(2)
     tf_config = {"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
                  "task": {"type": "worker", "index": 0}}

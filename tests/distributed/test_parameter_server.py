@@ -295,7 +295,8 @@ def test_epoch_level_callbacks_see_every_step_applied(shared):
     for rate in history["samples_per_sec"]:
         assert overall / 10 < rate < overall * 40, (rate, overall)
     # A batch-level callback that cannot work: a one-line error naming it.
-    assert re.match(r"TensorBoard\(profile_batch=\.\.\.\) profiles the chief", report["profile_error"])
+    assert re.match(r"TensorBoard\(profile_batch=\.\.\.\) profiles the chief",
+                    report["profile_error"])
     assert "\n" not in report["profile_error"]
 
 

@@ -1,4 +1,5 @@
-"""Keras 3 variables sharded over parameter servers (keras_distrib.strategies.parameter_server.sharded_variables).
+"""Keras 3 variables sharded over parameter servers
+(keras_distrib.strategies.parameter_server.sharded_variables).
 
 A real cluster: 2 ps and 2 worker TF servers, processes shared by the tests
 of this file; each test's coordinator ("chief") is a fresh process

@@ -150,7 +150,8 @@ def test_warmup_wraps_a_schedule_and_trains_with_it(data):
         assert float(restored._learning_rate(step)) == pytest.approx(want[step], rel=1e-6)
 
 
-@pytest.mark.parametrize("strategy,multiplier,want", [("mirrored", None, 2.0), ("single", 3.0, 3.0)])
+@pytest.mark.parametrize("strategy,multiplier,want", [("mirrored", None, 2.0),
+                                                      ("single", 3.0, 3.0)])
 def test_scaling_multiplies_once(data, strategy, multiplier, want):
     x, y = data
     model = build("functional", strategy)
@@ -174,7 +175,8 @@ def test_scaling_wraps_a_schedule(data):
     assert isinstance(schedule, kdc.ScaledSchedule) and schedule.schedule is decay
     assert [float(schedule(s)) for s in (0, 5)] == pytest.approx(
         [3 * float(decay(0)), 3 * float(decay(5))])
-    assert record.optimizer_lr == pytest.approx([3 * float(decay(s + 1)) for s in range(8)], rel=1e-6)
+    assert record.optimizer_lr == pytest.approx([3 * float(decay(s + 1)) for s in range(8)],
+                                                rel=1e-6)
 
 
 def test_warmup_and_scaling_together_is_an_error(data):
@@ -354,8 +356,8 @@ def test_step_counter_with_steps_per_execution():
 def test_plain_keras_model_gets_single_process_behaviour(data, tmp_path):
     x, y = data
     model = plain_model()
-    model.compile(optimizer=keras.optimizers.SGD(LR), loss=keras.losses.SparseCategoricalCrossentropy(
-        from_logits=True))
+    model.compile(optimizer=keras.optimizers.SGD(LR),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     warmup = kdc.LearningRateWarmup(1)
     history = model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[
         kdc.MetricAverage(), kdc.BroadcastInitialWeights(), warmup,

@@ -39,7 +39,7 @@ def test_functional_init_in_a_subclass_changes_no_class():
     net = Net()
     assert isinstance(net, Net) and isinstance(net, kd.FunctionalDistributedModel)
     inputs = keras.Input((FEATURES,))
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError):
         kd.DistributedModel({"a": "x"}, keras.layers.Dense(1)(inputs))
     assert kd.DistributedModel.__bases__ == bases and Net.__bases__ == (kd.DistributedModel,)
     later = _dense_net(kd.DistributedModel, strategy="single")  # a subclass still works
@@ -218,7 +218,7 @@ def test_a_warning_of_the_step_is_shown_once(strategy):
 
     class Loud(keras.layers.Layer):
         def call(self, x):
-            warnings.warn("kd-test: a user's layer warns")
+            warnings.warn("kd-test: a user's layer warns", stacklevel=2)
             return x
 
     inputs = keras.Input((FEATURES,))

@@ -128,8 +128,10 @@ def test_keras_gradient_accumulation_under_tf_distribute_points_to_ours(strategy
 
 
 @pytest.mark.parametrize("option,value,message", [
-    ("collective_timeout", "10", "collective_timeout='10' must be a number of seconds > 0, or None."),
-    ("collective_timeout", True, "collective_timeout=True must be a number of seconds > 0, or None."),
+    ("collective_timeout", "10",
+     "collective_timeout='10' must be a number of seconds > 0, or None."),
+    ("collective_timeout", True,
+     "collective_timeout=True must be a number of seconds > 0, or None."),
     ("peer_timeout", "x", "peer_timeout='x' must be a number of seconds > 0."),
     ("peer_timeout", 0, "peer_timeout=0 must be a number of seconds > 0."),
 ])
@@ -156,7 +158,8 @@ def test_batch_size_must_be_a_positive_integer(method, strategy, batch_size):
 
 def test_validation_batch_size_must_be_a_positive_integer():
     x, y = make_data()
-    with pytest.raises(ValueError, match=r"^validation_batch_size=0 must be a positive integer") as e:
+    with pytest.raises(ValueError,
+                       match=r"^validation_batch_size=0 must be a positive integer") as e:
         build("functional", "single").fit(x, y, validation_data=(x, y),
                                           validation_batch_size=0, verbose=0)
     _one_line(e)
@@ -247,7 +250,8 @@ def test_nan_input_is_refused_unless_opted_out(strategy):
     x = x.copy()
     x[20, 3] = np.inf
     model = build("functional", strategy)
-    with pytest.raises(ValueError, match=r"^x holds inf at row 20;.*model.check_finite = False") as e:
+    with pytest.raises(ValueError,
+                       match=r"^x holds inf at row 20;.*model.check_finite = False") as e:
         model.fit(x, y, verbose=0)
     _one_line(e)
     model.check_finite = False

@@ -36,7 +36,8 @@ def test_a_cluster_configured_after_tensorflow_started_is_a_one_line_error(monke
     monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, '
                                     '"task": {"type": "worker", "index": 0}}')
     with pytest.raises(ValueError, match="TensorFlow was used before keras_distrib could start "
-                                         "its multi-worker runtime; `import keras_distrib` before") as e:
+                                         "its multi-worker runtime; "
+                                         "`import keras_distrib` before") as e:
         kd.strategies.get(name)
     assert "\n" not in str(e.value)
 

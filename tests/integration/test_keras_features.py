@@ -277,7 +277,8 @@ def test_ragged_input_trains_like_plain_keras(strategy, feed):
         keras.utils.set_random_seed(4)
         inputs = keras.Input((None,), ragged=True, dtype="int32")
         pooled = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(50, 8)(inputs))
-        return make(inputs, keras.layers.Dense(2)(keras.layers.Dense(16, activation="relu")(pooled)))
+        return make(inputs,
+                    keras.layers.Dense(2)(keras.layers.Dense(16, activation="relu")(pooled)))
 
     plain = model(keras.Model)
     ours = model(lambda i, o: kd.DistributedModel(i, o, strategy=strategy))

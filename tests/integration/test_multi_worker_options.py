@@ -17,7 +17,8 @@ def test_no_cluster_is_a_clear_error(monkeypatch):
     import keras_distrib as kd
 
     monkeypatch.delenv("TF_CONFIG", raising=False)
-    with pytest.raises(ValueError, match="found no cluster; start the workers with `keras-distrib launch"):
+    with pytest.raises(ValueError,
+                       match="found no cluster; start the workers with `keras-distrib launch"):
         kd.strategies.get("multi_worker")
 
 
@@ -37,7 +38,8 @@ def test_bad_options(options, fragment):
 def test_created_after_tensorflow_started_is_a_clear_error():
     code = ("import tensorflow as tf, keras_distrib as kd\n"
             "tf.Variable(1.0)\n"
-            "kd.strategies.get('multi_worker', cluster=['127.0.0.1:1', '127.0.0.1:2'], task_index=0)\n")
+            "kd.strategies.get('multi_worker', cluster=['127.0.0.1:1', '127.0.0.1:2'], "
+            "task_index=0)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "TensorFlow was used before keras_distrib could start its multi-worker runtime" in (

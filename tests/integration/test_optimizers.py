@@ -86,7 +86,8 @@ def test_saved_model_loads_without_keras_distrib(data, tmp_path):
         assert "keras_distrib" not in sys.modules, "keras_distrib was imported"
         assert type(m.optimizer) is keras.optimizers.Adam, type(m.optimizer)
         assert int(m.optimizer.iterations.numpy()) == 6
-        np.save({str(tmp_path / "p.npy")!r}, m.predict(np.load({str(tmp_path / "x.npy")!r}), verbose=0))
+        np.save({str(tmp_path / "p.npy")!r},
+                m.predict(np.load({str(tmp_path / "x.npy")!r}), verbose=0))
     """)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     subprocess.run([sys.executable, "-c", code], check=True, timeout=180, cwd=tmp_path, env=env)

@@ -17,7 +17,8 @@ import keras_distrib as kd
 def _graph():
     inputs = keras.Input((4,))
     h = keras.layers.Dense(8, activation="relu")(inputs)
-    return inputs, {"a": keras.layers.Dense(3, name="a")(h), "b": keras.layers.Dense(1, name="b")(h)}
+    return inputs, {"a": keras.layers.Dense(3, name="a")(h),
+                    "b": keras.layers.Dense(1, name="b")(h)}
 
 
 def _data(n):

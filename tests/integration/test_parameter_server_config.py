@@ -96,7 +96,7 @@ def test_only_errors_of_a_lost_task_are_called_a_lost_ps():
 
 
 
-# -- the task server (`python -m keras_distrib.strategies.parameter_server.task_server`) ------------------------
+# -- the task server (`python -m keras_distrib.strategies.parameter_server.task_server`) ---
 
 
 def test_serve_refuses_a_chief_and_server_config_has_enough_inter_op_threads():

@@ -24,7 +24,7 @@ def _layers():
     return inputs, keras.layers.Dense(CLASSES)(hidden)
 
 
-def _trained(strategy, scope=contextlib.nullcontext()):
+def _trained(strategy, scope=None):
     """Weights after one step of SGD (learning rate 1: the update is the
     gradient) from the same initial weights, on one batch of 32.
 
@@ -38,7 +38,7 @@ def _trained(strategy, scope=contextlib.nullcontext()):
     moves a weight by up to twice the learning rate."""
     x, y = make_data(32)
     keras.utils.set_random_seed(1)
-    with scope:
+    with contextlib.nullcontext() if scope is None else scope:
         model = (keras.Model(*_layers()) if strategy is None
                  else kd.DistributedModel(*_layers(), strategy=strategy))
     model.compile(optimizer=keras.optimizers.SGD(1.0),

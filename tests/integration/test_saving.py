@@ -52,10 +52,12 @@ def test_loading_needs_keras_distrib_imported(data, tmp_path):
         import numpy as np, keras
         import keras_distrib
         m = keras.models.load_model({str(path)!r})
-        np.save({str(tmp_path / "p.npy")!r}, m.predict(np.load({str(tmp_path / "x.npy")!r}), verbose=0))
+        np.save({str(tmp_path / "p.npy")!r},
+                m.predict(np.load({str(tmp_path / "x.npy")!r}), verbose=0))
     """)
     subprocess.run([sys.executable, "-c", code], check=True, timeout=180, capture_output=True)
-    np.testing.assert_allclose(np.load(tmp_path / "p.npy"), model.predict(x[:5], verbose=0), atol=1e-6)
+    np.testing.assert_allclose(np.load(tmp_path / "p.npy"), model.predict(x[:5], verbose=0),
+                               atol=1e-6)
 
 
 _WITHOUT_KERAS_DISTRIB = textwrap.dedent("""
@@ -154,7 +156,7 @@ def test_failed_save_keeps_previous_file(method, name, tmp_path):
     path = tmp_path / name
     getattr(model, method)(path)
     before = path.read_bytes()
-    layer = next(l for l in model.layers if isinstance(l, ExplodingOnSave))
+    layer = next(each for each in model.layers if isinstance(each, ExplodingOnSave))
     layer.explode = True
     with pytest.raises(OSError, match="disk full"):
         getattr(model, method)(path)

@@ -108,10 +108,12 @@ def test_a_strategy_is_imported_when_first_asked_for(tmp_path):
         strategies.get("single")
         print(loaded())
         import my_plugin
-        print(strategies.available()["zz_test_plugin"], type(strategies.get("zz_test_plugin")).__name__)
+        print(strategies.available()["zz_test_plugin"],
+              type(strategies.get("zz_test_plugin")).__name__)
     """)
     proc = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": CHILD_PYTHONPATH})
+                          text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": CHILD_PYTHONPATH})
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()[-3:]
     assert lines[0] == "False []"

@@ -200,7 +200,8 @@ def test_clipnorm_clips_a_split_variable_by_its_whole_norm(model_kind, optimizer
 
     x, y = data if model_kind == "mlp" else _sequence_data()
     model = compiled("tensor_parallel")
-    assert len(model.strategy.plan().kinds) >= 2 and "column" in model.strategy.plan().kinds.values()
+    assert (len(model.strategy.plan().kinds) >= 2
+            and "column" in model.strategy.plan().kinds.values())
     single = compiled("single")
     single.set_weights(model.get_weights())
     assert_matches_single(single, model, x, y, atol=1e-5)

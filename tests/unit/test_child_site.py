@@ -10,7 +10,8 @@ import sys
 from pure_helpers import run_python
 
 CODE = ("import importlib.util, json\n"
-        "print(json.dumps([importlib.util.find_spec(m) is None for m in ('pandas', 'matplotlib')]))")
+        "print(json.dumps([importlib.util.find_spec(m) is None "
+        "for m in ('pandas', 'matplotlib')]))")
 
 
 def test_a_process_given_the_child_pythonpath_loads_neither():

@@ -464,7 +464,8 @@ def test_module_imports_without_tensorflow():
     package = os.path.join(ROOT, "keras_distrib", "cluster")
     code = (
         "import importlib.util, json, os, sys\n"
-        f"spec = importlib.util.spec_from_file_location('c', {os.path.join(package, '__init__.py')!r}, "
+        "spec = importlib.util.spec_from_file_location('c', "
+        f"{os.path.join(package, '__init__.py')!r}, "
         f"submodule_search_locations=[{package!r}])\n"
         "module = sys.modules['c'] = importlib.util.module_from_spec(spec)\n"
         "spec.loader.exec_module(module)\n"

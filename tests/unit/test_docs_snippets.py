@@ -21,7 +21,7 @@ def _unmarked_python_blocks(text: str) -> list[int]:
     found = []
     for i, line in enumerate(lines):
         if re.match(r"\s*```python\s*$", line):
-            before = next((l.strip() for l in reversed(lines[:i]) if l.strip()), "")
+            before = next((prior.strip() for prior in reversed(lines[:i]) if prior.strip()), "")
             if before not in MARKERS:
                 found.append(i + 1)
     return found

@@ -187,12 +187,13 @@ def test_multi_host_dry_run_prints_and_writes_tf_config(tmp_path, capfd):
     out, _ = capfd.readouterr()
     expected_workers = ["node-a.invalid:23456", "node-a.invalid:23457", "node-b.invalid:23456"]
     for rank, host in enumerate(["node-a.invalid", "node-a.invalid", "node-b.invalid"]):
-        line = next(l for l in out.splitlines() if l.startswith(f"rank {rank} on {host}: "))
+        line = next(printed for printed in out.splitlines()
+                    if printed.startswith(f"rank {rank} on {host}: "))
         tf_config = json.loads(line.split("TF_CONFIG=", 1)[1])
         assert tf_config == {"cluster": {"worker": expected_workers},
                              "task": {"type": "worker", "index": rank}}
         assert json.loads((out_dir / f"rank-{rank}.tf_config.json").read_text()) == tf_config
-    commands = [l.strip() for l in out.splitlines() if l.startswith("  cd ")]
+    commands = [line.strip() for line in out.splitlines() if line.startswith("  cd ")]
     assert len(commands) == 3
     assert all(c.endswith(f"{script} --lr 0.1") for c in commands)
     assert "KERAS_DISTRIB_RANK=2" in commands[2]
@@ -219,7 +220,6 @@ def test_usage_lists_flags_and_env_contract():
 def test_launcher_warns_when_local_ranks_exceed_cpu_cores(tmp_path, monkeypatch, nproc, warned):
     import importlib
     import io
-    import os
     import types
 
     from keras_distrib.launch import LaunchConfig

@@ -92,7 +92,8 @@ def test_multi_host_dry_run_names_each_task_by_role(tmp_path, capfd):
         assert json.loads((out_dir / f"{name}.tf_config.json").read_text()) == tf_config
         command = lines[at + 1].strip()
         runs_script = label == "chief"
-        assert command.endswith(script if runs_script else "-m keras_distrib.strategies.parameter_server.task_server"), command
+        assert command.endswith(script if runs_script else
+                                "-m keras_distrib.strategies.parameter_server.task_server"), command
     host_b = (out_dir / "host-b.invalid.sh").read_text()
     assert "tasks worker 1, ps 0 of 4" in host_b and host_b.count("task_server") == 2
     assert not (tmp_path / "ran").exists()
@@ -100,6 +101,7 @@ def test_multi_host_dry_run_names_each_task_by_role(tmp_path, capfd):
 
 def test_usage_documents_parameter_servers():
     text = launch.usage()
-    for fragment in ("--workers", "--ps", "--ps_tasks_run_script", "keras_distrib.strategies.parameter_server.task_server",
+    for fragment in ("--workers", "--ps", "--ps_tasks_run_script",
+                     "keras_distrib.strategies.parameter_server.task_server",
                      "[chief]", "[worker I]", "[ps I]", "(100 when 0)", "0: up to 100"):
         assert fragment in text, fragment

@@ -55,7 +55,8 @@ def test_malformed_variables_fail_in_one_line(environ, message):
 
 def test_an_exchange_of_another_job_size_is_refused():
     with pytest.raises(ClusterConfigError, match="exchanged 3 addresses for "
-                       "OMPI_COMM_WORLD_SIZE=2; start every process of the job with the same mpirun"):
+                       "OMPI_COMM_WORLD_SIZE=2; start every process of the job with the "
+                       "same mpirun"):
         from_openmpi(RANK1, lambda mine: [("a", 1), mine, ("c", 3)])
 
 

@@ -12,8 +12,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import keras  # noqa: E402  (Keras before keras_distrib, as users write it)
-import keras_distrib as kd  # noqa: E402
+import keras  # noqa: E402, F401  (Keras before keras_distrib, as users write it)
+import keras_distrib as kd  # noqa: E402, F401  (before any TensorFlow object, as users do)
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402

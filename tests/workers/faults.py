@@ -20,8 +20,9 @@ test_network_faults.py). Every rank that finishes writes its final
 weights and step count to `--out/rank<r>.npz`; every attempt appends a
 line to `--out/attempts-rank<r>.txt` (attempt number, pid, start time, the
 attempt's shared-memory directory `KERAS_DISTRIB_SHM_DIR`, `-` on another
-host than the launcher's) and the faulting rank writes `--out/fault.txt` (pid, time), so the test can
-count restarts, time them and check that no process or file is left.
+host than the launcher's) and the faulting rank writes `--out/fault.txt`
+(pid, time), so the test can count restarts, time them and check that no
+process or file is left.
 
 Seeded (`keras.utils.set_random_seed`) only so that an uninterrupted run
 of this script can serve as the reference the restarted run must equal.
@@ -207,7 +208,7 @@ def main(argv):
     model.fit(x, y, batch_size=30, epochs=FLAGS.epochs, shuffle=True, verbose=0,
               callbacks=callbacks)
     np.savez(os.path.join(FLAGS.out, f"rank{rank}.npz"),
-             iterations=int(model.optimizer.iterations.numpy()), *model.get_weights())
+             *model.get_weights(), iterations=int(model.optimizer.iterations.numpy()))
 
 
 if __name__ == "__main__":

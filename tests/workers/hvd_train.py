@@ -94,7 +94,8 @@ def main(argv):
         inputs = keras.Input((3,))
         kd.DistributedModel(inputs, keras.layers.Dense(1)(inputs), strategy="single")
     broadcast = hvd_strategy.broadcast_variables
-    hvd_strategy.broadcast_variables = lambda v, root=0: (broadcasts.append(len(v)), broadcast(v, root))
+    hvd_strategy.broadcast_variables = lambda v, root=0: (broadcasts.append(len(v)),
+                                                          broadcast(v, root))
     model = build("functional", hvd_strategy, seed=seed)
     initial = model.get_weights()
     validation = None

@@ -89,8 +89,8 @@ def train(run, x, y):
         "iterations": int(model.optimizer.iterations.numpy()),
     }
     prefix = os.path.join(FLAGS.out, f"{run}-rank{strategy.rank}")
-    np.savez(prefix + ".npz", predict=model.predict(x, batch_size=FLAGS.batch, verbose=0),
-             *whole)
+    np.savez(prefix + ".npz", *whole,
+             predict=model.predict(x, batch_size=FLAGS.batch, verbose=0))
     if name == "pipeline" and run != "1f1b_ours":
         # 36 rows a step: 18 per worker, micro-batches of 5, 5, 4 and 4.
         uneven = build("functional", strategy, seed=7 + strategy.rank)

@@ -150,13 +150,13 @@ def batch_norm():
     }
 
 
-def _ours_and_twin(graph, ours_in=contextlib.nullcontext()):
+def _ours_and_twin(graph, ours_in=None):
     """Ours (under `--strategy`, built within `ours_in`) and a plain Keras
     model, each on its own `graph()`, both starting from one set of weights
     drawn from a fixed seed, the same on every worker (horovod broadcasts
     rank 0's weights at the first build, after a twin would have copied its
     rank's own)."""
-    with ours_in:
+    with contextlib.nullcontext() if ours_in is None else ours_in:
         model = kd.DistributedModel(*graph(), strategy=FLAGS.strategy)
     twin = keras.Model(*graph())
     rng = np.random.default_rng(7)

@@ -37,9 +37,10 @@ def seen_ids(strategy, x_ids, files_dir, batch):
     kinds = {
         "arrays_shuffled": lambda: sharding.shard(strategy, ids, ids[:, 0], None, batch, True,
                                                   strategy.agree_on_seed())[0],
-        "tf_data": lambda: sharding.shard(strategy, tf.data.Dataset.from_tensor_slices(ids).batch(batch))[0],
-        "py_dataset": lambda: sharding.shard(strategy, Batches(ids, ids[:, 0], batch), None, None, None,
-                                             True, strategy.agree_on_seed())[0],
+        "tf_data": lambda: sharding.shard(strategy,
+                                          tf.data.Dataset.from_tensor_slices(ids).batch(batch))[0],
+        "py_dataset": lambda: sharding.shard(strategy, Batches(ids, ids[:, 0], batch), None, None,
+                                             None, True, strategy.agree_on_seed())[0],
         "tf_files": lambda: sharding.shard(strategy, _file_dataset(files_dir, batch))[0],
     }
     seen = {}
@@ -123,8 +124,8 @@ def main(argv):
         "matmuls_before_each_all_reduce": matmuls_before_each_all_reduce(model),
     }
     np.savez(os.path.join(FLAGS.out, f"rank{rank}.npz"),
-             predict=model.predict(x, batch_size=FLAGS.batch, verbose=0),
-             *model.get_weights())
+             *model.get_weights(),
+             predict=model.predict(x, batch_size=FLAGS.batch, verbose=0))
     if strategy.world_size > 1:
         result["seen"] = seen_ids(strategy, np.arange(len(x)), os.path.join(FLAGS.out, "records"),
                                   FLAGS.batch)

@@ -266,8 +266,8 @@ def mode_resume(report, out):
             report["iterations_at_start"] = steps_of(self.model)
 
     history = model.fit(x, y, batch_size=32, epochs=int(os.environ["PS_EPOCHS"]), verbose=0,
-                        callbacks=[kd.callbacks.BackupAndRestore(backup_dir, save_freq=20), Begins(),
-                                   Ready()])
+                        callbacks=[kd.callbacks.BackupAndRestore(backup_dir, save_freq=20),
+                                   Begins(), Ready()])
     report["epochs_run"] = len(history.history["loss"])
     report["iterations"] = steps_of(model)
     report["steps_per_epoch"] = history.params["steps"]

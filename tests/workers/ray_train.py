@@ -27,4 +27,4 @@ def train_loop_per_worker(config):
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
     np.savez(os.path.join(config["out"], f"rank{model.strategy.rank}.npz"),
-             iterations=int(model.optimizer.iterations.numpy()), *model.get_weights())
+             *model.get_weights(), iterations=int(model.optimizer.iterations.numpy()))

@@ -9,7 +9,6 @@ screen (SIGUSR1) while the job trains on to its end.
 
 import os
 import signal
-import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

@@ -9,7 +9,6 @@ probes share under `multi_worker` and `horovod` (tests/conftest.py).
 """
 
 import json
-import os
 import re
 
 import numpy as np
