@@ -43,8 +43,8 @@ from keras_distrib import strategies
 from keras_distrib.strategies import registry
 from keras_distrib.strategies import tf_distribute
 from keras_distrib.strategies.base import Step, Strategy
-from keras_distrib.training.gradients import scaled_gradient
-from keras_distrib.strategies.optimizer_tree import optimizers_in
+from keras_distrib.arithmetic.gradients import scaled_gradient
+from keras_distrib.arithmetic.optimizer_tree import optimizers_in
 from keras_distrib.training import from_model as from_model_lib
 from keras_distrib.training import saving
 from keras_distrib.training import step_call

@@ -64,7 +64,7 @@ from keras_distrib import preemption
 from keras_distrib.cluster import launch_contract
 from keras_distrib.input import fit_input
 from keras_distrib.callbacks import _common
-from keras_distrib.training import optimizer_shards
+from keras_distrib.arithmetic import optimizer_shards
 
 WEIGHTS = "weights.weights.h5"
 STATE = "state.json"

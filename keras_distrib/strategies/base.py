@@ -45,7 +45,7 @@ from keras_distrib.input import sharding
 from keras_distrib.input.fit_input import FitInput
 from keras_distrib.strategies.cross_process import CrossProcessHelpers
 from keras_distrib.topology import Topology
-from keras_distrib.training import gradients as gradients_lib
+from keras_distrib.arithmetic import gradients as gradients_lib
 
 if TYPE_CHECKING:  # not at import: it loads Keras
     from keras_distrib.optimizers import Compression
@@ -153,7 +153,7 @@ class Strategy(CrossProcessHelpers):
     description: ClassVar[str] = ""
     capabilities: ClassVar[Capabilities] = Capabilities()
     # "optimizer": each replica keeps the optimizer's slots for its part of
-    # every variable (keras_distrib.training.optimizer_sharding; set by the
+    # every variable (keras_distrib.arithmetic.optimizer_sharding; set by the
     # data-parallel strategies that take the option).
     optimizer_sharding: Optional[str] = None
 
@@ -395,7 +395,7 @@ class Strategy(CrossProcessHelpers):
     def gather_sparse_gradients(self, gradients: Sequence[tf.IndexedSlices],
                                 num_samples: Any) -> list[tf.IndexedSlices]:
         """Sparse gradients of every replica, as one device holds them for
-        the global batch (`keras_distrib.training.gradients.gather_sparse`:
+        the global batch (`keras_distrib.arithmetic.gradients.gather_sparse`:
         only the batch's rows travel, in two all-reduces)."""
         return gradients_lib.gather_sparse(self.all_reduce, self.num_replicas,
                                            self.replica_index(), gradients, num_samples)

@@ -35,8 +35,8 @@ import tensorflow as tf
 from keras_distrib import devices as devices_lib
 from keras_distrib.strategies.base import Capabilities
 from keras_distrib.strategies.per_process import PerProcessStrategy
-from keras_distrib.training import optimizer_sharding as sharding_option
-from keras_distrib.training.gradients import reduce_op_name
+from keras_distrib.arithmetic import optimizer_sharding as sharding_option
+from keras_distrib.arithmetic.gradients import reduce_op_name
 
 NOT_INSTALLED = (
     "strategy 'horovod' needs Horovod, which is not installed; build it with "
@@ -90,7 +90,7 @@ class Horovod(PerProcessStrategy):
             every variable), `"optimizer"` (ZeRO stage 1: each keeps them
             for 1/N of each variable) or `"gradients"` (stage 2: and
             receives only that part's reduced gradients, by Horovod's
-            `reducescatter`); see `keras_distrib.training.optimizer_shards`.
+            `reducescatter`); see `keras_distrib.arithmetic.optimizer_shards`.
 
     Example:
 

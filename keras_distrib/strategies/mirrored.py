@@ -10,7 +10,7 @@ import tensorflow as tf
 from keras_distrib import _compat
 from keras_distrib import devices as devices_lib
 from keras_distrib.strategies.tf_distribute import TFDistributeStrategy
-from keras_distrib.training import optimizer_sharding as sharding_option
+from keras_distrib.arithmetic import optimizer_sharding as sharding_option
 
 _CROSS_DEVICE_OPS = {
     "nccl": lambda: tf.distribute.NcclAllReduce(),
@@ -48,7 +48,7 @@ class Mirrored(TFDistributeStrategy):
             device keeps them for its part of every variable, 1/N of it, and
             updates that part) or `"gradients"` (stage 2: the reduced
             gradients are scattered too); see
-            `keras_distrib.training.optimizer_sharding`.
+            `keras_distrib.arithmetic.optimizer_sharding`.
 
     Example:
 

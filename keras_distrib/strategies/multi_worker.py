@@ -16,8 +16,8 @@ from keras_distrib.collectives import flight_recorder, heartbeats, host_allreduc
 from keras_distrib.collectives import runtime, seconds
 from keras_distrib.collectives.watchdog import CollectiveWatchdog
 from keras_distrib.strategies.tf_distribute import TFDistributeStrategy
-from keras_distrib.training import optimizer_sharding as sharding_option
-from keras_distrib.training.gradients import reduce_op_name
+from keras_distrib.arithmetic import optimizer_sharding as sharding_option
+from keras_distrib.arithmetic.gradients import reduce_op_name
 
 _IMPLEMENTATIONS = {
     "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
@@ -93,7 +93,7 @@ class MultiWorker(TFDistributeStrategy):
             for every variable), `"optimizer"` (ZeRO stage 1: each keeps
             them for 1/N of each variable) or `"gradients"` (stage 2: and
             receives only that part's reduced gradients); see
-            `keras_distrib.training.optimizer_shards`. Needs one device per
+            `keras_distrib.arithmetic.optimizer_shards`. Needs one device per
             worker.
 
     Example:

@@ -25,7 +25,7 @@ from keras_distrib.input import data as data_lib
 from keras_distrib.strategies.base import Capabilities, Strategy
 from keras_distrib.strategies.lockstep import Lockstep
 from keras_distrib.topology import Topology
-from keras_distrib.training.gradients import reduce_op_name
+from keras_distrib.arithmetic.gradients import reduce_op_name
 
 _REDUCE_OPS = {"sum": tf.distribute.ReduceOp.SUM, "mean": tf.distribute.ReduceOp.MEAN}
 # Engine -> a weak reference to the keras_distrib strategy built on it (see

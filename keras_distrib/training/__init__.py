@@ -20,7 +20,6 @@ Around the model's calls:
 * `chief_only`: one progress bar and one set of files across workers;
 * `saving`: atomic writes of `.keras` and `.weights.h5` files.
 
-What the model and the strategies both use: `gradients` (arithmetic that
-keeps sparse gradients sparse), `optimizer_sharding` (the option's values)
-and its implementation, `optimizer_shards` with `optimizer_parts`.
+What the model and the strategies both do to gradients and optimizers
+lives below the strategies, in `keras_distrib.arithmetic`.
 """

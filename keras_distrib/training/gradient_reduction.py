@@ -24,7 +24,7 @@ import tensorflow as tf
 
 from keras_distrib import _compat
 from keras_distrib import preemption
-from keras_distrib.training import optimizer_shards
+from keras_distrib.arithmetic import optimizer_shards
 
 
 class ReductionSwitch:

@@ -133,7 +133,7 @@ def test_a_resumed_run_ends_as_an_uninterrupted_one(tmp_path):
 
 
 def test_a_worker_with_several_replicas_is_refused_in_one_line():
-    from keras_distrib.training import optimizer_sharding
+    from keras_distrib.arithmetic import optimizer_sharding
 
     with pytest.raises(ValueError) as excinfo:
         optimizer_sharding.check("multi_worker", "optimizer", one_replica_per_process=False)

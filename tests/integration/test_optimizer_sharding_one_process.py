@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import keras_distrib as kd
-from keras_distrib.training import optimizer_shards
+from keras_distrib.arithmetic import optimizer_shards
 from helpers import CLASSES, FEATURES, make_data
 from pure_helpers import assert_one_line_error
 

@@ -21,7 +21,7 @@ LAYERS = [
     {"model"},
     {"callbacks"},
     {"strategies"},
-    {"training", "input", "collectives", "placement", "preemption", "optimizers"},
+    {"training", "arithmetic", "input", "collectives", "placement", "preemption", "optimizers"},
     {"topology", "devices", "replica_seeds", "cluster", "_compat"},
 ]
 # The keras-distrib command stands apart: it never imports TensorFlow.

@@ -44,7 +44,7 @@ from keras_distrib.collectives import runtime
 from keras_distrib.strategies.parameter_server import sharded_variables
 from keras_distrib.strategies.parameter_server.scheduled_training import ScheduledTraining
 from keras_distrib.strategies.base import Capabilities, Strategy
-from keras_distrib.strategies.optimizer_tree import keras_class_among, optimizers_in
+from keras_distrib.arithmetic.optimizer_tree import keras_class_among, optimizers_in
 from keras_distrib.topology import Topology
 
 

@@ -24,7 +24,7 @@ from keras_distrib.input import data as data_lib
 from keras_distrib.strategies.pipeline import schedule as pipeline_schedule
 from keras_distrib.strategies.pipeline.stages import (Stages, batch_rows,
                                                       concat_micro_batches, row_share)
-from keras_distrib.training.gradients import scaled_gradient, summed_gradients
+from keras_distrib.arithmetic.gradients import scaled_gradient, summed_gradients
 
 
 def run(strategy, model, stages: Stages, data):

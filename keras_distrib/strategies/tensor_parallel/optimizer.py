@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_distrib import _compat
-from keras_distrib.strategies.optimizer_tree import keras_class_among, optimizers_in
+from keras_distrib.arithmetic.optimizer_tree import keras_class_among, optimizers_in
 from keras_distrib.strategies.tensor_parallel.split_layer import SplitLayer
 
 # Keras optimizers whose update of a variable reads statistics of the whole

@@ -74,7 +74,7 @@ from keras_distrib.strategies.tensor_parallel import optimizer as tp_optimizer
 from keras_distrib.strategies.tensor_parallel.split_layer import SAME_ARCHITECTURE, SplitLayer
 from keras_distrib.strategies import lockstep
 from keras_distrib.strategies.base import Strategy
-from keras_distrib.strategies.optimizer_tree import optimizers_in
+from keras_distrib.arithmetic.optimizer_tree import optimizers_in
 from keras_distrib.strategies.hybrid import WorkerReplicas
 from keras_distrib.topology import Topology
 

@@ -3,7 +3,7 @@
 `None` (the default): every replica keeps the optimizer's slots for every
 variable. `"optimizer"` (ZeRO stage 1): each of the N replicas keeps them
 for 1/N of every trainable variable and updates only that part; the parts
-then travel to every replica (`keras_distrib.training.optimizer_shards`).
+then travel to every replica (`keras_distrib.arithmetic.optimizer_shards`).
 `"gradients"` (ZeRO stage 2): the same, and the step's gradients are
 reduce-scattered instead of all-reduced, so each replica receives only the
 reduced gradient of its parts.

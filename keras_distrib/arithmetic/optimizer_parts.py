@@ -5,7 +5,7 @@ values (`k = ceil(size / N)`; the last parts end in padding): its `Part`.
 These functions cut a whole value (a variable, a dense gradient, a sparse
 one, an array read from a file) into the part one replica owns, or into
 the `[N, k]` table of every replica's part. No state: the sharded
-optimizer (`keras_distrib.training.optimizer_shards`) keeps it.
+optimizer (`keras_distrib.arithmetic.optimizer_shards`) keeps it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Optimizer-state sharding (ZeRO stage 1): each replica updates its part.
 
 With `optimizer_sharding="optimizer"` (an option of the data-parallel
-strategies, `keras_distrib.training.optimizer_sharding`) the N replicas
+strategies, `keras_distrib.arithmetic.optimizer_sharding`) the N replicas
 (processes, or `mirrored`'s devices in one process) share out every
 trainable variable: replica r owns
 elements `[r*k, (r+1)*k)` of its flattened values (`k = ceil(size / N)`).
@@ -72,9 +72,9 @@ import numpy as np
 import tensorflow as tf
 
 from keras_distrib import _compat
-from keras_distrib.training import optimizer_sharding as sharding_option
-from keras_distrib.training.gradients import scaled_gradient
-from keras_distrib.training.optimizer_parts import (Part, part_of, piece_of, piece_of_array,
+from keras_distrib.arithmetic import optimizer_sharding as sharding_option
+from keras_distrib.arithmetic.gradients import scaled_gradient
+from keras_distrib.arithmetic.optimizer_parts import (Part, part_of, piece_of, piece_of_array,
                                                       table)
 
 # Keras optimizers whose update of a variable is elementwise given its

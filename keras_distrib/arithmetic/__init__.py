@@ -1,0 +1,14 @@
+"""Gradient and optimizer arithmetic: what the strategies and the model both
+do to gradients and optimizers, below the strategies (it imports none).
+
+* `gradients`: arithmetic that keeps sparse gradients sparse
+  (`scaled_gradient`, `summed_gradients`), the reduce ops, and
+  `gather_sparse`, the strategies' reduction of sparse gradients;
+* `optimizer_tree`: the optimizers a compiled optimizer applies through;
+* `optimizer_sharding`: the values of the data-parallel strategies'
+  `optimizer_sharding` option, and its implementation, `optimizer_shards`
+  (each replica builds and updates its part of every variable), with
+  `optimizer_parts` (how a variable and its gradients split into parts).
+
+Importing this package imports none of them.
+"""
