@@ -50,7 +50,8 @@ from keras_distrib.training import saving
 from keras_distrib.training import step_call
 from keras_distrib.training.adoption import StrategyAdoption
 from keras_distrib.training.entry_points import EntryPoints, with_resume_and_preemption
-from keras_distrib.training.gradient_reduction import GradientReduction, ReductionSwitch
+from keras_distrib.arithmetic.reduction_switch import ReductionSwitch
+from keras_distrib.training.gradient_reduction import GradientReduction
 from keras_distrib.training.replica_step import ReplicaStep
 
 _compat.warn_if_untested()

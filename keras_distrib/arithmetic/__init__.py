@@ -5,6 +5,8 @@ do to gradients and optimizers, below the strategies (it imports none).
   (`scaled_gradient`, `summed_gradients`), the reduce ops, and
   `gather_sparse`, the strategies' reduction of sparse gradients;
 * `optimizer_tree`: the optimizers a compiled optimizer applies through;
+* `reduction_switch`: Keras's own all-reduce of an optimizer switched off
+  while the model's step applies the gradients it reduced;
 * `optimizer_sharding`: the values of the data-parallel strategies'
   `optimizer_sharding` option, and its implementation, `optimizer_shards`
   (each replica builds and updates its part of every variable), with

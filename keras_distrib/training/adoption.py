@@ -26,7 +26,7 @@ from keras_distrib import placement
 from keras_distrib.input import data as data_lib
 from keras_distrib.training import fit_checks
 from keras_distrib.arithmetic import optimizer_shards
-from keras_distrib.training.gradient_reduction import ReductionSwitch, install_reduction_switch
+from keras_distrib.arithmetic.reduction_switch import ReductionSwitch, install_reduction_switch
 from keras_distrib.training.outside_scopes import outside_scopes
 
 _COMPILE_SIGNATURE = inspect.signature(keras.Model.compile)
