@@ -4,6 +4,8 @@ do to gradients and optimizers, below the strategies (it imports none).
 * `gradients`: arithmetic that keeps sparse gradients sparse
   (`scaled_gradient`, `summed_gradients`), the reduce ops, and
   `gather_sparse`, the strategies' reduction of sparse gradients;
+* `compression`: the float types gradients may travel in (a
+  `DistributedOptimizer`'s `compression`);
 * `optimizer_tree`: the optimizers a compiled optimizer applies through;
 * `reduction_switch`: Keras's own all-reduce of an optimizer switched off
   while the model's step applies the gradients it reduced;

@@ -35,20 +35,18 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, Sequence, Union
+from typing import Any, Callable, ClassVar, Optional, Sequence, Union
 
 import numpy as np
 import tensorflow as tf
 
+from keras_distrib.arithmetic import gradients as gradients_lib
+from keras_distrib.arithmetic.compression import Compression
 from keras_distrib.input import data as data_lib
 from keras_distrib.input import sharding
 from keras_distrib.input.fit_input import FitInput
 from keras_distrib.strategies.cross_process import CrossProcessHelpers
 from keras_distrib.topology import Topology
-from keras_distrib.arithmetic import gradients as gradients_lib
-
-if TYPE_CHECKING:  # not at import: it loads Keras
-    from keras_distrib.optimizers import Compression
 
 
 @dataclasses.dataclass(frozen=True)
