@@ -37,14 +37,12 @@ import tensorflow as tf
 
 from keras_distrib import _compat
 from keras_distrib import placement
-from keras_distrib.callbacks import keras_backup
 from keras_distrib.strategies.parameter_server import sharded_variables
 from keras_distrib import strategies
 from keras_distrib.strategies import registry
 from keras_distrib.strategies import tf_distribute
 from keras_distrib.strategies.base import Step, Strategy
 from keras_distrib.arithmetic.gradients import scaled_gradient
-from keras_distrib.arithmetic.optimizer_tree import optimizers_in
 from keras_distrib.training import from_model as from_model_lib
 from keras_distrib.training import saving
 from keras_distrib.training import step_call
@@ -144,16 +142,6 @@ class DistributedTrainer(StrategyAdoption, ReplicaStep, GradientReduction, Entry
         if factor is None:
             return gradients
         return [scaled_gradient(g, factor) for g in gradients]
-
-    def _optimizers_applying(self, optimizer: Any) -> list[Any]:
-        """`optimizer` and the optimizers it applies through (`optimizers_in`):
-        each is adopted (`StrategyAdoption`)."""
-        return optimizers_in(optimizer)
-
-    def _with_keras_backup_adopted(self, callbacks: Any) -> Any:
-        """`fit`'s callbacks with keras_distrib's `BackupAndRestore` in place of
-        Keras's (`keras_backup.adopt_keras_backup`)."""
-        return keras_backup.adopt_keras_backup(callbacks)
 
     # -- metrics: read through the strategy -----------------------------------
 

@@ -26,6 +26,7 @@ from keras_distrib import placement
 from keras_distrib.input import data as data_lib
 from keras_distrib.training import fit_checks
 from keras_distrib.arithmetic import optimizer_shards
+from keras_distrib.arithmetic.optimizer_tree import optimizers_in
 from keras_distrib.arithmetic.reduction_switch import ReductionSwitch, install_reduction_switch
 from keras_distrib.training.outside_scopes import outside_scopes
 
@@ -38,10 +39,7 @@ _ADOPTED: "weakref.WeakKeyDictionary[keras.optimizers.Optimizer, object]" = (
 
 class StrategyAdoption:
     """Adoption of a `DistributedModel`'s layers, metrics and optimizers
-    under its strategy (see module doc).
-
-    Uses `_optimizers_applying`, which the model defines.
-    """
+    under its strategy (see module doc)."""
 
     # The model's: Keras's, and its strategy (a `keras_distrib.strategies`
     # Strategy, a layer above this one) and reduction switch.
@@ -94,15 +92,8 @@ class StrategyAdoption:
         placement.remake(placement.unheld(self._strategy, metric_variables, self),
                          self._strategy, self)
         for optimizer in optimizer_attributes(self):
-            adopt_optimizer(optimizer, self._optimizers_applying(optimizer),
+            adopt_optimizer(optimizer, optimizers_in(optimizer),
                             self._strategy, self, self._reduction_switch)
-
-    def _optimizers_applying(self, optimizer) -> list:
-        """`optimizer` and the optimizers it applies through (a
-        LossScaleOptimizer's inner one, a MultiOptimizer's), each once. The
-        model defines it: the strategies hold that rule, and training/
-        imports no strategy."""
-        raise NotImplementedError
 
     @outside_scopes
     def compile(self, optimizer="rmsprop", *args, **kwargs):
@@ -116,7 +107,7 @@ class StrategyAdoption:
                 keras.optimizers.get(arguments["optimizer"]),
                 arguments.get("auto_scale_loss", True))
             arguments["optimizer"] = adopt_optimizer(
-                optimizer, self._optimizers_applying(optimizer), self._strategy, self,
+                optimizer, optimizers_in(optimizer), self._strategy, self,
                 self._reduction_switch)
             for key in ("metrics", "weighted_metrics"):
                 arguments[key] = adopt_metrics(arguments.get(key), self._strategy, self)

@@ -7,8 +7,8 @@ strategy (`fit` as a `FitInput`), and runs Keras's own loop with:
 
 * side effects on the chief only (`chief_only`) and the strategy's
   one-line errors in place of TensorFlow's (`_clearer_failure`);
-* for `fit`, Keras's `BackupAndRestore` replaced by ours (which the model
-  does: `_with_keras_backup_adopted`), one `FitState`
+* for `fit`, Keras's `BackupAndRestore` replaced by ours
+  (`keras_distrib.callbacks.keras_backup`), one `FitState`
   (`model.fit_state`), the resume point of a `Resumable` callback, and
   internal callbacks around the user's: the preemption watch, the
   finite-loss check, and the check that all replicas agree
@@ -30,6 +30,7 @@ import tensorflow as tf
 
 from keras_distrib import _compat
 from keras_distrib import preemption
+from keras_distrib.callbacks import keras_backup
 from keras_distrib.input import data as data_lib
 from keras_distrib.input.fit_input import FitInput
 from keras_distrib.training import chief_only
@@ -64,7 +65,7 @@ class EntryPoints:
             steps_per_execution=self.steps_per_execution)
         # Keras's BackupAndRestore resumes at an epoch's start, reshuffled, and
         # is not crash-safe: ours takes its place, with its arguments.
-        callbacks = self._with_keras_backup_adopted(callbacks)
+        callbacks = keras_backup.adopt_keras_backup(callbacks)
         self._strategy.check_callbacks(callback_list(callbacks))
         backup = fit_state_lib.resumable_among(callback_list(callbacks))
         start = backup.resume_point(self) if backup is not None else None
@@ -91,12 +92,6 @@ class EntryPoints:
                      "; nothing was saved (add keras_distrib.callbacks.BackupAndRestore)")
             raise preemption.announce(state.preempted_at, where)
         return history
-
-    def _with_keras_backup_adopted(self, callbacks):
-        """`callbacks` with Keras's `BackupAndRestore` replaced by
-        keras_distrib's (`keras_distrib.callbacks.keras_backup`). The model
-        defines it: training/ lies below the callbacks and imports none."""
-        raise NotImplementedError
 
     def _keras_fit(self, fit: FitInput, state: fit_state_lib.FitState, epochs, verbose,
                    callbacks, kwargs):

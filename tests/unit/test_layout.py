@@ -19,9 +19,10 @@ MAX_ROOT_MODULES = 8
 LAYERS = [
     {"__init__"},
     {"model"},
-    {"callbacks"},
+    {"training"},
+    {"callbacks", "optimizers"},
     {"strategies"},
-    {"training", "arithmetic", "input", "collectives", "placement", "preemption", "optimizers"},
+    {"arithmetic", "input", "collectives", "placement", "preemption"},
     {"topology", "devices", "replica_seeds", "cluster", "_compat"},
 ]
 # The keras-distrib command stands apart: it never imports TensorFlow.
