@@ -16,10 +16,8 @@ The class is made of mixins from `keras_distrib.training`, one concern each:
 `adoption.StrategyAdoption` (what the model trains with, made the
 strategy's), `replica_step.ReplicaStep` (the per-replica math),
 `gradient_reduction.GradientReduction` (the step's one reduction) and
-`entry_points.EntryPoints` (`fit`, `evaluate`, `predict`). This module keeps
-what needs the strategies or the callbacks: resolving `strategy=`, the
-function-making layer, the helpers the mixins ask for (such as putting
-keras_distrib's `BackupAndRestore` in place of Keras's), `from_model` and
+`entry_points.EntryPoints` (`fit`, `evaluate`, `predict`). This module
+keeps resolving `strategy=`, the function-making layer, `from_model` and
 loading.
 """
 
@@ -37,18 +35,16 @@ import tensorflow as tf
 
 from keras_distrib import _compat
 from keras_distrib import placement
-from keras_distrib.strategies.parameter_server import sharded_variables
 from keras_distrib import strategies
 from keras_distrib.strategies import registry
 from keras_distrib.strategies import tf_distribute
 from keras_distrib.strategies.base import Step, Strategy
-from keras_distrib.arithmetic.gradients import scaled_gradient
+from keras_distrib.arithmetic.reduction_switch import ReductionSwitch
 from keras_distrib.training import from_model as from_model_lib
 from keras_distrib.training import saving
 from keras_distrib.training import step_call
 from keras_distrib.training.adoption import StrategyAdoption
 from keras_distrib.training.entry_points import EntryPoints, with_resume_and_preemption
-from keras_distrib.arithmetic.reduction_switch import ReductionSwitch
 from keras_distrib.training.gradient_reduction import GradientReduction
 from keras_distrib.training.replica_step import ReplicaStep
 
@@ -128,20 +124,6 @@ class DistributedTrainer(StrategyAdoption, ReplicaStep, GradientReduction, Entry
 
     jit_compile = property(keras.Model.jit_compile.fget, _set_jit_compile,
                            doc=keras.Model.jit_compile.__doc__)
-
-    # -- what the mixins take from the strategies and the callbacks -----------
-    # training/ lies below strategies/ and callbacks/ and imports nothing from them.
-
-    def _weight_gradients(self, tape: tf.GradientTape, target: Any,
-                          factor: Any = None) -> list[Any]:
-        """The gradients of `target` for `trainable_weights` (see
-        `ReplicaStep._loss_and_gradients`), each multiplied by `factor`
-        unless it is None. Variables split over parameter servers need their
-        parts' gradients put together (see sharded_variables)."""
-        gradients = sharded_variables.gradients(tape, target, self.trainable_weights)
-        if factor is None:
-            return gradients
-        return [scaled_gradient(g, factor) for g in gradients]
 
     # -- metrics: read through the strategy -----------------------------------
 
@@ -423,6 +405,9 @@ def _load_saved(config: dict[str, Any],
 _compat.save_as_keras_model(FunctionalDistributedModel, _SAVED_STRATEGY_KEY, _load_saved)
 _compat.name_damaged_keras_files()
 _compat.remat_in_graphs()
+# Keras saves a variable as `np.asarray(variable)`, which TensorFlow's
+# ShardedVariable (a variable split over parameter servers) lacks.
+_compat.convert_sharded_variables_to_numpy()
 
 
 @functools.lru_cache(maxsize=None)

@@ -12,8 +12,9 @@ gradients) and asks its strategy for everything else:
   per-replica step into the function Keras's loop calls (run in lockstep on
   every replica, or scheduled elsewhere), and `run` runs a per-replica
   function on this process's replicas;
-* gradient reduction: `all_reduce`, `reduce_gradients`, `reduce_scatter`,
-  `all_gather` and `gather_sparse_gradients` (replica context);
+* gradients: `gradients` (from the replica's tape) and their reduction,
+  `all_reduce`, `reduce_gradients`, `reduce_scatter`, `all_gather` and
+  `gather_sparse_gradients` (replica context);
 * results: `read_metrics` / `metric_results` (what metric values every
   process reports; `read_summed_metrics` for exact values across processes);
 * cross-process helpers for callbacks, eager and between steps:
@@ -343,7 +344,17 @@ class Strategy(CrossProcessHelpers):
         the local replicas by the rule of `keras_distrib.input.data.split_batch`.
         """
 
-    # -- gradient reduction (replica context) ----------------------------------------
+    # -- gradients and their reduction (replica context) -----------------------------
+
+    def gradients(self, tape: tf.GradientTape, target: Any,
+                  variables: Sequence[Any]) -> list[Any]:
+        """The gradients of `target` for `variables` (the model's trainable
+        weights) from the replica's `tape`: one per variable, shaped like
+        it, `None` where `target` does not reach it. By default
+        `tape.gradient`; a strategy whose variables the tape sees in parts
+        puts each one's together (parameter servers)."""
+        gradients: list[Any] = tape.gradient(target, list(variables))
+        return gradients
 
     @abc.abstractmethod
     def all_reduce(self, values: Sequence[tf.Tensor], op: str = "sum") -> list[tf.Tensor]:

@@ -19,6 +19,7 @@ import keras
 import tensorflow as tf
 
 from keras_distrib import _compat
+from keras_distrib.arithmetic.gradients import scaled_gradient
 
 
 class ReplicaStep:
@@ -26,13 +27,13 @@ class ReplicaStep:
 
     Uses the model's reduction (`reduce_with_statistics`,
     `apply_reduced_gradients`, `_sums_sample_losses`, `_accumulation_steps`:
-    `gradient_reduction.GradientReduction`) and `_weight_gradients`, which
-    the model defines.
+    `gradient_reduction.GradientReduction`).
     """
 
     # The model's: Keras's, its strategy (a `keras_distrib.strategies`
     # Strategy, a layer above this one) and `GradientReduction`'s.
     optimizer: Any
+    trainable_weights: Any
     compute_metrics: Callable[..., Any]
     _strategy: Any
     _accumulation_steps: int
@@ -131,11 +132,13 @@ class ReplicaStep:
         return loss, y_pred, gradients, list(output_losses)
 
     def _weight_gradients(self, tape, target, factor=None) -> list:
-        """The gradients of `target` for `trainable_weights`, each multiplied
-        by `factor` unless it is None. The model defines it: how a variable's
-        gradient is put together depends on how its strategy lays the
-        variable out, and training/ imports no strategy."""
-        raise NotImplementedError
+        """The gradients of `target` for `trainable_weights`, each put
+        together as the strategy lays its variable out (`Strategy.gradients`)
+        and multiplied by `factor` unless it is None."""
+        gradients = self._strategy.gradients(tape, target, self.trainable_weights)
+        if factor is None:
+            return gradients
+        return [scaled_gradient(g, factor) for g in gradients]
 
     def test_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)

@@ -31,7 +31,7 @@ backup.
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import keras
 import numpy as np
@@ -207,6 +207,11 @@ class ParameterServer(Strategy):
 
     def run(self, replica_fn: Callable, batch: Any):
         return replica_fn(batch)
+
+    def gradients(self, tape: tf.GradientTape, target: Any, variables: Sequence[Any]) -> list:
+        """Variables split over the ps tasks: each one's gradient joined
+        from its parts' (`sharded_variables.gradients`)."""
+        return sharded_variables.gradients(tape, target, variables)
 
     def all_reduce(self, values, op: str = "sum") -> list:
         return list(values)  # one replica: nothing to reduce
