@@ -39,7 +39,6 @@ from keras_distrib import strategies
 from keras_distrib.strategies import registry
 from keras_distrib.strategies import tf_distribute
 from keras_distrib.strategies.base import Step, Strategy
-from keras_distrib.arithmetic.reduction_switch import ReductionSwitch
 from keras_distrib.training import from_model as from_model_lib
 from keras_distrib.training import saving
 from keras_distrib.training import step_call
@@ -47,6 +46,7 @@ from keras_distrib.training.adoption import StrategyAdoption
 from keras_distrib.training.entry_points import EntryPoints, with_resume_and_preemption
 from keras_distrib.training.gradient_reduction import GradientReduction
 from keras_distrib.training.replica_step import ReplicaStep
+from keras_distrib.training.step_state import StepState
 
 _compat.warn_if_untested()
 _compat.check_hooks()
@@ -74,11 +74,11 @@ class DistributedTrainer(StrategyAdoption, ReplicaStep, GradientReduction, Entry
     # Set `model.check_finite = False` to train on such input anyway.
     check_finite = True
 
-    # The strategy (`_init_distribution`), and Keras's trainer's functions
-    # and steps per call, which the function-making layer below sets and reads.
+    # Keras's trainer's functions and steps per call, which the
+    # function-making layer below sets and reads (the strategy and the
+    # state the mixins share: `training.step_state.TrainerPart`).
     # Its `super()` calls reach Keras's trainer, after these mixins in the
     # model's classes, where mypy cannot follow (`# type: ignore[...]  # Keras's`).
-    _strategy: Strategy
     train_function: Optional[Callable[..., Any]]
     test_function: Optional[Callable[..., Any]]
     predict_function: Optional[Callable[..., Any]]
@@ -86,11 +86,8 @@ class DistributedTrainer(StrategyAdoption, ReplicaStep, GradientReduction, Entry
 
     def _init_distribution(self, strategy: Strategy) -> None:
         self._strategy = strategy
-        # Whether XLA compiles each replica's math separately (set by the
-        # strategy when it makes the step function; see `replica_compiled`).
-        self._jit_replicas = False
-        # Read by the optimizers the model adopts (see gradient_reduction).
-        self._reduction_switch = ReductionSwitch()
+        # What the mixins keep for the model's steps and fit calls.
+        self._kd_state = StepState()
         # Keras must only ever see the default strategy (see module doc).
         _compat.hide_distribute_strategy(self)
 

@@ -1,8 +1,10 @@
 """What `DistributedModel` is made of, and what it runs around the user's
 `fit`, `evaluate` and `predict`, beside the strategy.
 
-The model's mixins, one concern each (the classes themselves are defined
-in `keras_distrib.model`, which imports the strategies; nothing here does):
+The model's mixins, one concern each (the model's classes themselves are
+defined in `keras_distrib.model`); they reach the model's strategy through
+the `Strategy` interface only, and share one `StepState`
+(`step_state`, with `TrainerPart`, their common base):
 
 * `adoption`: what the model trains with (layers, metrics, optimizers),
   made the strategy's;

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import inspect
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import keras
 import tensorflow as tf
@@ -24,11 +24,13 @@ import tensorflow as tf
 from keras_distrib import _compat
 from keras_distrib import placement
 from keras_distrib.input import data as data_lib
+from keras_distrib.strategies.base import Strategy
 from keras_distrib.training import fit_checks
 from keras_distrib.arithmetic import optimizer_shards
 from keras_distrib.arithmetic.optimizer_tree import optimizers_in
 from keras_distrib.arithmetic.reduction_switch import ReductionSwitch, install_reduction_switch
 from keras_distrib.training.outside_scopes import outside_scopes
+from keras_distrib.training.step_state import TrainerPart
 
 _COMPILE_SIGNATURE = inspect.signature(keras.Model.compile)
 
@@ -37,28 +39,29 @@ _ADOPTED: "weakref.WeakKeyDictionary[keras.optimizers.Optimizer, object]" = (
     weakref.WeakKeyDictionary())
 
 
-class StrategyAdoption:
+class StrategyAdoption(TrainerPart):
     """Adoption of a `DistributedModel`'s layers, metrics and optimizers
     under its strategy (see module doc)."""
 
-    # The model's: Keras's, and its strategy (a `keras_distrib.strategies`
-    # Strategy, a layer above this one) and reduction switch.
+    # The model's: Keras's. Its `super()` calls reach Keras's model, after
+    # these mixins in the model's classes, where mypy cannot follow.
+    built: bool
     variables: Any
+    trainable_variables: Any
     metrics: Any
     dtype_policy: Any
-    _strategy: Any
-    _reduction_switch: ReductionSwitch
+    _symbolic_build: Callable[..., None]
 
     def __call__(self, *args, **kwargs):
         # Lazily built (subclassed) models create their variables on the first
         # call; make sure that happens under the strategy.
         if not self.built and not tf.distribute.has_strategy():
             with self._strategy.scope(), fit_checks.same_model_or_error(self._strategy):
-                outputs = super().__call__(*args, **kwargs)
+                outputs = super().__call__(*args, **kwargs)  # type: ignore[misc]  # Keras's
             if self.built:
                 self._take_variables()
             return outputs
-        return super().__call__(*args, **kwargs)
+        return super().__call__(*args, **kwargs)  # type: ignore[misc]  # Keras's
 
     @outside_scopes
     def _take_variables(self) -> None:
@@ -93,7 +96,7 @@ class StrategyAdoption:
                          self._strategy, self)
         for optimizer in optimizer_attributes(self):
             adopt_optimizer(optimizer, optimizers_in(optimizer),
-                            self._strategy, self, self._reduction_switch)
+                            self._strategy, self, self._kd_state.reduction_switch)
 
     @outside_scopes
     def compile(self, optimizer="rmsprop", *args, **kwargs):
@@ -108,10 +111,10 @@ class StrategyAdoption:
                 arguments.get("auto_scale_loss", True))
             arguments["optimizer"] = adopt_optimizer(
                 optimizer, optimizers_in(optimizer), self._strategy, self,
-                self._reduction_switch)
+                self._kd_state.reduction_switch)
             for key in ("metrics", "weighted_metrics"):
                 arguments[key] = adopt_metrics(arguments.get(key), self._strategy, self)
-            super().compile(**arguments)
+            super().compile(**arguments)  # type: ignore[misc]  # Keras's
 
     def _loss_scaled_if_mixed(self, optimizer, auto_scale_loss: bool):
         """`optimizer` in a LossScaleOptimizer where Keras's `compile` would
@@ -195,7 +198,8 @@ def check_steps_per_execution(steps) -> None:
         )
 
 
-def adopt_optimizer(optimizer, applying: list, strategy, model, switch):
+def adopt_optimizer(optimizer, applying: list, strategy: Strategy, model,
+                    switch: ReductionSwitch):
     """Returns `optimizer`, made `strategy`'s in place if it was made
     outside it; `applying`: it and the optimizers it applies through, each
     of which gets `model`'s reduction `switch` (`install_reduction_switch`).
@@ -245,7 +249,7 @@ def adopt_optimizer(optimizer, applying: list, strategy, model, switch):
     return optimizer
 
 
-def build_under(optimizer, strategy) -> None:
+def build_under(optimizer, strategy: Strategy) -> None:
     """Makes `optimizer` create its slots under `strategy`, eagerly, also
     when its first `apply_gradients` builds it inside a replica's step.
 
@@ -289,7 +293,7 @@ def optimizer_attributes(model) -> list:
     return found
 
 
-def adopt_metrics(metrics, strategy, model):
+def adopt_metrics(metrics, strategy: Strategy, model):
     """`metrics` (as passed to `compile`), each metric object made outside
     `strategy` made its own in place.
 

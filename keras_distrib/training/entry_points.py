@@ -37,16 +37,22 @@ from keras_distrib.training import chief_only
 from keras_distrib.training import fit_checks
 from keras_distrib.training import fit_state as fit_state_lib
 from keras_distrib.training.outside_scopes import outside_scopes
+from keras_distrib.training.step_state import TrainerPart
 
 
-class EntryPoints:
+class EntryPoints(TrainerPart):
     """`fit`, `evaluate`, `predict` and the `*_on_batch` calls of
     `DistributedModel` (see module doc)."""
 
-    # The model's: its strategy (a `keras_distrib.strategies` Strategy, a
-    # layer above this one) and whether `fit` checks its input is finite.
-    _strategy: Any
+    # The model's: Keras's, `StrategyAdoption`'s build, and whether `fit`
+    # checks its input is finite and only the chief prints and writes files.
+    # Its `super()` calls reach Keras's model, after these mixins in the
+    # model's classes, where mypy cannot follow.
+    built: bool
+    steps_per_execution: int
+    _maybe_symbolic_build: Callable[..., None]
     check_finite: bool
+    chief_only_side_effects: bool
 
     @outside_scopes
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
@@ -101,10 +107,10 @@ class EntryPoints:
         preemption.reset()
         with self._fit_state_set(state), preemption.watching(), \
                 self._side_effects(callbacks) as callbacks, \
-                self._internal_callbacks(callbacks) as callbacks, \
+                self._internal_callbacks(callbacks, state) as callbacks, \
                 self._clearer_failure():
             # Keras's Model.fit, after these mixins in the model's classes.
-            return super().fit(  # type: ignore[misc]  # not this mixin's base class
+            return super().fit(  # type: ignore[misc]  # Keras's
                 fit.x, fit.y, fit.batch_size, epochs, self._verbose(verbose),
                 callbacks, fit.validation_split, fit.validation_data,
                 fit.shuffle, fit.class_weight, fit.sample_weight,
@@ -115,16 +121,15 @@ class EntryPoints:
     @property
     def fit_state(self) -> Optional[fit_state_lib.FitState]:
         """The state of the `fit` call running now (`FitState`), or None."""
-        return self.__dict__.get("_fit_state")
+        return self._kd_state.fit_state
 
     @contextlib.contextmanager
     def _fit_state_set(self, state: fit_state_lib.FitState):
-        # In __dict__: not an attribute Keras tracks or saves.
-        self.__dict__["_fit_state"] = state
+        self._kd_state.fit_state = state
         try:
             yield state
         finally:
-            self.__dict__["_fit_state"] = None
+            self._kd_state.fit_state = None
 
     def _check_fit_input(self, x, y, sample_weight, callbacks) -> None:
         """Bad input that is cheap to see before training: one-line errors.
@@ -143,8 +148,8 @@ class EntryPoints:
                 data_lib.check_finite(name, value)
 
     @contextlib.contextmanager
-    def _internal_callbacks(self, callbacks):
-        """`callbacks` with ours around the user's.
+    def _internal_callbacks(self, callbacks, state: fit_state_lib.FitState):
+        """`callbacks` with ours around the user's, for the `fit` call of `state`.
 
         First: `PreemptionWatch` (the train function asks it after every
         step whether to stop) and, unless opted out, `FiniteLossCheck`; where
@@ -153,8 +158,8 @@ class EntryPoints:
         (after the user's `on_train_begin` set the weights: broadcasts,
         restores): `ReplicasAgree`, with several processes.
         """
-        watch = preemption.PreemptionWatch(self.fit_state, self._preemption_vote())
-        self.fit_state.watch = watch
+        watch = preemption.PreemptionWatch(state, self._preemption_vote())
+        state.watch = watch
         first = [watch]
         several = self._strategy.world_size > 1
         if _stops_quietly_on_nan(callbacks):
@@ -185,14 +190,15 @@ class EntryPoints:
         train function, which outlives a `fit` call, holds its variable."""
         if self._strategy.world_size == 1:
             return None
-        vote = self.__dict__.get("_vote")
+        vote = self._kd_state.vote
         if vote is None:
             with self._strategy.scope():
                 vote = preemption.Vote(tf.Variable(
                     0.0, trainable=False, name="kd_preemption_vote",
                     aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA))
-            # Not a Keras attribute: no weight, never saved.
-            self.__dict__["_vote"] = vote
+            # Held by the model's state, not as a Keras attribute: no weight,
+            # never saved.
+            self._kd_state.vote = vote
         return vote
 
     @outside_scopes
@@ -204,15 +210,16 @@ class EntryPoints:
             # Validation inside fit: the input was distributed by fit already.
             if preemption.stopped_at(self) is not None:
                 return {}  # stopping on a SIGTERM: no time for validation
-            return super().evaluate(x, y, batch_size, verbose, sample_weight,
-                                    steps, callbacks, **kwargs)
+            return super().evaluate(  # type: ignore[misc]  # Keras's
+                x, y, batch_size, verbose, sample_weight, steps, callbacks, **kwargs)
         fit_checks.check_same_call(self._strategy, "evaluate", x, batch_size=batch_size,
                                    steps=steps, steps_per_execution=self.steps_per_execution)
         x, y, sample_weight, batch_size = self._strategy.distribute_input(
             x, y, sample_weight, batch_size)
         with self._side_effects(callbacks) as callbacks, self._clearer_failure():
-            return super().evaluate(x, y, batch_size, self._verbose(verbose),
-                                    sample_weight, steps, callbacks, **kwargs)
+            return super().evaluate(  # type: ignore[misc]  # Keras's
+                x, y, batch_size, self._verbose(verbose), sample_weight, steps, callbacks,
+                **kwargs)
 
     @outside_scopes
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
@@ -224,7 +231,8 @@ class EntryPoints:
             x = self._build_from_predict_input(x, batch_size)
         x, _, _, batch_size = self._strategy.distribute_input(x, batch_size=batch_size)
         with self._side_effects(callbacks) as callbacks, self._clearer_failure():
-            return super().predict(x, batch_size, self._verbose(verbose), steps, callbacks)
+            return super().predict(  # type: ignore[misc]  # Keras's
+                x, batch_size, self._verbose(verbose), steps, callbacks)
 
     def _build_from_predict_input(self, x, batch_size):
         """Builds the model's layers from `x`'s first batch; returns `x`,
@@ -263,17 +271,17 @@ class EntryPoints:
 
     @outside_scopes
     def train_on_batch(self, *args, **kwargs):
-        return super().train_on_batch(*args, **kwargs)
+        return super().train_on_batch(*args, **kwargs)  # type: ignore[misc]  # Keras's
 
     @outside_scopes
     def test_on_batch(self, *args, **kwargs):
-        return super().test_on_batch(*args, **kwargs)
+        return super().test_on_batch(*args, **kwargs)  # type: ignore[misc]  # Keras's
 
     @outside_scopes
     def predict_on_batch(self, x):
         if not self.built:
             self._maybe_symbolic_build(data_batch=(x, None, None), forward_only=True)
-        return super().predict_on_batch(x)
+        return super().predict_on_batch(x)  # type: ignore[misc]  # Keras's
 
 
 def _stops_quietly_on_nan(callbacks) -> bool:

@@ -37,6 +37,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_distrib import _compat
+from keras_distrib.strategies.base import Strategy
 
 
 def sparse_categorical_classes(model):
@@ -153,7 +154,7 @@ class WorkersDisagreeError(RuntimeError):
     """Workers made different calls, or the same call with different input."""
 
 
-def check_same_call(strategy, call: str, x=None, **facts) -> None:
+def check_same_call(strategy: Strategy, call: str, x=None, **facts) -> None:
     """Raises `WorkersDisagreeError` on every worker unless all make this call alike.
 
     Under a multi-process strategy every worker must call `fit`, `evaluate`
@@ -214,7 +215,7 @@ def _describe(row) -> str:
 _MISSING = -2.0
 
 
-def _gathered_rows(strategy, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _gathered_rows(strategy: Strategy, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Every process's `rows` (a 2-D float array), padded with `_MISSING` to
     the most rows and columns any process has, and each process's number of
     rows: `([process, row, column], [process])`. Two small collectives."""
@@ -244,7 +245,7 @@ _NUMBER, _OTHER = 0.0, 1.0
 _COMPILE_ARGUMENTS = ("optimizer", "loss", "loss_weights", "metrics", "weighted_metrics")
 
 
-def check_same_compile(strategy, arguments: dict) -> None:
+def check_same_compile(strategy: Strategy, arguments: dict) -> None:
     """Raises `WorkersDisagreeError` on every worker unless all call
     `compile` with the same settings (optimizer, its learning rate or
     schedule and options, loss, metrics), naming the first that differs,
@@ -316,7 +317,7 @@ def _describe_value(row) -> str:
 # -- every worker builds the same model -----------------------------------------
 
 
-def check_same_model(strategy, variables) -> None:
+def check_same_model(strategy: Strategy, variables) -> None:
     """Raises `WorkersDisagreeError` on every worker unless all hold variables
     of the same count, shapes and dtypes, in the same order (names may differ).
 
@@ -350,7 +351,7 @@ def check_same_model(strategy, variables) -> None:
 
 
 @contextlib.contextmanager
-def same_model_or_error(strategy):
+def same_model_or_error(strategy: Strategy):
     """Turns TensorFlow's failed broadcast of a variable of another shape on
     another worker into `WorkersDisagreeError`, for variables created under
     a multi-worker strategy without `check_same_model` first (a subclassed

@@ -8,8 +8,8 @@ it there, instead of attributes scattered over the model.
 Callbacks take part through a protocol, as Keras's own `BackupAndRestore`
 sets the epoch Keras starts at: a callback with `resume_point(model)` and
 `record_seed(seed)` (`Resumable`) tells `fit` where to resume and learns the
-shuffle seed; training/ imports no callback. Keras's own `BackupAndRestore`
-is no `Resumable`: the model puts keras_distrib's in its place first
+shuffle seed, whatever its class. Keras's own `BackupAndRestore` is no
+`Resumable`: `fit` puts keras_distrib's in its place first
 (`keras_distrib.callbacks.keras_backup`).
 """
 

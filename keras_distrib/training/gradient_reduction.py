@@ -24,33 +24,18 @@ import tensorflow as tf
 from keras_distrib import _compat
 from keras_distrib import preemption
 from keras_distrib.arithmetic import optimizer_shards
-from keras_distrib.arithmetic.reduction_switch import ReductionSwitch
+from keras_distrib.training.step_state import TrainerPart
 
 
-class GradientReduction:
+class GradientReduction(TrainerPart):
     """The reduction of `DistributedModel`'s training step (see module doc).
 
     Uses the model's `record_output_losses` (`replica_step.ReplicaStep`).
     """
 
-    # The model's: Keras's, its strategy (a `keras_distrib.strategies`
-    # Strategy, a layer above this one) and `ReplicaStep`'s.
-    optimizer: Any
+    # The model's: Keras's, and `ReplicaStep`'s.
     trainable_weights: Any
-    _strategy: Any
-    _reduction_switch: ReductionSwitch
     record_output_losses: Callable[..., None]
-
-    @property
-    def _accumulation_steps(self) -> int:
-        return getattr(self.optimizer, "backward_passes_per_step", 1)
-
-    @property
-    def _sums_sample_losses(self) -> bool:
-        # Gradients of summed (not averaged) per-sample losses are what can be
-        # added across replicas and steps and divided by the sample count.
-        # With one replica and no accumulation the step is Keras's own.
-        return self._strategy.num_replicas > 1 or self._accumulation_steps > 1
 
     def reduce_with_statistics(self, gradients: list, num_samples, output_losses=(),
                                x=None) -> list:
@@ -70,7 +55,7 @@ class GradientReduction:
         `keras_distrib.preemption`).
         """
         statistics = self._replica_statistics() if self._sums_sample_losses else []
-        vote = self.__dict__.get("_vote")  # made by fit (several processes)
+        vote = self._kd_state.vote  # made by fit (several processes)
         output_losses = list(output_losses)
         shards = optimizer_shards.of(self.optimizer)
         scatter = shards is not None and shards.scatters and self._sums_sample_losses
@@ -150,5 +135,5 @@ class GradientReduction:
     def apply_reduced_gradients(self, gradients: list) -> None:
         """Applies already-reduced gradients without Keras reducing again."""
         pairs = [(g, v) for g, v in zip(gradients, self.trainable_weights) if g is not None]
-        with self._reduction_switch.applying_reduced():
+        with self._kd_state.reduction_switch.applying_reduced():
             self.optimizer.apply_gradients(pairs)

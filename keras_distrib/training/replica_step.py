@@ -20,23 +20,21 @@ import tensorflow as tf
 
 from keras_distrib import _compat
 from keras_distrib.arithmetic.gradients import scaled_gradient
+from keras_distrib.training.step_state import TrainerPart
 
 
-class ReplicaStep:
+class ReplicaStep(TrainerPart):
     """The per-replica steps of `DistributedModel` (see module doc).
 
     Uses the model's reduction (`reduce_with_statistics`,
-    `apply_reduced_gradients`, `_sums_sample_losses`, `_accumulation_steps`:
-    `gradient_reduction.GradientReduction`).
+    `apply_reduced_gradients`: `gradient_reduction.GradientReduction`).
     """
 
-    # The model's: Keras's, its strategy (a `keras_distrib.strategies`
-    # Strategy, a layer above this one) and `GradientReduction`'s.
-    optimizer: Any
+    # The model's: Keras's (a layer: called on its input), and
+    # `GradientReduction`'s.
+    __call__: Callable[..., Any]
     trainable_weights: Any
     compute_metrics: Callable[..., Any]
-    _strategy: Any
-    _accumulation_steps: int
     reduce_with_statistics: Callable[..., list]
     apply_reduced_gradients: Callable[[list], None]
 
@@ -168,8 +166,8 @@ class ReplicaStep:
         step function (collectives cannot run inside one XLA cluster, so XLA
         compiles the per-replica math instead of the whole step).
         """
-        self._jit_replicas = bool(enabled)
-        self.__dict__.pop("_kd_jit_cache", None)
+        self._kd_state.jit_replicas = bool(enabled)
+        self._kd_state.jit_cache.clear()
 
     def replica_compiled(self, fn):
         """`fn`, compiled with XLA per replica when the strategy asked for it.
@@ -177,11 +175,11 @@ class ReplicaStep:
         Each replica's function captures that replica's copies of the
         variables, so the replicas cannot share one traced function.
         """
-        if not self._jit_replicas:
+        if not self._kd_state.jit_replicas:
             return fn
         ctx = tf.distribute.get_replica_context()
         replica = tf.get_static_value(getattr(ctx, "replica_id_in_sync_group", 0))
-        cache = self.__dict__.setdefault("_kd_jit_cache", {})
+        cache = self._kd_state.jit_cache
         key = (fn.__name__, int(replica or 0))
         if key not in cache:
             cache[key] = tf.function(fn, jit_compile=True, reduce_retracing=True)
