@@ -23,12 +23,12 @@ import tensorflow as tf
 
 from keras_distrib import _compat
 from keras_distrib import placement
-from keras_distrib.input import data as data_lib
-from keras_distrib.strategies.base import Strategy
-from keras_distrib.training import fit_checks
 from keras_distrib.arithmetic import optimizer_shards
 from keras_distrib.arithmetic.optimizer_tree import optimizers_in
 from keras_distrib.arithmetic.reduction_switch import ReductionSwitch, install_reduction_switch
+from keras_distrib.input import data as data_lib
+from keras_distrib.strategies.base import Strategy
+from keras_distrib.training import fit_checks
 from keras_distrib.training.outside_scopes import outside_scopes
 from keras_distrib.training.step_state import TrainerPart
 
