@@ -1,5 +1,6 @@
 """Gradient and optimizer arithmetic: what the strategies and the model both
-do to gradients and optimizers, below the strategies (it imports none).
+do to gradients and optimizers. It lies below the strategies and imports
+none: a function that needs the model's strategy is handed it.
 
 * `gradients`: arithmetic that keeps sparse gradients sparse
   (`scaled_gradient`, `summed_gradients`), the reduce ops, and
