@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 HOROVOD_WHEEL := $(VENV)/.horovod-wheel
 HOROVOD := $(VENV)/.horovod
 
-.PHONY: demo setup bed-packages test test-fast test-unit lint typecheck docs zoo-matrix conformance-matrix bench clean
+.PHONY: demo setup bed-packages test test-fast test-unit test-float lint typecheck docs zoo-matrix conformance-matrix bench clean
 
 # The package with TensorFlow and Keras, and what the Horovod build needs.
 $(CORE): setup.cfg pyproject.toml
@@ -109,6 +109,19 @@ lint: typecheck
 # cache lives in the venv, so a second run checks only what changed.
 typecheck: $(STAMP)
 	$(PY) -m mypy --cache-dir $(VENV)/.mypy_cache
+
+# The one-process tests that compare float results, with the kernels of
+# other machines: oneDNN's off (Eigen's), then oneDNN's for each CPU in
+# FLOAT_ISAS (AVX2: a CPU without AVX-512), which sum in other orders than
+# this CPU's. Not part of `make test`: each pass takes about as long as the
+# integration tier.
+FLOAT_TESTS := $(shell grep -l -E 'float_bounds|assert_trains_like_single|assert_array_equal|assert_allclose|pytest.approx' tests/integration/test_*.py) tests/zoo/test_zoo.py
+FLOAT_ISAS ?= AVX2
+test-float: setup
+	TF_ENABLE_ONEDNN_OPTS=0 $(PY) -m pytest -q $(XDIST) $(FLOAT_TESTS)
+	for isa in $(FLOAT_ISAS); do \
+	  ONEDNN_MAX_CPU_ISA=$$isa $(PY) -m pytest -q $(XDIST) $(FLOAT_TESTS) || exit 1; \
+	done
 
 # The MkDocs site (mkdocs.yml, docs/) into $(VENV)/site; --strict makes
 # every warning (a broken link, an API name that does not resolve) an error.

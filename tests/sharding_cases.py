@@ -67,11 +67,20 @@ def compile_kwargs(case):
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
 
-def plain_run(case, initial, x, y):
-    """(weights, optimizer variables) of plain Keras on one device."""
+def plain_run(case, initial, x, y, bounds=False):
+    """(weights, optimizer variables) of plain Keras on one device; with
+    `bounds`, also their bounds (a `float_bounds.Reference`'s `weights` and
+    `slots`): how far a run of the same math in other orders of sums may
+    end from them."""
     model = keras.Model(*graph(case))
     model.set_weights(initial)
     model.compile(**compile_kwargs(case))
+    if bounds:
+        from float_bounds import Reference  # traces each step: only where asked
+
+        reference = Reference.fit(model, inputs(case, x), y, BATCH, EPOCHS, slots=True)
+        return (model.get_weights(), [np.asarray(v) for v in model.optimizer.variables],
+                (reference.weights, reference.slots))
     model.fit(inputs(case, x), y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
     return model.get_weights(), [np.asarray(v) for v in model.optimizer.variables]
 

@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 import keras_distrib as kd
+from float_bounds import assert_within, outputs_apart
 
 STRATEGIES = ["mirrored", "central_storage", "pipeline", "tensor_parallel"]
 
@@ -91,13 +92,12 @@ def test_constructor_takes_the_layers_as_keras_model_does():
     assert all(model.strategy.holds(v) for v in model.variables)
     _compile(model)
     model.fit(x, y, batch_size=8, verbose=0)
-    # Exact where the same kernels run: mirrored predicts each batch of 32
-    # as 16 rows per device, so plain Keras predicts batches of 16. (oneDNN
-    # picks its matmul kernel, and so the order of its sums, by the number
-    # of rows: a batch of 32 against two of 16 differs in the last bit on
-    # some CPUs.)
-    np.testing.assert_array_equal(plain.predict(x, batch_size=16, verbose=0),
-                                  model.predict(x, verbose=0))
+    # Mirrored predicts each batch of 32 as 16 rows per device, so plain
+    # Keras predicts batches of 16; the same shapes need not mean the same
+    # kernels (a CPU without AVX-512 ends a few rows a last bit apart), so
+    # within what other orders of the layers' sums allow.
+    assert_within(model.predict(x, verbose=0), plain.predict(x, batch_size=16, verbose=0),
+                  outputs_apart(plain, x), "predict")
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
