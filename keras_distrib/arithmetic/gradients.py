@@ -2,7 +2,6 @@
 
 `scaled_gradient` and `summed_gradients` keep a sparse gradient
 (`tf.IndexedSlices`) sparse, as Keras's optimizers expect it;
-`reduce_op_name` checks the reduce op an `all_reduce` takes;
 `gather_sparse` is the strategies' reduction of sparse gradients.
 """
 
@@ -34,13 +33,6 @@ def summed_gradients(gradients: Sequence[Any]):
                                 tf.concat([g.indices for g in gradients], axis=0),
                                 gradients[0].dense_shape)
     return tf.add_n([tf.convert_to_tensor(g) for g in gradients])
-
-
-def reduce_op_name(op: str) -> str:
-    """Validates a reduce op name (`"sum"` or `"mean"`)."""
-    if op not in ("sum", "mean"):
-        raise ValueError(f"Unknown reduce op {op!r}; use one of ['mean', 'sum'].")
-    return op
 
 
 def gather_sparse(all_reduce, slots: int, slot, gradients: Sequence[tf.IndexedSlices],

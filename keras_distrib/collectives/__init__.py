@@ -1,5 +1,11 @@
 """How processes reduce tensors together.
 
+* `transport`: the interface of the collectives a strategy calls (its
+  `transport`), and `registry`, the transports by name; one module per
+  transport: `one_process` (the identity), `tf_collectives` (TensorFlow's,
+  through a `tf.distribute` engine), `shared_memory` (between the workers
+  of one host) and `horovod_collectives` (Horovod's), with
+  `across_processes` (a transport called from outside its replicas);
 * `runtime`: this process's TensorFlow collective runtime, started before
   TensorFlow is used (imported by `import keras_distrib`: keep it light);
 * `host_allreduce`: all-reduce through shared memory between the worker

@@ -14,7 +14,8 @@ gradients) and asks its strategy for everything else:
   function on this process's replicas;
 * gradients: `gradients` (from the replica's tape) and their reduction,
   `all_reduce`, `reduce_gradients`, `reduce_scatter`, `all_gather` and
-  `gather_sparse_gradients` (replica context);
+  `gather_sparse_gradients` (replica context), on the strategy's
+  `transport` (`keras_distrib.collectives.transport`);
 * results: `read_metrics` / `metric_results` (what metric values every
   process reports; `read_summed_metrics` for exact values across processes);
 * cross-process helpers for callbacks, eager and between steps:
@@ -23,12 +24,15 @@ gradients) and asks its strategy for everything else:
   `read_summed_metrics`, inherited from `cross_process.CrossProcessHelpers`),
   and `sync_initial_state(model)`.
 
-Two shared bases implement most of it: `tf_distribute.TFDistributeStrategy`
-for engines built on a `tf.distribute.Strategy`, and
-`per_process.PerProcessStrategy` for one replica per process (single,
-Horovod). A concrete strategy is one file: a subclass that sets `name`
-(which registers it, see `registry`), `description`, optional `aliases`,
-and builds its engine in `__init__`.
+Every collective, in the step and between steps, runs on the strategy's
+`transport`, which its constructor picks by name from
+`keras_distrib.collectives.registry`. Two shared bases implement most of
+the rest: `tf_distribute.TFDistributeStrategy` for engines built on a
+`tf.distribute.Strategy`, and `per_process.PerProcessStrategy` for one
+replica per process (single, Horovod). A concrete strategy is one file: a
+subclass that sets `name` (which registers it, see `registry`),
+`description`, optional `aliases`, and builds its engine and transport in
+`__init__`.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import tensorflow as tf
 
 from keras_distrib.arithmetic import gradients as gradients_lib
 from keras_distrib.arithmetic.compression import Compression
+from keras_distrib.collectives.transport import Transport
 from keras_distrib.input import data as data_lib
 from keras_distrib.input import sharding
 from keras_distrib.input.fit_input import FitInput
@@ -155,6 +160,10 @@ class Strategy(CrossProcessHelpers):
     # every variable (keras_distrib.arithmetic.optimizer_sharding; set by the
     # data-parallel strategies that take the option).
     optimizer_sharding: Optional[str] = None
+    # The collectives between its replicas and processes, which every
+    # collective of the strategy runs on: set by its constructor
+    # (`keras_distrib.collectives.registry.create`).
+    transport: Transport
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -356,50 +365,32 @@ class Strategy(CrossProcessHelpers):
         gradients: list[Any] = tape.gradient(target, list(variables))
         return gradients
 
-    @abc.abstractmethod
     def all_reduce(self, values: Sequence[tf.Tensor], op: str = "sum") -> list[tf.Tensor]:
         """Sums (or averages) a list of tensors over all replicas."""
+        return self.transport.all_reduce(values, op)
 
     def all_gather(self, value: tf.Tensor) -> tf.Tensor:
         """Every replica's `value` (one shape on all), stacked in replica
-        order: `[num_replicas, *value.shape]` (replica context).
-
-        By default one all-reduce: each replica adds its value, at its own
-        row, to zeros. Engines with an all-gather override it (half the
-        bytes)."""
-        value = tf.convert_to_tensor(value)
-        here = tf.cast(self.replica_index(), tf.int32)
-        padding = [[here, self.num_replicas - 1 - here]] + [[0, 0]] * value.shape.rank
-        (table,) = self.all_reduce([tf.pad(value[None], padding)], "sum")
-        return table
+        order: `[num_replicas, *value.shape]` (replica context)."""
+        return self.transport.all_gather(value)
 
     def reduce_scatter(self, tables: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         """Row `replica_index()` of the sum over replicas of each of `tables`
-        (`[num_replicas, k]` each, shapes the same on all), replica context. By
-        default an all-reduce, then the rows; engines with a reduce-scatter
-        override it (half the bytes)."""
-        here = tf.cast(self.replica_index(), tf.int32)
-        return [tf.gather(t, here) for t in self.all_reduce(list(tables), "sum")]
+        (`[num_replicas, k]` each, shapes the same on all), replica context."""
+        return self.transport.reduce_scatter(tables)
 
     def reduce_gradients(self, gradients: list[tf.Tensor], num_samples: Any,
                          compression: Optional[Compression] = None) -> list[tf.Tensor]:
         """Global mean gradient from each replica's gradient of its loss *sum*.
 
         The replica's sample count travels in the same all-reduce as the
-        gradients, and the sums are divided by the global count: exactly the
-        gradient of the mean loss over the global batch, whatever the split,
-        with no process needing to know the global batch size. `compression`
-        (see `keras_distrib.optimizers`) casts gradients for the wire.
+        gradients, and the sums are divided by the global count
+        (`Transport.mean_by_count`): exactly the gradient of the mean loss
+        over the global batch, whatever the split, with no process needing
+        to know the global batch size. `compression` (see
+        `keras_distrib.optimizers`) casts gradients for the wire.
         """
-        total = tf.cast(num_samples, tf.float32)
-        dtypes = [g.dtype for g in gradients]
-        if compression is not None:
-            gradients = [compression.compress(g) for g in gradients]
-        *gradients, total = self.all_reduce([*gradients, total], "sum")
-        if compression is not None:
-            gradients = [compression.decompress(g, d) for g, d in zip(gradients, dtypes)]
-        scale = 1.0 / tf.maximum(total, 1.0)
-        return [g * tf.cast(scale, g.dtype) for g in gradients]
+        return self.transport.mean_by_count(gradients, num_samples, compression)
 
     def gather_sparse_gradients(self, gradients: Sequence[tf.IndexedSlices],
                                 num_samples: Any) -> list[tf.IndexedSlices]:

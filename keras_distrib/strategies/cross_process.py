@@ -2,9 +2,10 @@
 
 Callbacks, metric reads and the initial broadcast call them on every
 process, in the same order on all of them; each carries many values in one
-collective. `CrossProcessHelpers` builds them all on two methods a strategy
-implements: `_sum_over_processes` (one elementwise sum of a 1-D array per
-process) and `local_replica_values`. `Strategy` inherits them, so they are
+collective. `CrossProcessHelpers` builds them all on the strategy's
+transport (`Transport.sum_over_processes`, one elementwise sum of a 1-D
+array per process, and `Transport.broadcast`) and on one method a strategy
+implements, `local_replica_values`. `Strategy` inherits them, so they are
 part of its interface; this module holds them apart from the interface's
 in-step methods, with what a layer keeps besides its variables (adapted
 vocabularies and statistics), which travels with them.
@@ -24,15 +25,20 @@ import tensorflow as tf
 
 from keras_distrib.collectives import flight_recorder
 
+if TYPE_CHECKING:
+    from keras_distrib.collectives.transport import Transport
+
 
 class CrossProcessHelpers(abc.ABC):
     """Collectives across processes, eager, for use between steps.
 
     Uses the strategy's `world_size`, `rank` and `is_chief` (`Strategy`'s
-    topology properties).
+    topology properties) and its `transport`.
     """
 
-    if TYPE_CHECKING:  # `Strategy`'s topology properties, which these helpers use
+    if TYPE_CHECKING:  # `Strategy`'s transport and topology properties, which these use
+        transport: Transport
+
         @property
         def world_size(self) -> int: ...
 
@@ -41,10 +47,6 @@ class CrossProcessHelpers(abc.ABC):
 
         @property
         def is_chief(self) -> bool: ...
-
-    @abc.abstractmethod
-    def _sum_over_processes(self, flat: np.ndarray) -> np.ndarray:
-        """Elementwise sum over processes of one 1-D array per process."""
 
     @abc.abstractmethod
     def local_replica_values(self, variable: Any) -> list[np.ndarray]:
@@ -67,7 +69,7 @@ class CrossProcessHelpers(abc.ABC):
         dtype = np.result_type(*arrays) if arrays else np.float64
         flat = np.concatenate([a.astype(dtype).ravel() for a in arrays])
         with flight_recorder.in_collective("an eager sum over processes", flat.nbytes):
-            summed = np.asarray(self._sum_over_processes(flat))
+            summed = np.asarray(self.transport.sum_over_processes(flat))
         out, start = [], 0
         for a in arrays:
             out.append(summed[start : start + a.size].reshape(a.shape).astype(a.dtype))
@@ -82,8 +84,12 @@ class CrossProcessHelpers(abc.ABC):
         return self.sync_sum([slots])[0]
 
     def broadcast_variables(self, variables: Sequence[Any], root: int = 0) -> None:
-        """Gives every process `root`'s values of `variables` (eager)."""
+        """Gives every process `root`'s values of `variables` (eager): by the
+        transport's broadcast where it has one, else as sums."""
         if self.world_size == 1 or not variables:
+            return
+        variables = self.transport.broadcast(list(variables), root)
+        if not variables:
             return
         mine = [
             np.asarray(v) if self.rank == root else np.zeros(v.shape, np_dtype(v))

@@ -16,8 +16,9 @@ DeepSpeed combine them:
   i-th gradient of one worker belongs to the same shard, on the same local
   device, as the i-th of every other: one all-reduce of the gradient list
   reduces each shard with the workers holding that shard. The collective is
-  `multi_worker`'s (shared memory between the processes of one host,
-  TensorFlow's gRPC ring or NCCL otherwise), run once per step for the
+  `multi_worker`'s transport (shared memory between the processes of one
+  host, TensorFlow's gRPC ring or NCCL otherwise), called across processes
+  (`keras_distrib.collectives.across_processes`), once per step for the
   whole replica, with the sample counts, BatchNormalization statistics and
   the preemption vote riding along (`DistributedModel.reduce_gradients`);
 * variables start from worker 0's values (broadcast after every build);
@@ -40,9 +41,12 @@ import numpy as np
 import tensorflow as tf
 
 from keras_distrib import cluster as cluster_lib
+from keras_distrib.collectives import registry as transports
+from keras_distrib.collectives.across_processes import AcrossProcesses
 from keras_distrib.topology import Topology
 
 if TYPE_CHECKING:
+    from keras_distrib.collectives.transport import Transport
     from keras_distrib.strategies.multi_worker import MultiWorker
 
 
@@ -53,11 +57,12 @@ class WorkerReplicas:
     collective is the identity.
     """
 
-    # The `multi_worker` strategy carrying the collectives.
+    # The `multi_worker` strategy whose transport carries the collectives.
     _workers: Optional[MultiWorker] = None
 
     if TYPE_CHECKING:  # the strategy's (`Strategy`)
         name: ClassVar[str]
+        transport: Transport
 
         def broadcast_model_state(self, model: Any) -> None: ...
 
@@ -78,12 +83,14 @@ class WorkerReplicas:
                     f"strategy {self.name!r} got workers={dict(workers)!r} but found no "
                     "cluster; start it with `keras-distrib launch -n N script.py` or set "
                     "TF_CONFIG.")
+            self.transport = transports.create("one_process")
             return Topology(num_replicas=1, num_local_replicas=1, first_local_replica=0,
                             devices=tuple(devices), role="chief")
         from keras_distrib.strategies import registry
 
         self._workers = cast("MultiWorker", registry.create("multi_worker", **dict(workers or {})))
         rank, size = self._workers.rank, self._workers.world_size
+        self.transport = AcrossProcesses(self._workers.transport, rank, size)
         return Topology(
             num_replicas=size, num_local_replicas=1, first_local_replica=rank,
             devices=tuple(devices), num_processes=size, process_index=rank,
@@ -98,38 +105,14 @@ class WorkerReplicas:
 
     # -- the step -----------------------------------------------------------------
 
-    def all_reduce(self, values: Sequence[tf.Tensor], op: str = "sum") -> list:
-        if self._workers is None:
-            return list(values)  # one replica
-        return self._workers.all_reduce_across_processes(values, op)
-
     def failure(self, error: Exception) -> Optional[Exception]:
         return None if self._workers is None else self._workers.failure(error)
 
     def gather_rows(self, structure: Any) -> Any:
         """Every worker's rows of each tensor in `structure`, in rank order
         (= global batch order, see `keras_distrib.input.sharding`), on every
-        worker. In a step: two all-reduces per tensor (row counts, rows)."""
-        if self._workers is None:
-            return structure
-        return tf.nest.map_structure(self._gather_one, structure)
-
-    def _gather_one(self, value):
-        value = tf.convert_to_tensor(value)
-        if value.shape.rank == 0:
-            value = tf.reshape(value, [1])
-        size, rank = self.world_size, self.rank
-        mine = tf.one_hot(rank, size, dtype=tf.float32) * tf.cast(tf.shape(value)[0], tf.float32)
-        (counts,) = self.all_reduce([mine])
-        counts = tf.cast(counts, tf.int32)
-        longest = tf.reduce_max(counts)
-        padding = [[0, longest - tf.shape(value)[0]]] + [[0, 0]] * (value.shape.rank - 1)
-        padded = tf.pad(value, padding)
-        wire = padded if padded.dtype.is_floating else tf.cast(padded, tf.float64)
-        slot = tf.reshape(tf.one_hot(rank, size, dtype=wire.dtype), [size] + [1] * wire.shape.rank)
-        (table,) = self.all_reduce([slot * wire[None]])
-        rows = tf.concat([table[r, :counts[r]] for r in range(size)], axis=0)
-        return tf.cast(rows, value.dtype)
+        worker (the transport's `gather_rows`)."""
+        return self.transport.gather_rows(structure)
 
     # -- metrics ------------------------------------------------------------------------
 
@@ -139,11 +122,6 @@ class WorkerReplicas:
         return self.read_summed_metrics(model, read)
 
     # -- between steps ----------------------------------------------------------------
-
-    def _sum_over_processes(self, flat: np.ndarray) -> np.ndarray:
-        if self._workers is None:
-            return flat
-        return self._workers.sync_sum([flat])[0]
 
     def local_replica_values(self, variable: Any) -> list[np.ndarray]:
         return [np.asarray(variable)]

@@ -18,20 +18,26 @@ import tensorflow as tf
 
 from keras_distrib import _compat
 
+if TYPE_CHECKING:
+    from keras_distrib.collectives.transport import Transport
+
 
 class Lockstep(abc.ABC):
     """`make_step_function` / `make_predict_function` for lockstep engines."""
 
-    if TYPE_CHECKING:  # the strategy's (`Strategy.run`)
+    if TYPE_CHECKING:  # the strategy's (`Strategy.run`, `Strategy.transport`)
+        transport: Transport
+
         def run(self, replica_fn: Callable, batch: Any) -> Any: ...
 
     @abc.abstractmethod
     def step_logs(self, model, outputs: Any) -> Any:
         """Per-batch logs as plain tensors, from what `run` returned."""
 
-    @abc.abstractmethod
     def concat(self, per_replica: Any) -> Any:
-        """All replicas' outputs concatenated in global replica order."""
+        """All replicas' outputs concatenated in global replica order, on
+        every process (the transport's `gather_rows`)."""
+        return self.transport.gather_rows(per_replica)
 
     def make_step_function(self, model, step, keras_make_function: Callable):
         model.compile_replicas_separately(model.jit_compile)

@@ -5,27 +5,28 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import secrets
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
 import numpy as np
 import tensorflow as tf
 
 from keras_distrib import _compat
 from keras_distrib import cluster as cluster_lib
-from keras_distrib.collectives import flight_recorder, heartbeats, host_allreduce, pieces
+from keras_distrib.collectives import flight_recorder, heartbeats, host_allreduce
+from keras_distrib.collectives import registry as transports
 from keras_distrib.collectives import runtime, seconds
 from keras_distrib.collectives.watchdog import CollectiveWatchdog
 from keras_distrib.strategies.tf_distribute import TFDistributeStrategy
 from keras_distrib.arithmetic import optimizer_sharding as sharding_option
-from keras_distrib.arithmetic.gradients import reduce_op_name
 
 _IMPLEMENTATIONS = {
     "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
     "ring": tf.distribute.experimental.CommunicationImplementation.RING,
     "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
 }
-# Not TensorFlow's: gradients go through shared memory between the workers
-# of one host (keras_distrib/collectives/host_allreduce.py).
+# Not TensorFlow's: the steps' collectives go through shared memory between
+# the workers of one host (the transport of that name,
+# keras_distrib/collectives/shared_memory.py).
 _SHARED_MEMORY = "shm"
 _KEY_RANGES = itertools.count(start=500_000, step=1_000)
 # Seconds a collective may wait for a worker that never joins it: long
@@ -66,9 +67,10 @@ class MultiWorker(TFDistributeStrategy):
         task_index: This process's rank in `cluster` (with `cluster` only).
         implementation: `"auto"` (`"shm"` when all workers are on this host
             and no GPU is visible, else TensorFlow's choice), `"ring"`,
-            `"nccl"`, or `"shm"` (training-step gradients through shared
-            memory; needs every worker on this host, Linux). Everything
-            else (broadcasts, metrics, `predict` gathers) always uses
+            `"nccl"`, or `"shm"` (the training step's collectives and the
+            eager sums between steps through shared memory; needs every
+            worker on this host, Linux). The initial broadcast of
+            variables, metric reads and `predict`'s gathers always use
             TensorFlow's collectives.
         bytes_per_pack: Pack gradients into all-reduces of about this many
             bytes (0: TensorFlow's default, one pack). Many small gradients
@@ -150,25 +152,23 @@ class MultiWorker(TFDistributeStrategy):
         with _compat.reuse_collective_server():
             engine = _KeyedMultiWorkerStrategy(
                 cluster_resolver=resolver, communication_options=options)
+        # The steps' collectives on TensorFlow (gradients off shared memory,
+        # predict's gathers): our one watchdog thread, not a TensorFlow
+        # thread per collective (see keras_distrib.collectives.watchdog).
+        self._watchdog = (None if collective_timeout is None
+                          else CollectiveWatchdog(collective_timeout))
         super().__init__(engine, num_processes=info.world_size, process_index=info.rank,
-                         local_rank=_local_rank(info))
+                         local_rank=_local_rank(info), multi_worker=True,
+                         watchdog=self._watchdog, bytes_per_pack=bytes_per_pack)
         self.implementation = implementation
         self.optimizer_sharding = sharding_option.check(
             self.name, optimizer_sharding, one_replica_per_process=self.num_local_replicas == 1)
-        self._host_reduce = None
         if shared_memory and self._one_device_for_shared_memory(implementation):
             self.implementation = _SHARED_MEMORY
-            self._host_reduce = host_allreduce.HostAllReduce(
-                info.rank, info.world_size, self._secret_job_id(), timeout=collective_timeout,
+            self.transport = transports.create(
+                _SHARED_MEMORY, rows=self.transport, rank=info.rank, world_size=info.world_size,
+                job_id=self._secret_job_id(), timeout=collective_timeout,
                 connect_timeout=peer_timeout)
-        self._watchdog = None
-        if collective_timeout is not None:
-            # The steps' collectives on TensorFlow (gradients off shared
-            # memory, predict's gathers): our one watchdog thread, not a
-            # TensorFlow thread per collective (see collective_watchdog).
-            self._watchdog = CollectiveWatchdog(collective_timeout)
-            self._step_collective_options = tf.distribute.experimental.CommunicationOptions(
-                timeout_seconds=0)
 
     def _one_device_for_shared_memory(self, implementation: str) -> bool:
         """Whether shared memory can serve this worker: one call per process
@@ -197,116 +197,6 @@ class MultiWorker(TFDistributeStrategy):
         (shared,) = self.sync_sum([words])
         return "".join(f"{int(w):08x}" for w in shared)
 
-    def _sum_over_processes(self, flat: np.ndarray) -> np.ndarray:
-        # Between steps too, shared memory when the step uses it: it notices
-        # a stopped or exited peer within seconds.
-        if self._host_reduce is None:
-            return super()._sum_over_processes(flat)
-        (total,) = self._host_reduce.all_reduce(flat)
-        return total
-
-    def all_reduce(self, values: Sequence[tf.Tensor], op: str = "sum") -> list:
-        if self._host_reduce is None:
-            if not self.bytes_per_pack:
-                return self._watched(values,
-                                     lambda vs: TFDistributeStrategy.all_reduce(self, vs, op))
-            values, plan = pieces.cut([tf.convert_to_tensor(v) for v in values],
-                                      self.bytes_per_pack)
-            return pieces.join(
-                self._watched(values, lambda vs: TFDistributeStrategy.all_reduce(self, vs, op)),
-                plan)
-        reduce_op_name(op)  # validates op, as TF's path does
-        values = [tf.convert_to_tensor(v) for v in values]
-        reduced = self._on_host(self._host_reduce.all_reduce, values, "kd_host_all_reduce")
-        out = []
-        for total in reduced:
-            if op == "mean":
-                total = total / tf.cast(self.world_size, total.dtype)
-            out.append(total)
-        return out
-
-    def all_gather(self, value: Any) -> Any:
-        value = tf.convert_to_tensor(value)
-        if self._host_reduce is not None:
-            (table,) = tf.numpy_function(self._host_reduce.all_gather, [value], [value.dtype],
-                                         stateful=True, name="kd_host_all_gather")
-            table.set_shape([self.num_replicas, *value.shape])
-            return table
-        context = tf.distribute.get_replica_context()
-        if self._watchdog is None:
-            return context.all_gather(value[None], axis=0)
-        options = self._step_collective_options
-        return self._watched([value], lambda vs: [
-            context.all_gather(vs[0][None], axis=0, options=options)])[0]
-
-    def reduce_scatter(self, tables: Sequence[tf.Tensor]) -> list:
-        if self._host_reduce is None:
-            # TensorFlow's replica context has no reduce-scatter: the tables
-            # are all-reduced (under the watchdog) and the rows taken.
-            return super().reduce_scatter(tables)
-        tables = [tf.convert_to_tensor(t) for t in tables]
-        rows = tf.numpy_function(self._host_reduce.reduce_scatter, tables,
-                                 [t.dtype for t in tables], stateful=True,
-                                 name="kd_host_reduce_scatter")
-        for row, table in zip(rows, tables):
-            row.set_shape([table.shape[1]])
-        return list(rows)
-
-    def reduce_gradients(self, gradients: list, num_samples, compression=None) -> list:
-        if (self._host_reduce is None or compression is not None
-                or any(g.dtype != tf.float32 for g in gradients)):
-            return super().reduce_gradients(gradients, num_samples, compression)
-        # Shared memory: the division by the global count rides in the
-        # all-reduce's last copy (same float32 math as the base class).
-        values = [*gradients, tf.cast(num_samples, tf.float32)]
-        reduced = self._on_host(self._host_reduce.mean_by_count, values,
-                                "kd_host_mean_by_count")
-        return reduced[:-1]
-
-    @staticmethod
-    def _on_host(function, values: list, name: str) -> list:
-        """`function(*values)` (a shared-memory collective) in the step, with
-        each result shaped like its input. Stateful: never pruned, and kept
-        in program order with any other collective of the same function
-        (every worker must agree on it)."""
-        reduced = tf.numpy_function(function, values, [v.dtype for v in values],
-                                    stateful=True, name=name)
-        for value, result in zip(values, reduced):
-            result.set_shape(value.shape)
-        return reduced
-
-    def all_reduce_across_processes(self, values: Sequence[tf.Tensor], op: str = "sum") -> list:
-        """`all_reduce` called from outside this strategy's `run`, each process
-        contributing `values` once: the data-parallel collective of a step
-        that spans this worker's devices itself (hybrid data x model
-        parallelism, `keras_distrib.strategies.hybrid`). Eager or in a
-        `tf.function`."""
-        if self._host_reduce is not None:
-            return self.all_reduce(values, op)
-        first = self.first_local_replica
-        engine = self._tf_strategy
-
-        def across(values):
-            def value_fn(ctx):
-                # Zeros from this process's other replicas (its other GPUs).
-                if ctx.replica_id_in_sync_group == first:
-                    return values
-                return [tf.zeros_like(v) for v in values]
-
-            per_replica = engine.experimental_distribute_values_from_function(value_fn)
-            reduced = engine.run(lambda vs: TFDistributeStrategy.all_reduce(self, vs, op),
-                                 args=(per_replica,))
-            return [engine.experimental_local_results(r)[0] for r in reduced]
-
-        return self._watched([tf.convert_to_tensor(v) for v in values], across)
-
-    def _watched(self, values: Sequence[Any], collective: Callable[[list], list]) -> list:
-        """`collective(values)` (TensorFlow's collectives, in a step) under the
-        watchdog that enforces `collective_timeout`, if there is one."""
-        if self._watchdog is None:
-            return collective(list(values))
-        return self._watchdog.around(values, collective, "a collective of the training step")
-
     def failure(self, error: Exception) -> Optional[Exception]:
         if self._watchdog is not None and self._watchdog.fired is not None:
             return host_allreduce.PeerLostError(f"multi_worker: {self._watchdog.fired}.")
@@ -316,18 +206,6 @@ class MultiWorker(TFDistributeStrategy):
                                    lost=heartbeats.lost_ranks(error))
             return host_allreduce.PeerLostError(f"multi_worker: {lost}")
         return None
-
-    def concat(self, per_replica: Any) -> Any:
-        # Every worker ends with all rows, in global replica order (= the
-        # order of the global batch, see keras_distrib.input.sharding).
-        if self._watchdog is None:
-            return tf.nest.map_structure(lambda v: self._tf_strategy.gather(v, axis=0),
-                                         per_replica)
-        options = self._step_collective_options
-        return self._watchdog.around_call(
-            lambda: tf.nest.map_structure(
-                lambda v: _compat.gather(self._tf_strategy, v, 0, options), per_replica),
-            "a collective of the predict step")
 
 
 def _communication_options(implementation, bytes_per_pack, collective_timeout):

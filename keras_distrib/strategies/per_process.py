@@ -2,7 +2,7 @@
 
 Each process holds one plain (unreplicated) copy of every variable on one
 device and trains on its rows of each global batch; processes combine
-gradients with their engine's collectives inside the step. With one
+gradients with their transport's collectives inside the step. With one
 process the step is exactly Keras's own (no collective, whole-step XLA
 when `jit_compile=True`).
 """
@@ -10,13 +10,15 @@ when `jit_compile=True`).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import numpy as np
 import tensorflow as tf
 
 from keras_distrib import devices as devices_lib
 from keras_distrib import replica_seeds
+from keras_distrib.collectives import registry as transports
+from keras_distrib.collectives.transport import Transport
 from keras_distrib.strategies.base import Strategy
 from keras_distrib.strategies.lockstep import Lockstep
 from keras_distrib.topology import Topology
@@ -25,18 +27,21 @@ from keras_distrib.topology import Topology
 class PerProcessStrategy(Lockstep, Strategy):
     """One replica per process, on `device` (None: TensorFlow's choice).
 
-    Subclasses with several processes implement `all_reduce`, `concat` and
-    `_sum_over_processes` on their engine.
+    Subclasses with several processes pass the transport their processes
+    reduce with.
 
     Args:
         device: where variables and computation go (None: TensorFlow chooses).
         rank: this process's index; `size`: number of processes;
         local_rank: index among the processes on this host.
+        transport: the collectives between the processes (default: those of
+            one process, the identity).
     """
 
     def __init__(self, device: Optional[str] = None, rank: int = 0, size: int = 1,
-                 local_rank: int = 0):
+                 local_rank: int = 0, transport: Optional[Transport] = None):
         self._device = device
+        self.transport = transport if transport is not None else transports.create("one_process")
         self._topology = Topology.data_parallel(
             (device or devices_lib.local_devices()[0],), num_processes=size,
             process_index=rank, local_rank=local_rank)
@@ -79,16 +84,7 @@ class PerProcessStrategy(Lockstep, Strategy):
     def step_logs(self, model, outputs: Any) -> Any:
         return outputs  # one replica: already plain values
 
-    def all_reduce(self, values: Sequence[tf.Tensor], op: str = "sum") -> list:
-        return list(values)  # one process (subclasses with several override)
-
-    def concat(self, per_replica: Any) -> Any:
-        return per_replica
-
     # -- between steps ---------------------------------------------------------------
-
-    def _sum_over_processes(self, flat: np.ndarray) -> np.ndarray:
-        return flat
 
     def local_replica_values(self, variable: Any) -> list[np.ndarray]:
         return [np.asarray(variable)]

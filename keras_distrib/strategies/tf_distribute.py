@@ -2,8 +2,8 @@
 
 Variables are created under the engine's scope (mirrored, or kept on a
 central device), each step runs on every local replica through
-`strategy.run`, and gradients are summed with the replica context's
-`all_reduce` (TensorFlow packs tensors of one dtype into few collectives).
+`strategy.run`, and the collectives are TensorFlow's, through the engine
+(the transport `keras_distrib.collectives.tf_collectives`).
 Keras itself never sees the engine: `DistributedModel` hides it, because
 Keras 3's own tf.distribute paths fail for multi-worker engines
 (keras-team/keras#20585).
@@ -14,20 +14,19 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import numpy as np
 import tensorflow as tf
 
 from keras_distrib import _compat
 from keras_distrib import replica_seeds
+from keras_distrib.collectives import registry as transports
 from keras_distrib.input import data as data_lib
 from keras_distrib.strategies.base import Capabilities, Strategy
 from keras_distrib.strategies.lockstep import Lockstep
 from keras_distrib.topology import Topology
-from keras_distrib.arithmetic.gradients import reduce_op_name
 
-_REDUCE_OPS = {"sum": tf.distribute.ReduceOp.SUM, "mean": tf.distribute.ReduceOp.MEAN}
 # Engine -> a weak reference to the keras_distrib strategy built on it (see
 # `entered`). Both sides weak: the strategy holds its engine, so a strong
 # value would keep every engine, and its strategy, alive for good.
@@ -59,6 +58,8 @@ class TFDistributeStrategy(Lockstep, Strategy):
         num_processes: processes in the job (each reads its own data shard).
         process_index: this process's index (its rank).
         local_rank: its index among the processes on its host.
+        **collective_options: options of its transport
+            (`keras_distrib.collectives.tf_collectives.TFCollectives`).
     """
 
     # Keras accumulates inside a `tf.cond`, where a tf.distribute replica
@@ -69,12 +70,9 @@ class TFDistributeStrategy(Lockstep, Strategy):
     # collective per metric and step, so multi-process engines declare
     # `exact_batch_logs=False` and report the process's own values.
     capabilities = Capabilities(keras_gradient_accumulation=False)
-    # Options of the collectives inside a step (`all_reduce`), over the
-    # engine's own; None: the engine's.
-    _step_collective_options: Optional[Any] = None
 
     def __init__(self, tf_strategy: tf.distribute.Strategy, num_processes: int = 1,
-                 process_index: int = 0, local_rank: int = 0):
+                 process_index: int = 0, local_rank: int = 0, **collective_options: Any):
         self._tf_strategy = tf_strategy
         _OWNERS[tf_strategy] = weakref.ref(self)
         self._topology = Topology.data_parallel(
@@ -86,6 +84,9 @@ class TFDistributeStrategy(Lockstep, Strategy):
                 f"but {num_processes} process(es) x {len(self.devices)} local device(s); every "
                 "process must have the same number of devices."
             )
+        self.transport = transports.create(
+            "tensorflow", engine=tf_strategy,
+            first_local_replica=self._topology.first_local_replica, **collective_options)
 
     @property
     def topology(self) -> Topology:
@@ -144,20 +145,6 @@ class TFDistributeStrategy(Lockstep, Strategy):
     def replica_index(self):
         return tf.distribute.get_replica_context().replica_id_in_sync_group
 
-    def all_reduce(self, values: Sequence[tf.Tensor], op: str = "sum") -> list:
-        ctx = tf.distribute.get_replica_context()
-        # tf.identity places values made outside the replica (e.g. a batch
-        # passed straight through) on its device; TF needs one to reduce.
-        values = [v if v.device else tf.identity(v) for v in values]
-        reduced = list(values)
-        for dtype in dict.fromkeys(v.dtype for v in values):
-            positions = [i for i, v in enumerate(values) if v.dtype == dtype]
-            group = ctx.all_reduce(_REDUCE_OPS[reduce_op_name(op)], [values[i] for i in positions],
-                                   options=self._step_collective_options)
-            for i, value in zip(positions, group):
-                reduced[i] = value
-        return reduced
-
     def step_logs(self, model, outputs: Any) -> Any:
         if not any(isinstance(v, tf.distribute.DistributedValues)
                    for v in tf.nest.flatten(outputs)):
@@ -175,15 +162,6 @@ class TFDistributeStrategy(Lockstep, Strategy):
                         for k, v in outputs.items()}
             return self._reduce_mean(outputs)
 
-    def concat(self, per_replica: Any) -> Any:
-        def concat_one(value):
-            parts = self._tf_strategy.experimental_local_results(value)
-            if parts[0].shape.rank == 0:
-                return tf.stack(parts)
-            return tf.concat(parts, axis=0)
-
-        return tf.nest.map_structure(concat_one, per_replica)
-
     def _reduce_mean(self, per_replica: Any) -> Any:
         return tf.nest.map_structure(
             lambda v: self._tf_strategy.reduce("MEAN", v, axis=None), per_replica)
@@ -196,14 +174,6 @@ class TFDistributeStrategy(Lockstep, Strategy):
         return tf.nest.map_structure(mean, per_replica)
 
     # -- between steps -------------------------------------------------------------------
-
-    def _sum_over_processes(self, flat: np.ndarray) -> np.ndarray:
-        value = tf.constant(flat)
-        zeros = tf.zeros_like(value)
-        first = self.first_local_replica
-        per_replica = self._tf_strategy.experimental_distribute_values_from_function(
-            lambda ctx: value if ctx.replica_id_in_sync_group == first else zeros)
-        return self._tf_strategy.reduce("SUM", per_replica, axis=None).numpy()
 
     def local_replica_values(self, variable: Any) -> list[np.ndarray]:
         return [np.asarray(v) for v in self.local_replica_variables(variable)]

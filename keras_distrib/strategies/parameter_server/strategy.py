@@ -40,6 +40,7 @@ import tensorflow as tf
 from keras_distrib import _compat
 from keras_distrib import cluster as cluster_lib
 from keras_distrib.strategies.parameter_server import per_worker_input
+from keras_distrib.collectives import registry as transports
 from keras_distrib.collectives import runtime
 from keras_distrib.strategies.parameter_server import sharded_variables
 from keras_distrib.strategies.parameter_server.scheduled_training import ScheduledTraining
@@ -110,6 +111,8 @@ class ParameterServer(Strategy):
             num_data_shards=self.num_workers)
         self._training: Optional[ScheduledTraining] = None
         self._plan: Optional[per_worker_input.Plan] = None
+        # One replica here (the steps run on the workers): nothing to reduce.
+        self.transport = transports.create("one_process")
 
     @property
     def topology(self) -> Topology:
@@ -213,9 +216,6 @@ class ParameterServer(Strategy):
         from its parts' (`sharded_variables.gradients`)."""
         return sharded_variables.gradients(tape, target, variables)
 
-    def all_reduce(self, values, op: str = "sum") -> list:
-        return list(values)  # one replica: nothing to reduce
-
     def settle(self, model) -> None:
         if self._training is not None:
             self._training.settle()
@@ -270,9 +270,6 @@ class ParameterServer(Strategy):
         return 0 if self._training is None else self._training.lost_results
 
     # -- between steps: one process -------------------------------------------------------
-
-    def _sum_over_processes(self, flat: np.ndarray) -> np.ndarray:
-        return flat
 
     def local_replica_values(self, variable: Any) -> list[np.ndarray]:
         return [np.asarray(variable)]
