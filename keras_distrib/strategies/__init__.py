@@ -19,7 +19,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the names below as type checkers see them (at run time: `__getattr__`)
-    from keras_distrib.strategies.base import ReplicaMemory as ReplicaMemory
+    from keras_distrib.strategies.replica_memory import ReplicaMemory as ReplicaMemory
     from keras_distrib.strategies.base import Strategy as Strategy
     from keras_distrib.strategies.mirrored import Mirrored as Mirrored
     from keras_distrib.strategies.multi_worker import MultiWorker as MultiWorker
@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # the names below as type checkers see them (at run time: `__
 # Public name -> module that defines it.
 _LAZY = {
     "Strategy": "keras_distrib.strategies.base",
-    "ReplicaMemory": "keras_distrib.strategies.base",
+    "ReplicaMemory": "keras_distrib.strategies.replica_memory",
     "available": "keras_distrib.strategies.registry",
     "register": "keras_distrib.strategies.registry",
     "get": "keras_distrib.strategies.resolve",

@@ -131,27 +131,12 @@ class MultiWorker(TFDistributeStrategy):
         options = _communication_options(implementation, bytes_per_pack, collective_timeout)
         sharding_option.check(self.name, optimizer_sharding)
         seconds.check_seconds("peer_timeout", peer_timeout)
-        info = cluster_lib.resolve(cluster, task_index)
-        if info is None:
-            raise cluster_lib.ClusterConfigError(
-                "strategy 'multi_worker' found no cluster; start the workers "
-                "with `keras-distrib launch -n N script.py`, set TF_CONFIG, run "
-                "under Slurm, or pass cluster=[...] and task_index=..."
-            )
-        cluster_lib.require_training_workers(info, self.name)
+        info = _training_cluster(cluster, task_index, self.name)
         shared_memory = _wants_shared_memory(implementation, info)
         runtime.ensure_started(info, peer_timeout)
         self._info = info
         self.bytes_per_pack = bytes_per_pack
-        resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-            tf.train.ClusterSpec({"worker": list(info.workers)}),
-            task_type="worker",
-            task_id=info.rank,
-            rpc_layer="grpc",
-        )
-        with _compat.reuse_collective_server():
-            engine = _KeyedMultiWorkerStrategy(
-                cluster_resolver=resolver, communication_options=options)
+        engine = _engine(info, options)
         # The steps' collectives on TensorFlow (gradients off shared memory,
         # predict's gathers): our one watchdog thread, not a TensorFlow
         # thread per collective (see keras_distrib.collectives.watchdog).
@@ -225,6 +210,33 @@ def _communication_options(implementation, bytes_per_pack, collective_timeout):
         timeout_seconds=collective_timeout,
         implementation=_IMPLEMENTATIONS.get(implementation, _IMPLEMENTATIONS["auto"]),
     )
+
+
+def _training_cluster(cluster, task_index: Optional[int], name: str) -> cluster_lib.ClusterInfo:
+    """The cluster `cluster` and `task_index` name (or the environment
+    does), which must have workers that train; a one-line error else."""
+    info = cluster_lib.resolve(cluster, task_index)
+    if info is None:
+        raise cluster_lib.ClusterConfigError(
+            "strategy 'multi_worker' found no cluster; start the workers "
+            "with `keras-distrib launch -n N script.py`, set TF_CONFIG, run "
+            "under Slurm, or pass cluster=[...] and task_index=..."
+        )
+    cluster_lib.require_training_workers(info, name)
+    return info
+
+
+def _engine(info: cluster_lib.ClusterInfo, options) -> "_KeyedMultiWorkerStrategy":
+    """TensorFlow's multi-worker engine for this worker of `info`, on the
+    collective server the runtime already started."""
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec({"worker": list(info.workers)}),
+        task_type="worker",
+        task_id=info.rank,
+        rpc_layer="grpc",
+    )
+    with _compat.reuse_collective_server():
+        return _KeyedMultiWorkerStrategy(cluster_resolver=resolver, communication_options=options)
 
 
 def _wants_shared_memory(implementation: str, info: cluster_lib.ClusterInfo) -> bool:
