@@ -51,6 +51,7 @@ from keras_distrib.collectives.transport import Transport
 from keras_distrib.input import data as data_lib
 from keras_distrib.input import sharding
 from keras_distrib.input.fit_input import FitInput
+from keras_distrib.strategies import names
 from keras_distrib.strategies.cross_process import CrossProcessHelpers
 from keras_distrib.strategies.replica_memory import ReplicaMemory, variable_bytes
 from keras_distrib.topology import Topology
@@ -130,9 +131,7 @@ class Strategy(CrossProcessHelpers):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if cls.__dict__.get("name"):
-            from keras_distrib.strategies import registry
-
-            registry.register(cls)
+            names.register(cls)
 
     # -- topology -------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
 Strategy classes register themselves when their module is imported: a
 subclass of `Strategy` that sets `name` (and optionally `aliases`,
-`description`, `one_per_process`) is added here by `Strategy.__init_subclass__`.
+`description`, `one_per_process`) is added to the table of names
+(`keras_distrib.strategies.names`) by `Strategy.__init_subclass__`.
 The built-in ones are imported when first asked for, from `BUILTIN` (name
 -> module): asking for `"mirrored"` imports the mirrored strategy's module
 only, and this module imports no strategy (so nothing under
@@ -24,6 +25,10 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from keras_distrib import cluster as cluster_lib
+from keras_distrib.strategies.names import _ALIASES, _CLASSES
+from keras_distrib.strategies.names import AUTO as AUTO  # re-exported
+from keras_distrib.strategies.names import canonical as canonical  # re-exported
+from keras_distrib.strategies.names import register as register  # re-exported
 
 if TYPE_CHECKING:  # for annotations only: at run time this module imports no strategy
     from keras_distrib.strategies.base import Strategy
@@ -41,33 +46,11 @@ BUILTIN = {
     "tensor_parallel": "keras_distrib.strategies.tensor_parallel.strategy",
 }
 
-_CLASSES: dict[str, type[Strategy]] = {}
-_ALIASES: dict[str, str] = {}
-AUTO = "auto"
 _AUTO_DESCRIPTION = (
     "parameter_server when a configured cluster (TF_CONFIG, Slurm) has ps tasks, "
     "multi_worker when it has none, horovod under "
     "horovodrun, else mirrored when more than one local device is visible, else single."
 )
-
-
-def register(cls: type[Strategy]) -> None:
-    """Adds strategy class `cls` under `cls.name` and `cls.aliases`.
-
-    Raises:
-        ValueError: the name or an alias is already registered.
-    """
-    names = [_key(cls.name), *(_key(a) for a in cls.aliases)]
-    for name in names:
-        owner = _CLASSES.get(name) or _CLASSES.get(_ALIASES.get(name, ""))
-        if owner is not None and owner is not cls or name == AUTO:
-            raise ValueError(
-                f"Strategy name {name!r} of {cls.__module__}.{cls.__qualname__} is "
-                f"already taken{f' by {owner.__qualname__}' if owner else ''}; pick another name."
-            )
-    _CLASSES[names[0]] = cls
-    for alias in names[1:]:
-        _ALIASES[alias] = names[0]
 
 
 def available() -> dict[str, str]:
@@ -117,16 +100,6 @@ def strategy_class(name: str) -> type[Strategy]:
         valid = sorted([AUTO, *_CLASSES, *_ALIASES])
         raise ValueError(f"Unknown strategy {name!r}; valid names: {valid}.")
     return _CLASSES[key]
-
-
-def _key(name: str) -> str:
-    return name.strip().lower().replace("-", "_")
-
-
-def canonical(name: str) -> str:
-    """The registered name that `name` (any case, an alias) stands for."""
-    key = _key(name)
-    return _ALIASES.get(key, key)
 
 
 # TensorFlow allows one collective runtime per process: later requests for
