@@ -14,8 +14,9 @@ One module per thing wrapped:
 - `keras_callbacks`: BackupAndRestore's paths and progress, TensorBoard's
   profiling;
 - `tf_distribute`: tf.distribute scopes, merge calls, collectives,
-  ShardedVariable, a variable's strategy, Slurm, strategy options,
-  DistributedDataset;
+  Slurm, strategy options, DistributedDataset;
+- `tf_variables`: ShardedVariable, a variable's strategy, distributed
+  variables plain Keras code can use;
 - `tf_data`: tf.data graph rewriting, batch size, auto-sharding;
 - `versions`: the tested versions, the warning on others, the probe.
 
@@ -63,6 +64,7 @@ from keras_distrib._compat import keras_optimizer
 from keras_distrib._compat import keras_trainer
 from keras_distrib._compat import tf_data
 from keras_distrib._compat import tf_distribute
+from keras_distrib._compat import tf_variables
 from keras_distrib._compat.keras_backend import (
     add_through_tensorflow,
     backing_variable,
@@ -151,31 +153,33 @@ from keras_distrib._compat.tf_distribute import (
     abort_collective_ops,
     configure_coordination_service,
     communication_options,
-    convert_sharded_variables_to_numpy,
     cross_device_ops,
     gather,
-    make_plain_usable,
     outside_strategy_scopes,
-    plain_usable_creator,
     rekey_collectives,
     reuse_collective_server,
     set_collective_key_base,
     set_variable_partitioner,
-    sharded_variable_class,
     slurm_hosts_and_tasks,
     slurm_worker_addresses,
     tensorflow_started,
     undistributed,
     updates_in_cross_replica_context,
     variable_partitioner,
-    variable_strategy,
     without_default_strategy_creator,
+)
+from keras_distrib._compat.tf_variables import (
+    convert_sharded_variables_to_numpy,
+    make_plain_usable,
+    plain_usable_creator,
+    sharded_variable_class,
+    variable_strategy,
 )
 from keras_distrib._compat.versions import TESTED, warn_if_untested
 
 # The modules whose `PRIVATE` declarations the import checks.
 MODULES = (keras_trainer, keras_layers, keras_backend, keras_optimizer, keras_callbacks,
-           tf_distribute, tf_data)
+           tf_distribute, tf_variables, tf_data)
 
 
 def check_private() -> None:

@@ -13,7 +13,9 @@ none: a function that needs the model's strategy is handed it.
 * `optimizer_sharding`: the values of the data-parallel strategies'
   `optimizer_sharding` option, and its implementation, `optimizer_shards`
   (each replica builds and updates its part of every variable), with
-  `optimizer_parts` (how a variable and its gradients split into parts).
+  `optimizer_parts` (how a variable and its gradients split into parts)
+  and `part_clipping` (Keras's clipping of whole gradients, done on their
+  parts).
 
 Importing this package imports none of them.
 """

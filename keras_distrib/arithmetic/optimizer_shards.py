@@ -34,8 +34,9 @@ each replica receives the reduced gradient of its parts only, with the
 sample count and the values that ride in the step's reduction
 (`GradientReduction.reduce_with_statistics`) copied into every replica's
 block; norm clipping then takes its norms from partial sums of squares,
-reduced in one small all-reduce, and steps 3 and 4 are the same. A custom
-`train_step`'s own `apply_gradients` reduces whole gradients, as in stage 1.
+reduced in one small all-reduce (`part_clipping`), and steps 3 and 4 are
+the same. A custom `train_step`'s own `apply_gradients` reduces whole
+gradients, as in stage 1.
 
 Every update the sharded optimizers make is elementwise, so each element
 gets the arithmetic it gets without sharding. A sparse gradient (an
@@ -73,9 +74,9 @@ import tensorflow as tf
 
 from keras_distrib import _compat
 from keras_distrib.arithmetic import optimizer_sharding as sharding_option
-from keras_distrib.arithmetic.gradients import scaled_gradient
 from keras_distrib.arithmetic.optimizer_parts import (Part, part_of, piece_of, piece_of_array,
                                                       table)
+from keras_distrib.arithmetic.part_clipping import clipped_pieces
 
 # Keras optimizers whose update of a variable is elementwise given its
 # gradient (besides clipping, done whole here).
@@ -245,7 +246,8 @@ class OptimizerShards:
         if any(isinstance(g, _Scattered) for g, _ in pairs):
             # Stage 2: this replica's parts, reduced; sparse gradients whole.
             whole = [not isinstance(g, _Scattered) for g, _ in pairs]
-            grads = self._clipped_pieces([g if w else g.piece for (g, _), w in zip(pairs, whole)])
+            grads = clipped_pieces(optimizer, self._strategy,
+                                   [g if w else g.piece for (g, _), w in zip(pairs, whole)])
             grads = [part_of(g, part, here) if w else g
                      for g, part, w in zip(grads, parts, whole)]
         else:
@@ -320,37 +322,6 @@ class OptimizerShards:
             means.append(tf.reshape(shared[start:start + size] * scale, e.shape))
             start += size
         return out, means
-
-    def _clipped_pieces(self, pieces: list) -> list:
-        """Keras's clipping (`BaseOptimizer._clip_gradients`) of whole
-        gradients, done on this replica's parts: the norms come from each
-        replica's sums of squares, reduced in one all-reduce (a sparse
-        gradient, whole on every replica, adds its own)."""
-        optimizer = self.optimizer
-        clipnorm, global_clipnorm = optimizer.clipnorm, optimizer.global_clipnorm
-        whole = [isinstance(g, tf.IndexedSlices) for g in pieces]  # on every replica
-        if clipnorm and clipnorm > 0 or global_clipnorm and global_clipnorm > 0:
-            # A sparse gradient's norm is its rows' (as tf.clip_by_norm takes it).
-            squares = [tf.reduce_sum(tf.square(g.values if w else g))
-                       for g, w in zip(pieces, whole)]
-            (l2sums,) = self._strategy.all_reduce(
-                [tf.stack([tf.zeros([]) if w else s for s, w in zip(squares, whole)])], "sum")
-            l2sums = [s if w else l2sums[k] for k, (s, w) in enumerate(zip(squares, whole))]
-            if clipnorm and clipnorm > 0:  # BaseOptimizer._clip_by_norm, per variable
-                out = []
-                for g, l2sum in zip(pieces, l2sums):
-                    l2norm = tf.where(l2sum > 0, tf.sqrt(tf.where(l2sum > 0, l2sum, 1.0)), l2sum)
-                    out.append(scaled_gradient(g, clipnorm / tf.maximum(l2norm, clipnorm)))
-                return out
-            use_norm = tf.sqrt(tf.add_n(l2sums))  # keras's clip_by_global_norm
-            scale = global_clipnorm * tf.minimum(1.0 / use_norm, 1.0 / global_clipnorm)
-            scale = scale + (use_norm - use_norm)
-            return [scaled_gradient(g, scale) for g in pieces]
-        if optimizer.clipvalue and optimizer.clipvalue > 0:
-            # Keras clips a sparse gradient dense (its duplicate rows summed).
-            v = optimizer.clipvalue
-            return [tf.clip_by_value(tf.convert_to_tensor(g), -v, v) for g in pieces]
-        return pieces
 
     def _gathered(self, parts) -> list:
         """Every replica's updated parts, as whole values (one all-gather per dtype)."""

@@ -3,8 +3,10 @@
 The command's user documentation is `keras_distrib.launch.cli`'s docstring
 (what `keras-distrib launch --help` prints). One concern per module:
 
-    cli         the command line: absl flags, argv splitting, `main`, `run`,
-                and `launch(config)`, which ties the modules below together
+    cli         the command line: absl flags, `main`, `run`, and
+                `launch(config)`, which ties the modules below together
+    arguments   the command line read: argv split between the launcher and
+                the script, the parsed flags as a `LaunchConfig`
     config      `LaunchConfig`, `check_config`, `LaunchError`
     plan        who runs where: hosts, ports, TF_CONFIG, dry run, --output_dir;
                 the roles of a parameter-server job (--ps)
@@ -62,9 +64,9 @@ from keras_distrib.launch.supervise import (EXIT_TIMEOUT, PREEMPTED, ChildExit,
                                             ChildSpec, Ending, Job, ParameterServerJob,
                                             SuperviseResult, exit_code,
                                             private_directory, supervise)
-from keras_distrib.launch.cli import (EXIT_USAGE, SUBCOMMANDS, USAGE,
-                                      config_from_flags, launch, main,
-                                      parse_flags, run, split_argv, usage)
+from keras_distrib.launch.arguments import USAGE, config_from_flags, split_argv
+from keras_distrib.launch.cli import (EXIT_USAGE, SUBCOMMANDS, launch, main, parse_flags,
+                                      run, usage)
 
 __all__ = [
     "ChildExit", "ChildSpec", "DEFAULT_REMOTE_PORT_BASE", "DEFAULT_SSH_COMMAND",

@@ -188,14 +188,7 @@ def end(result: SuperviseResult, children: Sequence[Child], config: LaunchConfig
     children in messages (`rank`, or `task` in a parameter-server job).
     """
     if result.ending is Ending.INTERRUPTED:
-        assert result.signum is not None  # an INTERRUPTED result names its signal
-        printer.end_line()  # a progress bar must not swallow the message
-        say(err, f"got {signal_name(result.signum)}; stopping all {unit}s.")
-        stop(children, trap, config.grace_seconds)
-        if children and all(c.exit_code in (0, PREEMPTED) for c in children):
-            say(err, f"every {unit} exited with {PREEMPTED} (preempted) or 0; "
-                     f"exit code {PREEMPTED}.")
-            result = dataclasses.replace(result, exit_code=PREEMPTED)
+        result = _end_interrupted(result, children, config, trap, printer, err, unit)
     elif result.ending is Ending.RESIZING:  # the job saves where it is and stops
         # Finished means exited 0 before the SIGTERM: after it, horovodrun's
         # exit code can be 0 though its rank exited 75 (its safe_shell_exec
@@ -211,21 +204,49 @@ def end(result: SuperviseResult, children: Sequence[Child], config: LaunchConfig
         flight.show(children, printer.accounts, err, f"--timeout={config.timeout:g}s passed")
         stop(children, trap, config.grace_seconds)
     elif result.ending is Ending.CHILD_FAILED:
-        assert result.failed is not None  # a CHILD_FAILED result names its child
-        stopped = tuple(filter(None, (describe_stopped(c) for c in children)))
-        if printer.accounts.since(started):  # a rank stalled: where is everyone?
-            printer.end_line()
-            flight.show(children, printer.accounts, err,
-                        f"{children[result.failed.index].label} failed after a stall",
-                        since=started)
-        stop(children, trap, config.grace_seconds)
-        child = children[result.failed.index]
-        child.reader.join(timeout=5)  # the last lines are the interesting ones
-        tail = tuple(child.tail)[-config.tail_lines:] if config.tail_lines else ()
-        result = dataclasses.replace(
-            result, failed=dataclasses.replace(result.failed, tail=tail), stopped=stopped)
+        result = _end_failed(result, children, config, trap, printer, err, started)
+    return result
+
+
+def _end_interrupted(result: SuperviseResult, children: Sequence[Child], config: LaunchConfig,
+                     trap: SignalTrap, printer: Printer, err: TextIO,
+                     unit: str) -> SuperviseResult:
+    """`end` after a signal to the launcher: says so, stops the children,
+    and returns `result` with `PREEMPTED` as its exit code when every child
+    then exited with it or 0."""
+    assert result.signum is not None  # an INTERRUPTED result names its signal
+    printer.end_line()  # a progress bar must not swallow the message
+    say(err, f"got {signal_name(result.signum)}; stopping all {unit}s.")
+    stop(children, trap, config.grace_seconds)
+    if children and all(c.exit_code in (0, PREEMPTED) for c in children):
+        say(err, f"every {unit} exited with {PREEMPTED} (preempted) or 0; "
+                 f"exit code {PREEMPTED}.")
+        result = dataclasses.replace(result, exit_code=PREEMPTED)
+    return result
+
+
+def _end_failed(result: SuperviseResult, children: Sequence[Child], config: LaunchConfig,
+                trap: SignalTrap, printer: Printer, err: TextIO,
+                started: float) -> SuperviseResult:
+    """`end` after a child failed: notes the children stopped (SIGSTOP) at
+    the time, shows the flight-recorder screen when a rank reported a stall
+    since `started`, stops the children, reports the failed child's tail;
+    returns `result` with that tail and the stopped children filled in."""
+    assert result.failed is not None  # a CHILD_FAILED result names its child
+    stopped = tuple(filter(None, (describe_stopped(c) for c in children)))
+    if printer.accounts.since(started):  # a rank stalled: where is everyone?
         printer.end_line()
-        _report_failure(result, err)
+        flight.show(children, printer.accounts, err,
+                    f"{children[result.failed.index].label} failed after a stall",
+                    since=started)
+    stop(children, trap, config.grace_seconds)
+    child = children[result.failed.index]
+    child.reader.join(timeout=5)  # the last lines are the interesting ones
+    tail = tuple(child.tail)[-config.tail_lines:] if config.tail_lines else ()
+    result = dataclasses.replace(
+        result, failed=dataclasses.replace(result.failed, tail=tail), stopped=stopped)
+    printer.end_line()
+    _report_failure(result, err)
     return result
 
 

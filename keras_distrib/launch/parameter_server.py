@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import signal
 import time
-from typing import Sequence
+from typing import Optional, Sequence
 
 from keras_distrib.launch import processes
 from keras_distrib.launch.agent import Agent, Attempt, JobKind
@@ -99,12 +99,8 @@ def _watch_parameter_server(job: ParameterServerJob, attempt: Attempt,
                             agent: Agent) -> SuperviseResult:
     """Waits until the chief exits (or a signal, the timeout, a lost cause);
     meanwhile starts exited worker tasks again and notes lost ps tasks."""
-    specs, children = job.specs, attempt.children
-    config, trap, deadline = agent.config, agent.trap, agent.deadline
-    printer, err = agent.printer, agent.err
-    workers = range(1, 1 + len(job.workers))
-    ps_tasks = range(1 + len(job.workers), len(specs))
-    limit = config.max_restarts or DEFAULT_WORKER_RESTARTS
+    children = attempt.children
+    trap, deadline, printer, err = agent.trap, agent.deadline, agent.printer, agent.err
     restarts = 0
     lost_ps: list[tuple[float, ChildExit]] = []  # (when it was seen, how it ended)
     while True:
@@ -121,39 +117,65 @@ def _watch_parameter_server(job: ParameterServerJob, attempt: Attempt,
                                    restarts=restarts)
         if deadline is not None and time.monotonic() >= deadline:
             return SuperviseResult(Ending.TIMED_OUT, EXIT_TIMEOUT, restarts=restarts)
-        for i in workers:
-            child = children[i]
-            if child.proc.poll() is None:
-                continue
-            how = ChildExit(i, child.label, child.proc.returncode)
-            if restarts >= limit:
-                flag = (f"--max_restarts={config.max_restarts}" if config.max_restarts
-                        else f"{DEFAULT_WORKER_RESTARTS} when --max_restarts is 0")
-                note(printer, err, f"{child.label} exited ({_short(how)}); no restarts "
-                                   f"left ({restarts} used, at most {flag}); stopping the job.")
-                return SuperviseResult(Ending.CHILD_FAILED, how.exit_code, failed=how,
-                                       restarts=restarts)
-            restarts += 1
-            note(printer, err, f"{child.label} exited ({_short(how)}); "
-                               f"restarting it (restart {restarts})")
-            child.signal_group(signal.SIGKILL)  # whatever it started in its group
-            attempt.replaced.append(child)
-            children[i] = agent.start_child(specs[i])
-        for i in ps_tasks:
-            child = children[i]
-            if child.proc.poll() is None or any(h.index == i for _, h in lost_ps):
-                continue
-            how = ChildExit(i, child.label, child.proc.returncode)
-            lost_ps.append((time.monotonic(), how))
-            note(printer, err, f"{child.label} exited ({_short(how)}); not restarting it "
-                               "(its variables are lost); the chief should fail, else it is "
-                               f"stopped in {PS_LOSS_GRACE_SECONDS:g}s.")
+        restarts, ended = _restart_exited_workers(job, attempt, agent, restarts)
+        if ended is not None:
+            return ended
+        _note_lost_ps(job, attempt, agent, lost_ps)
         if lost_ps and time.monotonic() - lost_ps[0][0] >= PS_LOSS_GRACE_SECONDS:
             how = lost_ps[0][1]
             note(printer, err, f"the chief still runs {PS_LOSS_GRACE_SECONDS:g}s after "
                                f"{how.label} was lost; stopping the job (exit code 1).")
             return SuperviseResult(Ending.CHILD_FAILED, 1, failed=how, restarts=restarts)
         time.sleep(0.05)
+
+
+def _restart_exited_workers(job: ParameterServerJob, attempt: Attempt, agent: Agent,
+                            restarts: int) -> tuple[int, Optional[SuperviseResult]]:
+    """Starts each worker task that exited again, alone, with its spec.
+
+    `restarts`: the restarts used so far; returns them, then the job's end
+    (the exited worker's failure) when a worker exited with none left, else
+    None.
+    """
+    specs, children, config = job.specs, attempt.children, agent.config
+    printer, err = agent.printer, agent.err
+    limit = config.max_restarts or DEFAULT_WORKER_RESTARTS
+    for i in range(1, 1 + len(job.workers)):
+        child = children[i]
+        if child.proc.poll() is None:
+            continue
+        how = ChildExit(i, child.label, child.proc.returncode)
+        if restarts >= limit:
+            flag = (f"--max_restarts={config.max_restarts}" if config.max_restarts
+                    else f"{DEFAULT_WORKER_RESTARTS} when --max_restarts is 0")
+            note(printer, err, f"{child.label} exited ({_short(how)}); no restarts "
+                               f"left ({restarts} used, at most {flag}); stopping the job.")
+            return restarts, SuperviseResult(Ending.CHILD_FAILED, how.exit_code, failed=how,
+                                             restarts=restarts)
+        restarts += 1
+        note(printer, err, f"{child.label} exited ({_short(how)}); "
+                           f"restarting it (restart {restarts})")
+        child.signal_group(signal.SIGKILL)  # whatever it started in its group
+        attempt.replaced.append(child)
+        children[i] = agent.start_child(specs[i])
+    return restarts, None
+
+
+def _note_lost_ps(job: ParameterServerJob, attempt: Attempt, agent: Agent,
+                  lost_ps: list[tuple[float, ChildExit]]) -> None:
+    """Adds each ps task that exited since the last look to `lost_ps` (when
+    it was seen, how it ended), with one line: it is not restarted."""
+    children = attempt.children
+    for i in range(1 + len(job.workers), len(job.specs)):
+        child = children[i]
+        if child.proc.poll() is None or any(h.index == i for _, h in lost_ps):
+            continue
+        how = ChildExit(i, child.label, child.proc.returncode)
+        lost_ps.append((time.monotonic(), how))
+        note(agent.printer, agent.err,
+             f"{child.label} exited ({_short(how)}); not restarting it "
+             "(its variables are lost); the chief should fail, else it is "
+             f"stopped in {PS_LOSS_GRACE_SECONDS:g}s.")
 
 
 def _short(how: ChildExit) -> str:

@@ -60,44 +60,58 @@ class EntryPoints(TrainerPart):
             shuffle=True, class_weight=None, sample_weight=None, **kwargs):
         x = _compat.undistributed(x)
         validation_data = _compat.undistributed(validation_data)
-        self._strategy.check_batch_size(batch_size)
-        self._strategy.check_batch_size(kwargs.get("validation_batch_size"),
-                                        "validation_batch_size")
-        self._check_fit_input(x, y, sample_weight, callbacks)
         steps_per_epoch = kwargs.pop("steps_per_epoch", None)
-        fit_checks.check_same_call(
-            self._strategy, "fit", x, batch_size=batch_size, epochs=epochs,
-            initial_epoch=kwargs.get("initial_epoch", 0), steps=steps_per_epoch,
-            steps_per_execution=self.steps_per_execution)
+        self._check_fit_call(x, y, batch_size, epochs, sample_weight, callbacks,
+                             steps_per_epoch, kwargs)
         # Keras's BackupAndRestore resumes at an epoch's start, reshuffled, and
         # is not crash-safe: ours takes its place, with its arguments.
         callbacks = keras_backup.adopt_keras_backup(callbacks)
         self._strategy.check_callbacks(callback_list(callbacks))
         backup = fit_state_lib.resumable_among(callback_list(callbacks))
         start = backup.resume_point(self) if backup is not None else None
-        fit = self._strategy.distribute_fit_input(FitInput(
+        fit = self._distribute_fit_input(FitInput(
             x=x, y=y, sample_weight=sample_weight, batch_size=batch_size, shuffle=shuffle,
             validation_split=validation_split, validation_data=validation_data,
             validation_batch_size=kwargs.pop("validation_batch_size", None),
             steps_per_epoch=steps_per_epoch,
             class_weight=class_weight,  # with arrays: made sample weights (sharding.fit_input)
             steps_per_execution=self.steps_per_execution,
-            start=start, resumable=backup is not None))
-        if fit.build_batch is not None:
-            # The strategy feeds Keras no real batches (parameter servers).
-            self._maybe_symbolic_build(data_batch=fit.build_batch)
-        if backup is not None:
-            backup.record_seed(fit.seed)
+            start=start, resumable=backup is not None), backup)
         if start is not None:
             kwargs["initial_epoch"] = start.epoch
         state = fit_state_lib.FitState(
             backup=backup, replay=(start.step if start else 0) // self.steps_per_execution)
         history = self._keras_fit(fit, state, epochs, verbose, callbacks, kwargs)
-        if state.preempted_at is not None:
-            where = (f"; backup in {backup.backup_dir}" if backup is not None else
-                     "; nothing was saved (add keras_distrib.callbacks.BackupAndRestore)")
-            raise preemption.announce(state.preempted_at, where)
+        _raise_if_preempted(state, backup)
         return history
+
+    def _check_fit_call(self, x, y, batch_size, epochs, sample_weight, callbacks,
+                        steps_per_epoch, kwargs) -> None:
+        """`fit`'s checks before its input is handed to the strategy, in
+        this order on every process: the batch sizes, the input
+        (`_check_fit_input`), then that every process was called alike
+        (`check_same_call`, a collective). `kwargs`: `fit`'s own, read only."""
+        self._strategy.check_batch_size(batch_size)
+        self._strategy.check_batch_size(kwargs.get("validation_batch_size"),
+                                        "validation_batch_size")
+        self._check_fit_input(x, y, sample_weight, callbacks)
+        fit_checks.check_same_call(
+            self._strategy, "fit", x, batch_size=batch_size, epochs=epochs,
+            initial_epoch=kwargs.get("initial_epoch", 0), steps=steps_per_epoch,
+            steps_per_execution=self.steps_per_execution)
+
+    def _distribute_fit_input(self, fit_input: FitInput,
+                              backup: Optional[fit_state_lib.Resumable]) -> FitInput:
+        """The strategy's input for `fit_input`; the model built from its
+        batch where the strategy feeds Keras none, and its shuffle seed
+        recorded in `backup`, if any."""
+        fit = self._strategy.distribute_fit_input(fit_input)
+        if fit.build_batch is not None:
+            # The strategy feeds Keras no real batches (parameter servers).
+            self._maybe_symbolic_build(data_batch=fit.build_batch)
+        if backup is not None:
+            backup.record_seed(fit.seed)
+        return fit
 
     def _keras_fit(self, fit: FitInput, state: fit_state_lib.FitState, epochs, verbose,
                    callbacks, kwargs):
@@ -282,6 +296,17 @@ class EntryPoints(TrainerPart):
         if not self.built:
             self._maybe_symbolic_build(data_batch=(x, None, None), forward_only=True)
         return super().predict_on_batch(x)  # type: ignore[misc]  # Keras's
+
+
+def _raise_if_preempted(state: fit_state_lib.FitState,
+                        backup: Optional[fit_state_lib.Resumable]) -> None:
+    """After Keras's `fit` returned: the preemption's one-line error, naming
+    the backup (or that there is none), when a SIGTERM stopped the call of
+    `state`."""
+    if state.preempted_at is not None:
+        where = (f"; backup in {backup.backup_dir}" if backup is not None else
+                 "; nothing was saved (add keras_distrib.callbacks.BackupAndRestore)")
+        raise preemption.announce(state.preempted_at, where)
 
 
 def _stops_quietly_on_nan(callbacks) -> bool:

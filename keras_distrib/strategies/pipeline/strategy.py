@@ -157,28 +157,7 @@ class Pipeline(WorkerReplicas, Strategy):
         if split_at is not None and (isinstance(split_at, str) or not split_at):
             raise ValueError(f"split_at={split_at!r} must be a non-empty list of layer names "
                              "(the first layer of stages 2..p), e.g. ['dense_2'].")
-        if num_stages is None:
-            num_stages = len(split_at) + 1 if split_at else None
-        elif not data_lib.is_positive_int(num_stages):
-            raise ValueError(f"num_stages={num_stages!r} must be an integer >= 1.")
-        if split_at and num_stages is not None and len(split_at) != num_stages - 1:
-            raise ValueError(
-                f"split_at names {len(split_at)} layer(s) but num_stages={num_stages} needs "
-                f"{num_stages - 1} (the first layer of each stage after the first).")
-        if devices is None:
-            available = devices_lib.local_devices()
-            num_stages = num_stages or len(available)
-            if num_stages > len(available):
-                raise ValueError(
-                    f"num_stages={num_stages} needs {num_stages} devices but only "
-                    f"{len(available)} are visible ({available}); use fewer stages.")
-            devices = available[:num_stages]
-        devices = devices_lib.check_devices(devices)
-        num_stages = num_stages or len(devices)
-        if num_stages != len(devices):
-            raise ValueError(
-                f"num_stages={num_stages} but {len(devices)} devices were given; pass one "
-                "device per stage.")
+        num_stages, devices = _stages_and_devices(devices, num_stages, split_at)
         if num_micro_batches is None:
             num_micro_batches = 4 * num_stages
         if not data_lib.is_positive_int(num_micro_batches):
@@ -371,3 +350,33 @@ class Pipeline(WorkerReplicas, Strategy):
         """The scheduled passes over the micro-batches, then one update
         (`keras_distrib.strategies.pipeline.train_step`)."""
         return train_step.run(self, model, stages, data)
+
+
+def _stages_and_devices(devices: Optional[Sequence[str]], num_stages: Optional[int],
+                        split_at: Optional[Sequence[str]]) -> tuple[int, list[str]]:
+    """`PipelineStrategy`'s stage count and stage devices, checked against
+    each other and `split_at`: a count `split_at` implies, the visible
+    devices when `devices` is None (one per stage)."""
+    if num_stages is None:
+        num_stages = len(split_at) + 1 if split_at else None
+    elif not data_lib.is_positive_int(num_stages):
+        raise ValueError(f"num_stages={num_stages!r} must be an integer >= 1.")
+    if split_at and num_stages is not None and len(split_at) != num_stages - 1:
+        raise ValueError(
+            f"split_at names {len(split_at)} layer(s) but num_stages={num_stages} needs "
+            f"{num_stages - 1} (the first layer of each stage after the first).")
+    if devices is None:
+        available = devices_lib.local_devices()
+        num_stages = num_stages or len(available)
+        if num_stages > len(available):
+            raise ValueError(
+                f"num_stages={num_stages} needs {num_stages} devices but only "
+                f"{len(available)} are visible ({available}); use fewer stages.")
+        devices = available[:num_stages]
+    devices = devices_lib.check_devices(devices)
+    num_stages = num_stages or len(devices)
+    if num_stages != len(devices):
+        raise ValueError(
+            f"num_stages={num_stages} but {len(devices)} devices were given; pass one "
+            "device per stage.")
+    return num_stages, devices
