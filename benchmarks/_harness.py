@@ -26,9 +26,13 @@ from typing import Optional, Sequence
 from absl import flags
 
 # Every script built on this file is its own driver and worker.
-flags.DEFINE_enum("role", "driver", ["driver", "worker"],
-                  "driver: start the workers through keras-distrib launch and "
-                  "print the table; worker: one rank (started by the driver).")
+flags.DEFINE_enum(
+    "role",
+    "driver",
+    ["driver", "worker"],
+    "driver: start the workers through keras-distrib launch and "
+    "print the table; worker: one rank (started by the driver).",
+)
 flags.DEFINE_string("out_dir", None, "Worker only: where to write rank{R}.json.")
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,17 +79,31 @@ def launch_workers(
     """
     out_dir = tempfile.mkdtemp(prefix="kd-bench-")
     env = {**os.environ, **_QUIET_ENV, **(extra_env or {})}
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (REPO_ROOT, env.get("PYTHONPATH", "")) if p
-    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH", "")) if p)
     argv = [
-        *prefix, sys.executable, "-m", "keras_distrib.launch", "launch",
-        "-n", str(nproc), "--timeout", str(timeout), *launch_flags,
-        script, "--role=worker", f"--out_dir={out_dir}", *worker_args,
+        *prefix,
+        sys.executable,
+        "-m",
+        "keras_distrib.launch",
+        "launch",
+        "-n",
+        str(nproc),
+        "--timeout",
+        str(timeout),
+        *launch_flags,
+        script,
+        "--role=worker",
+        f"--out_dir={out_dir}",
+        *worker_args,
     ]
     proc = subprocess.Popen(
-        argv, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        argv,
+        cwd=REPO_ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         # The launcher stops the ranks itself at `timeout` (SIGTERM, then
@@ -98,8 +116,9 @@ def launch_workers(
         except subprocess.TimeoutExpired:
             proc.kill()
             output, _ = proc.communicate()
-        raise WorkersFailed(f"the launcher did not end within {timeout + 30:g}s",
-                            output or "") from None
+        raise WorkersFailed(
+            f"the launcher did not end within {timeout + 30:g}s", output or ""
+        ) from None
     except BaseException:  # Ctrl-C: the launcher got it too; make sure it ends
         proc.send_signal(signal.SIGTERM)
         try:
@@ -255,8 +274,10 @@ def interleaved(configs: Sequence[str], repeats: int, run_config) -> Optional[di
             try:
                 runs[name].append(run_config(name))
             except WorkersFailed as e:
-                print(f"{name} (repetition {rep + 1}): {e}; worker output:\n{e.output}",
-                      file=sys.stderr)
+                print(
+                    f"{name} (repetition {rep + 1}): {e}; worker output:\n{e.output}",
+                    file=sys.stderr,
+                )
                 return None
     return runs
 
@@ -268,14 +289,16 @@ def quick_defaults(**values) -> None:
             setattr(flags.FLAGS, name, value)
 
 
-def paired_ratios(a: Sequence[dict], b: Sequence[dict], scale: float = 1.0,
-                  key: str = "throughput") -> list[float]:
+def paired_ratios(
+    a: Sequence[dict], b: Sequence[dict], scale: float = 1.0, key: str = "throughput"
+) -> list[float]:
     """`a[i][key] / (scale * b[i][key])` for each repetition i."""
     return [x[key] / (scale * y[key]) for x, y in zip(a, b)]
 
 
-def fastest_per_repetition(runs: dict, candidates: Sequence[str],
-                           key: str = "throughput") -> tuple[list[dict], list[str]]:
+def fastest_per_repetition(
+    runs: dict, candidates: Sequence[str], key: str = "throughput"
+) -> tuple[list[dict], list[str]]:
     """For each repetition, the run with the highest `key` among the
     `candidates` present in `runs`, and its configuration's name.
 
@@ -307,14 +330,17 @@ def verdict(value: float, target: float, at_least: bool = True) -> bool:
     return value >= target if at_least else value <= target
 
 
-def target_line(label: str, values: Sequence[float], target: float,
-                at_least: bool = True, width: int = 44) -> tuple[str, bool]:
+def target_line(
+    label: str, values: Sequence[float], target: float, at_least: bool = True, width: int = 44
+) -> tuple[str, bool]:
     """One printed line `label  median [min, max]  target >= T: target met`
     (judged on the median) and whether it is met."""
     met = verdict(stats(values)[0], target, at_least)
     op = ">=" if at_least else "<="
-    return (f"{label:{width}s} {fmt_stats(values):^22s}  target {op} {target:g}: "
-            f"{'target met' if met else 'TARGET NOT MET'}"), met
+    return (
+        f"{label:{width}s} {fmt_stats(values):^22s}  target {op} {target:g}: "
+        f"{'target met' if met else 'TARGET NOT MET'}"
+    ), met
 
 
 def run_summary(values: Sequence[float]) -> dict:
@@ -323,8 +349,9 @@ def run_summary(values: Sequence[float]) -> dict:
     return {"median": med, "min": lo, "max": hi, "values": list(values)}
 
 
-def save_results(path: Optional[str], name: str, payload: dict, quick: bool = False,
-                 load: Optional[str] = None) -> Optional[str]:
+def save_results(
+    path: Optional[str], name: str, payload: dict, quick: bool = False, load: Optional[str] = None
+) -> Optional[str]:
     """Writes a driver's measurements as JSON (atomically) and returns the path.
 
     `path`: the `--json` flag; None or "" writes nothing. Adds what the
@@ -380,4 +407,3 @@ def driver_or_worker(argv, run_worker, run_driver) -> int:
         run_worker()
         return 0
     return run_driver()
-

@@ -46,8 +46,11 @@ from absl import app, flags  # noqa: E402
 import _harness  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("results_dir", _harness.RESULTS_DIR,
-                    "Where the JSON results are read and the PNG figures written.")
+flags.DEFINE_string(
+    "results_dir",
+    _harness.RESULTS_DIR,
+    "Where the JSON results are read and the PNG figures written.",
+)
 
 _OURS, _PEER, _IDEAL, _OTHER = "tab:blue", "tab:orange", "0.45", "tab:green"
 
@@ -62,8 +65,9 @@ def _load(name: str):
 
 
 def _quick(data: dict) -> str:
-    return ("\n[--quick run: numbers for testing, not for reading]" if data["meta"].get("quick")
-            else "")
+    return (
+        "\n[--quick run: numbers for testing, not for reading]" if data["meta"].get("quick") else ""
+    )
 
 
 def _errorbar(ax, xs, summaries, **kwargs):
@@ -79,10 +83,17 @@ def _ceiling_note(data: dict) -> str:
     ratios = data.get("ratios") or {}
     note = ""
     for ceiling_key, ours_key, words in (
-            ("ceiling: indep2 / (2 x fastest one-worker)",
-             "against the ceiling: mw2 / indep2", "indep2, no communication"),
-            ("lock-step reference: lock2 / (2 x fastest one-worker)",
-             "against the lock-step reference: mw2 / lock2", "lock2, lock-step, no data")):
+        (
+            "ceiling: indep2 / (2 x fastest one-worker)",
+            "against the ceiling: mw2 / indep2",
+            "indep2, no communication",
+        ),
+        (
+            "lock-step reference: lock2 / (2 x fastest one-worker)",
+            "against the lock-step reference: mw2 / lock2",
+            "lock2, lock-step, no data",
+        ),
+    ):
         ceiling, ours = ratios.get(ceiling_key), ratios.get(ours_key)
         if ceiling:
             name = "ceiling" if "indep2" in words else "reference"
@@ -98,38 +109,102 @@ def _scaling_panel(ax, data: dict, title: str, ideal_note: str) -> None:
         return configs[name]["throughput"] if name in configs else None
 
     fastest = max((thr(c)["median"], c) for c in ("single", "mw1", "raw1") if c in configs)
-    ax.plot([1, 2], [fastest[0], 2 * fastest[0]], "--", color=_IDEAL,
-            label=f"ideal: 2 x fastest one worker ({fastest[1]})")
+    ax.plot(
+        [1, 2],
+        [fastest[0], 2 * fastest[0]],
+        "--",
+        color=_IDEAL,
+        label=f"ideal: 2 x fastest one worker ({fastest[1]})",
+    )
     if "mw1" in configs and "mw2" in configs:
-        _errorbar(ax, [1, 2], [thr("mw1"), thr("mw2")], marker="o", color=_OURS,
-                  label="keras_distrib multi_worker (mw1, mw2)")
+        _errorbar(
+            ax,
+            [1, 2],
+            [thr("mw1"), thr("mw2")],
+            marker="o",
+            color=_OURS,
+            label="keras_distrib multi_worker (mw1, mw2)",
+        )
     elif "mw2" in configs:
-        _errorbar(ax, [2], [thr("mw2")], marker="o", color=_OURS, linestyle="none",
-                  label="keras_distrib multi_worker (mw2)")
+        _errorbar(
+            ax,
+            [2],
+            [thr("mw2")],
+            marker="o",
+            color=_OURS,
+            linestyle="none",
+            label="keras_distrib multi_worker (mw2)",
+        )
     if "single" in configs:
-        _errorbar(ax, [1], [thr("single")], marker="s", color=_OURS, linestyle="none",
-                  markerfacecolor="white", label='keras_distrib "single"')
+        _errorbar(
+            ax,
+            [1],
+            [thr("single")],
+            marker="s",
+            color=_OURS,
+            linestyle="none",
+            markerfacecolor="white",
+            label='keras_distrib "single"',
+        )
     if "mw2ring" in configs:
-        _errorbar(ax, [2], [thr("mw2ring")], marker="D", color=_OTHER, linestyle="none",
-                  label="keras_distrib multi_worker, ring (mw2ring)")
+        _errorbar(
+            ax,
+            [2],
+            [thr("mw2ring")],
+            marker="D",
+            color=_OTHER,
+            linestyle="none",
+            label="keras_distrib multi_worker, ring (mw2ring)",
+        )
     if "raw1" in configs and "raw2" in configs:
-        _errorbar(ax, [1, 2], [thr("raw1"), thr("raw2")], marker="^", color=_PEER,
-                  label="peer: raw tf.distribute loop (raw1, raw2)")
+        _errorbar(
+            ax,
+            [1, 2],
+            [thr("raw1"), thr("raw2")],
+            marker="^",
+            color=_PEER,
+            label="peer: raw tf.distribute loop (raw1, raw2)",
+        )
     if "indep2" in configs:
-        _errorbar(ax, [2], [thr("indep2")], marker="_", markersize=14, color=_IDEAL,
-                  linestyle="none", label="ceiling: 2 independent raw1 at once (indep2)")
+        _errorbar(
+            ax,
+            [2],
+            [thr("indep2")],
+            marker="_",
+            markersize=14,
+            color=_IDEAL,
+            linestyle="none",
+            label="ceiling: 2 independent raw1 at once (indep2)",
+        )
     if "lock2" in configs:
-        _errorbar(ax, [2], [thr("lock2")], marker="x", markersize=9, color=_IDEAL,
-                  linestyle="none", label="reference: indep2 in lock-step (lock2)")
+        _errorbar(
+            ax,
+            [2],
+            [thr("lock2")],
+            marker="x",
+            markersize=9,
+            color=_IDEAL,
+            linestyle="none",
+            label="reference: indep2 in lock-step (lock2)",
+        )
     eff = data.get("efficiency") or data.get("speedup")
     if eff:
         word = "efficiency" if "efficiency" in data and data["efficiency"] else "speedup"
-        extra = (f" (target {eff['target']:g}: {'met' if eff['met'] else 'NOT MET'})"
-                 if "target" in eff else f" (ideal {eff.get('ideal', 2.0):g})")
-        ax.text(0.03, 0.97, f"mw2 {word} vs fastest one worker: {eff['median']:.2f} "
-                f"[{eff['min']:.2f}, {eff['max']:.2f}]{extra}" + _ceiling_note(data),
-                transform=ax.transAxes, va="top", fontsize=8,
-                bbox={"facecolor": "white", "edgecolor": "0.8", "alpha": 0.9})
+        extra = (
+            f" (target {eff['target']:g}: {'met' if eff['met'] else 'NOT MET'})"
+            if "target" in eff
+            else f" (ideal {eff.get('ideal', 2.0):g})"
+        )
+        ax.text(
+            0.03,
+            0.97,
+            f"mw2 {word} vs fastest one worker: {eff['median']:.2f} "
+            f"[{eff['min']:.2f}, {eff['max']:.2f}]{extra}" + _ceiling_note(data),
+            transform=ax.transAxes,
+            va="top",
+            fontsize=8,
+            bbox={"facecolor": "white", "edgecolor": "0.8", "alpha": 0.9},
+        )
     ax.set_title(title + _quick(data), fontsize=10)
     ax.set_xlabel(f"workers (one core each)\n{ideal_note}", fontsize=8)
     ax.set_ylabel("training throughput (samples/s)")
@@ -151,18 +226,25 @@ def plot_throughput() -> str | None:
     fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 4.8), squeeze=False)
     axes = list(axes[0])
     if weak is not None:
-        _scaling_panel(axes.pop(0), weak,
-                       f"weak scaling: {weak['per_worker_batch']} samples/worker/step",
-                       f"{weak['model']}; median of {weak['repeats']} repetitions, bars [min, max]")
+        _scaling_panel(
+            axes.pop(0),
+            weak,
+            f"weak scaling: {weak['per_worker_batch']} samples/worker/step",
+            f"{weak['model']}; median of {weak['repeats']} repetitions, bars [min, max]",
+        )
     if strong is not None:
-        _scaling_panel(axes.pop(0), strong,
-                       f"strong scaling: global batch {strong['global_batch']} "
-                       "split over the workers",
-                       f"{strong['model']}; median of {strong['repeats']} repetitions, "
-                       "bars [min, max]")
+        _scaling_panel(
+            axes.pop(0),
+            strong,
+            f"strong scaling: global batch {strong['global_batch']} split over the workers",
+            f"{strong['model']}; median of {strong['repeats']} repetitions, bars [min, max]",
+        )
     meta = (weak or strong)["meta"]
-    fig.suptitle(f"keras_distrib.DistributedModel.fit, CPU workers ({meta['time'][:10]}, "
-                 f"{meta['cpus']} cores, shared machine)", fontsize=10)
+    fig.suptitle(
+        f"keras_distrib.DistributedModel.fit, CPU workers ({meta['time'][:10]}, "
+        f"{meta['cpus']} cores, shared machine)",
+        fontsize=10,
+    )
     return _save(fig, "throughput_vs_workers.png")
 
 
@@ -187,13 +269,23 @@ def plot_allreduce() -> str | None:
     short = {}  # label -> its tick label in the many-small panel
     for launch in data["launches"]:
         bpp = int(launch["bytes_per_pack"])
-        ours = (f"ours ({launch['implementation']}, bytes_per_pack="
-                f"{_harness.human(bpp) if bpp else '0: one pack'})")
+        ours = (
+            f"ours ({launch['implementation']}, bytes_per_pack="
+            f"{_harness.human(bpp) if bpp else '0: one pack'})"
+        )
         # raw and batched run in every launch: their timings are pooled.
-        labels = {"raw": "raw TF: one all_reduce per tensor",
-                  "batched": "raw TF: batched, one pack", "ours": ours}
-        short.update({labels["raw"]: "raw TF\nper tensor", labels["batched"]: "raw TF\nbatched",
-                      ours: f"ours\n{_harness.human(bpp) if bpp else 'one pack'}"})
+        labels = {
+            "raw": "raw TF: one all_reduce per tensor",
+            "batched": "raw TF: batched, one pack",
+            "ours": ours,
+        }
+        short.update(
+            {
+                labels["raw"]: "raw TF\nper tensor",
+                labels["batched"]: "raw TF\nbatched",
+                ours: f"ours\n{_harness.human(bpp) if bpp else 'one pack'}",
+            }
+        )
         for case in launch["cases"]:
             for variant, label in labels.items():
                 values = case["bus_gbps"][variant]["values"]
@@ -202,16 +294,23 @@ def plot_allreduce() -> str | None:
                 else:
                     lines.setdefault(label, {}).setdefault(case["bytes"], []).extend(values)
 
-    fig, (ax, ax_small) = plt.subplots(1, 2, figsize=(11, 4.8),
-                                       gridspec_kw={"width_ratios": [2.3, 1]})
+    fig, (ax, ax_small) = plt.subplots(
+        1, 2, figsize=(11, 4.8), gridspec_kw={"width_ratios": [2.3, 1]}
+    )
     colors = {}
     palette = [_PEER, "tab:red", _OURS, "tab:purple", _OTHER, "tab:brown"]
     markers = ["^", "v", "o", "s", "D", "x"]
     for i, (label, per_size) in enumerate(lines.items()):
         colors[label] = palette[i % len(palette)]
         sizes = sorted(per_size)
-        _errorbar(ax, sizes, [_harness.run_summary(per_size[b]) for b in sizes],
-                  marker=markers[i % len(markers)], color=colors[label], label=label)
+        _errorbar(
+            ax,
+            sizes,
+            [_harness.run_summary(per_size[b]) for b in sizes],
+            marker=markers[i % len(markers)],
+            color=colors[label],
+            label=label,
+        )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     sizes = sorted({b for per_size in lines.values() for b in per_size})
@@ -221,28 +320,39 @@ def plot_allreduce() -> str | None:
     ax.set_ylabel("bus bandwidth (GB/s) = bytes x 2(n-1)/n / time")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
-    ax.set_title(f"SUM all-reduce, {data['nproc']} worker processes on one host" + _quick(data),
-                 fontsize=10)
+    ax.set_title(
+        f"SUM all-reduce, {data['nproc']} worker processes on one host" + _quick(data), fontsize=10
+    )
 
     labels = list(small)
     stats = [_harness.run_summary(small[k]) for k in labels]
-    ax_small.bar(range(len(labels)), [s["median"] for s in stats],
-                 yerr=[[s["median"] - s["min"] for s in stats],
-                       [s["max"] - s["median"] for s in stats]],
-                 color=[colors.get(k, "0.5") for k in labels], capsize=4)
+    ax_small.bar(
+        range(len(labels)),
+        [s["median"] for s in stats],
+        yerr=[[s["median"] - s["min"] for s in stats], [s["max"] - s["median"] for s in stats]],
+        color=[colors.get(k, "0.5") for k in labels],
+        capsize=4,
+    )
     ax_small.set_xticks(range(len(labels)), [short[k] for k in labels], fontsize=8)
     ax_small.set_yscale("log")
     ax_small.set_ylabel("bus bandwidth (GB/s)")
-    many = next((c for launch in data["launches"] for c in launch["cases"]
-                 if c["name"] == "many-small"), None)
+    many = next(
+        (c for launch in data["launches"] for c in launch["cases"] if c["name"] == "many-small"),
+        None,
+    )
     if many:
-        ax_small.set_title(f"many-small: {many['num_tensors']} tensors, "
-                           f"{_harness.human(many['bytes'])}", fontsize=10)
+        ax_small.set_title(
+            f"many-small: {many['num_tensors']} tensors, {_harness.human(many['bytes'])}",
+            fontsize=10,
+        )
     ax_small.grid(alpha=0.3, axis="y")
     meta = data["meta"]
-    fig.suptitle(f"all-reduce bus bandwidth, median of {data['repeats']} timings per launch "
-                 f"(raw/batched pooled over launches), bars [min, max] ({meta['time'][:10]}, "
-                 f"{meta['cpus']} cores, shared machine)", fontsize=9)
+    fig.suptitle(
+        f"all-reduce bus bandwidth, median of {data['repeats']} timings per launch "
+        f"(raw/batched pooled over launches), bars [min, max] ({meta['time'][:10]}, "
+        f"{meta['cpus']} cores, shared machine)",
+        fontsize=9,
+    )
     return _save(fig, "allreduce_bandwidth.png")
 
 
@@ -254,17 +364,24 @@ def plot_multi_host() -> str | None:
         return None
     results = data["results"]
     fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4.4), squeeze=False)
-    engines = {"ours_ring": ("ours over TF's ring", _OURS, "o"),
-               "ours_gloo": ("ours over Horovod's Gloo", _OTHER, "s"),
-               "raw_tf": ("raw TF (MultiWorkerMirroredStrategy)", _PEER, "^"),
-               "sockets": ("the link's ceiling: plain TCP, no reduction", _IDEAL, "x")}
+    engines = {
+        "ours_ring": ("ours over TF's ring", _OURS, "o"),
+        "ours_gloo": ("ours over Horovod's Gloo", _OTHER, "s"),
+        "raw_tf": ("raw TF (MultiWorkerMirroredStrategy)", _PEER, "^"),
+        "sockets": ("the link's ceiling: plain TCP, no reduction", _IDEAL, "x"),
+    }
     for ax, result in zip(axes[0], results):
         sizes = [size["bytes"] for size in result["allreduce"]]
         for key, (label, color, marker) in engines.items():
             if key in result["allreduce"][0]["bus_fraction"]:
-                ax.plot(sizes, [size["bus_fraction"][key] for size in result["allreduce"]],
-                        marker=marker, color=color, label=label,
-                        linestyle=":" if key == "sockets" else "-")
+                ax.plot(
+                    sizes,
+                    [size["bus_fraction"][key] for size in result["allreduce"]],
+                    marker=marker,
+                    color=color,
+                    label=label,
+                    linestyle=":" if key == "sockets" else "-",
+                )
         ax.axhline(0.8, color=_IDEAL, linestyle="--", linewidth=1, label="goal: 0.8 of the link")
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [size["name"] for size in result["allreduce"]])
@@ -276,9 +393,12 @@ def plot_multi_host() -> str | None:
         ax.set_title(f"2 hosts, link {result['rate']}" + _quick(data), fontsize=10)
     axes[0][0].legend(fontsize=7)
     meta = data["meta"]
-    fig.suptitle(f"SUM all-reduce between two network-namespace hosts, median of "
-                 f"{data['repeats']} timings ({meta['time'][:10]}, {meta['cpus']} cores, "
-                 "shared machine)", fontsize=9)
+    fig.suptitle(
+        f"SUM all-reduce between two network-namespace hosts, median of "
+        f"{data['repeats']} timings ({meta['time'][:10]}, {meta['cpus']} cores, "
+        "shared machine)",
+        fontsize=9,
+    )
     return _save(fig, "multi_host.png")
 
 

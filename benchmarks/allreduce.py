@@ -65,25 +65,42 @@ import _harness  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("nproc", 2, "Worker processes.")
-flags.DEFINE_list("bytes_per_pack", ["4194304", "0"],
-                  "bytes_per_pack of our strategy; one launch per value.")
-flags.DEFINE_list("sizes", ["4K", "64K", "1M", "16M", "64M"],
-                  "Single-tensor sizes (float32), with K/M suffixes (powers of 2).")
-flags.DEFINE_integer("small_layers", 100,
-                     "Dense layers of the many-small case (2 tensors each).")
+flags.DEFINE_list(
+    "bytes_per_pack", ["4194304", "0"], "bytes_per_pack of our strategy; one launch per value."
+)
+flags.DEFINE_list(
+    "sizes",
+    ["4K", "64K", "1M", "16M", "64M"],
+    "Single-tensor sizes (float32), with K/M suffixes (powers of 2).",
+)
+flags.DEFINE_integer("small_layers", 100, "Dense layers of the many-small case (2 tensors each).")
 flags.DEFINE_integer("small_width", 64, "Width of the many-small case's layers.")
 flags.DEFINE_integer("repeats", 7, "Interleaved timings per variant and case.")
-flags.DEFINE_float("min_timing_ms", 50.0, "Each timing runs k calls, k chosen "
-                   "so the fastest variant's timing lasts at least this long.")
+flags.DEFINE_float(
+    "min_timing_ms",
+    50.0,
+    "Each timing runs k calls, k chosen so the fastest variant's timing lasts at least this long.",
+)
 flags.DEFINE_bool("pin", False, "Pin worker r to core r (mod cores).")
-flags.DEFINE_enum("implementation", "auto", ["auto", "ring", "shm"],
-                  "implementation= of our multi_worker strategy (auto: shared "
-                  "memory here, all workers being on this host).")
+flags.DEFINE_enum(
+    "implementation",
+    "auto",
+    ["auto", "ring", "shm"],
+    "implementation= of our multi_worker strategy (auto: shared "
+    "memory here, all workers being on this host).",
+)
 flags.DEFINE_float("timeout", 150.0, "Seconds one launch of the workers may take.")
-flags.DEFINE_bool("quick", False, "About a minute, to test the chain: --repeats 3 "
-                  "--min_timing_ms 20 --sizes 4K,64K,1M,16M (flags given explicitly win).")
-flags.DEFINE_string("json", os.path.join(_harness.RESULTS_DIR, "allreduce.json"),
-                    "Where the driver saves its measurements (empty: nowhere).")
+flags.DEFINE_bool(
+    "quick",
+    False,
+    "About a minute, to test the chain: --repeats 3 "
+    "--min_timing_ms 20 --sizes 4K,64K,1M,16M (flags given explicitly win).",
+)
+flags.DEFINE_string(
+    "json",
+    os.path.join(_harness.RESULTS_DIR, "allreduce.json"),
+    "Where the driver saves its measurements (empty: nowhere).",
+)
 
 VARIANTS = ("raw", "batched", "ours")
 _ONE_PACK = 2**62
@@ -115,8 +132,9 @@ def run_worker() -> None:
     import keras_distrib as kd
 
     bytes_per_pack = int(FLAGS.bytes_per_pack[0])
-    strategy = kd.strategies.get("multi_worker", bytes_per_pack=bytes_per_pack,
-                                 implementation=FLAGS.implementation)
+    strategy = kd.strategies.get(
+        "multi_worker", bytes_per_pack=bytes_per_pack, implementation=FLAGS.implementation
+    )
     tf_strategy = strategy.tf_strategy
     world = strategy.world_size
     SUM = tf.distribute.ReduceOp.SUM
@@ -144,21 +162,26 @@ def run_worker() -> None:
         # the all-reduced (hence identical) per-call time.
         total_us = float(all_sum_scalar(tf.constant(round(seconds_per_call * 1e6), tf.float32)))
         mean_s = max(total_us / world, 1.0) / 1e6
-        return int(min(max(1, math.ceil(FLAGS.min_timing_ms / 1e3 / mean_s)),
-                       _MAX_CALLS_PER_TIMING))
+        return int(
+            min(max(1, math.ceil(FLAGS.min_timing_ms / 1e3 / mean_s)), _MAX_CALLS_PER_TIMING)
+        )
 
     def make_variant(name, tensors):
         if name == "raw":
+
             def replica_fn():
                 ctx = tf.distribute.get_replica_context()
                 return [ctx.all_reduce(SUM, t, options=per_tensor) for t in tensors]
         elif name == "batched":
+
             def replica_fn():
                 ctx = tf.distribute.get_replica_context()
                 return ctx.all_reduce(SUM, list(tensors), options=one_pack)
         else:
+
             def replica_fn():
                 return strategy.all_reduce(list(tensors), "sum")
+
         return tf.function(lambda: tf_strategy.run(replica_fn))
 
     def count_collectives(fn) -> int:
@@ -176,9 +199,14 @@ def run_worker() -> None:
         return (time.perf_counter() - start) / calls
 
     rng = np.random.default_rng(0)
-    report = {"rank": rank, "world_size": world, "bytes_per_pack": bytes_per_pack,
-              "implementation": strategy.implementation,
-              "tf_version": tf.__version__, "cases": []}
+    report = {
+        "rank": rank,
+        "world_size": world,
+        "bytes_per_pack": bytes_per_pack,
+        "implementation": strategy.implementation,
+        "tf_version": tf.__version__,
+        "cases": [],
+    }
     for name, shapes in cases():
         # Same base values on every rank (same seed), scaled by rank + 1, so
         # the sum is base * world * (world + 1) / 2 on every rank.
@@ -194,10 +222,17 @@ def run_worker() -> None:
             out = tf.nest.flatten(out)
             checks[v] = bool(
                 len(out) == len(bases)
-                and all(np.allclose(o.numpy(), b * expected, rtol=1e-5, atol=1e-5)
-                        for o, b in zip(out, bases) if b.size <= 2**20)
-                and np.allclose(out[0].numpy().ravel()[:1024],
-                                bases[0].ravel()[:1024] * expected, rtol=1e-5, atol=1e-5)
+                and all(
+                    np.allclose(o.numpy(), b * expected, rtol=1e-5, atol=1e-5)
+                    for o, b in zip(out, bases)
+                    if b.size <= 2**20
+                )
+                and np.allclose(
+                    out[0].numpy().ravel()[:1024],
+                    bases[0].ravel()[:1024] * expected,
+                    rtol=1e-5,
+                    atol=1e-5,
+                )
             )
         collectives = {v: count_collectives(fn) for v, fn in fns.items()}
         calls = agree_on_calls(min(timed(fn, 1) for fn in fns.values()))
@@ -206,15 +241,17 @@ def run_worker() -> None:
             shift = rep % len(VARIANTS)
             for v in VARIANTS[shift:] + VARIANTS[:shift]:
                 times[v].append(timed(fns[v], calls))
-        report["cases"].append({
-            "name": name,
-            "bytes": int(sum(b.nbytes for b in bases)),
-            "num_tensors": len(bases),
-            "calls_per_timing": calls,
-            "collectives": collectives,
-            "times": times,
-            "checks": checks,
-        })
+        report["cases"].append(
+            {
+                "name": name,
+                "bytes": int(sum(b.nbytes for b in bases)),
+                "num_tensors": len(bases),
+                "calls_per_timing": calls,
+                "collectives": collectives,
+                "times": times,
+                "checks": checks,
+            }
+        )
         del fns, tensors, bases
     barrier()
     _harness.write_result(FLAGS.out_dir, rank, report)
@@ -244,17 +281,28 @@ def print_table(results: list[dict]) -> tuple[list[str], dict]:
     factor = 2 * (world - 1) / world
     bpp = results[0]["bytes_per_pack"]
     misses = []
-    launch = {"bytes_per_pack": bpp, "implementation": results[0]["implementation"],
-              "world_size": world, "tf_version": results[0]["tf_version"], "cases": []}
-    print(f"\nours: multi_worker implementation={results[0]['implementation']} "
-          f"bytes_per_pack={bpp}; {world} workers; "
-          f"{FLAGS.repeats} interleaved repetitions; TF {results[0]['tf_version']}")
-    print(f"{'case':>10s} {'tensors':>7s} {'collectives':>11s} {'k':>4s} | "
-          f"{'bus GB/s (median)':^26s} | "
-          f"{'ours/raw':^22s} | {'ours/batched':^22s} | check  target")
-    print(f"{'':>10s} {'':>7s} {'r/b/ours':>11s} {'':>4s} | "
-          f"{'raw':>8s} {'batched':>8s} {'ours':>8s} | "
-          f"{'median [min, max]':^22s} | {'median [min, max]':^22s} |")
+    launch = {
+        "bytes_per_pack": bpp,
+        "implementation": results[0]["implementation"],
+        "world_size": world,
+        "tf_version": results[0]["tf_version"],
+        "cases": [],
+    }
+    print(
+        f"\nours: multi_worker implementation={results[0]['implementation']} "
+        f"bytes_per_pack={bpp}; {world} workers; "
+        f"{FLAGS.repeats} interleaved repetitions; TF {results[0]['tf_version']}"
+    )
+    print(
+        f"{'case':>10s} {'tensors':>7s} {'collectives':>11s} {'k':>4s} | "
+        f"{'bus GB/s (median)':^26s} | "
+        f"{'ours/raw':^22s} | {'ours/batched':^22s} | check  target"
+    )
+    print(
+        f"{'':>10s} {'':>7s} {'r/b/ours':>11s} {'':>4s} | "
+        f"{'raw':>8s} {'batched':>8s} {'ours':>8s} | "
+        f"{'median [min, max]':^22s} | {'median [min, max]':^22s} |"
+    )
     for i, case in enumerate(results[0]["cases"]):
         per_rank = [r["cases"][i] for r in results]
         # A collective ends when the slowest rank does.
@@ -274,24 +322,34 @@ def print_table(results: list[dict]) -> tuple[list[str], dict]:
             # so a median just under 1 with a range spanning 1 is noise.
             in_noise = hi >= want
             target += " (in noise)" if in_noise else ""
-            misses.append(f"bytes_per_pack={bpp} {case['name']}: ours/raw {med:.3f} < {want:g}"
-                          + (" (in noise)" if in_noise else ""))
+            misses.append(
+                f"bytes_per_pack={bpp} {case['name']}: ours/raw {med:.3f} < {want:g}"
+                + (" (in noise)" if in_noise else "")
+            )
         if not ok:
             misses.append(f"bytes_per_pack={bpp} {case['name']}: wrong all-reduce result")
-        launch["cases"].append({
-            "name": case["name"], "bytes": case["bytes"], "num_tensors": case["num_tensors"],
-            "calls_per_timing": case["calls_per_timing"], "collectives": case["collectives"],
-            "seconds": times, "bus_gbps": {v: _harness.run_summary(bus[v]) for v in VARIANTS},
-            "ours_over_raw": _harness.run_summary(vs_raw),
-            "ours_over_batched": _harness.run_summary(vs_batched),
-            "checks_ok": ok,
-        })
+        launch["cases"].append(
+            {
+                "name": case["name"],
+                "bytes": case["bytes"],
+                "num_tensors": case["num_tensors"],
+                "calls_per_timing": case["calls_per_timing"],
+                "collectives": case["collectives"],
+                "seconds": times,
+                "bus_gbps": {v: _harness.run_summary(bus[v]) for v in VARIANTS},
+                "ours_over_raw": _harness.run_summary(vs_raw),
+                "ours_over_batched": _harness.run_summary(vs_batched),
+                "checks_ok": ok,
+            }
+        )
         colls = "/".join(str(case["collectives"][v]) for v in VARIANTS)
-        print(f"{case['name']:>10s} {case['num_tensors']:>7d} {colls:>11s} "
-              f"{case['calls_per_timing']:>4d} | "
-              + " ".join(f"{_harness.stats(bus[v])[0]:8.3f}" for v in VARIANTS)
-              + f" | {_harness.fmt_stats(vs_raw):^22s} | {_harness.fmt_stats(vs_batched):^22s} | "
-              f"{'ok' if ok else 'WRONG':5s}  {target}")
+        print(
+            f"{case['name']:>10s} {case['num_tensors']:>7d} {colls:>11s} "
+            f"{case['calls_per_timing']:>4d} | "
+            + " ".join(f"{_harness.stats(bus[v])[0]:8.3f}" for v in VARIANTS)
+            + f" | {_harness.fmt_stats(vs_raw):^22s} | {_harness.fmt_stats(vs_batched):^22s} | "
+            f"{'ok' if ok else 'WRONG':5s}  {target}"
+        )
     return misses, launch
 
 
@@ -301,17 +359,22 @@ def run_driver() -> int:
     if FLAGS.quick:
         _harness.quick_defaults(repeats=3, min_timing_ms=20.0, sizes=["4K", "64K", "1M", "16M"])
     script = os.path.abspath(__file__)
-    print(f"all-reduce benchmark: {FLAGS.nproc} worker processes on {os.cpu_count()} cores; "
-          "ratios > 1 mean ours is faster; k = calls per timing")
+    print(
+        f"all-reduce benchmark: {FLAGS.nproc} worker processes on {os.cpu_count()} cores; "
+        "ratios > 1 mean ours is faster; k = calls per timing"
+    )
     w, layers = FLAGS.small_width, FLAGS.small_layers
-    print(f"many-small = {2 * layers} tensors, {_harness.human(layers * (w * w + w) * 4)}: "
-          f"the kernels and biases of {layers} x Dense({w}); collectives = CollectiveReduce ops "
-          "per call (raw/batched/ours)")
+    print(
+        f"many-small = {2 * layers} tensors, {_harness.human(layers * (w * w + w) * 4)}: "
+        f"the kernels and biases of {layers} x Dense({w}); collectives = CollectiveReduce ops "
+        "per call (raw/batched/ours)"
+    )
     misses, launches = [], []
     for bpp in FLAGS.bytes_per_pack:
         try:
             out_dir, _ = _harness.launch_workers(
-                script, FLAGS.nproc, worker_args(bpp), timeout=FLAGS.timeout)
+                script, FLAGS.nproc, worker_args(bpp), timeout=FLAGS.timeout
+            )
         except _harness.WorkersFailed as e:
             print(f"\nbytes_per_pack={bpp}: {e}; worker output:\n{e.output}", file=sys.stderr)
             return 1
@@ -320,17 +383,29 @@ def run_driver() -> int:
         launches.append(launch)
     print("\ntarget misses: " + ("; ".join(misses) if misses else "none"))
     if any("in noise" in m for m in misses):
-        print("(in noise: the median misses but the [min, max] range of the ratio "
-              "reaches the target; for one tensor all variants run the same collective)")
+        print(
+            "(in noise: the median misses but the [min, max] range of the ratio "
+            "reaches the target; for one tensor all variants run the same collective)"
+        )
     print(f"{load}; total time {watch.elapsed():.0f}s")
-    _harness.save_results(FLAGS.json, "allreduce", {
-        "nproc": FLAGS.nproc, "repeats": FLAGS.repeats, "pin": FLAGS.pin,
-        "variants": {"raw": "raw TF, one all_reduce per tensor",
-                     "batched": "raw TF, one batched all_reduce (one pack)",
-                     "ours": "keras_distrib Strategy.all_reduce"},
-        "launches": launches,
-        "misses": misses,
-    }, quick=FLAGS.quick, load=load)
+    _harness.save_results(
+        FLAGS.json,
+        "allreduce",
+        {
+            "nproc": FLAGS.nproc,
+            "repeats": FLAGS.repeats,
+            "pin": FLAGS.pin,
+            "variants": {
+                "raw": "raw TF, one all_reduce per tensor",
+                "batched": "raw TF, one batched all_reduce (one pack)",
+                "ours": "keras_distrib Strategy.all_reduce",
+            },
+            "launches": launches,
+            "misses": misses,
+        },
+        quick=FLAGS.quick,
+        load=load,
+    )
     return 0
 
 

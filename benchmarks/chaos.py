@@ -76,8 +76,11 @@ flags.DEFINE_list("faults", [], "Draw from these faults only (default: all).")
 flags.DEFINE_float("timeout", 150.0, "The launcher's --timeout for one trial, seconds.")
 flags.DEFINE_float("heartbeat", 5.0, "KERAS_DISTRIB_HEARTBEAT_TIMEOUT, seconds.")
 flags.DEFINE_bool("quick", False, "3 trials: tests the chain, counts not for reading.")
-flags.DEFINE_string("json", os.path.join(_harness.RESULTS_DIR, "chaos.json"),
-                    "Where to save the results (empty: nowhere).")
+flags.DEFINE_string(
+    "json",
+    os.path.join(_harness.RESULTS_DIR, "chaos.json"),
+    "Where to save the results (empty: nowhere).",
+)
 
 FAULTS_SCRIPT = os.path.join(ROOT, "tests", "workers", "faults.py")
 SAVE_FREQ = 4
@@ -94,8 +97,14 @@ class Trial:
     """One trial's job, while it runs: the bed, its directories, the
     launcher's process."""
 
-    def __init__(self, bed: netns_hosts.TestBed, out: str, backup: str,
-                 proc: subprocess.Popen, rng: random.Random):
+    def __init__(
+        self,
+        bed: netns_hosts.TestBed,
+        out: str,
+        backup: str,
+        proc: subprocess.Popen,
+        rng: random.Random,
+    ):
         self.bed, self.out, self.backup, self.proc, self.rng = bed, out, backup, proc, rng
 
     def pid(self, rank: int) -> int:
@@ -141,6 +150,7 @@ def stop_20s(t: Trial):
     def resume():
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
+
     return _later(20, resume)
 
 
@@ -191,9 +201,22 @@ def host_lost(t: Trial):
     t.bed.cut(1)
 
 
-FAULTS = {f.__name__: f for f in (kill_rank, kill_ssh, stop_20s, term, flap_3s, partition_30s,
-                                  training_cut_30s, disk_full, truncate_backup,
-                                  corrupt_backup, host_lost)}
+FAULTS = {
+    f.__name__: f
+    for f in (
+        kill_rank,
+        kill_ssh,
+        stop_20s,
+        term,
+        flap_3s,
+        partition_30s,
+        training_cut_30s,
+        disk_full,
+        truncate_backup,
+        corrupt_backup,
+        host_lost,
+    )
+}
 
 
 def _children(pid: int) -> list[int]:
@@ -220,23 +243,54 @@ def one_trial(bed: netns_hosts.TestBed, seed: int, index: int, reference) -> dic
     out = tempfile.mkdtemp(prefix="kd-chaos-")
     disk = os.path.join(out, "disk")
     os.mkdir(disk)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={BACKUP_DISK}", "tmpfs", disk],
-                   check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={BACKUP_DISK}", "tmpfs", disk], check=True)
     started = time.monotonic()
     log_path = os.path.join(out, "launcher.log")
     try:
         backup = os.path.join(disk, "backup")
-        argv = [sys.executable, "-m", "keras_distrib.launch", "launch", "-n", "2",
-                "--hosts", bed.hosts_flag(), "--ssh", "--ssh_command", bed.ssh_command,
-                "--min_workers", "1", "--max_restarts", "4", "--timeout", str(FLAGS.timeout),
-                FAULTS_SCRIPT, "--out", out, "--backup", backup, "--save_freq", str(SAVE_FREQ),
-                "--pause_after_step", str(step)]
-        env = dict(os.environ, KERAS_DISTRIB_HEARTBEAT_TIMEOUT=str(FLAGS.heartbeat),
-                   TF_CPP_MIN_LOG_LEVEL="2",
-                   PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+        argv = [
+            sys.executable,
+            "-m",
+            "keras_distrib.launch",
+            "launch",
+            "-n",
+            "2",
+            "--hosts",
+            bed.hosts_flag(),
+            "--ssh",
+            "--ssh_command",
+            bed.ssh_command,
+            "--min_workers",
+            "1",
+            "--max_restarts",
+            "4",
+            "--timeout",
+            str(FLAGS.timeout),
+            FAULTS_SCRIPT,
+            "--out",
+            out,
+            "--backup",
+            backup,
+            "--save_freq",
+            str(SAVE_FREQ),
+            "--pause_after_step",
+            str(step),
+        ]
+        env = dict(
+            os.environ,
+            KERAS_DISTRIB_HEARTBEAT_TIMEOUT=str(FLAGS.heartbeat),
+            TF_CPP_MIN_LOG_LEVEL="2",
+            PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+        )
         with open(log_path, "w") as log:
-            proc = subprocess.Popen(bed.on(0, argv), cwd=ROOT, env=env, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                bed.on(0, argv),
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         trial = Trial(bed, out, backup, proc, rng)
         injected, pending = _inject(trial, faults)
         try:
@@ -253,9 +307,16 @@ def one_trial(bed: netns_hosts.TestBed, seed: int, index: int, reference) -> dic
         left = _left_behind(bed, proc, out)
         if left:
             end, why = "other", f"{why}; left behind: {left}"
-        return {"index": index, "faults": faults, "step": step, "injected": injected,
-                "end": end, "why": why, "exit_code": code,
-                "seconds": round(time.monotonic() - started, 1)}
+        return {
+            "index": index,
+            "faults": faults,
+            "step": step,
+            "injected": injected,
+            "end": end,
+            "why": why,
+            "exit_code": code,
+            "seconds": round(time.monotonic() - started, 1),
+        }
     finally:
         bed.kill()
         for host in range(bed.n):
@@ -280,8 +341,10 @@ def _inject(trial: Trial, faults) -> tuple[bool, list]:
 
 def _first_launcher_line(output: str) -> str:
     """The launcher's first line of its own (a membership change), if any."""
-    return next((line for line in output.splitlines() if line.startswith("[launcher] ")),
-                "(the launcher said nothing)")
+    return next(
+        (line for line in output.splitlines() if line.startswith("[launcher] ")),
+        "(the launcher said nothing)",
+    )
 
 
 def _judge(code, output: str, out: str, reference) -> tuple[str, str]:
@@ -322,8 +385,12 @@ def _left_behind(bed, proc, out: str) -> str:
     if pids:
         left.append(f"processes {pids}")
     records = glob.glob(os.path.join(out, "attempts-rank*.txt"))
-    shm = {a.shm_dir for runs in fault_job.attempts(out, len(records)).values() for a in runs
-           if a.shm_dir != "-"}
+    shm = {
+        a.shm_dir
+        for runs in fault_job.attempts(out, len(records)).values()
+        for a in runs
+        if a.shm_dir != "-"
+    }
     files = sorted(d for d in shm if os.path.exists(d))
     if files:
         left.append(f"files {files}")
@@ -337,10 +404,28 @@ def _reference():
     out = tempfile.mkdtemp(prefix="kd-chaos-ref-")
     try:
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-        subprocess.run([sys.executable, "-m", "keras_distrib.launch", "launch", "-n", "1",
-                        FAULTS_SCRIPT, "--out", out, "--backup", os.path.join(out, "backup"),
-                        "--save_freq", str(SAVE_FREQ)],
-                       cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "keras_distrib.launch",
+                "launch",
+                "-n",
+                "1",
+                FAULTS_SCRIPT,
+                "--out",
+                out,
+                "--backup",
+                os.path.join(out, "backup"),
+                "--save_freq",
+                str(SAVE_FREQ),
+            ],
+            cwd=ROOT,
+            env=env,
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
         return fault_job.results(out, 1)[0][1]
     finally:
         shutil.rmtree(out, ignore_errors=True)
@@ -356,8 +441,10 @@ def run() -> int:
         return 1
     unknown = sorted(set(FLAGS.faults) - set(FAULTS))
     if unknown:
-        print(f"chaos: unknown --faults {', '.join(unknown)}; known: {', '.join(FAULTS)}",
-              file=sys.stderr)
+        print(
+            f"chaos: unknown --faults {', '.join(unknown)}; known: {', '.join(FAULTS)}",
+            file=sys.stderr,
+        )
         return 2
     if FLAGS.quick:
         _harness.quick_defaults(trials=3)
@@ -368,25 +455,40 @@ def run() -> int:
         for index in range(FLAGS.trials):
             trials.append(one_trial(bed, FLAGS.seed, index, reference))
             t = trials[-1]
-            print(f"  trial {index + 1:2d}: {' + '.join(t['faults']):34s} after step "
-                  f"{t['step']:2d}: {t['end']:5s} ({t['seconds']:.0f} s) {t['why']}", flush=True)
+            print(
+                f"  trial {index + 1:2d}: {' + '.join(t['faults']):34s} after step "
+                f"{t['step']:2d}: {t['end']:5s} ({t['seconds']:.0f} s) {t['why']}",
+                flush=True,
+            )
     counts = {end: sum(t["end"] == end for t in trials) for end in ("exact", "clear", "other")}
     injected = [f for t in trials if t["injected"] for f in t["faults"]]
     drawn = sum(len(t["faults"]) for t in trials)
-    print(f"\n{len(trials)} trials (seed {FLAGS.seed}), 2 hosts x 1 worker, multi_worker, "
-          f"--min_workers 1 --max_restarts 4, heartbeat timeout {FLAGS.heartbeat:g} s")
-    print(f"faults injected   {len(injected)} of {drawn} drawn "
-          f"({_harness.name_counts(injected)})")
+    print(
+        f"\n{len(trials)} trials (seed {FLAGS.seed}), 2 hosts x 1 worker, multi_worker, "
+        f"--min_workers 1 --max_restarts 4, heartbeat timeout {FLAGS.heartbeat:g} s"
+    )
+    print(f"faults injected   {len(injected)} of {drawn} drawn ({_harness.name_counts(injected)})")
     print(f"exact ends        {counts['exact']}")
     print(f"clear ends        {counts['clear']}")
     print(f"anything else     {counts['other']} (must be 0)")
     print(f"{load}; wall time {watch.elapsed():.0f} s")
-    _harness.save_results(FLAGS.json, "chaos", {
-        "seed": FLAGS.seed, "heartbeat_s": FLAGS.heartbeat, "counts": counts,
-        "faults_injected": len(injected), "faults_drawn": drawn, "trials": trials,
-        "misses": [f"trial {t['index'] + 1}: {t['why']}" for t in trials
-                   if t["end"] == "other"]},
-        quick=FLAGS.quick, load=load)
+    _harness.save_results(
+        FLAGS.json,
+        "chaos",
+        {
+            "seed": FLAGS.seed,
+            "heartbeat_s": FLAGS.heartbeat,
+            "counts": counts,
+            "faults_injected": len(injected),
+            "faults_drawn": drawn,
+            "trials": trials,
+            "misses": [
+                f"trial {t['index'] + 1}: {t['why']}" for t in trials if t["end"] == "other"
+            ],
+        },
+        quick=FLAGS.quick,
+        load=load,
+    )
     return 1 if counts["other"] else 0
 
 

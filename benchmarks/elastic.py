@@ -56,8 +56,11 @@ flags.DEFINE_integer("lose_after", 6, "The first attempt's step after which host
 flags.DEFINE_integer("save_freq", 4, "Steps between backups.")
 flags.DEFINE_float("timeout", 300.0, "Seconds one run may take.")
 flags.DEFINE_bool("quick", False, "One run: tests the chain, numbers not for reading.")
-flags.DEFINE_string("json", os.path.join(_harness.RESULTS_DIR, "elastic.json"),
-                    "Where to save the measurements (empty: nowhere).")
+flags.DEFINE_string(
+    "json",
+    os.path.join(_harness.RESULTS_DIR, "elastic.json"),
+    "Where to save the measurements (empty: nowhere).",
+)
 
 FAULTS = os.path.join(ROOT, "tests", "workers", "faults.py")
 TARGET = 30.0  # seconds from a host's loss to training again, at most
@@ -86,18 +89,48 @@ def _attempts(out: str, rank: int) -> dict:
 def one_run() -> dict:
     out = tempfile.mkdtemp(prefix="kd-elastic-")
     with netns_hosts.TestBed(2) as bed:
-        argv = [sys.executable, "-m", "keras_distrib.launch", "launch", "-n", "2",
-                "--hosts", bed.hosts_flag(), "--ssh", "--ssh_command", bed.ssh_command,
-                "--min_workers", "1", "--max_restarts", "3", "--timeout", str(FLAGS.timeout),
-                FAULTS, "--out", out, "--backup", os.path.join(out, "backup"),
-                "--save_freq", str(FLAGS.save_freq), "--step_log",
-                "--pause_after_step", str(FLAGS.lose_after),
-                "--hold_after_step", str(FLAGS.lose_after), "--hold_on_attempt", "1"]
-        env = dict(os.environ, KERAS_DISTRIB_HEARTBEAT_TIMEOUT=str(FLAGS.heartbeat),
-                   TF_CPP_MIN_LOG_LEVEL="2")
+        argv = [
+            sys.executable,
+            "-m",
+            "keras_distrib.launch",
+            "launch",
+            "-n",
+            "2",
+            "--hosts",
+            bed.hosts_flag(),
+            "--ssh",
+            "--ssh_command",
+            bed.ssh_command,
+            "--min_workers",
+            "1",
+            "--max_restarts",
+            "3",
+            "--timeout",
+            str(FLAGS.timeout),
+            FAULTS,
+            "--out",
+            out,
+            "--backup",
+            os.path.join(out, "backup"),
+            "--save_freq",
+            str(FLAGS.save_freq),
+            "--step_log",
+            "--pause_after_step",
+            str(FLAGS.lose_after),
+            "--hold_after_step",
+            str(FLAGS.lose_after),
+            "--hold_on_attempt",
+            "1",
+        ]
+        env = dict(
+            os.environ,
+            KERAS_DISTRIB_HEARTBEAT_TIMEOUT=str(FLAGS.heartbeat),
+            TF_CPP_MIN_LOG_LEVEL="2",
+        )
         log = open(os.path.join(out, "launcher.log"), "w")
-        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         deadline = time.monotonic() + FLAGS.timeout
         try:
             for rank in (0, 1):
@@ -122,10 +155,12 @@ def one_run() -> dict:
     runs = _attempts(out, 0)
     shutil.rmtree(out)
     (_, lost_run), (resumed, alone), (returned, both) = runs[0], runs[1], runs[2]
-    return {"loss_to_training_s": alone[0][1] - lost,
-            "steps_redone": max(c for c, _ in lost_run) - resumed,
-            "return_to_training_s": both[0][1] - back,
-            "steps_redone_on_return": max(c for c, _ in alone) - returned}
+    return {
+        "loss_to_training_s": alone[0][1] - lost,
+        "steps_redone": max(c for c, _ in lost_run) - resumed,
+        "return_to_training_s": both[0][1] - back,
+        "steps_redone_on_return": max(c for c, _ in alone) - returned,
+    }
 
 
 def run() -> int:
@@ -140,26 +175,40 @@ def run() -> int:
     for k in range(FLAGS.repeats):
         runs.append(one_run())
         print(f"  run {k + 1}: {runs[-1]}", flush=True)
-    keys = ("loss_to_training_s", "steps_redone", "return_to_training_s",
-            "steps_redone_on_return")
-    print(f"\n2 hosts, 1 worker each; heartbeat timeout {FLAGS.heartbeat:g} s, backup every "
-          f"{FLAGS.save_freq} steps, host 1 lost after step {FLAGS.lose_after}")
-    line, met = _harness.target_line("seconds from the loss to training again",
-                                     [r["loss_to_training_s"] for r in runs], TARGET,
-                                     at_least=False)
+    keys = ("loss_to_training_s", "steps_redone", "return_to_training_s", "steps_redone_on_return")
+    print(
+        f"\n2 hosts, 1 worker each; heartbeat timeout {FLAGS.heartbeat:g} s, backup every "
+        f"{FLAGS.save_freq} steps, host 1 lost after step {FLAGS.lose_after}"
+    )
+    line, met = _harness.target_line(
+        "seconds from the loss to training again",
+        [r["loss_to_training_s"] for r in runs],
+        TARGET,
+        at_least=False,
+    )
     print(line)
-    for key, label in (("steps_redone", "steps trained again after the loss"),
-                       ("return_to_training_s", "seconds from the return to training on both"),
-                       ("steps_redone_on_return", "steps trained again after the return")):
+    for key, label in (
+        ("steps_redone", "steps trained again after the loss"),
+        ("return_to_training_s", "seconds from the return to training on both"),
+        ("steps_redone_on_return", "steps trained again after the return"),
+    ):
         print(f"{label:44s} {_harness.fmt_stats([r[key] for r in runs]):^22s}")
     print(f"{load}; wall time {watch.elapsed():.0f} s")
-    _harness.save_results(FLAGS.json, "elastic", {
-        "heartbeat_s": FLAGS.heartbeat, "save_freq": FLAGS.save_freq,
-        "lose_after": FLAGS.lose_after,
-        "measures": {k: _harness.run_summary([r[k] for r in runs]) for k in keys},
-        "target_s": TARGET, "target_met": met,
-        "misses": [] if met else [f"loss to training over {TARGET:g} s"]},
-        quick=FLAGS.quick, load=load)
+    _harness.save_results(
+        FLAGS.json,
+        "elastic",
+        {
+            "heartbeat_s": FLAGS.heartbeat,
+            "save_freq": FLAGS.save_freq,
+            "lose_after": FLAGS.lose_after,
+            "measures": {k: _harness.run_summary([r[k] for r in runs]) for k in keys},
+            "target_s": TARGET,
+            "target_met": met,
+            "misses": [] if met else [f"loss to training over {TARGET:g} s"],
+        },
+        quick=FLAGS.quick,
+        load=load,
+    )
     return 0
 
 

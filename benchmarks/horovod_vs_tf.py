@@ -47,22 +47,37 @@ import _harness  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("engine", "tf", ["tf", "hvd"], "Worker only: which engine to measure.")
-flags.DEFINE_list("sizes", ["64K", "1M", "16M", "64M"],
-                  "Single-tensor sizes (float32), with K/M suffixes (powers of 2).")
+flags.DEFINE_list(
+    "sizes",
+    ["64K", "1M", "16M", "64M"],
+    "Single-tensor sizes (float32), with K/M suffixes (powers of 2).",
+)
 flags.DEFINE_integer("small_layers", 100, "Dense layers of the many-small case.")
 flags.DEFINE_integer("small_width", 64, "Width of the many-small case's layers.")
 flags.DEFINE_integer("repeats", 5, "Timings per case per launch (R).")
 flags.DEFINE_integer("rounds", 2, "Launches per engine, alternating tf, hvd.")
 flags.DEFINE_float("min_timing_ms", 50.0, "Each all-reduce timing lasts at least this.")
-flags.DEFINE_integer("steps", 12, "Training steps per timed epoch (the first is not "
-                     "timed).", lower_bound=2)
+flags.DEFINE_integer(
+    "steps", 12, "Training steps per timed epoch (the first is not timed).", lower_bound=2
+)
 flags.DEFINE_integer("batch", 512, "Global batch of the training step.")
-flags.DEFINE_bool("train_only", False, "Worker only: time the training step alone "
-                  "(no all-reduce cases), as benchmarks/multi_host.py does for compression.")
-flags.DEFINE_integer("bytes_per_pack", 0, "Worker only, engine tf: multi_worker's "
-                     "bytes_per_pack (gradient buckets; 0: one all-reduce).")
-flags.DEFINE_enum("compression", "none", ["none", "fp16", "bf16"], "Worker only: the "
-                  "training step's gradients travel in this dtype (DistributedOptimizer).")
+flags.DEFINE_bool(
+    "train_only",
+    False,
+    "Worker only: time the training step alone "
+    "(no all-reduce cases), as benchmarks/multi_host.py does for compression.",
+)
+flags.DEFINE_integer(
+    "bytes_per_pack",
+    0,
+    "Worker only, engine tf: multi_worker's bytes_per_pack (gradient buckets; 0: one all-reduce).",
+)
+flags.DEFINE_enum(
+    "compression",
+    "none",
+    ["none", "fp16", "bf16"],
+    "Worker only: the training step's gradients travel in this dtype (DistributedOptimizer).",
+)
 flags.DEFINE_float("timeout", 150.0, "Seconds one launch of the workers may take.")
 
 NPROC = 2
@@ -72,8 +87,10 @@ _MAX_CALLS_PER_TIMING = 2000
 
 
 def cases() -> list[tuple[str, list[tuple[int, ...]]]]:
-    result = [(_harness.human(_harness.parse_size(t)), [(max(_harness.parse_size(t) // 4, 1),)])
-              for t in FLAGS.sizes]
+    result = [
+        (_harness.human(_harness.parse_size(t)), [(max(_harness.parse_size(t) // 4, 1),)])
+        for t in FLAGS.sizes
+    ]
     w = FLAGS.small_width
     result.append(("many-small", [(w, w), (w,)] * FLAGS.small_layers))
     return result
@@ -102,8 +119,9 @@ def run_worker() -> None:
 
     engine = FLAGS.engine
     # TF's collectives, not our shared-memory path ("auto" on one host).
-    options = ({"implementation": "ring", "bytes_per_pack": FLAGS.bytes_per_pack}
-               if engine == "tf" else {})
+    options = (
+        {"implementation": "ring", "bytes_per_pack": FLAGS.bytes_per_pack} if engine == "tf" else {}
+    )
     strategy = kd.strategies.get(STRATEGY[engine], **options)
     assert strategy.rank == rank, (strategy.rank, rank)
     world = strategy.world_size
@@ -131,10 +149,15 @@ def run_worker() -> None:
         tf.nest.flatten(out)[0].numpy()  # wait for the last one
         return (time.perf_counter() - start) / calls
 
-    report = {"rank": rank, "world_size": world, "engine": engine,
-              "tf_version": tf.__version__, "cases": []}
+    report = {
+        "rank": rank,
+        "world_size": world,
+        "engine": engine,
+        "tf_version": tf.__version__,
+        "cases": [],
+    }
     rng = np.random.default_rng(0)
-    for name, shapes in ([] if FLAGS.train_only else cases()):
+    for name, shapes in [] if FLAGS.train_only else cases():
         # Same base on every rank, scaled by rank + 1: the sum is known.
         bases = [rng.standard_normal(shape, dtype=np.float32) for shape in shapes]
         tensors = [tf.constant(b * (rank + 1)) for b in bases]
@@ -144,14 +167,27 @@ def run_worker() -> None:
             out = fn()
         expected = world * (world + 1) / 2
         out = tf.nest.flatten(out)
-        check = bool(len(out) == len(bases) and all(
-            np.allclose(o.numpy().ravel()[:4096], b.ravel()[:4096] * expected, rtol=1e-5, atol=1e-5)
-            for o, b in zip(out, bases)))
+        check = bool(
+            len(out) == len(bases)
+            and all(
+                np.allclose(
+                    o.numpy().ravel()[:4096], b.ravel()[:4096] * expected, rtol=1e-5, atol=1e-5
+                )
+                for o, b in zip(out, bases)
+            )
+        )
         calls = agree_on_calls(timed(fn, 1))
         times = [timed(fn, calls) for _ in range(FLAGS.repeats)]
-        report["cases"].append({"name": name, "bytes": int(sum(b.nbytes for b in bases)),
-                                "num_tensors": len(bases), "calls_per_timing": calls,
-                                "times": times, "check": check})
+        report["cases"].append(
+            {
+                "name": name,
+                "bytes": int(sum(b.nbytes for b in bases)),
+                "num_tensors": len(bases),
+                "calls_per_timing": calls,
+                "times": times,
+                "check": check,
+            }
+        )
         del fn, tensors, bases, out
 
     # Training step: same data on every rank; fit shards it by rank.
@@ -187,11 +223,16 @@ def run_worker() -> None:
 
     model = kd.DistributedModel(*mlp(), strategy=strategy)
     plain = keras.Model(*mlp())  # this rank's computation alone: no all-reduce
-    plain.compile(optimizer=keras.optimizers.SGD(0.01),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    model.compile(optimizer=kd.optimizers.DistributedOptimizer(
-                      keras.optimizers.SGD(0.01), compression=FLAGS.compression),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    plain.compile(
+        optimizer=keras.optimizers.SGD(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    model.compile(
+        optimizer=kd.optimizers.DistributedOptimizer(
+            keras.optimizers.SGD(0.01), compression=FLAGS.compression
+        ),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
     model.fit(x, y, batch_size=FLAGS.batch, epochs=1, shuffle=False, verbose=0)  # warm-up
     step_times = []
     for _ in range(FLAGS.repeats):
@@ -201,12 +242,11 @@ def run_worker() -> None:
     # share of the batch, timed as the step is) and the all-reduce of the
     # model's gradients.
     share = FLAGS.batch // world
-    xs, ys = x[:FLAGS.steps * share], y[:FLAGS.steps * share]
+    xs, ys = x[: FLAGS.steps * share], y[: FLAGS.steps * share]
     plain.fit(xs, ys, batch_size=share, epochs=1, shuffle=False, verbose=0)  # warm-up
     compute_times, comm_times = [], []
     wire_dtype = {"none": tf.float32, "fp16": tf.float16, "bf16": tf.bfloat16}
-    gradients = [tf.zeros(w.shape, wire_dtype[FLAGS.compression])
-                 for w in model.trainable_weights]
+    gradients = [tf.zeros(w.shape, wire_dtype[FLAGS.compression]) for w in model.trainable_weights]
     reduce_fn = replicated(lambda: strategy.all_reduce(list(gradients), "sum"))
     # The first layer's gradients are the last the backward pass makes: no
     # computation is left to overlap their all-reduce, so compute + this is
@@ -219,11 +259,15 @@ def run_worker() -> None:
         compute_times.append(median_step(plain, xs, ys, batch_size=share))
         comm_times.append(timed(reduce_fn, FLAGS.steps))
         tail_times.append(timed(tail_fn, FLAGS.steps))
-    report["train"] = {"params": int(model.count_params()), "times": step_times,
-                       "compute_times": compute_times, "comm_times": comm_times,
-                       "tail_times": tail_times,
-                       "compression": FLAGS.compression,
-                       "final_weight_sum": float(sum(np.sum(w) for w in model.get_weights()))}
+    report["train"] = {
+        "params": int(model.count_params()),
+        "times": step_times,
+        "compute_times": compute_times,
+        "comm_times": comm_times,
+        "tail_times": tail_times,
+        "compression": FLAGS.compression,
+        "final_weight_sum": float(sum(np.sum(w) for w in model.get_weights())),
+    }
     barrier_fn()
     _harness.write_result(FLAGS.out_dir, rank, report)
 
@@ -234,10 +278,14 @@ def run_worker() -> None:
 
 def worker_args(engine: str) -> list[str]:
     return [
-        f"--engine={engine}", f"--sizes={','.join(FLAGS.sizes)}",
-        f"--small_layers={FLAGS.small_layers}", f"--small_width={FLAGS.small_width}",
-        f"--repeats={FLAGS.repeats}", f"--min_timing_ms={FLAGS.min_timing_ms}",
-        f"--steps={FLAGS.steps}", f"--batch={FLAGS.batch}",
+        f"--engine={engine}",
+        f"--sizes={','.join(FLAGS.sizes)}",
+        f"--small_layers={FLAGS.small_layers}",
+        f"--small_width={FLAGS.small_width}",
+        f"--repeats={FLAGS.repeats}",
+        f"--min_timing_ms={FLAGS.min_timing_ms}",
+        f"--steps={FLAGS.steps}",
+        f"--batch={FLAGS.batch}",
     ]
 
 
@@ -250,9 +298,13 @@ def launch(engine: str) -> list[dict]:
     """
     backend = ["--backend", "horovod"] if engine == "hvd" else []
     try:
-        out_dir, _ = _harness.launch_workers(os.path.abspath(__file__), NPROC,
-                                             worker_args(engine), FLAGS.timeout,
-                                             launch_flags=backend)
+        out_dir, _ = _harness.launch_workers(
+            os.path.abspath(__file__),
+            NPROC,
+            worker_args(engine),
+            FLAGS.timeout,
+            launch_flags=backend,
+        )
     except _harness.WorkersFailed as failed:
         raise _harness.WorkersFailed(f"{engine}: {failed.args[0]}", failed.output) from None
     return _harness.read_results(out_dir, NPROC)
@@ -262,43 +314,68 @@ def print_table(runs: dict) -> None:
     first = runs["tf"][0][0]
     factor = 2 * (NPROC - 1) / NPROC
     many = first["cases"][-1]
-    print(f"\nall-reduce, SUM, float32; {NPROC} processes; bus GB/s = bytes*2(n-1)/n/time; "
-          f"many-small = {many['num_tensors']} tensors, {_harness.human(many['bytes'])}")
-    print(f"{'case':>10s} {'tensors':>7s} {'k tf/hvd':>10s} | {'bus GB/s (median)':^19s} | "
-          f"{'speed hvd/tf':^22s} | check")
-    print(f"{'':>10s} {'':>7s} {'':>10s} | {'tf':>9s} {'hvd':>9s} | "
-          f"{'median [min, max]':^22s} |")
+    print(
+        f"\nall-reduce, SUM, float32; {NPROC} processes; bus GB/s = bytes*2(n-1)/n/time; "
+        f"many-small = {many['num_tensors']} tensors, {_harness.human(many['bytes'])}"
+    )
+    print(
+        f"{'case':>10s} {'tensors':>7s} {'k tf/hvd':>10s} | {'bus GB/s (median)':^19s} | "
+        f"{'speed hvd/tf':^22s} | check"
+    )
+    print(f"{'':>10s} {'':>7s} {'':>10s} | {'tf':>9s} {'hvd':>9s} | {'median [min, max]':^22s} |")
     for i, case in enumerate(first["cases"]):
-        times = {e: [t for results in runs[e] for t in _harness.slowest_rank(
-            results, lambda r, i=i: r["cases"][i]["times"])] for e in ENGINES}
+        times = {
+            e: [
+                t
+                for results in runs[e]
+                for t in _harness.slowest_rank(results, lambda r, i=i: r["cases"][i]["times"])
+            ]
+            for e in ENGINES
+        }
         bus = {e: [case["bytes"] * factor / t / 1e9 for t in times[e]] for e in ENGINES}
         ratio = [t / h for t, h in zip(times["tf"], times["hvd"])]
         ok = all(r["cases"][i]["check"] for e in ENGINES for rs in runs[e] for r in rs)
         ks = "/".join(str(runs[e][0][0]["cases"][i]["calls_per_timing"]) for e in ENGINES)
-        print(f"{case['name']:>10s} {case['num_tensors']:>7d} {ks:>10s} | "
-              + " ".join(f"{_harness.stats(bus[e])[0]:9.3f}" for e in ENGINES)
-              + f" | {_harness.fmt_stats(ratio):^22s} | {'ok' if ok else 'WRONG'}")
-    times = {e: [t for results in runs[e] for t in _harness.slowest_rank(
-        results, lambda r: r["train"]["times"])] for e in ENGINES}
+        print(
+            f"{case['name']:>10s} {case['num_tensors']:>7d} {ks:>10s} | "
+            + " ".join(f"{_harness.stats(bus[e])[0]:9.3f}" for e in ENGINES)
+            + f" | {_harness.fmt_stats(ratio):^22s} | {'ok' if ok else 'WRONG'}"
+        )
+    times = {
+        e: [
+            t
+            for results in runs[e]
+            for t in _harness.slowest_rank(results, lambda r: r["train"]["times"])
+        ]
+        for e in ENGINES
+    }
     ratio = [t / h for t, h in zip(times["tf"], times["hvd"])]
     train = first["train"]
-    print(f"\ntraining step: MLP 784-1024-256-10 ({train['params'] / 1e6:.2f}M params), "
-          f"SGD, global batch {FLAGS.batch}, {FLAGS.steps} steps per timed epoch")
+    print(
+        f"\ntraining step: MLP 784-1024-256-10 ({train['params'] / 1e6:.2f}M params), "
+        f"SGD, global batch {FLAGS.batch}, {FLAGS.steps} steps per timed epoch"
+    )
     print(f"{'':>10s} {'ms/step tf':>11s} {'ms/step hvd':>12s} | {'speed hvd/tf':^22s}")
-    print(f"{'':>10s} {1e3 * _harness.stats(times['tf'])[0]:11.1f} "
-          f"{1e3 * _harness.stats(times['hvd'])[0]:12.1f} | {_harness.fmt_stats(ratio):^22s}")
+    print(
+        f"{'':>10s} {1e3 * _harness.stats(times['tf'])[0]:11.1f} "
+        f"{1e3 * _harness.stats(times['hvd'])[0]:12.1f} | {_harness.fmt_stats(ratio):^22s}"
+    )
     sums = {e: runs[e][0][0]["train"]["final_weight_sum"] for e in ENGINES}
     same = math.isclose(sums["tf"], sums["hvd"], rel_tol=1e-4, abs_tol=1e-3)
-    print(f"(both engines end with the same weights: {'yes' if same else 'NO'}; "
-          f"weight sums tf {sums['tf']:.5f}, hvd {sums['hvd']:.5f})")
+    print(
+        f"(both engines end with the same weights: {'yes' if same else 'NO'}; "
+        f"weight sums tf {sums['tf']:.5f}, hvd {sums['hvd']:.5f})"
+    )
 
 
 def run_driver() -> int:
     watch = _harness.Stopwatch()
     load = getattr(_harness, "load_note", lambda: "")()
-    print(f"horovod vs tf: {NPROC} worker processes on {os.cpu_count()} cores, each pinned "
-          f"to one core with 1 intra-op thread; {FLAGS.repeats} repetitions x {FLAGS.rounds} "
-          "round(s); speed hvd/tf = t_tf / t_hvd (> 1: Horovod faster)")
+    print(
+        f"horovod vs tf: {NPROC} worker processes on {os.cpu_count()} cores, each pinned "
+        f"to one core with 1 intra-op thread; {FLAGS.repeats} repetitions x {FLAGS.rounds} "
+        "round(s); speed hvd/tf = t_tf / t_hvd (> 1: Horovod faster)"
+    )
     runs: dict = {e: [] for e in ENGINES}
     for _ in range(FLAGS.rounds):
         for engine in ENGINES:
@@ -310,8 +387,10 @@ def run_driver() -> int:
                 return 1
             print(f"  {engine}: launch done in {time.perf_counter() - t0:.0f}s", flush=True)
     print_table(runs)
-    print(f"\nTF {runs['tf'][0][0]['tf_version']}; total time {watch.elapsed():.0f}s"
-          + (f"; {load}" if load else ""))
+    print(
+        f"\nTF {runs['tf'][0][0]['tf_version']}; total time {watch.elapsed():.0f}s"
+        + (f"; {load}" if load else "")
+    )
     return 0
 
 

@@ -63,9 +63,12 @@ import _harness  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", None, "Worker only: the configuration to run.")
-flags.DEFINE_list("configs", ["one", "m1", "m2", "m4", "m8", "m16", "gpipe8", "tp2"],
-                  "Configurations to run (one, m1, m2, m4, m8, m16, gpipe8); `one` is the "
-                  "baseline every ratio needs.")
+flags.DEFINE_list(
+    "configs",
+    ["one", "m1", "m2", "m4", "m8", "m16", "gpipe8", "tp2"],
+    "Configurations to run (one, m1, m2, m4, m8, m16, gpipe8); `one` is the "
+    "baseline every ratio needs.",
+)
 flags.DEFINE_integer("repeats", 3, "Alternating repetitions of every configuration.")
 flags.DEFINE_integer("batch", 1024, "Global batch (divisible by every micro-batch count).")
 flags.DEFINE_integer("steps", 4, "Steps per epoch.")
@@ -74,11 +77,18 @@ flags.DEFINE_integer("depth", 8, "Hidden layers.")
 flags.DEFINE_integer("width", 1024, "Input features and hidden layer width.")
 flags.DEFINE_integer("classes", 10, "Output classes.")
 flags.DEFINE_float("timeout", 300.0, "Seconds one run (process) may take.")
-flags.DEFINE_bool("quick", False, "A minute or two, to test the chain: --repeats 1 --steps 2 "
-                  "--epochs 2 --configs one,m1,m8,gpipe8 (flags given explicitly win).")
+flags.DEFINE_bool(
+    "quick",
+    False,
+    "A minute or two, to test the chain: --repeats 1 --steps 2 "
+    "--epochs 2 --configs one,m1,m8,gpipe8 (flags given explicitly win).",
+)
 flags.DEFINE_bool("strict", False, "Exit with code 1 when a target is not met.")
-flags.DEFINE_string("json", os.path.join(_harness.RESULTS_DIR, "model_parallel.json"),
-                    "Where the driver saves its measurements (empty: nowhere).")
+flags.DEFINE_string(
+    "json",
+    os.path.join(_harness.RESULTS_DIR, "model_parallel.json"),
+    "Where the driver saves its measurements (empty: nowhere).",
+)
 
 STAGES = 2
 TARGET_AT_8 = 1.5
@@ -86,8 +96,9 @@ TARGET_AT_8 = 1.5
 # name -> (logical CPUs, inter-op threads, strategy options or None for "single")
 _PIPELINE_CONFIGS = {
     "one": (1, 1, None),
-    **{f"m{m}": (STAGES, 2, {"num_micro_batches": m, "schedule": "1f1b"})
-       for m in (1, 2, 4, 8, 16)},
+    **{
+        f"m{m}": (STAGES, 2, {"num_micro_batches": m, "schedule": "1f1b"}) for m in (1, 2, 4, 8, 16)
+    },
     "gpipe8": (STAGES, 2, {"num_micro_batches": 8, "schedule": "gpipe"}),
 }
 
@@ -112,13 +123,19 @@ def print_tensor_parallel(runs: dict) -> None:
         print("\ntensor-parallel part: tp2 not in --configs, not measured")
         return
     ratio = _harness.paired_ratios(runs["tp2"], runs["one"])
-    print(f"\n{'tensor parallel (2 devices) throughput / one':44s} "
-          f"{_harness.fmt_stats(ratio):^22s}")
+    print(
+        f"\n{'tensor parallel (2 devices) throughput / one':44s} {_harness.fmt_stats(ratio):^22s}"
+    )
     per_device = runs["tp2"][0].get("bytes_per_device", {})
     total = sum(per_device.values()) or 1
-    print("weight bytes per device (tp2): " + ", ".join(
-        f"{d.rsplit('device:', 1)[-1]} {_harness.human(b)} ({100 * b / total:.1f}%)"
-        for d, b in sorted(per_device.items())) + "  (ideal 50% each)")
+    print(
+        "weight bytes per device (tp2): "
+        + ", ".join(
+            f"{d.rsplit('device:', 1)[-1]} {_harness.human(b)} ({100 * b / total:.1f}%)"
+            for d, b in sorted(per_device.items())
+        )
+        + "  (ideal 50% each)"
+    )
 
 
 # ----------------------------------------------------------------------------
@@ -147,7 +164,8 @@ def run_worker() -> None:
     tf.get_logger().setLevel("ERROR")
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * logical_cpus)
+        cpu, [tf.config.LogicalDeviceConfiguration()] * logical_cpus
+    )
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(inter_op)
     import keras
@@ -166,8 +184,10 @@ def run_worker() -> None:
     outputs = keras.layers.Dense(FLAGS.classes)(h)
     strategy = _strategy(kd, options)
     model = kd.DistributedModel(inputs, outputs, strategy=strategy)
-    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.001),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        optimizer=keras.optimizers.SGD(learning_rate=0.001),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
 
     class EpochTimer(keras.callbacks.Callback):
         def __init__(self):
@@ -182,8 +202,15 @@ def run_worker() -> None:
             self.cpu_times.append(time.process_time() - self._start[1])
 
     timer = EpochTimer()
-    history = model.fit(x, y, batch_size=FLAGS.batch, epochs=FLAGS.epochs, verbose=0,
-                        shuffle=False, callbacks=[timer])
+    history = model.fit(
+        x,
+        y,
+        batch_size=FLAGS.batch,
+        epochs=FLAGS.epochs,
+        verbose=0,
+        shuffle=False,
+        callbacks=[timer],
+    )
     epoch = sorted(timer.times[1:])[len(timer.times[1:]) // 2]
     cpu = sorted(timer.cpu_times[1:])[len(timer.cpu_times[1:]) // 2]
     result = {
@@ -213,20 +240,42 @@ def run_worker() -> None:
 def run_config(name: str) -> dict:
     """Runs configuration `name` in a fresh process; its result."""
     out_dir = tempfile.mkdtemp(prefix="kd-bench-")
-    argv = [sys.executable, os.path.abspath(__file__), "--role=worker", f"--config={name}",
-            f"--out_dir={out_dir}", f"--batch={FLAGS.batch}", f"--steps={FLAGS.steps}",
-            f"--epochs={FLAGS.epochs}", f"--depth={FLAGS.depth}", f"--width={FLAGS.width}",
-            f"--classes={FLAGS.classes}"]
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join(
-               p for p in (_harness.REPO_ROOT, os.environ.get("PYTHONPATH", "")) if p)}
+    argv = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--role=worker",
+        f"--config={name}",
+        f"--out_dir={out_dir}",
+        f"--batch={FLAGS.batch}",
+        f"--steps={FLAGS.steps}",
+        f"--epochs={FLAGS.epochs}",
+        f"--depth={FLAGS.depth}",
+        f"--width={FLAGS.width}",
+        f"--classes={FLAGS.classes}",
+    ]
+    env = {
+        **os.environ,
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(
+            p for p in (_harness.REPO_ROOT, os.environ.get("PYTHONPATH", "")) if p
+        ),
+    }
     try:
-        done = subprocess.run(argv, cwd=_harness.REPO_ROOT, env=env, stdin=subprocess.DEVNULL,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=FLAGS.timeout)
+        done = subprocess.run(
+            argv,
+            cwd=_harness.REPO_ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=FLAGS.timeout,
+        )
     except subprocess.TimeoutExpired as e:
-        raise _harness.WorkersFailed(f"{name} did not finish within {FLAGS.timeout:g}s",
-                                     str(e.output or "")) from None
+        raise _harness.WorkersFailed(
+            f"{name} did not finish within {FLAGS.timeout:g}s", str(e.output or "")
+        ) from None
     if done.returncode != 0:
         raise _harness.WorkersFailed(f"{name} exited with code {done.returncode}", done.stdout)
     return _harness.read_results(out_dir, 1)[0]
@@ -243,8 +292,7 @@ def run_driver() -> int:
     watch = _harness.Stopwatch()
     load = _harness.load_note()
     if FLAGS.quick:
-        _harness.quick_defaults(repeats=1, steps=2, epochs=2,
-                                configs=["one", "m1", "m8", "gpipe8"])
+        _harness.quick_defaults(repeats=1, steps=2, epochs=2, configs=["one", "m1", "m8", "gpipe8"])
     if FLAGS.epochs < 2:
         raise app.UsageError("--epochs must be >= 2 (the first epoch is not timed).")
     configs = _harness.chosen_configs(FLAGS.configs, _all_configs())
@@ -254,16 +302,22 @@ def run_driver() -> int:
     if runs is None:
         return 1
     some = runs["one"][0]
-    print(f"model parallelism: MLP {FLAGS.width} -> {FLAGS.depth} x {FLAGS.width} -> "
-          f"{FLAGS.classes} ({some['params'] / 1e6:.1f}M parameters), SGD, batch "
-          f"{FLAGS.batch}, {FLAGS.steps} steps/epoch, {FLAGS.epochs} epochs (first untimed), "
-          f"{FLAGS.repeats} alternating repetitions"
-          + (" (--quick: for testing, not for reading)" if FLAGS.quick else ""))
-    print("1 intra-op thread everywhere; `one`: 1 logical CPU, 1 inter-op thread, one core; "
-          f"pipeline: {STAGES} stages on {STAGES} logical CPUs, 2 inter-op threads")
+    print(
+        f"model parallelism: MLP {FLAGS.width} -> {FLAGS.depth} x {FLAGS.width} -> "
+        f"{FLAGS.classes} ({some['params'] / 1e6:.1f}M parameters), SGD, batch "
+        f"{FLAGS.batch}, {FLAGS.steps} steps/epoch, {FLAGS.epochs} epochs (first untimed), "
+        f"{FLAGS.repeats} alternating repetitions"
+        + (" (--quick: for testing, not for reading)" if FLAGS.quick else "")
+    )
+    print(
+        "1 intra-op thread everywhere; `one`: 1 logical CPU, 1 inter-op thread, one core; "
+        f"pipeline: {STAGES} stages on {STAGES} logical CPUs, 2 inter-op threads"
+    )
 
-    print(f"\n{'config':10s} {'step ms median [min, max]':^26s} {'CPU ms/step':>11s} "
-          f"{'vs one (paired)':^22s} {'ideal p(1-bubble)':>17s}  devices")
+    print(
+        f"\n{'config':10s} {'step ms median [min, max]':^26s} {'CPU ms/step':>11s} "
+        f"{'vs one (paired)':^22s} {'ideal p(1-bubble)':>17s}  devices"
+    )
     ratios, misses = {}, []
     for name in configs:
         step = _harness.fmt_stats([r["step_ms"] for r in runs[name]], 1)
@@ -271,8 +325,11 @@ def run_driver() -> int:
         line = f"{name:10s} {step:^26s} {cpu:11.1f}"
         if name != "one":
             ratios[name] = _harness.paired_ratios(runs[name], runs["one"])
-            m = _PIPELINE_CONFIGS[name][2]["num_micro_batches"] if name in _PIPELINE_CONFIGS \
-                and _PIPELINE_CONFIGS[name][2] else None
+            m = (
+                _PIPELINE_CONFIGS[name][2]["num_micro_batches"]
+                if name in _PIPELINE_CONFIGS and _PIPELINE_CONFIGS[name][2]
+                else None
+            )
             line += f" {_harness.fmt_stats(ratios[name]):^22s}"
             line += f" {ideal(m):17.2f}" if m else f" {'':17s}"
         else:
@@ -280,8 +337,9 @@ def run_driver() -> int:
         print(f"{line}  {','.join(runs[name][0]['devices'])}")
 
     if "m8" in ratios:
-        line, met = _harness.target_line("\npipeline m=8 (1F1B) throughput / one",
-                                         ratios["m8"], TARGET_AT_8)
+        line, met = _harness.target_line(
+            "\npipeline m=8 (1F1B) throughput / one", ratios["m8"], TARGET_AT_8
+        )
         print(line)
         if not met:
             misses.append(f"m8 / one = {_harness.stats(ratios['m8'])[0]:.2f} < {TARGET_AT_8}")
@@ -299,29 +357,43 @@ def run_driver() -> int:
     print("\npeak live activations at m=8 (micro-batches held per stage; bytes on stage 0):")
     for schedule in pipeline_schedule.SCHEDULES:
         peaks = pipeline_schedule.peak_live_activations(
-            pipeline_schedule.stage_orders(schedule, 8, STAGES))
+            pipeline_schedule.stage_orders(schedule, 8, STAGES)
+        )
         print(f"  {schedule:6s} {peaks}  ~{_harness.human(peaks[0] * per_micro_batch)}")
     print_tensor_parallel(runs)
-    bad = [n for n, rs in runs.items() for r in rs
-           if not all(v == v and abs(v) != float("inf") for v in r["loss"])]
+    bad = [
+        n
+        for n, rs in runs.items()
+        for r in rs
+        if not all(v == v and abs(v) != float("inf") for v in r["loss"])
+    ]
     if bad:
         misses.append(f"non-finite training loss in {sorted(set(bad))}")
     print("\ntarget misses: " + ("; ".join(misses) if misses else "none"))
     print(f"{load}; total time {watch.elapsed():.0f}s")
-    _harness.save_results(FLAGS.json, "model_parallel", {
-        "model": f"MLP {FLAGS.width}x{FLAGS.depth}",
-        "params": some["params"],
-        "batch": FLAGS.batch,
-        "steps": FLAGS.steps,
-        "epochs": FLAGS.epochs,
-        "repeats": FLAGS.repeats,
-        "runs": runs,
-        "ratios_vs_one": {k: _harness.run_summary(v) for k, v in ratios.items()},
-        "ideal": {n: ideal(_PIPELINE_CONFIGS[n][2]["num_micro_batches"])
-                  for n in ratios if n in _PIPELINE_CONFIGS},
-        "target_m8": TARGET_AT_8,
-        "misses": misses,
-    }, quick=FLAGS.quick, load=load)
+    _harness.save_results(
+        FLAGS.json,
+        "model_parallel",
+        {
+            "model": f"MLP {FLAGS.width}x{FLAGS.depth}",
+            "params": some["params"],
+            "batch": FLAGS.batch,
+            "steps": FLAGS.steps,
+            "epochs": FLAGS.epochs,
+            "repeats": FLAGS.repeats,
+            "runs": runs,
+            "ratios_vs_one": {k: _harness.run_summary(v) for k, v in ratios.items()},
+            "ideal": {
+                n: ideal(_PIPELINE_CONFIGS[n][2]["num_micro_batches"])
+                for n in ratios
+                if n in _PIPELINE_CONFIGS
+            },
+            "target_m8": TARGET_AT_8,
+            "misses": misses,
+        },
+        quick=FLAGS.quick,
+        load=load,
+    )
     return 1 if misses and FLAGS.strict else 0
 
 

@@ -67,22 +67,35 @@ import netns_hosts  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("rates", ["1gbit", "10gbit"], "Link rates (tc syntax: 1gbit, 500mbit).")
-flags.DEFINE_list("sizes", ["64K", "1M", "4M", "16M", "64M"],
-                  "All-reduce sizes (float32), with K/M suffixes.")
+flags.DEFINE_list(
+    "sizes", ["64K", "1M", "4M", "16M", "64M"], "All-reduce sizes (float32), with K/M suffixes."
+)
 flags.DEFINE_list("compressions", ["fp16", "bf16"], "Training-step compressions to time.")
 flags.DEFINE_integer("repeats", 3, "Timings per case per launch.")
-flags.DEFINE_integer("steps", 8, "Training steps per timed epoch (the first is not "
-                     "timed).", lower_bound=2)
+flags.DEFINE_integer(
+    "steps", 8, "Training steps per timed epoch (the first is not timed).", lower_bound=2
+)
 flags.DEFINE_integer("batch", 512, "Global batch of the training step.")
-flags.DEFINE_integer("bytes_per_pack", 1 << 20, "multi_worker's bytes_per_pack for the "
-                     "training step over the link: gradient buckets, the last layer's first "
-                     "(TensorFlow reverses the list before packing), so an all-reduce can "
-                     "start before the backward pass ends; 0: one all-reduce.")
+flags.DEFINE_integer(
+    "bytes_per_pack",
+    1 << 20,
+    "multi_worker's bytes_per_pack for the "
+    "training step over the link: gradient buckets, the last layer's first "
+    "(TensorFlow reverses the list before packing), so an all-reduce can "
+    "start before the backward pass ends; 0: one all-reduce.",
+)
 flags.DEFINE_float("timeout", 400.0, "Seconds one launch of the workers may take.")
-flags.DEFINE_bool("quick", False, "A short run to test the chain: --rates 1gbit --repeats 2 "
-                  "--sizes 64K,4M --steps 4 --compressions fp16 (explicit flags win).")
-flags.DEFINE_string("json", os.path.join(_harness.RESULTS_DIR, "multi_host.json"),
-                    "Where to save the measurements (empty: nowhere).")
+flags.DEFINE_bool(
+    "quick",
+    False,
+    "A short run to test the chain: --rates 1gbit --repeats 2 "
+    "--sizes 64K,4M --steps 4 --compressions fp16 (explicit flags win).",
+)
+flags.DEFINE_string(
+    "json",
+    os.path.join(_harness.RESULTS_DIR, "multi_host.json"),
+    "Where to save the measurements (empty: nowhere).",
+)
 
 HVT = os.path.join(HERE, "horovod_vs_tf.py")
 ALLREDUCE = os.path.join(HERE, "allreduce.py")
@@ -93,13 +106,19 @@ BITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 def link_bytes_per_second(rate: str) -> float:
     for unit, scale in BITS.items():
         if rate.endswith(unit):
-            return float(rate[:-len(unit)]) * scale / 8
+            return float(rate[: -len(unit)]) * scale / 8
     raise app.UsageError(f"--rates entry {rate!r}: use kbit, mbit or gbit")
 
 
 def _hvt_args(engine: str, **extra) -> list[str]:
-    args = [f"--engine={engine}", f"--sizes={','.join(FLAGS.sizes)}", "--small_layers=2",
-            f"--repeats={FLAGS.repeats}", f"--steps={FLAGS.steps}", f"--batch={FLAGS.batch}"]
+    args = [
+        f"--engine={engine}",
+        f"--sizes={','.join(FLAGS.sizes)}",
+        "--small_layers=2",
+        f"--repeats={FLAGS.repeats}",
+        f"--steps={FLAGS.steps}",
+        f"--batch={FLAGS.batch}",
+    ]
     if engine == "tf":
         args.append(f"--bytes_per_pack={FLAGS.bytes_per_pack}")
     return args + [f"--{k}={v}" for k, v in extra.items()]
@@ -117,8 +136,9 @@ def _run(script, args, bed=None, horovod=False):
             flags_ = ["--hosts", bed.hosts_flag(), "--ssh", "--ssh_command", bed.ssh_command]
         elif horovod:
             flags_ = ["--backend", "horovod"]
-        out_dir, _ = _harness.launch_workers(script, 2, args, FLAGS.timeout, extra_env=env,
-                                             launch_flags=flags_, prefix=prefix)
+        out_dir, _ = _harness.launch_workers(
+            script, 2, args, FLAGS.timeout, extra_env=env, launch_flags=flags_, prefix=prefix
+        )
     return _harness.read_results(out_dir, 2)
 
 
@@ -126,21 +146,29 @@ def _sockets(bed) -> list[dict]:
     """The link's ceiling (benchmarks/_sockets.py): host 0 serves, host 1
     connects; the timings of each size, as the serving side measured them."""
     args = [f"--sizes={','.join(FLAGS.sizes)}", f"--repeats={FLAGS.repeats}"]
-    server = subprocess.Popen(bed.on(0, [sys.executable, SOCKETS, "serve", *args]),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        bed.on(0, [sys.executable, SOCKETS, "serve", *args]),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         port = server.stdout.readline().strip()
         client = subprocess.run(
             bed.on(1, [sys.executable, SOCKETS, "connect", f"{bed.addresses[0]}:{port}", *args]),
-            capture_output=True, text=True, timeout=FLAGS.timeout)
+            capture_output=True,
+            text=True,
+            timeout=FLAGS.timeout,
+        )
         out, err = server.communicate(timeout=FLAGS.timeout)
     finally:
         if server.poll() is None:
             server.kill()
             server.communicate()
     if server.returncode or client.returncode:
-        raise _harness.WorkersFailed("the plain-socket exchange failed",
-                                     err + client.stdout + client.stderr)
+        raise _harness.WorkersFailed(
+            "the plain-socket exchange failed", err + client.stdout + client.stderr
+        )
     return json.loads(out)["cases"]
 
 
@@ -152,54 +180,93 @@ def measure(rate: str) -> dict:
     with netns_hosts.TestBed(2, rate=rate) as bed:
         ring = _run(HVT, _hvt_args("tf"), bed)
         gloo = _run(HVT, _hvt_args("hvd"), bed, horovod=True)
-        raw = _run(ALLREDUCE, [f"--sizes={','.join(FLAGS.sizes)}", "--small_layers=2",
-                               f"--repeats={FLAGS.repeats}", "--implementation=ring",
-                               "--bytes_per_pack=0", "--pin"], bed)
-        compressed = {c: _run(HVT, _hvt_args("tf", train_only="true", compression=c), bed)
-                      for c in FLAGS.compressions}
+        raw = _run(
+            ALLREDUCE,
+            [
+                f"--sizes={','.join(FLAGS.sizes)}",
+                "--small_layers=2",
+                f"--repeats={FLAGS.repeats}",
+                "--implementation=ring",
+                "--bytes_per_pack=0",
+                "--pin",
+            ],
+            bed,
+        )
+        compressed = {
+            c: _run(HVT, _hvt_args("tf", train_only="true", compression=c), bed)
+            for c in FLAGS.compressions
+        }
         sockets = _sockets(bed)
     wire = link_bytes_per_second(rate)
     sizes = []
-    for i, case in enumerate(ring[0]["cases"][:len(FLAGS.sizes)]):
-        times = {"ours_ring": _harness.slowest_rank(ring, lambda r, i=i: r["cases"][i]["times"]),
-                 "ours_gloo": _harness.slowest_rank(gloo, lambda r, i=i: r["cases"][i]["times"]),
-                 "raw_tf": _harness.slowest_rank(raw, lambda r, i=i: r["cases"][i]["times"]["raw"]),
-                 "sockets": sockets[i]["times"]}
-        sizes.append({"name": case["name"], "bytes": case["bytes"],
-                      "bus_fraction": {k: case["bytes"] / _median(t) / wire
-                                       for k, t in times.items()}})
-    return {"rate": rate, "link_bytes_per_second": wire, "allreduce": sizes,
-            "train": _train(ring), "compressed": {c: _train(r) for c, r in compressed.items()}}
+    for i, case in enumerate(ring[0]["cases"][: len(FLAGS.sizes)]):
+        times = {
+            "ours_ring": _harness.slowest_rank(ring, lambda r, i=i: r["cases"][i]["times"]),
+            "ours_gloo": _harness.slowest_rank(gloo, lambda r, i=i: r["cases"][i]["times"]),
+            "raw_tf": _harness.slowest_rank(raw, lambda r, i=i: r["cases"][i]["times"]["raw"]),
+            "sockets": sockets[i]["times"],
+        }
+        sizes.append(
+            {
+                "name": case["name"],
+                "bytes": case["bytes"],
+                "bus_fraction": {k: case["bytes"] / _median(t) / wire for k, t in times.items()},
+            }
+        )
+    return {
+        "rate": rate,
+        "link_bytes_per_second": wire,
+        "allreduce": sizes,
+        "train": _train(ring),
+        "compressed": {c: _train(r) for c, r in compressed.items()},
+    }
 
 
 def _train(reports) -> dict:
     step, compute, comm, tail = (
         _median(_harness.slowest_rank(reports, lambda r, k=k: r["train"][k]))
-        for k in ("times", "compute_times", "comm_times", "tail_times"))
-    return {"step": step, "compute": compute, "comm": comm, "tail": tail,
-            "step_over_max_parts": step / max(compute, comm),
-            "bound": (compute + tail) / max(compute, comm),
-            "weight_sum": reports[0]["train"]["final_weight_sum"]}
+        for k in ("times", "compute_times", "comm_times", "tail_times")
+    )
+    return {
+        "step": step,
+        "compute": compute,
+        "comm": comm,
+        "tail": tail,
+        "step_over_max_parts": step / max(compute, comm),
+        "bound": (compute + tail) / max(compute, comm),
+        "weight_sum": reports[0]["train"]["final_weight_sum"],
+    }
 
 
 def report(results: list[dict], one_host: dict) -> None:
     print("\nall-reduce bus bandwidth as a fraction of the link (goal >= 0.8 from 4 MB)")
-    print(f"{'link':>7s} {'size':>7s} | {'ours/TF ring':>12s} {'ours/Gloo':>10s} "
-          f"{'raw TF':>8s} | {'sockets':>8s}")
+    print(
+        f"{'link':>7s} {'size':>7s} | {'ours/TF ring':>12s} {'ours/Gloo':>10s} "
+        f"{'raw TF':>8s} | {'sockets':>8s}"
+    )
     for result in results:
         for size in result["allreduce"]:
             f = size["bus_fraction"]
-            print(f"{result['rate']:>7s} {size['name']:>7s} | {f['ours_ring']:12.2f} "
-                  f"{f['ours_gloo']:10.2f} {f['raw_tf']:8.2f} | {f['sockets']:8.2f}")
+            print(
+                f"{result['rate']:>7s} {size['name']:>7s} | {f['ours_ring']:12.2f} "
+                f"{f['ours_gloo']:10.2f} {f['raw_tf']:8.2f} | {f['sockets']:8.2f}"
+            )
     print("\ntraining step over TF's ring, ms (goal: step <= 1.15 x max(compute, comm))")
-    print(f"{'where':>14s} | {'step':>7s} {'compute':>8s} {'comm':>7s} | "
-          f"{'step/max':>8s} {'bound':>6s} {'vs one host':>11s}")
-    rows = [("one host", one_host)] + [(r["rate"], r["train"]) for r in results] + [
-        (f"{r['rate']} {c}", t) for r in results for c, t in r["compressed"].items()]
+    print(
+        f"{'where':>14s} | {'step':>7s} {'compute':>8s} {'comm':>7s} | "
+        f"{'step/max':>8s} {'bound':>6s} {'vs one host':>11s}"
+    )
+    rows = (
+        [("one host", one_host)]
+        + [(r["rate"], r["train"]) for r in results]
+        + [(f"{r['rate']} {c}", t) for r in results for c, t in r["compressed"].items()]
+    )
     for where, t in rows:
-        print(f"{where:>14s} | {1e3 * t['step']:7.1f} {1e3 * t['compute']:8.1f} "
-              f"{1e3 * t['comm']:7.1f} | {t['step_over_max_parts']:8.2f} {t['bound']:6.2f} "
-              f"{t['step'] / one_host['step']:11.2f}")
+        print(
+            f"{where:>14s} | {1e3 * t['step']:7.1f} {1e3 * t['compute']:8.1f} "
+            f"{1e3 * t['comm']:7.1f} | {t['step_over_max_parts']:8.2f} {t['bound']:6.2f} "
+            f"{t['step'] / one_host['step']:11.2f}"
+        )
 
 
 def run() -> int:
@@ -208,8 +275,9 @@ def run() -> int:
         print(f"multi_host: {reason}", file=sys.stderr)
         return 1
     if FLAGS.quick:
-        _harness.quick_defaults(rates=["1gbit"], repeats=2, sizes=["64K", "4M"], steps=4,
-                                compressions=["fp16"])
+        _harness.quick_defaults(
+            rates=["1gbit"], repeats=2, sizes=["64K", "4M"], steps=4, compressions=["fp16"]
+        )
     watch = _harness.Stopwatch()
     load = _harness.load_note()
     try:
@@ -223,9 +291,13 @@ def run() -> int:
         return 1
     report(results, one_host)
     print(f"\n{load}; total time {watch.elapsed():.0f}s")
-    _harness.save_results(FLAGS.json, "multi_host", {
-        "repeats": FLAGS.repeats, "batch": FLAGS.batch, "results": results,
-        "one_host": one_host}, quick=FLAGS.quick, load=load)
+    _harness.save_results(
+        FLAGS.json,
+        "multi_host",
+        {"repeats": FLAGS.repeats, "batch": FLAGS.batch, "results": results, "one_host": one_host},
+        quick=FLAGS.quick,
+        load=load,
+    )
     return 0
 
 

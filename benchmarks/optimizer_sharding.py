@@ -43,8 +43,11 @@ flags.DEFINE_integer("steps", 10, "Steps per epoch.")
 flags.DEFINE_integer("epochs", 3, "Epochs per launch (the first is warm-up).")
 flags.DEFINE_integer("repeats", 3, "Launches per configuration.")
 flags.DEFINE_integer("timeout", 900, "Seconds per launch.")
-flags.DEFINE_string("json", os.path.join(_harness.RESULTS_DIR, "optimizer_sharding.json"),
-                    "Where the driver saves its measurements (empty: nowhere).")
+flags.DEFINE_string(
+    "json",
+    os.path.join(_harness.RESULTS_DIR, "optimizer_sharding.json"),
+    "Where the driver saves its measurements (empty: nowhere).",
+)
 flags.DEFINE_bool("quick", False, "Few small steps: tests the chain, numbers not for reading.")
 
 CONFIGS = ("none", "optimizer", "gradients")
@@ -71,28 +74,50 @@ def run_worker() -> None:
     for _ in range(FLAGS.depth):
         hidden = keras.layers.Dense(FLAGS.width, activation="relu")(hidden)
     model = kd.DistributedModel(inputs, keras.layers.Dense(10)(hidden), strategy=strategy)
-    model.compile(optimizer=keras.optimizers.Adam(1e-4),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-4),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
 
-    steps = _harness.steady_step_seconds(model, x, y, batch_size=FLAGS.batch, epochs=FLAGS.epochs,
-                                         shuffle=False, verbose=0)
+    steps = _harness.steady_step_seconds(
+        model, x, y, batch_size=FLAGS.batch, epochs=FLAGS.epochs, shuffle=False, verbose=0
+    )
     memory = strategy.describe(model)
     weights = model.get_weights()
-    _harness.write_result(FLAGS.out_dir, rank, {
-        "step_ms": 1000 * float(np.median(steps)), "weights": memory.weights,
-        "gradients": memory.gradients, "optimizer": memory.optimizer,
-        "checksum": [float(np.sum(w, dtype=np.float64)) for w in weights]})
+    _harness.write_result(
+        FLAGS.out_dir,
+        rank,
+        {
+            "step_ms": 1000 * float(np.median(steps)),
+            "weights": memory.weights,
+            "gradients": memory.gradients,
+            "optimizer": memory.optimizer,
+            "checksum": [float(np.sum(w, dtype=np.float64)) for w in weights],
+        },
+    )
 
 
 def run_config(name: str) -> dict:
-    args = ["--config", name, "--width", str(FLAGS.width), "--depth", str(FLAGS.depth),
-            "--batch", str(FLAGS.batch), "--steps", str(FLAGS.steps),
-            "--epochs", str(FLAGS.epochs)]
-    out_dir, _ = _harness.launch_workers(os.path.abspath(__file__), 2, args,
-                                         timeout=FLAGS.timeout)
+    args = [
+        "--config",
+        name,
+        "--width",
+        str(FLAGS.width),
+        "--depth",
+        str(FLAGS.depth),
+        "--batch",
+        str(FLAGS.batch),
+        "--steps",
+        str(FLAGS.steps),
+        "--epochs",
+        str(FLAGS.epochs),
+    ]
+    out_dir, _ = _harness.launch_workers(os.path.abspath(__file__), 2, args, timeout=FLAGS.timeout)
     results = _harness.read_results(out_dir, 2)
-    return {"step_ms": max(r["step_ms"] for r in results),
-            **{k: results[0][k] for k in ("weights", "gradients", "optimizer", "checksum")}}
+    return {
+        "step_ms": max(r["step_ms"] for r in results),
+        **{k: results[0][k] for k in ("weights", "gradients", "optimizer", "checksum")},
+    }
 
 
 def run_driver() -> int:
@@ -103,42 +128,69 @@ def run_driver() -> int:
     if runs is None:
         return 1
     params = FLAGS.depth * FLAGS.width * (FLAGS.width + 1) + FLAGS.width * 10 + 10
-    print(f"\nMLP {FLAGS.depth} x {FLAGS.width} ({params:,} parameters), Adam, global batch "
-          f"{FLAGS.batch}; multi_worker, 2 workers")
-    print(f"{'sharding':10s} {'step ms median [min, max]':^28s} "
-          f"{'weights':>10s} {'gradients':>10s} {'optimizer':>10s}  (per worker)")
+    print(
+        f"\nMLP {FLAGS.depth} x {FLAGS.width} ({params:,} parameters), Adam, global batch "
+        f"{FLAGS.batch}; multi_worker, 2 workers"
+    )
+    print(
+        f"{'sharding':10s} {'step ms median [min, max]':^28s} "
+        f"{'weights':>10s} {'gradients':>10s} {'optimizer':>10s}  (per worker)"
+    )
     for name in CONFIGS:
         r = runs[name]
-        print(f"{name:10s} {_harness.fmt_stats([x['step_ms'] for x in r], 1):^28s} "
-              + " ".join(f"{_harness.human(r[0][k]):>10s}"
-                         for k in ("weights", "gradients", "optimizer")))
+        print(
+            f"{name:10s} {_harness.fmt_stats([x['step_ms'] for x in r], 1):^28s} "
+            + " ".join(
+                f"{_harness.human(r[0][k]):>10s}" for k in ("weights", "gradients", "optimizer")
+            )
+        )
     ratios, met = {}, True
     for stage in ("optimizer", "gradients"):
         ratios[stage] = _harness.paired_ratios(runs[stage], runs["none"], key="step_ms")
-        line, stage_met = _harness.target_line(f"step time {stage} / unsharded",
-                                               ratios[stage], TARGET, at_least=False)
+        line, stage_met = _harness.target_line(
+            f"step time {stage} / unsharded", ratios[stage], TARGET, at_least=False
+        )
         print(line)
         met = met and stage_met
     optimizer_ratio = runs["optimizer"][0]["optimizer"] / runs["none"][0]["optimizer"]
     gradient_ratio = runs["gradients"][0]["gradients"] / runs["none"][0]["gradients"]
     print(f"{'optimizer bytes sharded / unsharded':44s} {optimizer_ratio:.3f}")
     print(f"{'gradient bytes stage 2 / unsharded':44s} {gradient_ratio:.3f}")
-    same = all(abs(a - b) <= 1e-3 * max(1.0, abs(b)) for stage in ("optimizer", "gradients")
-               for a, b in zip(runs[stage][0]["checksum"], runs["none"][0]["checksum"]))
+    same = all(
+        abs(a - b) <= 1e-3 * max(1.0, abs(b))
+        for stage in ("optimizer", "gradients")
+        for a, b in zip(runs[stage][0]["checksum"], runs["none"][0]["checksum"])
+    )
     print(f"final weights equal: {'yes' if same else 'NO'}")
     print(f"load: {load}; wall time {watch.elapsed():.0f} s")
-    _harness.save_results(FLAGS.json, "optimizer_sharding", {
-        "width": FLAGS.width, "depth": FLAGS.depth, "batch": FLAGS.batch,
-        "parameters": params,
-        "configs": {n: {"step_ms": _harness.run_summary([x["step_ms"] for x in runs[n]]),
-                        **{k: runs[n][0][k] for k in ("weights", "gradients", "optimizer")}}
-                    for n in CONFIGS},
-        "ratios": {"step time sharded / unsharded": _harness.run_summary(ratios["optimizer"]),
-                   "step time stage 2 / unsharded": _harness.run_summary(ratios["gradients"]),
-                   "optimizer bytes sharded / unsharded": optimizer_ratio,
-                   "gradient bytes stage 2 / unsharded": gradient_ratio},
-        "target": TARGET, "target_met": met, "final_weights_equal": same,
-    }, quick=FLAGS.quick, load=load)
+    _harness.save_results(
+        FLAGS.json,
+        "optimizer_sharding",
+        {
+            "width": FLAGS.width,
+            "depth": FLAGS.depth,
+            "batch": FLAGS.batch,
+            "parameters": params,
+            "configs": {
+                n: {
+                    "step_ms": _harness.run_summary([x["step_ms"] for x in runs[n]]),
+                    **{k: runs[n][0][k] for k in ("weights", "gradients", "optimizer")},
+                }
+                for n in CONFIGS
+            },
+            "ratios": {
+                "step time sharded / unsharded": _harness.run_summary(ratios["optimizer"]),
+                "step time stage 2 / unsharded": _harness.run_summary(ratios["gradients"]),
+                "optimizer bytes sharded / unsharded": optimizer_ratio,
+                "gradient bytes stage 2 / unsharded": gradient_ratio,
+            },
+            "target": TARGET,
+            "target_met": met,
+            "final_weights_equal": same,
+        },
+        quick=FLAGS.quick,
+        load=load,
+    )
     return 0
 
 

@@ -56,11 +56,17 @@ flags.DEFINE_integer("steps", 32, "Optimizer steps per epoch.")
 flags.DEFINE_integer("epochs", 3, "Epochs per fit (one fit per variant per round).")
 flags.DEFINE_integer("batch", 256, "Global batch size.")
 flags.DEFINE_integer("width", 512, "Hidden layer width of the MLP.")
-flags.DEFINE_bool("quick", False, "Seconds, to test the chain: --rounds 3 --steps 16 --epochs 2 "
-                  "(flags given explicitly win).")
+flags.DEFINE_bool(
+    "quick",
+    False,
+    "Seconds, to test the chain: --rounds 3 --steps 16 --epochs 2 (flags given explicitly win).",
+)
 flags.DEFINE_bool("strict", False, "Exit with code 1 when a target is not met.")
-flags.DEFINE_string("json", os.path.join(_harness.RESULTS_DIR, "overhead.json"),
-                    "Where to save the measurements (empty: nowhere).")
+flags.DEFINE_string(
+    "json",
+    os.path.join(_harness.RESULTS_DIR, "overhead.json"),
+    "Where to save the measurements (empty: nowhere).",
+)
 
 
 def main(argv):
@@ -78,9 +84,7 @@ def main(argv):
     tf.get_logger().setLevel("ERROR")
 
     cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * 2
-    )
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     import keras
     import numpy as np
 
@@ -135,8 +139,10 @@ def main(argv):
             self.model = plain()
             self.optimizer = keras.optimizers.SGD()  # = optimizer="sgd"
             self.loss_fn = keras.losses.MeanSquaredError()  # = loss="mse"
-            self.batches = [(tf.constant(x[i:i + FLAGS.batch]), tf.constant(y[i:i + FLAGS.batch]))
-                            for i in range(0, n, FLAGS.batch)]
+            self.batches = [
+                (tf.constant(x[i : i + FLAGS.batch]), tf.constant(y[i : i + FLAGS.batch]))
+                for i in range(0, n, FLAGS.batch)
+            ]
             model, optimizer, loss_fn = self.model, self.optimizer, self.loss_fn
 
             @tf.function
@@ -176,8 +182,9 @@ def main(argv):
         shift = rnd % len(names)  # rotate the order: no variant always first
         for name in names[shift:] + names[:shift]:
             start = time.perf_counter()
-            models[name].fit(x, y, batch_size=FLAGS.batch, epochs=FLAGS.epochs, verbose=0,
-                             shuffle=False)
+            models[name].fit(
+                x, y, batch_size=FLAGS.batch, epochs=FLAGS.epochs, verbose=0, shuffle=False
+            )
             times[name].append(time.perf_counter() - start)
     step_ms = {k: [t / (FLAGS.epochs * FLAGS.steps) * 1e3 for t in v] for k, v in times.items()}
 
@@ -198,14 +205,26 @@ def main(argv):
         ("kd single / plain fit (throughput)", time_ratio("plain", "kd_single"), 1.0, True),
         ("kd single / raw loop (step time)", time_ratio("kd_single", "raw_loop"), 1.15, False),
         ("plain fit / raw loop (step time)", time_ratio("plain", "raw_loop"), None, None),
-        ("raw keras+Mirrored(1 cpu) / plain (time)", time_ratio("raw_mirrored_1", "plain"),
-         None, None),
+        (
+            "raw keras+Mirrored(1 cpu) / plain (time)",
+            time_ratio("raw_mirrored_1", "plain"),
+            None,
+            None,
+        ),
         ("kd mirrored(1 cpu) / plain (time)", time_ratio("kd_mirrored_1", "plain"), 1.10, False),
-        ("raw keras+Mirrored(2 cpu) / plain (time)", time_ratio("raw_mirrored_2", "plain"),
-         None, None),
+        (
+            "raw keras+Mirrored(2 cpu) / plain (time)",
+            time_ratio("raw_mirrored_2", "plain"),
+            None,
+            None,
+        ),
         ("kd mirrored(2 cpu) / plain (time)", time_ratio("kd_mirrored_2", "plain"), None, None),
-        ("kd mirrored(2) / raw Mirrored(2) (time)", time_ratio("kd_mirrored_2", "raw_mirrored_2"),
-         1.0, False),
+        (
+            "kd mirrored(2) / raw Mirrored(2) (time)",
+            time_ratio("kd_mirrored_2", "raw_mirrored_2"),
+            1.0,
+            False,
+        ),
     ]
     print(f"\n{'ratio (paired per round)':42s} {'median [min, max]':^22s}  target")
     misses, ratios = [], {}
@@ -218,19 +237,26 @@ def main(argv):
             mark = f"{shown}: " + ("target met" if met else "TARGET NOT MET")
             if not met:
                 misses.append(f"{label} = {med:.3f}, target {shown}")
-        ratios[label] = {**_harness.run_summary(values), "target": target,
-                         "at_least": at_least}
+        ratios[label] = {**_harness.run_summary(values), "target": target, "at_least": at_least}
         print(f"{label:42s} {_harness.fmt_stats(values, 3):^22s}  {mark}")
     print("\ntarget misses: " + ("; ".join(misses) if misses else "none"))
     print(f"{load}; total time {watch.elapsed():.0f}s")
-    _harness.save_results(FLAGS.json, "overhead", {
-        "model": f"MLP 64-{FLAGS.width}-{FLAGS.width}-1",
-        "batch": FLAGS.batch, "steps": FLAGS.steps, "epochs": FLAGS.epochs,
-        "rounds": FLAGS.rounds,
-        "step_ms": {k: _harness.run_summary(v) for k, v in step_ms.items()},
-        "ratios": ratios,
-        "misses": misses,
-    }, quick=FLAGS.quick, load=load)
+    _harness.save_results(
+        FLAGS.json,
+        "overhead",
+        {
+            "model": f"MLP 64-{FLAGS.width}-{FLAGS.width}-1",
+            "batch": FLAGS.batch,
+            "steps": FLAGS.steps,
+            "epochs": FLAGS.epochs,
+            "rounds": FLAGS.rounds,
+            "step_ms": {k: _harness.run_summary(v) for k, v in step_ms.items()},
+            "ratios": ratios,
+            "misses": misses,
+        },
+        quick=FLAGS.quick,
+        load=load,
+    )
     return 1 if FLAGS.strict and misses else 0
 
 

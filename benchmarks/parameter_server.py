@@ -99,10 +99,15 @@ from absl import app, flags  # noqa: E402
 import _harness  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("strategy", "parameter_server", ["parameter_server", "multi_worker", "single"],
-                  "Worker only: the strategy to train with.")
-flags.DEFINE_list("configs", ["ps1", "ps2", "mw2", "single"],
-                  "Configurations to run (ps1, ps2, mw2, single).")
+flags.DEFINE_enum(
+    "strategy",
+    "parameter_server",
+    ["parameter_server", "multi_worker", "single"],
+    "Worker only: the strategy to train with.",
+)
+flags.DEFINE_list(
+    "configs", ["ps1", "ps2", "mw2", "single"], "Configurations to run (ps1, ps2, mw2, single)."
+)
 flags.DEFINE_integer("repeats", 3, "Alternating repetitions of every configuration.")
 flags.DEFINE_integer("epochs", 6, "Epochs per run; the first is not timed for throughput.")
 flags.DEFINE_integer("batch", 32, "Samples per step per worker.")
@@ -120,8 +125,7 @@ _CONFIGS = {  # name -> (workers, strategy)
     "mw2": (2, "multi_worker"),
     "single": (1, "single"),
 }
-_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1",
-        "TF_NUM_INTRAOP_THREADS": "1"}
+_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1", "TF_NUM_INTRAOP_THREADS": "1"}
 
 
 # ----------------------------------------------------------------------------
@@ -142,6 +146,7 @@ def run_worker() -> None:
     import keras
     import numpy as np
     import tensorflow as tf
+
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
     from _digits import digits_arrays
 
@@ -154,8 +159,9 @@ def run_worker() -> None:
     (x, y), (x_val, y_val) = (x[n_val:], y[n_val:]), (x[:n_val], y[:n_val])
 
     strategy = kd.strategies.get(FLAGS.strategy)
-    workers = 1 if FLAGS.strategy == "single" else (
-        strategy.num_workers if ps else strategy.world_size)
+    workers = (
+        1 if FLAGS.strategy == "single" else (strategy.num_workers if ps else strategy.world_size)
+    )
     batch = FLAGS.batch * (1 if ps else workers)  # sync: global batch
     buckets = FLAGS.buckets
     hist = {}
@@ -202,16 +208,20 @@ def run_worker() -> None:
     model = cls(inputs, outputs, strategy=strategy)
     if ps:
         with strategy.scope():  # on the ps: every worker's closures update them
-            hist["count"] = tf.Variable(tf.constant(0, tf.int64), trainable=False,
-                                        name="staleness_count")
+            hist["count"] = tf.Variable(
+                tf.constant(0, tf.int64), trainable=False, name="staleness_count"
+            )
             for name in ("low", "high"):
-                hist[name] = tf.Variable(tf.zeros([buckets]), trainable=False,
-                                         name=f"staleness_{name}")
+                hist[name] = tf.Variable(
+                    tf.zeros([buckets]), trainable=False, name=f"staleness_{name}"
+                )
         placement = sorted({v.device.split("/device")[0] for v in hist.values()})
-    model.compile(optimizer=keras.optimizers.SGD(FLAGS.learning_rate, momentum=0.9),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=[keras.metrics.SparseCategoricalAccuracy(name="acc")],
-                  steps_per_execution=FLAGS.steps_per_execution)
+    model.compile(
+        optimizer=keras.optimizers.SGD(FLAGS.learning_rate, momentum=0.9),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=[keras.metrics.SparseCategoricalAccuracy(name="acc")],
+        steps_per_execution=FLAGS.steps_per_execution,
+    )
 
     class Clock(keras.callbacks.Callback):
         def __init__(self):
@@ -235,18 +245,32 @@ def run_worker() -> None:
             self.val_acc.append(float(logs["val_acc"]))
 
     clock = Clock()
-    model.fit(x, y, batch_size=batch, epochs=FLAGS.epochs, validation_data=(x_val, y_val),
-              verbose=0, shuffle=True, callbacks=[clock])
+    model.fit(
+        x,
+        y,
+        batch_size=batch,
+        epochs=FLAGS.epochs,
+        validation_data=(x_val, y_val),
+        verbose=0,
+        shuffle=True,
+        callbacks=[clock],
+    )
     steps_per_epoch = math.ceil(len(x) / batch)
     if ps:
         applied = model.strategy.steps_applied
     else:
         applied = int(model.optimizer.iterations.numpy())
     result = {
-        "rank": rank, "workers": workers, "batch": batch,
-        "steps_per_epoch": steps_per_epoch, "samples": len(x),
-        "applied": applied, "scheduled": steps_per_epoch * FLAGS.epochs,
-        "train_seconds": clock.train, "epoch_ends": clock.ends, "val_acc": clock.val_acc,
+        "rank": rank,
+        "workers": workers,
+        "batch": batch,
+        "steps_per_epoch": steps_per_epoch,
+        "samples": len(x),
+        "applied": applied,
+        "scheduled": steps_per_epoch * FLAGS.epochs,
+        "train_seconds": clock.train,
+        "epoch_ends": clock.ends,
+        "val_acc": clock.val_acc,
         "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
     }
     if ps:
@@ -261,10 +285,15 @@ def run_worker() -> None:
 
 
 def worker_args(strategy: str) -> list[str]:
-    return [f"--strategy={strategy}", f"--epochs={FLAGS.epochs}", f"--batch={FLAGS.batch}",
-            f"--hidden={FLAGS.hidden}", f"--learning_rate={FLAGS.learning_rate}",
-            f"--buckets={FLAGS.buckets}",
-            f"--steps_per_execution={FLAGS.steps_per_execution}"]
+    return [
+        f"--strategy={strategy}",
+        f"--epochs={FLAGS.epochs}",
+        f"--batch={FLAGS.batch}",
+        f"--hidden={FLAGS.hidden}",
+        f"--learning_rate={FLAGS.learning_rate}",
+        f"--buckets={FLAGS.buckets}",
+        f"--steps_per_execution={FLAGS.steps_per_execution}",
+    ]
 
 
 def _free_ports(n: int) -> list[int]:
@@ -283,6 +312,7 @@ def _pinned(core):
         _harness._die_with_parent()
         if core is not None and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, {core % os.cpu_count()})
+
     return setup
 
 
@@ -304,27 +334,45 @@ def run_ps(workers: int) -> dict:
         for kind, index, core in [("ps", 0, None)] + [("worker", i, i) for i in range(workers)]:
             log = open(os.path.join(out_dir, f"{kind}{index}.log"), "w+")
             logs.append(log)
-            servers.append(subprocess.Popen(
-                [sys.executable, "-m", "keras_distrib.strategies.parameter_server.task_server"],
-                cwd=_harness.REPO_ROOT,
-                env={**env, "TF_CONFIG": tf_config(kind, index)}, stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT, preexec_fn=_pinned(core)))
+            servers.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "keras_distrib.strategies.parameter_server.task_server"],
+                    cwd=_harness.REPO_ROOT,
+                    env={**env, "TF_CONFIG": tf_config(kind, index)},
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    preexec_fn=_pinned(core),
+                )
+            )
         chief = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--role=worker", f"--out_dir={out_dir}",
-             *worker_args("parameter_server")], cwd=_harness.REPO_ROOT,
-            env={**env, "TF_CONFIG": tf_config("chief", 0)}, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            preexec_fn=_pinned(None))
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--role=worker",
+                f"--out_dir={out_dir}",
+                *worker_args("parameter_server"),
+            ],
+            cwd=_harness.REPO_ROOT,
+            env={**env, "TF_CONFIG": tf_config("chief", 0)},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            preexec_fn=_pinned(None),
+        )
         try:
             output, _ = chief.communicate(timeout=FLAGS.timeout)
         except subprocess.TimeoutExpired:
             chief.kill()
             output, _ = chief.communicate()
-            raise _harness.WorkersFailed(f"the chief did not finish within {FLAGS.timeout:g}s",
-                                         output + _server_output(logs)) from None
+            raise _harness.WorkersFailed(
+                f"the chief did not finish within {FLAGS.timeout:g}s", output + _server_output(logs)
+            ) from None
         if chief.returncode != 0:
-            raise _harness.WorkersFailed(f"the chief exited with code {chief.returncode}",
-                                         output + _server_output(logs))
+            raise _harness.WorkersFailed(
+                f"the chief exited with code {chief.returncode}", output + _server_output(logs)
+            )
     finally:
         for proc in servers:
             if proc.poll() is None:
@@ -358,8 +406,12 @@ def run_config(name: str) -> dict:
         r = run_ps(workers)
     else:
         out_dir, _ = _harness.launch_workers(
-            os.path.abspath(__file__), workers, worker_args(strategy),
-            timeout=FLAGS.timeout, extra_env={"TF_NUM_INTRAOP_THREADS": "1"})
+            os.path.abspath(__file__),
+            workers,
+            worker_args(strategy),
+            timeout=FLAGS.timeout,
+            extra_env={"TF_NUM_INTRAOP_THREADS": "1"},
+        )
         r = _harness.read_results(out_dir, workers)[0]
     steady = r["train_seconds"][1:]
     epochs_timed = len(steady)
@@ -367,8 +419,12 @@ def run_config(name: str) -> dict:
     applied_per_epoch = r["applied"] / len(r["train_seconds"])
     throughput = applied_per_epoch * epochs_timed * r["batch"] / sum(steady)
     reached = [t for t, acc in zip(r["epoch_ends"], r["val_acc"]) if acc >= FLAGS.target]
-    return {**r, "throughput": throughput, "tta": reached[0] if reached else None,
-            "final_acc": r["val_acc"][-1]}
+    return {
+        **r,
+        "throughput": throughput,
+        "tta": reached[0] if reached else None,
+        "final_acc": r["val_acc"][-1],
+    }
 
 
 def _quantiles(counts: list[int]) -> tuple[float, float, int, float]:
@@ -404,57 +460,86 @@ def run_driver() -> int:
     if runs is None:
         return 1
 
-    print(f"parameter server vs sync: digits MLP 64-{FLAGS.hidden}-10, SGD "
-          f"lr {FLAGS.learning_rate} momentum 0.9, {FLAGS.batch} samples/step/worker, "
-          f"{FLAGS.epochs} epochs (first untimed for throughput), "
-          f"{FLAGS.repeats} alternating repetitions")
+    print(
+        f"parameter server vs sync: digits MLP 64-{FLAGS.hidden}-10, SGD "
+        f"lr {FLAGS.learning_rate} momentum 0.9, {FLAGS.batch} samples/step/worker, "
+        f"{FLAGS.epochs} epochs (first untimed for throughput), "
+        f"{FLAGS.repeats} alternating repetitions"
+    )
     print("workers pinned one per core, 1 intra-op thread; ps task and chief unpinned")
-    print(f"\n{'config':>7s} {'workers':>7s} {'batch':>5s} {'applied/sched':>13s} | "
-          f"{'samples/s median [min, max]':^27s} | "
-          f"{f'secs to val acc >= {FLAGS.target:g}':^24s} | {'final val acc':^13s}")
+    print(
+        f"\n{'config':>7s} {'workers':>7s} {'batch':>5s} {'applied/sched':>13s} | "
+        f"{'samples/s median [min, max]':^27s} | "
+        f"{f'secs to val acc >= {FLAGS.target:g}':^24s} | {'final val acc':^13s}"
+    )
     for name in configs:
         r = runs[name]
         ttas = [x["tta"] for x in r if x["tta"] is not None]
-        tta = (_harness.fmt_stats(ttas, 1) + ("" if len(ttas) == len(r) else
-               f" ({len(r) - len(ttas)} missed)")) if ttas else "- (not reached)"
-        print(f"{name:>7s} {r[0]['workers']:>7d} {r[0]['batch']:>5d} "
-              f"{str(r[0]['applied']) + '/' + str(r[0]['scheduled']):>13s} | "
-              f"{_harness.fmt_stats([x['throughput'] for x in r], 0):^27s} | {tta:^24s} | "
-              f"{_harness.fmt_stats([x['final_acc'] for x in r], 3):^13s}")
+        tta = (
+            (
+                _harness.fmt_stats(ttas, 1)
+                + ("" if len(ttas) == len(r) else f" ({len(r) - len(ttas)} missed)")
+            )
+            if ttas
+            else "- (not reached)"
+        )
+        print(
+            f"{name:>7s} {r[0]['workers']:>7d} {r[0]['batch']:>5d} "
+            f"{str(r[0]['applied']) + '/' + str(r[0]['scheduled']):>13s} | "
+            f"{_harness.fmt_stats([x['throughput'] for x in r], 0):^27s} | {tta:^24s} | "
+            f"{_harness.fmt_stats([x['final_acc'] for x in r], 3):^13s}"
+        )
 
     print(f"\n{'ratio (paired per repetition)':40s} {'median [min, max]':^22s}")
-    rows = [("async scaling ps2 / ps1 (throughput)", "ps2", "ps1", "throughput", False),
-            ("ps2 / mw2 (throughput)", "ps2", "mw2", "throughput", False),
-            ("ps1 / single (throughput)", "ps1", "single", "throughput", False),
-            ("time to acc: mw2 / ps2 (>1: async faster)", "mw2", "ps2", "tta", True),
-            ("time to acc: single / ps2", "single", "ps2", "tta", True)]
+    rows = [
+        ("async scaling ps2 / ps1 (throughput)", "ps2", "ps1", "throughput", False),
+        ("ps2 / mw2 (throughput)", "ps2", "mw2", "throughput", False),
+        ("ps1 / single (throughput)", "ps1", "single", "throughput", False),
+        ("time to acc: mw2 / ps2 (>1: async faster)", "mw2", "ps2", "tta", True),
+        ("time to acc: single / ps2", "single", "ps2", "tta", True),
+    ]
     for label, a, b, key, _ in rows:
         if a not in runs or b not in runs:
             continue
-        ratios = [x[key] / y[key] for x, y in zip(runs[a], runs[b])
-                  if x[key] is not None and y[key]]
+        ratios = [
+            x[key] / y[key] for x, y in zip(runs[a], runs[b]) if x[key] is not None and y[key]
+        ]
         if ratios:
             print(f"{label:40s} {_harness.fmt_stats(ratios):^22s}")
 
-    print("\nstaleness: other steps applied between a step's weight read and its update "
-          "(lower / upper bound, all steps of all repetitions)")
+    print(
+        "\nstaleness: other steps applied between a step's weight read and its update "
+        "(lower / upper bound, all steps of all repetitions)"
+    )
     print(f"{'config':>7s} {'steps':>6s} | {'median':^9s} {'p90':^9s} {'max':^9s} {'mean':^11s}")
     for name in configs:
         if not name.startswith("ps"):
             continue
         parts = {}
         for bound in ("low", "high"):
-            counts = [sum(x["hist"][bound][i] for x in runs[name])
-                      for i in range(FLAGS.buckets)]
+            counts = [sum(x["hist"][bound][i] for x in runs[name]) for i in range(FLAGS.buckets)]
             parts[bound] = (sum(counts), _quantiles(counts))
         (n, lo), (_, hi) = parts["low"], parts["high"]
-        print(f"{name:>7s} {n:>6d} | {lo[0]:>3d} / {hi[0]:<3d} {lo[1]:>3d} / {hi[1]:<3d} "
-              f"{lo[2]:>3d} / {hi[2]:<3d} {lo[3]:>4.2f} / {hi[3]:<4.2f}")
-    bad = [n for n, rs in runs.items() for r in rs
-           if r["applied"] < r["scheduled"] or not all(map(math.isfinite, r["val_acc"]))
-           or r.get("counted", r["applied"]) != r["applied"]]
-    print("\nproblems: " + (f"steps lost, miscounted or non-finite accuracy in {sorted(set(bad))}"
-                            if bad else "none"))
+        print(
+            f"{name:>7s} {n:>6d} | {lo[0]:>3d} / {hi[0]:<3d} {lo[1]:>3d} / {hi[1]:<3d} "
+            f"{lo[2]:>3d} / {hi[2]:<3d} {lo[3]:>4.2f} / {hi[3]:<4.2f}"
+        )
+    bad = [
+        n
+        for n, rs in runs.items()
+        for r in rs
+        if r["applied"] < r["scheduled"]
+        or not all(map(math.isfinite, r["val_acc"]))
+        or r.get("counted", r["applied"]) != r["applied"]
+    ]
+    print(
+        "\nproblems: "
+        + (
+            f"steps lost, miscounted or non-finite accuracy in {sorted(set(bad))}"
+            if bad
+            else "none"
+        )
+    )
     print(f"{load}; total time {watch.elapsed():.0f}s")
     return 0
 

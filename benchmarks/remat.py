@@ -58,10 +58,17 @@ flags.DEFINE_integer("steps", 3, "Steps per epoch.")
 flags.DEFINE_integer("block", 4, "Layers per `keras.remat` block (mode `blocks`).")
 flags.DEFINE_integer("repeats", 2, "Alternating repetitions of every configuration.")
 flags.DEFINE_float("timeout", 300.0, "Seconds one run (process) may take.")
-flags.DEFINE_bool("quick", False, "To test the chain: --repeats 1 --depth 4 --batch 256 "
-                  "--width 128 --block 2 (flags given explicitly win).")
-flags.DEFINE_string("json", os.path.join(_harness.RESULTS_DIR, "remat.json"),
-                    "Where the driver saves its measurements (empty: nowhere).")
+flags.DEFINE_bool(
+    "quick",
+    False,
+    "To test the chain: --repeats 1 --depth 4 --batch 256 "
+    "--width 128 --block 2 (flags given explicitly win).",
+)
+flags.DEFINE_string(
+    "json",
+    os.path.join(_harness.RESULTS_DIR, "remat.json"),
+    "Where the driver saves its measurements (empty: nowhere).",
+)
 
 STAGES = 2
 
@@ -75,8 +82,7 @@ def _model(kd, keras, strategy, mode):
 
         def __init__(self, count, **kwargs):
             super().__init__(**kwargs)
-            self.dense = [keras.layers.Dense(FLAGS.width, activation="relu")
-                          for _ in range(count)]
+            self.dense = [keras.layers.Dense(FLAGS.width, activation="relu") for _ in range(count)]
 
         def _forward(self, x):
             for layer in self.dense:
@@ -111,21 +117,27 @@ def run_worker() -> None:
     tf.get_logger().setLevel("ERROR")
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * (STAGES if name == "pipeline" else 1))
+        cpu, [tf.config.LogicalDeviceConfiguration()] * (STAGES if name == "pipeline" else 1)
+    )
     tf.config.threading.set_intra_op_parallelism_threads(1)
     import keras
 
     import keras_distrib as kd
 
-    strategy = (kd.strategies.get("pipeline", num_micro_batches=4, schedule="1f1b")
-                if name == "pipeline" else kd.strategies.get(name))
+    strategy = (
+        kd.strategies.get("pipeline", num_micro_batches=4, schedule="1f1b")
+        if name == "pipeline"
+        else kd.strategies.get(name)
+    )
     rng = np.random.default_rng(0)
     samples = FLAGS.steps * FLAGS.batch
     x = rng.standard_normal((samples, FLAGS.width), dtype=np.float32)
     y = rng.integers(0, 10, size=(samples,)).astype(np.int32)
     model = _model(kd, keras, strategy, mode)
-    model.compile(optimizer=keras.optimizers.SGD(0.001),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.001),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
     model.fit(x, y, batch_size=FLAGS.batch, epochs=1, shuffle=False, verbose=0)  # warm-up
     before = tf.config.experimental.get_memory_info("CPU:0")["current"]
     tf.config.experimental.reset_memory_stats("CPU:0")
@@ -136,9 +148,16 @@ def run_worker() -> None:
     weights = model.get_weights()
     np.savez(FLAGS.out + ".npz", *weights)
     with open(FLAGS.out, "w") as f:
-        json.dump({"config": FLAGS.config, "step_seconds": seconds / FLAGS.steps,
-                   "step_peak_bytes": peak - before, "held_bytes": before,
-                   "weight_bytes": int(sum(w.nbytes for w in weights))}, f)
+        json.dump(
+            {
+                "config": FLAGS.config,
+                "step_seconds": seconds / FLAGS.steps,
+                "step_peak_bytes": peak - before,
+                "held_bytes": before,
+                "weight_bytes": int(sum(w.nbytes for w in weights)),
+            },
+            f,
+        )
 
 
 # -- driver ----------------------------------------------------------------------------
@@ -147,18 +166,28 @@ def run_worker() -> None:
 def _run(config: str, directory: str) -> dict:
     out = os.path.join(directory, config.replace("/", "-") + ".json")
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="1", TF_CPP_MIN_LOG_LEVEL="3")
-    flags_ = [f"--{k}={getattr(FLAGS, k)}" for k in ("depth", "width", "batch", "steps",
-                                                      "block")]
-    subprocess.run([sys.executable, os.path.abspath(__file__), "--role=worker",
-                    f"--config={config}", f"--out={out}", *flags_], env=env, check=True,
-                   timeout=FLAGS.timeout)
+    flags_ = [f"--{k}={getattr(FLAGS, k)}" for k in ("depth", "width", "batch", "steps", "block")]
+    subprocess.run(
+        [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--role=worker",
+            f"--config={config}",
+            f"--out={out}",
+            *flags_,
+        ],
+        env=env,
+        check=True,
+        timeout=FLAGS.timeout,
+    )
     with open(out) as f:
         result = json.load(f)
     import numpy as np
 
     with np.load(out + ".npz") as arrays:
-        result["weights"] = [arrays[k] for k in sorted(arrays.files,
-                                                        key=lambda k: int(k.split("_")[1]))]
+        result["weights"] = [
+            arrays[k] for k in sorted(arrays.files, key=lambda k: int(k.split("_")[1]))
+        ]
     return result
 
 
@@ -171,33 +200,52 @@ def run_driver() -> int:
     runs = {c: [] for c in configs}
     with tempfile.TemporaryDirectory(prefix="kd-remat-") as directory:
         for repeat in range(FLAGS.repeats):
-            for config in configs[repeat % len(configs):] + configs[:repeat % len(configs)]:
+            for config in configs[repeat % len(configs) :] + configs[: repeat % len(configs)]:
                 runs[config].append(_run(config, directory))
     rows = []
-    print(f"\n{FLAGS.depth} x Dense({FLAGS.width}), batch {FLAGS.batch}, SGD "
-          f"({_harness.human(runs[configs[0]][0]['weight_bytes'])} of weights)")
-    print(f"{'strategy/mode':20s} {'step peak':>12s} {'/ none':>8s} {'step time / none':>18s} "
-          f"{'max |w - none|':>15s}")
+    print(
+        f"\n{FLAGS.depth} x Dense({FLAGS.width}), batch {FLAGS.batch}, SGD "
+        f"({_harness.human(runs[configs[0]][0]['weight_bytes'])} of weights)"
+    )
+    print(
+        f"{'strategy/mode':20s} {'step peak':>12s} {'/ none':>8s} {'step time / none':>18s} "
+        f"{'max |w - none|':>15s}"
+    )
     for config in configs:
         name, mode = config.split("/")
         base = runs.get(f"{name}/none")
         peak = _harness.stats([r["step_peak_bytes"] for r in runs[config]])[0]
-        row = {"config": config, "step_peak_bytes": peak,
-               "step_seconds": _harness.run_summary([r["step_seconds"] for r in runs[config]])}
+        row = {
+            "config": config,
+            "step_peak_bytes": peak,
+            "step_seconds": _harness.run_summary([r["step_seconds"] for r in runs[config]]),
+        }
         line = f"{config:20s} {_harness.human(peak):>12s}"
         if base:
             base_peak = _harness.stats([r["step_peak_bytes"] for r in base])[0]
             times = [r["step_seconds"] / b["step_seconds"] for r, b in zip(runs[config], base)]
-            gap = max(float(np.abs(a - b).max())
-                      for a, b in zip(runs[config][0]["weights"], base[0]["weights"]))
+            gap = max(
+                float(np.abs(a - b).max())
+                for a, b in zip(runs[config][0]["weights"], base[0]["weights"])
+            )
             row.update(peak_over_none=peak / base_peak, time_over_none=times, weight_gap=gap)
             line += f" {peak / base_peak:8.2f} {_harness.fmt_stats(times):>18s} {gap:15.2e}"
         rows.append(row)
         print(line)
     print(_harness.load_note())
-    _harness.save_results(FLAGS.json, "remat", {
-        "depth": FLAGS.depth, "width": FLAGS.width, "batch": FLAGS.batch,
-        "block": FLAGS.block, "repeats": FLAGS.repeats, "results": rows}, quick=FLAGS.quick)
+    _harness.save_results(
+        FLAGS.json,
+        "remat",
+        {
+            "depth": FLAGS.depth,
+            "width": FLAGS.width,
+            "batch": FLAGS.batch,
+            "block": FLAGS.block,
+            "repeats": FLAGS.repeats,
+            "results": rows,
+        },
+        quick=FLAGS.quick,
+    )
     return 0
 
 

@@ -26,16 +26,34 @@ from absl import app, flags
 
 FLAGS = flags.FLAGS
 _HERE = os.path.dirname(os.path.abspath(__file__))
-flags.DEFINE_string("results_dir", os.path.join(_HERE, "results"),
-                    "Where the JSON results (and the PNG figures) are read.")
-flags.DEFINE_string("out", None, "The markdown file to write (default: RESULTS.md beside "
-                    "--results_dir, i.e. benchmarks/RESULTS.md).")
+flags.DEFINE_string(
+    "results_dir",
+    os.path.join(_HERE, "results"),
+    "Where the JSON results (and the PNG figures) are read.",
+)
+flags.DEFINE_string(
+    "out",
+    None,
+    "The markdown file to write (default: RESULTS.md beside "
+    "--results_dir, i.e. benchmarks/RESULTS.md).",
+)
 
 # The benchmarks that save JSON, in the order of the file; the two others
 # print their tables only.
-KNOWN = ("overhead", "allreduce", "weak_scaling", "strong_scaling", "model_parallel",
-         "sparse_embeddings", "remat", "optimizer_sharding", "bigger_models", "multi_host",
-         "elastic", "chaos")
+KNOWN = (
+    "overhead",
+    "allreduce",
+    "weak_scaling",
+    "strong_scaling",
+    "model_parallel",
+    "sparse_embeddings",
+    "remat",
+    "optimizer_sharding",
+    "bigger_models",
+    "multi_host",
+    "elastic",
+    "chaos",
+)
 PRINT_ONLY = ("horovod_vs_tf", "parameter_server")
 
 
@@ -65,8 +83,10 @@ def _stats(summary, digits: int = 2) -> str:
         return "–"
     if isinstance(summary, list):
         summary = {"median": _median(summary), "min": min(summary), "max": max(summary)}
-    return (f"{_num(summary['median'], digits)} "
-            f"[{_num(summary['min'], digits)}, {_num(summary['max'], digits)}]")
+    return (
+        f"{_num(summary['median'], digits)} "
+        f"[{_num(summary['min'], digits)}, {_num(summary['max'], digits)}]"
+    )
 
 
 def _mb(nbytes: float) -> str:
@@ -88,8 +108,10 @@ def _target(median: float, target, at_least: bool = True) -> str:
 
 def _meta_note(data: dict) -> str:
     meta = data.get("meta") or {}
-    note = (f"Measured {meta.get('time', '?')} on {meta.get('cpus', '?')} cores; "
-            f"{meta.get('load', 'load not recorded')}.")
+    note = (
+        f"Measured {meta.get('time', '?')} on {meta.get('cpus', '?')} cores; "
+        f"{meta.get('load', 'load not recorded')}."
+    )
     note = f"*{note}*"
     if meta.get("quick"):
         note += " **A `--quick` run: numbers for testing the chain, not for reading.**"
@@ -115,8 +137,10 @@ class _Doc:
 
     def misses(self, data: dict) -> None:
         if "misses" in data:
-            self.add("Target misses: " + ("; ".join(data["misses"]) if data["misses"]
-                                          else "none") + ".", "")
+            self.add(
+                "Target misses: " + ("; ".join(data["misses"]) if data["misses"] else "none") + ".",
+                "",
+            )
 
 
 # ----------------------------------------------------------------------------
@@ -124,108 +148,183 @@ class _Doc:
 
 
 def overhead(doc: _Doc, data: dict) -> None:
-    doc.add(f"`DistributedModel` against plain Keras, a raw loop and raw tf.distribute: the "
-            f"whole `model.fit` of the {data['model']} (batch {data['batch']}, "
-            f"{data['steps']} steps x {data['epochs']} epochs per fit), every variant "
-            f"interleaved in one process for {data['rounds']} rounds. Step time = fit time / "
-            "steps; ratios are paired per round.", "")
-    names = {"plain": "plain `keras.Model.fit`", "kd_single": 'ours, `"single"`',
-             "raw_loop": "raw `tf.function` loop (the floor)",
-             "raw_mirrored_1": "raw Keras + `MirroredStrategy`, 1 CPU",
-             "kd_mirrored_1": 'ours, `"mirrored"`, 1 CPU',
-             "raw_mirrored_2": "raw Keras + `MirroredStrategy`, 2 CPUs",
-             "kd_mirrored_2": 'ours, `"mirrored"`, 2 CPUs'}
-    doc.add(*_table(["variant", "step ms, median [min, max]"],
-                    [(names.get(k, k), _stats(v)) for k, v in data["step_ms"].items()]))
-    doc.add(*_table(["ratio", "median [min, max]", "target"],
-                    [(k, _stats(v), _target(v["median"], v.get("target"),
-                                            v.get("at_least") is not False))
-                     for k, v in data["ratios"].items()]))
+    doc.add(
+        f"`DistributedModel` against plain Keras, a raw loop and raw tf.distribute: the "
+        f"whole `model.fit` of the {data['model']} (batch {data['batch']}, "
+        f"{data['steps']} steps x {data['epochs']} epochs per fit), every variant "
+        f"interleaved in one process for {data['rounds']} rounds. Step time = fit time / "
+        "steps; ratios are paired per round.",
+        "",
+    )
+    names = {
+        "plain": "plain `keras.Model.fit`",
+        "kd_single": 'ours, `"single"`',
+        "raw_loop": "raw `tf.function` loop (the floor)",
+        "raw_mirrored_1": "raw Keras + `MirroredStrategy`, 1 CPU",
+        "kd_mirrored_1": 'ours, `"mirrored"`, 1 CPU',
+        "raw_mirrored_2": "raw Keras + `MirroredStrategy`, 2 CPUs",
+        "kd_mirrored_2": 'ours, `"mirrored"`, 2 CPUs',
+    }
+    doc.add(
+        *_table(
+            ["variant", "step ms, median [min, max]"],
+            [(names.get(k, k), _stats(v)) for k, v in data["step_ms"].items()],
+        )
+    )
+    doc.add(
+        *_table(
+            ["ratio", "median [min, max]", "target"],
+            [
+                (
+                    k,
+                    _stats(v),
+                    _target(v["median"], v.get("target"), v.get("at_least") is not False),
+                )
+                for k, v in data["ratios"].items()
+            ],
+        )
+    )
     doc.misses(data)
 
 
 def allreduce(doc: _Doc, data: dict) -> None:
-    doc.add(f"One SUM all-reduce between {data['nproc']} worker processes on this host: "
-            "ours (`Strategy.all_reduce`, the path of the training step) against raw "
-            "TensorFlow with one collective per tensor (raw) and TensorFlow's batched "
-            "all-reduce (batched), for single float32 tensors and for a list of many small "
-            f"gradients; {data['repeats']} interleaved timings each. Bus bandwidth = bytes x "
-            "2(n-1)/n / time; ratios > 1: ours is faster.", "")
+    doc.add(
+        f"One SUM all-reduce between {data['nproc']} worker processes on this host: "
+        "ours (`Strategy.all_reduce`, the path of the training step) against raw "
+        "TensorFlow with one collective per tensor (raw) and TensorFlow's batched "
+        "all-reduce (batched), for single float32 tensors and for a list of many small "
+        f"gradients; {data['repeats']} interleaved timings each. Bus bandwidth = bytes x "
+        "2(n-1)/n / time; ratios > 1: ours is faster.",
+        "",
+    )
     for launch in data["launches"]:
         bpp = launch["bytes_per_pack"]
-        doc.add(f"Ours with `implementation=\"{launch['implementation']}\"`, `bytes_per_pack="
-                f"{bpp}` ({_mb(bpp) if bpp else 'one pack'}); TensorFlow "
-                f"{launch.get('tf_version', '?')}:", "")
+        doc.add(
+            f'Ours with `implementation="{launch["implementation"]}"`, `bytes_per_pack='
+            f"{bpp}` ({_mb(bpp) if bpp else 'one pack'}); TensorFlow "
+            f"{launch.get('tf_version', '?')}:",
+            "",
+        )
         rows = []
         for case in launch["cases"]:
             bus = case["bus_gbps"]
-            rows.append((case["name"], case["num_tensors"],
-                         *(_num(bus[v]["median"], 3) for v in ("raw", "batched", "ours")),
-                         _stats(case["ours_over_raw"]), _stats(case["ours_over_batched"]),
-                         "ok" if case["checks_ok"] else "**wrong**"))
-        doc.add(*_table(["case", "tensors", "raw GB/s", "batched GB/s", "ours GB/s",
-                         "ours / raw", "ours / batched", "result"], rows))
+            rows.append(
+                (
+                    case["name"],
+                    case["num_tensors"],
+                    *(_num(bus[v]["median"], 3) for v in ("raw", "batched", "ours")),
+                    _stats(case["ours_over_raw"]),
+                    _stats(case["ours_over_batched"]),
+                    "ok" if case["checks_ok"] else "**wrong**",
+                )
+            )
+        doc.add(
+            *_table(
+                [
+                    "case",
+                    "tensors",
+                    "raw GB/s",
+                    "batched GB/s",
+                    "ours GB/s",
+                    "ours / raw",
+                    "ours / batched",
+                    "result",
+                ],
+                rows,
+            )
+        )
     doc.misses(data)
     doc.figure("allreduce_bandwidth.png", "All-reduce bus bandwidth against message size")
 
 
 def _config_table(doc: _Doc, configs: dict) -> None:
-    rows = [(f"`{name}`", c["workers"],
-             c["strategy"] + ("" if c["implementation"] == "auto" else f" ({c['implementation']})"),
-             c["global_batch"], _stats(c["step_ms"], 1), _stats(c["throughput"], 0))
-            for name, c in configs.items()]
-    doc.add(*_table(["config", "workers", "strategy", "global batch", "step ms",
-                     "samples/s"], rows))
+    rows = [
+        (
+            f"`{name}`",
+            c["workers"],
+            c["strategy"] + ("" if c["implementation"] == "auto" else f" ({c['implementation']})"),
+            c["global_batch"],
+            _stats(c["step_ms"], 1),
+            _stats(c["throughput"], 0),
+        )
+        for name, c in configs.items()
+    ]
+    doc.add(
+        *_table(["config", "workers", "strategy", "global batch", "step ms", "samples/s"], rows)
+    )
 
 
-_CONFIG_NOTE = ("`single` and `mw1`/`mw2` are ours (`multi_worker` on 1 and 2 workers; "
-                "`mw2ring` on TensorFlow's ring), `raw1`/`raw2` the peer (a hand-written "
-                "tf.distribute custom loop), `indep2` two independent `raw1` processes at "
-                "once (no communication: what two cores allow), `lock2` the same two "
-                "waiting for each other after every step (the lock-step reference).")
+_CONFIG_NOTE = (
+    "`single` and `mw1`/`mw2` are ours (`multi_worker` on 1 and 2 workers; "
+    "`mw2ring` on TensorFlow's ring), `raw1`/`raw2` the peer (a hand-written "
+    "tf.distribute custom loop), `indep2` two independent `raw1` processes at "
+    "once (no communication: what two cores allow), `lock2` the same two "
+    "waiting for each other after every step (the lock-step reference)."
+)
 
 
 def weak_scaling(doc: _Doc, data: dict) -> None:
-    doc.add(f"Training throughput of the {data['model']} with {data['per_worker_batch']} "
-            f"samples per worker per step, on 1 and 2 workers pinned to one core each; "
-            f"{data['repeats']} alternating repetitions, ratios paired per repetition. "
-            + _CONFIG_NOTE, "")
+    doc.add(
+        f"Training throughput of the {data['model']} with {data['per_worker_batch']} "
+        f"samples per worker per step, on 1 and 2 workers pinned to one core each; "
+        f"{data['repeats']} alternating repetitions, ratios paired per repetition. " + _CONFIG_NOTE,
+        "",
+    )
     _config_table(doc, data["configs"])
     rows = []
     eff = data.get("efficiency")
     if eff:
-        rows.append(("**efficiency mw2 / (2 x fastest one-worker)**", _stats(eff),
-                     _target(eff["median"], eff.get("target"))))
+        rows.append(
+            (
+                "**efficiency mw2 / (2 x fastest one-worker)**",
+                _stats(eff),
+                _target(eff["median"], eff.get("target")),
+            )
+        )
     ratios = data.get("ratios") or {}
-    shown = ("ceiling: indep2 / (2 x fastest one-worker)",
-             "lock-step reference: lock2 / (2 x fastest one-worker)",
-             "peer: raw2 / (2 x fastest one-worker)",
-             "against the ceiling: mw2 / indep2",
-             "against the lock-step reference: mw2 / lock2",
-             "our mw2 / peer raw2 (throughput)",
-             "efficiency mw2ring / (2 x single)",
-             "throughput single / raw1")
+    shown = (
+        "ceiling: indep2 / (2 x fastest one-worker)",
+        "lock-step reference: lock2 / (2 x fastest one-worker)",
+        "peer: raw2 / (2 x fastest one-worker)",
+        "against the ceiling: mw2 / indep2",
+        "against the lock-step reference: mw2 / lock2",
+        "our mw2 / peer raw2 (throughput)",
+        "efficiency mw2ring / (2 x single)",
+        "throughput single / raw1",
+    )
     picked = [k for k in shown if k in ratios] or list(ratios)
     rows += [(k, _stats(ratios[k]), "–") for k in picked]
     doc.add(*_table(["ratio", "median [min, max]", "target"], rows))
     doc.misses(data)
-    doc.figure("throughput_vs_workers.png",
-               "Training throughput against workers: weak and strong scaling")
+    doc.figure(
+        "throughput_vs_workers.png", "Training throughput against workers: weak and strong scaling"
+    )
 
 
 def strong_scaling(doc: _Doc, data: dict) -> None:
-    doc.add(f"Training throughput of the {data['model']} with a fixed global batch of "
-            f"{data['global_batch']} samples, split over 1 or 2 workers pinned to one core each; "
-            f"{data['repeats']} alternating repetitions. The speedup is what a second "
-            "worker gives a user with a fixed batch size (ideal 2.0). " + _CONFIG_NOTE, "")
+    doc.add(
+        f"Training throughput of the {data['model']} with a fixed global batch of "
+        f"{data['global_batch']} samples, split over 1 or 2 workers pinned to one core each; "
+        f"{data['repeats']} alternating repetitions. The speedup is what a second "
+        "worker gives a user with a fixed batch size (ideal 2.0). " + _CONFIG_NOTE,
+        "",
+    )
     _config_table(doc, data["configs"])
     rows = []
     speedup = data.get("speedup")
     if speedup:
-        rows.append(("**speedup mw2 / fastest one-worker**", _stats(speedup),
-                     _num(speedup.get("ideal", 2.0), 1)))
-    rows += [(k, _stats(v), "–") for k, v in (data.get("ratios") or {}).items()
-             if k != "mw2 / fastest one-worker"]
+        rows.append(
+            (
+                "**speedup mw2 / fastest one-worker**",
+                _stats(speedup),
+                _num(speedup.get("ideal", 2.0), 1),
+            )
+        )
+    rows += [
+        (k, _stats(v), "–")
+        for k, v in (data.get("ratios") or {}).items()
+        if k != "mw2 / fastest one-worker"
+    ]
     doc.add(*_table(["ratio", "median [min, max]", "ideal"], rows))
     doc.misses(data)
     if os.path.exists(os.path.join(doc.results_dir, "throughput_vs_workers.png")):
@@ -233,13 +332,16 @@ def strong_scaling(doc: _Doc, data: dict) -> None:
 
 
 def model_parallel(doc: _Doc, data: dict) -> None:
-    doc.add(f"Training throughput of the {data['model']} ({data['params']:,} parameters, "
-            f"batch {data['batch']}) split over 2 logical CPUs, against one core "
-            f"(`one`, strategy `single`): `mN` is `pipeline` with 2 stages, schedule 1F1B "
-            f"and N micro-batches, `gpipe8` the GPipe schedule at 8, `tp2` "
-            f"`tensor_parallel` over 2 devices. {data['repeats']} alternating repetitions; "
-            "ratios paired per repetition. The ideal of a 2-stage pipeline is 2 x (1 - "
-            "bubble).", "")
+    doc.add(
+        f"Training throughput of the {data['model']} ({data['params']:,} parameters, "
+        f"batch {data['batch']}) split over 2 logical CPUs, against one core "
+        f"(`one`, strategy `single`): `mN` is `pipeline` with 2 stages, schedule 1F1B "
+        f"and N micro-batches, `gpipe8` the GPipe schedule at 8, `tp2` "
+        f"`tensor_parallel` over 2 devices. {data['repeats']} alternating repetitions; "
+        "ratios paired per repetition. The ideal of a 2-stage pipeline is 2 x (1 - "
+        "bubble).",
+        "",
+    )
     ratios, ideal = data.get("ratios_vs_one") or {}, data.get("ideal") or {}
     target = data.get("target_m8")
     rows = []
@@ -248,30 +350,53 @@ def model_parallel(doc: _Doc, data: dict) -> None:
         mark = ""
         if name == "m8" and ratio and target:
             mark = _target(ratio["median"], target)
-        rows.append((f"`{name}`", _num(_median([r["step_ms"] for r in runs]), 1),
-                     "1" if name == "one" else _stats(ratio),
-                     "1.00" if name == "one" else _num(ideal.get(name)), mark or "–"))
-    doc.add(*_table(["config", "step ms (median)", "throughput / one", "ideal", "target"],
-                    rows))
+        rows.append(
+            (
+                f"`{name}`",
+                _num(_median([r["step_ms"] for r in runs]), 1),
+                "1" if name == "one" else _stats(ratio),
+                "1.00" if name == "one" else _num(ideal.get(name)),
+                mark or "–",
+            )
+        )
+    doc.add(*_table(["config", "step ms (median)", "throughput / one", "ideal", "target"], rows))
     per_device = (data["runs"].get("tp2") or [{}])[0].get("bytes_per_device")
     if per_device:
         total = sum(per_device.values()) or 1
-        doc.add("Weight bytes per device under `tp2`: " + ", ".join(
-            f"{d.rsplit('device:', 1)[-1]} {_mb(b)} ({100 * b / total:.1f}%)"
-            for d, b in sorted(per_device.items())) + " (ideal 50% each).", "")
+        doc.add(
+            "Weight bytes per device under `tp2`: "
+            + ", ".join(
+                f"{d.rsplit('device:', 1)[-1]} {_mb(b)} ({100 * b / total:.1f}%)"
+                for d, b in sorted(per_device.items())
+            )
+            + " (ideal 50% each).",
+            "",
+        )
     doc.misses(data)
 
 
 def sparse_embeddings(doc: _Doc, data: dict) -> None:
-    doc.add(f"An `Embedding({data['vocab']:,} x {data['dim']})` table (batch "
-            f"{data['batch']}, {data['optimizer']}) on 2 workers: its gradient as the batch's "
-            "rows (`sparse`, ours) against the whole table made dense before the reduction "
-            "(`dense`), and plain Keras in one process (`plain`). Bytes: what each worker "
-            "hands the step's reductions.", "")
-    doc.add(*_table(["config", "step ms, median [min, max]", "to the reductions per step"],
-                    [(f"`{k}`", _stats(c["step_ms"], 1),
-                      _mb(c["bytes_per_step"]) if c["bytes_per_step"] else "none")
-                     for k, c in data["configs"].items()]))
+    doc.add(
+        f"An `Embedding({data['vocab']:,} x {data['dim']})` table (batch "
+        f"{data['batch']}, {data['optimizer']}) on 2 workers: its gradient as the batch's "
+        "rows (`sparse`, ours) against the whole table made dense before the reduction "
+        "(`dense`), and plain Keras in one process (`plain`). Bytes: what each worker "
+        "hands the step's reductions.",
+        "",
+    )
+    doc.add(
+        *_table(
+            ["config", "step ms, median [min, max]", "to the reductions per step"],
+            [
+                (
+                    f"`{k}`",
+                    _stats(c["step_ms"], 1),
+                    _mb(c["bytes_per_step"]) if c["bytes_per_step"] else "none",
+                )
+                for k, c in data["configs"].items()
+            ],
+        )
+    )
     rows = [(k, _stats(v)) for k, v in (data.get("ratios") or {}).items()]
     if "bytes_ratio_dense_over_sparse" in data:
         rows.append(("dense/sparse bytes", _num(data["bytes_ratio_dense_over_sparse"], 0)))
@@ -279,132 +404,246 @@ def sparse_embeddings(doc: _Doc, data: dict) -> None:
 
 
 def remat(doc: _Doc, data: dict) -> None:
-    doc.add(f"Activation checkpointing on an MLP of {data['depth']} x Dense({data['width']}), "
-            f"batch {data['batch']}: none, every layer in `keras.RematScope(mode=\"full\")` "
-            f"(`layers`), and `keras.remat` around blocks of {data['block']} layers "
-            "(`blocks`), under each strategy. Peak: the memory the training step itself "
-            "needs (TensorFlow's allocator count); the weights are compared with `none` of "
-            f"the same strategy. {data['repeats']} repetitions.", "")
+    doc.add(
+        f"Activation checkpointing on an MLP of {data['depth']} x Dense({data['width']}), "
+        f'batch {data["batch"]}: none, every layer in `keras.RematScope(mode="full")` '
+        f"(`layers`), and `keras.remat` around blocks of {data['block']} layers "
+        "(`blocks`), under each strategy. Peak: the memory the training step itself "
+        "needs (TensorFlow's allocator count); the weights are compared with `none` of "
+        f"the same strategy. {data['repeats']} repetitions.",
+        "",
+    )
     rows = []
     for r in data["results"]:
         times = r.get("time_over_none")
-        rows.append((f"`{r['config']}`", _mb(r["step_peak_bytes"]),
-                     _num(r.get("peak_over_none")), _num(_median(times)) if times else "–",
-                     f"{r['weight_gap']:.1e}" if "weight_gap" in r else "–"))
-    doc.add(*_table(["strategy/mode", "step peak", "peak / none", "step time / none",
-                     "max abs weight difference"], rows))
+        rows.append(
+            (
+                f"`{r['config']}`",
+                _mb(r["step_peak_bytes"]),
+                _num(r.get("peak_over_none")),
+                _num(_median(times)) if times else "–",
+                f"{r['weight_gap']:.1e}" if "weight_gap" in r else "–",
+            )
+        )
+    doc.add(
+        *_table(
+            [
+                "strategy/mode",
+                "step peak",
+                "peak / none",
+                "step time / none",
+                "max abs weight difference",
+            ],
+            rows,
+        )
+    )
 
 
 def optimizer_sharding(doc: _Doc, data: dict) -> None:
-    doc.add(f"Optimizer-state sharding on an MLP of {data['depth']} x Dense({data['width']}) "
-            f"({data['parameters']:,} parameters), Adam, batch {data['batch']}, `multi_worker` "
-            "on 2 workers: `none` (every worker keeps Adam's moments for every weight) "
-            "against `optimizer` (each keeps them for its half) and `gradients` (and "
-            "receives only its half's reduced gradients). Bytes per worker from "
-            "`strategy.describe(model)`.", "")
-    doc.add(*_table(["sharding", "step ms, median [min, max]", "weights", "gradients",
-                     "optimizer"],
-                    [(f"`{k}`", _stats(c["step_ms"], 1), _mb(c["weights"]),
-                      _mb(c["gradients"]), _mb(c["optimizer"]))
-                     for k, c in data["configs"].items()]))
-    rows = [(k, _stats(v) if isinstance(v, dict) else _num(v, 3))
-            for k, v in data["ratios"].items()]
+    doc.add(
+        f"Optimizer-state sharding on an MLP of {data['depth']} x Dense({data['width']}) "
+        f"({data['parameters']:,} parameters), Adam, batch {data['batch']}, `multi_worker` "
+        "on 2 workers: `none` (every worker keeps Adam's moments for every weight) "
+        "against `optimizer` (each keeps them for its half) and `gradients` (and "
+        "receives only its half's reduced gradients). Bytes per worker from "
+        "`strategy.describe(model)`.",
+        "",
+    )
+    doc.add(
+        *_table(
+            ["sharding", "step ms, median [min, max]", "weights", "gradients", "optimizer"],
+            [
+                (
+                    f"`{k}`",
+                    _stats(c["step_ms"], 1),
+                    _mb(c["weights"]),
+                    _mb(c["gradients"]),
+                    _mb(c["optimizer"]),
+                )
+                for k, c in data["configs"].items()
+            ],
+        )
+    )
+    rows = [
+        (k, _stats(v) if isinstance(v, dict) else _num(v, 3)) for k, v in data["ratios"].items()
+    ]
     rows.append(("final weights equal", _num(data["final_weights_equal"])))
     doc.add(*_table(["", "value"], rows))
     doc.misses(data)
 
 
 def bigger_models(doc: _Doc, data: dict) -> None:
-    doc.add(f"The ways to fit a bigger model on one model, an MLP of {data['layers']} x "
-            f"Dense({data['units']}) ({data['parameters']:,} parameters) with Adam: the bytes "
-            "of weights and optimizer state on the most loaded device, read from the "
-            "variables (`strategy.describe(model)`). Activation checkpointing leaves them "
-            "as they are (it trades activations for recompute: see its section).", "")
-    doc.add(*_table(["way", "devices", "largest device", "/ data parallel"],
-                    [(f"`{way}`", str(r["devices"]), _mb(r["largest_bytes"]),
-                      _num(r["over_data_parallel"], 3)) for way, r in data["ways"].items()]))
+    doc.add(
+        f"The ways to fit a bigger model on one model, an MLP of {data['layers']} x "
+        f"Dense({data['units']}) ({data['parameters']:,} parameters) with Adam: the bytes "
+        "of weights and optimizer state on the most loaded device, read from the "
+        "variables (`strategy.describe(model)`). Activation checkpointing leaves them "
+        "as they are (it trades activations for recompute: see its section).",
+        "",
+    )
+    doc.add(
+        *_table(
+            ["way", "devices", "largest device", "/ data parallel"],
+            [
+                (
+                    f"`{way}`",
+                    str(r["devices"]),
+                    _mb(r["largest_bytes"]),
+                    _num(r["over_data_parallel"], 3),
+                )
+                for way, r in data["ways"].items()
+            ],
+        )
+    )
 
 
 def multi_host(doc: _Doc, data: dict) -> None:
-    doc.add("Two hosts (network namespaces) joined by a rate-limited link, one worker each: "
-            "all-reduce bus bandwidth as a fraction of the link rate for ours over "
-            "TensorFlow's ring, ours over Horovod's Gloo and raw "
-            "`MultiWorkerMirroredStrategy` (goal: >= 0.8 from 4 MB), beside the link's "
-            "ceiling (sockets: the same bytes exchanged over one plain TCP connection, no "
-            "reduction; no engine can beat it), and the training step "
-            f"(global batch {data['batch']}; each step timed from its batch's begin to its "
-            "end, the median over an epoch) against its parts measured alone, compute and "
-            "the gradient all-reduce (`step / max(compute, comm)`: 1 when they fully "
-            "overlap, up to 2 when they run one after the other; `bound`: (compute + the "
-            "all-reduce of the first layer's gradients, made last) / max(compute, comm), "
-            f"the least perfect overlap can reach). Medians of {data['repeats']} timings.",
-            "")
-    rows = [(r["rate"], s["name"], *(_num(s["bus_fraction"].get(k))
-                                     for k in ("ours_ring", "ours_gloo", "raw_tf", "sockets")))
-            for r in data["results"] for s in r["allreduce"]]
-    doc.add(*_table(["link", "size", "ours / TF ring", "ours / Gloo", "raw TF", "sockets"],
-                    rows))
+    doc.add(
+        "Two hosts (network namespaces) joined by a rate-limited link, one worker each: "
+        "all-reduce bus bandwidth as a fraction of the link rate for ours over "
+        "TensorFlow's ring, ours over Horovod's Gloo and raw "
+        "`MultiWorkerMirroredStrategy` (goal: >= 0.8 from 4 MB), beside the link's "
+        "ceiling (sockets: the same bytes exchanged over one plain TCP connection, no "
+        "reduction; no engine can beat it), and the training step "
+        f"(global batch {data['batch']}; each step timed from its batch's begin to its "
+        "end, the median over an epoch) against its parts measured alone, compute and "
+        "the gradient all-reduce (`step / max(compute, comm)`: 1 when they fully "
+        "overlap, up to 2 when they run one after the other; `bound`: (compute + the "
+        "all-reduce of the first layer's gradients, made last) / max(compute, comm), "
+        f"the least perfect overlap can reach). Medians of {data['repeats']} timings.",
+        "",
+    )
+    rows = [
+        (
+            r["rate"],
+            s["name"],
+            *(
+                _num(s["bus_fraction"].get(k))
+                for k in ("ours_ring", "ours_gloo", "raw_tf", "sockets")
+            ),
+        )
+        for r in data["results"]
+        for s in r["allreduce"]
+    ]
+    doc.add(*_table(["link", "size", "ours / TF ring", "ours / Gloo", "raw TF", "sockets"], rows))
     one = data.get("one_host")
-    steps = ([("one host", one)] if one else []) + [(r["rate"], r["train"])
-                                                    for r in data["results"]]
-    steps += [(f"{r['rate']}, {c}", t) for r in data["results"]
-              for c, t in (r.get("compressed") or {}).items()]
-    doc.add(*_table(["where", "step ms", "compute ms", "comm ms", "step / max", "bound",
-                     "step / one host"],
-                    [(where, _num(1e3 * t["step"], 1), _num(1e3 * t["compute"], 1),
-                      _num(1e3 * t["comm"], 1), _num(t["step_over_max_parts"]),
-                      _num(t.get("bound")),
-                      _num(t["step"] / one["step"]) if one else "–") for where, t in steps]))
+    steps = ([("one host", one)] if one else []) + [
+        (r["rate"], r["train"]) for r in data["results"]
+    ]
+    steps += [
+        (f"{r['rate']}, {c}", t)
+        for r in data["results"]
+        for c, t in (r.get("compressed") or {}).items()
+    ]
+    doc.add(
+        *_table(
+            ["where", "step ms", "compute ms", "comm ms", "step / max", "bound", "step / one host"],
+            [
+                (
+                    where,
+                    _num(1e3 * t["step"], 1),
+                    _num(1e3 * t["compute"], 1),
+                    _num(1e3 * t["comm"], 1),
+                    _num(t["step_over_max_parts"]),
+                    _num(t.get("bound")),
+                    _num(t["step"] / one["step"]) if one else "–",
+                )
+                for where, t in steps
+            ],
+        )
+    )
     doc.figure("multi_host.png", "All-reduce between two hosts against the link rate")
 
 
 def elastic(doc: _Doc, data: dict) -> None:
-    doc.add("An elastic job (`--min_workers 1`) on two hosts (network namespaces), one worker "
-            "each, losing host 1's link for good after step "
-            f"{data['lose_after']} and getting it back later; heartbeat timeout "
-            f"{data['heartbeat_s']:g} s, a backup every {data['save_freq']} steps. From the "
-            "workers' own step log:", "")
-    labels = {"loss_to_training_s": "seconds from the loss to training on the host left",
-              "steps_redone": "steps trained again after the loss",
-              "return_to_training_s": "seconds from the return to training on both",
-              "steps_redone_on_return": "steps trained again after the return"}
-    doc.add(*_table(["", "median [min, max]"],
-                    [(labels[k], _stats(v)) for k, v in data["measures"].items()]))
+    doc.add(
+        "An elastic job (`--min_workers 1`) on two hosts (network namespaces), one worker "
+        "each, losing host 1's link for good after step "
+        f"{data['lose_after']} and getting it back later; heartbeat timeout "
+        f"{data['heartbeat_s']:g} s, a backup every {data['save_freq']} steps. From the "
+        "workers' own step log:",
+        "",
+    )
+    labels = {
+        "loss_to_training_s": "seconds from the loss to training on the host left",
+        "steps_redone": "steps trained again after the loss",
+        "return_to_training_s": "seconds from the return to training on both",
+        "steps_redone_on_return": "steps trained again after the return",
+    }
+    doc.add(
+        *_table(
+            ["", "median [min, max]"], [(labels[k], _stats(v)) for k, v in data["measures"].items()]
+        )
+    )
     doc.misses(data)
 
 
 def chaos(doc: _Doc, data: dict) -> None:
     counts, trials = data["counts"], data["trials"]
-    doc.add(f"{len(trials)} trials (seed {data['seed']}) of a `multi_worker` job on two hosts "
-            "(network namespaces), one worker each, `--min_workers 1 --max_restarts 4`, "
-            f"heartbeat timeout {data['heartbeat_s']:g} s, with one or two random faults "
-            "at a random step. Exact: the weights of an uninterrupted one-process run "
-            "(max |dw| <= 1e-5); clear: a non-zero exit with one line of the launcher's; "
-            "anything else (a hang, other weights, a process or /dev/shm file left) must "
-            "not happen.", "")
+    doc.add(
+        f"{len(trials)} trials (seed {data['seed']}) of a `multi_worker` job on two hosts "
+        "(network namespaces), one worker each, `--min_workers 1 --max_restarts 4`, "
+        f"heartbeat timeout {data['heartbeat_s']:g} s, with one or two random faults "
+        "at a random step. Exact: the weights of an uninterrupted one-process run "
+        "(max |dw| <= 1e-5); clear: a non-zero exit with one line of the launcher's; "
+        "anything else (a hang, other weights, a process or /dev/shm file left) must "
+        "not happen.",
+        "",
+    )
     injected = f"{data['faults_injected']} of {data.get('faults_drawn', '?')}"
-    doc.add(*_table(["trials", "faults injected (of drawn)", "exact ends", "clear ends",
-                     "anything else"],
-                    [(str(len(trials)), injected, str(counts["exact"]),
-                      str(counts["clear"]), str(counts["other"]))]))
-    doc.add(*_table(["trial", "faults, after step", "end", "seconds"],
-                    [(str(t["index"] + 1), f"{' + '.join(t['faults'])}, {t['step']}",
-                      f"{t['end']}: {t['why']}".replace("|", "/"), _num(t["seconds"], 0))
-                     for t in trials]))
+    doc.add(
+        *_table(
+            ["trials", "faults injected (of drawn)", "exact ends", "clear ends", "anything else"],
+            [
+                (
+                    str(len(trials)),
+                    injected,
+                    str(counts["exact"]),
+                    str(counts["clear"]),
+                    str(counts["other"]),
+                )
+            ],
+        )
+    )
+    doc.add(
+        *_table(
+            ["trial", "faults, after step", "end", "seconds"],
+            [
+                (
+                    str(t["index"] + 1),
+                    f"{' + '.join(t['faults'])}, {t['step']}",
+                    f"{t['end']}: {t['why']}".replace("|", "/"),
+                    _num(t["seconds"], 0),
+                )
+                for t in trials
+            ],
+        )
+    )
     doc.misses(data)
 
 
 def generic(doc: _Doc, data: dict) -> None:
-    settings = [(k, v) for k, v in data.items()
-                if k != "meta" and isinstance(v, (int, float, str, bool))]
+    settings = [
+        (k, v) for k, v in data.items() if k != "meta" and isinstance(v, (int, float, str, bool))
+    ]
     if settings:
-        doc.add(*_table(["setting", "value"], [(k, _num(v) if not isinstance(v, str) else v)
-                                               for k, v in settings]))
+        doc.add(
+            *_table(
+                ["setting", "value"],
+                [(k, _num(v) if not isinstance(v, str) else v) for k, v in settings],
+            )
+        )
     ratios = data.get("ratios")
     if isinstance(ratios, dict) and ratios:
-        doc.add(*_table(["ratio", "median [min, max]"],
-                        [(k, _stats(v) if isinstance(v, dict) and "median" in v else v)
-                         for k, v in ratios.items()]))
+        doc.add(
+            *_table(
+                ["ratio", "median [min, max]"],
+                [
+                    (k, _stats(v) if isinstance(v, dict) and "median" in v else v)
+                    for k, v in ratios.items()
+                ],
+            )
+        )
     doc.misses(data)
 
 
@@ -431,32 +670,44 @@ SECTIONS = {
 def render(results_dir: str, out_path: str) -> str:
     """The markdown for the JSON files in `results_dir`, linking figures from `out_path`."""
     doc = _Doc(results_dir, out_path)
-    doc.add("# Benchmark results", "",
-            "Generated by `benchmarks/results_md.py` from the JSON files `make bench` saves "
-            "under `benchmarks/results/`; do not edit by hand (rewrite it with "
-            "`python benchmarks/results_md.py`). Each section holds the latest run of its "
-            "benchmark, measured on a shared machine: absolute times are noisy, read the ratios, "
-            "given as median [min, max] over the repetitions. Each benchmark's docstring "
-            "says exactly what it measures.", "")
-    present = sorted(f[:-len(".json")] for f in os.listdir(results_dir)
-                     if f.endswith(".json")) if os.path.isdir(results_dir) else []
+    doc.add(
+        "# Benchmark results",
+        "",
+        "Generated by `benchmarks/results_md.py` from the JSON files `make bench` saves "
+        "under `benchmarks/results/`; do not edit by hand (rewrite it with "
+        "`python benchmarks/results_md.py`). Each section holds the latest run of its "
+        "benchmark, measured on a shared machine: absolute times are noisy, read the ratios, "
+        "given as median [min, max] over the repetitions. Each benchmark's docstring "
+        "says exactly what it measures.",
+        "",
+    )
+    present = (
+        sorted(f[: -len(".json")] for f in os.listdir(results_dir) if f.endswith(".json"))
+        if os.path.isdir(results_dir)
+        else []
+    )
     others = [name for name in present if name not in KNOWN]
     for name in list(KNOWN) + others:
         title, section = SECTIONS.get(name, (name.replace("_", " ").capitalize(), generic))
         doc.add(f"## {title} (`{name}.py`)", "")
         if name not in present:
-            doc.add(f"No results: `{name}.json` is missing (run `python "
-                    f"benchmarks/{name}.py`).", "")
+            doc.add(
+                f"No results: `{name}.json` is missing (run `python benchmarks/{name}.py`).", ""
+            )
             continue
         with open(os.path.join(results_dir, f"{name}.json")) as f:
             data = json.load(f)
         doc.add(_meta_note(data), "")
         section(doc, data)
-    doc.add("## Printed only", "",
-            " and ".join(f"`{name}.py`" for name in PRINT_ONLY)
-            + " (Horovod against TensorFlow's collectives; asynchronous parameter servers "
-            "against synchronous training) print their tables and save no JSON: run them, "
-            "or `make bench`, to see their figures.", "")
+    doc.add(
+        "## Printed only",
+        "",
+        " and ".join(f"`{name}.py`" for name in PRINT_ONLY)
+        + " (Horovod against TensorFlow's collectives; asynchronous parameter servers "
+        "against synchronous training) print their tables and save no JSON: run them, "
+        "or `make bench`, to see their figures.",
+        "",
+    )
     while doc.lines and doc.lines[-1] == "":
         doc.lines.pop()
     return "\n".join(doc.lines) + "\n"

@@ -41,8 +41,11 @@ flags.DEFINE_integer("epochs", 3, "Epochs per launch (the first is warm-up).")
 flags.DEFINE_integer("repeats", 3, "Launches per configuration.")
 flags.DEFINE_enum("optimizer", "sgd", ["sgd", "adam"], "The optimizer of the step.")
 flags.DEFINE_integer("timeout", 900, "Seconds per launch.")
-flags.DEFINE_string("json", os.path.join(_harness.RESULTS_DIR, "sparse_embeddings.json"),
-                    "Where the driver saves its measurements ('' for nowhere).")
+flags.DEFINE_string(
+    "json",
+    os.path.join(_harness.RESULTS_DIR, "sparse_embeddings.json"),
+    "Where the driver saves its measurements ('' for nowhere).",
+)
 flags.DEFINE_bool("quick", False, "Few small steps: tests the chain, numbers not for reading.")
 
 CONFIGS = ("sparse", "dense", "plain")
@@ -76,12 +79,15 @@ def run_worker() -> None:
         model = keras.Model(*graph())
         world = 1
     else:
+
         class DenseTable(kd.DistributedModel):
             """The table's gradient made dense before the reduction."""
 
             def reduce_gradients(self, gradients, num_samples):
-                gradients = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
-                             for g in gradients]
+                gradients = [
+                    tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+                    for g in gradients
+                ]
                 return super().reduce_gradients(gradients, num_samples)
 
         cls = DenseTable if FLAGS.config == "dense" else kd.DistributedModel
@@ -90,8 +96,9 @@ def run_worker() -> None:
         all_reduce = model.strategy.all_reduce
 
         def recording(values, op="sum"):
-            sent_shapes.extend((tuple(tf.TensorShape(v.shape).as_list()), v.dtype.size)
-                               for v in values)
+            sent_shapes.extend(
+                (tuple(tf.TensorShape(v.shape).as_list()), v.dtype.size) for v in values
+            )
             return all_reduce(values, op)
 
         model.strategy.all_reduce = recording
@@ -101,8 +108,9 @@ def run_worker() -> None:
             # The dense gradients and the sample count travel here, through
             # shared memory or TensorFlow's collectives (whose all_reduce
             # calls are not counted twice).
-            sent_shapes.extend((tuple(tf.TensorShape(g.shape).as_list()), g.dtype.size)
-                               for g in gradients)
+            sent_shapes.extend(
+                (tuple(tf.TensorShape(g.shape).as_list()), g.dtype.size) for g in gradients
+            )
             sent_shapes.append(((), 4))
             model.strategy.all_reduce = all_reduce
             try:
@@ -111,30 +119,57 @@ def run_worker() -> None:
                 model.strategy.all_reduce = recording
 
         model.strategy.reduce_gradients = recording_dense
-    optimizer = (keras.optimizers.SGD(0.1) if FLAGS.optimizer == "sgd"
-                 else keras.optimizers.Adam(1e-3))
+    optimizer = (
+        keras.optimizers.SGD(0.1) if FLAGS.optimizer == "sgd" else keras.optimizers.Adam(1e-3)
+    )
     model.compile(optimizer=optimizer, loss="binary_crossentropy")
 
-    steps = _harness.steady_step_seconds(model, x, y, batch_size=FLAGS.batch, epochs=FLAGS.epochs,
-                                         shuffle=False, verbose=0)
+    steps = _harness.steady_step_seconds(
+        model, x, y, batch_size=FLAGS.batch, epochs=FLAGS.epochs, shuffle=False, verbose=0
+    )
     rows = FLAGS.batch // world  # the unknown (batch) dimension of what was sent
-    sent = sum(int(np.prod([rows if d is None else d for d in shape])) * size
-               for shape, size in sent_shapes)
-    _harness.write_result(FLAGS.out_dir, rank, {
-        "rank": rank, "world_size": world, "step_ms": 1000 * float(np.median(steps)),
-        "bytes_per_step": sent})
+    sent = sum(
+        int(np.prod([rows if d is None else d for d in shape])) * size
+        for shape, size in sent_shapes
+    )
+    _harness.write_result(
+        FLAGS.out_dir,
+        rank,
+        {
+            "rank": rank,
+            "world_size": world,
+            "step_ms": 1000 * float(np.median(steps)),
+            "bytes_per_step": sent,
+        },
+    )
 
 
 def run_config(name: str) -> dict:
     nproc = 1 if name == "plain" else 2
-    args = ["--config", name, "--vocab", str(FLAGS.vocab), "--dim", str(FLAGS.dim),
-            "--batch", str(FLAGS.batch), "--steps", str(FLAGS.steps),
-            "--epochs", str(FLAGS.epochs), "--optimizer", FLAGS.optimizer]
-    out_dir, _ = _harness.launch_workers(os.path.abspath(__file__), nproc, args,
-                                         timeout=FLAGS.timeout)
+    args = [
+        "--config",
+        name,
+        "--vocab",
+        str(FLAGS.vocab),
+        "--dim",
+        str(FLAGS.dim),
+        "--batch",
+        str(FLAGS.batch),
+        "--steps",
+        str(FLAGS.steps),
+        "--epochs",
+        str(FLAGS.epochs),
+        "--optimizer",
+        FLAGS.optimizer,
+    ]
+    out_dir, _ = _harness.launch_workers(
+        os.path.abspath(__file__), nproc, args, timeout=FLAGS.timeout
+    )
     results = _harness.read_results(out_dir, nproc)
-    return {"step_ms": max(r["step_ms"] for r in results),
-            "bytes_per_step": results[0]["bytes_per_step"]}
+    return {
+        "step_ms": max(r["step_ms"] for r in results),
+        "bytes_per_step": results[0]["bytes_per_step"],
+    }
 
 
 def run_driver() -> None:
@@ -144,33 +179,51 @@ def run_driver() -> None:
     runs = _harness.interleaved(CONFIGS, FLAGS.repeats, run_config)
     if runs is None:
         return
-    print(f"\nEmbedding({FLAGS.vocab:,} x {FLAGS.dim}), global batch {FLAGS.batch}, "
-          f"{FLAGS.optimizer}; 2 workers (multi_worker) or 1 process (plain Keras)")
-    print(f"{'config':8s} {'step ms median [min, max]':^30s} "
-          f"{'MB to the reductions per step':>30s}")
+    print(
+        f"\nEmbedding({FLAGS.vocab:,} x {FLAGS.dim}), global batch {FLAGS.batch}, "
+        f"{FLAGS.optimizer}; 2 workers (multi_worker) or 1 process (plain Keras)"
+    )
+    print(
+        f"{'config':8s} {'step ms median [min, max]':^30s} {'MB to the reductions per step':>30s}"
+    )
     for name in CONFIGS:
         r = runs[name]
         mb = r[0]["bytes_per_step"] / 2**20
         print(f"{name:8s} {_harness.fmt_stats([x['step_ms'] for x in r], 1):^30s} {mb:30.3f}")
     ratios = {
-        "dense/sparse step time": _harness.paired_ratios(runs["dense"], runs["sparse"],
-                                                         key="step_ms"),
-        "sparse/plain step time": _harness.paired_ratios(runs["sparse"], runs["plain"],
-                                                         key="step_ms"),
+        "dense/sparse step time": _harness.paired_ratios(
+            runs["dense"], runs["sparse"], key="step_ms"
+        ),
+        "sparse/plain step time": _harness.paired_ratios(
+            runs["sparse"], runs["plain"], key="step_ms"
+        ),
     }
     for label, values in ratios.items():
         print(f"{label:28s} {_harness.fmt_stats(values)}")
     traffic = runs["dense"][0]["bytes_per_step"] / max(runs["sparse"][0]["bytes_per_step"], 1)
     print(f"{'dense/sparse bytes':28s} {traffic:.0f}")
     print(f"load: {load}; wall time {watch.elapsed():.0f} s")
-    _harness.save_results(FLAGS.json, "sparse_embeddings", {
-        "vocab": FLAGS.vocab, "dim": FLAGS.dim, "batch": FLAGS.batch,
-        "optimizer": FLAGS.optimizer,
-        "configs": {n: {"step_ms": _harness.run_summary([x["step_ms"] for x in runs[n]]),
-                        "bytes_per_step": runs[n][0]["bytes_per_step"]} for n in CONFIGS},
-        "ratios": {k: _harness.run_summary(v) for k, v in ratios.items()},
-        "bytes_ratio_dense_over_sparse": traffic,
-    }, quick=FLAGS.quick, load=load)
+    _harness.save_results(
+        FLAGS.json,
+        "sparse_embeddings",
+        {
+            "vocab": FLAGS.vocab,
+            "dim": FLAGS.dim,
+            "batch": FLAGS.batch,
+            "optimizer": FLAGS.optimizer,
+            "configs": {
+                n: {
+                    "step_ms": _harness.run_summary([x["step_ms"] for x in runs[n]]),
+                    "bytes_per_step": runs[n][0]["bytes_per_step"],
+                }
+                for n in CONFIGS
+            },
+            "ratios": {k: _harness.run_summary(v) for k, v in ratios.items()},
+            "bytes_ratio_dense_over_sparse": traffic,
+        },
+        quick=FLAGS.quick,
+        load=load,
+    )
 
 
 def main(argv):

@@ -70,8 +70,9 @@ IDEAL_SPEEDUP = 2.0
 def run_config(name: str) -> dict:
     workers = weak_scaling._CONFIGS[name][0]
     if FLAGS.global_batch % workers:
-        raise app.UsageError(f"--global_batch {FLAGS.global_batch} does not split over "
-                             f"{workers} workers.")
+        raise app.UsageError(
+            f"--global_batch {FLAGS.global_batch} does not split over {workers} workers."
+        )
     return weak_scaling.run_config(name, per_worker_batch=FLAGS.global_batch // workers)
 
 
@@ -82,10 +83,12 @@ def run_driver() -> int:
 
     some = next(iter(runs.values()))[0]
     samples = FLAGS.steps * FLAGS.global_batch
-    print(f"strong scaling: {weak_scaling.model_description(some['params'])}, SGD, global batch "
-          f"{FLAGS.global_batch} split over the workers, {FLAGS.steps} steps = {samples:,} "
-          f"samples/epoch, {FLAGS.epochs} epochs (first untimed), {FLAGS.repeats} alternating "
-          "repetitions" + (" (--quick: for testing, not for reading)" if FLAGS.quick else ""))
+    print(
+        f"strong scaling: {weak_scaling.model_description(some['params'])}, SGD, global batch "
+        f"{FLAGS.global_batch} split over the workers, {FLAGS.steps} steps = {samples:,} "
+        f"samples/epoch, {FLAGS.epochs} epochs (first untimed), {FLAGS.repeats} alternating "
+        "repetitions" + (" (--quick: for testing, not for reading)" if FLAGS.quick else "")
+    )
     print(f"each worker pinned to one core, intra/inter-op threads {some['threads']}")
     weak_scaling.print_config_table(runs, configs)
     print(f"\n{'config':>8s} | seconds to train {samples:,} samples, median [min, max]")
@@ -94,22 +97,27 @@ def run_driver() -> int:
 
     ratios = {}
     best, best_names = _harness.fastest_per_repetition(runs, weak_scaling.ONE_WORKER)
-    print(f"\n{'speedup (paired per repetition, ideal 2.0)':46s} {'median [min, max]':^22s}"
-          "  efficiency")
-    rows = [("mw2 / fastest one-worker", "mw2", best),
-            ("peer: raw2 / fastest one-worker", "raw2", best),
-            ("mw2 / mw1", "mw2", runs.get("mw1")),
-            ("mw2 / single", "mw2", runs.get("single")),
-            ("peer: raw2 / raw1", "raw2", runs.get("raw1")),
-            ("mw2ring / fastest one-worker", "mw2ring", best),
-            ("ceiling: indep2 / fastest one-worker", "indep2", best),
-            ("lock-step reference: lock2 / fastest one-worker", "lock2", best)]
+    print(
+        f"\n{'speedup (paired per repetition, ideal 2.0)':46s} {'median [min, max]':^22s}"
+        "  efficiency"
+    )
+    rows = [
+        ("mw2 / fastest one-worker", "mw2", best),
+        ("peer: raw2 / fastest one-worker", "raw2", best),
+        ("mw2 / mw1", "mw2", runs.get("mw1")),
+        ("mw2 / single", "mw2", runs.get("single")),
+        ("peer: raw2 / raw1", "raw2", runs.get("raw1")),
+        ("mw2ring / fastest one-worker", "mw2ring", best),
+        ("ceiling: indep2 / fastest one-worker", "indep2", best),
+        ("lock-step reference: lock2 / fastest one-worker", "lock2", best),
+    ]
     for label, a, base in rows:
         if a in runs and base:
             ratios[label] = _harness.paired_ratios(runs[a], base)
             eff = [r / IDEAL_SPEEDUP for r in ratios[label]]
-            print(f"{label:46s} {_harness.fmt_stats(ratios[label]):^22s}  "
-                  f"{_harness.fmt_stats(eff)}")
+            print(
+                f"{label:46s} {_harness.fmt_stats(ratios[label]):^22s}  {_harness.fmt_stats(eff)}"
+            )
     if "mw2" in runs and "indep2" in runs:
         label = "against the ceiling: mw2 / indep2"
         ratios[label] = _harness.paired_ratios(runs["mw2"], runs["indep2"])
@@ -119,32 +127,44 @@ def run_driver() -> int:
         ratios[label] = _harness.paired_ratios(runs["mw2"], runs["lock2"])
         print(f"{label:46s} {_harness.fmt_stats(ratios[label]):^22s}")
     if best:
-        print("fastest one-worker configuration per repetition: "
-              f"{_harness.name_counts(best_names)}")
+        print(
+            f"fastest one-worker configuration per repetition: {_harness.name_counts(best_names)}"
+        )
     speedup = ratios.get("mw2 / fastest one-worker")
     if speedup:
-        print(f"speedup of 2 workers (mw2) over the fastest one worker: "
-              f"{_harness.stats(speedup)[0]:.2f} (ideal {IDEAL_SPEEDUP:.1f}; no target set)")
+        print(
+            f"speedup of 2 workers (mw2) over the fastest one worker: "
+            f"{_harness.stats(speedup)[0]:.2f} (ideal {IDEAL_SPEEDUP:.1f}; no target set)"
+        )
     misses = []
     bad = weak_scaling.non_finite_losses(runs)
     if bad:
         misses.append(f"non-finite training loss in {bad}")
     print("\nproblems: " + ("; ".join(misses) if misses else "none"))
     print(f"{load}; total time {watch.elapsed():.0f}s")
-    _harness.save_results(FLAGS.json, "strong_scaling", {
-        "model": weak_scaling.model_description(some["params"]),
-        "params": some["params"],
-        "global_batch": FLAGS.global_batch,
-        "samples_per_epoch": samples,
-        "steps": FLAGS.steps, "epochs": FLAGS.epochs, "repeats": FLAGS.repeats,
-        "threads": some["threads"],
-        "configs": weak_scaling.configs_json(runs),
-        "ratios": {k: _harness.run_summary(v) for k, v in ratios.items()},
-        "fastest_one_worker": best_names,
-        "speedup": (None if not speedup else
-                    {**_harness.run_summary(speedup), "ideal": IDEAL_SPEEDUP}),
-        "misses": misses,
-    }, quick=FLAGS.quick, load=load)
+    _harness.save_results(
+        FLAGS.json,
+        "strong_scaling",
+        {
+            "model": weak_scaling.model_description(some["params"]),
+            "params": some["params"],
+            "global_batch": FLAGS.global_batch,
+            "samples_per_epoch": samples,
+            "steps": FLAGS.steps,
+            "epochs": FLAGS.epochs,
+            "repeats": FLAGS.repeats,
+            "threads": some["threads"],
+            "configs": weak_scaling.configs_json(runs),
+            "ratios": {k: _harness.run_summary(v) for k, v in ratios.items()},
+            "fastest_one_worker": best_names,
+            "speedup": (
+                None if not speedup else {**_harness.run_summary(speedup), "ideal": IDEAL_SPEEDUP}
+            ),
+            "misses": misses,
+        },
+        quick=FLAGS.quick,
+        load=load,
+    )
     return 1 if FLAGS.strict and misses else 0
 
 

@@ -89,18 +89,23 @@ from absl import app, flags  # noqa: E402
 import _harness  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("strategy", "multi_worker",
-                  ["single", "multi_worker", "raw_tf", "independent", "lockstep"],
-                  "Worker only: the strategy to train with (independent: raw_tf in a "
-                  "one-worker cluster of its own, for indep2; lockstep: the same, "
-                  "waiting for the other processes after every step, for lock2).")
+flags.DEFINE_enum(
+    "strategy",
+    "multi_worker",
+    ["single", "multi_worker", "raw_tf", "independent", "lockstep"],
+    "Worker only: the strategy to train with (independent: raw_tf in a "
+    "one-worker cluster of its own, for indep2; lockstep: the same, "
+    "waiting for the other processes after every step, for lock2).",
+)
 flags.DEFINE_string("implementation", "auto", "Worker only: multi_worker implementation=.")
-flags.DEFINE_list("configs",
-                  ["single", "mw1", "mw2", "mw2ring", "raw1", "raw2", "indep2", "lock2"],
-                  "Configurations to run (single, mw1, mw2, mw2ring, raw1, raw2, indep2, "
-                  "lock2); mw2 and one of single/mw1/raw1 are needed for our efficiency "
-                  "(against the fastest of those run), raw1 and raw2 for the peer's, "
-                  "indep2 and lock2 for the ceilings.")
+flags.DEFINE_list(
+    "configs",
+    ["single", "mw1", "mw2", "mw2ring", "raw1", "raw2", "indep2", "lock2"],
+    "Configurations to run (single, mw1, mw2, mw2ring, raw1, raw2, indep2, "
+    "lock2); mw2 and one of single/mw1/raw1 are needed for our efficiency "
+    "(against the fastest of those run), raw1 and raw2 for the peer's, "
+    "indep2 and lock2 for the ceilings.",
+)
 flags.DEFINE_integer("repeats", 3, "Alternating repetitions of every configuration.")
 flags.DEFINE_integer("per_worker_batch", 256, "Samples per worker per step.")
 flags.DEFINE_integer("steps", 40, "Steps per epoch.")
@@ -108,8 +113,9 @@ flags.DEFINE_integer("epochs", 4, "Epochs per run; the first is not timed.")
 flags.DEFINE_integer("input_dim", 256, "Input features.")
 flags.DEFINE_list("hidden", ["1024", "768"], "Hidden layer widths.")
 flags.DEFINE_integer("classes", 10, "Output classes.")
-flags.DEFINE_integer("bytes_per_pack", 0,
-                     "bytes_per_pack of the multi_worker strategy (0: one pack).")
+flags.DEFINE_integer(
+    "bytes_per_pack", 0, "bytes_per_pack of the multi_worker strategy (0: one pack)."
+)
 # Inter-op threads: tried 1, 2, 3 and 4 with 1 intra-op thread (2 worker
 # processes, one core each, TF 2.21): none deadlocked the collectives, which
 # are asynchronous kernels waiting on gRPC's own threads rather than holding
@@ -121,11 +127,18 @@ flags.DEFINE_integer("bytes_per_pack", 0,
 flags.DEFINE_integer("inter_op", 2, "TensorFlow inter-op threads per worker.")
 flags.DEFINE_integer("intra_op", 1, "TensorFlow intra-op threads per worker.")
 flags.DEFINE_float("timeout", 120.0, "Seconds one run (launch) may take.")
-flags.DEFINE_bool("quick", False, "A minute or two, to test the chain: --repeats 1 --steps 10 "
-                  "--epochs 2 (flags given explicitly win).")
+flags.DEFINE_bool(
+    "quick",
+    False,
+    "A minute or two, to test the chain: --repeats 1 --steps 10 "
+    "--epochs 2 (flags given explicitly win).",
+)
 flags.DEFINE_bool("strict", False, "Exit with code 1 when a target is not met.")
-flags.DEFINE_string("json", os.path.join(_harness.RESULTS_DIR, "weak_scaling.json"),
-                    "Where the driver saves its measurements (empty: nowhere).")
+flags.DEFINE_string(
+    "json",
+    os.path.join(_harness.RESULTS_DIR, "weak_scaling.json"),
+    "Where the driver saves its measurements (empty: nowhere).",
+)
 
 # The one-worker configurations the efficiency is judged against (the fastest).
 ONE_WORKER = ("single", "mw1", "raw1")
@@ -166,16 +179,23 @@ def run_worker() -> None:
     if FLAGS.strategy in ("raw_tf", "independent", "lockstep"):
         # The peer does not import keras_distrib (whose import would start the
         # collective runtime the peer's own strategy starts).
-        _run_raw_tf_worker(rank, np, tf, keras, independent=FLAGS.strategy != "raw_tf",
-                           lockstep=FLAGS.strategy == "lockstep")
+        _run_raw_tf_worker(
+            rank,
+            np,
+            tf,
+            keras,
+            independent=FLAGS.strategy != "raw_tf",
+            lockstep=FLAGS.strategy == "lockstep",
+        )
         return
     import keras_distrib as kd
 
     if FLAGS.strategy == "single":
         strategy = kd.strategies.get("single")
     else:
-        strategy = kd.strategies.get("multi_worker", bytes_per_pack=FLAGS.bytes_per_pack,
-                                     implementation=FLAGS.implementation)
+        strategy = kd.strategies.get(
+            "multi_worker", bytes_per_pack=FLAGS.bytes_per_pack, implementation=FLAGS.implementation
+        )
     world = strategy.world_size
     global_batch = FLAGS.per_worker_batch * world
     samples = FLAGS.steps * global_batch
@@ -207,22 +227,35 @@ def run_worker() -> None:
             self.times.append(time.perf_counter() - self._start)
 
     timer = EpochTimer()
-    history = model.fit(x, y, batch_size=global_batch, epochs=FLAGS.epochs,
-                        verbose=0, shuffle=False, callbacks=[timer])
-    _harness.write_result(FLAGS.out_dir, rank, {
-        "rank": rank,
-        "world_size": world,
-        "strategy": strategy.name,
-        "implementation": getattr(strategy, "implementation", None),
-        "params": int(model.count_params()),
-        "global_batch": global_batch,
-        "steps": FLAGS.steps,
-        "epoch_times": timer.times,
-        "loss": [float(v) for v in history.history["loss"]],
-        "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "threads": [tf.config.threading.get_intra_op_parallelism_threads(),
-                    tf.config.threading.get_inter_op_parallelism_threads()],
-    })
+    history = model.fit(
+        x,
+        y,
+        batch_size=global_batch,
+        epochs=FLAGS.epochs,
+        verbose=0,
+        shuffle=False,
+        callbacks=[timer],
+    )
+    _harness.write_result(
+        FLAGS.out_dir,
+        rank,
+        {
+            "rank": rank,
+            "world_size": world,
+            "strategy": strategy.name,
+            "implementation": getattr(strategy, "implementation", None),
+            "params": int(model.count_params()),
+            "global_batch": global_batch,
+            "steps": FLAGS.steps,
+            "epoch_times": timer.times,
+            "loss": [float(v) for v in history.history["loss"]],
+            "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "threads": [
+                tf.config.threading.get_intra_op_parallelism_threads(),
+                tf.config.threading.get_inter_op_parallelism_threads(),
+            ],
+        },
+    )
 
 
 def _run_raw_tf_worker(rank, np, tf, keras, independent=False, lockstep=False) -> None:
@@ -238,9 +271,12 @@ def _run_raw_tf_worker(rank, np, tf, keras, independent=False, lockstep=False) -
     processes = 1
     if independent:
         processes = int(os.environ.get("KERAS_DISTRIB_WORLD_SIZE", "1"))
-        os.environ["TF_CONFIG"] = json.dumps({
-            "cluster": {"worker": [f"localhost:{_free_port()}"]},
-            "task": {"type": "worker", "index": 0}})
+        os.environ["TF_CONFIG"] = json.dumps(
+            {
+                "cluster": {"worker": [f"localhost:{_free_port()}"]},
+                "task": {"type": "worker", "index": 0},
+            }
+        )
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     world = strategy.num_replicas_in_sync
     rng = np.random.default_rng(rank if independent else 0)
@@ -248,9 +284,13 @@ def _run_raw_tf_worker(rank, np, tf, keras, independent=False, lockstep=False) -
     x = rng.standard_normal((samples, FLAGS.input_dim), dtype=np.float32)
     y = rng.integers(0, FLAGS.classes, size=(samples,)).astype(np.int32)
     x, y = x[rank::world], y[rank::world]  # this worker's share
-    batches = [(tf.constant(x[i:i + FLAGS.per_worker_batch]),
-                tf.constant(y[i:i + FLAGS.per_worker_batch]))
-               for i in range(0, len(x), FLAGS.per_worker_batch)]
+    batches = [
+        (
+            tf.constant(x[i : i + FLAGS.per_worker_batch]),
+            tf.constant(y[i : i + FLAGS.per_worker_batch]),
+        )
+        for i in range(0, len(x), FLAGS.per_worker_batch)
+    ]
     with strategy.scope():
         inputs = keras.Input((FLAGS.input_dim,))
         h = inputs
@@ -259,8 +299,7 @@ def _run_raw_tf_worker(rank, np, tf, keras, independent=False, lockstep=False) -
         model = keras.Model(inputs, keras.layers.Dense(FLAGS.classes)(h))
         optimizer = keras.optimizers.SGD(learning_rate=0.01)
         optimizer.build(model.trainable_variables)
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(
-        from_logits=True, reduction="sum")
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
 
     @tf.function
     def step(xb, yb):
@@ -285,15 +324,25 @@ def _run_raw_tf_worker(rank, np, tf, keras, independent=False, lockstep=False) -
                 barrier.wait()
         losses.append(float(loss))
         times.append(time.perf_counter() - start)
-    _harness.write_result(FLAGS.out_dir, rank, {
-        "rank": rank, "world_size": world, "strategy": FLAGS.strategy,
-        "params": int(model.count_params()),
-        "global_batch": FLAGS.per_worker_batch * world, "steps": FLAGS.steps,
-        "epoch_times": times, "loss": losses,
-        "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "threads": [tf.config.threading.get_intra_op_parallelism_threads(),
-                    tf.config.threading.get_inter_op_parallelism_threads()],
-    })
+    _harness.write_result(
+        FLAGS.out_dir,
+        rank,
+        {
+            "rank": rank,
+            "world_size": world,
+            "strategy": FLAGS.strategy,
+            "params": int(model.count_params()),
+            "global_batch": FLAGS.per_worker_batch * world,
+            "steps": FLAGS.steps,
+            "epoch_times": times,
+            "loss": losses,
+            "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "threads": [
+                tf.config.threading.get_intra_op_parallelism_threads(),
+                tf.config.threading.get_inter_op_parallelism_threads(),
+            ],
+        },
+    )
 
 
 def _free_port() -> int:
@@ -314,8 +363,7 @@ class _PipeBarrier:
         # O_RDWR: opening a pipe never blocks waiting for the other end.
         self._mine = os.open(path.format(rank), os.O_RDWR)
         _file_barrier(directory, "lockstep", rank, processes)  # every pipe exists
-        self._others = [os.open(path.format(r), os.O_RDWR)
-                        for r in range(processes) if r != rank]
+        self._others = [os.open(path.format(r), os.O_RDWR) for r in range(processes) if r != rank]
 
     def wait(self) -> None:
         for fd in self._others:
@@ -325,16 +373,19 @@ class _PipeBarrier:
             received += len(os.read(self._mine, self._peers - received))
 
 
-def _file_barrier(directory: str, name: str, rank: int, processes: int,
-                  timeout: float = 60.0) -> None:
+def _file_barrier(
+    directory: str, name: str, rank: int, processes: int, timeout: float = 60.0
+) -> None:
     """Returns once all `processes` ranks have called it with this `name`."""
     open(os.path.join(directory, f"{name}.barrier{rank}"), "w").close()
     deadline = time.monotonic() + timeout
-    while not all(os.path.exists(os.path.join(directory, f"{name}.barrier{r}"))
-                  for r in range(processes)):
+    while not all(
+        os.path.exists(os.path.join(directory, f"{name}.barrier{r}")) for r in range(processes)
+    ):
         if time.monotonic() > deadline:
-            raise RuntimeError(f"indep2: barrier {name!r}: not all {processes} ranks "
-                               f"arrived within {timeout:g}s")
+            raise RuntimeError(
+                f"indep2: barrier {name!r}: not all {processes} ranks arrived within {timeout:g}s"
+            )
         time.sleep(0.001)
 
 
@@ -367,8 +418,11 @@ def run_config(name: str, per_worker_batch: int | None = None) -> dict:
     nproc, strategy, implementation = _CONFIGS[name]
     batch = FLAGS.per_worker_batch if per_worker_batch is None else per_worker_batch
     out_dir, _ = _harness.launch_workers(
-        os.path.abspath(__file__), nproc, worker_args(strategy, implementation, batch),
-        timeout=FLAGS.timeout)
+        os.path.abspath(__file__),
+        nproc,
+        worker_args(strategy, implementation, batch),
+        timeout=FLAGS.timeout,
+    )
     results = _harness.read_results(out_dir, nproc)
     first = results[0]
     epochs = range(1, len(first["epoch_times"]))
@@ -379,7 +433,8 @@ def run_config(name: str, per_worker_batch: int | None = None) -> dict:
         global_batch = sum(r["global_batch"] for r in results)
         throughput = statistics.median(
             sum(r["global_batch"] * r["steps"] / r["epoch_times"][e] for r in results)
-            for e in epochs)
+            for e in epochs
+        )
         epoch = global_batch * first["steps"] / throughput  # the pair's time per epoch
     else:
         if strategy in LOCKSTEP:
@@ -402,14 +457,18 @@ def run_config(name: str, per_worker_batch: int | None = None) -> dict:
 
 def print_config_table(runs: dict, configs) -> None:
     """One row per configuration: step time and throughput, median [min, max]."""
-    print(f"\n{'config':>8s} {'workers':>7s} {'cores':>8s} {'global batch':>12s} | "
-          f"{'step ms median [min, max]':^28s} | {'samples/s median [min, max]':^30s}")
+    print(
+        f"\n{'config':>8s} {'workers':>7s} {'cores':>8s} {'global batch':>12s} | "
+        f"{'step ms median [min, max]':^28s} | {'samples/s median [min, max]':^30s}"
+    )
     for name in configs:
         r = runs[name]
         cores = ",".join(str(c) for cpus in r[0]["cpus"] for c in (cpus or ["?"]))
-        print(f"{name:>8s} {_CONFIGS[name][0]:>7d} {cores:>8s} {r[0]['global_batch']:>12d} | "
-              f"{_harness.fmt_stats([x['step_ms'] for x in r], 1):^28s} | "
-              f"{_harness.fmt_stats([x['throughput'] for x in r], 0):^30s}")
+        print(
+            f"{name:>8s} {_CONFIGS[name][0]:>7d} {cores:>8s} {r[0]['global_batch']:>12d} | "
+            f"{_harness.fmt_stats([x['step_ms'] for x in r], 1):^28s} | "
+            f"{_harness.fmt_stats([x['throughput'] for x in r], 0):^30s}"
+        )
 
 
 def configs_json(runs: dict) -> dict:
@@ -430,8 +489,9 @@ def configs_json(runs: dict) -> dict:
 
 
 def non_finite_losses(runs: dict) -> list[str]:
-    return sorted({n for n, rs in runs.items() for r in rs
-                   if not all(map(math.isfinite, r["loss"]))})
+    return sorted(
+        {n for n, rs in runs.items() for r in rs if not all(map(math.isfinite, r["loss"]))}
+    )
 
 
 def model_description(params: int) -> str:
@@ -459,12 +519,16 @@ def run_driver() -> int:
         return 1
 
     some = next(iter(runs.values()))[0]
-    print(f"weak scaling: {model_description(some['params'])}, SGD, "
-          f"{FLAGS.per_worker_batch} samples/worker/step, {FLAGS.steps} steps/epoch, "
-          f"{FLAGS.epochs} epochs (first untimed), {FLAGS.repeats} alternating repetitions"
-          + (" (--quick: for testing, not for reading)" if FLAGS.quick else ""))
-    print(f"each worker pinned to one core, intra/inter-op threads {some['threads']}, "
-          f"multi_worker bytes_per_pack={FLAGS.bytes_per_pack}")
+    print(
+        f"weak scaling: {model_description(some['params'])}, SGD, "
+        f"{FLAGS.per_worker_batch} samples/worker/step, {FLAGS.steps} steps/epoch, "
+        f"{FLAGS.epochs} epochs (first untimed), {FLAGS.repeats} alternating repetitions"
+        + (" (--quick: for testing, not for reading)" if FLAGS.quick else "")
+    )
+    print(
+        f"each worker pinned to one core, intra/inter-op threads {some['threads']}, "
+        f"multi_worker bytes_per_pack={FLAGS.bytes_per_pack}"
+    )
     print_config_table(runs, configs)
 
     print(f"\n{'ratio (paired per repetition)':44s} {'median [min, max]':^22s}")
@@ -490,40 +554,52 @@ def run_driver() -> int:
             print(f"{label:44s} {_harness.fmt_stats(ratios[label]):^22s}")
     if "mw2" in runs and "single" in runs:
         extra = [x["step_ms"] - y["step_ms"] for x, y in zip(runs["mw2"], runs["single"])]
-        print(f"{'mw2 step - single step (ms)':44s} {_harness.fmt_stats(extra, 1):^22s}"
-              f"  all-reduce of {some['params'] * 4 / 2**20:.1f} MB of float32 gradients, "
-              "and two processes sharing the machine")
+        print(
+            f"{'mw2 step - single step (ms)':44s} {_harness.fmt_stats(extra, 1):^22s}"
+            f"  all-reduce of {some['params'] * 4 / 2**20:.1f} MB of float32 gradients, "
+            "and two processes sharing the machine"
+        )
     if "mw2" in runs and "indep2" in runs:
         # indep2's step: the time in which the pair trains 2 x per-worker batch.
         extra = [x["step_ms"] - y["step_ms"] for x, y in zip(runs["mw2"], runs["indep2"])]
-        print(f"{'mw2 step - indep2 step (ms)':44s} {_harness.fmt_stats(extra, 1):^22s}"
-              "  all-reduce, sync, and our step's cost over raw1's step")
+        print(
+            f"{'mw2 step - indep2 step (ms)':44s} {_harness.fmt_stats(extra, 1):^22s}"
+            "  all-reduce, sync, and our step's cost over raw1's step"
+        )
 
     # The target: against the fastest one-worker configuration of each repetition.
     misses, efficiency = [], None
     best, best_names = _harness.fastest_per_repetition(runs, ONE_WORKER)
     if "mw2" in runs and best:
-        print(f"\nfastest one-worker configuration per repetition: "
-              f"{_harness.name_counts(best_names)}  "
-              f"(of {', '.join(c for c in ONE_WORKER if c in runs)})")
+        print(
+            f"\nfastest one-worker configuration per repetition: "
+            f"{_harness.name_counts(best_names)}  "
+            f"(of {', '.join(c for c in ONE_WORKER if c in runs)})"
+        )
         efficiency = _harness.paired_ratios(runs["mw2"], best, 2)
         line, met = _harness.target_line(
-            "efficiency mw2 / (2 x fastest one-worker)", efficiency, TARGET_EFFICIENCY)
+            "efficiency mw2 / (2 x fastest one-worker)", efficiency, TARGET_EFFICIENCY
+        )
         print(line)
         # Information, not the target: the peer, and what two cores allow
         # with no communication at all (indep2) or in lock-step, moving no
         # data (lock2).
         references = [
             ("raw2", "peer: raw2 / (2 x fastest one-worker)", "", None),
-            ("indep2", "ceiling: indep2 / (2 x fastest one-worker)",
-             "  (no communication: the most two workers can reach here)",
-             "the ceiling itself ({median:.3f}) is below the target {target:g}: "
-             "two processes sharing this machine cannot reach it"),
-            ("lock2", "lock-step reference: lock2 / (2 x fastest one-worker)",
-             "  (raw1's step, both workers waiting for each other every step, "
-             "no data moved)",
-             "the raw loop in lock-step ({median:.3f}) is itself below the target "
-             "{target:g} in this run"),
+            (
+                "indep2",
+                "ceiling: indep2 / (2 x fastest one-worker)",
+                "  (no communication: the most two workers can reach here)",
+                "the ceiling itself ({median:.3f}) is below the target {target:g}: "
+                "two processes sharing this machine cannot reach it",
+            ),
+            (
+                "lock2",
+                "lock-step reference: lock2 / (2 x fastest one-worker)",
+                "  (raw1's step, both workers waiting for each other every step, no data moved)",
+                "the raw loop in lock-step ({median:.3f}) is itself below the target "
+                "{target:g} in this run",
+            ),
         ]
         for config, label, note, below in references:
             if config not in runs:
@@ -534,30 +610,46 @@ def run_driver() -> int:
             if below and median < TARGET_EFFICIENCY:
                 print(f"{'':44s} " + below.format(median=median, target=TARGET_EFFICIENCY))
         if not met:
-            misses.append(f"efficiency mw2 / (2 x fastest one-worker) = "
-                          f"{_harness.stats(efficiency)[0]:.2f} < {TARGET_EFFICIENCY}")
+            misses.append(
+                f"efficiency mw2 / (2 x fastest one-worker) = "
+                f"{_harness.stats(efficiency)[0]:.2f} < {TARGET_EFFICIENCY}"
+            )
     else:
-        print("\nefficiency against the fastest one-worker configuration needs mw2 and one of "
-              f"{', '.join(ONE_WORKER)} in --configs: not judged")
+        print(
+            "\nefficiency against the fastest one-worker configuration needs mw2 and one of "
+            f"{', '.join(ONE_WORKER)} in --configs: not judged"
+        )
     bad = non_finite_losses(runs)
     if bad:
         misses.append(f"non-finite training loss in {bad}")
     print("\ntarget misses: " + ("; ".join(misses) if misses else "none"))
     print(f"{load}; total time {watch.elapsed():.0f}s")
-    _harness.save_results(FLAGS.json, "weak_scaling", {
-        "model": model_description(some["params"]),
-        "params": some["params"],
-        "per_worker_batch": FLAGS.per_worker_batch,
-        "steps": FLAGS.steps, "epochs": FLAGS.epochs, "repeats": FLAGS.repeats,
-        "threads": some["threads"],
-        "configs": configs_json(runs),
-        "ratios": {k: _harness.run_summary(v) for k, v in ratios.items()},
-        "fastest_one_worker": best_names,
-        "efficiency": None if efficiency is None else {
-            **_harness.run_summary(efficiency), "target": TARGET_EFFICIENCY,
-            "met": _harness.verdict(_harness.stats(efficiency)[0], TARGET_EFFICIENCY)},
-        "misses": misses,
-    }, quick=FLAGS.quick, load=load)
+    _harness.save_results(
+        FLAGS.json,
+        "weak_scaling",
+        {
+            "model": model_description(some["params"]),
+            "params": some["params"],
+            "per_worker_batch": FLAGS.per_worker_batch,
+            "steps": FLAGS.steps,
+            "epochs": FLAGS.epochs,
+            "repeats": FLAGS.repeats,
+            "threads": some["threads"],
+            "configs": configs_json(runs),
+            "ratios": {k: _harness.run_summary(v) for k, v in ratios.items()},
+            "fastest_one_worker": best_names,
+            "efficiency": None
+            if efficiency is None
+            else {
+                **_harness.run_summary(efficiency),
+                "target": TARGET_EFFICIENCY,
+                "met": _harness.verdict(_harness.stats(efficiency)[0], TARGET_EFFICIENCY),
+            },
+            "misses": misses,
+        },
+        quick=FLAGS.quick,
+        load=load,
+    )
     return 1 if FLAGS.strict and misses else 0
 
 

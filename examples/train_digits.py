@@ -73,7 +73,8 @@ def main(argv):
     )
     timer = EpochTimer()
     model.fit(
-        x, y,
+        x,
+        y,
         batch_size=config["batch_size"],
         epochs=config["epochs"],
         validation_data=(x_val, y_val),
@@ -87,8 +88,10 @@ def main(argv):
     if asynchronous:
         say(f"steps applied (asynchronous): {model.strategy.steps_applied}")
     say(f"validation accuracy: {accuracy:.4f}  loss: {loss:.4f}")
-    say(f"throughput: {samples_per_second:,.0f} samples/s in total "
-        f"(mean of {len(steady)} epochs after the first)")
+    say(
+        f"throughput: {samples_per_second:,.0f} samples/s in total "
+        f"(mean of {len(steady)} epochs after the first)"
+    )
 
 
 if __name__ == "__main__":

@@ -40,8 +40,12 @@ from _digits import EpochTimer, load_digits, split_devices  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "configs/split_model.json", "JSON training config.")
-flags.DEFINE_enum("strategy", None, ["pipeline", "tensor_parallel", "multi_worker"],
-                  "Train only this strategy (default: every one the config lists).")
+flags.DEFINE_enum(
+    "strategy",
+    None,
+    ["pipeline", "tensor_parallel", "multi_worker"],
+    "Train only this strategy (default: every one the config lists).",
+)
 flags.DEFINE_integer("epochs", None, "Override the config's epoch count.")
 flags.DEFINE_float("device_budget_mb", None, "Override the config's per-device budget (MB).")
 
@@ -68,8 +72,7 @@ def build_layers(config):
         inputs = keras.Input((64,), name="pixels")
         h = inputs
         for i in range(config["hidden_layers"]):
-            h = keras.layers.Dense(config["hidden_units"], activation="relu",
-                                   name=f"hidden_{i}")(h)
+            h = keras.layers.Dense(config["hidden_units"], activation="relu", name=f"hidden_{i}")(h)
         outputs = keras.layers.Dense(10, activation="softmax", name="digit")(h)
     return inputs, outputs
 
@@ -95,17 +98,21 @@ def bytes_per_device(strategy, model):
 
 
 def check_budget(name, usage, budget):
-    print(f"{'device':<8} {'weights MB':>11} {'optimizer MB':>13} {'total MB':>9} "
-          f"{'budget MB':>10}")
+    print(
+        f"{'device':<8} {'weights MB':>11} {'optimizer MB':>13} {'total MB':>9} {'budget MB':>10}"
+    )
     for device, (weights, slots) in usage.items():
-        print(f"{device:<8} {weights / MB:>11.1f} {slots / MB:>13.1f} "
-              f"{(weights + slots) / MB:>9.1f} {budget / MB:>10.1f}")
+        print(
+            f"{device:<8} {weights / MB:>11.1f} {slots / MB:>13.1f} "
+            f"{(weights + slots) / MB:>9.1f} {budget / MB:>10.1f}"
+        )
     for device, (weights, slots) in usage.items():
         if weights + slots > budget:
             raise SystemExit(
                 f"error: {name}: device {device} holds {(weights + slots) / MB:.1f} MB "
                 f"(weights {weights / MB:.1f} + optimizer {slots / MB:.1f}) > budget "
-                f"{budget / MB:.1f} MB; raise device_budget_mb or shrink the model")
+                f"{budget / MB:.1f} MB; raise device_budget_mb or shrink the model"
+            )
     return max(w + s for w, s in usage.values())
 
 
@@ -115,26 +122,43 @@ def train(name, options, config, data):
     keras.utils.set_random_seed(config["seed"])
     strategy = kd.strategies.get(name, **options)
     model = kd.DistributedModel(*build_layers(config), strategy=strategy)
-    model.compile(optimizer=keras.optimizers.Adam(config["learning_rate"]),
-                  loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    model.compile(
+        optimizer=keras.optimizers.Adam(config["learning_rate"]),
+        loss="sparse_categorical_crossentropy",
+        metrics=["accuracy"],
+    )
     model.optimizer.build(model.trainable_variables)  # Adam's slots, next to their weights
-    print(f"\n== {name}: {model.count_params():,} parameters over "
-          f"{[short(d) for d in strategy.devices]} ==")
+    print(
+        f"\n== {name}: {model.count_params():,} parameters over "
+        f"{[short(d) for d in strategy.devices]} =="
+    )
     largest = check_budget(name, bytes_per_device(strategy, model), budget)
 
     timer = EpochTimer()
-    model.fit(x, y, batch_size=config["batch_size"], epochs=config["epochs"],
-              validation_data=(x_val, y_val), callbacks=[timer], verbose=2)
+    model.fit(
+        x,
+        y,
+        batch_size=config["batch_size"],
+        epochs=config["epochs"],
+        validation_data=(x_val, y_val),
+        callbacks=[timer],
+        verbose=2,
+    )
     loss, accuracy = model.evaluate(x_val, y_val, batch_size=config["batch_size"], verbose=0)
     steady = timer.seconds[1:] or timer.seconds  # the first epoch includes tracing
     samples_per_second = len(x) / (sum(steady) / len(steady))
-    timed = (f"mean of {len(steady)} epochs after the first" if len(timer.seconds) > 1
-             else "one epoch, tracing included")
+    timed = (
+        f"mean of {len(steady)} epochs after the first"
+        if len(timer.seconds) > 1
+        else "one epoch, tracing included"
+    )
     print(f"validation accuracy: {accuracy:.4f}  loss: {loss:.4f}")
     print(f"throughput: {samples_per_second:,.0f} samples/s ({timed})")
-    print(f"result: {name}: at most {largest / MB:.1f} MB per device <= budget "
-          f"{budget / MB:.1f} MB, validation accuracy {accuracy:.4f}, "
-          f"{samples_per_second:,.0f} samples/s")
+    print(
+        f"result: {name}: at most {largest / MB:.1f} MB per device <= budget "
+        f"{budget / MB:.1f} MB, validation accuracy {accuracy:.4f}, "
+        f"{samples_per_second:,.0f} samples/s"
+    )
 
 
 def main(argv):
@@ -151,9 +175,12 @@ def main(argv):
         raise SystemExit(
             f"error: the model fits one device ({one_device / MB:.1f} MB <= budget "
             f"{budget / MB:.1f} MB): nothing to split; lower device_budget_mb or raise "
-            "hidden_units")
-    print(f"{params:,} parameters: one device would need {one_device / MB:.1f} MB "
-          f"(weights + Adam's {ADAM_SLOTS} slots) > budget {budget / MB:.1f} MB")
+            "hidden_units"
+        )
+    print(
+        f"{params:,} parameters: one device would need {one_device / MB:.1f} MB "
+        f"(weights + Adam's {ADAM_SLOTS} slots) > budget {budget / MB:.1f} MB"
+    )
     for name, options in config["strategies"].items():
         train(name, options, config, data)
 

@@ -77,8 +77,12 @@ class _RegisterAfterKeras(importlib.abc.MetaPathFinder):
     whatever the order of the two imports.
     """
 
-    def find_spec(self, fullname: str, path: Optional[Sequence[str]] = None,
-                  target: Optional[types.ModuleType] = None) -> Optional[ModuleSpec]:
+    def find_spec(
+        self,
+        fullname: str,
+        path: Optional[Sequence[str]] = None,
+        target: Optional[types.ModuleType] = None,
+    ) -> Optional[ModuleSpec]:
         if fullname != "keras":
             return None
         sys.meta_path.remove(self)

@@ -71,8 +71,7 @@ def check_devices(devices: Sequence[str], option: str = "devices") -> list[str]:
     """Normalizes `devices`, raising a one-line error for unknown names."""
     if isinstance(devices, str):
         raise ValueError(
-            f"{option}={devices!r} must be a list of device names, "
-            f"e.g. [{devices!r}]."
+            f"{option}={devices!r} must be a list of device names, e.g. [{devices!r}]."
         )
     if not devices:
         raise ValueError(f"{option} is empty; name at least one device.")

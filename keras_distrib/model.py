@@ -113,14 +113,18 @@ class DistributedTrainer(StrategyAdoption, ReplicaStep, GradientReduction, Entry
         # XLA cannot compile the step warns with the reason and stays off.
         reason = value is True and self._strategy.without_xla()
         if reason:
-            warnings.warn(f"jit_compile=True is not possible with strategy="
-                          f"{self._strategy.name!r}: {reason}; proceeding with "
-                          "jit_compile=False.", stacklevel=2)
+            warnings.warn(
+                f"jit_compile=True is not possible with strategy="
+                f"{self._strategy.name!r}: {reason}; proceeding with "
+                "jit_compile=False.",
+                stacklevel=2,
+            )
             value = False
         keras.Model.jit_compile.fset(self, value)
 
-    jit_compile = property(keras.Model.jit_compile.fget, _set_jit_compile,
-                           doc=keras.Model.jit_compile.__doc__)
+    jit_compile = property(
+        keras.Model.jit_compile.fget, _set_jit_compile, doc=keras.Model.jit_compile.__doc__
+    )
 
     # -- metrics: read through the strategy -----------------------------------
 
@@ -189,7 +193,8 @@ class DistributedTrainer(StrategyAdoption, ReplicaStep, GradientReduction, Entry
         where it can (`step_call`)."""
         keras_maker = super()._make_function  # type: ignore[misc]  # Keras's
         keras_make_function = functools.partial(
-            step_call.one_call_per_step, self, keras_make_function=keras_maker)
+            step_call.one_call_per_step, self, keras_make_function=keras_maker
+        )
         return self._strategy.make_step_function(self, step, keras_make_function)
 
     def make_predict_function(self, force: bool = False) -> Callable[..., Any]:
@@ -202,7 +207,8 @@ class DistributedTrainer(StrategyAdoption, ReplicaStep, GradientReduction, Entry
             return self.predict_function
 
         self.predict_function = self._strategy.make_predict_function(
-            self, self._step("predict"), keras_make_predict_function)
+            self, self._step("predict"), keras_make_predict_function
+        )
         return self.predict_function
 
     # -- weights: whole values, as a plain model's --------------------------------
@@ -283,9 +289,7 @@ class DistributedModel(DistributedTrainer, keras.Model):  # type: ignore[misc]  
         self._init_distribution(resolved)
 
     @classmethod
-    def from_model(
-        cls, model: keras.Model, strategy: StrategyLike = "auto"
-    ) -> "DistributedModel":
+    def from_model(cls, model: keras.Model, strategy: StrategyLike = "auto") -> "DistributedModel":
         """Wraps a copy of a Functional or Sequential Keras model, keeping its state.
 
         Each layer is copied as it is (not re-created from its config, so
@@ -318,8 +322,9 @@ class DistributedModel(DistributedTrainer, keras.Model):  # type: ignore[misc]  
         with saving.atomic_path(filepath) as tmp:
             super().save(tmp, overwrite=True, **kwargs)
 
-    def save_weights(self, filepath: saving.PathLike, overwrite: bool = True,
-                     **kwargs: Any) -> None:
+    def save_weights(
+        self, filepath: saving.PathLike, overwrite: bool = True, **kwargs: Any
+    ) -> None:
         """`keras.Model.save_weights`, written atomically (temp file + rename)."""
         if not _can_write_atomically(filepath, overwrite, kwargs):
             super().save_weights(filepath, overwrite=overwrite, **kwargs)
@@ -329,8 +334,7 @@ class DistributedModel(DistributedTrainer, keras.Model):  # type: ignore[misc]  
 
 
 @keras.saving.register_keras_serializable(package="keras_distrib")
-class FunctionalDistributedModel(DistributedModel,
-                                 Functional):  # type: ignore[misc]  # Keras has no types
+class FunctionalDistributedModel(DistributedModel, Functional):  # type: ignore[misc]  # Keras has no types
     """What `DistributedModel(inputs, outputs, ...)` returns.
 
     The model is made of the layers between `inputs` and `outputs`, as
@@ -340,8 +344,15 @@ class FunctionalDistributedModel(DistributedModel,
     (a variable lives under one strategy).
     """
 
-    def __init__(self, inputs: Any, outputs: Any, name: Optional[str] = None, *,
-                 strategy: StrategyLike = "auto", **kwargs: Any):
+    def __init__(
+        self,
+        inputs: Any,
+        outputs: Any,
+        name: Optional[str] = None,
+        *,
+        strategy: StrategyLike = "auto",
+        **kwargs: Any,
+    ):
         resolved = strategies.get(strategy)
         registry.check_not_model_options(kwargs, resolved)
         graph = keras.Model(inputs, outputs)
@@ -384,18 +395,23 @@ def _strategy_for_loading(name: Any) -> StrategyLike:
     try:
         return strategies.get(name)
     except (ValueError, ImportError) as error:
-        warnings.warn(f"The model was saved with strategy {name!r}, which cannot run here "
-                      f"({error}); loading it with strategy='auto'.", stacklevel=3)
+        warnings.warn(
+            f"The model was saved with strategy {name!r}, which cannot run here "
+            f"({error}); loading it with strategy='auto'.",
+            stacklevel=3,
+        )
         return "auto"
 
 
-def _load_saved(config: dict[str, Any],
-                custom_objects: Optional[dict[str, Any]] = None) -> FunctionalDistributedModel:
+def _load_saved(
+    config: dict[str, Any], custom_objects: Optional[dict[str, Any]] = None
+) -> FunctionalDistributedModel:
     """`keras.Model.from_config` of a file written by a FunctionalDistributedModel."""
     config = dict(config)
     config[_SAVED_STRATEGY_KEY] = _strategy_for_loading(config.get(_SAVED_STRATEGY_KEY))
     loaded: FunctionalDistributedModel = FunctionalDistributedModel.from_config(
-        config, custom_objects=custom_objects)
+        config, custom_objects=custom_objects
+    )
     return loaded
 
 
@@ -420,12 +436,16 @@ def functional_variant(cls: type) -> type:
     if cls is DistributedModel or issubclass(cls, Functional):
         return FunctionalDistributedModel if cls is DistributedModel else cls
     parent: type = next(base for base in cls.__bases__ if issubclass(base, DistributedModel))
-    return type(cls.__name__, (cls, functional_variant(parent)),
-                {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    return type(
+        cls.__name__,
+        (cls, functional_variant(parent)),
+        {"__module__": cls.__module__, "__qualname__": cls.__qualname__},
+    )
 
 
-def _can_write_atomically(filepath: saving.PathLike, overwrite: bool,
-                          kwargs: dict[str, Any]) -> bool:
+def _can_write_atomically(
+    filepath: saving.PathLike, overwrite: bool, kwargs: dict[str, Any]
+) -> bool:
     if not saving.is_local(filepath) or kwargs.get("max_shard_size"):
         return False
     return overwrite or not os.path.exists(os.fspath(filepath))

@@ -55,9 +55,7 @@ def DistributedOptimizer(  # noqa: N802 (reads as a class, like Horovod's)
     ```
     """
     if compression not in COMPRESSIONS:
-        raise ValueError(
-            f"Unknown compression={compression!r}; use one of {sorted(COMPRESSIONS)}."
-        )
+        raise ValueError(f"Unknown compression={compression!r}; use one of {sorted(COMPRESSIONS)}.")
     if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
         raise ValueError(
             f"backward_passes_per_step={backward_passes_per_step!r} must be an int >= 1."
@@ -107,18 +105,20 @@ class _Distributed:
             # those of the plain optimizer.
             def local_zeros(shape: Any, dtype: Any, name: str) -> tf.Variable:
                 return tf.Variable(
-                    tf.zeros(shape, dtype), trainable=False, name=name,
+                    tf.zeros(shape, dtype),
+                    trainable=False,
+                    name=name,
                     synchronization=tf.VariableSynchronization.ON_READ,
                     aggregation=tf.VariableAggregation.SUM,
                 )
 
             accumulators = [
-                local_zeros(v.shape, v.dtype, f"accumulated_{i}")
-                for i, v in enumerate(variables)
+                local_zeros(v.shape, v.dtype, f"accumulated_{i}") for i, v in enumerate(variables)
             ]
             object.__setattr__(self, "_kd_accumulators", accumulators)
-            object.__setattr__(self, "_kd_samples",
-                               local_zeros([], tf.float32, "accumulated_samples"))
+            object.__setattr__(
+                self, "_kd_samples", local_zeros([], tf.float32, "accumulated_samples")
+            )
 
     def accumulate(self, gradients: Sequence[Optional[tf.Tensor]], num_samples: Any) -> None:
         """Adds one batch's local gradients (replica context)."""
@@ -127,8 +127,9 @@ class _Distributed:
                 accumulator.assign_add(tf.cast(gradient, accumulator.dtype))
         self._kd_samples.assign_add(tf.cast(num_samples, tf.float32))
 
-    def take_accumulated(self, gradients: Sequence[Optional[tf.Tensor]]
-                         ) -> tuple[list[Optional[tf.Tensor]], tf.Tensor]:
+    def take_accumulated(
+        self, gradients: Sequence[Optional[tf.Tensor]]
+    ) -> tuple[list[Optional[tf.Tensor]], tf.Tensor]:
         """Returns the accumulated local gradients and sample count; resets them."""
         taken: list[Optional[tf.Tensor]] = []
         for accumulator, gradient in zip(self._kd_accumulators, gradients):

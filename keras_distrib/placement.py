@@ -81,8 +81,11 @@ def claim(variables: Iterable[Any], strategy, model) -> None:
         del _OWNERS[key]  # variables gone
     for variable in variables:
         try:
-            _OWNERS[id(variable)] = (weakref.ref(variable), weakref.ref(model),
-                                     weakref.ref(strategy))
+            _OWNERS[id(variable)] = (
+                weakref.ref(variable),
+                weakref.ref(model),
+                weakref.ref(strategy),
+            )
         except TypeError:  # not weak-referenceable: not tracked
             pass
 
@@ -99,8 +102,9 @@ def _owner(variable):
 def owned_by_another(variables: Iterable[Any], model=None) -> bool:
     """Whether any of `variables` belongs to a live `DistributedModel` other
     than one nested in `model` (a sub-model used as a layer of it)."""
-    return any(owner is not None and not nested_in(owner[0], model)
-               for owner in map(_owner, variables))
+    return any(
+        owner is not None and not nested_in(owner[0], model) for owner in map(_owner, variables)
+    )
 
 
 def nested_in(layer, model) -> bool:
@@ -176,8 +180,10 @@ def copy_objects(structure):
 
     def copied(item):
         if isinstance(item, keras.metrics.Metric):
-            memo = {id(_compat.backing_variable(v)): None  # made afresh below
-                    for v in item.variables}
+            memo = {
+                id(_compat.backing_variable(v)): None  # made afresh below
+                for v in item.variables
+            }
             twin = structural_copy(item, memo)
             for variable in item.variables:
                 _compat.set_variable_value(memo[id(variable)], np.asarray(variable.numpy()))
@@ -250,9 +256,25 @@ def _relink_trackers(memo: dict) -> None:
             stored[name] = {id(memo[i]) if i in memo else i for i in ids}
 
 
-_ATOMIC = (type(None), bool, int, float, complex, str, bytes, type, range, slice,
-           types.FunctionType, types.BuiltinFunctionType, types.ModuleType, weakref.ref,
-           property, type(Ellipsis), type(NotImplemented))
+_ATOMIC = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    type,
+    range,
+    slice,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.ModuleType,
+    weakref.ref,
+    property,
+    type(Ellipsis),
+    type(NotImplemented),
+)
 
 
 def structural_copy(obj, memo: dict):
@@ -332,10 +354,12 @@ def _reconstruct(obj, memo, factory, args, state=None, items=None, pairs=None, *
     # containers would otherwise track them again, in a locked layer.
     for item in items or ():
         (list.append if isinstance(copied, list) else type(copied).append)(
-            copied, structural_copy(item, memo))
+            copied, structural_copy(item, memo)
+        )
     for key, value in pairs or ():
         (dict.__setitem__ if isinstance(copied, dict) else type(copied).__setitem__)(
-            copied, structural_copy(key, memo), structural_copy(value, memo))
+            copied, structural_copy(key, memo), structural_copy(value, memo)
+        )
     return copied
 
 

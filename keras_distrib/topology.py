@@ -82,8 +82,13 @@ class Topology:
             )
 
     @classmethod
-    def data_parallel(cls, devices: Sequence[str], num_processes: int = 1,
-                      process_index: int = 0, local_rank: int = 0) -> "Topology":
+    def data_parallel(
+        cls,
+        devices: Sequence[str],
+        num_processes: int = 1,
+        process_index: int = 0,
+        local_rank: int = 0,
+    ) -> "Topology":
         """One replica per local device, the same count in every process, and
         one data shard per process (the synchronous data-parallel shape).
 

@@ -35,9 +35,7 @@ def _split_the_cpu_in_two() -> None:
     import tensorflow as tf
 
     cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * 2
-    )
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     _logical_cpus_configured = True
 
 
@@ -45,8 +43,10 @@ def _split_the_cpu_in_two() -> None:
 def pytest_make_collect_report(collector):
     """Runs before pytest imports each test module (returns None: pytest
     then collects it as usual)."""
-    if isinstance(collector, pytest.Module) and \
-            os.path.commonpath([str(collector.path), UNIT]) != UNIT:
+    if (
+        isinstance(collector, pytest.Module)
+        and os.path.commonpath([str(collector.path), UNIT]) != UNIT
+    ):
         _split_the_cpu_in_two()
 
 
@@ -57,10 +57,10 @@ def pytest_make_collect_report(collector):
 # `horovod_probes`) serve the zoo and tests/distributed; the zoo's page
 # check reads what its other tests found (`zoo_results`); the fault tests
 # compare with one uninterrupted run (`uninterrupted`).
-_SHARING = {"probes_and_zoo": ("tests/zoo/",
-                               "tests/distributed/test_keras_features_multi_worker.py"),
-            "fault_job": ("tests/distributed/test_faults.py",
-                          "tests/distributed/test_network_faults.py")}
+_SHARING = {
+    "probes_and_zoo": ("tests/zoo/", "tests/distributed/test_keras_features_multi_worker.py"),
+    "fault_job": ("tests/distributed/test_faults.py", "tests/distributed/test_network_faults.py"),
+}
 
 
 # Files whose tests share no module fixture and mostly wait (heartbeat and
@@ -90,9 +90,16 @@ def _group(path: str, item) -> str:
 # --no-loadscope-reorder, so xdist keeps it): the long ones first, so that
 # the last to be handed out, when the other workers may already be idle,
 # are short. A group's place is its first file's.
-_FIRST = ("probes_and_zoo", "fault_job", "tests/conformance/test_keras_on_single.py::trainers/",
-          "tests/conformance/test_", "tests/distributed/", "tests/zoo/", "tests/integration/",
-          "tests/unit/")
+_FIRST = (
+    "probes_and_zoo",
+    "fault_job",
+    "tests/conformance/test_keras_on_single.py::trainers/",
+    "tests/conformance/test_",
+    "tests/distributed/",
+    "tests/zoo/",
+    "tests/integration/",
+    "tests/unit/",
+)
 
 
 def _rank(group: str) -> int:
@@ -129,7 +136,8 @@ def pytest_configure(config):
         raise pytest.UsageError(
             f"pytest-xdist's --dist loadgroup does not group tests under pytest "
             f"{pytest.__version__} (pytest-dev/pytest-xdist#1386); install the test extra "
-            "(pytest<9.2): pip install -e '.[test]'")
+            "(pytest<9.2): pip install -e '.[test]'"
+        )
 
 
 # -- where the suite's CPU time goes ------------------------------------------------------
@@ -147,12 +155,14 @@ _CPU_REPORT = os.environ.get("KD_CPU_REPORT")
 def _cpu_seconds() -> float:
     import resource
 
-    own, children = (resource.getrusage(who) for who in
-                     (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    own, children = (
+        resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+    )
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 if _CPU_REPORT:
+
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(item, nextitem):
         import json
@@ -161,10 +171,18 @@ if _CPU_REPORT:
         cpu, wall, started = _cpu_seconds(), time.monotonic(), time.time()
         yield
         with open(_CPU_REPORT, "a") as f:
-            f.write(json.dumps({"test": item.nodeid, "cpu": round(_cpu_seconds() - cpu, 2),
-                                "wall": round(time.monotonic() - wall, 2),
-                                "start": round(started, 1),
-                                "worker": os.environ.get("PYTEST_XDIST_WORKER")}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "test": item.nodeid,
+                        "cpu": round(_cpu_seconds() - cpu, 2),
+                        "wall": round(time.monotonic() - wall, 2),
+                        "start": round(started, 1),
+                        "worker": os.environ.get("PYTEST_XDIST_WORKER"),
+                    }
+                )
+                + "\n"
+            )
 
 
 # -- fixtures shared by the tiers ------------------------------------------------------
@@ -178,7 +196,8 @@ def child_site():
     not in pytest-xdist's controller, whose workers run in-process tests
     that may import them."""
     os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (CHILD_SITE, os.environ.get("PYTHONPATH")) if p)
+        p for p in (CHILD_SITE, os.environ.get("PYTHONPATH")) if p
+    )
 
 
 @pytest.fixture(scope="module")
@@ -199,10 +218,21 @@ def hvd():
 
 # -- launches shared by several test modules -------------------------------------------
 
-_FEATURE_PROBES = ("metric_objects", "unseeded_shuffle", "load_model", "batch_norm",
-                   "seeded_shuffle", "sparse_input", "pydataset_workers", "ragged_input",
-                   "metric_aggregation", "adapted_per_worker", "vocabulary_per_worker",
-                   "replica_dropout", "remat")
+_FEATURE_PROBES = (
+    "metric_objects",
+    "unseeded_shuffle",
+    "load_model",
+    "batch_norm",
+    "seeded_shuffle",
+    "sparse_input",
+    "pydataset_workers",
+    "ragged_input",
+    "metric_aggregation",
+    "adapted_per_worker",
+    "vocabulary_per_worker",
+    "replica_dropout",
+    "remat",
+)
 
 
 @pytest.fixture(scope="session")
@@ -213,9 +243,18 @@ def probes(tmp_path_factory):
     from helpers import KERAS_FEATURES_WORKER, ZOO_PROCESS_PATTERNS, launch
 
     out = tmp_path_factory.mktemp("keras_features")
-    launch(out, 2, KERAS_FEATURES_WORKER, "--out", str(out),
-           "--probes", ",".join(_FEATURE_PROBES + ("zoo",)),
-           "--zoo", ",".join(ZOO_PROCESS_PATTERNS["multi_worker"]), timeout=540)
+    launch(
+        out,
+        2,
+        KERAS_FEATURES_WORKER,
+        "--out",
+        str(out),
+        "--probes",
+        ",".join(_FEATURE_PROBES + ("zoo",)),
+        "--zoo",
+        ",".join(ZOO_PROCESS_PATTERNS["multi_worker"]),
+        timeout=540,
+    )
     return out
 
 
@@ -227,9 +266,20 @@ def horovod_probes(tmp_path_factory):
 
     pytest.importorskip("horovod.tensorflow")
     out = tmp_path_factory.mktemp("keras_features_horovod")
-    launch(out, 2, KERAS_FEATURES_WORKER, "--out", str(out), "--probes",
-           "sparse_input,ragged_input,metric_aggregation,adapted_per_worker,"
-           "vocabulary_per_worker,replica_dropout,remat,zoo",
-           "--zoo", ",".join(ZOO_PROCESS_PATTERNS["horovod"]),
-           "--strategy", "horovod", launch_flags=("--backend", "horovod"), timeout=540)
+    launch(
+        out,
+        2,
+        KERAS_FEATURES_WORKER,
+        "--out",
+        str(out),
+        "--probes",
+        "sparse_input,ragged_input,metric_aggregation,adapted_per_worker,"
+        "vocabulary_per_worker,replica_dropout,remat,zoo",
+        "--zoo",
+        ",".join(ZOO_PROCESS_PATTERNS["horovod"]),
+        "--strategy",
+        "horovod",
+        launch_flags=("--backend", "horovod"),
+        timeout=540,
+    )
     return out

@@ -29,8 +29,9 @@ def attempts(out, n):
     found = {}
     for rank in range(n):
         with open(os.path.join(out, f"attempts-rank{rank}.txt")) as f:
-            found[rank] = [Attempt(int(a), int(p), float(t), d) for a, p, t, d in
-                           (line.split() for line in f)]
+            found[rank] = [
+                Attempt(int(a), int(p), float(t), d) for a, p, t, d in (line.split() for line in f)
+            ]
     return found
 
 

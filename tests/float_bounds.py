@@ -127,7 +127,8 @@ def assert_within(actual, desired, bound, err_msg: str = "") -> None:
         raise AssertionError(
             f"{err_msg}: {int(over.sum())} of {gap.size} elements further apart than their "
             f"bound; the furthest at {at}: {actual[at]!r} against {desired[at]!r}, "
-            f"{gap[at]:.3g} apart, bound {bound[at]:.3g}")
+            f"{gap[at]:.3g} apart, bound {bound[at]:.3g}"
+        )
 
 
 def _kernels(model) -> list:
@@ -145,8 +146,9 @@ def gradient_terms(model, rows: int) -> int:
     """The terms a gradient element of `model` adds, on a batch of `rows`:
     the rows' gradients, and for each kernel its dot products forward
     (fan-in, the bias, the function after it) and backward (fan-out)."""
-    return rows + sum(math.prod(v.shape[:-1]) + 1 + FUNCTION_TERMS + v.shape[-1]
-                      for v in _kernels(model))
+    return rows + sum(
+        math.prod(v.shape[:-1]) + 1 + FUNCTION_TERMS + v.shape[-1] for v in _kernels(model)
+    )
 
 
 # -- what a reference run computes, row by row ------------------------------------------
@@ -159,14 +161,18 @@ def _per_row(loss, loss_weights=None):
     if isinstance(loss, dict):
         weights = loss_weights or {}
         parts = {name: _per_row(part) for name, part in loss.items()}
-        return lambda y, outputs: tf.add_n([
-            weights.get(name, 1.0) * _row_means(part(y[name], outputs[name]))
-            for name, part in parts.items()])
+        return lambda y, outputs: tf.add_n(
+            [
+                weights.get(name, 1.0) * _row_means(part(y[name], outputs[name]))
+                for name, part in parts.items()
+            ]
+        )
     if isinstance(loss, (list, tuple)):
         weights = loss_weights or [1.0] * len(loss)
         parts = [_per_row(part) for part in loss]
-        return lambda y, outputs: tf.add_n([
-            w * _row_means(part(t, o)) for w, part, t, o in zip(weights, parts, y, outputs)])
+        return lambda y, outputs: tf.add_n(
+            [w * _row_means(part(t, o)) for w, part, t, o in zip(weights, parts, y, outputs)]
+        )
     if isinstance(loss, keras.losses.Loss):
         return loss.__class__.from_config({**loss.get_config(), "reduction": None})
     function = keras.losses.get(loss) if isinstance(loss, str) else loss
@@ -174,8 +180,11 @@ def _per_row(loss, loss_weights=None):
     def rows(y, outputs):
         values = function(y, outputs)
         if values.shape.rank == 0:  # a function reducing the batch: row by row
-            values = tf.map_fn(lambda row: function(row[0][None], row[1][None]), (y, outputs),
-                               fn_output_signature=values.dtype)
+            values = tf.map_fn(
+                lambda row: function(row[0][None], row[1][None]),
+                (y, outputs),
+                fn_output_signature=values.dtype,
+            )
         return values
 
     return rows
@@ -205,8 +214,10 @@ def _jacobian(tape, values, model) -> list:
 
 def _zeros_for_none(gradients, values, model) -> list:
     """Jacobians of per-row `values`, with zeros for the weights they miss."""
-    return [tf.zeros(tf.concat([tf.shape(values), tf.shape(w)], 0)) if g is None else g
-            for g, w in zip(gradients, model.trainable_weights)]
+    return [
+        tf.zeros(tf.concat([tf.shape(values), tf.shape(w)], 0)) if g is None else g
+        for g, w in zip(gradients, model.trainable_weights)
+    ]
 
 
 class Rows:
@@ -225,48 +236,73 @@ class Rows:
     is only logged).
     """
 
-    def __init__(self, model, loss, training=True, outputs=False, loss_weights=None,
-                 phases=None):
-        self.model, self.training, self.outputs, self.phases = \
-            model, training, outputs, phases or {}
+    def __init__(self, model, loss, training=True, outputs=False, loss_weights=None, phases=None):
+        self.model, self.training, self.outputs, self.phases = (
+            model,
+            training,
+            outputs,
+            phases or {},
+        )
         self.per_row = None if phases else _per_row(loss, loss_weights)
-        self.parts = {name: _per_row(part) for name, part in loss.items()} \
-            if isinstance(loss, dict) and not phases else {}
+        self.parts = (
+            {name: _per_row(part) for name, part in loss.items()}
+            if isinstance(loss, dict) and not phases
+            else {}
+        )
         self._function = tf.function(self._rows, reduce_retracing=True)
 
     def _rows(self, x, y, sample_weight, real):
         model = self.model
         with tf.GradientTape(persistent=True) as tape:
-            outputs = model(x, training=self.training) if self.outputs or not self.phases \
-                else None
-            parts = {name: _row_means(part(y[name], outputs[name])) * sample_weight
-                     for name, part in self.parts.items()}
-            parts.update({name: _row_means(fn(model, x, y)) * sample_weight
-                          for name, (fn, _) in self.phases.items()})
+            outputs = model(x, training=self.training) if self.outputs or not self.phases else None
+            parts = {
+                name: _row_means(part(y[name], outputs[name])) * sample_weight
+                for name, part in self.parts.items()
+            }
+            parts.update(
+                {
+                    name: _row_means(fn(model, x, y)) * sample_weight
+                    for name, (fn, _) in self.phases.items()
+                }
+            )
             if self.phases:  # the loss: the phases' that update variables
-                values = tf.add_n([parts[name] for name, (_, variables) in self.phases.items()
-                                   if variables])
+                values = tf.add_n(
+                    [parts[name] for name, (_, variables) in self.phases.items() if variables]
+                )
             else:
                 values = _row_means(self.per_row(y, outputs)) * sample_weight
                 if model.losses:
                     values += real * tf.add_n([tf.cast(v, tf.float32) for v in model.losses])
         if not self.phases:
             found_gradients = _zeros_for_none(_jacobian(tape, values, model), values, model)
-        found = {"losses": values, "outputs": outputs if outputs is not None else values,
-                 "parts": {name: {"losses": v, "gradients": _zeros_for_none(
-                     _jacobian(tape, v, model), v, model)} for name, v in parts.items()}}
+        found = {
+            "losses": values,
+            "outputs": outputs if outputs is not None else values,
+            "parts": {
+                name: {
+                    "losses": v,
+                    "gradients": _zeros_for_none(_jacobian(tape, v, model), v, model),
+                }
+                for name, v in parts.items()
+            },
+        }
         if self.phases:  # each weight's gradient: its phase's
-            updates = {id(v): name for name, (_, variables) in self.phases.items()
-                       for v in variables}
+            updates = {
+                id(v): name for name, (_, variables) in self.phases.items() for v in variables
+            }
             found["gradients"] = [
-                found["parts"][updates[id(w)]]["gradients"][i] if id(w) in updates
+                found["parts"][updates[id(w)]]["gradients"][i]
+                if id(w) in updates
                 else tf.zeros(tf.concat([tf.shape(values), tf.shape(w)], 0))
-                for i, w in enumerate(model.trainable_weights)]
+                for i, w in enumerate(model.trainable_weights)
+            ]
         else:
             found["gradients"] = found_gradients
         if self.outputs:
-            found["output_gradients"] = [_zeros_for_none(_jacobian(tape, o, model), o, model)
-                                         for o in keras.tree.flatten(outputs)]
+            found["output_gradients"] = [
+                _zeros_for_none(_jacobian(tape, o, model), o, model)
+                for o in keras.tree.flatten(outputs)
+            ]
         return found
 
     def __call__(self, x, y, sample_weight=None, real=None) -> dict:
@@ -274,8 +310,12 @@ class Rows:
         kept = [np.asarray(v) for v in self.model.non_trainable_variables]
         count = _count(x)
         ones = np.ones(count, "float32")
-        found = self._function(x, y, tf.constant(ones if sample_weight is None else sample_weight),
-                               tf.constant(ones if real is None else real))
+        found = self._function(
+            x,
+            y,
+            tf.constant(ones if sample_weight is None else sample_weight),
+            tf.constant(ones if real is None else real),
+        )
         for variable, value in zip(self.model.non_trainable_variables, kept):
             variable.assign(value)
         return keras.tree.map_structure(lambda t: np.asarray(t, np.float64), found)
@@ -284,8 +324,11 @@ class Rows:
 def _tensors(x):
     """`x` (arrays, tensors, strings) as tensors: Keras takes no mix of both."""
     return keras.tree.map_structure(
-        lambda a: a if isinstance(a, (tf.RaggedTensor, tf.SparseTensor))
-        else tf.convert_to_tensor(a), x)
+        lambda a: (
+            a if isinstance(a, (tf.RaggedTensor, tf.SparseTensor)) else tf.convert_to_tensor(a)
+        ),
+        x,
+    )
 
 
 def _mean_rounding(steps: int) -> float:
@@ -330,8 +373,18 @@ class Trace(keras.callbacks.Callback):
     Also records Adam's `velocities` after each step.
     """
 
-    def __init__(self, x=None, y=None, batch_size=None, loss=None, sample_weight=None,
-                 outputs=False, model=None, shuffled=False, phases=None):
+    def __init__(
+        self,
+        x=None,
+        y=None,
+        batch_size=None,
+        loss=None,
+        sample_weight=None,
+        outputs=False,
+        model=None,
+        shuffled=False,
+        phases=None,
+    ):
         super().__init__()
         self.shuffled, self.phases = shuffled, phases
         if model is not None:
@@ -377,8 +430,9 @@ class Trace(keras.callbacks.Callback):
             for optimizer in self.optimizers:
                 slots = getattr(optimizer, "_velocities", None)
                 try:
-                    velocities.append(np.asarray(
-                        slots[optimizer._get_variable_index(weight)], np.float64))
+                    velocities.append(
+                        np.asarray(slots[optimizer._get_variable_index(weight)], np.float64)
+                    )
                     break
                 except (TypeError, KeyError, ValueError):
                     continue
@@ -391,8 +445,12 @@ class Trace(keras.callbacks.Callback):
             self._every_row()
             return
         rows, weight, count = self._batch(batch)
-        self.record(keras.tree.map_structure(lambda a: _take(a, rows), self.x),
-                    keras.tree.map_structure(lambda a: _take(a, rows), self.y), weight, count)
+        self.record(
+            keras.tree.map_structure(lambda a: _take(a, rows), self.x),
+            keras.tree.map_structure(lambda a: _take(a, rows), self.y),
+            weight,
+            count,
+        )
 
     def _every_row(self):
         """A step of unknown rows: the largest |gradient| over all rows."""
@@ -411,10 +469,17 @@ class Trace(keras.callbacks.Callback):
         """Records a step on (`x`, `y`) about to start: for a `fit`, the
         callback does; a test calling `train_on_batch` calls it before."""
         if self._rows is None:
-            phases = {name: (loss, variables(self.model))
-                      for name, (loss, variables, _) in (self.phases or {}).items()}
-            self._rows = Rows(self.model, self.loss, outputs=self.with_outputs,
-                              loss_weights=_loss_of(self.model)[1], phases=phases)
+            phases = {
+                name: (loss, variables(self.model))
+                for name, (loss, variables, _) in (self.phases or {}).items()
+            }
+            self._rows = Rows(
+                self.model,
+                self.loss,
+                outputs=self.with_outputs,
+                loss_weights=_loss_of(self.model)[1],
+                phases=phases,
+            )
             self.optimizer_start = [np.asarray(v) for v in self.model.optimizer.variables]
         count = _count(x) if count is None else count
         real = None if sample_weight is None else (sample_weight > 0).astype("float32")
@@ -423,22 +488,24 @@ class Trace(keras.callbacks.Callback):
         self.gradients.append([g.sum(axis=0) / count for g in found["gradients"]])
         self.magnitudes.append([np.abs(g).sum(axis=0) / count for g in found["gradients"]])
         self.losses.append(float(np.abs(found["losses"]).sum() / count))
-        self.rounding.append(_loss_rounding(count, found["losses"][:count],
-                                            _flat_rows(found["outputs"])[:count]))
+        self.rounding.append(
+            _loss_rounding(count, found["losses"][:count], _flat_rows(found["outputs"])[:count])
+        )
         self.rows.append(count)
         flat = _flat_rows(found["outputs"])[:count]
         for name, part in found["parts"].items():  # each output's loss (`Rows`)
-            kept = self.parts.setdefault(f"{name}_loss", {"magnitudes": [], "losses": [],
-                                                          "rounding": []})
+            kept = self.parts.setdefault(
+                f"{name}_loss", {"magnitudes": [], "losses": [], "rounding": []}
+            )
             kept["magnitudes"].append([np.abs(g).sum(axis=0) / count for g in part["gradients"]])
             kept["losses"].append(float(np.abs(part["losses"]).sum() / count))
             kept["rounding"].append(_loss_rounding(count, part["losses"][:count], flat))
         if self.with_outputs:
-            self.labels.append(None if y is None or isinstance(y, dict)
-                               else np.asarray(y)[:count])
+            self.labels.append(None if y is None or isinstance(y, dict) else np.asarray(y)[:count])
             self.outputs.append([o[:count] for o in keras.tree.flatten(found["outputs"])])
-            self.output_magnitudes.append([[np.abs(g[:count]) for g in output]
-                                           for output in found["output_gradients"]])
+            self.output_magnitudes.append(
+                [[np.abs(g[:count]) for g in output] for output in found["output_gradients"]]
+            )
         self.end = [np.asarray(v, np.float64) for v in self.model.trainable_weights]
 
 
@@ -461,8 +528,12 @@ def gradient_errors(trace: Trace, terms: float, floor: float = 0.0) -> list:
         largest = {}
         for group, m in zip(groups, step):
             largest[group] = max(largest.get(group, 0.0), float(np.max(m, initial=0.0)))
-        found.append([reordered_sum(terms, np.full(m.shape, largest[g])) + floor
-                      for g, m in zip(groups, step)])
+        found.append(
+            [
+                reordered_sum(terms, np.full(m.shape, largest[g])) + floor
+                for g, m in zip(groups, step)
+            ]
+        )
     return found
 
 
@@ -471,8 +542,9 @@ def _layers(model) -> list:
     return [v.path.rpartition("/")[0] for v in model.trainable_weights]
 
 
-def sgd_steps_apart(trace: Trace, learning_rate, terms: float, momentum: float = 0.0,
-                    floor: float = 0.0) -> list:
+def sgd_steps_apart(
+    trace: Trace, learning_rate, terms: float, momentum: float = 0.0, floor: float = 0.0
+) -> list:
     """Per step, a bound on each trainable weight after it, for SGD
     (`learning_rate`: one value, or one per step). Each step's gradient
     difference moves the weights by the learning rate times it, and with
@@ -480,8 +552,9 @@ def sgd_steps_apart(trace: Trace, learning_rate, terms: float, momentum: float =
     all. The update rounds its result too (see `rounded_steps`)."""
     rates = np.broadcast_to(np.asarray(learning_rate, np.float64), (len(trace.magnitudes),))
     apart, steps = [np.zeros_like(w) for w in trace.weights[0]], []
-    for rate, errors, rounded in zip(rates, gradient_errors(trace, terms, floor),
-                                     rounded_steps([*trace.weights, trace.end])):
+    for rate, errors, rounded in zip(
+        rates, gradient_errors(trace, terms, floor), rounded_steps([*trace.weights, trace.end])
+    ):
         apart = [a + rate * e / (1.0 - momentum) for a, e in zip(apart, errors)]
         steps.append([a + r for a, r in zip(apart, rounded)])
     return steps
@@ -495,8 +568,10 @@ def rounded_steps(trajectory: list) -> list:
     `UPDATE_TERMS` operations of its update (EPS * |change| each)."""
     total, steps = [np.zeros_like(v) for v in trajectory[0]], []
     for previous, values in zip(trajectory, trajectory[1:]):
-        total = [t + EPS * (np.abs(v) + UPDATE_TERMS * np.abs(v - p))
-                 for t, v, p in zip(total, values, previous)]
+        total = [
+            t + EPS * (np.abs(v) + UPDATE_TERMS * np.abs(v - p))
+            for t, v, p in zip(total, values, previous)
+        ]
         steps.append(total)
     return steps
 
@@ -518,10 +593,18 @@ class _Replay:
     gradients to float64 copies of the weights (with their constraints), as
     often as asked, from the same start."""
 
-    def __init__(self, make_optimizer, initial, constraints, optimizer_start=None,
-                 dtype="float64", paths=None):
-        self.variables = [_variable(w, dtype, path) for w, path in
-                          zip(initial, paths or [None] * len(initial))]
+    def __init__(
+        self,
+        make_optimizer,
+        initial,
+        constraints,
+        optimizer_start=None,
+        dtype="float64",
+        paths=None,
+    ):
+        self.variables = [
+            _variable(w, dtype, path) for w, path in zip(initial, paths or [None] * len(initial))
+        ]
         self.dtype = dtype
         for variable, constraint in zip(self.variables, constraints):
             variable.constraint = constraint
@@ -531,8 +614,10 @@ class _Replay:
         self.start = [np.asarray(v) for v in self.optimizer.variables]
         if optimizer_start and len(optimizer_start) == len(self.start):
             # Where the reference's optimizer started (built: a fit builds it first).
-            self.start = [np.asarray(v, s.dtype).reshape(s.shape)
-                          for v, s in zip(optimizer_start, self.start, strict=True)]
+            self.start = [
+                np.asarray(v, s.dtype).reshape(s.shape)
+                for v, s in zip(optimizer_start, self.start, strict=True)
+            ]
         # A loss-scale optimizer divides by its scale (a power of 2: exact).
         self.scale = float(np.asarray(getattr(self.optimizer, "dynamic_scale", 1.0)))
         self.step = tf.function(self._step)
@@ -555,8 +640,9 @@ class _Replay:
     def __call__(self, gradients) -> list:
         """The values after each step of applying `gradients` (each with
         the steps first), from the start."""
-        for variable, value in zip([*self.variables, *self.optimizer.variables],
-                                   [*self.initial, *self.start]):
+        for variable, value in zip(
+            [*self.variables, *self.optimizer.variables], [*self.initial, *self.start]
+        ):
             variable.assign(value)
         steps = []
         count = len(gradients[0])
@@ -566,8 +652,9 @@ class _Replay:
         return steps
 
 
-def optimizer_steps_apart(make_optimizer, trace: Trace, terms: float, constraints=None,
-                          floor: float = 0.0) -> list:
+def optimizer_steps_apart(
+    make_optimizer, trace: Trace, terms: float, constraints=None, floor: float = 0.0
+) -> list:
     """Per step, (bounds on the trainable weights, bounds on the optimizer's
     variables) after it, for training with the optimizer `make_optimizer()`
     makes, whatever it is.
@@ -598,18 +685,21 @@ def optimizer_steps_apart(make_optimizer, trace: Trace, terms: float, constraint
     sign (Lion) moves by a whole step where the error can flip it, and the
     same elsewhere.
     """
-    gradients = [np.stack([step[i] for step in trace.gradients]) for i in
-                 range(len(trace.gradients[0]))]
+    gradients = [
+        np.stack([step[i] for step in trace.gradients]) for i in range(len(trace.gradients[0]))
+    ]
     constraints = constraints or [None] * len(gradients)
     paths = [v.path for v in trace.model.trainable_weights]
     try:
-        replay = _Replay(make_optimizer, trace.weights[0], constraints, trace.optimizer_start,
-                         paths=paths)
+        replay = _Replay(
+            make_optimizer, trace.weights[0], constraints, trace.optimizer_start, paths=paths
+        )
         start = replay.values()
         base = replay(gradients)
     except TypeError:  # an optimizer of float32 only (Muon): its own rounding adds
-        replay = _Replay(make_optimizer, trace.weights[0], constraints, trace.optimizer_start,
-                         "float32", paths)
+        replay = _Replay(
+            make_optimizer, trace.weights[0], constraints, trace.optimizer_start, "float32", paths
+        )
         start = replay.values()
         base = replay(gradients)
     apart = rounded_steps([start, *base])
@@ -620,8 +710,11 @@ def optimizer_steps_apart(make_optimizer, trace: Trace, terms: float, constraint
             for g, e in zip(moved, step_errors):
                 g[step] += sign * e
             worst = [[np.abs(v - b) for v, b in zip(*pair)] for pair in zip(replay(moved), base)]
-            changes = worst if changes is None else [[np.maximum(a, b) for a, b in zip(*pair)]
-                                                     for pair in zip(changes, worst)]
+            changes = (
+                worst
+                if changes is None
+                else [[np.maximum(a, b) for a, b in zip(*pair)] for pair in zip(changes, worst)]
+            )
         apart = [[a + c for a, c in zip(*pair)] for pair in zip(apart, changes)]
     count = len(gradients)
     return [(values[:count], values[count:]) for values in apart]
@@ -645,27 +738,36 @@ def adam_steps_apart(trace: Trace, optimizer, terms: float, floor: float = 0.0) 
     whatever the gradients (each run's step is at most lr * C_t). s is the
     reference's own; the steps' bounds add up (see the module doc).
     """
-    assert type(optimizer).__name__ == "Adam" and not optimizer.amsgrad and not any(
-        getattr(optimizer, k, None) for k in ("clipnorm", "clipvalue", "global_clipnorm",
-                                              "use_ema")), f"not Keras's plain Adam: {optimizer}"
+    assert (
+        type(optimizer).__name__ == "Adam"
+        and not optimizer.amsgrad
+        and not any(
+            getattr(optimizer, k, None)
+            for k in ("clipnorm", "clipvalue", "global_clipnorm", "use_ema")
+        )
+    ), f"not Keras's plain Adam: {optimizer}"
     assert len(trace.velocities) == len(trace.magnitudes), "no velocity for some step"
     beta_1, beta_2 = float(optimizer.beta_1), float(optimizer.beta_2)
     epsilon = float(optimizer.epsilon)
     start = int(np.asarray(optimizer.iterations)) - len(trace.magnitudes)
     total, largest, steps = None, None, []
-    for i, (rate, errors, velocities, rounded) in enumerate(zip(
-            _rates(optimizer, len(trace.magnitudes)), gradient_errors(trace, terms, floor),
-            trace.velocities, rounded_steps([*trace.weights, trace.end]))):
+    for i, (rate, errors, velocities, rounded) in enumerate(
+        zip(
+            _rates(optimizer, len(trace.magnitudes)),
+            gradient_errors(trace, terms, floor),
+            trace.velocities,
+            rounded_steps([*trace.weights, trace.end]),
+        )
+    ):
         t = start + i + 1
         k = np.arange(t - 1, -1, -1)  # t - k for k = 1 .. t
-        a = (1 - beta_1) * beta_1 ** k / (1 - beta_1 ** t)
-        b = (1 - beta_2) * beta_2 ** k / (1 - beta_2 ** t)
+        a = (1 - beta_1) * beta_1**k / (1 - beta_1**t)
+        b = (1 - beta_2) * beta_2**k / (1 - beta_2**t)
         reach = math.sqrt(float(np.sum(a * a / b)))
-        largest = errors if largest is None else [np.maximum(m, e) for m, e in
-                                                  zip(largest, errors)]
+        largest = errors if largest is None else [np.maximum(m, e) for m, e in zip(largest, errors)]
         moved = []
         for v, e in zip(velocities, largest):
-            room = np.sqrt(v / (1 - beta_2 ** t)) + epsilon / math.sqrt(1 - beta_2 ** t) - e
+            room = np.sqrt(v / (1 - beta_2**t)) + epsilon / math.sqrt(1 - beta_2**t) - e
             apart = np.where(room > 0, (1 + reach) * e / np.maximum(room, 1e-300), np.inf)
             moved.append(rate * np.minimum(apart, 2 * reach))
         total = moved if total is None else [a + m for a, m in zip(total, moved)]
@@ -709,8 +811,13 @@ def outputs_apart(model, x, weights_apart=None, terms=None) -> np.ndarray:
     found = []
     for i, output in enumerate(flat):
         if large:
-            apart = np.reshape([_through(_gradients(tape, scalar, model, one=True), moved)[0]
-                                for scalar in scalars[i]], output.shape)
+            apart = np.reshape(
+                [
+                    _through(_gradients(tape, scalar, model, one=True), moved)[0]
+                    for scalar in scalars[i]
+                ],
+                output.shape,
+            )
         else:
             apart = _through(_gradients(tape, output, model), moved)
         found.append(apart + reordered_sum(FUNCTION_TERMS, np.abs(np.asarray(output, np.float64))))
@@ -722,8 +829,10 @@ def _gradients(tape, output, model, one=False) -> list:
     per weight, `output`'s shape first (`one`: of one element, as (1, ...))."""
     weights = model.trainable_weights
     if one:
-        gradients = [None if g is None else np.asarray(g, np.float64)[None]
-                     for g in tape.gradient(output, weights)]
+        gradients = [
+            None if g is None else np.asarray(g, np.float64)[None]
+            for g in tape.gradient(output, weights)
+        ]
         shape = (1,)
     else:
         try:
@@ -732,20 +841,22 @@ def _gradients(tape, output, model, one=False) -> list:
             gradients = tape.jacobian(output, weights, experimental_use_pfor=False)
         gradients = [None if g is None else np.asarray(g, np.float64) for g in gradients]
         shape = tuple(output.shape)
-    return [np.zeros(shape + tuple(w.shape)) if g is None else g
-            for g, w in zip(gradients, weights)]
+    return [
+        np.zeros(shape + tuple(w.shape)) if g is None else g for g, w in zip(gradients, weights)
+    ]
 
 
 def _large(model, outputs) -> bool:
     """Whether the Jacobian of `outputs` for `model`'s weights is large (10**7 elements)."""
     weights = sum(int(np.prod(w.shape)) for w in model.trainable_weights)
-    return weights * sum(int(np.prod(o.shape)) for o in outputs) > 10 ** 7
+    return weights * sum(int(np.prod(o.shape)) for o in outputs) > 10**7
 
 
 def _flat_rows(outputs) -> np.ndarray:
     """A model's outputs (one array, or several) as one array of rows."""
-    return np.concatenate([np.reshape(o, (len(o), -1)) for o in keras.tree.flatten(outputs)],
-                          axis=1)
+    return np.concatenate(
+        [np.reshape(o, (len(o), -1)) for o in keras.tree.flatten(outputs)], axis=1
+    )
 
 
 def _loss_rounding(rows: int, losses, outputs):
@@ -773,16 +884,18 @@ def losses_apart(model, x, y, loss, outputs_bound, weights_apart=None, terms=Non
         values = tf.reduce_mean(tf.reshape(values, [tf.shape(values)[0], -1]), axis=1)
         total = tf.reduce_sum(values)
     slopes = np.abs(np.asarray(tape.gradient(total, outputs), np.float64))
-    rows = np.sum(slopes.reshape(len(slopes), -1) * np.reshape(outputs_bound, (len(slopes), -1)),
-                  axis=1)
+    rows = np.sum(
+        slopes.reshape(len(slopes), -1) * np.reshape(outputs_bound, (len(slopes), -1)), axis=1
+    )
     found = float(np.mean(rows))
     if model.losses:
         with tf.GradientTape() as tape:
             model(x, training=False)
             layer = tf.add_n(model.losses)
-        gradients = [np.zeros((1, *w.shape)) if g is None else np.asarray(g)[None]
-                     for g, w in zip(tape.gradient(layer, model.trainable_weights),
-                                     model.trainable_weights)]
+        gradients = [
+            np.zeros((1, *w.shape)) if g is None else np.asarray(g)[None]
+            for g, w in zip(tape.gradient(layer, model.trainable_weights), model.trainable_weights)
+        ]
         found += float(_through(gradients, _moved(model, weights_apart, terms))[0])
     return found + _loss_rounding(len(rows), np.asarray(values), np.asarray(outputs))
 
@@ -823,8 +936,9 @@ def _output_of(trace: Trace, key: str) -> int:
     return 0
 
 
-def history_apart(trace: Trace, weights_steps: list, steps_per_epoch: int, terms=None,
-                  key: str = "loss") -> list:
+def history_apart(
+    trace: Trace, weights_steps: list, steps_per_epoch: int, terms=None, key: str = "loss"
+) -> list:
     """Per epoch, how far another run's log `key` may be: a loss (`loss`,
     an output's or a phase's `<name>_loss`) or, with a `Trace` of outputs,
     an accuracy (a top-k one: `top` in its name). Each step's loss differs by at most
@@ -836,8 +950,11 @@ def history_apart(trace: Trace, weights_steps: list, steps_per_epoch: int, terms
     step."""
     terms = fan_in_terms(trace.model) if terms is None else terms
     accuracy, top_k = "acc" in key or "top" in key, "top" in key
-    kept = trace.parts[key] if key in trace.parts else {
-        "magnitudes": trace.magnitudes, "losses": trace.losses, "rounding": trace.rounding}
+    kept = (
+        trace.parts[key]
+        if key in trace.parts
+        else {"magnitudes": trace.magnitudes, "losses": trace.losses, "rounding": trace.rounding}
+    )
     output = _output_of(trace, key) if accuracy else None
     found = []
     for first in range(0, len(trace.rows), steps_per_epoch):
@@ -849,14 +966,22 @@ def history_apart(trace: Trace, weights_steps: list, steps_per_epoch: int, terms
                 moved = [m + b for m, b in zip(moved, weights_steps[step - 1])]
             if accuracy:
                 apart = _through(trace.output_magnitudes[step][output], moved)
-                bounds.append(accuracy_apart(trace.outputs[step][output], apart,
-                                             trace.labels[step] if top_k else None))
+                bounds.append(
+                    accuracy_apart(
+                        trace.outputs[step][output], apart, trace.labels[step] if top_k else None
+                    )
+                )
             else:
-                bounds.append(sum(float(np.sum(m * a)) for m, a in
-                                  zip(moved, kept["magnitudes"][step])) + kept["rounding"][step])
+                bounds.append(
+                    sum(float(np.sum(m * a)) for m, a in zip(moved, kept["magnitudes"][step]))
+                    + kept["rounding"][step]
+                )
         rows = np.asarray([trace.rows[s] for s in steps], np.float64)
-        rounding = _mean_rounding(len(rows)) if accuracy else reordered_sum(
-            len(rows), float(np.mean([kept["losses"][s] for s in steps])))
+        rounding = (
+            _mean_rounding(len(rows))
+            if accuracy
+            else reordered_sum(len(rows), float(np.mean([kept["losses"][s] for s in steps])))
+        )
         found.append(float(np.dot(rows, bounds) / rows.sum()) + rounding)
     return found
 
@@ -867,8 +992,9 @@ def history_apart(trace: Trace, weights_steps: list, steps_per_epoch: int, terms
 def _is_plain_sgd(optimizer) -> bool:
     """SGD (any rate or schedule) that neither clips nor decays nor averages."""
     return isinstance(optimizer, keras.optimizers.SGD) and not any(
-        getattr(optimizer, k, None) for k in ("clipnorm", "clipvalue", "global_clipnorm",
-                                              "use_ema", "weight_decay"))
+        getattr(optimizer, k, None)
+        for k in ("clipnorm", "clipvalue", "global_clipnorm", "use_ema", "weight_decay")
+    )
 
 
 def _settings(optimizer) -> dict:
@@ -904,39 +1030,79 @@ class Reference:
     applies lr / k to each: counted as lr, within the bound.
     """
 
-    def __init__(self, model, trace: Trace, steps_per_epoch: int = 1, terms=None, logs=None,
-                 slots=False, floor=0.0, make_optimizer=None):
+    def __init__(
+        self,
+        model,
+        trace: Trace,
+        steps_per_epoch: int = 1,
+        terms=None,
+        logs=None,
+        slots=False,
+        floor=0.0,
+        make_optimizer=None,
+    ):
         self.model, self.trace, self.logs, self._predicted = model, trace, logs, None
         self.steps_per_epoch, self.slots = steps_per_epoch, None
         optimizers = trace.optimizers  # one, or a custom step's several alike
         optimizer = optimizers[0]
         assert len(optimizers) == 1 or all(
-            type(o) is type(optimizer) and _settings(o) == _settings(optimizer)
-            for o in optimizers), "optimizers of other kinds: no bound here"
+            type(o) is type(optimizer) and _settings(o) == _settings(optimizer) for o in optimizers
+        ), "optimizers of other kinds: no bound here"
         terms = gradient_terms(model, max(trace.rows)) if terms is None else terms
         if _is_plain_sgd(optimizer) and not slots:
-            self.steps = sgd_steps_apart(trace, _rates(optimizer, len(trace.magnitudes)),
-                                         terms, float(optimizer.momentum), floor)
+            self.steps = sgd_steps_apart(
+                trace,
+                _rates(optimizer, len(trace.magnitudes)),
+                terms,
+                float(optimizer.momentum),
+                floor,
+            )
         elif trace.gradients is None or len(optimizers) > 1:  # no replay
             self.steps = adam_steps_apart(trace, optimizer, terms, floor)
         else:  # `slots`: the bounds on the optimizer's variables too
-            steps = optimizer_steps_apart(make_optimizer or _copy_maker(optimizer), trace, terms,
-                                          [v.constraint for v in model.trainable_weights], floor)
+            steps = optimizer_steps_apart(
+                make_optimizer or _copy_maker(optimizer),
+                trace,
+                terms,
+                [v.constraint for v in model.trainable_weights],
+                floor,
+            )
             self.steps, self.slots = [w for w, _ in steps], steps[-1][1]
 
     @classmethod
-    def fit(cls, model, x, y, batch_size, epochs=1, terms=None, sample_weight=None,
-            slots=False, floor=0.0, make_optimizer=None, outputs=None, phases=None, **fit):
+    def fit(
+        cls,
+        model,
+        x,
+        y,
+        batch_size,
+        epochs=1,
+        terms=None,
+        sample_weight=None,
+        slots=False,
+        floor=0.0,
+        make_optimizer=None,
+        outputs=None,
+        phases=None,
+        **fit,
+    ):
         """`model.fit(x, y, ...)` in order (`fit`: its other arguments),
         traced (`outputs`: each step's outputs too, for the accuracy's
         bounds; by default where `model` was compiled with metrics)."""
         if outputs is None:
             outputs = not phases and getattr(model, "_compile_metrics", None) is not None
-        trace = Trace(x, y, batch_size, model.loss, sample_weight, outputs=outputs,
-                      phases=phases)
-        logs = model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0,
-                         sample_weight=sample_weight,
-                         callbacks=[trace, *fit.pop("callbacks", [])], **fit).history
+        trace = Trace(x, y, batch_size, model.loss, sample_weight, outputs=outputs, phases=phases)
+        logs = model.fit(
+            x,
+            y,
+            batch_size=batch_size,
+            epochs=epochs,
+            shuffle=False,
+            verbose=0,
+            sample_weight=sample_weight,
+            callbacks=[trace, *fit.pop("callbacks", [])],
+            **fit,
+        ).history
         steps_per_epoch = -(-_count(x) // batch_size)
         return cls(model, trace, steps_per_epoch, terms, logs, slots, floor, make_optimizer)
 
@@ -975,9 +1141,11 @@ class Reference:
         1 for `train_on_batch`'s logs)."""
         steps_per_epoch = steps_per_epoch or self.steps_per_epoch
         keys = self.logs or {"loss": None, "accuracy": None}
-        return {key: history_apart(self.trace, self.steps, steps_per_epoch, key=key)
-                for key in keys if key == "loss" or key in self.trace.parts or "acc" in key
-                or "top" in key}
+        return {
+            key: history_apart(self.trace, self.steps, steps_per_epoch, key=key)
+            for key in keys
+            if key == "loss" or key in self.trace.parts or "acc" in key or "top" in key
+        }
 
     def evaluate(self, x, y, batch_size=None) -> list:
         """For each of `model.evaluate`'s results (see `evaluate_apart`)."""
@@ -990,8 +1158,9 @@ class Reference:
         return self._predicted[1]
 
 
-def evaluate_apart(model, x, y, batch_size=None, weights_apart=None, outputs_bound=None,
-                   named=False):
+def evaluate_apart(
+    model, x, y, batch_size=None, weights_apart=None, outputs_bound=None, named=False
+):
     """For each of `model.evaluate(x, y, batch_size)`'s results, how far
     another run's may be, computing in other orders with weights within
     `weights_apart` (`outputs_bound`: `outputs_apart`'s, if known): the loss
@@ -1002,24 +1171,26 @@ def evaluate_apart(model, x, y, batch_size=None, weights_apart=None, outputs_bou
     logs = model.evaluate(x, y, batch_size=batch_size, verbose=0, return_dict=True)
     loss, loss_weights = _loss_of(model)
     several = isinstance(loss, dict)
-    unknown = [k for k in logs if k != "loss" and "acc" not in k
-               and not (several and k.endswith("_loss"))]
+    unknown = [
+        k for k in logs if k != "loss" and "acc" not in k and not (several and k.endswith("_loss"))
+    ]
     assert not unknown, f"no bound for {unknown}"
     bounds = {}
     if several:
         found = Rows(model, loss, training=False, loss_weights=loss_weights)(x, y)
         moved, flat = _moved(model, weights_apart, None), _flat_rows(found["outputs"])
-        for key, part in [("loss", found), *((f"{n}_loss", p) for n, p in
-                                               found["parts"].items())]:
-            bounds[key] = float(np.mean(_through(part["gradients"], moved))) + \
-                _loss_rounding(len(flat), part["losses"], flat)
+        for key, part in [("loss", found), *((f"{n}_loss", p) for n, p in found["parts"].items())]:
+            bounds[key] = float(np.mean(_through(part["gradients"], moved))) + _loss_rounding(
+                len(flat), part["losses"], flat
+            )
     else:
         if outputs_bound is None:
             outputs_bound = outputs_apart(model, x, weights_apart)
         bounds["loss"] = losses_apart(model, x, y, loss, outputs_bound, weights_apart)
         batches = -(-_count(x) // (batch_size or 32))
-        accuracy = accuracy_apart(np.asarray(model(_tensors(x), training=False)), outputs_bound) \
-            + _mean_rounding(batches)
+        accuracy = accuracy_apart(
+            np.asarray(model(_tensors(x), training=False)), outputs_bound
+        ) + _mean_rounding(batches)
         bounds.update({key: accuracy for key in logs if "acc" in key})
     batches = -(-_count(x) // (batch_size or 32))
     for key in bounds:
@@ -1052,10 +1223,11 @@ def moving_statistics_apart(model, x, weights_apart) -> dict:
         axes = tuple(range(h.ndim - 1))
         largest = moved.max(axis=axes)
         spread = np.abs(h - h.mean(axis=axes)).max(axis=axes)
-        rounding = reordered_sum(int(np.prod(h.shape[:-1])) + 3,
-                                 np.abs(h).mean(axis=axes) + spread ** 2)
+        rounding = reordered_sum(
+            int(np.prod(h.shape[:-1])) + 3, np.abs(h).mean(axis=axes) + spread**2
+        )
         found[id(layer.moving_mean)] = largest + rounding
-        found[id(layer.moving_variance)] = 2 * spread * largest + largest ** 2 + rounding
+        found[id(layer.moving_variance)] = 2 * spread * largest + largest**2 + rounding
     return found
 
 

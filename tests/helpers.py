@@ -5,10 +5,18 @@ import numpy as np
 import tensorflow as tf
 
 import keras_distrib as kd
+
 # Paths and processes (no TensorFlow there: the unit tier imports them alone).
 from pure_helpers import (  # noqa: F401  (re-exported)
-    CHILD_PYTHONPATH, KERAS_FEATURES_WORKER, ROOT, WORKERS, kill_pids, kill_process_group,
-    launch, process_alive)
+    CHILD_PYTHONPATH,
+    KERAS_FEATURES_WORKER,
+    ROOT,
+    WORKERS,
+    kill_pids,
+    kill_process_group,
+    launch,
+    process_alive,
+)
 
 FEATURES, CLASSES = 8, 3
 
@@ -79,7 +87,7 @@ class IdBatches(keras.utils.PyDataset):
         return 5
 
     def __getitem__(self, i):
-        ids = np.arange(101, dtype="float32")[i * 21:(i + 1) * 21]
+        ids = np.arange(101, dtype="float32")[i * 21 : (i + 1) * 21]
         return np.stack([ids / 100.0, np.ones_like(ids)], axis=1), ids[:, None]
 
 
@@ -128,10 +136,16 @@ def assert_trains_like_single(form, strategy, x, y, batch_size=32, epochs=2, ste
     assert int(model.optimizer.iterations.numpy()) == steps
     for key in ("loss", "accuracy"):
         np.testing.assert_allclose(h_single.history[key], h_model.history[key], atol=1e-5)
-    np.testing.assert_allclose(single.evaluate(x, y, batch_size=batch_size, verbose=0),
-                               model.evaluate(x, y, batch_size=batch_size, verbose=0), atol=1e-5)
-    np.testing.assert_allclose(single.predict(x, batch_size=batch_size, verbose=0),
-                               model.predict(x, batch_size=batch_size, verbose=0), atol=1e-5)
+    np.testing.assert_allclose(
+        single.evaluate(x, y, batch_size=batch_size, verbose=0),
+        model.evaluate(x, y, batch_size=batch_size, verbose=0),
+        atol=1e-5,
+    )
+    np.testing.assert_allclose(
+        single.predict(x, batch_size=batch_size, verbose=0),
+        model.predict(x, batch_size=batch_size, verbose=0),
+        atol=1e-5,
+    )
     return model
 
 
@@ -154,12 +168,15 @@ def train_single(initial, samples, batch_size, epochs, validation=0):
     reference = keras.Model(*graph())
     model = kd.DistributedModel(reference.input, reference.output, strategy="single")
     model.set_weights(initial)
-    model.compile(optimizer=keras.optimizers.SGD(0.1),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
     val = (x[:validation], y[:validation]) if validation else None
-    history = model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False,
-                        validation_data=val, verbose=0)
+    history = model.fit(
+        x, y, batch_size=batch_size, epochs=epochs, shuffle=False, validation_data=val, verbose=0
+    )
     return model, history.history, x, y
 
 
@@ -171,9 +188,7 @@ def assert_weight_lists_close(got, want, atol=1e-5):
 
 
 def weights_moved(model, reference):
-    return any(
-        not np.allclose(x, y) for x, y in zip(model.get_weights(), reference.get_weights())
-    )
+    return any(not np.allclose(x, y) for x, y in zip(model.get_weights(), reference.get_weights()))
 
 
 def all_variables_on(model, strategy):
@@ -216,8 +231,14 @@ def tf_dataset(x, y, batch_size):
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
 
 
-COLLECTIVE_OPS = {"CollectiveReduceV2", "CollectiveReduceV3", "CollectiveReduce", "NcclAllReduce",
-                  "HorovodAllreduce", "HorovodGroupedAllreduce"}
+COLLECTIVE_OPS = {
+    "CollectiveReduceV2",
+    "CollectiveReduceV3",
+    "CollectiveReduce",
+    "NcclAllReduce",
+    "HorovodAllreduce",
+    "HorovodGroupedAllreduce",
+}
 
 
 def collective_dtypes(model, x, y):
@@ -242,18 +263,36 @@ def collective_dtypes(model, x, y):
 # The model zoo's patterns (tests/zoo/patterns.py) each multi-process
 # strategy runs, in the launches of tests/conftest.py (`probes`,
 # `horovod_probes`) and tests/zoo/test_zoo_processes.py (parameter_server).
-_DATA_PARALLEL_ZOO = ("lambda", "user_layer", "user_metric", "gan", "gan_random", "wgan_gp",
-                      "guide_train_step", "embeddings_adam", "multi_io", "dropout_noise",
-                      "tf_distribute_scope")
+_DATA_PARALLEL_ZOO = (
+    "lambda",
+    "user_layer",
+    "user_metric",
+    "gan",
+    "gan_random",
+    "wgan_gp",
+    "guide_train_step",
+    "embeddings_adam",
+    "multi_io",
+    "dropout_noise",
+    "tf_distribute_scope",
+)
 ZOO_PROCESS_PATTERNS = {
     "multi_worker": _DATA_PARALLEL_ZOO,
     "horovod": _DATA_PARALLEL_ZOO,
-    "parameter_server": ("lambda", "user_layer", "user_metric", "embeddings_adam", "gan",
-                         "guide_train_step", "tf_distribute_scope"),
+    "parameter_server": (
+        "lambda",
+        "user_layer",
+        "user_metric",
+        "embeddings_adam",
+        "gan",
+        "guide_train_step",
+        "tf_distribute_scope",
+    ),
 }
 
 
 # -- activation checkpointing (keras.RematScope) ----------------------------------
+
 
 class CountedDense(keras.layers.Dense):
     """A Dense that counts the times its forward pass is traced or run
@@ -267,6 +306,7 @@ class CountedDense(keras.layers.Dense):
 
 
 # -- each replica's own random numbers (keras_distrib.replica_seeds) ---------------
+
 
 class MCDropout(keras.layers.Dropout):
     """Dropout also in `predict`: Keras's recipe for Monte Carlo dropout."""
@@ -291,11 +331,16 @@ def dropout_kept_counts(strategy) -> tuple[np.ndarray, int]:
     moves kernel[j] by (rows keeping input j) / 16."""
     inputs = keras.Input((64,))
     dense = keras.layers.Dense(1, use_bias=False, kernel_initializer="ones")
-    model = kd.DistributedModel(inputs, dense(keras.layers.Dropout(0.5)(inputs)),
-                                strategy=strategy)
+    model = kd.DistributedModel(inputs, dense(keras.layers.Dropout(0.5)(inputs)), strategy=strategy)
     model.compile(optimizer=keras.optimizers.SGD(1.0), loss="mae")
-    model.fit(np.ones((32, 64), "float32"), np.zeros((32, 1), "float32"),
-              batch_size=32, epochs=1, shuffle=False, verbose=0)
+    model.fit(
+        np.ones((32, 64), "float32"),
+        np.zeros((32, 1), "float32"),
+        batch_size=32,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+    )
     return np.rint(16 * (1 - model.get_weights()[0][:, 0])).astype(int), model.strategy.rank
 
 

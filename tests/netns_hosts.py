@@ -46,8 +46,7 @@ _beds = itertools.count()
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check,
-                          timeout=30)
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
 
 
 def unavailable() -> Optional[str]:
@@ -105,16 +104,24 @@ class TestBed:
         returns `directory`, to put first on PATH."""
         path = os.path.join(directory, "ssh")
         with open(path, "w") as f:
-            f.write(f'#!/bin/sh\nexec {sys.executable} {os.path.abspath(__file__)} ssh '
-                    f'{self.prefix} "$@"\n')
+            f.write(
+                f"#!/bin/sh\nexec {sys.executable} {os.path.abspath(__file__)} ssh "
+                f'{self.prefix} "$@"\n'
+            )
         os.chmod(path, 0o755)
         return directory
 
     def on(self, host: int, argv: list[str], name: Optional[str] = None) -> list[str]:
         """`argv` to run on `host` (for Popen), under the host name `name`
         (default: its address)."""
-        return ["ip", "netns", "exec", self.namespace(host),
-                *_own_name(name or self.addresses[host]), *argv]
+        return [
+            "ip",
+            "netns",
+            "exec",
+            self.namespace(host),
+            *_own_name(name or self.addresses[host]),
+            *argv,
+        ]
 
     def hosts_file(self, host: int, lines: list[str]) -> None:
         """`lines` as `host`'s /etc/hosts: `ip netns exec` mounts
@@ -155,8 +162,20 @@ class TestBed:
         for host in range(self.n):
             ns, port = self.namespace(host), f"p{host}"
             self._add_namespace(ns)
-            _ip("-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", port,
-                "netns", self.switch)
+            _ip(
+                "-n",
+                ns,
+                "link",
+                "add",
+                "eth0",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                port,
+                "netns",
+                self.switch,
+            )
             _ip("-n", self.switch, "link", "set", port, "master", "br0")
             _ip("-n", self.switch, "link", "set", port, "up")
             _ip("-n", ns, "addr", "add", f"{self.addresses[host]}/24", "dev", "eth0")
@@ -171,9 +190,28 @@ class TestBed:
 
     def _limit(self, ns: str, dev: str) -> None:
         """A token bucket of `rate` on `dev`'s egress (both ends of a link)."""
-        subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate",
-                        self.rate, "burst", "1mb", "latency", "100ms"],
-                       check=True, capture_output=True, timeout=30)
+        subprocess.run(
+            [
+                "tc",
+                "-n",
+                ns,
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                self.rate,
+                "burst",
+                "1mb",
+                "latency",
+                "100ms",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
 
     def pids(self, host: Optional[int] = None) -> list[int]:
         """The processes running in one host's namespace (or in any)."""
@@ -225,8 +263,12 @@ class TestBed:
     def run(self, host: int, *argv: str, **kwargs) -> subprocess.CompletedProcess:
         """Runs `argv` on `host` and waits (a 60 s bound)."""
         kwargs.setdefault("timeout", 60)
-        return subprocess.run(["ip", "netns", "exec", self.namespace(host), *argv],
-                              capture_output=True, text=True, **kwargs)
+        return subprocess.run(
+            ["ip", "netns", "exec", self.namespace(host), *argv],
+            capture_output=True,
+            text=True,
+            **kwargs,
+        )
 
 
 # How long the ssh stand-in waits for a host whose link is down, as ssh's
@@ -254,8 +296,9 @@ def _exec(prefix: str, host: str, command: str) -> None:
             sys.stderr.write(f"ssh: connect to host {host} port 22: Connection timed out\n")
             sys.exit(255)
         time.sleep(0.2)
-    os.execvp("ip", ["ip", "netns", "exec", f"{prefix}-{host}", *_own_name(host), "sh", "-c",
-                     command])
+    os.execvp(
+        "ip", ["ip", "netns", "exec", f"{prefix}-{host}", *_own_name(host), "sh", "-c", command]
+    )
 
 
 def _own_name(address: str) -> list[str]:
@@ -289,8 +332,10 @@ def _ssh(prefix: str, argv: list[str]) -> None:
     _exec(prefix, host, command)
 
 
-USAGE = ("usage: netns_hosts.py exec PREFIX HOST COMMAND\n"
-         "       netns_hosts.py ssh PREFIX [SSH OPTIONS] HOST COMMAND...")
+USAGE = (
+    "usage: netns_hosts.py exec PREFIX HOST COMMAND\n"
+    "       netns_hosts.py ssh PREFIX [SSH OPTIONS] HOST COMMAND..."
+)
 
 if __name__ == "__main__":
     if len(sys.argv) == 5 and sys.argv[1] == "exec":

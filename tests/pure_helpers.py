@@ -70,8 +70,14 @@ HEAVY_MODULES = ("tensorflow", "keras")
 def run_python(code: str, *args: str, cwd=None) -> subprocess.CompletedProcess:
     """`python -c code args...` with this repository first on its path."""
     env = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH}
-    return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=45)
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=45,
+    )
 
 
 # -- plain-Python rank scripts for the launcher's tests ---------------------------------
@@ -121,8 +127,18 @@ def rank_pids(directory) -> dict[int, int]:
 _TRANSPORT_FLAKE = 'grpc_message:"Unable to parse request"'
 
 
-def launch(out, n, script, *script_args, launch_flags=(), timeout=300, expect=0, env=None,
-           during=None, wrap=None):
+def launch(
+    out,
+    n,
+    script,
+    *script_args,
+    launch_flags=(),
+    timeout=300,
+    expect=0,
+    env=None,
+    during=None,
+    wrap=None,
+):
     """Runs `keras-distrib launch -n n script ...` for real; returns its output.
 
     Fails with the output's tail unless the launcher exits with `expect`
@@ -135,13 +151,18 @@ def launch(out, n, script, *script_args, launch_flags=(), timeout=300, expect=0,
     test. A job that fails with TensorFlow's rare transport error (see
     `_TRANSPORT_FLAKE`) runs once more, unless `during` acted on it.
     """
-    code, output = _launch_once(out, n, script, script_args, launch_flags, timeout, env, during,
-                                wrap)
+    code, output = _launch_once(
+        out, n, script, script_args, launch_flags, timeout, env, during, wrap
+    )
     if code != 0 and during is None and _TRANSPORT_FLAKE in output:
-        print(f"pure_helpers.launch: {_TRANSPORT_FLAKE} (TensorFlow's gRPC transport); "
-              "running the job once more", file=sys.stderr)
-        code, output = _launch_once(out, n, script, script_args, launch_flags, timeout, env,
-                                    during, wrap)
+        print(
+            f"pure_helpers.launch: {_TRANSPORT_FLAKE} (TensorFlow's gRPC transport); "
+            "running the job once more",
+            file=sys.stderr,
+        )
+        code, output = _launch_once(
+            out, n, script, script_args, launch_flags, timeout, env, during, wrap
+        )
     if expect is None:
         return code, output
     assert code == expect, output[-5000:]
@@ -150,13 +171,31 @@ def launch(out, n, script, *script_args, launch_flags=(), timeout=300, expect=0,
 
 def _launch_once(out, n, script, script_args, launch_flags, timeout, env, during, wrap):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TMPDIR=str(out), **(env or {}))
-    argv = [sys.executable, "-m", "keras_distrib.launch", "launch", "-n", str(n),
-            "--timeout", str(timeout - 30), *launch_flags, script, *script_args]
+    argv = [
+        sys.executable,
+        "-m",
+        "keras_distrib.launch",
+        "launch",
+        "-n",
+        str(n),
+        "--timeout",
+        str(timeout - 30),
+        *launch_flags,
+        script,
+        *script_args,
+    ]
     if wrap is not None:
         argv = wrap(argv)
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     chunks = []
     reader = threading.Thread(target=lambda: chunks.append(proc.stdout.read()), daemon=True)
     reader.start()
@@ -180,8 +219,10 @@ def tf_config_environ(config) -> dict:
 
 def worker_cluster(*addresses, task_type="worker", index=0, **extra_tasks) -> dict:
     """A TF_CONFIG of workers at `addresses` (and `extra_tasks` roles)."""
-    return {"cluster": {"worker": list(addresses), **extra_tasks},
-            "task": {"type": task_type, "index": index}}
+    return {
+        "cluster": {"worker": list(addresses), **extra_tasks},
+        "task": {"type": task_type, "index": index},
+    }
 
 
 def assert_one_line_error(excinfo, *fragments):
@@ -216,10 +257,10 @@ def quickstart_code() -> str:
     """The Python code block right after README.md's `<!-- quickstart -->`."""
     with open(os.path.join(ROOT, "README.md")) as f:
         text = f.read()
-    assert text.count(QUICKSTART_MARKER) == 1, \
+    assert text.count(QUICKSTART_MARKER) == 1, (
         f"README.md must hold {QUICKSTART_MARKER} exactly once"
-    found = re.search(re.escape(QUICKSTART_MARKER) + r"\s*\n```python\n(.*?)\n```", text,
-                      re.DOTALL)
+    )
+    found = re.search(re.escape(QUICKSTART_MARKER) + r"\s*\n```python\n(.*?)\n```", text, re.DOTALL)
     assert found, f"README.md has no ```python block right after {QUICKSTART_MARKER}"
     return found.group(1)
 
@@ -227,8 +268,11 @@ def quickstart_code() -> str:
 def plain_environment(**extra) -> dict:
     """This environment without any cluster (TF_CONFIG, Slurm, MPI, Horovod,
     ours): a plain one-process run."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("TF_CONFIG", "SLURM_", "KERAS_DISTRIB_", "OMPI_", "HOROVOD_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("TF_CONFIG", "SLURM_", "KERAS_DISTRIB_", "OMPI_", "HOROVOD_"))
+    }
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env.update(extra)
     return env

@@ -24,7 +24,8 @@ CASES = {
     "rmsprop_global_clipnorm": lambda: keras.optimizers.RMSprop(0.01, global_clipnorm=0.1),
     "nadam_clipvalue": lambda: keras.optimizers.Nadam(0.01, clipvalue=0.01),
     "adamax_schedule": lambda: keras.optimizers.Adamax(
-        keras.optimizers.schedules.ExponentialDecay(0.02, decay_steps=3, decay_rate=0.5)),
+        keras.optimizers.schedules.ExponentialDecay(0.02, decay_steps=3, decay_rate=0.5)
+    ),
     "adagrad": lambda: keras.optimizers.Adagrad(0.1),
     "adadelta": lambda: keras.optimizers.Adadelta(1.0),
     "ftrl": lambda: keras.optimizers.Ftrl(0.1, l1_regularization_strength=0.01),
@@ -52,8 +53,9 @@ def graph(case=None):
         embedded = keras.layers.Flatten()(keras.layers.Embedding(13, 5)(inputs))
         return inputs, keras.layers.Dense(3)(embedded)
     inputs = keras.Input((8,))
-    hidden = keras.layers.Dense(16, activation="relu",
-                                kernel_constraint=keras.constraints.MaxNorm(1.0))(inputs)
+    hidden = keras.layers.Dense(
+        16, activation="relu", kernel_constraint=keras.constraints.MaxNorm(1.0)
+    )(inputs)
     return inputs, keras.layers.Dense(3)(keras.layers.Dense(7, activation="tanh")(hidden))
 
 
@@ -63,8 +65,9 @@ def inputs(case, x):
 
 
 def compile_kwargs(case):
-    return dict(optimizer=CASES[case](),
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return dict(
+        optimizer=CASES[case](), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
 
 
 def plain_run(case, initial, x, y, bounds=False):
@@ -79,8 +82,11 @@ def plain_run(case, initial, x, y, bounds=False):
         from float_bounds import Reference  # traces each step: only where asked
 
         reference = Reference.fit(model, inputs(case, x), y, BATCH, EPOCHS, slots=True)
-        return (model.get_weights(), [np.asarray(v) for v in model.optimizer.variables],
-                (reference.weights, reference.slots))
+        return (
+            model.get_weights(),
+            [np.asarray(v) for v in model.optimizer.variables],
+            (reference.weights, reference.slots),
+        )
     model.fit(inputs(case, x), y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
     return model.get_weights(), [np.asarray(v) for v in model.optimizer.variables]
 

@@ -41,14 +41,17 @@ def unavailable() -> Optional[str]:
         return reason
     missing = [d for d in DAEMONS if shutil.which(d) is None]
     if missing:
-        return (f"the Slurm bed needs {', '.join(missing)} (Debian: slurmctld slurmd "
-                "slurm-client munge; scripts/install_test_beds.sh installs them)")
+        return (
+            f"the Slurm bed needs {', '.join(missing)} (Debian: slurmctld slurmd "
+            "slurm-client munge; scripts/install_test_beds.sh installs them)"
+        )
     return None
 
 
 def _conf(directory: str, addresses: list[str], munge_socket: str) -> str:
-    nodes = "\n".join(f"NodeName=n{i} NodeAddr={a} CPUs=2 State=UNKNOWN"
-                      for i, a in enumerate(addresses))
+    nodes = "\n".join(
+        f"NodeName=n{i} NodeAddr={a} CPUs=2 State=UNKNOWN" for i, a in enumerate(addresses)
+    )
     names = ",".join(f"n{i}" for i in range(len(addresses)))
     return f"""ClusterName=kdbed
 SlurmctldHost=n0({addresses[0]})
@@ -119,23 +122,41 @@ class SlurmBed(netns_hosts.TestBed):
             f.write("CgroupPlugin=cgroup/v1\nCgroupAutomount=no\n")
         for host in range(self.n):
             self.hosts_file(host, [f"{a} n{i}" for i, a in enumerate(self.addresses)])
-        self._start(["munged", "-F", "--force", f"--socket={socket}", f"--key-file={key}",
-                     f"--pid-file={d}/munged.pid", f"--log-file={d}/munged.log",
-                     f"--seed-file={d}/munged.seed"])
+        self._start(
+            [
+                "munged",
+                "-F",
+                "--force",
+                f"--socket={socket}",
+                f"--key-file={key}",
+                f"--pid-file={d}/munged.pid",
+                f"--log-file={d}/munged.log",
+                f"--seed-file={d}/munged.seed",
+            ]
+        )
         self._start(self.on(0, ["slurmctld", "-D", "-f", self.conf], name="n0"))
         mounts = " && ".join(
             ["mount -t tmpfs none /sys/fs/cgroup"]
-            + [f"mkdir -p /sys/fs/cgroup/{c} && mount -t cgroup -o {c} none /sys/fs/cgroup/{c}"
-               for c in CGROUPS])
+            + [
+                f"mkdir -p /sys/fs/cgroup/{c} && mount -t cgroup -o {c} none /sys/fs/cgroup/{c}"
+                for c in CGROUPS
+            ]
+        )
         for host in range(self.n):
-            self._start(self.on(host, ["sh", "-c", f"{mounts} && exec slurmd -D -f {self.conf} "
-                                                   f"-N n{host}"], name=f"n{host}"))
+            self._start(
+                self.on(
+                    host,
+                    ["sh", "-c", f"{mounts} && exec slurmd -D -f {self.conf} -N n{host}"],
+                    name=f"n{host}",
+                )
+            )
         self._wait_until_idle()
 
     def _start(self, argv: list[str]) -> None:
         log = open(os.path.join(self.directory, "daemons.log"), "a")
-        self._daemons.append(subprocess.Popen(argv, env=self.env(), stdout=log,
-                                              stderr=subprocess.STDOUT))
+        self._daemons.append(
+            subprocess.Popen(argv, env=self.env(), stdout=log, stderr=subprocess.STDOUT)
+        )
         log.close()
 
     def env(self, **extra) -> dict:
@@ -143,8 +164,14 @@ class SlurmBed(netns_hosts.TestBed):
 
     def slurm(self, *argv: str, check: bool = True, **env) -> subprocess.CompletedProcess:
         """Runs a Slurm client (`sbatch ...`) on n0; returns what it printed."""
-        return subprocess.run(self.on(0, list(argv), name="n0"), env=self.env(**env),
-                              capture_output=True, text=True, timeout=60, check=check)
+        return subprocess.run(
+            self.on(0, list(argv), name="n0"),
+            env=self.env(**env),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=check,
+        )
 
     def _wait_until_idle(self, seconds: float = 60) -> None:
         deadline = time.monotonic() + seconds
@@ -154,8 +181,10 @@ class SlurmBed(netns_hosts.TestBed):
             if len(states) == self.n and all(s == "idle" for s in states.values()):
                 return
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the Slurm nodes are not idle after {seconds:g}s: {states}; "
-                                   f"see {self.directory}")
+                raise RuntimeError(
+                    f"the Slurm nodes are not idle after {seconds:g}s: {states}; "
+                    f"see {self.directory}"
+                )
             time.sleep(0.5)
 
     def sbatch(self, script: str, *options: str, args: tuple = (), **env) -> int:
@@ -173,9 +202,12 @@ class SlurmBed(netns_hosts.TestBed):
             return "UNKNOWN"
         return f"PENDING {found[2]}" if found[1] == "PENDING" else found[1]
 
-    def wait_for_job(self, job: int, seconds: float = 240, until=("COMPLETED", "FAILED",
-                                                                   "CANCELLED", "TIMEOUT",
-                                                                   "NODE_FAIL")) -> str:
+    def wait_for_job(
+        self,
+        job: int,
+        seconds: float = 240,
+        until=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"),
+    ) -> str:
         """Waits until the job is in one of `until`; returns that state."""
         deadline = time.monotonic() + seconds
         while True:

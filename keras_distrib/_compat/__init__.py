@@ -178,8 +178,16 @@ from keras_distrib._compat.tf_variables import (
 from keras_distrib._compat.versions import TESTED, warn_if_untested
 
 # The modules whose `PRIVATE` declarations the import checks.
-MODULES = (keras_trainer, keras_layers, keras_backend, keras_optimizer, keras_callbacks,
-           tf_distribute, tf_variables, tf_data)
+MODULES = (
+    keras_trainer,
+    keras_layers,
+    keras_backend,
+    keras_optimizer,
+    keras_callbacks,
+    tf_distribute,
+    tf_variables,
+    tf_data,
+)
 
 
 def check_private() -> None:

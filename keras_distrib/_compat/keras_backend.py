@@ -123,6 +123,7 @@ def wrap_backend_draw_seed(wrapper) -> None:
         @functools.wraps(keras_draw_seed)
         def draw_seed(seed):
             return wrapper(keras_draw_seed, seed)
+
         return draw_seed
 
     for module in (tf_random, tf_image):
@@ -158,7 +159,8 @@ def remat_in_graphs() -> None:
                 given = iter(tensors)
                 values = [next(given) if t else v for v, t in zip(flat, is_tensor)]
                 call_args, call_kwargs = tf.nest.pack_sequence_as(
-                    (args, kwargs), values, expand_composites=True)
+                    (args, kwargs), values, expand_composites=True
+                )
                 return f(*call_args, **call_kwargs)
 
             return tf.recompute_grad(positional)(*[v for v, t in zip(flat, is_tensor) if t])

@@ -40,8 +40,12 @@ def backup_paths(callback) -> tuple:
     `backup_dir` (Keras has no public names for them): `(weights, training
     metadata, previous weights, previous training metadata)`, the last two
     written with `double_checkpoint`."""
-    return (callback._weights_path, callback._training_metadata_path,
-            callback._prev_weights_path, callback._prev_training_metadata_path)
+    return (
+        callback._weights_path,
+        callback._training_metadata_path,
+        callback._prev_weights_path,
+        callback._prev_training_metadata_path,
+    )
 
 
 def show_backup_progress(callback, epochs_done: int, last_batch: int) -> None:

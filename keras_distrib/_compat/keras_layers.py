@@ -86,7 +86,8 @@ def clone_functional(template, **kwargs):
     `InputLayer`'s config (shape, dtype, sparse, ragged, name, optional).
     """
     inputs = tf.nest.map_structure(
-        lambda x: keras.Input(**x._keras_history.operation.get_config()), template.input)
+        lambda x: keras.Input(**x._keras_history.operation.get_config()), template.input
+    )
     return keras.models.clone_model(template, input_tensors=inputs, **kwargs)
 
 
@@ -162,14 +163,19 @@ def name_damaged_keras_files() -> None:
             return keras_load(filepath, *args, **kwargs)
         except ValueError as error:
             path = os.fspath(filepath) if isinstance(filepath, (str, os.PathLike)) else None
-            if (path is None or not str(error).startswith("File not found")
-                    or not path.endswith(".keras") or not os.path.isfile(path)
-                    or zipfile.is_zipfile(path)):
+            if (
+                path is None
+                or not str(error).startswith("File not found")
+                or not path.endswith(".keras")
+                or not os.path.isfile(path)
+                or zipfile.is_zipfile(path)
+            ):
                 raise
             raise ValueError(
                 f"{path} is not a valid .keras file: it exists ({os.path.getsize(path)} "
                 "bytes) but is no zip archive, i.e. truncated (a copy cut short) or of "
-                "another format; copy it again, or load an earlier checkpoint.") from None
+                "another format; copy it again, or load an earlier checkpoint."
+            ) from None
 
     setattr(load_model, "_kd_wrapped", True)
     for module in (saving_api, keras.saving, keras.models):
@@ -290,6 +296,7 @@ def inlined_functional(model):
     `Function._run_through_graph` replays a graph with a `call_fn` per
     operation, which here replays a nested model's graph instead of calling
     it."""
+
     def call(operation, *args, **kwargs):
         inner = graph_of(operation)
         if inner is None:

@@ -93,8 +93,8 @@ def reindex_optimizer(optimizer) -> None:
     `_unique_id` (`TFOptimizer._var_key`), not by the Keras variable.
     """
     optimizer._trainable_variables_indices = {
-        optimizer._var_key(variable): i
-        for i, variable in enumerate(optimizer._trainable_variables)}
+        optimizer._var_key(variable): i for i, variable in enumerate(optimizer._trainable_variables)
+    }
 
 
 def set_optimizer_strategy(optimizer, tf_strategy) -> None:

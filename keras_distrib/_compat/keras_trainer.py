@@ -300,7 +300,9 @@ def epoch_iterator(x, batch_size):
     from keras.src.backend.tensorflow.trainer import TFEpochIterator
 
     return TFEpochIterator(
-        x=x, batch_size=batch_size, shuffle=False,
+        x=x,
+        batch_size=batch_size,
+        shuffle=False,
         distribute_strategy=tf.distribute.get_strategy(),
     )
 
@@ -324,4 +326,5 @@ def absent_as_none(batch: Any) -> Any:
     back into None before the step (`TensorFlowTrainer._autoconvert_optionals`).
     """
     return keras.tree.map_structure(
-        lambda t: None if isinstance(t, tf.experimental.Optional) else t, batch)
+        lambda t: None if isinstance(t, tf.experimental.Optional) else t, batch
+    )

@@ -48,8 +48,7 @@ def _unseeded(nodes: dict, shuffle) -> bool:
     # seed == seed2 == 0 is TensorFlow's "draw a random seed".
     seeds = [nodes.get(name.split(":")[0].lstrip("^")) for name in shuffle.input[2:4]]
     return all(
-        node is not None and node.op == "Const"
-        and tf.make_ndarray(node.attr["value"].tensor) == 0
+        node is not None and node.op == "Const" and tf.make_ndarray(node.attr["value"].tensor) == 0
         for node in seeds
     )
 
@@ -76,10 +75,18 @@ def agree_on_shuffles(dataset: tf.data.Dataset, draw_seed) -> tf.data.Dataset:
     nodes = {node.name: node for node in graph.node}
     top = [n for n in graph.node if n.op == "ShuffleDatasetV3" and _unseeded(nodes, n)]
     nested = [
-        n.op for function in graph.library.function for n in function.node_def
+        n.op
+        for function in graph.library.function
+        for n in function.node_def
         if "Shuffle" in n.op and _unseeded({m.name: m for m in function.node_def}, n)
-    ] + [n.op for n in graph.node if "Shuffle" in n.op and n.op != "ShuffleDatasetV3"
-         and len(n.input) >= 4 and _unseeded(nodes, n)]
+    ] + [
+        n.op
+        for n in graph.node
+        if "Shuffle" in n.op
+        and n.op != "ShuffleDatasetV3"
+        and len(n.input) >= 4
+        and _unseeded(nodes, n)
+    ]
     if nested:
         raise UnseededShuffleError("inside a nested dataset function or an older shuffle op")
     if not top:
@@ -106,8 +113,9 @@ def static_batch_size(dataset: tf.data.Dataset) -> int:
     return int(distribute.compute_batch_size(dataset))
 
 
-def shard_by_file(dataset: tf.data.Dataset, num_shards: int, index: int,
-                  num_replicas: int) -> tf.data.Dataset:
+def shard_by_file(
+    dataset: tf.data.Dataset, num_shards: int, index: int, num_replicas: int
+) -> tf.data.Dataset:
     """TensorFlow's file-based auto-sharding (`_AutoShardDataset`), as
     `experimental_distribute_dataset` applies it, for our own input path."""
     from tensorflow.python.data.experimental.ops import distribute

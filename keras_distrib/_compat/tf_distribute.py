@@ -106,8 +106,10 @@ def without_default_strategy_creator() -> Iterator[None]:
     graph = tf.compat.v1.get_default_graph()
     stack = graph._variable_creator_stack
     graph._variable_creator_stack = [
-        entry for entry in stack
-        if not getattr(entry[-1], "__qualname__", "").startswith("_DefaultDistributionContext.")]
+        entry
+        for entry in stack
+        if not getattr(entry[-1], "__qualname__", "").startswith("_DefaultDistributionContext.")
+    ]
     try:
         yield
     finally:
@@ -153,8 +155,9 @@ def tensorflow_started() -> bool:
     return context.context()._context_handle is not None
 
 
-def configure_coordination_service(cluster_spec: tf.train.ClusterSpec,
-                                   heartbeat_timeout: float) -> None:
+def configure_coordination_service(
+    cluster_spec: tf.train.ClusterSpec, heartbeat_timeout: float
+) -> None:
     """Configures the coordination service as `MultiWorkerMirroredStrategy`
     would (its leader, the jobs it coordinates), with `heartbeat_timeout`
     seconds instead of TensorFlow's default (10 s): a task whose heartbeats
@@ -166,13 +169,17 @@ def configure_coordination_service(cluster_spec: tf.train.ClusterSpec,
     from tensorflow.python.distribute import multi_worker_util
     from tensorflow.python.eager import context
 
-    jobs = [coordination_config_pb2.CoordinatedJob(name=job, num_tasks=cluster_spec.num_tasks(job))
-            for job in ("chief", "worker") if job in cluster_spec.jobs]
+    jobs = [
+        coordination_config_pb2.CoordinatedJob(name=job, num_tasks=cluster_spec.num_tasks(job))
+        for job in ("chief", "worker")
+        if job in cluster_spec.jobs
+    ]
     context.context().configure_coordination_service(
         service_type="standalone",
         service_leader=multi_worker_util.coordination_leader(cluster_spec),
         heartbeat_timeout_in_ms=int(heartbeat_timeout * 1000),
-        coordinated_jobs=jobs)
+        coordinated_jobs=jobs,
+    )
 
 
 def set_collective_key_base(tf_strategy: Any, base: int) -> None:
@@ -339,6 +346,9 @@ def undistributed(data: Any) -> Any:
     if isinstance(data, input_lib.DistributedDataset) and hasattr(data, "_original_dataset"):
         return data._original_dataset
     if isinstance(data, input_lib.DistributedDatasetsFromFunction) and hasattr(data, "_dataset_fn"):
-        return data._dataset_fn(tf.distribute.InputContext(
-            num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1))
+        return data._dataset_fn(
+            tf.distribute.InputContext(
+                num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1
+            )
+        )
     return data

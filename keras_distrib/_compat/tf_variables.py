@@ -114,8 +114,9 @@ def make_plain_usable(variable: Any) -> None:
     if isinstance(variable, keras.Variable):
         variable = variable._value  # not `.value`: no initializer run, no autocast
     cls: type = type(variable)
-    if isinstance(variable, values.DistributedVariable) and not getattr(cls, "_kd_plain_usable",
-                                                                        False):
+    if isinstance(variable, values.DistributedVariable) and not getattr(
+        cls, "_kd_plain_usable", False
+    ):
         variable.__class__ = _plain_usable(cls)
 
 
@@ -150,10 +151,21 @@ def _plain_usable(cls: type) -> type:
         with distribute_lib.UpdateContext(None):  # a read: any copy holds the value
             return self._get_on_device_or_primary()
 
-    return type(cls.__name__, (cls,), {
-        "__slots__": (), "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-        "_kd_plain_usable": True, "__int__": __int__, "__float__": __float__,
-        "__complex__": __complex__, "_update": _update, "_get_replica": _get_replica})
+    return type(
+        cls.__name__,
+        (cls,),
+        {
+            "__slots__": (),
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "_kd_plain_usable": True,
+            "__int__": __int__,
+            "__float__": __float__,
+            "__complex__": __complex__,
+            "_update": _update,
+            "_get_replica": _get_replica,
+        },
+    )
 
 
 def _is_replica(replica_id) -> bool:

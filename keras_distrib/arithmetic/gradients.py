@@ -29,14 +29,17 @@ def summed_gradients(gradients: Sequence[Any]):
     if len(gradients) == 1:
         return gradients[0]
     if all(isinstance(g, tf.IndexedSlices) for g in gradients):
-        return tf.IndexedSlices(tf.concat([g.values for g in gradients], axis=0),
-                                tf.concat([g.indices for g in gradients], axis=0),
-                                gradients[0].dense_shape)
+        return tf.IndexedSlices(
+            tf.concat([g.values for g in gradients], axis=0),
+            tf.concat([g.indices for g in gradients], axis=0),
+            gradients[0].dense_shape,
+        )
     return tf.add_n([tf.convert_to_tensor(g) for g in gradients])
 
 
-def gather_sparse(all_reduce, slots: int, slot, gradients: Sequence[tf.IndexedSlices],
-                  num_samples) -> list:
+def gather_sparse(
+    all_reduce, slots: int, slot, gradients: Sequence[tf.IndexedSlices], num_samples
+) -> list:
     """Sparse gradients (`tf.IndexedSlices`: an `Embedding`'s, any
     `tf.gather`'s) of every replica, as one device holds them for the
     global batch: each replica's rows, concatenated in replica order (= the
@@ -54,8 +57,10 @@ def gather_sparse(all_reduce, slots: int, slot, gradients: Sequence[tf.IndexedSl
     sample counts), then each replica's rows in its own slot.
     """
     here = tf.one_hot(slot, slots, dtype=tf.float32)
-    counts = tf.stack([tf.cast(tf.shape(g.indices)[0], tf.float32) for g in gradients]
-                      + [tf.cast(num_samples, tf.float32)])
+    counts = tf.stack(
+        [tf.cast(tf.shape(g.indices)[0], tf.float32) for g in gradients]
+        + [tf.cast(num_samples, tf.float32)]
+    )
     (table,) = all_reduce([here[:, None] * counts[None]], "sum")
     total = tf.reduce_sum(table[:, -1])
     rows = tf.cast(table[:, :-1], tf.int32)  # [slot, gradient]
@@ -70,9 +75,10 @@ def gather_sparse(all_reduce, slots: int, slot, gradients: Sequence[tf.IndexedSl
     out = []
     for k, g in enumerate(gradients):
         values, indices = received[2 * k], received[2 * k + 1]
-        values = tf.concat([values[r, :rows[r, k]] for r in range(slots)], axis=0)
-        indices = tf.concat([indices[r, :rows[r, k]] for r in range(slots)], axis=0)
+        values = tf.concat([values[r, : rows[r, k]] for r in range(slots)], axis=0)
+        indices = tf.concat([indices[r, : rows[r, k]] for r in range(slots)], axis=0)
         scale = tf.cast(1.0 / tf.maximum(total, 1.0), values.dtype)
-        out.append(tf.IndexedSlices(values * scale, tf.cast(indices, g.indices.dtype),
-                                    g.dense_shape))
+        out.append(
+            tf.IndexedSlices(values * scale, tf.cast(indices, g.indices.dtype), g.dense_shape)
+        )
     return out

@@ -58,14 +58,16 @@ def sparse_piece_of(gradient: tf.IndexedSlices, part: Part, here) -> tf.IndexedS
     flat = tf.reshape(tf.cast(gradient.indices, tf.int64)[:, None] * row + columns[None], [-1])
     start = tf.cast(here, tf.int64) * part.length
     inside = (flat >= start) & (flat < start + part.length)
-    return tf.IndexedSlices(tf.boolean_mask(values, inside),
-                            tf.boolean_mask(flat, inside) - start,
-                            tf.constant([part.length], tf.int64))
+    return tf.IndexedSlices(
+        tf.boolean_mask(values, inside),
+        tf.boolean_mask(flat, inside) - start,
+        tf.constant([part.length], tf.int64),
+    )
 
 
 def piece_of_array(value, part: Part, here: int) -> np.ndarray:
     """`piece_of` for a numpy value, eagerly."""
     flat = np.asarray(value).reshape(-1)
     padded = np.zeros(part.length * part.replicas, flat.dtype)
-    padded[:part.size] = flat
-    return padded[here * part.length:(here + 1) * part.length]
+    padded[: part.size] = flat
+    return padded[here * part.length : (here + 1) * part.length]

@@ -24,10 +24,12 @@ def check(strategy: str, value, one_replica_per_process: bool = True) -> Optiona
     if value not in (OPTIMIZER, GRADIENTS):
         raise ValueError(
             f"optimizer_sharding={value!r} is not one of None, 'optimizer' (the optimizer's "
-            "slots sharded over the replicas), 'gradients' (the reduced gradients too).")
+            "slots sharded over the replicas), 'gradients' (the reduced gradients too)."
+        )
     if not one_replica_per_process:
         raise ValueError(
             f"optimizer_sharding={value!r} needs one replica per worker, but strategy "
             f"{strategy!r} runs several in each: start one worker per device, or use "
-            "'mirrored' on one machine.")
+            "'mirrored' on one machine."
+        )
     return value

@@ -74,16 +74,21 @@ import tensorflow as tf
 
 from keras_distrib import _compat
 from keras_distrib.arithmetic import optimizer_sharding as sharding_option
-from keras_distrib.arithmetic.optimizer_parts import (Part, part_of, piece_of, piece_of_array,
-                                                      table)
+from keras_distrib.arithmetic.optimizer_parts import Part, part_of, piece_of, piece_of_array, table
 from keras_distrib.arithmetic.part_clipping import clipped_pieces
 
 # Keras optimizers whose update of a variable is elementwise given its
 # gradient (besides clipping, done whole here).
 ELEMENTWISE = (
-    keras.optimizers.SGD, keras.optimizers.Adam, keras.optimizers.AdamW,
-    keras.optimizers.Adamax, keras.optimizers.Nadam, keras.optimizers.RMSprop,
-    keras.optimizers.Adagrad, keras.optimizers.Adadelta, keras.optimizers.Ftrl,
+    keras.optimizers.SGD,
+    keras.optimizers.Adam,
+    keras.optimizers.AdamW,
+    keras.optimizers.Adamax,
+    keras.optimizers.Nadam,
+    keras.optimizers.RMSprop,
+    keras.optimizers.Adagrad,
+    keras.optimizers.Adadelta,
+    keras.optimizers.Ftrl,
     keras.optimizers.Lion,
 )
 
@@ -106,14 +111,18 @@ def install(optimizer, strategy, switch) -> "OptimizerShards":
             raise ValueError(
                 "optimizer_sharding='gradients' cannot run a LossScaleOptimizer "
                 "(mixed_float16): its finite check needs whole gradients; use "
-                "optimizer_sharding='optimizer'.")
+                "optimizer_sharding='optimizer'."
+            )
         inner = optimizer.inner_optimizer
     check_optimizer(inner)
-    if (strategy.optimizer_sharding == sharding_option.GRADIENTS
-            and getattr(getattr(inner, "compression", None), "dtype", None) is not None):
+    if (
+        strategy.optimizer_sharding == sharding_option.GRADIENTS
+        and getattr(getattr(inner, "compression", None), "dtype", None) is not None
+    ):
         raise ValueError(
             "optimizer_sharding='gradients' reduce-scatters float32 gradients and cannot "
-            "compress them; use optimizer_sharding='optimizer' with compression, or drop it.")
+            "compress them; use optimizer_sharding='optimizer' with compression, or drop it."
+        )
     shards = OptimizerShards(inner, strategy, switch, saved=optimizer)
     _SHARDS[optimizer] = _SHARDS[inner] = shards
     return shards
@@ -126,20 +135,24 @@ def check_optimizer(optimizer) -> None:
         raise ValueError(
             f"optimizer_sharding cannot shard {name}: only optimizers that update each "
             f"element on its own do ({', '.join(c.__name__ for c in ELEMENTWISE)}); "
-            "use optimizer_sharding=None.")
+            "use optimizer_sharding=None."
+        )
     if optimizer.built:
         raise ValueError(
             f"optimizer_sharding needs an optimizer that has not been built yet, but this "
-            f"{name} has slots already; pass a new one (or its name) to compile().")
+            f"{name} has slots already; pass a new one (or its name) to compile()."
+        )
     if getattr(optimizer, "backward_passes_per_step", 1) > 1:
         raise ValueError(
             "optimizer_sharding cannot run DistributedOptimizer(backward_passes_per_step>1); "
-            "use the Keras optimizer's gradient_accumulation_steps instead.")
+            "use the Keras optimizer's gradient_accumulation_steps instead."
+        )
     clips = any(getattr(optimizer, a, None) for a in ("clipnorm", "global_clipnorm", "clipvalue"))
     if optimizer.gradient_accumulation_steps and clips:
         raise ValueError(
             f"optimizer_sharding cannot clip the accumulated gradients of {name}"
-            "(gradient_accumulation_steps=..., clip...=...); drop one of the two.")
+            "(gradient_accumulation_steps=..., clip...=...); drop one of the two."
+        )
 
 
 class _Scattered:
@@ -171,7 +184,8 @@ class OptimizerShards:
         keras_build, keras_apply = optimizer.build, optimizer.apply
         optimizer.build = lambda variables: self._build(keras_build, variables)
         optimizer.apply = lambda grads, trainable_variables=None: self._apply(
-            keras_apply, grads, trainable_variables)
+            keras_apply, grads, trainable_variables
+        )
         optimizer.finalize_variable_values = lambda var_list: self._finalize(var_list)
         for obj in dict.fromkeys([saved, optimizer]):
             self._route_files(obj)
@@ -199,8 +213,13 @@ class OptimizerShards:
         for whole in variables:
             size = int(np.prod(whole.shape))
             length = math.ceil(size / n)
-            piece = keras.Variable(initializer="zeros", shape=(length,), dtype=whole.dtype,
-                                   trainable=False, name=whole.name)
+            piece = keras.Variable(
+                initializer="zeros",
+                shape=(length,),
+                dtype=whole.dtype,
+                trainable=False,
+                name=whole.name,
+            )
             parts.append(Part(whole, piece, size, length, n))
         by_piece = {id(p.piece): p for p in parts}
         add_slot = optimizer.add_variable_from_reference
@@ -240,25 +259,30 @@ class OptimizerShards:
         if unknown:
             raise ValueError(
                 f"optimizer_sharding: the optimizer was built for other variables than "
-                f"{unknown[0]!r}; use one optimizer per set of variables.")
+                f"{unknown[0]!r}; use one optimizer per set of variables."
+            )
         parts = [self._by_whole[id(v)] for _, v in pairs]
         here = self._strategy.replica_index()
         if any(isinstance(g, _Scattered) for g, _ in pairs):
             # Stage 2: this replica's parts, reduced; sparse gradients whole.
             whole = [not isinstance(g, _Scattered) for g, _ in pairs]
-            grads = clipped_pieces(optimizer, self._strategy,
-                                   [g if w else g.piece for (g, _), w in zip(pairs, whole)])
-            grads = [part_of(g, part, here) if w else g
-                     for g, part, w in zip(grads, parts, whole)]
+            grads = clipped_pieces(
+                optimizer, self._strategy, [g if w else g.piece for (g, _), w in zip(pairs, whole)]
+            )
+            grads = [part_of(g, part, here) if w else g for g, part, w in zip(grads, parts, whole)]
         else:
             if not self._switch.reduced:
                 # A custom train_step's own gradients: reduced once, here (Keras
                 # would sum the parts, which differ from replica to replica).
                 pairs = self._strategy.reduce_applied_gradients(pairs)
             # Sparse gradients stay sparse, as Keras clips and applies them.
-            grads = _compat.clip_gradients(optimizer, [
-                g if isinstance(g, tf.IndexedSlices) else tf.convert_to_tensor(g)
-                for g, _ in pairs])
+            grads = _compat.clip_gradients(
+                optimizer,
+                [
+                    g if isinstance(g, tf.IndexedSlices) else tf.convert_to_tensor(g)
+                    for g, _ in pairs
+                ],
+            )
             grads = [part_of(g, part, here) for g, part in zip(grads, parts)]
         self._update(keras_apply, grads, parts)
 
@@ -300,17 +324,24 @@ class OptimizerShards:
                 raise ValueError(
                     f"optimizer_sharding='gradients' reduces float32 gradients, but that of "
                     f"{variables[i].path!r} is {gradients[i].dtype.name}; use "
-                    "optimizer_sharding='optimizer'.")
+                    "optimizer_sharding='optimizer'."
+                )
         out: list = [None] * len(gradients)
         if sparse:
             gathered = self._strategy.gather_sparse_gradients(
-                [gradients[i] for i in sparse], num_samples)
+                [gradients[i] for i in sparse], num_samples
+            )
             for i, g in zip(sparse, gathered):
                 out[i] = g
         parts = [self._by_whole[id(variables[i])] for i in present]
         tables = [table(gradients[i], p) for i, p in zip(present, parts)]
-        shared = tf.concat([*[tf.reshape(e, [-1]) for e in extras],
-                            tf.reshape(tf.cast(num_samples, tf.float32), [1])], axis=0)
+        shared = tf.concat(
+            [
+                *[tf.reshape(e, [-1]) for e in extras],
+                tf.reshape(tf.cast(num_samples, tf.float32), [1]),
+            ],
+            axis=0,
+        )
         tables.append(tf.tile(shared[None], [n, 1]))
         *rows, shared = self._strategy.reduce_scatter(tables)
         scale = 1.0 / tf.maximum(shared[-1], 1.0)
@@ -319,7 +350,7 @@ class OptimizerShards:
         means, start = [], 0
         for e in extras:
             size = int(np.prod(e.shape))
-            means.append(tf.reshape(shared[start:start + size] * scale, e.shape))
+            means.append(tf.reshape(shared[start : start + size] * scale, e.shape))
             start += size
         return out, means
 
@@ -332,7 +363,7 @@ class OptimizerShards:
             table = self._strategy.all_gather(mine)  # [replicas, sum of lengths]
             start = 0
             for p in group:
-                flat = tf.reshape(table[:, start:start + p.length], [-1])[:p.size]
+                flat = tf.reshape(table[:, start : start + p.length], [-1])[: p.size]
                 out[id(p)] = tf.reshape(flat, p.whole.shape)
                 start += p.length
         return [out[id(p)] for p in parts]
@@ -364,8 +395,10 @@ class OptimizerShards:
             for i, mine in enumerate(self._strategy.local_replica_values(variable)):
                 slot[first + i] = mine
             slots.append(slot)
-        return [summed.reshape(-1)[:part.size].reshape(part.whole.shape)
-                for summed, (_, part) in zip(self._strategy.sync_sum(slots), pieces)]
+        return [
+            summed.reshape(-1)[: part.size].reshape(part.whole.shape)
+            for summed, (_, part) in zip(self._strategy.sync_sum(slots), pieces)
+        ]
 
     def _whole_slots(self) -> dict:
         """`{id(slot): whole value}` for this replica's parts of the
@@ -388,8 +421,11 @@ class OptimizerShards:
         """`saved.save_own_variables`: its variables, the slots whole."""
         whole = self._whole if self._whole is not None else self._whole_slots()
         for i, variable in enumerate(saved.variables):
-            store[str(i)] = (whole[id(variable)] if self.sharded(variable)
-                             else np.asarray(keras.ops.convert_to_numpy(variable)))
+            store[str(i)] = (
+                whole[id(variable)]
+                if self.sharded(variable)
+                else np.asarray(keras.ops.convert_to_numpy(variable))
+            )
 
     def _load(self, saved, keras_load, store) -> None:
         """`saved.load_own_variables`: this replica's part of each whole slot."""
@@ -433,9 +469,11 @@ class OptimizerShards:
         for variable in sharded:
             part = self._slot_part[id(variable)]
             shape, dtype = tuple(part.whole.shape), np.dtype(variable.dtype)
-            mine.append(loaded[id(variable)]
-                        if self._strategy.rank == root and id(variable) in loaded
-                        else np.zeros(shape, dtype))
+            mine.append(
+                loaded[id(variable)]
+                if self._strategy.rank == root and id(variable) in loaded
+                else np.zeros(shape, dtype)
+            )
         for variable, value in zip(sharded, self._strategy.sync_sum(mine)):
             self._assign_parts(variable, value)
         self._loaded = None

@@ -24,10 +24,10 @@ def clipped_pieces(optimizer, strategy, pieces: list) -> list:
     whole = [isinstance(g, tf.IndexedSlices) for g in pieces]  # on every replica
     if clipnorm and clipnorm > 0 or global_clipnorm and global_clipnorm > 0:
         # A sparse gradient's norm is its rows' (as tf.clip_by_norm takes it).
-        squares = [tf.reduce_sum(tf.square(g.values if w else g))
-                   for g, w in zip(pieces, whole)]
+        squares = [tf.reduce_sum(tf.square(g.values if w else g)) for g, w in zip(pieces, whole)]
         (l2sums,) = strategy.all_reduce(
-            [tf.stack([tf.zeros([]) if w else s for s, w in zip(squares, whole)])], "sum")
+            [tf.stack([tf.zeros([]) if w else s for s, w in zip(squares, whole)])], "sum"
+        )
         l2sums = [s if w else l2sums[k] for k, (s, w) in enumerate(zip(squares, whole))]
         if clipnorm and clipnorm > 0:  # BaseOptimizer._clip_by_norm, per variable
             out = []

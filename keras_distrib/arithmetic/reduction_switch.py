@@ -67,6 +67,7 @@ def install_reduction_switch(optimizer, strategy, switch: ReductionSwitch) -> No
     the replica count under our engines, so its sum would be too large).
     The switch acts at trace time.
     """
+
     def unless_reduced(_keras_sum):
         def all_reduce_unless_reduced(grads_and_vars):
             if switch.reduced or tf.distribute.in_cross_replica_context():

@@ -20,9 +20,7 @@ def optimizer_of(callback: Any) -> Any:
     """The optimizer whose rate counts (the inner one of a LossScaleOptimizer)."""
     optimizer = getattr(callback.model, "optimizer", None)
     if optimizer is None:
-        raise ValueError(
-            f"{type(callback).__name__} needs a compiled model with an optimizer."
-        )
+        raise ValueError(f"{type(callback).__name__} needs a compiled model with an optimizer.")
     return getattr(optimizer, "inner_optimizer", None) or optimizer
 
 

@@ -105,20 +105,25 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
     ```
     """
 
-    def __init__(self, backup_dir: Union[str, os.PathLike[str]],
-                 save_freq: Union[Literal["epoch"], int] = "epoch",
-                 double_checkpoint: bool = False, delete_checkpoint: bool = True):
+    def __init__(
+        self,
+        backup_dir: Union[str, os.PathLike[str]],
+        save_freq: Union[Literal["epoch"], int] = "epoch",
+        double_checkpoint: bool = False,
+        delete_checkpoint: bool = True,
+    ):
         super().__init__()
         if not isinstance(backup_dir, (str, os.PathLike)) or not os.fspath(backup_dir):
             raise ValueError(f"backup_dir={backup_dir!r} must be a directory path.")
         if "://" in os.fspath(backup_dir):
             raise ValueError(
                 f"backup_dir={os.fspath(backup_dir)!r} must be a local path (atomic "
-                "renames); mount the remote storage or back up to local disk.")
+                "renames); mount the remote storage or back up to local disk."
+            )
         if save_freq != "epoch" and not (
-                isinstance(save_freq, int) and not isinstance(save_freq, bool) and save_freq > 0):
-            raise ValueError(
-                f"save_freq={save_freq!r} must be 'epoch' or a number of steps >= 1.")
+            isinstance(save_freq, int) and not isinstance(save_freq, bool) and save_freq > 0
+        ):
+            raise ValueError(f"save_freq={save_freq!r} must be 'epoch' or a number of steps >= 1.")
         self.backup_dir = os.path.abspath(os.fspath(backup_dir))
         self.save_freq = save_freq
         self.double_checkpoint = bool(double_checkpoint)
@@ -140,14 +145,23 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         strategy = model.strategy
         found, self._damaged = _latest(self.backup_dir) if strategy.is_chief else (None, [])
         for path, reason in self._damaged:
-            print(f"keras_distrib: the backup {path} is damaged ({reason}); it is removed "
-                  "and training resumes from the backup before it.", flush=True)
+            print(
+                f"keras_distrib: the backup {path} is damaged ({reason}); it is removed "
+                "and training resumes from the backup before it.",
+                flush=True,
+            )
         mine = np.zeros(6, np.int64)
         if found is not None:
             _, state = found
             seed = state.get("seed")
-            mine[:] = [1, state["epoch"], state["step"], state["global_step"],
-                       seed is not None, seed or 0]
+            mine[:] = [
+                1,
+                state["epoch"],
+                state["step"],
+                state["global_step"],
+                seed is not None,
+                seed or 0,
+            ]
         (shared,) = strategy.sync_sum([mine])
         self._found = found
         self._prepared, self._resuming = True, bool(shared[0])
@@ -170,7 +184,8 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
             raise ValueError(
                 "keras_distrib.callbacks.BackupAndRestore needs the fit of a "
                 "keras_distrib.DistributedModel (DistributedModel.from_model(model) wraps "
-                "a Keras model); for plain Keras use keras.callbacks.BackupAndRestore.")
+                "a Keras model); for plain Keras use keras.callbacks.BackupAndRestore."
+            )
         self._prepared = False
         self._strategy = _common.strategy_of(self)
         if self._strategy.is_chief:
@@ -194,8 +209,10 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
             return  # a step replayed after a resume (a no-op)
         self._global_step += done - self._step
         self._step = done
-        if (isinstance(self.save_freq, int)  # not "epoch"
-                and self._global_step // self.save_freq > self._saved_at // self.save_freq):
+        if (
+            isinstance(self.save_freq, int)  # not "epoch"
+            and self._global_step // self.save_freq > self._saved_at // self.save_freq
+        ):
             self._save()
 
     def on_epoch_end(self, epoch: int, logs: _common.Logs = None) -> None:
@@ -231,8 +248,11 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         # the backup holds every step counted in its state.
         self._strategy.settle(self.model)
         state: dict[str, Any] = {
-            "format": _FORMAT, "epoch": self._epoch, "step": self._step,
-            "global_step": self._global_step, "seed": self._seed,
+            "format": _FORMAT,
+            "epoch": self._epoch,
+            "step": self._step,
+            "global_step": self._global_step,
+            "seed": self._seed,
             "num_replicas": self._strategy.num_replicas,
         }
         tmp = os.path.join(self.backup_dir, f".tmp-{uuid.uuid4().hex[:12]}")
@@ -257,13 +277,14 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
             raise BackupWriteError(
                 f"BackupAndRestore: cannot write the backup of {_point(state)} to "
                 f"{self.backup_dir}: {_os_reason(e)}; the last backup is kept. Free space "
-                "there or pass another backup_dir.") from None
+                "there or pass another backup_dir."
+            ) from None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         # The new one is the newest: backups are named by the global step.
         paths = self._backup_paths()
-        self._published(paths[-self._keep:])
-        for path in paths[:-self._keep]:
+        self._published(paths[-self._keep :])
+        for path in paths[: -self._keep]:
             shutil.rmtree(path, ignore_errors=True)
         if launch_contract.RESTART_ENV in os.environ:
             print(f"{launch_contract.BACKUP_LINE}{_point(state)}.", flush=True)
@@ -294,8 +315,10 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
             with shards.keeping_loaded() if shards is not None else contextlib.nullcontext():
                 keras.Model.load_weights(model, os.path.join(path, WEIGHTS))
         variables = list(model.weights) + [
-            v for v in getattr(optimizer, "variables", [])
-            if shards is None or not shards.sharded(v)]
+            v
+            for v in getattr(optimizer, "variables", [])
+            if shards is None or not shards.sharded(v)
+        ]
         strategy.broadcast_variables(variables)
         if shards is not None:
             # Each worker holds its part of the slots: cut from the chief's whole ones.
@@ -310,9 +333,11 @@ def _resuming_line(path: str, state: dict[str, Any], num_replicas: int) -> str:
     line = f"{launch_contract.RESUMING_LINE}{_point(state)} of the backup in {path}."
     made_with = state.get("num_replicas")
     if made_with is not None and made_with != num_replicas:
-        line += (f" It was made with {made_with} replica{'s' * (made_with != 1)}, this run "
-                 f"has {num_replicas}: "
-                 "each replica's share of the global batch changes, the steps do not.")
+        line += (
+            f" It was made with {made_with} replica{'s' * (made_with != 1)}, this run "
+            f"has {num_replicas}: "
+            "each replica's share of the global batch changes, the steps do not."
+        )
     return line
 
 
@@ -347,8 +372,10 @@ def _latest(directory: str) -> tuple[Optional[_Found], list[_Damage]]:
             damaged.append((path, str(e)))
     if damaged:
         path, reason = damaged[0]
-        raise ValueError(f"The backup {path} is damaged ({reason}) and no older one reads; "
-                         f"delete {directory} to start afresh.")
+        raise ValueError(
+            f"The backup {path} is damaged ({reason}) and no older one reads; "
+            f"delete {directory} to start afresh."
+        )
     return None, []
 
 

@@ -50,8 +50,7 @@ class BroadcastInitialWeights(keras.callbacks.Callback):  # type: ignore[misc]  
             return
         if self.root >= strategy.world_size:
             raise ValueError(
-                f"root={self.root} is not a rank of this job (world_size="
-                f"{strategy.world_size})."
+                f"root={self.root} is not a rank of this job (world_size={strategy.world_size})."
             )
         optimizer = self.model.optimizer
         if optimizer is not None and not optimizer.built:

@@ -55,8 +55,12 @@ def adopt_keras_backup(callbacks: Any) -> Any:
         listed = callbacks.callbacks
     else:
         listed = list(keras.tree.flatten(callbacks or []))
-    adopted = [KerasBackupAndRestore(c) if isinstance(c, keras.callbacks.BackupAndRestore)
-               and _not_adoptable(c) is None else c for c in listed]
+    adopted = [
+        KerasBackupAndRestore(c)
+        if isinstance(c, keras.callbacks.BackupAndRestore) and _not_adoptable(c) is None
+        else c
+        for c in listed
+    ]
     if all(a is c for a, c in zip(adopted, listed)):
         return callbacks
     if isinstance(callbacks, keras.callbacks.CallbackList):
@@ -84,14 +88,21 @@ class KerasBackupAndRestore(ours.BackupAndRestore):
         why_not = _not_adoptable(keras_callback)
         if why_not is not None:
             raise ValueError(why_not)
-        super().__init__(keras_callback.backup_dir, keras_callback.save_freq,
-                         keras_callback.double_checkpoint, keras_callback.delete_checkpoint)
+        super().__init__(
+            keras_callback.backup_dir,
+            keras_callback.save_freq,
+            keras_callback.double_checkpoint,
+            keras_callback.delete_checkpoint,
+        )
         self.keras_callback = keras_callback
         weights, metadata, previous_weights, previous_metadata = _compat.backup_paths(
-            keras_callback)
+            keras_callback
+        )
         # Newest backup first: (link, the backup's file it leads to).
-        self._links = (((weights, ours.WEIGHTS), (metadata, ours.STATE)),
-                       ((previous_weights, ours.WEIGHTS), (previous_metadata, ours.STATE)))
+        self._links = (
+            ((weights, ours.WEIGHTS), (metadata, ours.STATE)),
+            ((previous_weights, ours.WEIGHTS), (previous_metadata, ours.STATE)),
+        )
 
     def set_model(self, model):
         super().set_model(model)
@@ -101,7 +112,7 @@ class KerasBackupAndRestore(ours.BackupAndRestore):
         super().on_train_begin(logs)
         if self._strategy.is_chief:
             # Damaged backups are gone by now: lead to the ones left.
-            self._published(self._backup_paths()[-self._keep:])
+            self._published(self._backup_paths()[-self._keep :])
 
     def on_train_batch_end(self, batch, logs=None):
         super().on_train_batch_end(batch, logs)
@@ -134,16 +145,22 @@ def _not_adoptable(callback) -> Optional[str]:
     """Why ours cannot stand for the Keras `callback` (one line), or None."""
     keras_class = keras.callbacks.BackupAndRestore
     overridden = sorted(
-        name for name, method in inspect.getmembers(keras_class, inspect.isfunction)
-        if name != "__init__" and getattr(type(callback), name) is not method)
+        name
+        for name, method in inspect.getmembers(keras_class, inspect.isfunction)
+        if name != "__init__" and getattr(type(callback), name) is not method
+    )
     if overridden:
-        return (f"{type(callback).__name__} overrides {', '.join(overridden)} of "
-                "keras.callbacks.BackupAndRestore, which keras_distrib's would not run; "
-                "pass keras_distrib.callbacks.BackupAndRestore or Keras's own class.")
+        return (
+            f"{type(callback).__name__} overrides {', '.join(overridden)} of "
+            "keras.callbacks.BackupAndRestore, which keras_distrib's would not run; "
+            "pass keras_distrib.callbacks.BackupAndRestore or Keras's own class."
+        )
     backup_dir = callback.backup_dir
     if isinstance(backup_dir, (str, os.PathLike)) and "://" in os.fspath(backup_dir):
-        return (f"backup_dir={os.fspath(backup_dir)!r} is remote; keras_distrib's "
-                "BackupAndRestore needs a local path (atomic renames).")
+        return (
+            f"backup_dir={os.fspath(backup_dir)!r} is remote; keras_distrib's "
+            "BackupAndRestore needs a local path (atomic renames)."
+        )
     return None
 
 

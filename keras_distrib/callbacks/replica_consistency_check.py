@@ -132,7 +132,8 @@ def verdict(gathered: np.ndarray, step: int, atol: float) -> Optional[str]:
     elif replicas:
         ref = replicas[0]
         apart = [
-            rep for rep in replicas[1:]
+            rep
+            for rep in replicas[1:]
             if abs(rep[3] - ref[3]) > atol or abs(rep[4] - ref[4]) > atol
         ]
         if apart:

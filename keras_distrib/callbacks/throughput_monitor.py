@@ -70,9 +70,7 @@ class ThroughputMonitor(keras.callbacks.Callback):  # type: ignore[misc]  # Kera
         if not global_batch_size or global_batch_size <= 0:
             raise ValueError(f"global_batch_size={global_batch_size!r} must be > 0.")
         if single_worker_throughput is not None and single_worker_throughput <= 0:
-            raise ValueError(
-                f"single_worker_throughput={single_worker_throughput!r} must be > 0."
-            )
+            raise ValueError(f"single_worker_throughput={single_worker_throughput!r} must be > 0.")
         self.global_batch_size = global_batch_size
         self.single_worker_throughput = single_worker_throughput
         self.log_dir = log_dir
@@ -139,8 +137,7 @@ class ThroughputMonitor(keras.callbacks.Callback):  # type: ignore[misc]  # Kera
                     tf.summary.scalar(f"throughput/{key}", value, step=epoch)
                 if world_size > 1:
                     for r, value in enumerate(per_rank):
-                        tf.summary.scalar(f"throughput/samples_per_sec_rank_{r}", value,
-                                          step=epoch)
+                        tf.summary.scalar(f"throughput/samples_per_sec_rank_{r}", value, step=epoch)
             self._writer.flush()
 
     def on_train_end(self, logs: _common.Logs = None) -> None:

@@ -61,8 +61,7 @@ def parse_address(address: Any, field: str = "address") -> tuple[str, int]:
         host, sep, port_text = address.rpartition(":")
         if not sep:
             raise ClusterConfigError(
-                f"{field}={address!r} has no port; write it as 'host:port', "
-                f"e.g. '{address}:2222'."
+                f"{field}={address!r} has no port; write it as 'host:port', e.g. '{address}:2222'."
             )
     if not host:
         raise ClusterConfigError(
@@ -100,8 +99,7 @@ def _parse_port(port_text: str, address: str, field: str) -> int:
     port = int(port_text)
     if not 1 <= port <= 65535:
         raise ClusterConfigError(
-            f"{field}={address!r}: port {port} is out of range; use a port "
-            "in 1..65535."
+            f"{field}={address!r}: port {port} is out of range; use a port in 1..65535."
         )
     return port
 
@@ -125,8 +123,7 @@ def check_addresses(addresses: Sequence[Any], fields: Sequence[str]) -> None:
         key = address.lower()  # host names are case-insensitive
         if key in seen:
             raise ClusterConfigError(
-                f"{seen[key]} and {field} are both {address!r}; give each "
-                "task its own host:port."
+                f"{seen[key]} and {field} are both {address!r}; give each task its own host:port."
             )
         seen[key] = field
 
@@ -146,13 +143,10 @@ def check_index(index: Any, size: int, field: str, what: str) -> None:
             f"{field} is missing; set it to this process's index in 0..{size - 1}."
         )
     if isinstance(index, bool) or not isinstance(index, int):
-        raise ClusterConfigError(
-            f"{field}={index!r} must be an integer in 0..{size - 1}."
-        )
+        raise ClusterConfigError(f"{field}={index!r} must be an integer in 0..{size - 1}.")
     if index < 0:
         raise ClusterConfigError(
-            f"{field}={index} is negative; set it to this process's index in "
-            f"0..{size - 1}."
+            f"{field}={index} is negative; set it to this process's index in 0..{size - 1}."
         )
     if index >= size:
         raise ClusterConfigError(
@@ -160,8 +154,9 @@ def check_index(index: Any, size: int, field: str, what: str) -> None:
         )
 
 
-def whole_number(environ: Mapping[str, str], name: str, fix: str,
-                 default: Optional[int] = None) -> int:
+def whole_number(
+    environ: Mapping[str, str], name: str, fix: str, default: Optional[int] = None
+) -> int:
     """The environment variable `name` as a whole number (`default` when
     unset and one is given).
 

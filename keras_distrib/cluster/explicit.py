@@ -14,8 +14,7 @@ __all__ = ["from_explicit"]
 ExplicitCluster = Union[Sequence[str], Mapping[str, Sequence[str]]]
 
 _DICT_FORM = (
-    "a list of 'host:port' or a dict with keys "
-    f"{roles.quoted(roles.TASK_TYPES, last='and/or')}"
+    f"a list of 'host:port' or a dict with keys {roles.quoted(roles.TASK_TYPES, last='and/or')}"
 )
 
 
@@ -79,9 +78,7 @@ def from_explicit(
     )
 
 
-def _tasks(
-    cluster: ExplicitCluster, task_type: str
-) -> tuple[dict[str, list], dict[str, str]]:
+def _tasks(cluster: ExplicitCluster, task_type: str) -> tuple[dict[str, list], dict[str, str]]:
     """The addresses by role, and each role's field name for messages."""
     if task_type not in roles.TASK_TYPES:
         raise ClusterConfigError(
@@ -117,9 +114,7 @@ def _check_training_tasks(tasks: Mapping[str, list]) -> None:
         raise ClusterConfigError(
             "cluster has no 'worker' key; pass {'worker': ['host:port', ...]}."
         )
-    raise ClusterConfigError(
-        "the cluster has no workers; list at least one 'host:port'."
-    )
+    raise ClusterConfigError("the cluster has no workers; list at least one 'host:port'.")
 
 
 def _tasks_from_dict(
@@ -127,9 +122,7 @@ def _tasks_from_dict(
 ) -> tuple[dict[str, list], dict[str, str]]:
     extra = sorted((k for k in cluster if k not in roles.TASK_TYPES), key=str)
     if extra:
-        raise ClusterConfigError(
-            f"cluster has keys {extra}; an explicit cluster is {_DICT_FORM}."
-        )
+        raise ClusterConfigError(f"cluster has keys {extra}; an explicit cluster is {_DICT_FORM}.")
     tasks, prefixes = {}, {}
     for task_type in roles.TASK_TYPES:
         if task_type in cluster:
@@ -140,7 +133,5 @@ def _tasks_from_dict(
 
 def _address_list(value: Any, field: str) -> list:
     if isinstance(value, str) or not isinstance(value, Sequence):
-        raise ClusterConfigError(
-            f"{field}={value!r} must be a list of 'host:port' strings."
-        )
+        raise ClusterConfigError(f"{field}={value!r} must be a list of 'host:port' strings.")
     return list(value)

@@ -41,12 +41,15 @@ LOCAL_RANK_ENV = "KERAS_DISTRIB_LOCAL_RANK"
 VISIBLE = "CUDA_VISIBLE_DEVICES"
 
 # (local rank, processes on this host) as each launcher names them.
-_SOURCES = ((LOCAL_RANK_ENV, LOCAL_SIZE_ENV),
-            ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"))
+_SOURCES = (
+    (LOCAL_RANK_ENV, LOCAL_SIZE_ENV),
+    ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+)
 
 
-def share(local_rank: int, local_size: int, per_worker: int,
-          visible: Optional[str]) -> Optional[str]:
+def share(
+    local_rank: int, local_size: int, per_worker: int, visible: Optional[str]
+) -> Optional[str]:
     """`CUDA_VISIBLE_DEVICES` for the process at `local_rank` of the
     `local_size` on its host, or None to leave it as it is.
 
@@ -66,7 +69,7 @@ def share(local_rank: int, local_size: int, per_worker: int,
     pool = [d.strip() for d in visible.split(",") if d.strip()]
     if len(pool) < local_size * per_worker:
         return None
-    return ",".join(pool[start:start + per_worker])
+    return ",".join(pool[start : start + per_worker])
 
 
 def per_worker(environ: Mapping[str, str]) -> int:
@@ -79,7 +82,8 @@ def per_worker(environ: Mapping[str, str]) -> int:
     if not value.isdigit():
         raise ClusterConfigError(
             f"{GPUS_PER_WORKER_ENV}={value!r} must be a whole number >= 0 (the GPUs each "
-            "process of a host gets; 0: every process sees every GPU).")
+            "process of a host gets; 0: every process sees every GPU)."
+        )
     return int(value)
 
 

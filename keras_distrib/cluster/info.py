@@ -86,18 +86,14 @@ class ClusterInfo:
             if isinstance(value, str) or not _is_iterable(value):
                 example = f"[{value!r}]" if isinstance(value, str) else "['host:port']"
                 raise ClusterConfigError(
-                    f"{name}={value!r} must be a list of 'host:port' strings, "
-                    f"e.g. {example}."
+                    f"{name}={value!r} must be a list of 'host:port' strings, e.g. {example}."
                 )
             object.__setattr__(self, name, tuple(value))
         if not isinstance(self.has_chief, bool):
-            raise ClusterConfigError(
-                f"has_chief={self.has_chief!r} must be True or False."
-            )
+            raise ClusterConfigError(f"has_chief={self.has_chief!r} must be True or False.")
         if self.task_type not in roles.TASK_TYPES:
             raise ClusterConfigError(
-                f"task_type={self.task_type!r} is unknown; use "
-                f"{roles.quoted(roles.TASK_TYPES)}."
+                f"task_type={self.task_type!r} is unknown; use {roles.quoted(roles.TASK_TYPES)}."
             )
         if not self.workers:
             if self.ps or self.evaluators:
@@ -105,9 +101,7 @@ class ClusterInfo:
                     "the cluster has 'ps'/'evaluator' tasks but no training "
                     "task; list at least one 'host:port' in workers."
                 )
-            raise ClusterConfigError(
-                "the cluster has no workers; list at least one 'host:port'."
-            )
+            raise ClusterConfigError("the cluster has no workers; list at least one 'host:port'.")
         addresses, fields = [], []
         for name in ("workers", "ps", "evaluators"):
             values = getattr(self, name)
@@ -318,8 +312,7 @@ def require_training_workers(
         return None
     if info.task_type == roles.PS:
         raise ClusterConfigError(
-            f"strategy {strategy_name!r}: this process's task type is 'ps': "
-            f"{roles.PS_HINT}."
+            f"strategy {strategy_name!r}: this process's task type is 'ps': {roles.PS_HINT}."
         )
     if info.has_ps:
         raise ClusterConfigError(

@@ -37,9 +37,11 @@ SIZE_ENV = "KERAS_DISTRIB_WORLD_SIZE"
 PORT_ENV = "KERAS_DISTRIB_PORT"
 
 
-def from_indexed_job(environ: Mapping[str, str] = os.environ,
-                     hostname: Callable[[], str] = socket.gethostname,
-                     fqdn: Callable[[], str] = socket.getfqdn) -> Optional[ClusterInfo]:
+def from_indexed_job(
+    environ: Mapping[str, str] = os.environ,
+    hostname: Callable[[], str] = socket.gethostname,
+    fqdn: Callable[[], str] = socket.getfqdn,
+) -> Optional[ClusterInfo]:
     """Reads the cluster of an Indexed Job's pod; None outside one (no
     `JOB_COMPLETION_INDEX`, or no `KERAS_DISTRIB_WORLD_SIZE`: an Indexed
     Job whose manifest does not ask for a cluster, a sweep of single runs).
@@ -60,8 +62,9 @@ def from_indexed_job(environ: Mapping[str, str] = os.environ,
     if INDEX_ENV not in environ or SIZE_ENV not in environ:
         return None
     index = whole_number(environ, INDEX_ENV, " (the pod's index, which an Indexed Job sets).")
-    size = whole_number(environ, SIZE_ENV,
-                        " (set it in the pod template to the Job's completions).")
+    size = whole_number(
+        environ, SIZE_ENV, " (set it in the pod template to the Job's completions)."
+    )
     if size < 1:
         raise ClusterConfigError(f"{SIZE_ENV}={size} must be >= 1 (the Job's completions).")
     check_index(index, size, INDEX_ENV, "pods (KERAS_DISTRIB_WORLD_SIZE)")
@@ -74,14 +77,16 @@ def from_indexed_job(environ: Mapping[str, str] = os.environ,
         raise ClusterConfigError(
             f"the pod's host name {host!r} does not end in {suffix!r} ({INDEX_ENV}={index}); "
             "an Indexed Job's pods are named <job>-<index>: use completionMode: Indexed "
-            "and leave the pod's hostname unset.")
-    stem = host[:-len(suffix)]
+            "and leave the pod's hostname unset."
+        )
+    stem = host[: -len(suffix)]
     labels = fqdn().split(".")
     if len(labels) < 2 or labels[0] != host:
         raise ClusterConfigError(
             f"the pod {host!r} has no subdomain (its full name is {fqdn()!r}); set the pod "
             "template's subdomain to a headless Service selecting the Job's pods "
-            "(configs/k8s/job.yaml).")
+            "(configs/k8s/job.yaml)."
+        )
     subdomain = labels[1]
     workers = tuple(f"{stem}-{r}.{subdomain}:{port}" for r in range(size))
     return ClusterInfo(workers, index)

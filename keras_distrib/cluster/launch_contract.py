@@ -32,8 +32,10 @@ RESUMING_LINE = LINE_START + "resuming from "
 # keras_distrib.collectives.flight_recorder), read and left out of the
 # output by the launcher, which prints every rank's account as one screen.
 FLIGHT_RECORDER_LINE = LINE_START + "flight recorder: "
-_POINT = re.compile(f"(?:{re.escape(BACKUP_LINE)}|{re.escape(RESUMING_LINE)})"
-                    r"(step \d+ \(epoch \d+, step \d+\))")
+_POINT = re.compile(
+    f"(?:{re.escape(BACKUP_LINE)}|{re.escape(RESUMING_LINE)})"
+    r"(step \d+ \(epoch \d+, step \d+\))"
+)
 
 
 def backup_point(line: str) -> Optional[str]:

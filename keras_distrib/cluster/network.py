@@ -251,8 +251,9 @@ def wait_for_peers(info: ClusterInfo, timeout: Optional[float], poll: float = 0.
     # label -> (monotonic time of the first failed lookup, the last error)
     unresolved: dict[str, tuple[float, socket.gaierror]] = {}
     while True:
-        pending = [(label, a) for label, a in pending
-                   if not _answers_or_track(label, a, poll, unresolved)]
+        pending = [
+            (label, a) for label, a in pending if not _answers_or_track(label, a, poll, unresolved)
+        ]
         if not pending:
             return
         now = time.monotonic()
@@ -273,8 +274,9 @@ def wait_for_peers(info: ClusterInfo, timeout: Optional[float], poll: float = 0.
         time.sleep(poll)
 
 
-def _answers_or_track(label: str, address: str, timeout: float,
-                      unresolved: dict[str, tuple[float, socket.gaierror]]) -> bool:
+def _answers_or_track(
+    label: str, address: str, timeout: float, unresolved: dict[str, tuple[float, socket.gaierror]]
+) -> bool:
     """`_answers`, recording in `unresolved` since when the host name fails."""
     try:
         answered = _answers(address, timeout)

@@ -45,8 +45,9 @@ SIZE_ENV = "OMPI_COMM_WORLD_SIZE"
 Exchange = Callable[[tuple[str, int]], Sequence[tuple[str, int]]]
 
 
-def from_openmpi(environ: Mapping[str, str] = os.environ,
-                 exchange: Optional[Exchange] = None) -> Optional[ClusterInfo]:
+def from_openmpi(
+    environ: Mapping[str, str] = os.environ, exchange: Optional[Exchange] = None
+) -> Optional[ClusterInfo]:
     """Reads the cluster of an `mpirun` job; None outside one (no
     `OMPI_COMM_WORLD_RANK` / `OMPI_COMM_WORLD_SIZE`).
 
@@ -62,8 +63,9 @@ def from_openmpi(environ: Mapping[str, str] = os.environ,
     """
     if RANK_ENV not in environ or SIZE_ENV not in environ:
         return None
-    rank, size = (whole_number(environ, name, "; start the job with mpirun.")
-                  for name in (RANK_ENV, SIZE_ENV))
+    rank, size = (
+        whole_number(environ, name, "; start the job with mpirun.") for name in (RANK_ENV, SIZE_ENV)
+    )
     if size < 1:
         raise ClusterConfigError(f"{SIZE_ENV}={size} must be >= 1; start the job with mpirun.")
     check_index(rank, size, RANK_ENV, "mpirun processes")
@@ -86,7 +88,8 @@ def _exchanged(rank: int, size: int, exchange: Exchange) -> ClusterInfo:
     if len(everyone) != size or everyone[rank] != mine:
         raise ClusterConfigError(
             f"the mpirun processes exchanged {len(everyone)} addresses for {SIZE_ENV}={size}; "
-            "start every process of the job with the same mpirun.")
+            "start every process of the job with the same mpirun."
+        )
     one_host = len({name for name, _ in everyone}) == 1
     workers = tuple(f"{'127.0.0.1' if one_host else name}:{port}" for name, port in everyone)
     return ClusterInfo(workers, rank)
@@ -100,7 +103,8 @@ def _allgather(mine: tuple[str, int]) -> Sequence[tuple[str, int]]:
         raise ClusterConfigError(
             f"mpirun started this process, and keras_distrib finds the other processes "
             f"through mpi4py, which cannot be loaded ({e}); pip install 'keras-distrib[mpi]' "
-            "(mpi4py) in the environment the job runs in.") from None
+            "(mpi4py) in the environment the job runs in."
+        ) from None
     try:
         return MPI.COMM_WORLD.allgather(mine)
     finally:

@@ -19,7 +19,7 @@ def state_letter(pid: int) -> Optional[str]:
     except OSError:
         return None
     # "PID (COMMAND) STATE ...": the command may hold spaces and parentheses.
-    return stat[stat.rfind(")") + 2:][:1] or None
+    return stat[stat.rfind(")") + 2 :][:1] or None
 
 
 def process_state(pid: Optional[int]) -> str:

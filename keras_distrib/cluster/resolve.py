@@ -57,8 +57,7 @@ def resolve(
     if cluster is not None:
         if task_index is None:
             raise ClusterConfigError(
-                "cluster was given without task_index; pass this process's "
-                "rank as task_index."
+                "cluster was given without task_index; pass this process's rank as task_index."
             )
         return from_explicit(cluster, task_index, task_type)
     if task_index is not None:

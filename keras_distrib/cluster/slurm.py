@@ -145,12 +145,12 @@ def _slurm_int(environ: Mapping[str, str], name: str) -> int:
 
 
 def _check_port_base(port_base: Any) -> None:
-    if isinstance(port_base, bool) or not isinstance(port_base, int) or not (
-        1 <= port_base <= 65535
+    if (
+        isinstance(port_base, bool)
+        or not isinstance(port_base, int)
+        or not (1 <= port_base <= 65535)
     ):
-        raise ClusterConfigError(
-            f"port_base={port_base!r} must be an integer port in 1..65535."
-        )
+        raise ClusterConfigError(f"port_base={port_base!r} must be an integer port in 1..65535.")
 
 
 def _tensorflow_helpers():
@@ -173,13 +173,13 @@ def _slurm_task_configuration(environ: Mapping[str, str], num_tasks: int) -> dic
     for name in ("SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE"):
         if not environ.get(name):
             raise ClusterConfigError(
-                f"{name} is not set; start the script with srun so Slurm "
-                "describes the job step."
+                f"{name} is not set; start the script with srun so Slurm describes the job step."
             )
         values[name] = environ[name]
     try:
         hosts, counts = _compat.slurm_hosts_and_tasks(
-            values["SLURM_STEP_NODELIST"], values["SLURM_STEP_TASKS_PER_NODE"])
+            values["SLURM_STEP_NODELIST"], values["SLURM_STEP_TASKS_PER_NODE"]
+        )
     except ValueError as e:
         raise ClusterConfigError(f"Slurm: {e}; check the job's srun options.") from None
     if len(hosts) != len(counts) or len(set(hosts)) != len(hosts):

@@ -57,9 +57,11 @@ def from_tf_config(environ: Mapping[str, str] = os.environ) -> Optional[ClusterI
     tasks = _tf_config_tasks(config.get("cluster"))
     task_type, index = _tf_config_task(config.get("task"))
     chiefs = [a for _, a in tasks[roles.CHIEF]]
-    own = chiefs if task_type in (roles.CHIEF, roles.LEGACY_CHIEF) else [
-        a for _, a in tasks[task_type]
-    ]
+    own = (
+        chiefs
+        if task_type in (roles.CHIEF, roles.LEGACY_CHIEF)
+        else [a for _, a in tasks[task_type]]
+    )
     if not own:
         raise ClusterConfigError(_no_such_tasks(task_type))
     check_index(index, len(own), "TF_CONFIG task.index", f"{task_type!r} tasks")
@@ -110,8 +112,8 @@ def _load_tf_config(text: str) -> dict:
         if key not in config:
             raise ClusterConfigError(
                 f"TF_CONFIG has no {key!r}; it needs both 'cluster' "
-                "({\"worker\": [\"host:port\", ...]}) and 'task' "
-                "({\"type\": \"worker\", \"index\": i})."
+                '({"worker": ["host:port", ...]}) and \'task\' '
+                '({"type": "worker", "index": i}).'
             )
     return config
 
@@ -121,13 +123,12 @@ def _tf_config_tasks(cluster: Any) -> dict[str, list[tuple[str, Any]]]:
     if not isinstance(cluster, dict):
         raise ClusterConfigError(
             f"TF_CONFIG cluster must be an object like "
-            f"{{\"worker\": [\"host:port\", ...]}}, got {type(cluster).__name__}."
+            f'{{"worker": ["host:port", ...]}}, got {type(cluster).__name__}.'
         )
     for task_type, addresses in cluster.items():
         if task_type not in _CLUSTER_KEYS:
             raise ClusterConfigError(
-                f"TF_CONFIG cluster has unknown task type {task_type!r}; use "
-                f"{_VALID_TYPES}."
+                f"TF_CONFIG cluster has unknown task type {task_type!r}; use {_VALID_TYPES}."
             )
         if not isinstance(addresses, list):
             raise ClusterConfigError(
@@ -150,7 +151,7 @@ def _tf_config_tasks(cluster: Any) -> dict[str, list[tuple[str, Any]]]:
         only = f" (only {roles.quoted(others, last='and')})" if others else ""
         raise ClusterConfigError(
             f"TF_CONFIG cluster has no 'worker' or 'chief' tasks{only}; list "
-            "the workers as {\"worker\": [\"host:port\", ...]}."
+            'the workers as {"worker": ["host:port", ...]}.'
         )
     return tasks
 
@@ -158,14 +159,12 @@ def _tf_config_tasks(cluster: Any) -> dict[str, list[tuple[str, Any]]]:
 def _tf_config_task(task: Any) -> tuple[str, Any]:
     if not isinstance(task, dict):
         raise ClusterConfigError(
-            "TF_CONFIG task must be an object like {\"type\": \"worker\", "
-            f"\"index\": 0}}, got {type(task).__name__}."
+            'TF_CONFIG task must be an object like {"type": "worker", '
+            f'"index": 0}}, got {type(task).__name__}.'
         )
     task_type = task.get("type")
     if task_type is None:
-        raise ClusterConfigError(
-            f"TF_CONFIG task.type is missing; set it to {_VALID_TYPES}."
-        )
+        raise ClusterConfigError(f"TF_CONFIG task.type is missing; set it to {_VALID_TYPES}.")
     if task_type not in _CLUSTER_KEYS:
         raise ClusterConfigError(
             f"TF_CONFIG task.type={task_type!r} is unknown; use 'worker' or "

@@ -57,7 +57,7 @@ class AcrossProcesses(Transport):
         wire = padded if padded.dtype.is_floating else tf.cast(padded, tf.float64)
         slot = tf.reshape(tf.one_hot(rank, size, dtype=wire.dtype), [size] + [1] * wire.shape.rank)
         (table,) = self.all_reduce([slot * wire[None]])
-        rows = tf.concat([table[r, :counts[r]] for r in range(size)], axis=0)
+        rows = tf.concat([table[r, : counts[r]] for r in range(size)], axis=0)
         return tf.cast(rows, value.dtype)
 
     def sum_over_processes(self, flat: np.ndarray) -> np.ndarray:

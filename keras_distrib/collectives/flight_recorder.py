@@ -102,17 +102,32 @@ def snapshot(reason: str, asked: bool = False, lost: Sequence[int] = ()) -> dict
     names = {t.ident: t.name for t in threading.enumerate()}
     threads = []
     for ident, frame in sys._current_frames().items():
-        frames = [f for f in traceback.extract_stack(frame)
-                  if f.filename != __file__][-MAX_FRAMES:]
-        threads.append({"name": names.get(ident, str(ident)), "main": ident == main,
-                        "frames": [[f.filename, f.lineno, f.name, f.line or "",
-                                    is_user_code(f.filename)] for f in frames]})
+        frames = [f for f in traceback.extract_stack(frame) if f.filename != __file__][-MAX_FRAMES:]
+        threads.append(
+            {
+                "name": names.get(ident, str(ident)),
+                "main": ident == main,
+                "frames": [
+                    [f.filename, f.lineno, f.name, f.line or "", is_user_code(f.filename)]
+                    for f in frames
+                ],
+            }
+        )
     threads.sort(key=lambda t: not t["main"])
-    return {"rank": _rank(), "pid": os.getpid(), "host": socket.gethostname(),
-            "reason": reason, "asked": asked, "lost": sorted(set(lost)), "step": _step,
-            "collectives": [{"what": what, "waited": round(waited, 3)}
-                            for what, waited in sorted(waiting, key=lambda w: -w[1])],
-            "threads": threads}
+    return {
+        "rank": _rank(),
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "reason": reason,
+        "asked": asked,
+        "lost": sorted(set(lost)),
+        "step": _step,
+        "collectives": [
+            {"what": what, "waited": round(waited, 3)}
+            for what, waited in sorted(waiting, key=lambda w: -w[1])
+        ],
+        "threads": threads,
+    }
 
 
 def report(reason: str, asked: bool = False, lost: Sequence[int] = ()) -> None:
@@ -127,8 +142,9 @@ def install() -> None:
     fd = os.environ.get(CONTROL_FD_ENV)
     if fd is None or _reader is not None or not fd.isdigit():
         return
-    _reader = threading.Thread(target=_answer, args=(int(fd),), daemon=True,
-                               name="keras_distrib-flight-recorder")
+    _reader = threading.Thread(
+        target=_answer, args=(int(fd),), daemon=True, name="keras_distrib-flight-recorder"
+    )
     _reader.start()
     _say('{"ready":true}')  # the launcher waits for answers from ranks that said so
 
@@ -165,8 +181,11 @@ def _rank() -> Optional[int]:
     return int(value) if value is not None and value.isdigit() else None
 
 
-_LIBRARIES = tuple(p for p in {sysconfig.get_paths().get(k) for k in
-                               ("stdlib", "platstdlib", "purelib", "platlib")} if p)
+_LIBRARIES = tuple(
+    p
+    for p in {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    if p
+)
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

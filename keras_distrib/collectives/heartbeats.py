@@ -42,8 +42,7 @@ def timeout() -> float:
     Raises:
         ClusterConfigError: not a number of seconds > 0 (one line).
     """
-    return seconds_from_env(ENV, DEFAULT_TIMEOUT,
-                                    f" (TensorFlow's default: {DEFAULT_TIMEOUT:g})")
+    return seconds_from_env(ENV, DEFAULT_TIMEOUT, f" (TensorFlow's default: {DEFAULT_TIMEOUT:g})")
 
 
 def lost_peer(error: BaseException, info: cluster_lib.ClusterInfo) -> Optional[str]:
@@ -60,18 +59,24 @@ def lost_peer(error: BaseException, info: cluster_lib.ClusterInfo) -> Optional[s
     """
     text = str(error)
     seconds = f"{ENV}={timeout():g}s"
-    cause = ("its host is down, the network to it is cut, or its process is gone; "
-             f"raise {ENV} to ride out longer network outages")
+    cause = (
+        "its host is down, the network to it is cut, or its process is gone; "
+        f"raise {ENV} to ride out longer network outages"
+    )
     unhealthy = _UNHEALTHY.search(text)
     if unhealthy:
         peers = [_describe(job, int(task), info) for job, task in _TASK.findall(unhealthy[1])]
         verb = "is" if len(peers) == 1 else "are"
-        return (f"{', '.join(peers)} {verb} unreachable: no heartbeat reached the "
-                f"coordination service for {seconds} ({cause}).")
+        return (
+            f"{', '.join(peers)} {verb} unreachable: no heartbeat reached the "
+            f"coordination service for {seconds} ({cause})."
+        )
     if _HEARTBEAT_RPC in text:
         leader = _describe("worker", 0, info)
-        return (f"{leader}, the coordination service's leader, is unreachable: this "
-                f"worker's heartbeat got no answer within {seconds} ({cause}).")
+        return (
+            f"{leader}, the coordination service's leader, is unreachable: this "
+            f"worker's heartbeat got no answer within {seconds} ({cause})."
+        )
     return None
 
 

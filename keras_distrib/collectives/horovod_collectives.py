@@ -59,21 +59,28 @@ class HorovodCollectives(Transport):
     def all_reduce(self, values: Any, op: str = "sum") -> Any:
         hvd = self._hvd
         flat = tf.nest.flatten(values)
-        reduced = _grouped_all_reduce(hvd, flat, {"sum": hvd.Sum,
-                                                  "mean": hvd.Average}[reduce_op(op)])
+        reduced = _grouped_all_reduce(
+            hvd, flat, {"sum": hvd.Sum, "mean": hvd.Average}[reduce_op(op)]
+        )
         return tf.nest.pack_sequence_as(values, reduced)
 
     def all_gather(self, value: Any) -> Any:
-        return self._hvd.allgather(tf.convert_to_tensor(value)[None],
-                                   name=_collective_name("allgather"), ignore_name_scope=True)
+        return self._hvd.allgather(
+            tf.convert_to_tensor(value)[None],
+            name=_collective_name("allgather"),
+            ignore_name_scope=True,
+        )
 
     def reduce_scatter(self, tables: Sequence[Any]) -> list[Any]:
         # One reducescatter of the tables side by side: Horovod splits the
         # first dimension over the ranks, so rank r gets row r of each.
         tables = [tf.convert_to_tensor(t) for t in tables]
-        block = self._hvd.reducescatter(tf.concat(tables, axis=1), op=self._hvd.Sum,
-                                        name=_collective_name("reducescatter"),
-                                        ignore_name_scope=True)
+        block = self._hvd.reducescatter(
+            tf.concat(tables, axis=1),
+            op=self._hvd.Sum,
+            name=_collective_name("reducescatter"),
+            ignore_name_scope=True,
+        )
         return list(tf.split(tf.reshape(block, [-1]), [int(t.shape[1]) for t in tables]))
 
     def gather_rows(self, per_replica: Any) -> Any:
@@ -83,8 +90,9 @@ class HorovodCollectives(Transport):
             value = tf.convert_to_tensor(value)
             if value.shape.rank == 0:
                 value = tf.reshape(value, [1])
-            return self._hvd.allgather(value, name=_collective_name("allgather"),
-                                       ignore_name_scope=True)
+            return self._hvd.allgather(
+                value, name=_collective_name("allgather"), ignore_name_scope=True
+            )
 
         return tf.nest.map_structure(gather, per_replica)
 
@@ -144,8 +152,9 @@ def _grouped_all_reduce(hvd: Any, tensors: Sequence[Any], op: Any) -> list[Any]:
     out: list[Any] = [None] * len(tensors)
     for wire, indices in groups.items():
         sent = [tf.cast(tensors[i], wire) for i in indices]
-        summed = hvd.grouped_allreduce(sent, op=hvd.Sum, name=_collective_name("sum"),
-                                       ignore_name_scope=True)
+        summed = hvd.grouped_allreduce(
+            sent, op=hvd.Sum, name=_collective_name("sum"), ignore_name_scope=True
+        )
         for i, got in zip(indices, summed):
             if kind == "mean":
                 got = got / tf.cast(hvd.size(), wire)
@@ -172,10 +181,14 @@ def _collective_name(kind: str) -> Optional[str]:
 def _broadcast_in_place(hvd: Any, variables: Sequence[tf.Variable], root: int) -> None:
     """Sets every variable to its value on rank `root`: one traced function,
     its broadcasts named by position (`_collective_name`)."""
+
     @tf.function(autograph=False)
     def broadcast() -> None:
         for variable in variables:
-            variable.assign(hvd.broadcast(variable, root, name=_collective_name("broadcast"),
-                                          ignore_name_scope=True))
+            variable.assign(
+                hvd.broadcast(
+                    variable, root, name=_collective_name("broadcast"), ignore_name_scope=True
+                )
+            )
 
     broadcast()

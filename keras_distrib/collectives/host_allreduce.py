@@ -68,19 +68,42 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from keras_distrib.collectives.shm_files import (HEADER_BYTES, SharedMemoryTamperedError,
-                                                 base_directory, create_segment, open_segment,
-                                                 open_verified, private_directory_problem,
-                                                 supported, temporary, write_exclusive)
-from keras_distrib.collectives.shm_layout import (ResultBuffers, chunk, layout, layout_key,
-                                                  outside, pieces, round_up)
-from keras_distrib.collectives.shm_peers import (MAX_WORKERS, STOPPED_GRACE, PeerGroup,
-                                                 PeerLostError)
+from keras_distrib.collectives.shm_files import (
+    HEADER_BYTES,
+    SharedMemoryTamperedError,
+    base_directory,
+    create_segment,
+    open_segment,
+    open_verified,
+    private_directory_problem,
+    supported,
+    temporary,
+    write_exclusive,
+)
+from keras_distrib.collectives.shm_layout import (
+    ResultBuffers,
+    chunk,
+    layout,
+    layout_key,
+    outside,
+    pieces,
+    round_up,
+)
+from keras_distrib.collectives.shm_peers import MAX_WORKERS, STOPPED_GRACE, PeerGroup, PeerLostError
 
 __all__ = [
-    "HostAllReduce", "MAX_WORKERS", "PeerLostError", "STOPPED_GRACE",
-    "SharedMemoryTamperedError", "base_directory", "create_segment", "open_segment",
-    "open_verified", "private_directory_problem", "supported", "write_exclusive",
+    "HostAllReduce",
+    "MAX_WORKERS",
+    "PeerLostError",
+    "STOPPED_GRACE",
+    "SharedMemoryTamperedError",
+    "base_directory",
+    "create_segment",
+    "open_segment",
+    "open_verified",
+    "private_directory_problem",
+    "supported",
+    "write_exclusive",
 ]
 
 _JOB_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -133,7 +156,8 @@ class HostAllReduce(PeerGroup):
             raise RuntimeError("the shared-memory all-reduce needs Linux (named pipes, /dev/shm).")
         if not 2 <= world_size <= MAX_WORKERS:
             raise ValueError(
-                f"world_size={world_size} must be in [2, {MAX_WORKERS}] for shared memory.")
+                f"world_size={world_size} must be in [2, {MAX_WORKERS}] for shared memory."
+            )
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must be in [0, {world_size}).")
         if not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id):
@@ -164,9 +188,14 @@ class HostAllReduce(PeerGroup):
         size = HEADER_BYTES + 2 * self.world_size * slot_bytes
         self._generation += 1
         path = self._path(f"data{self._generation}")
-        late = "" if self.timeout is None else (
-            f"shared-memory all-reduce: worker 0 did not create {path} within "
-            f"{self.timeout:g}s (collective_timeout).")
+        late = (
+            ""
+            if self.timeout is None
+            else (
+                f"shared-memory all-reduce: worker 0 did not create {path} within "
+                f"{self.timeout:g}s (collective_timeout)."
+            )
+        )
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         self._enter_job_dir(self.timeout, late)
         if self.rank == 0:
@@ -186,7 +215,8 @@ class HostAllReduce(PeerGroup):
         self._release_segment()
         self._segment = segment
         self._slots = np.frombuffer(segment, np.uint8, offset=HEADER_BYTES).reshape(
-            2, self.world_size, slot_bytes)
+            2, self.world_size, slot_bytes
+        )
 
     def _release_segment(self) -> None:
         self._slots = None
@@ -232,11 +262,11 @@ class HostAllReduce(PeerGroup):
         assert self._slots is not None  # made by _reserve
         buffers = self._slots[self._calls % 2]
         self._calls += 1
-        buffers[self.rank][:flat.nbytes].view(flat.dtype)[:] = flat
+        buffers[self.rank][: flat.nbytes].view(flat.dtype)[:] = flat
         self._barrier(nbytes=flat.nbytes)
         out = np.empty((self.world_size, flat.size), flat.dtype)
         for q in range(self.world_size):
-            out[q] = buffers[q][:flat.nbytes].view(flat.dtype)
+            out[q] = buffers[q][: flat.nbytes].view(flat.dtype)
         return out.reshape((self.world_size, *array.shape))
 
     def reduce_scatter(self, *tables: np.ndarray) -> list:
@@ -254,16 +284,18 @@ class HostAllReduce(PeerGroup):
         dtype = tables[0].dtype
         for t in tables:
             if t.ndim != 2 or t.shape[0] != self.world_size or t.dtype != dtype:
-                raise ValueError(f"reduce_scatter takes [{self.world_size}, k] tables of one "
-                                 f"dtype, not {t.dtype} of shape {t.shape}")
+                raise ValueError(
+                    f"reduce_scatter takes [{self.world_size}, k] tables of one "
+                    f"dtype, not {t.dtype} of shape {t.shape}"
+                )
         offsets = np.cumsum([0] + [t.size for t in tables])
         self._reserve(int(offsets[-1]) * dtype.itemsize)
         assert self._slots is not None  # made by _reserve
         buffers = self._slots[self._calls % 2]
         self._calls += 1
-        slots = [b[:int(offsets[-1]) * dtype.itemsize].view(dtype) for b in buffers]
+        slots = [b[: int(offsets[-1]) * dtype.itemsize].view(dtype) for b in buffers]
         for t, start in zip(tables, offsets):
-            mine = slots[self.rank][start:start + t.size].reshape(t.shape)
+            mine = slots[self.rank][start : start + t.size].reshape(t.shape)
             for q in range(self.world_size):
                 if q != self.rank:
                     mine[q] = t[q]
@@ -274,7 +306,7 @@ class HostAllReduce(PeerGroup):
             lo = start + self.rank * k
             out = t[self.rank].copy()
             for peer in self._peers:
-                np.add(out, slots[peer][lo:lo + k], out=out)
+                np.add(out, slots[peer][lo : lo + k], out=out)
             rows.append(out)
         return rows
 
@@ -286,15 +318,17 @@ class HostAllReduce(PeerGroup):
         assert self._slots is not None  # made by _reserve
         buffers = self._slots[self._calls % 2]
         self._calls += 1
-        views = [[b[offset:offset + count * dtype.itemsize].view(dtype) for b in buffers]
-                 for dtype, members, offset, count in groups]
+        views = [
+            [b[offset : offset + count * dtype.itemsize].view(dtype) for b in buffers]
+            for dtype, members, offset, count in groups
+        ]
         # Copy in what the peers sum: everything but this worker's own chunk,
         # which it sums straight from its inputs (half the copying, with two).
         for (_dtype, members, _offset, count), per_slot in zip(groups, views):
             region, own = per_slot[self.rank], chunk(count, self.world_size, self.rank)
             for start, end, flat in pieces(members, flats):
                 for lo, hi in outside(start, end, own):
-                    region[lo:hi] = 0 if flat is None else flat[lo - start:hi - start]
+                    region[lo:hi] = 0 if flat is None else flat[lo - start : hi - start]
         self._barrier(nbytes=nbytes)
         for (_dtype, members, _offset, count), per_slot in zip(groups, views):
             own_lo, own_hi = chunk(count, self.world_size, self.rank)
@@ -306,7 +340,7 @@ class HostAllReduce(PeerGroup):
                 if flat is None:
                     out[:] = 0
                     continue
-                np.add(flat[lo - start:hi - start], per_slot[self._peers[0]][lo:hi], out=out)
+                np.add(flat[lo - start : hi - start], per_slot[self._peers[0]][lo:hi], out=out)
                 for peer in self._peers[1:]:
                     np.add(out, per_slot[peer][lo:hi], out=out)
         self._barrier(nbytes=nbytes)
@@ -319,7 +353,7 @@ class HostAllReduce(PeerGroup):
         results = [None] * len(arrays)
         out = self._results.take(nbytes)
         for (dtype, members, offset, count), per_slot in zip(groups, views):
-            total = out[offset:offset + count * dtype.itemsize].view(dtype)
+            total = out[offset : offset + count * dtype.itemsize].view(dtype)
             for q in range(self.world_size):
                 lo, hi = chunk(count, self.world_size, q)
                 if scale is None:
@@ -329,7 +363,7 @@ class HostAllReduce(PeerGroup):
             if scale is not None:
                 total[-1] = summed
             for i, start in members:
-                results[i] = total[start:start + arrays[i].size].reshape(arrays[i].shape)
+                results[i] = total[start : start + arrays[i].size].reshape(arrays[i].shape)
         return results
 
     def _layout(self, arrays: Sequence[np.ndarray]):

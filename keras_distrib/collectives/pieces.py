@@ -33,8 +33,9 @@ def cut(values: Sequence[tf.Tensor], max_bytes: int) -> tuple[list, Plan]:
             pieces.append(value)
             plan.append(None)
             continue
-        sizes = [per_piece] * (count // per_piece) + ([count % per_piece] if count % per_piece
-                                                     else [])
+        sizes = [per_piece] * (count // per_piece) + (
+            [count % per_piece] if count % per_piece else []
+        )
         pieces.extend(tf.split(tf.reshape(value, [-1]), sizes))
         plan.append((len(sizes), value.shape))
     return pieces, plan
@@ -49,6 +50,6 @@ def join(pieces: Sequence[tf.Tensor], plan: Plan) -> list:
             i += 1
             continue
         count, shape = entry
-        values.append(tf.reshape(tf.concat(list(pieces[i:i + count]), 0), shape))
+        values.append(tf.reshape(tf.concat(list(pieces[i : i + count]), 0), shape))
         i += count
     return values

@@ -120,7 +120,8 @@ def start(info: cluster_lib.ClusterInfo, peer_timeout: float) -> None:
             raise
     spec = tf.train.ClusterSpec({"worker": list(info.workers)})
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-        spec, task_type="worker", task_id=info.rank, rpc_layer="grpc")
+        spec, task_type="worker", task_id=info.rank, rpc_layer="grpc"
+    )
     from keras_distrib import _compat
     from keras_distrib.collectives import heartbeats
 
@@ -142,7 +143,8 @@ def ensure_coordinator(info: cluster_lib.ClusterInfo, peer_timeout: float):
         if _coordinator[0] != info:
             raise cluster_lib.ClusterConfigError(
                 f"this process already coordinates the cluster {_coordinator[0].cluster_spec()}; "
-                "one cluster per process, so pass no other cluster to the strategy.")
+                "one cluster per process, so pass no other cluster to the strategy."
+            )
         return _coordinator[1:]
     _check_not_too_late("connect this chief to its parameter servers", "connects")
     return start_coordinator(info, peer_timeout)[1:]
@@ -160,7 +162,8 @@ def _check_not_too_late(what: str, import_does: str) -> None:
             f"TensorFlow was used before keras_distrib could {what}; `import keras_distrib` "
             "before any TensorFlow tensor, variable or layer weight is created (with "
             f"TF_CONFIG or Slurm set, the import {import_does}), or create the strategy at "
-            "the top of the script.")
+            "the top of the script."
+        )
 
 
 def start_coordinator(info: cluster_lib.ClusterInfo, peer_timeout: float):
@@ -181,8 +184,11 @@ def start_coordinator(info: cluster_lib.ClusterInfo, peer_timeout: float):
         tf.config.threading.set_inter_op_parallelism_threads(wanted)
     cluster_lib.wait_for_peers(info, timeout=peer_timeout)
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-        tf.train.ClusterSpec(info.cluster_spec()), task_type=cluster_lib.CHIEF, task_id=0,
-        rpc_layer="grpc")
+        tf.train.ClusterSpec(info.cluster_spec()),
+        task_type=cluster_lib.CHIEF,
+        task_id=0,
+        rpc_layer="grpc",
+    )
     strategy = tf.distribute.ParameterServerStrategy(resolver)
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
     _coordinator = (info, strategy, coordinator)
@@ -231,8 +237,9 @@ def _listening_on(address: str):
     elif socket.has_dualstack_ipv6():
         # No local address is named (a wildcard, or a name or NAT address
         # this machine does not have): every interface, as TF's server.
-        server = socket.create_server(("", port), family=socket.AF_INET6,
-                                      dualstack_ipv6=True, reuse_port=False)
+        server = socket.create_server(
+            ("", port), family=socket.AF_INET6, dualstack_ipv6=True, reuse_port=False
+        )
     else:
         server = socket.create_server(("", port))
     with server:

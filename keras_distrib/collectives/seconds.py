@@ -39,5 +39,6 @@ def seconds_from_env(name: str, default: float, default_note: str = "") -> float
         value = -1.0
     if not positive_seconds(value):
         raise cluster_lib.ClusterConfigError(
-            f"{name}={text!r} must be a positive number of seconds{default_note}.")
+            f"{name}={text!r} must be a positive number of seconds{default_note}."
+        )
     return value

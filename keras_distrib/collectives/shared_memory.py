@@ -40,12 +40,20 @@ class SharedMemory(Transport):
 
     name = "shm"
 
-    def __init__(self, rows: Transport, rank: int, world_size: int, job_id: str,
-                 timeout: Optional[float] = None, connect_timeout: float = 120.0):
+    def __init__(
+        self,
+        rows: Transport,
+        rank: int,
+        world_size: int,
+        job_id: str,
+        timeout: Optional[float] = None,
+        connect_timeout: float = 120.0,
+    ):
         self._rows = rows
         self._world_size = world_size
-        self._host = HostAllReduce(rank, world_size, job_id, timeout=timeout,
-                                   connect_timeout=connect_timeout)
+        self._host = HostAllReduce(
+            rank, world_size, job_id, timeout=timeout, connect_timeout=connect_timeout
+        )
 
     # -- in a replica's step ----------------------------------------------------------
 
@@ -57,8 +65,9 @@ class SharedMemory(Transport):
             return [total / tf.cast(self._world_size, total.dtype) for total in reduced]
         return reduced
 
-    def mean_by_count(self, values: Sequence[Any], num_samples: Any,
-                      compression: Optional[Any] = None) -> list[Any]:
+    def mean_by_count(
+        self, values: Sequence[Any], num_samples: Any, compression: Optional[Any] = None
+    ) -> list[Any]:
         if compression is not None or any(v.dtype != tf.float32 for v in values):
             return super().mean_by_count(values, num_samples, compression)
         # The division by the global count rides in the all-reduce's last
@@ -68,16 +77,21 @@ class SharedMemory(Transport):
 
     def all_gather(self, value: Any) -> Any:
         value = tf.convert_to_tensor(value)
-        (table,) = tf.numpy_function(self._host.all_gather, [value], [value.dtype],
-                                     stateful=True, name="kd_host_all_gather")
+        (table,) = tf.numpy_function(
+            self._host.all_gather, [value], [value.dtype], stateful=True, name="kd_host_all_gather"
+        )
         table.set_shape([self._world_size, *value.shape])
         return table
 
     def reduce_scatter(self, tables: Sequence[Any]) -> list[Any]:
         tables = [tf.convert_to_tensor(t) for t in tables]
-        rows = tf.numpy_function(self._host.reduce_scatter, tables,
-                                 [t.dtype for t in tables], stateful=True,
-                                 name="kd_host_reduce_scatter")
+        rows = tf.numpy_function(
+            self._host.reduce_scatter,
+            tables,
+            [t.dtype for t in tables],
+            stateful=True,
+            name="kd_host_reduce_scatter",
+        )
         for row, table in zip(rows, tables):
             row.set_shape([table.shape[1]])
         return list(rows)
@@ -98,8 +112,9 @@ class SharedMemory(Transport):
 def _on_host(function: Callable[..., Any], values: list[Any], name: str) -> list[Any]:
     """`function(*values)` (a shared-memory collective) in the step, with
     each result shaped like its input."""
-    reduced = tf.numpy_function(function, values, [v.dtype for v in values],
-                                stateful=True, name=name)
+    reduced = tf.numpy_function(
+        function, values, [v.dtype for v in values], stateful=True, name=name
+    )
     for value, result in zip(values, reduced):
         result.set_shape(value.shape)
     return list(reduced)

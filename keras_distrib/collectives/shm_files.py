@@ -56,7 +56,8 @@ def base_directory(directory: Optional[str] = None) -> str:
         raise SharedMemoryTamperedError(
             f"shared-memory all-reduce: {name}={from_env} {problem}; it must be a "
             "directory of this user with mode 0700 (the launcher makes one per job): "
-            f"fix or unset {name}.")
+            f"fix or unset {name}."
+        )
     return from_env
 
 
@@ -81,8 +82,9 @@ def private_directory_problem(path: str) -> Optional[str]:
     return None
 
 
-def open_verified(path: str, flags: int, is_type: Callable[[int], bool],
-                  size: Optional[int] = None) -> int:
+def open_verified(
+    path: str, flags: int, is_type: Callable[[int], bool], size: Optional[int] = None
+) -> int:
     """Opens `path` without following links; checks type, owner and size on the descriptor.
 
     Checking the open descriptor (not the name) leaves no window in which
@@ -97,11 +99,15 @@ def open_verified(path: str, flags: int, is_type: Callable[[int], bool],
     try:
         st = os.fstat(fd)
         if not is_type(st.st_mode):
-            raise tampered(path, f"has the wrong type ({stat.filemode(st.st_mode)}, "
-                                  f"wanted {_TYPE_NAMES.get(is_type, 'another')})")
+            raise tampered(
+                path,
+                f"has the wrong type ({stat.filemode(st.st_mode)}, "
+                f"wanted {_TYPE_NAMES.get(is_type, 'another')})",
+            )
         if st.st_uid != os.getuid():
-            raise tampered(path, f"belongs to uid {st.st_uid}, not to this user "
-                                  f"(uid {os.getuid()})")
+            raise tampered(
+                path, f"belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})"
+            )
         if size is not None and st.st_size != size:
             raise tampered(path, f"has {st.st_size} bytes instead of {size}")
         if flags & os.O_NONBLOCK == 0:
@@ -155,8 +161,7 @@ def create_segment(path: str, size: int, job_id: str = "", generation: int = 0) 
                 "implementation='ring'.",
             ) from None
         st = os.fstat(fd)
-        os.pwrite(fd, _HEADER.pack(_MAGIC, generation, st.st_dev, st.st_ino,
-                                   job_id.encode()), 0)
+        os.pwrite(fd, _HEADER.pack(_MAGIC, generation, st.st_dev, st.st_ino, job_id.encode()), 0)
 
     write_exclusive(path, fill)
 
@@ -179,8 +184,10 @@ def open_segment(path: str, size: int, job_id: str, generation: int) -> mmap.mma
     if magic != _MAGIC:
         problem = "has no segment header"
     elif (dev, ino) != (st.st_dev, st.st_ino):
-        problem = (f"is inode {st.st_ino} (device {st.st_dev}) but its header names inode "
-                   f"{ino} (device {dev}): it was copied or replaced")
+        problem = (
+            f"is inode {st.st_ino} (device {st.st_dev}) but its header names inode "
+            f"{ino} (device {dev}): it was copied or replaced"
+        )
     elif job.rstrip(b"\0") != job_id.encode():
         problem = "belongs to another job"
     elif gen != generation:
@@ -195,7 +202,8 @@ def tampered(path: str, problem: str) -> SharedMemoryTamperedError:
     """The error for a file of the job that is not what its worker made."""
     return SharedMemoryTamperedError(
         f"shared-memory all-reduce: {path} {problem}; another user or process planted "
-        "or replaced it: stop the job, remove its directory and start again.")
+        "or replaced it: stop the job, remove its directory and start again."
+    )
 
 
 def temporary(path: str) -> str:
@@ -211,7 +219,8 @@ def make_fifo(path: str) -> None:
     except FileExistsError:
         raise SharedMemoryTamperedError(
             f"shared-memory all-reduce: {path} already exists: two workers have the same "
-            "rank, or it was planted; check the ranks, stop the job and start again.") from None
+            "rank, or it was planted; check the ranks, stop the job and start again."
+        ) from None
 
 
 def read_pid(path: str) -> int:

@@ -76,7 +76,7 @@ class ResultBuffers:
             if len(self._buffers) < _RESULT_BUFFERS:
                 self._buffers.append(raw)
         skip = -raw.ctypes.data % ALIGN
-        return raw[skip:skip + nbytes]
+        return raw[skip : skip + nbytes]
 
 
 def chunk(count: int, parts: int, index: int) -> tuple:

@@ -21,10 +21,17 @@ from typing import Optional, Sequence
 
 from keras_distrib.cluster.process_state import process_state
 from keras_distrib.collectives import flight_recorder
-from keras_distrib.collectives.shm_files import (SharedMemoryTamperedError, base_directory,
-                                                 make_fifo, open_verified,
-                                                 private_directory_problem, read_pid,
-                                                 temporary, unlink_quietly, write_exclusive)
+from keras_distrib.collectives.shm_files import (
+    SharedMemoryTamperedError,
+    base_directory,
+    make_fifo,
+    open_verified,
+    private_directory_problem,
+    read_pid,
+    temporary,
+    unlink_quietly,
+    write_exclusive,
+)
 
 _POLL = 1.0  # seconds between liveness checks of the peers in a barrier
 _FILE_POLL_MAX = 0.02  # seconds: longest sleep while waiting for a file
@@ -49,8 +56,14 @@ class PeerGroup:
     whatever it shares through the job directory, and extends `close`.
     """
 
-    def __init__(self, rank: int, world_size: int, job_id: str,
-                 timeout: Optional[float], directory: Optional[str]):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        job_id: str,
+        timeout: Optional[float],
+        directory: Optional[str],
+    ):
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
         self._job_id = job_id
         self._job_dir = os.path.join(base_directory(directory), f"kd-{job_id}")
@@ -74,7 +87,8 @@ class PeerGroup:
             timeout,
             f"shared-memory all-reduce: worker 0 did not join within {timeout:.0f}s "
             f"(waiting for it to create {self._job_dir}); check that every worker "
-            "runs on this host with the same cluster.")
+            "runs on this host with the same cluster.",
+        )
         fifo = self._path(f"fifo{self.rank}")
         self._own_files.append(fifo)
         make_fifo(fifo)
@@ -86,10 +100,13 @@ class PeerGroup:
         for peer in self._peers:
             path = self._path(f"pid{peer}")
             self._wait_for_file(
-                path, peer, deadline - time.monotonic(),
+                path,
+                peer,
+                deadline - time.monotonic(),
                 f"shared-memory all-reduce: worker {peer} did not join within "
                 f"{timeout:.0f}s (waiting for {path}); check that every worker "
-                "runs on this host with the same cluster.")
+                "runs on this host with the same cluster.",
+            )
             self._pids[peer] = read_pid(path)
             # O_RDWR: opening a pipe for writing alone blocks until it has a reader.
             self._fds[peer] = open_verified(self._path(f"fifo{peer}"), os.O_RDWR, stat.S_ISFIFO)
@@ -109,7 +126,8 @@ class PeerGroup:
                 raise SharedMemoryTamperedError(
                     f"shared-memory all-reduce: {self._job_dir} already exists (another job "
                     "with this id, or planted by another user); remove it and start the "
-                    "job again.") from None
+                    "job again."
+                ) from None
             self._job_dir_ours = True
         else:
             self._wait_for_file(self._job_dir, 0, timeout, late_message)
@@ -117,7 +135,8 @@ class PeerGroup:
         if problem:
             raise SharedMemoryTamperedError(
                 f"shared-memory all-reduce: the job directory {self._job_dir} {problem}; "
-                "it was not made by worker 0 of this job: remove it and start the job again.")
+                "it was not made by worker 0 of this job: remove it and start the job again."
+            )
         self._job_dir_ours = True
 
     def _leave_job_dir(self) -> None:
@@ -153,13 +172,16 @@ class PeerGroup:
                         raise PeerLostError(
                             f"shared-memory all-reduce: workers {late} did not arrive within "
                             f"{timeout:g}s (collective_timeout); a worker is stuck or runs "
-                            "different code.", peers=late)
+                            "different code.",
+                            peers=late,
+                        )
                 except PeerLostError as e:
                     flight_recorder.report(f"its collective failed: {e}", lost=e.peers)
                     raise
 
-    def _check_peers(self, late: Sequence[int], stopped_since: dict,
-                     others: Sequence[int] = ()) -> None:
+    def _check_peers(
+        self, late: Sequence[int], stopped_since: dict, others: Sequence[int] = ()
+    ) -> None:
         """Fails if a peer exited, or a `late` one stayed stopped for STOPPED_GRACE.
 
         `stopped_since` (one per wait) holds when each late peer was first
@@ -172,7 +194,9 @@ class PeerGroup:
             if state == "exited":
                 raise PeerLostError(
                     f"shared-memory all-reduce: worker {peer} (pid {pid}) exited; "
-                    "see its output for the cause.", peers=[peer])
+                    "see its output for the cause.",
+                    peers=[peer],
+                )
             if peer not in late or state != "stopped":
                 stopped_since.pop(peer, None)
                 continue
@@ -180,10 +204,13 @@ class PeerGroup:
                 raise PeerLostError(
                     f"shared-memory all-reduce: worker {peer} (pid {pid}) is stopped "
                     f"(SIGSTOP or a debugger) and has not arrived for {STOPPED_GRACE:g}s; "
-                    "resume it (kill -CONT) or stop the job.", peers=[peer])
+                    "resume it (kill -CONT) or stop the job.",
+                    peers=[peer],
+                )
 
-    def _wait_for_file(self, path: str, worker: int, timeout: Optional[float],
-                       late_message: str) -> None:
+    def _wait_for_file(
+        self, path: str, worker: int, timeout: Optional[float], late_message: str
+    ) -> None:
         """Waits until `worker` creates `path`; fails if a peer exits, or it stops or is late."""
         deadline = None if timeout is None else time.monotonic() + timeout
         stopped_since: dict = {}

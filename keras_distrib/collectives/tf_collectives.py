@@ -47,9 +47,14 @@ class TFCollectives(Transport):
 
     name = "tensorflow"
 
-    def __init__(self, engine: tf.distribute.Strategy, first_local_replica: int = 0,
-                 multi_worker: bool = False, watchdog: Optional[CollectiveWatchdog] = None,
-                 bytes_per_pack: int = 0):
+    def __init__(
+        self,
+        engine: tf.distribute.Strategy,
+        first_local_replica: int = 0,
+        multi_worker: bool = False,
+        watchdog: Optional[CollectiveWatchdog] = None,
+        bytes_per_pack: int = 0,
+    ):
         self._engine = engine
         self._first = first_local_replica
         self._multi_worker = multi_worker
@@ -59,16 +64,14 @@ class TFCollectives(Transport):
         # TensorFlow's timeout threads where the watchdog times them.
         self._step_options: Optional[Any] = None
         if watchdog is not None:
-            self._step_options = tf.distribute.experimental.CommunicationOptions(
-                timeout_seconds=0)
+            self._step_options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=0)
 
     # -- in a replica's step ----------------------------------------------------------
 
     def all_reduce(self, values: Sequence[Any], op: str = "sum") -> list[Any]:
         if not self._bytes_per_pack:
             return self._watched(values, lambda vs: self._reduce(vs, op))
-        values, plan = pieces.cut([tf.convert_to_tensor(v) for v in values],
-                                  self._bytes_per_pack)
+        values, plan = pieces.cut([tf.convert_to_tensor(v) for v in values], self._bytes_per_pack)
         return pieces.join(self._watched(values, lambda vs: self._reduce(vs, op)), plan)
 
     def _reduce(self, values: Sequence[Any], op: str) -> list[Any]:
@@ -80,8 +83,11 @@ class TFCollectives(Transport):
         reduced = list(values)
         for dtype in dict.fromkeys(v.dtype for v in values):
             positions = [i for i, v in enumerate(values) if v.dtype == dtype]
-            group = ctx.all_reduce(_REDUCE_OPS[reduce_op(op)], [values[i] for i in positions],
-                                   options=self._step_options)
+            group = ctx.all_reduce(
+                _REDUCE_OPS[reduce_op(op)],
+                [values[i] for i in positions],
+                options=self._step_options,
+            )
             for i, value in zip(positions, group):
                 reduced[i] = value
         return reduced
@@ -97,8 +103,9 @@ class TFCollectives(Transport):
             (table,) = self.all_reduce([tf.pad(value[None], padding)], "sum")
             return table
         options = self._step_options
-        return self._watched([value], lambda vs: [
-            context.all_gather(vs[0][None], axis=0, options=options)])[0]
+        return self._watched(
+            [value], lambda vs: [context.all_gather(vs[0][None], axis=0, options=options)]
+        )[0]
 
     def reduce_scatter(self, tables: Sequence[Any]) -> list[Any]:
         # The replica context has no reduce-scatter: the tables are
@@ -115,8 +122,10 @@ class TFCollectives(Transport):
         options = self._step_options
         return self._watchdog.around_call(
             lambda: tf.nest.map_structure(
-                lambda v: _compat.gather(self._engine, v, 0, options), per_replica),
-            "a collective of the predict step")
+                lambda v: _compat.gather(self._engine, v, 0, options), per_replica
+            ),
+            "a collective of the predict step",
+        )
 
     def _local_rows(self, value: Any) -> Any:
         parts = self._engine.experimental_local_results(value)
@@ -126,8 +135,7 @@ class TFCollectives(Transport):
 
     # -- outside the replicas' step ----------------------------------------------------
 
-    def all_reduce_across_processes(self, values: Sequence[Any],
-                                    op: str = "sum") -> list[Any]:
+    def all_reduce_across_processes(self, values: Sequence[Any], op: str = "sum") -> list[Any]:
         first, engine = self._first, self._engine
 
         def across(values: list[Any]) -> list[Any]:
@@ -148,12 +156,14 @@ class TFCollectives(Transport):
         zeros = tf.zeros_like(value)
         first = self._first
         per_replica = self._engine.experimental_distribute_values_from_function(
-            lambda ctx: value if ctx.replica_id_in_sync_group == first else zeros)
+            lambda ctx: value if ctx.replica_id_in_sync_group == first else zeros
+        )
         summed: np.ndarray = self._engine.reduce("SUM", per_replica, axis=None).numpy()
         return summed
 
-    def _watched(self, values: Sequence[Any], collective: Callable[[list[Any]], list[Any]]
-                 ) -> list[Any]:
+    def _watched(
+        self, values: Sequence[Any], collective: Callable[[list[Any]], list[Any]]
+    ) -> list[Any]:
         """`collective(values)` (in a step) under the watchdog that enforces
         `collective_timeout`, if there is one."""
         if self._watchdog is None:

@@ -56,8 +56,9 @@ class Transport(abc.ABC):
         """Each of `values` summed (`op="sum"`) or averaged (`"mean"`) over
         all replicas, in order."""
 
-    def mean_by_count(self, values: Sequence[Any], num_samples: Any,
-                      compression: Optional[Any] = None) -> list[Any]:
+    def mean_by_count(
+        self, values: Sequence[Any], num_samples: Any, compression: Optional[Any] = None
+    ) -> list[Any]:
         """Each of `values` summed over all replicas and divided by the sum
         of every replica's `num_samples` (at least 1): the step's gradient
         all-reduce. The count travels in the same all-reduce as the values,
@@ -93,8 +94,7 @@ class Transport(abc.ABC):
 
     # -- outside the replicas' step ---------------------------------------------------
 
-    def all_reduce_across_processes(self, values: Sequence[Any],
-                                    op: str = "sum") -> list[Any]:
+    def all_reduce_across_processes(self, values: Sequence[Any], op: str = "sum") -> list[Any]:
         """`all_reduce` with each process contributing `values` once, called
         outside the replicas' step (eager, or in a `tf.function` of the
         process's own). By default `all_reduce`: the same where each

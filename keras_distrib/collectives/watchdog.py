@@ -68,8 +68,9 @@ class CollectiveWatchdog:
             token = next(self._tokens)
             self._armed[token] = (time.monotonic() + self.timeout, what, nbytes)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._watch, daemon=True,
-                                                name="keras_distrib-collective-watchdog")
+                self._thread = threading.Thread(
+                    target=self._watch, daemon=True, name="keras_distrib-collective-watchdog"
+                )
                 self._thread.start()
             self._changed.notify()
         return token
@@ -83,11 +84,14 @@ class CollectiveWatchdog:
         """`(what, seconds since armed)` of each collective armed now."""
         now = time.monotonic()
         with self._changed:
-            return [(flight_recorder.described(what, nbytes), now - (deadline - self.timeout))
-                    for deadline, what, nbytes in self._armed.values()]
+            return [
+                (flight_recorder.described(what, nbytes), now - (deadline - self.timeout))
+                for deadline, what, nbytes in self._armed.values()
+            ]
 
-    def around(self, values: Sequence[tf.Tensor], collective: Callable[[list], list],
-               what: str) -> list:
+    def around(
+        self, values: Sequence[tf.Tensor], collective: Callable[[list], list], what: str
+    ) -> list:
         """`collective(values)`, armed while it runs (eager or in a graph):
         its inputs wait for the arming, its results for the disarming.
         `what` is told with the bytes the values hold (when their shapes
@@ -109,8 +113,13 @@ class CollectiveWatchdog:
         return tf.nest.pack_sequence_as(results, flat)
 
     def _arm_op(self, what: str, nbytes: Optional[int] = None) -> tf.Tensor:
-        return tf.numpy_function(lambda: np.int64(self.arm(what, nbytes)), [], tf.int64,
-                                 stateful=True, name="kd_watchdog_arm")
+        return tf.numpy_function(
+            lambda: np.int64(self.arm(what, nbytes)),
+            [],
+            tf.int64,
+            stateful=True,
+            name="kd_watchdog_arm",
+        )
 
     def _disarmed_after(self, token: tf.Tensor, results: list) -> list:
         def disarm(t: np.ndarray) -> np.int64:
@@ -118,8 +127,9 @@ class CollectiveWatchdog:
             return np.int64(0)
 
         with tf.control_dependencies(results):
-            done = tf.numpy_function(disarm, [token], tf.int64,
-                                     stateful=True, name="kd_watchdog_disarm")
+            done = tf.numpy_function(
+                disarm, [token], tf.int64, stateful=True, name="kd_watchdog_disarm"
+            )
         with tf.control_dependencies([done]):
             return [tf.identity(r) for r in results]
 
@@ -137,7 +147,8 @@ class CollectiveWatchdog:
                 self.fired = (
                     f"{what} did not complete within collective_timeout={self.timeout:g}s: a "
                     "worker is stuck, stopped, or runs different code (the workers' output "
-                    "says which)")
+                    "says which)"
+                )
                 break
         flight_recorder.report(f"its collective watchdog fired: {self.fired}")
         with self._changed:

@@ -25,8 +25,11 @@ import tensorflow as tf
 
 def is_positive_int(value) -> bool:
     """An integer >= 1 (numpy integers too), not a bool."""
-    return (isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-            and int(value) >= 1)
+    return (
+        isinstance(value, numbers.Integral)
+        and not isinstance(value, (bool, np.bool_))
+        and int(value) >= 1
+    )
 
 
 def check_batch_size(batch_size: Optional[int], name: str = "batch_size") -> None:
@@ -73,12 +76,8 @@ def split_batch(batch: Any, num_replicas: int) -> list:
     global_size = num_rows(tensors[0])
     sizes = replica_sizes(global_size, num_replicas)
     size_vector = tf.stack(sizes)
-    parts = [[None] * num_replicas if t is None else _split(t, sizes, size_vector)
-             for t in leaves]
-    return [
-        tf.nest.pack_sequence_as(batch, [p[r] for p in parts])
-        for r in range(num_replicas)
-    ]
+    parts = [[None] * num_replicas if t is None else _split(t, sizes, size_vector) for t in leaves]
+    return [tf.nest.pack_sequence_as(batch, [p[r] for p in parts]) for r in range(num_replicas)]
 
 
 def num_rows(tensor) -> tf.Tensor:
@@ -104,11 +103,12 @@ def take_rows(tensor, start, count):
     """Rows `[start, start + count)` of a dense, ragged or sparse tensor (a
     sparse part's indices start again at row 0, with the same inner shape)."""
     if not isinstance(tensor, tf.SparseTensor):
-        return tensor[start:start + count]
+        return tensor[start : start + count]
     start, count = tf.cast(start, tf.int64), tf.cast(count, tf.int64)
     inner = tensor.dense_shape[1:]
-    part = tf.sparse.slice(tensor, tf.concat([[start], tf.zeros_like(inner)], 0),
-                           tf.concat([[count], inner], 0))
+    part = tf.sparse.slice(
+        tensor, tf.concat([[start], tf.zeros_like(inner)], 0), tf.concat([[count], inner], 0)
+    )
     part.set_shape(tf.TensorShape([None]).concatenate(tensor.shape[1:]))
     return part
 
@@ -145,8 +145,13 @@ def check_same_length(**arrays: Any) -> None:
     structure of arrays) whose first dimensions differ: one row per sample."""
     rows = {}
     for name, value in arrays.items():
-        found = sorted({int(leaf.shape[0]) for leaf in tf.nest.flatten(value)
-                        if leaf is not None and len(getattr(leaf, "shape", ())) >= 1})
+        found = sorted(
+            {
+                int(leaf.shape[0])
+                for leaf in tf.nest.flatten(value)
+                if leaf is not None and len(getattr(leaf, "shape", ())) >= 1
+            }
+        )
         if found:
             rows[name] = found
     if len({n for found in rows.values() for n in found}) > 1:
@@ -191,8 +196,9 @@ def check_finite(name: str, value: Any) -> None:
     reach); the element-wise test only runs to confirm and locate.
     """
     for leaf in tf.nest.flatten(value):
-        if not (isinstance(leaf, np.ndarray) and np.issubdtype(leaf.dtype, np.floating)
-                and leaf.size):
+        if not (
+            isinstance(leaf, np.ndarray) and np.issubdtype(leaf.dtype, np.floating) and leaf.size
+        ):
             continue
         if np.isfinite(np.sum(leaf, dtype=np.float64)):
             continue
@@ -221,8 +227,9 @@ def peek(generator):
     try:
         first = next(generator)
     except StopIteration:
-        raise ValueError("The input generator is empty: it yielded no batch; check "
-                         "that it yields at least one.") from None
+        raise ValueError(
+            "The input generator is empty: it yielded no batch; check that it yields at least one."
+        ) from None
 
     def again():
         yield first

@@ -59,7 +59,8 @@ def fit_input(strategy, fit: FitInput) -> FitInput:
     validation_data, class_weight = fit.validation_data, fit.class_weight
     if fit.validation_split:
         (x, y, sample_weight), validation_data = _compat.train_validation_split(
-            (x, y, sample_weight), fit.validation_split)
+            (x, y, sample_weight), fit.validation_split
+        )
     if class_weight is not None and is_array_like(x):
         sample_weight = _compat.class_weight_as_sample_weight(y, sample_weight, class_weight)
         class_weight = None
@@ -72,24 +73,48 @@ def fit_input(strategy, fit: FitInput) -> FitInput:
         # must stop at the epoch's end, which only a finite epoch tells it.
         steps = array_steps(x, fit.batch_size)
     sharded, batch_size = shard(
-        strategy, x, y, sample_weight, fit.batch_size, fit.shuffle, seed,
-        repeat=steps is not None, first_epoch=start.epoch)
+        strategy,
+        x,
+        y,
+        sample_weight,
+        fit.batch_size,
+        fit.shuffle,
+        seed,
+        repeat=steps is not None,
+        first_epoch=start.epoch,
+    )
     validation_batch_size = fit.validation_batch_size
     if validation_data is not None:
-        validation_data, _ = shard(strategy, *unpack(validation_data),
-                                   validation_batch_size or fit.batch_size)
+        validation_data, _ = shard(
+            strategy, *unpack(validation_data), validation_batch_size or fit.batch_size
+        )
         validation_batch_size = None
     return fit.replace(
-        x=sharded, y=None, sample_weight=None, batch_size=batch_size, shuffle=False,
-        validation_split=0.0, validation_data=validation_data,
-        validation_batch_size=validation_batch_size, class_weight=class_weight,
-        steps_per_epoch=steps if steps is not None else fit.steps_per_epoch, seed=seed)
+        x=sharded,
+        y=None,
+        sample_weight=None,
+        batch_size=batch_size,
+        shuffle=False,
+        validation_split=0.0,
+        validation_data=validation_data,
+        validation_batch_size=validation_batch_size,
+        class_weight=class_weight,
+        steps_per_epoch=steps if steps is not None else fit.steps_per_epoch,
+        seed=seed,
+    )
 
 
-def shard(strategy: Any, x: Any, y: Any = None, sample_weight: Any = None,
-          batch_size: Optional[int] = None, shuffle: Union[bool, str] = False,
-          seed: Optional[int] = 0, repeat: bool = False,
-          first_epoch: int = 0) -> tuple[Any, Optional[int]]:
+def shard(
+    strategy: Any,
+    x: Any,
+    y: Any = None,
+    sample_weight: Any = None,
+    batch_size: Optional[int] = None,
+    shuffle: Union[bool, str] = False,
+    seed: Optional[int] = 0,
+    repeat: bool = False,
+    first_epoch: int = 0,
+) -> tuple[Any, Optional[int]]:
     """This worker's share of `(x, y, sample_weight)` as one Keras input.
 
     With `repeat=True` (arrays only) the batches of one epoch follow each
@@ -114,13 +139,23 @@ def shard(strategy: Any, x: Any, y: Any = None, sample_weight: Any = None,
         _no_extras(y, sample_weight, "a PyDataset")
         return _WorkerPyDataset(x, rows, seed if shuffle else None, first_epoch), None
     if is_array_like(x):
-        return _shard_arrays(x, y, sample_weight, batch_size or 32, rows,
-                             seed if shuffle else None, repeat, first_epoch), None
+        return _shard_arrays(
+            x,
+            y,
+            sample_weight,
+            batch_size or 32,
+            rows,
+            seed if shuffle else None,
+            repeat,
+            first_epoch,
+        ), None
     if any(leaf is None for leaf in tf.nest.flatten(x)) and is_array_like(
-            [leaf for leaf in tf.nest.flatten(x) if leaf is not None]):
+        [leaf for leaf in tf.nest.flatten(x) if leaf is not None]
+    ):
         raise TypeError(
             "Multi-worker array input cannot hold None (an optional input given as None): "
-            "pass that input as an array, or feed a tf.data.Dataset or PyDataset.")
+            "pass that input as an array, or feed a tf.data.Dataset or PyDataset."
+        )
     raise TypeError(
         f"Multi-worker input must be numpy arrays, tensors, a tf.data.Dataset or "
         f"a keras.utils.PyDataset, got {type(x).__name__}; wrap a generator in a "
@@ -180,8 +215,9 @@ def array_steps(x, batch_size) -> Optional[int]:
 def is_array_like(x) -> bool:
     """Whether `x` is numpy arrays or tensors (a structure of them)."""
     leaves = tf.nest.flatten(x)
-    return bool(leaves) and all(isinstance(t, (np.ndarray, tf.Tensor, tf.RaggedTensor))
-                                for t in leaves)
+    return bool(leaves) and all(
+        isinstance(t, (np.ndarray, tf.Tensor, tf.RaggedTensor)) for t in leaves
+    )
 
 
 def _no_extras(y, sample_weight, what):
@@ -234,13 +270,23 @@ def _in_order(arrays, n, batch_size, rows) -> tf.data.Dataset:
     pieces = []
     if whole:
         cut = mine(batch_size)
-        pieces.append(tf.data.Dataset.from_tensor_slices(tf.nest.map_structure(
-            lambda t: tf.reshape(t[:whole * batch_size], [whole, batch_size, *t.shape[1:]])[:, cut],
-            arrays)))
+        pieces.append(
+            tf.data.Dataset.from_tensor_slices(
+                tf.nest.map_structure(
+                    lambda t: tf.reshape(
+                        t[: whole * batch_size], [whole, batch_size, *t.shape[1:]]
+                    )[:, cut],
+                    arrays,
+                )
+            )
+        )
     if n % batch_size:
         cut = mine(n % batch_size)
-        pieces.append(tf.data.Dataset.from_tensors(tf.nest.map_structure(
-            lambda t: t[whole * batch_size:][cut], arrays)))
+        pieces.append(
+            tf.data.Dataset.from_tensors(
+                tf.nest.map_structure(lambda t: t[whole * batch_size :][cut], arrays)
+            )
+        )
     dataset = pieces[0]
     for piece in pieces[1:]:
         dataset = dataset.concatenate(piece)
@@ -262,12 +308,14 @@ def _gathered(arrays, n, batch_size, rows, seed, repeat, first_epoch) -> tf.data
         order = tf.range(n, dtype=tf.int64)
         if seed is not None:
             order = tf.random.experimental.stateless_shuffle(
-                order, seed=tf.stack([tf.constant(seed, tf.int64), epoch]))
+                order, seed=tf.stack([tf.constant(seed, tf.int64), epoch])
+            )
         # Whole batches cut from the order (not element by element then
         # batched: the same batches, with one op per batch instead of one per row).
         limits = tf.concat([tf.range(0, n, batch_size, dtype=tf.int64), [n]], 0)
         return tf.data.Dataset.from_tensor_slices(
-            tf.RaggedTensor.from_row_splits(order, limits, validate=False))
+            tf.RaggedTensor.from_row_splits(order, limits, validate=False)
+        )
 
     if repeat:
         indices = tf.data.Dataset.range(first_epoch, _NO_END).flat_map(epoch_indices)
@@ -276,7 +324,8 @@ def _gathered(arrays, n, batch_size, rows, seed, repeat, first_epoch) -> tf.data
         # Python counter for its epoch (no variable, so any scope is fine).
         epochs = itertools.count(first_epoch)
         epoch = tf.data.Dataset.from_generator(
-            lambda: iter([next(epochs)]), output_signature=tf.TensorSpec([], tf.int64))
+            lambda: iter([next(epochs)]), output_signature=tf.TensorSpec([], tf.int64)
+        )
         indices = epoch.flat_map(epoch_indices)
         indices = indices.apply(tf.data.experimental.assert_cardinality(batches))
 
@@ -333,8 +382,13 @@ def reads_files(dataset: tf.data.Dataset) -> bool:
 class _WorkerPyDataset(keras.utils.PyDataset):
     """This worker's rows of every batch of a PyDataset, in an agreed order."""
 
-    def __init__(self, inner: keras.utils.PyDataset, rows: _WorkerRows, seed: Optional[int],
-                 first_epoch: int = 0):
+    def __init__(
+        self,
+        inner: keras.utils.PyDataset,
+        rows: _WorkerRows,
+        seed: Optional[int],
+        first_epoch: int = 0,
+    ):
         super().__init__(
             workers=inner.workers,
             use_multiprocessing=inner.use_multiprocessing,

@@ -55,25 +55,72 @@ code = launch.launch(launch.LaunchConfig(nproc=2, script="train.py", max_restart
 ```
 """
 
-from keras_distrib.launch.config import (DEFAULT_SSH_COMMAND, GRACE_SECONDS,
-                                         LaunchConfig, LaunchError, check_config)
-from keras_distrib.launch.plan import (DEFAULT_REMOTE_PORT_BASE, RankPlan,
-                                       parse_hosts, plan, print_dry_run,
-                                       shell_command, task_argv, write_output_dir)
-from keras_distrib.launch.supervise import (EXIT_TIMEOUT, PREEMPTED, ChildExit,
-                                            ChildSpec, Ending, Job, ParameterServerJob,
-                                            SuperviseResult, exit_code,
-                                            private_directory, supervise)
+from keras_distrib.launch.config import (
+    DEFAULT_SSH_COMMAND,
+    GRACE_SECONDS,
+    LaunchConfig,
+    LaunchError,
+    check_config,
+)
+from keras_distrib.launch.plan import (
+    DEFAULT_REMOTE_PORT_BASE,
+    RankPlan,
+    parse_hosts,
+    plan,
+    print_dry_run,
+    shell_command,
+    task_argv,
+    write_output_dir,
+)
+from keras_distrib.launch.supervise import (
+    EXIT_TIMEOUT,
+    PREEMPTED,
+    ChildExit,
+    ChildSpec,
+    Ending,
+    Job,
+    ParameterServerJob,
+    SuperviseResult,
+    exit_code,
+    private_directory,
+    supervise,
+)
 from keras_distrib.launch.arguments import USAGE, config_from_flags, split_argv
-from keras_distrib.launch.cli import (EXIT_USAGE, SUBCOMMANDS, launch, main, parse_flags,
-                                      run, usage)
+from keras_distrib.launch.cli import EXIT_USAGE, SUBCOMMANDS, launch, main, parse_flags, run, usage
 
 __all__ = [
-    "ChildExit", "ChildSpec", "DEFAULT_REMOTE_PORT_BASE", "DEFAULT_SSH_COMMAND",
-    "EXIT_TIMEOUT", "EXIT_USAGE", "Ending", "GRACE_SECONDS", "Job", "LaunchConfig",
-    "LaunchError", "PREEMPTED", "ParameterServerJob", "RankPlan", "SUBCOMMANDS",
-    "SuperviseResult", "USAGE",
-    "check_config", "config_from_flags", "exit_code", "launch", "main", "parse_flags",
-    "parse_hosts", "plan", "print_dry_run", "private_directory", "run",
-    "shell_command", "split_argv", "supervise", "task_argv", "usage", "write_output_dir",
+    "ChildExit",
+    "ChildSpec",
+    "DEFAULT_REMOTE_PORT_BASE",
+    "DEFAULT_SSH_COMMAND",
+    "EXIT_TIMEOUT",
+    "EXIT_USAGE",
+    "Ending",
+    "GRACE_SECONDS",
+    "Job",
+    "LaunchConfig",
+    "LaunchError",
+    "PREEMPTED",
+    "ParameterServerJob",
+    "RankPlan",
+    "SUBCOMMANDS",
+    "SuperviseResult",
+    "USAGE",
+    "check_config",
+    "config_from_flags",
+    "exit_code",
+    "launch",
+    "main",
+    "parse_flags",
+    "parse_hosts",
+    "plan",
+    "print_dry_run",
+    "private_directory",
+    "run",
+    "shell_command",
+    "split_argv",
+    "supervise",
+    "task_argv",
+    "usage",
+    "write_output_dir",
 ]

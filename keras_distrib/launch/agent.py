@@ -100,12 +100,21 @@ class JobKind(abc.ABC):
 
     def stop(self, attempt: Attempt, result: SuperviseResult, agent: "Agent") -> SuperviseResult:
         """Stops the children still running and says how the attempt ended."""
-        return end(result, attempt.children, agent.config, agent.trap, agent.printer, agent.err,
-                   unit=self.unit, started=attempt.started)
+        return end(
+            result,
+            attempt.children,
+            agent.config,
+            agent.trap,
+            agent.printer,
+            agent.err,
+            unit=self.unit,
+            started=attempt.started,
+        )
 
     @abc.abstractmethod
-    def next_attempt(self, attempt: Attempt, result: SuperviseResult,
-                     agent: "Agent") -> Union[Attempt, SuperviseResult]:
+    def next_attempt(
+        self, attempt: Attempt, result: SuperviseResult, agent: "Agent"
+    ) -> Union[Attempt, SuperviseResult]:
         """After `attempt` ended with `result`: the next attempt, or how the job ended."""
 
 
@@ -153,14 +162,24 @@ class Agent:
             printer.end_line()
             flight.show(children, printer.accounts, self.err, why)
 
-        no_progress = flight.NoProgress(printer.accounts, config.stall_warning,
-                                        show_accounts, attempt.started)
-        return watch(children, self.trap, self.deadline, config.straggler_warning, warn,
-                     attempt.resize, show_accounts, no_progress.check)
+        no_progress = flight.NoProgress(
+            printer.accounts, config.stall_warning, show_accounts, attempt.started
+        )
+        return watch(
+            children,
+            self.trap,
+            self.deadline,
+            config.straggler_warning,
+            warn,
+            attempt.resize,
+            show_accounts,
+            no_progress.check,
+        )
 
 
-def run(kind: JobKind, config: LaunchConfig, printer: Printer, deadline: Optional[float],
-        err: TextIO) -> SuperviseResult:
+def run(
+    kind: JobKind, config: LaunchConfig, printer: Printer, deadline: Optional[float], err: TextIO
+) -> SuperviseResult:
     """Runs the job's attempts, as its kind decides; returns how the job ended."""
     with kind.session(), SignalTrap() as trap:
         agent = Agent(config, printer, err, trap, deadline)

@@ -14,8 +14,10 @@ from absl import flags
 
 from keras_distrib.launch.config import LaunchConfig, LaunchError, check_config
 
-USAGE = ("keras-distrib launch -n N [--hosts H1:S1,H2:S2] script.py [script args...]; "
-         "with parameter servers: keras-distrib launch --workers N --ps M script.py ...")
+USAGE = (
+    "keras-distrib launch -n N [--hosts H1:S1,H2:S2] script.py [script args...]; "
+    "with parameter servers: keras-distrib launch --workers N --ps M script.py ..."
+)
 FLAGS = flags.FLAGS
 
 
@@ -39,7 +41,7 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     while i < len(argv):
         token = argv[i]
         if token == "--":
-            rest = list(argv[i + 1:])
+            rest = list(argv[i + 1 :])
             if not have_subcommand and rest:
                 head.append(rest.pop(0))
             return head, rest
@@ -123,7 +125,9 @@ def _nproc() -> int:
         )
     if nproc is None and workers is None:
         if FLAGS.ps:
-            raise LaunchError("--workers is required with --ps, e.g. "
-                              "`keras-distrib launch --workers 2 --ps 1 train.py`.")
+            raise LaunchError(
+                "--workers is required with --ps, e.g. "
+                "`keras-distrib launch --workers 2 --ps 1 train.py`."
+            )
         raise LaunchError("-n/--nproc is required, e.g. `keras-distrib launch -n 2 train.py`.")
     return int(nproc if nproc is not None else workers)

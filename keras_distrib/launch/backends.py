@@ -29,8 +29,14 @@ from typing import Optional, Sequence
 from keras_distrib import cluster as cluster_lib
 from keras_distrib.launch.config import LaunchConfig, LaunchError
 from keras_distrib.launch.parameter_server import ParameterServerJob
-from keras_distrib.launch.plan import (RankPlan, parse_hosts, plan, shell_command,
-                                       task_argv, tf_log_env)
+from keras_distrib.launch.plan import (
+    RankPlan,
+    parse_hosts,
+    plan,
+    shell_command,
+    task_argv,
+    tf_log_env,
+)
 from keras_distrib.launch.processes import ChildSpec
 from keras_distrib.launch.restarts import Job
 from keras_distrib.cluster.launch_contract import RESTART_ENV, SHM_DIR_ENV
@@ -90,8 +96,10 @@ def rank_job(plans: Sequence[RankPlan], config: LaunchConfig) -> Job:
         nonlocal last
         if restart:
             last = plan(config, avoid_ports={p.port for p in last})
-        told = [dataclasses.replace(p, restart=restart, shm_dir=shm_dir if p.local else None)
-                for p in last]
+        told = [
+            dataclasses.replace(p, restart=restart, shm_dir=shm_dir if p.local else None)
+            for p in last
+        ]
         return rank_specs(told, config)
 
     return Job(len(last), specs, private_dir=any(p.local for p in last))
@@ -100,12 +108,15 @@ def rank_job(plans: Sequence[RankPlan], config: LaunchConfig) -> Job:
 # How horovodrun prefixes each piece of a rank's output (gloo: `[0]<stdout>:`,
 # mpirun: `[1,0]<stdout>:`; an optional timestamp in front with
 # --prefix-output-with-timestamp). horovodrun has no option to turn it off.
-HOROVODRUN_RANK_PREFIX = (r"(?:\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4})?"
-                          r"\[(?:\d+,)?(?P<rank>\d+)\]<(?P<stream>std(?:out|err))>:")
+HOROVODRUN_RANK_PREFIX = (
+    r"(?:\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4})?"
+    r"\[(?:\d+,)?(?P<rank>\d+)\]<(?P<stream>std(?:out|err))>:"
+)
 
 
-def horovod_spec(config: LaunchConfig, shm_dir: Optional[str] = None,
-                 restart: int = 0) -> ChildSpec:
+def horovod_spec(
+    config: LaunchConfig, shm_dir: Optional[str] = None, restart: int = 0
+) -> ChildSpec:
     """The one child of `--backend=horovod`: horovodrun (Gloo), which does
     its own rank bookkeeping. `shm_dir`: for ranks on this host only;
     `restart`: the attempt (`KERAS_DISTRIB_RESTART`, elastic launches).
@@ -113,8 +124,9 @@ def horovod_spec(config: LaunchConfig, shm_dir: Optional[str] = None,
     Raises:
         LaunchError: Horovod or horovodrun is not installed.
     """
-    horovodrun = shutil.which(
-        "horovodrun", path=os.path.dirname(sys.executable)) or shutil.which("horovodrun")
+    horovodrun = shutil.which("horovodrun", path=os.path.dirname(sys.executable)) or shutil.which(
+        "horovodrun"
+    )
     if importlib.util.find_spec("horovod") is None or horovodrun is None:
         raise LaunchError(
             "--backend=horovod needs Horovod (and horovodrun), which is not "
@@ -129,13 +141,13 @@ def horovod_spec(config: LaunchConfig, shm_dir: Optional[str] = None,
     # that abbreviates several of its options (`--n 5`: --num-proc or
     # --network-interface?), so the script's command line goes as one token.
     command = "exec " + shlex.join(local_argv(config))
-    argv = [horovodrun, "--gloo", "-np", str(config.nproc), "-H", hosts,
-            "/bin/sh", "-c", command]
+    argv = [horovodrun, "--gloo", "-np", str(config.nproc), "-H", hosts, "/bin/sh", "-c", command]
     env = {"PYTHONUNBUFFERED": "1", RESTART_ENV: str(restart), **tf_log_env()}
     if shm_dir is not None:
         env[SHM_DIR_ENV] = shm_dir
-    return ChildSpec("horovodrun", argv, env, rank_prefix=HOROVODRUN_RANK_PREFIX,
-                     ranks=config.nproc)
+    return ChildSpec(
+        "horovodrun", argv, env, rank_prefix=HOROVODRUN_RANK_PREFIX, ranks=config.nproc
+    )
 
 
 def horovod_job(config: LaunchConfig) -> Job:

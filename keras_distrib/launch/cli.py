@@ -126,11 +126,22 @@ from absl import flags
 from keras_distrib import cluster as cluster_lib
 from keras_distrib.launch import backends, private_network
 from keras_distrib.launch.arguments import USAGE, config_from_flags, split_argv
-from keras_distrib.launch.config import (DEFAULT_SSH_COMMAND, ELASTIC_GRACE, GRACE_SECONDS,
-                                         STRAGGLER_WARNING, LaunchConfig, LaunchError,
-                                         check_config)
-from keras_distrib.launch.plan import (DEFAULT_REMOTE_PORT_BASE, check_local_ports,
-                                       plan, print_dry_run, write_output_dir)
+from keras_distrib.launch.config import (
+    DEFAULT_SSH_COMMAND,
+    ELASTIC_GRACE,
+    GRACE_SECONDS,
+    STRAGGLER_WARNING,
+    LaunchConfig,
+    LaunchError,
+    check_config,
+)
+from keras_distrib.launch.plan import (
+    DEFAULT_REMOTE_PORT_BASE,
+    check_local_ports,
+    plan,
+    print_dry_run,
+    write_output_dir,
+)
 from keras_distrib.launch.parameter_server import DEFAULT_WORKER_RESTARTS
 from keras_distrib.launch.supervise import ElasticJob, JobKind, supervise
 
@@ -141,74 +152,151 @@ EXIT_USAGE = 2
 _HELP_TOKENS = ("-h", "--help", "-help", "--helpshort", "-?")
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("nproc", None, "Number of worker processes (ranks), >= 1. "
-                     "With --ps: the number of worker tasks.", short_name="n")
-flags.DEFINE_integer("workers", None, "Number of worker tasks; the same as -n "
-                     "(give one of them, or both with the same value).")
-flags.DEFINE_integer("ps", 0, "Number of parameter-server tasks; >= 1 makes a "
-                     "parameter-server job: a chief runs the script, the "
-                     "--workers worker tasks and these ps tasks run "
-                     "`python -m keras_distrib.strategies.parameter_server.task_server`.",
-                     lower_bound=0)
-flags.DEFINE_bool("ps_tasks_run_script", False, "With --ps: every task (chief, "
-                  "workers, ps) runs the script, as under Kubeflow; the "
-                  "strategy then serves on the worker and ps tasks.")
-flags.DEFINE_list("hosts", [], "Comma list of host or host:slots. Without slots "
-                  "-n is split evenly; with slots ranks fill hosts in order. "
-                  "Default: all ranks on this machine.")
-flags.DEFINE_integer("port_base", 0, "First port; rank r uses port_base + its "
-                     "index on its host. 0: free ports on this machine, "
-                     f"{DEFAULT_REMOTE_PORT_BASE} on remote hosts.")
-flags.DEFINE_string("bind", "127.0.0.1", "Address of this machine written into "
-                    "TF_CONFIG for local ranks. Note that TensorFlow's gRPC "
-                    "server listens on all interfaces whatever this says.")
-flags.DEFINE_enum("backend", "tf", ["tf", "horovod"], "tf: TF_CONFIG workers; "
-                  "horovod: delegate to horovodrun (needs Horovod installed).")
-flags.DEFINE_string("output_dir", None, "Write each rank's TF_CONFIG "
-                    "(rank-R.tf_config.json) and each host's commands "
-                    "(host-H.sh) here.")
+flags.DEFINE_integer(
+    "nproc",
+    None,
+    "Number of worker processes (ranks), >= 1. With --ps: the number of worker tasks.",
+    short_name="n",
+)
+flags.DEFINE_integer(
+    "workers",
+    None,
+    "Number of worker tasks; the same as -n (give one of them, or both with the same value).",
+)
+flags.DEFINE_integer(
+    "ps",
+    0,
+    "Number of parameter-server tasks; >= 1 makes a "
+    "parameter-server job: a chief runs the script, the "
+    "--workers worker tasks and these ps tasks run "
+    "`python -m keras_distrib.strategies.parameter_server.task_server`.",
+    lower_bound=0,
+)
+flags.DEFINE_bool(
+    "ps_tasks_run_script",
+    False,
+    "With --ps: every task (chief, "
+    "workers, ps) runs the script, as under Kubeflow; the "
+    "strategy then serves on the worker and ps tasks.",
+)
+flags.DEFINE_list(
+    "hosts",
+    [],
+    "Comma list of host or host:slots. Without slots "
+    "-n is split evenly; with slots ranks fill hosts in order. "
+    "Default: all ranks on this machine.",
+)
+flags.DEFINE_integer(
+    "port_base",
+    0,
+    "First port; rank r uses port_base + its "
+    "index on its host. 0: free ports on this machine, "
+    f"{DEFAULT_REMOTE_PORT_BASE} on remote hosts.",
+)
+flags.DEFINE_string(
+    "bind",
+    "127.0.0.1",
+    "Address of this machine written into "
+    "TF_CONFIG for local ranks. Note that TensorFlow's gRPC "
+    "server listens on all interfaces whatever this says.",
+)
+flags.DEFINE_enum(
+    "backend",
+    "tf",
+    ["tf", "horovod"],
+    "tf: TF_CONFIG workers; horovod: delegate to horovodrun (needs Horovod installed).",
+)
+flags.DEFINE_string(
+    "output_dir",
+    None,
+    "Write each rank's TF_CONFIG "
+    "(rank-R.tf_config.json) and each host's commands "
+    "(host-H.sh) here.",
+)
 flags.DEFINE_bool("ssh", False, "Start ranks on remote hosts with ssh.")
-flags.DEFINE_string("ssh_command", DEFAULT_SSH_COMMAND, "ssh program and "
-                    "options used with --ssh; the host and command are appended.")
-flags.DEFINE_float("timeout", 0, "Stop all ranks after this many seconds, "
-                   "restarts included (exit code 124); 0: no limit.")
-flags.DEFINE_integer("tail_lines", 40, "Lines of a failed rank's output "
-                     "repeated in the failure summary.")
-flags.DEFINE_integer("max_restarts", 0, "When a rank fails or is preempted, "
-                     "stop the others and start all ranks again (new ports, "
-                     "KERAS_DISTRIB_RESTART counting up), at most this many "
-                     "times (with --backend=horovod: with --min_workers). With --ps: how many "
-                     "times, over all worker tasks, an exited worker task is "
-                     f"started again alone (0: up to {DEFAULT_WORKER_RESTARTS}).",
-                     lower_bound=0)
-flags.DEFINE_integer("min_workers", 0, "Elastic: at a restart, go on with the slots "
-                     "(hosts, or processes on this machine) that still answer, as long as at "
-                     "least this many are left (-n is the most); a lost host that answers "
-                     "again is taken back at the job's next backup. Needs --max_restarts. "
-                     "0: every restart starts all -n ranks.", lower_bound=0)
-flags.DEFINE_float("elastic_grace", ELASTIC_GRACE, "With --min_workers: a slot whose rank "
-                   "fails again within this many seconds of its attempt's start is left "
-                   "out.", lower_bound=0)
-flags.DEFINE_float("grace_seconds", GRACE_SECONDS, "Seconds a rank gets to "
-                   "exit after SIGTERM (time for the chief to write a backup) "
-                   "before SIGKILL.", lower_bound=0)
-flags.DEFINE_integer("gpus_per_worker", 1, "GPUs each rank of a host gets: rank r of "
-                     "its host sees GPUs r*K..r*K+K-1 (CUDA_VISIBLE_DEVICES; a share of "
-                     "this machine's CUDA_VISIBLE_DEVICES when it is set). 0: every rank sees "
-                     "every GPU. One rank per host keeps all its GPUs.")
-flags.DEFINE_float("stall_warning", 0.0, "When no rank has finished a training step for "
-                   "this many seconds (once training began), print every rank's step, the "
-                   "collective it waits in and its stacks (the flight recorder's screen); "
-                   "the job goes on. 0: never.")
-flags.DEFINE_bool("private_network", False, "One-host jobs: run the launcher and its "
-                  "ranks in a network namespace of their own with loopback only, so that "
-                  "nothing a rank opens (TensorFlow's servers listen on all interfaces) is "
-                  "reachable from another machine. Needs root or unprivileged user "
-                  "namespaces; the ranks then have no network beyond loopback.")
-flags.DEFINE_float("straggler_warning", STRAGGLER_WARNING, "When a rank exits 0 and others "
-                   "still run this many seconds later, say which (a rank waiting for the "
-                   "finished one in a collective waits until its collective timeout); "
-                   "the launcher keeps waiting. 0: never.")
+flags.DEFINE_string(
+    "ssh_command",
+    DEFAULT_SSH_COMMAND,
+    "ssh program and options used with --ssh; the host and command are appended.",
+)
+flags.DEFINE_float(
+    "timeout",
+    0,
+    "Stop all ranks after this many seconds, restarts included (exit code 124); 0: no limit.",
+)
+flags.DEFINE_integer(
+    "tail_lines", 40, "Lines of a failed rank's output repeated in the failure summary."
+)
+flags.DEFINE_integer(
+    "max_restarts",
+    0,
+    "When a rank fails or is preempted, "
+    "stop the others and start all ranks again (new ports, "
+    "KERAS_DISTRIB_RESTART counting up), at most this many "
+    "times (with --backend=horovod: with --min_workers). With --ps: how many "
+    "times, over all worker tasks, an exited worker task is "
+    f"started again alone (0: up to {DEFAULT_WORKER_RESTARTS}).",
+    lower_bound=0,
+)
+flags.DEFINE_integer(
+    "min_workers",
+    0,
+    "Elastic: at a restart, go on with the slots "
+    "(hosts, or processes on this machine) that still answer, as long as at "
+    "least this many are left (-n is the most); a lost host that answers "
+    "again is taken back at the job's next backup. Needs --max_restarts. "
+    "0: every restart starts all -n ranks.",
+    lower_bound=0,
+)
+flags.DEFINE_float(
+    "elastic_grace",
+    ELASTIC_GRACE,
+    "With --min_workers: a slot whose rank "
+    "fails again within this many seconds of its attempt's start is left "
+    "out.",
+    lower_bound=0,
+)
+flags.DEFINE_float(
+    "grace_seconds",
+    GRACE_SECONDS,
+    "Seconds a rank gets to "
+    "exit after SIGTERM (time for the chief to write a backup) "
+    "before SIGKILL.",
+    lower_bound=0,
+)
+flags.DEFINE_integer(
+    "gpus_per_worker",
+    1,
+    "GPUs each rank of a host gets: rank r of "
+    "its host sees GPUs r*K..r*K+K-1 (CUDA_VISIBLE_DEVICES; a share of "
+    "this machine's CUDA_VISIBLE_DEVICES when it is set). 0: every rank sees "
+    "every GPU. One rank per host keeps all its GPUs.",
+)
+flags.DEFINE_float(
+    "stall_warning",
+    0.0,
+    "When no rank has finished a training step for "
+    "this many seconds (once training began), print every rank's step, the "
+    "collective it waits in and its stacks (the flight recorder's screen); "
+    "the job goes on. 0: never.",
+)
+flags.DEFINE_bool(
+    "private_network",
+    False,
+    "One-host jobs: run the launcher and its "
+    "ranks in a network namespace of their own with loopback only, so that "
+    "nothing a rank opens (TensorFlow's servers listen on all interfaces) is "
+    "reachable from another machine. Needs root or unprivileged user "
+    "namespaces; the ranks then have no network beyond loopback.",
+)
+flags.DEFINE_float(
+    "straggler_warning",
+    STRAGGLER_WARNING,
+    "When a rank exits 0 and others "
+    "still run this many seconds later, say which (a rank waiting for the "
+    "finished one in a collective waits until its collective timeout); "
+    "the launcher keeps waiting. 0: never.",
+)
 
 
 # --------------------------------------------------------------------------
@@ -243,8 +331,7 @@ def usage() -> str:
 # Entry points
 
 
-def launch(config: LaunchConfig, out: Optional[TextIO] = None,
-           err: Optional[TextIO] = None) -> int:
+def launch(config: LaunchConfig, out: Optional[TextIO] = None, err: Optional[TextIO] = None) -> int:
     """Runs (or, for remote hosts without --ssh, prints) the job; returns the exit code.
 
     Raises:
@@ -317,8 +404,9 @@ def main(argv: Sequence[str]) -> int:
         _print_error(f"missing subcommand; usage: {USAGE}")
         return EXIT_USAGE
     if argv[1] not in SUBCOMMANDS:
-        _print_error(f"unknown subcommand {argv[1]!r}; valid subcommands: "
-                     f"{', '.join(SUBCOMMANDS)}.")
+        _print_error(
+            f"unknown subcommand {argv[1]!r}; valid subcommands: {', '.join(SUBCOMMANDS)}."
+        )
         return EXIT_USAGE
     try:
         config = config_from_flags(argv[2:])

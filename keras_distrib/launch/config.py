@@ -126,14 +126,16 @@ def check_config(config: LaunchConfig) -> None:
     if config.max_restarts < 0:
         raise LaunchError(f"--max_restarts={config.max_restarts} must be >= 0 (0: no restarts).")
     if config.straggler_warning < 0:
-        raise LaunchError(f"--straggler_warning={config.straggler_warning:g} must be >= 0 "
-                          "(0: no warning).")
+        raise LaunchError(
+            f"--straggler_warning={config.straggler_warning:g} must be >= 0 (0: no warning)."
+        )
     if config.gpus_per_worker < 0:
-        raise LaunchError(f"--gpus_per_worker={config.gpus_per_worker} must be >= 0 (0: every "
-                          "rank sees every GPU of its host).")
+        raise LaunchError(
+            f"--gpus_per_worker={config.gpus_per_worker} must be >= 0 (0: every "
+            "rank sees every GPU of its host)."
+        )
     if config.stall_warning < 0:
-        raise LaunchError(f"--stall_warning={config.stall_warning:g} must be >= 0 "
-                          "(0: no warning).")
+        raise LaunchError(f"--stall_warning={config.stall_warning:g} must be >= 0 (0: no warning).")
     if config.grace_seconds < 0:
         raise LaunchError(f"--grace_seconds={config.grace_seconds:g} must be >= 0.")
     _check_elastic(config)
@@ -151,13 +153,19 @@ def _check_elastic(config: LaunchConfig) -> None:
     if not config.min_workers:
         return
     if not 1 <= config.min_workers <= config.nproc:
-        raise LaunchError(f"--min_workers={config.min_workers} must be between 1 and -n "
-                          f"({config.nproc}), the most workers.")
+        raise LaunchError(
+            f"--min_workers={config.min_workers} must be between 1 and -n "
+            f"({config.nproc}), the most workers."
+        )
     if config.parameter_server:
-        raise LaunchError("--min_workers works with workers only (no --ps: worker tasks are "
-                          "restarted alone there); drop --min_workers.")
+        raise LaunchError(
+            "--min_workers works with workers only (no --ps: worker tasks are "
+            "restarted alone there); drop --min_workers."
+        )
     if config.max_restarts < 1:
-        raise LaunchError(f"--min_workers={config.min_workers} goes on with the workers left "
-                          "at a restart: give --max_restarts K (K >= 1).")
+        raise LaunchError(
+            f"--min_workers={config.min_workers} goes on with the workers left "
+            "at a restart: give --max_restarts K (K >= 1)."
+        )
     if config.elastic_grace < 0:
         raise LaunchError(f"--elastic_grace={config.elastic_grace:g} must be >= 0.")

@@ -110,8 +110,9 @@ class _Membership:
         if not config.hosts:
             return dataclasses.replace(config, nproc=len(self.members))
         counts = collections.Counter(self.hosts[s] for s in self.members)
-        return dataclasses.replace(config, nproc=len(self.members),
-                                   hosts=tuple(f"{h}:{c}" for h, c in counts.items()))
+        return dataclasses.replace(
+            config, nproc=len(self.members), hosts=tuple(f"{h}:{c}" for h, c in counts.items())
+        )
 
 
 class ElasticJob(JobKind):
@@ -152,11 +153,16 @@ class ElasticJob(JobKind):
         """On the slots whose hosts are present; says which are not."""
         config, hosts = self.config, self._hosts
         gone = self._held().out([h for h in hosts if not cluster_lib.is_local_host(h)])
-        self._state = _Membership(hosts, [s for s, h in enumerate(hosts) if h not in gone],
-                                  list(gone))
+        self._state = _Membership(
+            hosts, [s for s, h in enumerate(hosts) if h not in gone], list(gone)
+        )
         if gone:
-            note(agent.printer, agent.err, f"{config.nproc} -> {len(self._state.members)} "
-                                           f"workers before the start: {_out_because(gone)}.")
+            note(
+                agent.printer,
+                agent.err,
+                f"{config.nproc} -> {len(self._state.members)} "
+                f"workers before the start: {_out_because(gone)}.",
+            )
         return self._attempt(0, 0, agent, None)
 
     def monitor(self, attempt: Attempt, agent: Agent) -> SuperviseResult:
@@ -169,8 +175,9 @@ class ElasticJob(JobKind):
             rejoin.stop()
             self._returned = rejoin.returned
 
-    def next_attempt(self, attempt: Attempt, result: SuperviseResult,
-                     agent: Agent) -> Union[Attempt, SuperviseResult]:
+    def next_attempt(
+        self, attempt: Attempt, result: SuperviseResult, agent: Agent
+    ) -> Union[Attempt, SuperviseResult]:
         """With a host taken back (not a restart); after a failure, while
         the restart policy allows, without the hosts lost or the slot
         charged with it (`_shrink`)."""
@@ -183,28 +190,43 @@ class ElasticJob(JobKind):
             return finish(result, restarts, len(state.members), agent)
         restarts += 1
         # What the ranks said before the launcher stopped any of them.
-        charged = _charged(result, config,
-                           agent.printer.accounts.lost_between(attempt.started, result.seen))
+        charged = _charged(
+            result, config, agent.printer.accounts.lost_between(attempt.started, result.seen)
+        )
         rank = charged.rank
         culprit = state.members[rank] if rank is not None and rank < len(state.members) else None
-        again = (culprit is not None and culprit == self._last_culprit
-                 and time.monotonic() - attempt.started < config.elastic_grace)
+        again = (
+            culprit is not None
+            and culprit == self._last_culprit
+            and time.monotonic() - attempt.started < config.elastic_grace
+        )
         self._last_culprit = culprit
         left_out = culprit if (again or charged.partition) else None
-        if _shrink(state, left_out, charged, result, restarts, config, self._held(),
-                   agent.printer, agent.err):
+        if _shrink(
+            state,
+            left_out,
+            charged,
+            result,
+            restarts,
+            config,
+            self._held(),
+            agent.printer,
+            agent.err,
+        ):
             self._last_culprit = None  # a lost host explains the failure
         return self._attempt(attempt.number + 1, restarts, agent, result)
 
-    def _attempt(self, number: int, restarts: int, agent: Agent,
-                 last: Optional[SuperviseResult]) -> Union[Attempt, SuperviseResult]:
+    def _attempt(
+        self, number: int, restarts: int, agent: Agent, last: Optional[SuperviseResult]
+    ) -> Union[Attempt, SuperviseResult]:
         """The attempt on the member slots; below --min_workers, the job's end."""
         state = self._membership()
         if len(state.members) < self.config.min_workers:
             return _too_few(state, self.config, restarts, agent.err, last)
         job = _job(self.config, state, number, self._last_ports)
-        return Attempt(number, functools.partial(job.specs, number), job.private_dir,
-                       restarts=restarts)
+        return Attempt(
+            number, functools.partial(job.specs, number), job.private_dir, restarts=restarts
+        )
 
 
 def _charged(result: SuperviseResult, config: LaunchConfig, lost: dict) -> blame.Charge:
@@ -219,8 +241,13 @@ def _job(config: LaunchConfig, state: _Membership, attempt: int, last_ports: set
     if config.backend == "horovod":
         member_config = state.spec_config(config)
         local = all(cluster_lib.is_local_host(state.hosts[s]) for s in state.members)
-        return Job(1, lambda restart, shm_dir: [
-            backends.horovod_spec(member_config, shm_dir, restart=attempt)], private_dir=local)
+        return Job(
+            1,
+            lambda restart, shm_dir: [
+                backends.horovod_spec(member_config, shm_dir, restart=attempt)
+            ],
+            private_dir=local,
+        )
     plans = plan(state.spec_config(config), avoid_ports=set(last_ports))
     last_ports.clear()
     last_ports.update(p.port for p in plans)
@@ -228,21 +255,30 @@ def _job(config: LaunchConfig, state: _Membership, attempt: int, last_ports: set
 
     def specs(restart, shm_dir):
         return backends.rank_specs(
-            [dataclasses.replace(p, shm_dir=shm_dir if p.local else None) for p in told],
-            config)
+            [dataclasses.replace(p, shm_dir=shm_dir if p.local else None) for p in told], config
+        )
 
     return Job(len(told), specs, private_dir=any(p.local for p in told))
 
 
-def _shrink(state: _Membership, left_out: Optional[int], charged: blame.Charge,
-            result: SuperviseResult, restarts: int, config: LaunchConfig,
-            rendezvous: Rendezvous, printer: Printer, err: TextIO) -> bool:
+def _shrink(
+    state: _Membership,
+    left_out: Optional[int],
+    charged: blame.Charge,
+    result: SuperviseResult,
+    restarts: int,
+    config: LaunchConfig,
+    rendezvous: Rendezvous,
+    printer: Printer,
+    err: TextIO,
+) -> bool:
     """After a failed attempt: leaves out the hosts that are not present
     (and returns True), or else the slot `left_out` (charged with the
     failure, see `_charged`); says what runs next."""
     before = len(state.members)
-    gone = rendezvous.out([state.hosts[s] for s in state.members
-                           if not cluster_lib.is_local_host(state.hosts[s])])
+    gone = rendezvous.out(
+        [state.hosts[s] for s in state.members if not cluster_lib.is_local_host(state.hosts[s])]
+    )
     if gone:
         state.lost += list(gone)
         state.members = [s for s in state.members if state.hosts[s] not in gone]
@@ -251,17 +287,26 @@ def _shrink(state: _Membership, left_out: Optional[int], charged: blame.Charge,
         state.members.remove(left_out)
         where = f"slot {left_out} on {_named([state.hosts[left_out]])} left out"
         if charged.partition:
-            why = (f"{where} (its rank {charged.rank} and rank 0 could not reach each other, "
-                   "though it reaches the job's rendezvous; it stays out)")
+            why = (
+                f"{where} (its rank {charged.rank} and rank 0 could not reach each other, "
+                "though it reaches the job's rendezvous; it stays out)"
+            )
         else:
-            who = ("its rank failed" if charged.rank == _first(result, config)
-                   else "the other ranks lost its rank")
+            who = (
+                "its rank failed"
+                if charged.rank == _first(result, config)
+                else "the other ranks lost its rank"
+            )
             why = f"{where} ({who} again within --elastic_grace={config.elastic_grace:g}s)"
     assert result.failed is not None  # a failed attempt's result names its child
     say(err, f"restart {restarts}/{config.max_restarts}: {result.failed.outcome()}.")
     if len(state.members) != before:
-        note(printer, err, f"{before} -> {len(state.members)} workers: {why}; "
-                           f"training goes on from {from_backup(printer, 'the last backup')}.")
+        note(
+            printer,
+            err,
+            f"{before} -> {len(state.members)} workers: {why}; "
+            f"training goes on from {from_backup(printer, 'the last backup')}.",
+        )
     return bool(gone)
 
 
@@ -278,21 +323,31 @@ def _out_because(gone: dict) -> str:
     by_why: dict = {}
     for host, why in gone.items():
         by_why.setdefault(why, []).append(host)
-    return "; ".join(f"{_named(hosts)} lost ({why[len(hosts) > 1]})"
-                     for why, hosts in by_why.items())
+    return "; ".join(
+        f"{_named(hosts)} lost ({why[len(hosts) > 1]})" for why, hosts in by_why.items()
+    )
 
 
 def _take_back(state: _Membership, host: str, printer: Printer, err: TextIO) -> None:
     before = len(state.members)
     state.lost.remove(host)
     state.members = sorted(state.members + [s for s, h in enumerate(state.hosts) if h == host])
-    note(printer, err, f"{before} -> {len(state.members)} workers: {_named([host])} answers "
-                       "again; training goes on from "
-                       f"{from_backup(printer, 'the backup the job just saved')}.")
+    note(
+        printer,
+        err,
+        f"{before} -> {len(state.members)} workers: {_named([host])} answers "
+        "again; training goes on from "
+        f"{from_backup(printer, 'the backup the job just saved')}.",
+    )
 
 
-def _too_few(state: _Membership, config: LaunchConfig, restarts: int, err: TextIO,
-             last: Optional[SuperviseResult]) -> SuperviseResult:
+def _too_few(
+    state: _Membership,
+    config: LaunchConfig,
+    restarts: int,
+    err: TextIO,
+    last: Optional[SuperviseResult],
+) -> SuperviseResult:
     """Stops the job, saying why in one line: the slots left, the hosts
     lost, and the last failure with the failed rank's own last line (a
     damaged backup, a full disk: a cause no other membership cures)."""
@@ -300,8 +355,11 @@ def _too_few(state: _Membership, config: LaunchConfig, restarts: int, err: TextI
     failure = ""
     if last is not None and last.failed is not None:
         failure = f"; the last failure: {last.failed.outcome_and_last_line()}"
-    say(err, f"{len(state.members)} of {config.nproc} slots left, fewer than "
-             f"--min_workers={config.min_workers}{lost}{failure}; stopping.")
+    say(
+        err,
+        f"{len(state.members)} of {config.nproc} slots left, fewer than "
+        f"--min_workers={config.min_workers}{lost}{failure}; stopping.",
+    )
     return SuperviseResult(Ending.CHILD_FAILED, EXIT_TOO_FEW, restarts=restarts)
 
 

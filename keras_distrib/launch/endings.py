@@ -21,8 +21,7 @@ from keras_distrib.cluster.launch_contract import PREEMPTED
 from keras_distrib.launch import flight
 from keras_distrib.launch.config import LaunchConfig
 from keras_distrib.launch.output import Printer, say
-from keras_distrib.launch.processes import (Child, SignalTrap, describe_stopped, signal_name,
-                                            stop)
+from keras_distrib.launch.processes import Child, SignalTrap, describe_stopped, signal_name, stop
 
 EXIT_TIMEOUT = 124
 
@@ -102,12 +101,16 @@ def exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def watch(children: Sequence[Child], trap: SignalTrap, deadline: Optional[float],
-          straggler_warning: float = 0.0,
-          warn: Callable[[str], None] = lambda message: None,
-          resize: Callable[[], bool] = lambda: False,
-          show_accounts: Callable[[str], None] = lambda why: None,
-          stalled: Callable[[], None] = lambda: None) -> SuperviseResult:
+def watch(
+    children: Sequence[Child],
+    trap: SignalTrap,
+    deadline: Optional[float],
+    straggler_warning: float = 0.0,
+    warn: Callable[[str], None] = lambda message: None,
+    resize: Callable[[], bool] = lambda: False,
+    show_accounts: Callable[[str], None] = lambda why: None,
+    stalled: Callable[[], None] = lambda: None,
+) -> SuperviseResult:
     """Waits until the attempt ends one way or another; stops nothing.
 
     Says nothing either, but for one `warn(line)` when children still run
@@ -123,16 +126,15 @@ def watch(children: Sequence[Child], trap: SignalTrap, deadline: Optional[float]
         if trap.received:
             signum = trap.received[0]
             return SuperviseResult(Ending.INTERRUPTED, 128 + signum, signum=signum)
-        failed = next((i for i, c in enumerate(children)
-                       if c.exit_code not in (None, 0)), None)
+        failed = next((i for i, c in enumerate(children) if c.exit_code not in (None, 0)), None)
         if failed is not None:
             child = children[failed]
             code = child.exit_code
             assert code is not None  # it exited: it is the one failed
-            how = ChildExit(failed, child.label, code,
-                            first_rank=child.first_failed_rank)
-            return SuperviseResult(Ending.CHILD_FAILED, how.exit_code, failed=how,
-                                   seen=time.monotonic())
+            how = ChildExit(failed, child.label, code, first_rank=child.first_failed_rank)
+            return SuperviseResult(
+                Ending.CHILD_FAILED, how.exit_code, failed=how, seen=time.monotonic()
+            )
         if all(c.exit_code == 0 for c in children):
             return SuperviseResult(Ending.SUCCEEDED, 0)
         if resize():  # after the checks above: a job that finished is not resized
@@ -147,8 +149,7 @@ def watch(children: Sequence[Child], trap: SignalTrap, deadline: Optional[float]
 class _Stragglers:
     """Warns once when children run on `seconds` after the first to exit 0."""
 
-    def __init__(self, children: Sequence[Child], seconds: float,
-                 warn: Callable[[str], None]):
+    def __init__(self, children: Sequence[Child], seconds: float, warn: Callable[[str], None]):
         self.children, self.seconds, self.warn = children, seconds, warn
         self.first_done: Optional[tuple[float, str]] = None  # (when, label)
         self.warned = not seconds
@@ -166,16 +167,25 @@ class _Stragglers:
             return
         running = [c.label for c in self.children if c.proc.returncode is None]
         verb = "runs" if len(running) == 1 else "run"
-        self.warn(f"{', '.join(running)} still {verb} {self.seconds:g}s after {label} exited "
-                  f"with 0; a rank waiting for {label} in a collective waits until its "
-                  "collective timeout, so every rank must run the same steps (the launcher "
-                  "keeps waiting; --straggler_warning sets this delay).")
+        self.warn(
+            f"{', '.join(running)} still {verb} {self.seconds:g}s after {label} exited "
+            f"with 0; a rank waiting for {label} in a collective waits until its "
+            "collective timeout, so every rank must run the same steps (the launcher "
+            "keeps waiting; --straggler_warning sets this delay)."
+        )
         self.warned = True
 
 
-def end(result: SuperviseResult, children: Sequence[Child], config: LaunchConfig,
-        trap: SignalTrap, printer: Printer, err: TextIO,
-        unit: str = "rank", started: float = 0.0) -> SuperviseResult:
+def end(
+    result: SuperviseResult,
+    children: Sequence[Child],
+    config: LaunchConfig,
+    trap: SignalTrap,
+    printer: Printer,
+    err: TextIO,
+    unit: str = "rank",
+    started: float = 0.0,
+) -> SuperviseResult:
     """Stops the children still running, and says why.
 
     Shows the ranks' flight-recorder screen (`launch.flight`) at a timeout,
@@ -208,9 +218,15 @@ def end(result: SuperviseResult, children: Sequence[Child], config: LaunchConfig
     return result
 
 
-def _end_interrupted(result: SuperviseResult, children: Sequence[Child], config: LaunchConfig,
-                     trap: SignalTrap, printer: Printer, err: TextIO,
-                     unit: str) -> SuperviseResult:
+def _end_interrupted(
+    result: SuperviseResult,
+    children: Sequence[Child],
+    config: LaunchConfig,
+    trap: SignalTrap,
+    printer: Printer,
+    err: TextIO,
+    unit: str,
+) -> SuperviseResult:
     """`end` after a signal to the launcher: says so, stops the children,
     and returns `result` with `PREEMPTED` as its exit code when every child
     then exited with it or 0."""
@@ -219,15 +235,20 @@ def _end_interrupted(result: SuperviseResult, children: Sequence[Child], config:
     say(err, f"got {signal_name(result.signum)}; stopping all {unit}s.")
     stop(children, trap, config.grace_seconds)
     if children and all(c.exit_code in (0, PREEMPTED) for c in children):
-        say(err, f"every {unit} exited with {PREEMPTED} (preempted) or 0; "
-                 f"exit code {PREEMPTED}.")
+        say(err, f"every {unit} exited with {PREEMPTED} (preempted) or 0; exit code {PREEMPTED}.")
         result = dataclasses.replace(result, exit_code=PREEMPTED)
     return result
 
 
-def _end_failed(result: SuperviseResult, children: Sequence[Child], config: LaunchConfig,
-                trap: SignalTrap, printer: Printer, err: TextIO,
-                started: float) -> SuperviseResult:
+def _end_failed(
+    result: SuperviseResult,
+    children: Sequence[Child],
+    config: LaunchConfig,
+    trap: SignalTrap,
+    printer: Printer,
+    err: TextIO,
+    started: float,
+) -> SuperviseResult:
     """`end` after a child failed: notes the children stopped (SIGSTOP) at
     the time, shows the flight-recorder screen when a rank reported a stall
     since `started`, stops the children, reports the failed child's tail;
@@ -236,15 +257,20 @@ def _end_failed(result: SuperviseResult, children: Sequence[Child], config: Laun
     stopped = tuple(filter(None, (describe_stopped(c) for c in children)))
     if printer.accounts.since(started):  # a rank stalled: where is everyone?
         printer.end_line()
-        flight.show(children, printer.accounts, err,
-                    f"{children[result.failed.index].label} failed after a stall",
-                    since=started)
+        flight.show(
+            children,
+            printer.accounts,
+            err,
+            f"{children[result.failed.index].label} failed after a stall",
+            since=started,
+        )
     stop(children, trap, config.grace_seconds)
     child = children[result.failed.index]
     child.reader.join(timeout=5)  # the last lines are the interesting ones
-    tail = tuple(child.tail)[-config.tail_lines:] if config.tail_lines else ()
+    tail = tuple(child.tail)[-config.tail_lines :] if config.tail_lines else ()
     result = dataclasses.replace(
-        result, failed=dataclasses.replace(result.failed, tail=tail), stopped=stopped)
+        result, failed=dataclasses.replace(result.failed, tail=tail), stopped=stopped
+    )
     printer.end_line()
     _report_failure(result, err)
     return result
@@ -257,7 +283,9 @@ def _report_failure(result: SuperviseResult, err: TextIO) -> None:
     lines = [f"keras-distrib: {failed.outcome()}; last output:"]
     lines += [f"    {line}" for line in failed.tail] or ["    (no output)"]
     for stopped in result.stopped:
-        lines.append(f"keras-distrib: {failed.outcome()} while {stopped}; "
-                     "the stopped rank is the likely cause.")
+        lines.append(
+            f"keras-distrib: {failed.outcome()} while {stopped}; "
+            "the stopped rank is the likely cause."
+        )
     err.write("\n".join(lines) + "\n")
     err.flush()

@@ -33,8 +33,14 @@ from keras_distrib.launch.processes import describe_stopped
 ANSWER_SECONDS = 5.0
 
 
-def show(children: Sequence, accounts: Accounts, err: TextIO, why: str,
-         since: Optional[float] = None, seconds: float = ANSWER_SECONDS) -> None:
+def show(
+    children: Sequence,
+    accounts: Accounts,
+    err: TextIO,
+    why: str,
+    since: Optional[float] = None,
+    seconds: float = ANSWER_SECONDS,
+) -> None:
     """Asks the running children for their accounts and prints the screen.
 
     `since`: accounts given before the request but after this moment (a
@@ -74,12 +80,15 @@ class NoProgress:
             return
         if time.monotonic() - last >= self._seconds:
             self._shown_for = last
-            self._show(f"no rank finished a training step for {self._seconds:g}s "
-                       "(--stall_warning); the job goes on")
+            self._show(
+                f"no rank finished a training step for {self._seconds:g}s "
+                "(--stall_warning); the job goes on"
+            )
 
 
-def render(children: Sequence, given: dict, why: str, seconds: float,
-           ready: frozenset = frozenset()) -> str:
+def render(
+    children: Sequence, given: dict, why: str, seconds: float, ready: frozenset = frozenset()
+) -> str:
     """The screen for `given` accounts (`{label: account}`) of `children`,
     of which those labelled in `ready` have a recorder."""
     lines = [f"keras-distrib: flight recorder ({why}):"]
@@ -88,15 +97,19 @@ def render(children: Sequence, given: dict, why: str, seconds: float,
         if account is None:
             lines.append(f"  {child.label}: {_silent(child, seconds, child.label in ready)}")
             continue
-        lines.append(f"  {child.label} (pid {account['pid']} on {account['host']}): "
-                     f"{_step(account['step'])}; {_waiting(account)}")
+        lines.append(
+            f"  {child.label} (pid {account['pid']} on {account['host']}): "
+            f"{_step(account['step'])}; {_waiting(account)}"
+        )
         lines.append(f"      at {_where(account)}")
         if not account["asked"]:
             lines.append(f"      reported on its own: {account['reason']}")
     missing = not_arrived(children, given)
     if missing:
-        lines.append(f"keras-distrib: did not arrive at the collective the others wait in: "
-                     f"{', '.join(missing)}.")
+        lines.append(
+            f"keras-distrib: did not arrive at the collective the others wait in: "
+            f"{', '.join(missing)}."
+        )
     for child in children:
         account = given.get(child.label)
         if account is not None:
@@ -111,8 +124,11 @@ def not_arrived(children: Sequence, given: dict) -> list[str]:
     if not waiting:
         return []
     furthest = max(_steps_done(account) for account in waiting.values())
-    return [c.label for c in children
-            if c.label not in waiting or _steps_done(waiting[c.label]) < furthest]
+    return [
+        c.label
+        for c in children
+        if c.label not in waiting or _steps_done(waiting[c.label]) < furthest
+    ]
 
 
 def _steps_done(account: dict) -> int:
@@ -127,8 +143,10 @@ def _silent(child, seconds: float, accounts_ready: bool) -> str:
     stopped = describe_stopped(child)
     if stopped:
         return f"no answer within {seconds:g}s: {stopped.removeprefix(child.label + ' ')}"
-    return (f"no answer within {seconds:g}s (its host or the connection to it may be down, "
-            "or it holds the GIL in native code)")
+    return (
+        f"no answer within {seconds:g}s (its host or the connection to it may be down, "
+        "or it holds the GIL in native code)"
+    )
 
 
 def _step(step: Optional[dict]) -> str:

@@ -27,8 +27,13 @@ import threading
 import time
 from typing import Optional, Sequence, TextIO
 
-from keras_distrib.cluster.launch_contract import (BACKUP_LINE, FLIGHT_RECORDER_LINE, LINE_START,
-                                                   PREEMPTED_LINE, backup_point)
+from keras_distrib.cluster.launch_contract import (
+    BACKUP_LINE,
+    FLIGHT_RECORDER_LINE,
+    LINE_START,
+    PREEMPTED_LINE,
+    backup_point,
+)
 
 # TensorFlow's C++ start-up and runtime logs, which every rank prints
 # whatever the script does (some even with TF_CPP_MIN_LOG_LEVEL=2); a
@@ -84,8 +89,9 @@ class Printer:
         self._lock = threading.Lock()
         self._open: Optional[tuple[object, str]] = None  # (source, text) of the open line
 
-    def write(self, source: object, prefix: str, lines: Sequence[str] = (),
-              redraw: Optional[str] = None) -> None:
+    def write(
+        self, source: object, prefix: str, lines: Sequence[str] = (), redraw: Optional[str] = None
+    ) -> None:
         """Prints `lines` (ended), then `redraw` as the open line, if given."""
         if self._hide_tf_noise:
             lines = [line for line in lines if not is_tf_log_noise(line)]
@@ -155,7 +161,8 @@ class Accounts:
                 self._latest[label] = (time.monotonic(), account)
                 if account.get("lost"):
                     self._lost.setdefault(label, []).append(
-                        (time.monotonic(), frozenset(account["lost"])))
+                        (time.monotonic(), frozenset(account["lost"]))
+                    )
             self._lock.notify_all()
 
     def ready_since(self, label: str, moment: float) -> bool:
@@ -166,8 +173,9 @@ class Accounts:
     def since(self, moment: float) -> dict[str, dict]:
         """`{label: account}` of the accounts that came at or after `moment`."""
         with self._lock:
-            return {label: account for label, (when, account) in self._latest.items()
-                    if when >= moment}
+            return {
+                label: account for label, (when, account) in self._latest.items() if when >= moment
+            }
 
     def last_progress(self) -> Optional[float]:
         """When a child last said it finished a training step (monotonic), or None."""
@@ -178,8 +186,10 @@ class Accounts:
         """`{label: ranks}`: the ranks each child said it could not reach
         (a lost peer, one that never arrived) from `start` to `end`."""
         with self._lock:
-            found = {label: [ranks for when, ranks in told if start <= when <= end]
-                     for label, told in self._lost.items()}
+            found = {
+                label: [ranks for when, ranks in told if start <= when <= end]
+                for label, told in self._lost.items()
+            }
         return {label: frozenset().union(*said) for label, said in found.items() if said}
 
     def wait_for(self, labels: Sequence[str], moment: float, seconds: float) -> None:
@@ -204,8 +214,9 @@ class Stream:
     was redrawn is shown at the end of every chunk.
     """
 
-    def __init__(self, prefix: str, printer: Printer, tail: collections.deque,
-                 tail_prefix: str = ""):
+    def __init__(
+        self, prefix: str, printer: Printer, tail: collections.deque, tail_prefix: str = ""
+    ):
         self._prefix = prefix
         self._label = prefix.strip("[] ")  # `[rank 1] `: the child's label
         self._printer = printer
@@ -274,8 +285,7 @@ class RankDemux:
 
     _RECORD = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)")
 
-    def __init__(self, rank_prefix: str, own: Stream, printer: Printer,
-                 tail: collections.deque):
+    def __init__(self, rank_prefix: str, own: Stream, printer: Printer, tail: collections.deque):
         self._prefix = re.compile(rank_prefix)
         self._own = own
         self._printer = printer
@@ -311,7 +321,7 @@ class RankDemux:
         if key not in self._ranks:
             label = f"[rank {key[0]}] "
             self._ranks[key] = Stream(label, self._printer, self._tail, tail_prefix=label)
-        piece = record[match.end():]
+        piece = record[match.end() :]
         if piece.startswith(PREEMPTED_LINE):
             self.preempted.add(key[0])
         self._ranks[key].feed(piece)

@@ -78,8 +78,9 @@ class ParameterServerJob(JobKind):
             processes.stop(attempt.children, agent.trap, agent.config.grace_seconds)
         return super().stop(attempt, result, agent)
 
-    def next_attempt(self, attempt: Attempt, result: SuperviseResult,
-                     agent: Agent) -> SuperviseResult:
+    def next_attempt(
+        self, attempt: Attempt, result: SuperviseResult, agent: Agent
+    ) -> SuperviseResult:
         """How the job ended: it has one attempt."""
         return result
 
@@ -95,8 +96,9 @@ DEFAULT_WORKER_RESTARTS = 100
 PS_LOSS_GRACE_SECONDS = 60.0
 
 
-def _watch_parameter_server(job: ParameterServerJob, attempt: Attempt,
-                            agent: Agent) -> SuperviseResult:
+def _watch_parameter_server(
+    job: ParameterServerJob, attempt: Attempt, agent: Agent
+) -> SuperviseResult:
     """Waits until the chief exits (or a signal, the timeout, a lost cause);
     meanwhile starts exited worker tasks again and notes lost ps tasks."""
     children = attempt.children
@@ -106,15 +108,17 @@ def _watch_parameter_server(job: ParameterServerJob, attempt: Attempt,
     while True:
         if trap.received:
             signum = trap.received[0]
-            return SuperviseResult(Ending.INTERRUPTED, 128 + signum, signum=signum,
-                                   restarts=restarts)
+            return SuperviseResult(
+                Ending.INTERRUPTED, 128 + signum, signum=signum, restarts=restarts
+            )
         chief = children[0]
         if chief.proc.poll() is not None:
             if chief.proc.returncode == 0:
                 return SuperviseResult(Ending.SUCCEEDED, 0, restarts=restarts)
             how = ChildExit(0, chief.label, chief.proc.returncode)
-            return SuperviseResult(Ending.CHILD_FAILED, how.exit_code, failed=how,
-                                   restarts=restarts)
+            return SuperviseResult(
+                Ending.CHILD_FAILED, how.exit_code, failed=how, restarts=restarts
+            )
         if deadline is not None and time.monotonic() >= deadline:
             return SuperviseResult(Ending.TIMED_OUT, EXIT_TIMEOUT, restarts=restarts)
         restarts, ended = _restart_exited_workers(job, attempt, agent, restarts)
@@ -123,14 +127,19 @@ def _watch_parameter_server(job: ParameterServerJob, attempt: Attempt,
         _note_lost_ps(job, attempt, agent, lost_ps)
         if lost_ps and time.monotonic() - lost_ps[0][0] >= PS_LOSS_GRACE_SECONDS:
             how = lost_ps[0][1]
-            note(printer, err, f"the chief still runs {PS_LOSS_GRACE_SECONDS:g}s after "
-                               f"{how.label} was lost; stopping the job (exit code 1).")
+            note(
+                printer,
+                err,
+                f"the chief still runs {PS_LOSS_GRACE_SECONDS:g}s after "
+                f"{how.label} was lost; stopping the job (exit code 1).",
+            )
             return SuperviseResult(Ending.CHILD_FAILED, 1, failed=how, restarts=restarts)
         time.sleep(0.05)
 
 
-def _restart_exited_workers(job: ParameterServerJob, attempt: Attempt, agent: Agent,
-                            restarts: int) -> tuple[int, Optional[SuperviseResult]]:
+def _restart_exited_workers(
+    job: ParameterServerJob, attempt: Attempt, agent: Agent, restarts: int
+) -> tuple[int, Optional[SuperviseResult]]:
     """Starts each worker task that exited again, alone, with its spec.
 
     `restarts`: the restarts used so far; returns them, then the job's end
@@ -146,23 +155,35 @@ def _restart_exited_workers(job: ParameterServerJob, attempt: Attempt, agent: Ag
             continue
         how = ChildExit(i, child.label, child.proc.returncode)
         if restarts >= limit:
-            flag = (f"--max_restarts={config.max_restarts}" if config.max_restarts
-                    else f"{DEFAULT_WORKER_RESTARTS} when --max_restarts is 0")
-            note(printer, err, f"{child.label} exited ({_short(how)}); no restarts "
-                               f"left ({restarts} used, at most {flag}); stopping the job.")
-            return restarts, SuperviseResult(Ending.CHILD_FAILED, how.exit_code, failed=how,
-                                             restarts=restarts)
+            flag = (
+                f"--max_restarts={config.max_restarts}"
+                if config.max_restarts
+                else f"{DEFAULT_WORKER_RESTARTS} when --max_restarts is 0"
+            )
+            note(
+                printer,
+                err,
+                f"{child.label} exited ({_short(how)}); no restarts "
+                f"left ({restarts} used, at most {flag}); stopping the job.",
+            )
+            return restarts, SuperviseResult(
+                Ending.CHILD_FAILED, how.exit_code, failed=how, restarts=restarts
+            )
         restarts += 1
-        note(printer, err, f"{child.label} exited ({_short(how)}); "
-                           f"restarting it (restart {restarts})")
+        note(
+            printer,
+            err,
+            f"{child.label} exited ({_short(how)}); restarting it (restart {restarts})",
+        )
         child.signal_group(signal.SIGKILL)  # whatever it started in its group
         attempt.replaced.append(child)
         children[i] = agent.start_child(specs[i])
     return restarts, None
 
 
-def _note_lost_ps(job: ParameterServerJob, attempt: Attempt, agent: Agent,
-                  lost_ps: list[tuple[float, ChildExit]]) -> None:
+def _note_lost_ps(
+    job: ParameterServerJob, attempt: Attempt, agent: Agent, lost_ps: list[tuple[float, ChildExit]]
+) -> None:
     """Adds each ps task that exited since the last look to `lost_ps` (when
     it was seen, how it ended), with one line: it is not restarted."""
     children = attempt.children
@@ -172,10 +193,13 @@ def _note_lost_ps(job: ParameterServerJob, attempt: Attempt, agent: Agent,
             continue
         how = ChildExit(i, child.label, child.proc.returncode)
         lost_ps.append((time.monotonic(), how))
-        note(agent.printer, agent.err,
-             f"{child.label} exited ({_short(how)}); not restarting it "
-             "(its variables are lost); the chief should fail, else it is "
-             f"stopped in {PS_LOSS_GRACE_SECONDS:g}s.")
+        note(
+            agent.printer,
+            agent.err,
+            f"{child.label} exited ({_short(how)}); not restarting it "
+            "(its variables are lost); the chief should fail, else it is "
+            f"stopped in {PS_LOSS_GRACE_SECONDS:g}s.",
+        )
 
 
 def _short(how: ChildExit) -> str:

@@ -45,8 +45,9 @@ def tf_log_env() -> dict[str, str]:
     Given explicitly (not only inherited), so that ranks started over ssh
     get the user's value too.
     """
-    return {"TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL",
-                                                   DEFAULT_TF_CPP_MIN_LOG_LEVEL)}
+    return {
+        "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", DEFAULT_TF_CPP_MIN_LOG_LEVEL)
+    }
 
 
 # What the worker and ps tasks of a parameter-server job run (a bare
@@ -99,15 +100,17 @@ class RankPlan:
         if self.info.is_training_task:
             env["KERAS_DISTRIB_RANK"] = str(self.info.rank)
             env["KERAS_DISTRIB_WORLD_SIZE"] = str(self.info.world_size)
-        env.update({
-            "KERAS_DISTRIB_LOCAL_RANK": str(self.local_rank),
-            gpu_share.LOCAL_SIZE_ENV: str(self.local_size),
-            gpu_share.GPUS_PER_WORKER_ENV: str(self.gpus_per_worker),
-            RESTART_ENV: str(self.restart),
-            CONTROL_FD_ENV: "0",  # its stdin: the launcher asks it for its account there
-            "PYTHONUNBUFFERED": "1",
-            **tf_log_env(),
-        })
+        env.update(
+            {
+                "KERAS_DISTRIB_LOCAL_RANK": str(self.local_rank),
+                gpu_share.LOCAL_SIZE_ENV: str(self.local_size),
+                gpu_share.GPUS_PER_WORKER_ENV: str(self.gpus_per_worker),
+                RESTART_ENV: str(self.restart),
+                CONTROL_FD_ENV: "0",  # its stdin: the launcher asks it for its account there
+                "PYTHONUNBUFFERED": "1",
+                **tf_log_env(),
+            }
+        )
         if self.shm_dir is not None:
             env[SHM_DIR_ENV] = self.shm_dir
         if self.gpus is not None:
@@ -134,8 +137,9 @@ def parse_hosts(hosts: Sequence[str], nproc: int, parameter_server: bool = False
     names = [name for name, _ in entries]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
-        raise LaunchError(f"--hosts lists {repeated[0]!r} twice; give it once with slots, "
-                          f"e.g. {repeated[0]}:2.")
+        raise LaunchError(
+            f"--hosts lists {repeated[0]!r} twice; give it once with slots, e.g. {repeated[0]}:2."
+        )
     if parameter_server:
         count = f"the job has {nproc} tasks (a chief, --workers, --ps)"
         unit, flag = "task", "--workers"
@@ -212,11 +216,18 @@ def plan(config: LaunchConfig, avoid_ports: Collection[int] = ()) -> list[RankPl
     # Each rank's own GPUs: a share of this machine's CUDA_VISIBLE_DEVICES
     # for ranks here, GPU numbers on other hosts.
     visible = os.environ.get(gpu_share.VISIBLE)
-    return [RankPlan(h, lr, loc, info, local_size=sizes[h],
-                     gpus_per_worker=config.gpus_per_worker,
-                     gpus=gpu_share.share(lr, sizes[h], config.gpus_per_worker,
-                                          visible if loc else None))
-            for h, lr, loc, info in zip(hosts, local_ranks, local, infos)]
+    return [
+        RankPlan(
+            h,
+            lr,
+            loc,
+            info,
+            local_size=sizes[h],
+            gpus_per_worker=config.gpus_per_worker,
+            gpus=gpu_share.share(lr, sizes[h], config.gpus_per_worker, visible if loc else None),
+        )
+        for h, lr, loc, info in zip(hosts, local_ranks, local, infos)
+    ]
 
 
 def _parameter_server_tasks(addresses: Sequence[str], num_ps: int) -> list[cluster_lib.ClusterInfo]:
@@ -225,8 +236,10 @@ def _parameter_server_tasks(addresses: Sequence[str], num_ps: int) -> list[clust
     roles = [(cluster_lib.CHIEF, 0)]
     roles += [(cluster_lib.WORKER, i) for i in range(len(training) - 1)]
     roles += [(cluster_lib.PS, i) for i in range(num_ps)]
-    return [cluster_lib.ClusterInfo(training, index, ps=ps, has_chief=True, task_type=role)
-            for role, index in roles]
+    return [
+        cluster_lib.ClusterInfo(training, index, ps=ps, has_chief=True, task_type=role)
+        for role, index in roles
+    ]
 
 
 def _local_ranks(hosts: Sequence[str]) -> list[int]:
@@ -238,8 +251,9 @@ def _local_ranks(hosts: Sequence[str]) -> list[int]:
     return result
 
 
-def _ports(config: LaunchConfig, hosts, local_ranks, all_local: bool,
-           avoid_ports: Collection[int] = ()) -> list[int]:
+def _ports(
+    config: LaunchConfig, hosts, local_ranks, all_local: bool, avoid_ports: Collection[int] = ()
+) -> list[int]:
     size = config.num_tasks
     if all_local and config.port_base == 0:
         # free_ports gives distinct ports, so at most len(avoid) are dropped.
@@ -275,8 +289,11 @@ def runs_script(rank_plan: RankPlan, config: LaunchConfig) -> bool:
     """Whether this task runs the script: every rank does; in a
     parameter-server job the chief, and the others with
     `--ps_tasks_run_script`."""
-    return (not config.parameter_server or config.ps_tasks_run_script
-            or rank_plan.info.task_type == cluster_lib.CHIEF)
+    return (
+        not config.parameter_server
+        or config.ps_tasks_run_script
+        or rank_plan.info.task_type == cluster_lib.CHIEF
+    )
 
 
 def task_argv(rank_plan: RankPlan, config: LaunchConfig) -> list[str]:
@@ -322,8 +339,9 @@ def print_dry_run(plans: Sequence[RankPlan], config: LaunchConfig, out: TextIO) 
         lines.append(f"{p.label} on {p.host}: TF_CONFIG={p.info.tf_config_json()}")
         lines.append(f"  {shell_command(p, config)}")
     if config.output_dir:
-        lines.append("keras-distrib: wrote TF_CONFIG files and host scripts to "
-                     f"{config.output_dir}")
+        lines.append(
+            f"keras-distrib: wrote TF_CONFIG files and host scripts to {config.output_dir}"
+        )
     out.write("\n".join(lines) + "\n")
     out.flush()
 
@@ -340,8 +358,11 @@ def write_output_dir(plans: Sequence[RankPlan], config: LaunchConfig) -> None:
     by_host: dict[str, list[RankPlan]] = {}
     for p in plans:
         by_host.setdefault(p.host, []).append(p)
-        name = (f"{p.info.task_type}-{p.info.task_index}" if config.parameter_server
-                else f"rank-{p.rank}")
+        name = (
+            f"{p.info.task_type}-{p.info.task_index}"
+            if config.parameter_server
+            else f"rank-{p.rank}"
+        )
         path = os.path.join(output_dir, f"{name}.tf_config.json")
         with open(path, "w") as f:
             f.write(p.info.tf_config_json() + "\n")

@@ -52,15 +52,18 @@ def check(config: LaunchConfig) -> None:
     if remote:
         raise LaunchError(
             f"--private_network keeps the job on this machine's loopback, but --hosts names "
-            f"{', '.join(remote)}; drop --private_network or run the job on one host.")
+            f"{', '.join(remote)}; drop --private_network or run the job on one host."
+        )
 
 
 def _unshare_argv() -> list[str]:
     """`unshare --net` (with a user namespace when not root)."""
     unshare = shutil.which("unshare")
     if unshare is None:
-        raise LaunchError("--private_network needs util-linux's `unshare`, which is not "
-                          "installed here; install util-linux or drop --private_network.")
+        raise LaunchError(
+            "--private_network needs util-linux's `unshare`, which is not "
+            "installed here; install util-linux or drop --private_network."
+        )
     return [unshare, "--net"] + ([] if os.geteuid() == 0 else ["--map-root-user"])
 
 
@@ -78,11 +81,15 @@ def enter(argv: Sequence[str]) -> NoReturn:
         raise LaunchError(
             f"--private_network cannot make a network namespace here ({why}); run as root, "
             "allow unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1), "
-            "or drop --private_network.")
+            "or drop --private_network."
+        )
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(unshare[0], [*unshare, "--", sys.executable, "-m", "keras_distrib.launch",
-                           *argv[1:]], dict(os.environ, **{ENV: "1"}))
+    os.execve(
+        unshare[0],
+        [*unshare, "--", sys.executable, "-m", "keras_distrib.launch", *argv[1:]],
+        dict(os.environ, **{ENV: "1"}),
+    )
 
 
 def loopback_up() -> None:

@@ -90,12 +90,19 @@ class Child:
         # forwards it once (no double interrupt).
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
-            _tied_to_launcher(spec.argv), env={**os.environ, **spec.env},
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            start_new_session=True)
+            _tied_to_launcher(spec.argv),
+            env={**os.environ, **spec.env},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         own = Stream(f"[{self.label}] ", printer, self.tail)
-        self._sink = own if spec.rank_prefix is None else RankDemux(
-            spec.rank_prefix, own, printer, self.tail)
+        self._sink = (
+            own
+            if spec.rank_prefix is None
+            else RankDemux(spec.rank_prefix, own, printer, self.tail)
+        )
         self.reader = threading.Thread(target=self._pump, name=f"pump {self.label}", daemon=True)
         self.reader.start()
 
@@ -208,7 +215,8 @@ def start(spec: ChildSpec, tail_lines: int, printer: Printer) -> Child:
         return Child(spec, tail_lines, printer)
     except OSError as e:
         raise LaunchError(
-            f"cannot start {spec.label} ({spec.argv[0]}): {e.strerror or e}.") from None
+            f"cannot start {spec.label} ({spec.argv[0]}): {e.strerror or e}."
+        ) from None
 
 
 def stop(children: Sequence[Child], trap: SignalTrap, grace: float) -> None:

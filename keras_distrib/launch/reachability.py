@@ -47,17 +47,19 @@ UNREACHED = 3  # the probe's exit code when ssh worked and the rendezvous did no
 # it starts in milliseconds. It tries again until its time is up: right
 # after a link comes back the first attempt can fail at once ("No route to
 # host" while the neighbour entry is still marked failed).
-_CONNECT = ("import socket, sys, time\n"
-            "deadline = time.monotonic() + float(sys.argv[3])\n"
-            "while True:\n"
-            "    try:\n"
-            "        socket.create_connection((sys.argv[1], int(sys.argv[2])), "
-            "timeout=max(0.1, deadline - time.monotonic())).close()\n"
-            "        break\n"
-            "    except OSError:\n"
-            "        if time.monotonic() >= deadline:\n"
-            f"            sys.exit({UNREACHED})\n"
-            "        time.sleep(0.2)\n")
+_CONNECT = (
+    "import socket, sys, time\n"
+    "deadline = time.monotonic() + float(sys.argv[3])\n"
+    "while True:\n"
+    "    try:\n"
+    "        socket.create_connection((sys.argv[1], int(sys.argv[2])), "
+    "timeout=max(0.1, deadline - time.monotonic())).close()\n"
+    "        break\n"
+    "    except OSError:\n"
+    "        if time.monotonic() >= deadline:\n"
+    f"            sys.exit({UNREACHED})\n"
+    "        time.sleep(0.2)\n"
+)
 
 # Why a host is out, for one host and for several.
 NO_ANSWER = ("it does not answer", "they do not answer")
@@ -92,10 +94,10 @@ class Rendezvous:
         family = socket.AF_INET6 if ":" in bare else socket.AF_INET
         self._server = socket.create_server((bare, 0), family=family)
         self._host, self._port = bare, self._server.getsockname()[1]
-        self.address = f"[{bare}]:{self._port}" if family == socket.AF_INET6 else \
-            f"{bare}:{self._port}"
-        threading.Thread(target=self._accept, daemon=True,
-                         name="keras_distrib-rendezvous").start()
+        self.address = (
+            f"[{bare}]:{self._port}" if family == socket.AF_INET6 else f"{bare}:{self._port}"
+        )
+        threading.Thread(target=self._accept, daemon=True, name="keras_distrib-rendezvous").start()
 
     def _accept(self) -> None:
         server = self._server
@@ -136,15 +138,26 @@ class Rendezvous:
             return None
         command = "true"
         if self.address is not None:
-            command = shlex.join([sys.executable, "-S", "-c", _CONNECT, self._host,
-                                  str(self._port), f"{CONNECT_SECONDS:g}"])
+            command = shlex.join(
+                [
+                    sys.executable,
+                    "-S",
+                    "-c",
+                    _CONNECT,
+                    self._host,
+                    str(self._port),
+                    f"{CONNECT_SECONDS:g}",
+                ]
+            )
         code = self._run([*self._ssh, host.strip("[]"), command])
         if code == 0:
             return None
         if code == UNREACHED and self.address is not None:
             where = f"the job's rendezvous at {self.address} on the training network"
-            return (f"ssh reaches it, but it cannot reach {where}",
-                    f"ssh reaches them, but they cannot reach {where}")
+            return (
+                f"ssh reaches it, but it cannot reach {where}",
+                f"ssh reaches them, but they cannot reach {where}",
+            )
         return NO_ANSWER
 
     def _run(self, argv: Sequence[str]) -> Optional[int]:
@@ -153,8 +166,13 @@ class Rendezvous:
         with self._lock:
             if self._closed:
                 return None
-            probe = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=True)
+            probe = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
             self._probes.add(probe)
         try:
             return probe.wait(timeout=PROBE_SECONDS)

@@ -62,14 +62,16 @@ class Job(JobKind):
 
     def attempt(self, restart: int) -> Attempt:
         """The attempt after `restart` restarts."""
-        return Attempt(restart, functools.partial(self.specs, restart), self.private_dir,
-                       restarts=restart)
+        return Attempt(
+            restart, functools.partial(self.specs, restart), self.private_dir, restarts=restart
+        )
 
     def first_attempt(self, agent: Agent) -> Attempt:
         return self.attempt(0)
 
-    def next_attempt(self, attempt: Attempt, result: SuperviseResult,
-                     agent: Agent) -> Union[Attempt, SuperviseResult]:
+    def next_attempt(
+        self, attempt: Attempt, result: SuperviseResult, agent: Agent
+    ) -> Union[Attempt, SuperviseResult]:
         """All children again while the restart policy allows; says why a
         failed attempt is not followed by another when restarts are left,
         and, under --max_restarts, sums the job up in one last line."""
@@ -78,15 +80,25 @@ class Job(JobKind):
             return finish(result, restarts, len(self), agent)
         restarts += 1
         assert result.failed is not None  # should_restart: a CHILD_FAILED result
-        say(agent.err, f"restart {restarts}/{agent.config.max_restarts}: "
-                       f"{result.failed.outcome()}; starting all {len(self)} ranks again"
-                       f"{from_backup(agent.printer, ', from the last backup', unknown='')}.")
+        say(
+            agent.err,
+            f"restart {restarts}/{agent.config.max_restarts}: "
+            f"{result.failed.outcome()}; starting all {len(self)} ranks again"
+            f"{from_backup(agent.printer, ', from the last backup', unknown='')}.",
+        )
         return self.attempt(restarts)
 
 
-def run_attempt(job: Job, restart: int, config: LaunchConfig, trap: SignalTrap,
-                deadline: Optional[float], printer: Printer, err: TextIO,
-                resize: Callable[[], bool] = lambda: False) -> SuperviseResult:
+def run_attempt(
+    job: Job,
+    restart: int,
+    config: LaunchConfig,
+    trap: SignalTrap,
+    deadline: Optional[float],
+    printer: Printer,
+    err: TextIO,
+    resize: Callable[[], bool] = lambda: False,
+) -> SuperviseResult:
     """One attempt of `job`, outside a run of its attempts
     (`agent.Agent.run_attempt`); nothing of it outlives this call.
     `resize`: see `endings.watch`."""
@@ -111,8 +123,11 @@ def finish(result: SuperviseResult, restarts: int, size: int, agent: Agent) -> S
     config, err = agent.config, agent.err
     result = dataclasses.replace(result, restarts=restarts)
     if result.ending is Ending.CHILD_FAILED and restarts < config.max_restarts:
-        why = (f"got {signal_name(agent.trap.received[0])}" if agent.trap.received
-               else f"--timeout={config.timeout:g}s has passed")
+        why = (
+            f"got {signal_name(agent.trap.received[0])}"
+            if agent.trap.received
+            else f"--timeout={config.timeout:g}s has passed"
+        )
         say(err, f"no restart: {why}.")
     if config.max_restarts:
         _summarize(result, size, config, err)
@@ -121,10 +136,12 @@ def finish(result: SuperviseResult, restarts: int, size: int, agent: Agent) -> S
 
 def should_restart(result: SuperviseResult, restarts: int, agent: Agent) -> bool:
     """The restart policy: a failed child, restarts left, time left, no signal."""
-    return (result.ending is Ending.CHILD_FAILED
-            and restarts < agent.config.max_restarts
-            and not agent.trap.received
-            and (agent.deadline is None or time.monotonic() < agent.deadline))
+    return (
+        result.ending is Ending.CHILD_FAILED
+        and restarts < agent.config.max_restarts
+        and not agent.trap.received
+        and (agent.deadline is None or time.monotonic() < agent.deadline)
+    )
 
 
 def _summarize(result: SuperviseResult, size: int, config: LaunchConfig, err: TextIO) -> None:
@@ -140,5 +157,8 @@ def _summarize(result: SuperviseResult, size: int, config: LaunchConfig, err: Te
     else:
         what = f"timed out after {config.timeout:g}s"
     plural = "" if config.max_restarts == 1 else "s"
-    say(err, f"{what}; {result.restarts} of {config.max_restarts} restart{plural} used; "
-             f"exit code {result.exit_code}.")
+    say(
+        err,
+        f"{what}; {result.restarts} of {config.max_restarts} restart{plural} used; "
+        f"exit code {result.exit_code}.",
+    )

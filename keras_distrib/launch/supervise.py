@@ -49,8 +49,7 @@ from keras_distrib.cluster.launch_contract import PREEMPTED
 from keras_distrib.launch import agent
 from keras_distrib.launch.agent import JobKind, private_directory
 from keras_distrib.launch.config import LaunchConfig
-from keras_distrib.launch.endings import (EXIT_TIMEOUT, ChildExit, Ending, SuperviseResult,
-                                          exit_code)
+from keras_distrib.launch.endings import EXIT_TIMEOUT, ChildExit, Ending, SuperviseResult, exit_code
 from keras_distrib.launch.elastic import ElasticJob
 from keras_distrib.launch.output import TF_LOG_NOISE, Printer, is_tf_log_noise
 from keras_distrib.launch.parameter_server import DEFAULT_WORKER_RESTARTS, ParameterServerJob
@@ -58,15 +57,28 @@ from keras_distrib.launch.processes import ChildSpec
 from keras_distrib.launch.restarts import Job
 
 __all__ = [
-    "ChildExit", "ChildSpec", "DEFAULT_WORKER_RESTARTS", "EXIT_TIMEOUT", "ElasticJob", "Ending",
-    "Job", "JobKind",
-    "PREEMPTED", "ParameterServerJob", "SuperviseResult",
-    "TF_LOG_NOISE", "exit_code", "is_tf_log_noise", "private_directory", "supervise",
+    "ChildExit",
+    "ChildSpec",
+    "DEFAULT_WORKER_RESTARTS",
+    "EXIT_TIMEOUT",
+    "ElasticJob",
+    "Ending",
+    "Job",
+    "JobKind",
+    "PREEMPTED",
+    "ParameterServerJob",
+    "SuperviseResult",
+    "TF_LOG_NOISE",
+    "exit_code",
+    "is_tf_log_noise",
+    "private_directory",
+    "supervise",
 ]
 
 
-def supervise(job: Union[JobKind, Sequence[ChildSpec]],
-              config: LaunchConfig, out: TextIO, err: TextIO) -> SuperviseResult:
+def supervise(
+    job: Union[JobKind, Sequence[ChildSpec]], config: LaunchConfig, out: TextIO, err: TextIO
+) -> SuperviseResult:
     """Runs the job's attempts, streams their lines, and returns how the job ended.
 
     `job`: a `Job`, `ParameterServerJob` or `ElasticJob` (its kind decides

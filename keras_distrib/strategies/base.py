@@ -241,7 +241,8 @@ class Strategy(CrossProcessHelpers):
         return ReplicaMemory(
             weights=variable_bytes(model.weights),
             gradients=variable_bytes(model.trainable_weights, parts),
-            optimizer=variable_bytes(optimizer.variables if optimizer is not None else []))
+            optimizer=variable_bytes(optimizer.variables if optimizer is not None else []),
+        )
 
     # -- input ------------------------------------------------------------------
 
@@ -265,13 +266,17 @@ class Strategy(CrossProcessHelpers):
         tf.data's autotuning thread, while this pipeline keeps one iterator
         for the whole run.
         """
-        if (self.topology.num_data_shards == 1 and not fit.resumable
-                and not sharding.is_array_like(fit.x)):
+        if (
+            self.topology.num_data_shards == 1
+            and not fit.resumable
+            and not sharding.is_array_like(fit.x)
+        ):
             return fit
         return sharding.fit_input(self, fit)
 
-    def distribute_input(self, x: Any, y: Any = None, sample_weight: Any = None,
-                         batch_size: Optional[int] = None) -> tuple[Any, Any, Any, Optional[int]]:
+    def distribute_input(
+        self, x: Any, y: Any = None, sample_weight: Any = None, batch_size: Optional[int] = None
+    ) -> tuple[Any, Any, Any, Optional[int]]:
         """`(x, y, sample_weight, batch_size)` for `evaluate` / `predict`."""
         if self.topology.num_data_shards == 1:
             return x, y, sample_weight, batch_size
@@ -285,8 +290,9 @@ class Strategy(CrossProcessHelpers):
     # -- execution ----------------------------------------------------------------
 
     @abc.abstractmethod
-    def make_step_function(self, model: Any, step: Step,
-                           keras_make_function: Callable[..., Any]) -> Callable[..., Any]:
+    def make_step_function(
+        self, model: Any, step: Step, keras_make_function: Callable[..., Any]
+    ) -> Callable[..., Any]:
         """The train/test function Keras's loop calls, from a per-replica step.
 
         Args:
@@ -299,9 +305,9 @@ class Strategy(CrossProcessHelpers):
         """
 
     @abc.abstractmethod
-    def make_predict_function(self, model: Any, step: Step,
-                              keras_make_predict_function: Callable[..., Any]
-                              ) -> Callable[..., Any]:
+    def make_predict_function(
+        self, model: Any, step: Step, keras_make_predict_function: Callable[..., Any]
+    ) -> Callable[..., Any]:
         """The predict function Keras's loop calls (all rows, in order), from
         the per-replica `step` (kind `"predict"`); `keras_make_predict_function()`
         is Keras's own, which runs `model.predict_step` as one replica."""
@@ -316,8 +322,7 @@ class Strategy(CrossProcessHelpers):
 
     # -- gradients and their reduction (replica context) -----------------------------
 
-    def gradients(self, tape: tf.GradientTape, target: Any,
-                  variables: Sequence[Any]) -> list[Any]:
+    def gradients(self, tape: tf.GradientTape, target: Any, variables: Sequence[Any]) -> list[Any]:
         """The gradients of `target` for `variables` (the model's trainable
         weights) from the replica's `tape`: one per variable, shaped like
         it, `None` where `target` does not reach it. By default
@@ -340,8 +345,12 @@ class Strategy(CrossProcessHelpers):
         (`[num_replicas, k]` each, shapes the same on all), replica context."""
         return self.transport.reduce_scatter(tables)
 
-    def reduce_gradients(self, gradients: list[tf.Tensor], num_samples: Any,
-                         compression: Optional[Compression] = None) -> list[tf.Tensor]:
+    def reduce_gradients(
+        self,
+        gradients: list[tf.Tensor],
+        num_samples: Any,
+        compression: Optional[Compression] = None,
+    ) -> list[tf.Tensor]:
         """Global mean gradient from each replica's gradient of its loss *sum*.
 
         The replica's sample count travels in the same all-reduce as the
@@ -353,21 +362,24 @@ class Strategy(CrossProcessHelpers):
         """
         return self.transport.mean_by_count(gradients, num_samples, compression)
 
-    def gather_sparse_gradients(self, gradients: Sequence[tf.IndexedSlices],
-                                num_samples: Any) -> list[tf.IndexedSlices]:
+    def gather_sparse_gradients(
+        self, gradients: Sequence[tf.IndexedSlices], num_samples: Any
+    ) -> list[tf.IndexedSlices]:
         """Sparse gradients of every replica, as one device holds them for
         the global batch (`keras_distrib.arithmetic.gradients.gather_sparse`:
         only the batch's rows travel, in two all-reduces)."""
-        return gradients_lib.gather_sparse(self.all_reduce, self.num_replicas,
-                                           self.replica_index(), gradients, num_samples)
+        return gradients_lib.gather_sparse(
+            self.all_reduce, self.num_replicas, self.replica_index(), gradients, num_samples
+        )
 
     def replica_index(self) -> Union[int, tf.Tensor]:
         """This replica's global index, in a replica's step (one replica per
         process by default: the rank)."""
         return self.rank
 
-    def reduce_applied_gradients(self, grads_and_vars: list[tuple[Any, Any]]
-                                 ) -> list[tuple[Any, Any]]:
+    def reduce_applied_gradients(
+        self, grads_and_vars: list[tuple[Any, Any]]
+    ) -> list[tuple[Any, Any]]:
         """The gradients an optimizer applies when a custom `train_step` (or
         a GAN's, with several optimizers) calls `apply_gradients` itself,
         from the replica's own `(gradient, variable)` pairs: each gradient
@@ -383,7 +395,8 @@ class Strategy(CrossProcessHelpers):
         if not present:
             return list(grads_and_vars)
         reduced = self.all_reduce(
-            [tf.convert_to_tensor(grads_and_vars[i][0]) for i in present], "mean")
+            [tf.convert_to_tensor(grads_and_vars[i][0]) for i in present], "mean"
+        )
         pairs = list(grads_and_vars)
         for i, g in zip(present, reduced):
             pairs[i] = (g, pairs[i][1])

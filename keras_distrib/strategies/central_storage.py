@@ -42,13 +42,22 @@ class CentralStorage(TFDistributeStrategy):
     aliases = ("central",)
     description = "Variables on one device (CPU by default), compute on all local devices."
 
-    def __init__(self, compute_devices: Optional[Sequence[str]] = None,
-                 parameter_device: Optional[str] = None):
-        compute = (devices_lib.local_devices() if compute_devices is None
-                   else devices_lib.check_devices(compute_devices, "compute_devices"))
+    def __init__(
+        self,
+        compute_devices: Optional[Sequence[str]] = None,
+        parameter_device: Optional[str] = None,
+    ):
+        compute = (
+            devices_lib.local_devices()
+            if compute_devices is None
+            else devices_lib.check_devices(compute_devices, "compute_devices")
+        )
         parameters = devices_lib.check_device(parameter_device or "/cpu:0", "parameter_device")
-        super().__init__(tf.distribute.experimental.CentralStorageStrategy(
-            compute_devices=compute, parameter_device=parameters))
+        super().__init__(
+            tf.distribute.experimental.CentralStorageStrategy(
+                compute_devices=compute, parameter_device=parameters
+            )
+        )
         self.parameter_device = parameters
         self._compute_devices = compute  # short names, as parameter_device (devices_lib)
 
@@ -100,9 +109,11 @@ class CentralStorage(TFDistributeStrategy):
         us on GPU machines, where this failed the first step."""
         if self._compute_devices == [self.parameter_device]:
             return None
-        return (f"XLA cannot read the variables kept on {self.parameter_device} from the "
-                "replicas' devices (TensorFlow's XLA known issue 'tf.Variable on a different "
-                "device'); use strategy='mirrored' for XLA")
+        return (
+            f"XLA cannot read the variables kept on {self.parameter_device} from the "
+            "replicas' devices (TensorFlow's XLA known issue 'tf.Variable on a different "
+            "device'); use strategy='mirrored' for XLA"
+        )
 
     def adopt_optimizer(self, optimizer) -> None:
         """Makes the optimizer apply its update once, in the cross-replica context.
@@ -125,17 +136,26 @@ class CentralStorage(TFDistributeStrategy):
 
         def apply(grads, trainable_variables=None):
             context = tf.distribute.get_replica_context()
-            if (context is None or trainable_variables is None
-                    or context.strategy is not self.tf_strategy):
+            if (
+                context is None
+                or trainable_variables is None
+                or context.strategy is not self.tf_strategy
+            ):
                 return keras_apply(grads, trainable_variables)
             variables = list(trainable_variables)
-            summed = [g for g, _ in _compat.sum_gradients_across_replicas(
-                optimizer, list(zip(grads, variables)))]
+            summed = [
+                g
+                for g, _ in _compat.sum_gradients_across_replicas(
+                    optimizer, list(zip(grads, variables))
+                )
+            ]
 
             def update_once(engine, per_replica):
                 # Every replica holds the same sum: take the first one's.
-                first = [None if g is None else engine.experimental_local_results(g)[0]
-                         for g in per_replica]
+                first = [
+                    None if g is None else engine.experimental_local_results(g)[0]
+                    for g in per_replica
+                ]
                 with _compat.updates_in_cross_replica_context(engine):
                     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
                         _compat.apply_loss_scaled(optimizer, first, variables)
@@ -161,10 +181,13 @@ def _aggregated_state(next_creator, **kwargs):
     """A variable creator giving state variables without an aggregation one
     (see `CentralStorage.scope`); trainable variables, updated once by the
     optimizer from the cross-replica context, keep theirs."""
-    if (not kwargs.get("trainable", True)
-            and kwargs.get("aggregation") in (None, tf.VariableAggregation.NONE)):
+    if not kwargs.get("trainable", True) and kwargs.get("aggregation") in (
+        None,
+        tf.VariableAggregation.NONE,
+    ):
         dtype = kwargs.get("dtype")
         floating = dtype is not None and tf.as_dtype(dtype).is_floating
-        kwargs["aggregation"] = (tf.VariableAggregation.MEAN if floating
-                                 else tf.VariableAggregation.ONLY_FIRST_REPLICA)
+        kwargs["aggregation"] = (
+            tf.VariableAggregation.MEAN if floating else tf.VariableAggregation.ONLY_FIRST_REPLICA
+        )
     return next_creator(**kwargs)

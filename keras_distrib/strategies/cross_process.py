@@ -165,8 +165,7 @@ class CrossProcessHelpers(abc.ABC):
             seed = int(tf.random.uniform([], 0, 2**31 - 1, dtype=tf.int64))
         return int(self.sync_sum([np.int64(seed if self.is_chief else 0)])[0])
 
-    def read_summed_metrics(self, model: Any,
-                            read: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    def read_summed_metrics(self, model: Any, read: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """`read()` while every metric variable of `model` holds its sum over
         the processes (one collective, eager): what one device reports for
         all their samples, since metric states are sums (totals and counts,
@@ -183,8 +182,10 @@ class CrossProcessHelpers(abc.ABC):
         variables = [v for metric in model.metrics for v in metric.variables]
         local = [np.asarray(v) for v in variables]
         kinds = [_aggregation(v) for v in variables]
-        sent = [np.zeros_like(value) if kind == "only_first_replica" and self.rank != 0 else value
-                for value, kind in zip(local, kinds)]
+        sent = [
+            np.zeros_like(value) if kind == "only_first_replica" and self.rank != 0 else value
+            for value, kind in zip(local, kinds)
+        ]
         for variable, value, kind, total in zip(variables, local, kinds, self.sync_sum(sent)):
             if kind == "mean":
                 total = (total / self.world_size).astype(value.dtype)

@@ -72,16 +72,20 @@ def _counterpart(engine, registry):
         return registry.create("single", device=device)
     if isinstance(engine, tf.distribute.MultiWorkerMirroredStrategy):
         return registry.create("multi_worker", **_multi_worker_options(engine, registry))
-    if isinstance(engine, (tf.distribute.ParameterServerStrategy,
-                           tf.distribute.experimental.ParameterServerStrategy)):
+    if isinstance(
+        engine,
+        (tf.distribute.ParameterServerStrategy, tf.distribute.experimental.ParameterServerStrategy),
+    ):
         partitioner = _compat.variable_partitioner(engine)
-        return registry.create("parameter_server",
-                            **({"variable_partitioner": partitioner} if partitioner else {}))
+        return registry.create(
+            "parameter_server", **({"variable_partitioner": partitioner} if partitioner else {})
+        )
     if isinstance(engine, (tf.distribute.TPUStrategy, tf.distribute.experimental.TPUStrategy)):
         return registry.create("tpu")
     raise TypeError(
         f"keras_distrib has no strategy for {type(engine).__name__}; pass one of "
-        f"{sorted(registry.available())} by name (or a keras_distrib Strategy object).")
+        f"{sorted(registry.available())} by name (or a keras_distrib Strategy object)."
+    )
 
 
 def _multi_worker_options(engine, registry) -> dict:
@@ -91,7 +95,8 @@ def _multi_worker_options(engine, registry) -> dict:
         return {}
     options = _compat.communication_options(engine)
     implementation = {"RING": "ring", "NCCL": "nccl"}.get(
-        getattr(options.implementation, "name", ""), "auto")
+        getattr(options.implementation, "name", ""), "auto"
+    )
     found = {"implementation": implementation}
     if options.timeout_seconds:
         found["collective_timeout"] = options.timeout_seconds

@@ -81,9 +81,7 @@ class Horovod(PerProcessStrategy):
     name = "horovod"
     aliases = ("hvd",)
     capabilities = Capabilities(one_per_process=True)
-    description = (
-        "Data parallelism over Horovod collectives (Gloo on CPU, NCCL on GPU, MPI)."
-    )
+    description = "Data parallelism over Horovod collectives (Gloo on CPU, NCCL on GPU, MPI)."
 
     def __init__(self, device: Optional[str] = None, optimizer_sharding: Optional[str] = None):
         self.optimizer_sharding = sharding_option.check(self.name, optimizer_sharding)
@@ -95,8 +93,13 @@ class Horovod(PerProcessStrategy):
             device = devices_lib.normalize(f"/gpu:{local_rank % len(gpus)}" if gpus else "/cpu:0")
         else:
             device = devices_lib.check_device(device)
-        super().__init__(device, rank=int(hvd.rank()), size=int(hvd.size()),
-                         local_rank=local_rank, transport=transport)
+        super().__init__(
+            device,
+            rank=int(hvd.rank()),
+            size=int(hvd.size()),
+            local_rank=local_rank,
+            transport=transport,
+        )
 
     def sync_initial_state(self, model) -> None:
         """Broadcasts rank 0's weights and optimizer state to every rank

@@ -66,8 +66,9 @@ class WorkerReplicas:
 
         def broadcast_model_state(self, model: Any) -> None: ...
 
-    def _join_workers(self, devices: Sequence[str],
-                      workers: Optional[Mapping[str, Any]]) -> Topology:
+    def _join_workers(
+        self, devices: Sequence[str], workers: Optional[Mapping[str, Any]]
+    ) -> Topology:
         """This process's topology, joining the cluster when one is configured.
 
         `workers`: options for the collectives across workers (those of
@@ -76,26 +77,40 @@ class WorkerReplicas:
         if workers is not None and not isinstance(workers, Mapping):
             raise ValueError(
                 f"workers={workers!r} must be a dict of multi_worker options, e.g. "
-                "{'implementation': 'ring'}.")
+                "{'implementation': 'ring'}."
+            )
         if cluster_lib.resolve() is None:
             if workers:
                 raise cluster_lib.ClusterConfigError(
                     f"strategy {self.name!r} got workers={dict(workers)!r} but found no "
                     "cluster; start it with `keras-distrib launch -n N script.py` or set "
-                    "TF_CONFIG.")
+                    "TF_CONFIG."
+                )
             self.transport = transports.create("one_process")
-            return Topology(num_replicas=1, num_local_replicas=1, first_local_replica=0,
-                            devices=tuple(devices), role="chief")
+            return Topology(
+                num_replicas=1,
+                num_local_replicas=1,
+                first_local_replica=0,
+                devices=tuple(devices),
+                role="chief",
+            )
         from keras_distrib.strategies import registry
 
         self._workers = cast("MultiWorker", registry.create("multi_worker", **dict(workers or {})))
         rank, size = self._workers.rank, self._workers.world_size
         self.transport = AcrossProcesses(self._workers.transport, rank, size)
         return Topology(
-            num_replicas=size, num_local_replicas=1, first_local_replica=rank,
-            devices=tuple(devices), num_processes=size, process_index=rank,
-            local_rank=self._workers.local_rank, role="chief" if rank == 0 else "worker",
-            num_data_shards=size, data_shard_index=rank)
+            num_replicas=size,
+            num_local_replicas=1,
+            first_local_replica=rank,
+            devices=tuple(devices),
+            num_processes=size,
+            process_index=rank,
+            local_rank=self._workers.local_rank,
+            role="chief" if rank == 0 else "worker",
+            num_data_shards=size,
+            data_shard_index=rank,
+        )
 
     @property
     def implementation(self) -> Optional[str]:
@@ -129,4 +144,3 @@ class WorkerReplicas:
     def sync_initial_state(self, model) -> None:
         if self._workers is not None:
             self.broadcast_model_state(model)
-

@@ -74,8 +74,7 @@ def predict_over_steps(model, predict_one: Callable):
         # Not converted by AutoGraph, as Keras's own step functions are not
         # (`do_not_convert`): the same semantics, and errors raised while
         # tracing (a wrong input shape) reach the user as Keras raised them.
-        predict_function = tf.function(predict_function, reduce_retracing=True,
-                                       autograph=False)
+        predict_function = tf.function(predict_function, reduce_retracing=True, autograph=False)
     return predict_function
 
 
@@ -89,8 +88,9 @@ def stepwise(model, distributed_step):
     """
     one_step = distributed_step
     if not model.run_eagerly:
-        one_step = tf.function(distributed_step, reduce_retracing=True,
-                               autograph=False)  # as Keras's (see predict_over_steps)
+        one_step = tf.function(
+            distributed_step, reduce_retracing=True, autograph=False
+        )  # as Keras's (see predict_over_steps)
 
     def function(iterator):
         outputs = None

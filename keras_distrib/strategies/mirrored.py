@@ -70,15 +70,11 @@ class Mirrored(TFDistributeStrategy):
         optimizer_sharding: Optional[str] = None,
     ):
         devices = (
-            devices_lib.local_devices()
-            if devices is None
-            else devices_lib.check_devices(devices)
+            devices_lib.local_devices() if devices is None else devices_lib.check_devices(devices)
         )
         self.optimizer_sharding = sharding_option.check(self.name, optimizer_sharding)
         ops = _cross_device_ops(cross_device_ops, devices)
-        super().__init__(
-            _KeyedMirroredStrategy(devices=devices, cross_device_ops=ops)
-        )
+        super().__init__(_KeyedMirroredStrategy(devices=devices, cross_device_ops=ops))
         self.cross_device_ops = cross_device_ops
 
     @classmethod
@@ -89,10 +85,11 @@ class Mirrored(TFDistributeStrategy):
         strategy = cls.__new__(cls)
         TFDistributeStrategy.__init__(strategy, engine)
         ops = type(_compat.cross_device_ops(engine)).__name__
-        strategy.cross_device_ops = {"NcclAllReduce": "nccl",
-                                     "HierarchicalCopyAllReduce": "hierarchical_copy",
-                                     "ReductionToOneDevice": "reduction_to_one_device"
-                                     }.get(ops, "auto")
+        strategy.cross_device_ops = {
+            "NcclAllReduce": "nccl",
+            "HierarchicalCopyAllReduce": "hierarchical_copy",
+            "ReductionToOneDevice": "reduction_to_one_device",
+        }.get(ops, "auto")
         return strategy
 
 
@@ -101,8 +98,7 @@ def _cross_device_ops(name: str, devices: Sequence[str]):
         return None
     if name not in _CROSS_DEVICE_OPS:
         raise ValueError(
-            f"Unknown cross_device_ops={name!r}; use one of "
-            f"{['auto', *_CROSS_DEVICE_OPS]}."
+            f"Unknown cross_device_ops={name!r}; use one of {['auto', *_CROSS_DEVICE_OPS]}."
         )
     if name in _GPU_ONLY and not all("GPU" in d.upper() for d in devices):
         raise ValueError(

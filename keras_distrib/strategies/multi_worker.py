@@ -112,10 +112,9 @@ class MultiWorker(TFDistributeStrategy):
     # a cross-worker collective per metric variable and step (epoch logs
     # and evaluate results are exact).
     capabilities = dataclasses.replace(
-        TFDistributeStrategy.capabilities, one_per_process=True, exact_batch_logs=False)
-    description = (
-        "Sync all-reduce across worker processes/hosts (gRPC ring on CPU, NCCL on GPU)."
+        TFDistributeStrategy.capabilities, one_per_process=True, exact_batch_logs=False
     )
+    description = "Sync all-reduce across worker processes/hosts (gRPC ring on CPU, NCCL on GPU)."
 
     def __init__(
         self,
@@ -140,20 +139,33 @@ class MultiWorker(TFDistributeStrategy):
         # The steps' collectives on TensorFlow (gradients off shared memory,
         # predict's gathers): our one watchdog thread, not a TensorFlow
         # thread per collective (see keras_distrib.collectives.watchdog).
-        self._watchdog = (None if collective_timeout is None
-                          else CollectiveWatchdog(collective_timeout))
-        super().__init__(engine, num_processes=info.world_size, process_index=info.rank,
-                         local_rank=_local_rank(info), multi_worker=True,
-                         watchdog=self._watchdog, bytes_per_pack=bytes_per_pack)
+        self._watchdog = (
+            None if collective_timeout is None else CollectiveWatchdog(collective_timeout)
+        )
+        super().__init__(
+            engine,
+            num_processes=info.world_size,
+            process_index=info.rank,
+            local_rank=_local_rank(info),
+            multi_worker=True,
+            watchdog=self._watchdog,
+            bytes_per_pack=bytes_per_pack,
+        )
         self.implementation = implementation
         self.optimizer_sharding = sharding_option.check(
-            self.name, optimizer_sharding, one_replica_per_process=self.num_local_replicas == 1)
+            self.name, optimizer_sharding, one_replica_per_process=self.num_local_replicas == 1
+        )
         if shared_memory and self._one_device_for_shared_memory(implementation):
             self.implementation = _SHARED_MEMORY
             self.transport = transports.create(
-                _SHARED_MEMORY, rows=self.transport, rank=info.rank, world_size=info.world_size,
-                job_id=self._secret_job_id(), timeout=collective_timeout,
-                connect_timeout=peer_timeout)
+                _SHARED_MEMORY,
+                rows=self.transport,
+                rank=info.rank,
+                world_size=info.world_size,
+                job_id=self._secret_job_id(),
+                timeout=collective_timeout,
+                connect_timeout=peer_timeout,
+            )
 
     def _one_device_for_shared_memory(self, implementation: str) -> bool:
         """Whether shared memory can serve this worker: one call per process
@@ -187,8 +199,7 @@ class MultiWorker(TFDistributeStrategy):
             return host_allreduce.PeerLostError(f"multi_worker: {self._watchdog.fired}.")
         lost = heartbeats.lost_peer(error, self._info)
         if lost is not None:
-            flight_recorder.report(f"it lost a peer: {lost}",
-                                   lost=heartbeats.lost_ranks(error))
+            flight_recorder.report(f"it lost a peer: {lost}", lost=heartbeats.lost_ranks(error))
             return host_allreduce.PeerLostError(f"multi_worker: {lost}")
         return None
 
@@ -199,11 +210,12 @@ def _communication_options(implementation, bytes_per_pack, collective_timeout):
             f"Unknown implementation={implementation!r}; use one of "
             f"{sorted([*_IMPLEMENTATIONS, _SHARED_MEMORY])}."
         )
-    if (isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, int)
-            or bytes_per_pack < 0):
-        raise ValueError(
-            f"bytes_per_pack={bytes_per_pack!r} must be an int >= 0 (0 = one pack)."
-        )
+    if (
+        isinstance(bytes_per_pack, bool)
+        or not isinstance(bytes_per_pack, int)
+        or bytes_per_pack < 0
+    ):
+        raise ValueError(f"bytes_per_pack={bytes_per_pack!r} must be an int >= 0 (0 = one pack).")
     seconds.check_seconds("collective_timeout", collective_timeout, none_ok=True)
     return tf.distribute.experimental.CommunicationOptions(
         bytes_per_pack=bytes_per_pack,
@@ -249,8 +261,9 @@ def _wants_shared_memory(implementation: str, info: cluster_lib.ClusterInfo) -> 
         if not cluster_lib.is_local_host(cluster_lib.parse_address(address)[0])
     ]
     if implementation == "auto":
-        return (not remote and host_allreduce.supported()
-                and not tf.config.list_physical_devices("GPU"))
+        return (
+            not remote and host_allreduce.supported() and not tf.config.list_physical_devices("GPU")
+        )
     if remote:
         raise cluster_lib.ClusterConfigError(
             f"implementation='shm' needs every worker on this host, but {remote[0]} is "
@@ -261,7 +274,6 @@ def _wants_shared_memory(implementation: str, info: cluster_lib.ClusterInfo) -> 
             "implementation='shm' needs Linux (named pipes and /dev/shm); use 'auto' or 'ring'."
         )
     return True
-
 
 
 def _local_rank(info: cluster_lib.ClusterInfo) -> int:

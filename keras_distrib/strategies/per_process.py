@@ -38,13 +38,22 @@ class PerProcessStrategy(Lockstep, Strategy):
             one process, the identity).
     """
 
-    def __init__(self, device: Optional[str] = None, rank: int = 0, size: int = 1,
-                 local_rank: int = 0, transport: Optional[Transport] = None):
+    def __init__(
+        self,
+        device: Optional[str] = None,
+        rank: int = 0,
+        size: int = 1,
+        local_rank: int = 0,
+        transport: Optional[Transport] = None,
+    ):
         self._device = device
         self.transport = transport if transport is not None else transports.create("one_process")
         self._topology = Topology.data_parallel(
-            (device or devices_lib.local_devices()[0],), num_processes=size,
-            process_index=rank, local_rank=local_rank)
+            (device or devices_lib.local_devices()[0],),
+            num_processes=size,
+            process_index=rank,
+            local_rank=local_rank,
+        )
 
     @property
     def topology(self) -> Topology:

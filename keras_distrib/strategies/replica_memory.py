@@ -27,9 +27,11 @@ class ReplicaMemory:
         return self.weights + self.gradients + self.optimizer
 
     def __str__(self) -> str:
-        return (f"per replica: weights {_size(self.weights)}, gradients "
-                f"{_size(self.gradients)}, optimizer {_size(self.optimizer)}, "
-                f"total {_size(self.total)}")
+        return (
+            f"per replica: weights {_size(self.weights)}, gradients "
+            f"{_size(self.gradients)}, optimizer {_size(self.optimizer)}, "
+            f"total {_size(self.total)}"
+        )
 
 
 def _size(count: float) -> str:
@@ -45,5 +47,7 @@ def _size(count: float) -> str:
 def variable_bytes(variables: Sequence[Any], parts: int = 1) -> int:
     """Bytes of `variables`' values (one copy each), or of one of `parts`
     equal parts of each (rounded up)."""
-    return sum(-(-int(np.prod(v.shape)) // parts)
-               * np.dtype(tf.as_dtype(v.dtype).as_numpy_dtype).itemsize for v in variables)
+    return sum(
+        -(-int(np.prod(v.shape)) // parts) * np.dtype(tf.as_dtype(v.dtype).as_numpy_dtype).itemsize
+        for v in variables
+    )

@@ -22,8 +22,9 @@ from keras_distrib.strategies.base import Strategy
 from keras_distrib.strategies.tf_distribute import entered
 
 
-def get(strategy: Union[str, Strategy, tf.distribute.Strategy] = registry.AUTO,
-        **options: Any) -> Strategy:
+def get(
+    strategy: Union[str, Strategy, tf.distribute.Strategy] = registry.AUTO, **options: Any
+) -> Strategy:
     """Builds or adopts the strategy `strategy` names.
 
     Raises:
@@ -43,7 +44,8 @@ def get(strategy: Union[str, Strategy, tf.distribute.Strategy] = registry.AUTO,
         if options:
             raise ValueError(
                 f"Options {sorted(options)} were given with a tf.distribute strategy object; "
-                "pass them to its constructor instead.")
+                "pass them to its constructor instead."
+            )
         return from_tf.adopt(strategy)
     if isinstance(strategy, Strategy):
         if options:
@@ -61,8 +63,9 @@ def get(strategy: Union[str, Strategy, tf.distribute.Strategy] = registry.AUTO,
     return registry.create(strategy, **options)
 
 
-def _the_entered(scope: Strategy,
-                 strategy: Union[str, Strategy, tf.distribute.Strategy]) -> Strategy:
+def _the_entered(
+    scope: Strategy, strategy: Union[str, Strategy, tf.distribute.Strategy]
+) -> Strategy:
     """Inside a strategy's `scope()` (e.g. `keras.models.load_model` there, as
     TensorFlow's tutorials do) models use that strategy, as Keras's do.
     """

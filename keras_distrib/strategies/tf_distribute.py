@@ -31,7 +31,8 @@ from keras_distrib.topology import Topology
 # `entered`). Both sides weak: the strategy holds its engine, so a strong
 # value would keep every engine, and its strategy, alive for good.
 _OWNERS: "weakref.WeakKeyDictionary[tf.distribute.Strategy, weakref.ref]" = (
-    weakref.WeakKeyDictionary())
+    weakref.WeakKeyDictionary()
+)
 
 
 def owner_of(engine: tf.distribute.Strategy) -> Optional["TFDistributeStrategy"]:
@@ -71,13 +72,22 @@ class TFDistributeStrategy(Lockstep, Strategy):
     # `exact_batch_logs=False` and report the process's own values.
     capabilities = Capabilities(keras_gradient_accumulation=False)
 
-    def __init__(self, tf_strategy: tf.distribute.Strategy, num_processes: int = 1,
-                 process_index: int = 0, local_rank: int = 0, **collective_options: Any):
+    def __init__(
+        self,
+        tf_strategy: tf.distribute.Strategy,
+        num_processes: int = 1,
+        process_index: int = 0,
+        local_rank: int = 0,
+        **collective_options: Any,
+    ):
         self._tf_strategy = tf_strategy
         _OWNERS[tf_strategy] = weakref.ref(self)
         self._topology = Topology.data_parallel(
-            tf_strategy.extended.worker_devices, num_processes=num_processes,
-            process_index=process_index, local_rank=local_rank)
+            tf_strategy.extended.worker_devices,
+            num_processes=num_processes,
+            process_index=process_index,
+            local_rank=local_rank,
+        )
         if self._topology.num_replicas != tf_strategy.num_replicas_in_sync:
             raise ValueError(
                 f"{type(self).__name__}: {tf_strategy.num_replicas_in_sync} replicas in sync "
@@ -85,8 +95,11 @@ class TFDistributeStrategy(Lockstep, Strategy):
                 "process must have the same number of devices."
             )
         self.transport = transports.create(
-            "tensorflow", engine=tf_strategy,
-            first_local_replica=self._topology.first_local_replica, **collective_options)
+            "tensorflow",
+            engine=tf_strategy,
+            first_local_replica=self._topology.first_local_replica,
+            **collective_options,
+        )
 
     @property
     def topology(self) -> Topology:
@@ -135,8 +148,10 @@ class TFDistributeStrategy(Lockstep, Strategy):
 
         def seeded_fn(shard):
             index = tf.distribute.get_replica_context().replica_id_in_sync_group
-            with replica_seeds.as_replica(index), \
-                    _warnings_shown(tf.get_static_value(index) in (None, first)):
+            with (
+                replica_seeds.as_replica(index),
+                _warnings_shown(tf.get_static_value(index) in (None, first)),
+            ):
                 return replica_fn(shard)
 
         per_replica = self._tf_strategy.experimental_distribute_values_from_function(value_fn)
@@ -146,8 +161,9 @@ class TFDistributeStrategy(Lockstep, Strategy):
         return tf.distribute.get_replica_context().replica_id_in_sync_group
 
     def step_logs(self, model, outputs: Any) -> Any:
-        if not any(isinstance(v, tf.distribute.DistributedValues)
-                   for v in tf.nest.flatten(outputs)):
+        if not any(
+            isinstance(v, tf.distribute.DistributedValues) for v in tf.nest.flatten(outputs)
+        ):
             return outputs
         # Inside the scope: reading metric variables and reducing other
         # values (a custom train_step's own keys) both need it.
@@ -158,13 +174,16 @@ class TFDistributeStrategy(Lockstep, Strategy):
                 # Metric variables sum across replicas when read here, so
                 # these are exact global values, not a mean of replica values.
                 metrics = model.get_metrics_result()
-                return {k: metrics[k] if k in metrics else self._reduce_mean(v)
-                        for k, v in outputs.items()}
+                return {
+                    k: metrics[k] if k in metrics else self._reduce_mean(v)
+                    for k, v in outputs.items()
+                }
             return self._reduce_mean(outputs)
 
     def _reduce_mean(self, per_replica: Any) -> Any:
         return tf.nest.map_structure(
-            lambda v: self._tf_strategy.reduce("MEAN", v, axis=None), per_replica)
+            lambda v: self._tf_strategy.reduce("MEAN", v, axis=None), per_replica
+        )
 
     def _local_mean(self, per_replica: Any) -> Any:
         def mean(value):

@@ -75,8 +75,7 @@ class TPU(TFDistributeStrategy):
     def distribute_fit_input(self, fit):
         check_static_batches(fit.x, fit.batch_size)
         if fit.validation_data is not None:
-            check_static_batches(fit.validation_data, fit.validation_batch_size
-                                 or fit.batch_size)
+            check_static_batches(fit.validation_data, fit.validation_batch_size or fit.batch_size)
         return super().distribute_fit_input(fit)
 
     def distribute_input(self, x, y=None, sample_weight=None, batch_size=None):

@@ -36,7 +36,8 @@ _COMPILE_SIGNATURE = inspect.signature(keras.Model.compile)
 
 # Optimizer -> the strategy that adopted it (see `adopt_optimizer`).
 _ADOPTED: "weakref.WeakKeyDictionary[keras.optimizers.Optimizer, object]" = (
-    weakref.WeakKeyDictionary())
+    weakref.WeakKeyDictionary()
+)
 
 
 class StrategyAdoption(TrainerPart):
@@ -92,11 +93,17 @@ class StrategyAdoption(TrainerPart):
         and `g_optimizer`)."""
         self._take_variables()
         metric_variables = [v for metric in self.metrics for v in metric.variables]
-        placement.remake(placement.unheld(self._strategy, metric_variables, self),
-                         self._strategy, self)
+        placement.remake(
+            placement.unheld(self._strategy, metric_variables, self), self._strategy, self
+        )
         for optimizer in optimizer_attributes(self):
-            adopt_optimizer(optimizer, optimizers_in(optimizer),
-                            self._strategy, self, self._kd_state.reduction_switch)
+            adopt_optimizer(
+                optimizer,
+                optimizers_in(optimizer),
+                self._strategy,
+                self,
+                self._kd_state.reduction_switch,
+            )
 
     @outside_scopes
     def compile(self, optimizer="rmsprop", *args, **kwargs):
@@ -107,11 +114,15 @@ class StrategyAdoption(TrainerPart):
         fit_checks.check_same_compile(self._strategy, arguments)
         with self._strategy.scope():
             optimizer = self._loss_scaled_if_mixed(
-                keras.optimizers.get(arguments["optimizer"]),
-                arguments.get("auto_scale_loss", True))
+                keras.optimizers.get(arguments["optimizer"]), arguments.get("auto_scale_loss", True)
+            )
             arguments["optimizer"] = adopt_optimizer(
-                optimizer, optimizers_in(optimizer), self._strategy, self,
-                self._kd_state.reduction_switch)
+                optimizer,
+                optimizers_in(optimizer),
+                self._strategy,
+                self,
+                self._kd_state.reduction_switch,
+            )
             for key in ("metrics", "weighted_metrics"):
                 arguments[key] = adopt_metrics(arguments.get(key), self._strategy, self)
             super().compile(**arguments)  # type: ignore[misc]  # Keras's
@@ -122,8 +133,12 @@ class StrategyAdoption(TrainerPart):
         optimizer that applies the updates: wrapped after `adopt_optimizer`,
         its loss-scale update ran unadopted (under central_storage it failed:
         "`merge_call` called while defining a new graph")."""
-        if (auto_scale_loss and optimizer and self.dtype_policy.name == "mixed_float16"
-                and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)):
+        if (
+            auto_scale_loss
+            and optimizer
+            and self.dtype_policy.name == "mixed_float16"
+            and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        ):
             return keras.optimizers.LossScaleOptimizer(optimizer, name="loss_scale_optimizer")
         return optimizer
 
@@ -187,7 +202,8 @@ def _check_built_without_call(model) -> None:
         raise ValueError(
             f"Model {model.name!r} has no call(), so fit cannot build its layer "
             f"{unbuilt[0]!r}; build it before fit (give its model a keras.Input shape, "
-            "or call it on a batch).")
+            "or call it on a batch)."
+        )
 
 
 def check_steps_per_execution(steps) -> None:
@@ -198,8 +214,7 @@ def check_steps_per_execution(steps) -> None:
         )
 
 
-def adopt_optimizer(optimizer, applying: list, strategy: Strategy, model,
-                    switch: ReductionSwitch):
+def adopt_optimizer(optimizer, applying: list, strategy: Strategy, model, switch: ReductionSwitch):
     """Returns `optimizer`, made `strategy`'s in place if it was made
     outside it; `applying`: it and the optimizers it applies through, each
     of which gets `model`'s reduction `switch` (`install_reduction_switch`).
@@ -222,8 +237,9 @@ def adopt_optimizer(optimizer, applying: list, strategy: Strategy, model,
         return optimizer
     if optimizer.built:
         mine = {id(v) for v in model.trainable_variables}
-        if not all(id(v) in mine for opt in applying
-                   for v in _compat.optimizer_trainable_variables(opt)):
+        if not all(
+            id(v) in mine for opt in applying for v in _compat.optimizer_trainable_variables(opt)
+        ):
             raise ValueError(
                 "The optimizer was already used outside this model's strategy; "
                 "pass a new optimizer (or its name) to compile()."
@@ -285,10 +301,16 @@ def optimizer_attributes(model) -> list:
     attribute (a GAN's `d_optimizer`, in a list or dict too)."""
     found = [model.optimizer] if getattr(model, "optimizer", None) is not None else []
     for value in list(vars(model).values()):
-        for item in (value.values() if isinstance(value, dict) else
-                     value if isinstance(value, (list, tuple)) else [value]):
+        for item in (
+            value.values()
+            if isinstance(value, dict)
+            else value
+            if isinstance(value, (list, tuple))
+            else [value]
+        ):
             if isinstance(item, keras.optimizers.Optimizer) and not any(
-                    item is seen for seen in found):
+                item is seen for seen in found
+            ):
                 found.append(item)
     return found
 

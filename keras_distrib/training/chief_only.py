@@ -39,8 +39,7 @@ from keras_distrib.cluster.process_state import process_state
 
 
 @contextlib.contextmanager
-def redirected(callbacks, is_chief: bool, enabled: bool,
-               rank: int = 0) -> Iterator[Optional[list]]:
+def redirected(callbacks, is_chief: bool, enabled: bool, rank: int = 0) -> Iterator[Optional[list]]:
     """Yields the callbacks this worker (of `rank`) should run."""
     if is_chief or not enabled or not callbacks:
         yield callbacks
@@ -49,8 +48,7 @@ def redirected(callbacks, is_chief: bool, enabled: bool,
         callbacks = callbacks.callbacks
     scratch = scratch_directory()
     try:
-        yield [_redirect(cb, os.path.join(scratch, str(i)), rank)
-               for i, cb in enumerate(callbacks)]
+        yield [_redirect(cb, os.path.join(scratch, str(i)), rank) for i, cb in enumerate(callbacks)]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -66,9 +64,12 @@ def scratch_directory() -> str:
     cleanup."""
     parent = tempfile.gettempdir()
     for name in os.listdir(parent):
-        pid = name[len(SCRATCH_PREFIX):].split("-", 1)[0]
-        if name.startswith(SCRATCH_PREFIX) and pid.isdigit() and \
-                process_state(int(pid)) == "exited":
+        pid = name[len(SCRATCH_PREFIX) :].split("-", 1)[0]
+        if (
+            name.startswith(SCRATCH_PREFIX)
+            and pid.isdigit()
+            and process_state(int(pid)) == "exited"
+        ):
             shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
     return tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-", dir=parent)
 

@@ -55,53 +55,86 @@ class EntryPoints(TrainerPart):
     chief_only_side_effects: bool
 
     @outside_scopes
-    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
-            callbacks=None, validation_split=0.0, validation_data=None,
-            shuffle=True, class_weight=None, sample_weight=None, **kwargs):
+    def fit(
+        self,
+        x=None,
+        y=None,
+        batch_size=None,
+        epochs=1,
+        verbose="auto",
+        callbacks=None,
+        validation_split=0.0,
+        validation_data=None,
+        shuffle=True,
+        class_weight=None,
+        sample_weight=None,
+        **kwargs,
+    ):
         x = _compat.undistributed(x)
         validation_data = _compat.undistributed(validation_data)
         steps_per_epoch = kwargs.pop("steps_per_epoch", None)
-        self._check_fit_call(x, y, batch_size, epochs, sample_weight, callbacks,
-                             steps_per_epoch, kwargs)
+        self._check_fit_call(
+            x, y, batch_size, epochs, sample_weight, callbacks, steps_per_epoch, kwargs
+        )
         # Keras's BackupAndRestore resumes at an epoch's start, reshuffled, and
         # is not crash-safe: ours takes its place, with its arguments.
         callbacks = keras_backup.adopt_keras_backup(callbacks)
         self._strategy.check_callbacks(callback_list(callbacks))
         backup = fit_state_lib.resumable_among(callback_list(callbacks))
         start = backup.resume_point(self) if backup is not None else None
-        fit = self._distribute_fit_input(FitInput(
-            x=x, y=y, sample_weight=sample_weight, batch_size=batch_size, shuffle=shuffle,
-            validation_split=validation_split, validation_data=validation_data,
-            validation_batch_size=kwargs.pop("validation_batch_size", None),
-            steps_per_epoch=steps_per_epoch,
-            class_weight=class_weight,  # with arrays: made sample weights (sharding.fit_input)
-            steps_per_execution=self.steps_per_execution,
-            start=start, resumable=backup is not None), backup)
+        fit = self._distribute_fit_input(
+            FitInput(
+                x=x,
+                y=y,
+                sample_weight=sample_weight,
+                batch_size=batch_size,
+                shuffle=shuffle,
+                validation_split=validation_split,
+                validation_data=validation_data,
+                validation_batch_size=kwargs.pop("validation_batch_size", None),
+                steps_per_epoch=steps_per_epoch,
+                class_weight=class_weight,  # with arrays: made sample weights (sharding.fit_input)
+                steps_per_execution=self.steps_per_execution,
+                start=start,
+                resumable=backup is not None,
+            ),
+            backup,
+        )
         if start is not None:
             kwargs["initial_epoch"] = start.epoch
         state = fit_state_lib.FitState(
-            backup=backup, replay=(start.step if start else 0) // self.steps_per_execution)
+            backup=backup, replay=(start.step if start else 0) // self.steps_per_execution
+        )
         history = self._keras_fit(fit, state, epochs, verbose, callbacks, kwargs)
         _raise_if_preempted(state, backup)
         return history
 
-    def _check_fit_call(self, x, y, batch_size, epochs, sample_weight, callbacks,
-                        steps_per_epoch, kwargs) -> None:
+    def _check_fit_call(
+        self, x, y, batch_size, epochs, sample_weight, callbacks, steps_per_epoch, kwargs
+    ) -> None:
         """`fit`'s checks before its input is handed to the strategy, in
         this order on every process: the batch sizes, the input
         (`_check_fit_input`), then that every process was called alike
         (`check_same_call`, a collective). `kwargs`: `fit`'s own, read only."""
         self._strategy.check_batch_size(batch_size)
-        self._strategy.check_batch_size(kwargs.get("validation_batch_size"),
-                                        "validation_batch_size")
+        self._strategy.check_batch_size(
+            kwargs.get("validation_batch_size"), "validation_batch_size"
+        )
         self._check_fit_input(x, y, sample_weight, callbacks)
         fit_checks.check_same_call(
-            self._strategy, "fit", x, batch_size=batch_size, epochs=epochs,
-            initial_epoch=kwargs.get("initial_epoch", 0), steps=steps_per_epoch,
-            steps_per_execution=self.steps_per_execution)
+            self._strategy,
+            "fit",
+            x,
+            batch_size=batch_size,
+            epochs=epochs,
+            initial_epoch=kwargs.get("initial_epoch", 0),
+            steps=steps_per_epoch,
+            steps_per_execution=self.steps_per_execution,
+        )
 
-    def _distribute_fit_input(self, fit_input: FitInput,
-                              backup: Optional[fit_state_lib.Resumable]) -> FitInput:
+    def _distribute_fit_input(
+        self, fit_input: FitInput, backup: Optional[fit_state_lib.Resumable]
+    ) -> FitInput:
         """The strategy's input for `fit_input`; the model built from its
         batch where the strategy feeds Keras none, and its shuffle seed
         recorded in `backup`, if any."""
@@ -113,23 +146,36 @@ class EntryPoints(TrainerPart):
             backup.record_seed(fit.seed)
         return fit
 
-    def _keras_fit(self, fit: FitInput, state: fit_state_lib.FitState, epochs, verbose,
-                   callbacks, kwargs):
+    def _keras_fit(
+        self, fit: FitInput, state: fit_state_lib.FitState, epochs, verbose, callbacks, kwargs
+    ):
         """Keras's own `fit` on the strategy's input `fit`, with `state` as
         the model's `fit_state`, SIGTERM watched, side effects on the chief
         only and the internal callbacks around the user's."""
         preemption.reset()
-        with self._fit_state_set(state), preemption.watching(), \
-                self._side_effects(callbacks) as callbacks, \
-                self._internal_callbacks(callbacks, state) as callbacks, \
-                self._clearer_failure():
+        with (
+            self._fit_state_set(state),
+            preemption.watching(),
+            self._side_effects(callbacks) as callbacks,
+            self._internal_callbacks(callbacks, state) as callbacks,
+            self._clearer_failure(),
+        ):
             # Keras's Model.fit, after these mixins in the model's classes.
             return super().fit(  # type: ignore[misc]  # Keras's
-                fit.x, fit.y, fit.batch_size, epochs, self._verbose(verbose),
-                callbacks, fit.validation_split, fit.validation_data,
-                fit.shuffle, fit.class_weight, fit.sample_weight,
+                fit.x,
+                fit.y,
+                fit.batch_size,
+                epochs,
+                self._verbose(verbose),
+                callbacks,
+                fit.validation_split,
+                fit.validation_data,
+                fit.shuffle,
+                fit.class_weight,
+                fit.sample_weight,
                 validation_batch_size=fit.validation_batch_size,
-                steps_per_epoch=fit.steps_per_epoch, **kwargs,
+                steps_per_epoch=fit.steps_per_epoch,
+                **kwargs,
             )
 
     @property
@@ -207,17 +253,31 @@ class EntryPoints(TrainerPart):
         vote = self._kd_state.vote
         if vote is None:
             with self._strategy.scope():
-                vote = preemption.Vote(tf.Variable(
-                    0.0, trainable=False, name="kd_preemption_vote",
-                    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA))
+                vote = preemption.Vote(
+                    tf.Variable(
+                        0.0,
+                        trainable=False,
+                        name="kd_preemption_vote",
+                        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+                    )
+                )
             # Held by the model's state, not as a Keras attribute: no weight,
             # never saved.
             self._kd_state.vote = vote
         return vote
 
     @outside_scopes
-    def evaluate(self, x=None, y=None, batch_size=None, verbose="auto",
-                 sample_weight=None, steps=None, callbacks=None, **kwargs):
+    def evaluate(
+        self,
+        x=None,
+        y=None,
+        batch_size=None,
+        verbose="auto",
+        sample_weight=None,
+        steps=None,
+        callbacks=None,
+        **kwargs,
+    ):
         x = _compat.undistributed(x)
         self._strategy.check_batch_size(batch_size)
         if _compat.validation_in_fit(kwargs):
@@ -225,28 +285,43 @@ class EntryPoints(TrainerPart):
             if preemption.stopped_at(self) is not None:
                 return {}  # stopping on a SIGTERM: no time for validation
             return super().evaluate(  # type: ignore[misc]  # Keras's
-                x, y, batch_size, verbose, sample_weight, steps, callbacks, **kwargs)
-        fit_checks.check_same_call(self._strategy, "evaluate", x, batch_size=batch_size,
-                                   steps=steps, steps_per_execution=self.steps_per_execution)
+                x, y, batch_size, verbose, sample_weight, steps, callbacks, **kwargs
+            )
+        fit_checks.check_same_call(
+            self._strategy,
+            "evaluate",
+            x,
+            batch_size=batch_size,
+            steps=steps,
+            steps_per_execution=self.steps_per_execution,
+        )
         x, y, sample_weight, batch_size = self._strategy.distribute_input(
-            x, y, sample_weight, batch_size)
+            x, y, sample_weight, batch_size
+        )
         with self._side_effects(callbacks) as callbacks, self._clearer_failure():
             return super().evaluate(  # type: ignore[misc]  # Keras's
-                x, y, batch_size, self._verbose(verbose), sample_weight, steps, callbacks,
-                **kwargs)
+                x, y, batch_size, self._verbose(verbose), sample_weight, steps, callbacks, **kwargs
+            )
 
     @outside_scopes
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
         x = _compat.undistributed(x)
         self._strategy.check_batch_size(batch_size)
-        fit_checks.check_same_call(self._strategy, "predict", x, batch_size=batch_size,
-                                   steps=steps, steps_per_execution=self.steps_per_execution)
+        fit_checks.check_same_call(
+            self._strategy,
+            "predict",
+            x,
+            batch_size=batch_size,
+            steps=steps,
+            steps_per_execution=self.steps_per_execution,
+        )
         if not self.built:
             x = self._build_from_predict_input(x, batch_size)
         x, _, _, batch_size = self._strategy.distribute_input(x, batch_size=batch_size)
         with self._side_effects(callbacks) as callbacks, self._clearer_failure():
             return super().predict(  # type: ignore[misc]  # Keras's
-                x, batch_size, self._verbose(verbose), steps, callbacks)
+                x, batch_size, self._verbose(verbose), steps, callbacks
+            )
 
     def _build_from_predict_input(self, x, batch_size):
         """Builds the model's layers from `x`'s first batch; returns `x`,
@@ -256,8 +331,9 @@ class EntryPoints(TrainerPart):
             first, x = data_lib.peek(x)
             self._maybe_symbolic_build(data_batch=first, forward_only=True)
             return x
-        self._maybe_symbolic_build(iterator=_compat.epoch_iterator(x, batch_size),
-                                   forward_only=True)
+        self._maybe_symbolic_build(
+            iterator=_compat.epoch_iterator(x, batch_size), forward_only=True
+        )
         return x
 
     def _verbose(self, verbose):
@@ -279,7 +355,9 @@ class EntryPoints(TrainerPart):
 
     def _side_effects(self, callbacks):
         return chief_only.redirected(
-            callbacks, self._strategy.is_chief, self.chief_only_side_effects,
+            callbacks,
+            self._strategy.is_chief,
+            self.chief_only_side_effects,
             rank=self._strategy.rank,
         )
 
@@ -298,14 +376,18 @@ class EntryPoints(TrainerPart):
         return super().predict_on_batch(x)  # type: ignore[misc]  # Keras's
 
 
-def _raise_if_preempted(state: fit_state_lib.FitState,
-                        backup: Optional[fit_state_lib.Resumable]) -> None:
+def _raise_if_preempted(
+    state: fit_state_lib.FitState, backup: Optional[fit_state_lib.Resumable]
+) -> None:
     """After Keras's `fit` returned: the preemption's one-line error, naming
     the backup (or that there is none), when a SIGTERM stopped the call of
     `state`."""
     if state.preempted_at is not None:
-        where = (f"; backup in {backup.backup_dir}" if backup is not None else
-                 "; nothing was saved (add keras_distrib.callbacks.BackupAndRestore)")
+        where = (
+            f"; backup in {backup.backup_dir}"
+            if backup is not None
+            else "; nothing was saved (add keras_distrib.callbacks.BackupAndRestore)"
+        )
         raise preemption.announce(state.preempted_at, where)
 
 
@@ -323,8 +405,9 @@ def callback_list(callbacks) -> list:
     return list(keras.tree.flatten(callbacks or []))
 
 
-def with_resume_and_preemption(model: Any, train_function: Callable[..., Any]
-                               ) -> Callable[..., Any]:
+def with_resume_and_preemption(
+    model: Any, train_function: Callable[..., Any]
+) -> Callable[..., Any]:
     """`train_function`, then the preemption check (`PreemptionWatch`);
     except that its first calls after a resume (as many as the model's
     replay count says) only pull their batches: the steps the run did

@@ -173,9 +173,11 @@ def check_same_call(strategy: Strategy, call: str, x=None, **facts) -> None:
     """
     if strategy.world_size == 1:
         return
-    row = [float(_CALLS.index(call))] + [
-        float(-1 if facts.get(name) is None else facts[name]) for name in _FACTS[:-2]
-    ] + [float(input_size(x)), float(facts.get("steps_per_execution") or 1)]
+    row = (
+        [float(_CALLS.index(call))]
+        + [float(-1 if facts.get(name) is None else facts[name]) for name in _FACTS[:-2]]
+        + [float(input_size(x)), float(facts.get("steps_per_execution") or 1)]
+    )
     table = strategy.sync_gather(np.array(row, np.float64))
     for rank in range(1, len(table)):
         if not np.array_equal(table[rank], table[0], equal_nan=True):
@@ -203,9 +205,7 @@ def input_size(x) -> int:
 
 def _describe(row) -> str:
     call = _CALLS[int(row[0])]
-    facts = ", ".join(
-        f"{name}={int(value)}" for name, value in zip(_FACTS, row[1:]) if value != -1
-    )
+    facts = ", ".join(f"{name}={int(value)}" for name, value in zip(_FACTS, row[1:]) if value != -1)
     return f"{call}({facts})"
 
 
@@ -222,7 +222,7 @@ def _gathered_rows(strategy: Strategy, rows: np.ndarray) -> tuple[np.ndarray, np
     head = strategy.sync_gather(np.array(rows.shape, np.float64))
     count, width = (int(n) for n in head.max(axis=0))
     padded = np.full((count, width), _MISSING)
-    padded[:rows.shape[0], :rows.shape[1]] = rows
+    padded[: rows.shape[0], : rows.shape[1]] = rows
     return strategy.sync_gather(padded), head[:, 0].astype(int)
 
 
@@ -262,12 +262,17 @@ def check_same_compile(strategy: Strategy, arguments: dict) -> None:
     if strategy.world_size == 1:
         return
     try:
-        settings = _flat_settings({key: keras.saving.serialize_keras_object(arguments.get(key))
-                                   for key in _COMPILE_ARGUMENTS})
+        settings = _flat_settings(
+            {
+                key: keras.saving.serialize_keras_object(arguments.get(key))
+                for key in _COMPILE_ARGUMENTS
+            }
+        )
     except Exception:  # noqa: BLE001 - a custom object without get_config
         return
-    rows = np.array([[_checksum(path), *_value_code(value)] for path, value in settings],
-                    np.float64).reshape(-1, 3)
+    rows = np.array(
+        [[_checksum(path), *_value_code(value)] for path, value in settings], np.float64
+    ).reshape(-1, 3)
     table, _ = _gathered_rows(strategy, rows)  # [process, setting, (path, kind, value)]
     found = _first_difference(table)
     if found is not None:
@@ -277,7 +282,8 @@ def check_same_compile(strategy: Strategy, arguments: dict) -> None:
             f"worker {rank} compiled the model differently than worker 0: {name} is "
             f"{_describe_value(table[rank, i])} on worker {rank} but "
             f"{_describe_value(table[0, i])} on worker 0; every worker must compile "
-            "the same way (same optimizer, learning rate, loss and metrics).")
+            "the same way (same optimizer, learning rate, loss and metrics)."
+        )
 
 
 def _flat_settings(config, path="") -> list:
@@ -293,8 +299,9 @@ def _flat_settings(config, path="") -> list:
             found += _flat_settings(value, inner)
         return found
     if isinstance(config, (list, tuple)):
-        return [item for i, value in enumerate(config)
-                for item in _flat_settings(value, f"{path}[{i}]")]
+        return [
+            item for i, value in enumerate(config) for item in _flat_settings(value, f"{path}[{i}]")
+        ]
     return [(path, config)]
 
 
@@ -335,7 +342,7 @@ def check_same_model(strategy: Strategy, variables) -> None:
     rows = np.full((len(variables), 2 + ndim), _MISSING)  # _MISSING: no such dimension
     for i, variable in enumerate(variables):
         shape = [(-1 if d is None else d) for d in variable.shape]
-        rows[i, :2 + len(shape)] = [_dtype_code(variable), len(shape), *shape]
+        rows[i, : 2 + len(shape)] = [_dtype_code(variable), len(shape), *shape]
     table, counts = _gathered_rows(strategy, rows)  # [process, variable, 2 + dimensions]
     found = _first_difference(table)
     if found is not None:
@@ -363,9 +370,11 @@ def same_model_or_error(strategy: Strategy):
     except (tf.errors.InvalidArgumentError, RuntimeError) as error:
         # RuntimeError: Keras's "Unable to automatically build the model"
         # around TensorFlow's error, when `fit` builds the model.
-        found = re.search(r"Shape mismatch in the collective.*?expected shape (\S+) but "
-                          r"another member in the group expected shape (\S+?)\.",
-                          str(error))
+        found = re.search(
+            r"Shape mismatch in the collective.*?expected shape (\S+) but "
+            r"another member in the group expected shape (\S+?)\.",
+            str(error),
+        )
         if found is None:
             raise
         raise WorkersDisagreeError(
@@ -376,8 +385,19 @@ def same_model_or_error(strategy: Strategy):
         ) from None
 
 
-_DTYPES = ("float32", "float16", "bfloat16", "float64", "int32", "int64", "int8",
-           "uint8", "int16", "bool", "string")
+_DTYPES = (
+    "float32",
+    "float16",
+    "bfloat16",
+    "float64",
+    "int32",
+    "int64",
+    "int8",
+    "uint8",
+    "int16",
+    "bool",
+    "string",
+)
 
 
 def _dtype_code(variable) -> float:
@@ -390,7 +410,7 @@ def _describe_variable(row) -> str:
         return "missing"
     code, ndim = int(row[0]), int(row[1])
     dtype = _DTYPES[code] if code < len(_DTYPES) else "another dtype"
-    shape = tuple(None if d == -1 else int(d) for d in row[2:2 + ndim])
+    shape = tuple(None if d == -1 else int(d) for d in row[2 : 2 + ndim])
     return f"{dtype} {shape}"
 
 
@@ -421,16 +441,17 @@ class ReplicasAgree(keras.callbacks.Callback):
         variables = self.model.weights
         if not variables:
             return
-        mine = np.array([
-            [_checksums(copy) for copy in strategy.local_replica_values(v)]
-            for v in variables
-        ], np.float64)  # [variable, local replica, 2]
+        mine = np.array(
+            [[_checksums(copy) for copy in strategy.local_replica_values(v)] for v in variables],
+            np.float64,
+        )  # [variable, local replica, 2]
         gathered = strategy.sync_gather(mine)  # [process, variable, replica, 2]
         reference = gathered[0, :, 0]
         for rank, process in enumerate(gathered):
             for replica in range(process.shape[1]):
                 same = (process[:, replica] == reference) | (
-                    np.isnan(process[:, replica]) & np.isnan(reference))
+                    np.isnan(process[:, replica]) & np.isnan(reference)
+                )
                 differs = np.flatnonzero(~np.all(same, axis=-1))
                 if differs.size:
                     i = int(differs[0])

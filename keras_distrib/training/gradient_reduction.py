@@ -37,8 +37,9 @@ class GradientReduction(TrainerPart):
     trainable_weights: Any
     record_output_losses: Callable[..., None]
 
-    def reduce_with_statistics(self, gradients: list, num_samples, output_losses=(),
-                               x=None) -> list:
+    def reduce_with_statistics(
+        self, gradients: list, num_samples, output_losses=(), x=None
+    ) -> list:
         """`reduce_gradients`, with moving statistics, per-output losses and
         the stop vote riding along.
 
@@ -64,20 +65,22 @@ class GradientReduction(TrainerPart):
         count = tf.cast(num_samples, tf.float32)
         extras = [tf.cast(v, tf.float32) * count for v in [*statistics, *output_losses]]
         if vote is not None:
-            mine = tf.numpy_function(preemption.local_vote, [], tf.float32, stateful=True,
-                                     name="kd_preemption_vote")
+            mine = tf.numpy_function(
+                preemption.local_vote, [], tf.float32, stateful=True, name="kd_preemption_vote"
+            )
             extras.append(tf.reshape(mine, []))
             vote.carried = True  # at trace time
         if scatter and shards is not None:  # optimizer_sharding="gradients": this replica's parts
-            parts, means = shards.reduce_scatter(self.trainable_weights, gradients,
-                                                 num_samples, extras)
+            parts, means = shards.reduce_scatter(
+                self.trainable_weights, gradients, num_samples, extras
+            )
             reduced = [*parts, *means]
         else:
             reduced = self.reduce_gradients([*gradients, *extras], num_samples)
-        for variable, value in zip(statistics, reduced[len(gradients):]):
+        for variable, value in zip(statistics, reduced[len(gradients) :]):
             variable.assign(tf.cast(value, variable.dtype))
         start = len(gradients) + len(statistics)
-        self.record_output_losses(reduced[start:start + len(output_losses)], x, summed=True)
+        self.record_output_losses(reduced[start : start + len(output_losses)], x, summed=True)
         if vote is not None:
             vote.variable.assign(reduced[-1])
         return reduced[: len(gradients)]
@@ -91,7 +94,8 @@ class GradientReduction(TrainerPart):
             v
             for layer in _compat.all_layers(self)
             if isinstance(layer, keras.layers.BatchNormalization)
-            and layer.trainable and not layer.synchronized
+            and layer.trainable
+            and not layer.synchronized
             for v in layer.non_trainable_variables
         ]
 
@@ -114,20 +118,25 @@ class GradientReduction(TrainerPart):
         if not self._sums_sample_losses:
             return list(gradients)
         reduced = list(gradients)
-        dense = [i for i, g in enumerate(gradients)
-                 if g is not None and not isinstance(g, tf.IndexedSlices)]
+        dense = [
+            i
+            for i, g in enumerate(gradients)
+            if g is not None and not isinstance(g, tf.IndexedSlices)
+        ]
         sparse = [i for i, g in enumerate(gradients) if isinstance(g, tf.IndexedSlices)]
         if sparse:
             # Only the batch's rows travel, and Keras applies them as on one
             # device (see Strategy.gather_sparse_gradients).
             gathered = self._strategy.gather_sparse_gradients(
-                [gradients[i] for i in sparse], num_samples)
+                [gradients[i] for i in sparse], num_samples
+            )
             for i, g in zip(sparse, gathered):
                 reduced[i] = g
         if dense:
             compression = getattr(self.optimizer, "compression", None)
             summed = self._strategy.reduce_gradients(
-                [gradients[i] for i in dense], num_samples, compression)
+                [gradients[i] for i in dense], num_samples, compression
+            )
             for i, g in zip(dense, summed):
                 reduced[i] = g
         return reduced

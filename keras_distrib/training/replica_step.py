@@ -53,8 +53,9 @@ class ReplicaStep(TrainerPart):
         loss_and_gradients = self.replica_compiled(self._loss_and_gradients)
         loss, y_pred, gradients, output_losses = loss_and_gradients(x, y, sample_weight)
         num_samples = _batch_size(x)
-        _compat.loss_tracker(self).update_state(_unless_empty(loss, num_samples),
-                                                sample_weight=num_samples)
+        _compat.loss_tracker(self).update_state(
+            _unless_empty(loss, num_samples), sample_weight=num_samples
+        )
         if gradients and self._accumulation_steps == 1:
             gradients = self.reduce_with_statistics(gradients, num_samples, output_losses, x)
             self.apply_reduced_gradients(gradients)
@@ -126,7 +127,8 @@ class ReplicaStep(TrainerPart):
         if self.trainable_weights:
             multiply = self._sums_sample_losses and not count_in_loss
             gradients = self._weight_gradients(
-                tape, scaled, factor=_batch_size(x) if multiply else None)
+                tape, scaled, factor=_batch_size(x) if multiply else None
+            )
         return loss, y_pred, gradients, list(output_losses)
 
     def _weight_gradients(self, tape, target, factor=None) -> list:
@@ -150,7 +152,8 @@ class ReplicaStep(TrainerPart):
         if output_losses:
             count = tf.cast(rows, tf.float32)
             *sums, total = self._strategy.all_reduce(
-                [tf.cast(v, tf.float32) * count for v in output_losses] + [count])
+                [tf.cast(v, tf.float32) * count for v in output_losses] + [count]
+            )
             self.record_output_losses([s / total for s in sums], x, summed=True)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 

@@ -41,8 +41,7 @@ def one_call_per_step(model, step_function: Callable, keras_make_function: Calla
         return model.distribute_strategy.run(step_function, args=(_compat.absent_as_none(data),))
 
     if model.jit_compile:
-        run_step = tf.function(run_step, reduce_retracing=True, jit_compile=True,
-                               autograph=False)
+        run_step = tf.function(run_step, reduce_retracing=True, jit_compile=True, autograph=False)
 
     # Not converted by AutoGraph, as Keras's step functions are not.
     @tf.function(reduce_retracing=True, autograph=False)

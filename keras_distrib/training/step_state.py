@@ -48,8 +48,7 @@ class StepState:
 
     reduction_switch: ReductionSwitch = dataclasses.field(default_factory=ReductionSwitch)
     jit_replicas: bool = False
-    jit_cache: dict[tuple[str, int], Callable[..., Any]] = dataclasses.field(
-        default_factory=dict)
+    jit_cache: dict[tuple[str, int], Callable[..., Any]] = dataclasses.field(default_factory=dict)
     vote: Optional[preemption.Vote] = None
     fit_state: Optional[FitState] = None
 

@@ -24,7 +24,8 @@ def read(path: str = PATH) -> dict:
                 continue
             parts = line.split(maxsplit=2)
             if len(parts) != 3:
-                raise ValueError(f"{path}:{number}: want '<strategy> <test> <reason>', "
-                                 f"got {line!r}")
+                raise ValueError(
+                    f"{path}:{number}: want '<strategy> <test> <reason>', got {line!r}"
+                )
             found[(parts[0], parts[1])] = parts[2]
     return found

@@ -41,26 +41,44 @@ import keras
 KERAS_SRC = os.path.join(os.path.dirname(keras.__file__), "src")
 
 # Keras modules whose model classes the tests import by name.
-_MODEL_MODULES = {"keras.src.models", "keras.src.models.model", "keras.src.models.functional",
-                  "keras.src.models.sequential", "keras.models", "keras",
-                  "keras.src.backend.tensorflow.trainer"}
-_CLASS_NAMES = {"Model": "Model", "Functional": "Functional", "Sequential": "Sequential",
-                "TensorFlowTrainer": "Trainer"}
+_MODEL_MODULES = {
+    "keras.src.models",
+    "keras.src.models.model",
+    "keras.src.models.functional",
+    "keras.src.models.sequential",
+    "keras.models",
+    "keras",
+    "keras.src.backend.tensorflow.trainer",
+}
+_CLASS_NAMES = {
+    "Model": "Model",
+    "Functional": "Functional",
+    "Sequential": "Sequential",
+    "TensorFlowTrainer": "Trainer",
+}
 # Modules the tests read model classes off (`models.Sequential`, `keras.Model`).
-_PROXIED_MODULES = {"keras": "keras", "keras.models": "keras.models",
-                    "keras.src.models": "keras.src.models"}
+_PROXIED_MODULES = {
+    "keras": "keras",
+    "keras.models": "keras.models",
+    "keras.src.models": "keras.src.models",
+}
 _BINDINGS = "__kd_conformance_bindings__"
 # Names a file uses for Keras's own class, not for a model a user builds:
 # sequential_test's `Functional` is the class of Sequential's inner graph.
 _KEEP = {"models/sequential_test.py": {"Functional"}}
+
 
 @functools.lru_cache(maxsize=None)
 def bindings() -> dict:
     """The classes (and module stand-ins) Keras's tests see."""
     import keras_distrib as kd
 
-    classes = {"Model": kd.DistributedModel, "Functional": kd.FunctionalDistributedModel,
-               "Sequential": Sequential, "Trainer": Trainer}
+    classes = {
+        "Model": kd.DistributedModel,
+        "Functional": kd.FunctionalDistributedModel,
+        "Sequential": Sequential,
+        "Trainer": Trainer,
+    }
     proxies = {name: _proxy(name, classes) for name in _PROXIED_MODULES}
     proxies["keras"].models = proxies["keras.models"]
     return {**classes, **proxies}
@@ -135,8 +153,11 @@ class _Rebind(ast.NodeTransformer):
         return self._after(node, pairs)
 
     def visit_Import(self, node):
-        pairs = [(alias.asname or alias.name, alias.name) for alias in node.names
-                 if alias.name in _PROXIED_MODULES and "." not in (alias.asname or alias.name)]
+        pairs = [
+            (alias.asname or alias.name, alias.name)
+            for alias in node.names
+            if alias.name in _PROXIED_MODULES and "." not in (alias.asname or alias.name)
+        ]
         return self._after(node, pairs)
 
 
@@ -191,9 +212,13 @@ def test_classes(module: types.ModuleType) -> dict:
     """The TestCase classes `module` defines (not those it imports)."""
     import unittest
 
-    return {name: value for name, value in vars(module).items()
-            if isinstance(value, type) and issubclass(value, unittest.TestCase)
-            and value.__module__ == module.__name__}
+    return {
+        name: value
+        for name, value in vars(module).items()
+        if isinstance(value, type)
+        and issubclass(value, unittest.TestCase)
+        and value.__module__ == module.__name__
+    }
 
 
 # Keras's test files the tier runs (relative to keras/src).
@@ -218,8 +243,11 @@ FILES = (
 # other rank would fail those assertions, skip the test's next `fit` and
 # leave the chief waiting in its collectives. Multi-worker backups are
 # tested in tests/distributed (test_multi_worker, test_elastic, test_faults).
-MULTI_WORKER_FILES = tuple(f for f in FILES if not f.startswith("trainers/")
-                           and f != "callbacks/backup_and_restore_test.py")
+MULTI_WORKER_FILES = tuple(
+    f
+    for f in FILES
+    if not f.startswith("trainers/") and f != "callbacks/backup_and_restore_test.py"
+)
 
 
 # Where every execution mode runs: Keras parametrizes many trainer tests
@@ -286,8 +314,11 @@ def expose(namespace: dict, relpath: str, strategies) -> None:
     for strategy in strategies:
         module = load(relpath, None if strategy == "keras" else strategy)
         for name, cls in test_classes(module).items():
-            attributes = {"kd_strategy": strategy, "kd_test": f"{relpath}::{name}",
-                          "__module__": namespace["__name__"]}
+            attributes = {
+                "kd_strategy": strategy,
+                "kd_test": f"{relpath}::{name}",
+                "__module__": namespace["__name__"],
+            }
             # Not run: unittest collects only callables.
             attributes.update({test: None for test in not_run(cls, strategy)})
             namespace[f"{name}__{strategy}"] = type(f"{name}__{strategy}", (cls,), attributes)

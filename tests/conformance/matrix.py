@@ -73,8 +73,10 @@ def cells(listed: dict) -> dict:
 def render(listed: dict) -> str:
     """The matrix as Markdown: one row per Keras file, one column per strategy."""
     table = cells(listed)
-    lines = ["| Keras's test file | " + " | ".join(f"`{s}`" for s in STRATEGIES) + " |",
-             "|---|" + "---|" * len(STRATEGIES)]
+    lines = [
+        "| Keras's test file | " + " | ".join(f"`{s}`" for s in STRATEGIES) + " |",
+        "|---|" + "---|" * len(STRATEGIES),
+    ]
     for relpath in keras_suite.FILES:
         row = []
         for strategy in STRATEGIES:

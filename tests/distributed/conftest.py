@@ -72,8 +72,16 @@ def uninterrupted(tmp_path_factory):
                 if not (out / "done").exists():
                     shutil.rmtree(out, ignore_errors=True)
                     out.mkdir()
-                    launch(out, n, fault_job.FAULTS, "--out", str(out), "--backup",
-                           str(out / "backup"), *script_flags)
+                    launch(
+                        out,
+                        n,
+                        fault_job.FAULTS,
+                        "--out",
+                        str(out),
+                        "--backup",
+                        str(out / "backup"),
+                        *script_flags,
+                    )
                     (out / "done").touch()
             finals[key] = fault_job.results(out, n)
         return finals[key]

@@ -25,13 +25,34 @@ def two_workers(request, tmp_path_factory):
     if backend == "horovod":
         pytest.importorskip("horovod.tensorflow")
     out = tmp_path_factory.mktemp(f"cb2-{backend}")
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
-               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    env = dict(
+        os.environ,
+        TF_CPP_MIN_LOG_LEVEL="2",
+        PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
+    )
     launcher = ["--backend", "horovod"] if backend == "horovod" else []
     proc = subprocess.run(
-        [sys.executable, "-m", "keras_distrib.launch", "launch", "-n", "2", *launcher,
-         "--timeout", "120", WORKER, "--out", str(out), "--strategy", backend],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=150,
+        [
+            sys.executable,
+            "-m",
+            "keras_distrib.launch",
+            "launch",
+            "-n",
+            "2",
+            *launcher,
+            "--timeout",
+            "120",
+            WORKER,
+            "--out",
+            str(out),
+            "--strategy",
+            backend,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
     )
     ranks = []
     for r in range(2):
@@ -80,13 +101,15 @@ def test_two_workers_warmup_and_chief_only_summaries(two_workers):
     for r in ranks:  # 2 replicas, 4 steps per epoch, 1 warmup epoch
         assert [s for s, _ in r["lr_history"]] == list(range(5))
         assert [lr for _, lr in r["lr_history"]] == pytest.approx(
-            [warmup_rate(s, 2, 4, LR) for s in range(5)], rel=1e-6)
+            [warmup_rate(s, 2, 4, LR) for s in range(5)], rel=1e-6
+        )
         assert r["batch_lr"][4:] == pytest.approx([2 * LR] * 4, rel=1e-6)
         assert r["final_lr"] == pytest.approx(2 * LR, rel=1e-6)
     assert len(glob.glob(str(out / "tb" / "events.*"))) == 1  # the throughput monitor's
     prefix = RANK_PREFIX
-    assert (prefix.format(0) + "Epoch 2: finished gradual learning rate warmup to 0.2."
-            in proc.stdout)
+    assert (
+        prefix.format(0) + "Epoch 2: finished gradual learning rate warmup to 0.2." in proc.stdout
+    )
     assert prefix.format(1) + "Epoch 2: finished" not in proc.stdout
 
 
@@ -98,16 +121,18 @@ def _scalars(directory):
 
     events = EventAccumulator(str(directory), size_guidance={"tensors": 0})
     events.Reload()
-    return {tag: [(e.step, float(tensor_util.make_ndarray(e.tensor_proto)))
-                  for e in events.Tensors(tag)]
-            for tag in events.Tags()["tensors"]
-            if not tag.startswith("keras") and tag != "batch_2"}
+    return {
+        tag: [
+            (e.step, float(tensor_util.make_ndarray(e.tensor_proto))) for e in events.Tensors(tag)
+        ]
+        for tag in events.Tags()["tensors"]
+        if not tag.startswith("keras") and tag != "batch_2"
+    }
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-def test_two_workers_tensorboard_writes_the_chiefs_scalars_once_and_a_profile_per_rank(
-        two_workers):
+def test_two_workers_tensorboard_writes_the_chiefs_scalars_once_and_a_profile_per_rank(two_workers):
     _, ranks, out, _ = two_workers
     tb = out / "tb"
     # One run of scalars, the chief's: each epoch's loss once, as in history.
@@ -124,8 +149,9 @@ def test_two_workers_tensorboard_writes_the_chiefs_scalars_once_and_a_profile_pe
     # The throughput monitor's figures beside them: each rank's own rate,
     # and the slowest of the two.
     throughput = _scalars(tb)
-    per_rank = [[v for _, v in throughput[f"throughput/samples_per_sec_rank_{r}"]]
-                for r in range(2)]
+    per_rank = [
+        [v for _, v in throughput[f"throughput/samples_per_sec_rank_{r}"]] for r in range(2)
+    ]
     slowest = [int(v) for _, v in throughput["throughput/slowest_rank"]]
     assert len(slowest) == 2 and all(len(rates) == 2 for rates in per_rank)
     for epoch, rank in enumerate(slowest):
@@ -141,7 +167,8 @@ def test_two_workers_nan_and_drift_stop_every_rank(two_workers):
     for r in ranks:
         assert r["nan_error"] == "step 2: non-finite weights on replica 1 (rank 1)"
         assert r["drift_error"].startswith(
-            "step 4: replica 1 (rank 1) weights differ from replica 0 (rank 0): checksum")
+            "step 4: replica 1 (rank 1) weights differ from replica 0 (rank 0): checksum"
+        )
     assert ranks[0]["drift_error"] == ranks[1]["drift_error"]
     assert "ReplicaDivergenceError: step 4: replica 1 (rank 1)" in proc.stdout + proc.stderr
 
@@ -155,5 +182,4 @@ def test_two_workers_terminate_on_nan_stops_every_rank_quietly(two_workers):
     finite = [[True, True, False], [True, True, False]]
     finite[0][2] = True  # rank 0's forward pass of step 3 had finite weights
     for r in ranks:
-        assert r["terminate_on_nan"] == {"batches": 3, "finite": finite[r["rank"]],
-                                         "epochs": 1}
+        assert r["terminate_on_nan"] == {"batches": 3, "finite": finite[r["rank"]], "epochs": 1}

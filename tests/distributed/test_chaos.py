@@ -28,10 +28,22 @@ SEED, TRIALS = 184, 3
 def test_random_faults_in_a_row_end_exact_or_clear_and_leave_nothing(netns_usable, tmp_path):
     results = tmp_path / "chaos.json"
     proc = subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "chaos.py"), "--trials", str(TRIALS),
-         "--seed", str(SEED), "--json", str(results)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=dict(os.environ, TMPDIR=str(tmp_path)))
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "chaos.py"),
+            "--trials",
+            str(TRIALS),
+            "--seed",
+            str(SEED),
+            "--json",
+            str(results),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, TMPDIR=str(tmp_path)),
+    )
     try:
         stdout, stderr = proc.communicate(timeout=600)
     finally:  # SIGTERM: the campaign takes its hosts and mounts down itself

@@ -22,14 +22,18 @@ def _outcomes(path):
     for case in ET.parse(path).getroot().iter("testcase"):
         name = f"{case.get('classname').rsplit('.', 1)[-1]}::{case.get('name')}"
         kinds = {child.tag for child in case}
-        found[name] = ("failed" if kinds & {"failure", "error"} else
-                       "skipped" if "skipped" in kinds else "passed")
+        found[name] = (
+            "failed"
+            if kinds & {"failure", "error"}
+            else "skipped"
+            if "skipped" in kinds
+            else "passed"
+        )
     return found
 
 
 def test_keras_model_and_callback_tests_pass_under_multi_worker(tmp_path):
-    launch(tmp_path, 2, os.path.join(WORKERS, "keras_conformance.py"), str(tmp_path),
-           timeout=900)
+    launch(tmp_path, 2, os.path.join(WORKERS, "keras_conformance.py"), str(tmp_path), timeout=900)
     chief = _outcomes(tmp_path / "rank0.xml")
     assert len(chief) > 140, f"the chief ran only {len(chief)} tests"
     failed = sorted(name for name, outcome in chief.items() if outcome == "failed")

@@ -13,9 +13,23 @@ from helpers import ROOT
 @pytest.mark.timeout(300)
 def test_digits_example_trains_with_two_workers_through_the_launcher():
     proc = subprocess.run(
-        [sys.executable, "-m", "keras_distrib.launch", "launch", "-n", "2",
-         "examples/train_digits.py", "--config", "configs/digits_2workers.json", "--epochs", "4"],
-        cwd=ROOT, capture_output=True, text=True, timeout=280,
+        [
+            sys.executable,
+            "-m",
+            "keras_distrib.launch",
+            "launch",
+            "-n",
+            "2",
+            "examples/train_digits.py",
+            "--config",
+            "configs/digits_2workers.json",
+            "--epochs",
+            "4",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     out = proc.stdout
@@ -28,9 +42,22 @@ def test_digits_example_trains_with_two_workers_through_the_launcher():
 
 def _launch_digits(config, *launch_flags):
     return subprocess.run(
-        [sys.executable, "-m", "keras_distrib.launch", "launch", *launch_flags,
-         "examples/train_digits.py", "--config", config, "--epochs", "4"],
-        cwd=ROOT, capture_output=True, text=True, timeout=280,
+        [
+            sys.executable,
+            "-m",
+            "keras_distrib.launch",
+            "launch",
+            *launch_flags,
+            "examples/train_digits.py",
+            "--config",
+            config,
+            "--epochs",
+            "4",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
     )
 
 
@@ -61,9 +88,17 @@ def test_digits_example_trains_under_horovod():
 
 def _run_split_model(*flags):
     return subprocess.run(
-        [sys.executable, "examples/train_split_model.py", "--config", "configs/split_model.json",
-         *flags],
-        cwd=ROOT, capture_output=True, text=True, timeout=280,
+        [
+            sys.executable,
+            "examples/train_split_model.py",
+            "--config",
+            "configs/split_model.json",
+            *flags,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
     )
 
 
@@ -73,8 +108,10 @@ def test_split_model_example_fits_the_budget_only_when_split_and_learns():
     proc = _run_split_model("--epochs", "3")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     out = proc.stdout
-    one, budget = map(float, re.search(
-        r"one device would need ([0-9.]+) MB .* > budget ([0-9.]+) MB", out).groups())
+    one, budget = map(
+        float,
+        re.search(r"one device would need ([0-9.]+) MB .* > budget ([0-9.]+) MB", out).groups(),
+    )
     assert one > budget
     # The per-device tables: device, weights, optimizer, total, budget (MB), per strategy.
     rows = re.findall(r"^CPU:\d +([0-9.]+) +([0-9.]+) +([0-9.]+) +([0-9.]+)$", out, re.M)
@@ -94,8 +131,11 @@ def test_split_model_example_stops_with_one_line_when_a_device_exceeds_the_budge
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
-    assert re.fullmatch(r"error: pipeline: device CPU:0 holds [0-9.]+ MB \(weights [0-9.]+ \+ "
-                        r"optimizer [0-9.]+\) > budget 1\.0 MB; .*", last), last
+    assert re.fullmatch(
+        r"error: pipeline: device CPU:0 holds [0-9.]+ MB \(weights [0-9.]+ \+ "
+        r"optimizer [0-9.]+\) > budget 1\.0 MB; .*",
+        last,
+    ), last
     assert "Epoch 1/" not in proc.stdout  # stopped before training
 
 
@@ -105,18 +145,34 @@ def test_sharded_optimizer_example_fits_the_budget_on_two_workers_and_learns():
     """The split-model example's data-parallel sibling: the whole model on
     each of 2 workers, Adam's state sharded over them."""
     proc = subprocess.run(
-        [sys.executable, "-m", "keras_distrib.launch", "launch", "-n", "2",
-         "examples/train_split_model.py", "--config", "configs/sharded_optimizer.json",
-         "--epochs", "3"],
-        cwd=ROOT, capture_output=True, text=True, timeout=280,
+        [
+            sys.executable,
+            "-m",
+            "keras_distrib.launch",
+            "launch",
+            "-n",
+            "2",
+            "examples/train_split_model.py",
+            "--config",
+            "configs/sharded_optimizer.json",
+            "--epochs",
+            "3",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     out = proc.stdout
-    one, budget = map(float, re.search(
-        r"one device would need ([0-9.]+) MB .* > budget ([0-9.]+) MB", out).groups())
+    one, budget = map(
+        float,
+        re.search(r"one device would need ([0-9.]+) MB .* > budget ([0-9.]+) MB", out).groups(),
+    )
     assert one > budget
-    rows = re.findall(r"^\[rank (\d)\] worker(\d) +([0-9.]+) +([0-9.]+) +([0-9.]+) +([0-9.]+)$",
-                      out, re.M)
+    rows = re.findall(
+        r"^\[rank (\d)\] worker(\d) +([0-9.]+) +([0-9.]+) +([0-9.]+) +([0-9.]+)$", out, re.M
+    )
     assert sorted((rank, worker) for rank, worker, *_ in rows) == [("0", "0"), ("1", "1")]
     for _, _, weights, optimizer, total, _row_budget in rows:
         # Adam's two slots, halved: as many bytes as the weights.

@@ -41,43 +41,57 @@ def _last_error_line(output):
 # One job runs the cases in turn (tests/workers/mismatch.py); the last,
 # whose error ends the job, makes TensorFlow's broadcast fail.
 MISMATCHES = {
-    "fit_vs_evaluate":
-        r"worker 1 called evaluate\(batch_size=32, .*\) while worker 0 called fit\(",
+    "fit_vs_evaluate": r"worker 1 called evaluate\(batch_size=32, .*\) while worker 0 called fit\(",
     "batch_size": r"worker 1 called fit\(batch_size=16, .* while worker 0 called "
-                  r"fit\(batch_size=32, ",
+    r"fit\(batch_size=32, ",
     "data_length": r"worker 1 called fit\(.*samples=96.* while worker 0 called fit\(.*"
-                   r"samples=128",
+    r"samples=128",
     "learning_rate": r"worker 1 compiled the model differently than worker 0: "
-                     r"optimizer\.learning_rate is 0\.05 on worker 1 but 0\.01 on worker 0",
+    r"optimizer\.learning_rate is 0\.05 on worker 1 but 0\.01 on worker 0",
     "changed_weights": r"replicas disagree at the start of fit: '.*kernel' on worker 1 ",
     "wider_layer": r"worker 1 built a different model than worker 0: variable 1 "
-                   r"\('.*kernel' here\) is float32 \(8, 5\) on worker 1 but float32 "
-                   r"\(8, 4\) on worker 0",
+    r"\('.*kernel' here\) is float32 \(8, 5\) on worker 1 but float32 "
+    r"\(8, 4\) on worker 0",
     "extra_layer": r"worker 1 built a different model than worker 0: variable 3 .*is "
-                   r"float32 \(8, 8\) on worker 1 but float32 \(8, 2\) on worker 0 "
-                   r"\(worker 1 has 6 variables, worker 0 4\)",
+    r"float32 \(8, 8\) on worker 1 but float32 \(8, 2\) on worker 0 "
+    r"\(worker 1 has 6 variables, worker 0 4\)",
     "wider_subclass": r"workers built different models: worker \d made a variable of shape "
-                      r"\[8,[45]\] where another worker's has shape \[8,[45]\]",
+    r"\[8,[45]\] where another worker's has shape \[8,[45]\]",
 }
 
 
 @pytest.fixture(scope="module")
 def mismatched(tmp_path_factory):
     """(exit code, output) of the one job that runs every case of MISMATCHES."""
-    return launch(tmp_path_factory.mktemp("mismatch"), 2, MISMATCH, "--cases",
-                  ",".join(MISMATCHES), expect=None, timeout=200)
+    return launch(
+        tmp_path_factory.mktemp("mismatch"),
+        2,
+        MISMATCH,
+        "--cases",
+        ",".join(MISMATCHES),
+        expect=None,
+        timeout=200,
+    )
 
 
 @pytest.mark.parametrize("case", list(MISMATCHES))
 def test_mismatched_work_is_a_one_line_error_on_every_worker(mismatched, case):
     code, output = mismatched
     lines = [re.search(rf"\[rank {rank}\] case {case}: (\w+): (.*)", output) for rank in (0, 1)]
-    said = [line for line in lines if line and re.search(MISMATCHES[case], line[2])
-            and line[1] in ("WorkersDisagreeError", "ReplicasDisagreeError")]
+    said = [
+        line
+        for line in lines
+        if line
+        and re.search(MISMATCHES[case], line[2])
+        and line[1] in ("WorkersDisagreeError", "ReplicasDisagreeError")
+    ]
     # Both ranks, for the cases the job goes on after; for the last, the
     # rank that failed first (the other may see it gone first).
     assert len(said) >= (1 if case == list(MISMATCHES)[-1] else 2), (
-        case, [line and line[0] for line in lines], output[-3000:])
+        case,
+        [line and line[0] for line in lines],
+        output[-3000:],
+    )
     assert f"case {case}: done" not in output  # no rank went on as if all was well
     # The last case's error ended the job, on its own, not by the launcher's timeout.
     assert code != 0, output[-3000:]
@@ -85,8 +99,7 @@ def test_mismatched_work_is_a_one_line_error_on_every_worker(mismatched, case):
 
 
 def test_a_rank_exiting_early_fails_the_waiting_one_naming_it(tmp_path):
-    code, output = launch(tmp_path, 2, MISMATCH, "--cases", "early_exit", expect=None,
-                          timeout=150)
+    code, output = launch(tmp_path, 2, MISMATCH, "--cases", "early_exit", expect=None, timeout=150)
     assert code != 0, output[-3000:]
     assert "rank 1 done" in output
     assert re.search(r"worker 1 \(pid \d+\) exited", output), _last_error_line(output)
@@ -96,8 +109,12 @@ def test_a_rank_exiting_early_fails_the_waiting_one_naming_it(tmp_path):
 
 
 def _left_running(attempts):
-    return [a.pid for runs in attempts.values() for a in runs
-            if process_alive(a.pid, zombies_count=False)]
+    return [
+        a.pid
+        for runs in attempts.values()
+        for a in runs
+        if process_alive(a.pid, zombies_count=False)
+    ]
 
 
 def _left_in_shared_memory(attempts):
@@ -112,10 +129,23 @@ def _left_in_shared_memory(attempts):
 def test_a_restarted_job_equals_an_uninterrupted_one(tmp_path, uninterrupted, n, fault):
     rank, step = random.randrange(n), random.randint(1, STEPS - 1)
     context = dict(workers=n, fault=fault, rank=rank, after_step=step)
-    output = launch(tmp_path, n, FAULTS, "--out", str(tmp_path), "--backup",
-                    str(tmp_path / "backup"), "--fault", fault, "--fault_rank", str(rank),
-                    "--fault_step", str(step), launch_flags=("--max_restarts", "2"),
-                    timeout=280)
+    output = launch(
+        tmp_path,
+        n,
+        FAULTS,
+        "--out",
+        str(tmp_path),
+        "--backup",
+        str(tmp_path / "backup"),
+        "--fault",
+        fault,
+        "--fault_rank",
+        str(rank),
+        "--fault_step",
+        str(step),
+        launch_flags=("--max_restarts", "2"),
+        timeout=280,
+    )
     assert re.search(r"restart 1/2: rank \d+ ", output), (context, output[-3000:])
     assert "restart 2/2" not in output, context
     fault_job.assert_equal_to(fault_job.results(tmp_path, n), uninterrupted(n), context)
@@ -133,12 +163,32 @@ def test_sigterm_to_the_launcher_preempts_and_the_next_launch_resumes(tmp_path, 
     backup = tmp_path / "backup"
     # After the first backup (step 4 of 24) every rank waits until it is
     # sent SIGTERM: the signal below always lands mid-training.
-    argv = [sys.executable, "-m", "keras_distrib.launch", "launch", "-n", "2", "--timeout",
-            "200", FAULTS, "--out", str(tmp_path), "--backup", str(backup),
-            "--hold_after_step", "4"]
-    proc = subprocess.Popen(argv, cwd=ROOT, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    argv = [
+        sys.executable,
+        "-m",
+        "keras_distrib.launch",
+        "launch",
+        "-n",
+        "2",
+        "--timeout",
+        "200",
+        FAULTS,
+        "--out",
+        str(tmp_path),
+        "--backup",
+        str(backup),
+        "--hold_after_step",
+        "4",
+    ]
+    proc = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 150
         while not glob.glob(str(backup / "backup-*")) and time.monotonic() < deadline:

@@ -30,12 +30,23 @@ BATCH, EPOCHS = 32, 2
 def _run(argv, out, timeout, env=None):
     """Runs `argv` in its own process group (`env` added to the environment);
     kills what is left, always."""
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
-               **(env or {}))
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    env = dict(
+        os.environ,
+        TF_CPP_MIN_LOG_LEVEL="2",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
+        **(env or {}),
+    )
+    proc = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -66,15 +77,29 @@ def _read(out, n=2):
         if "predict" in arrays.files:
             result["predict"] = arrays["predict"]
         for part in ("initial", "final"):
-            result[f"control_{part}"] = [arrays[f"control_{part}_{i}"] for i in range(count)
-                                         if f"control_{part}_{i}" in arrays.files]
+            result[f"control_{part}"] = [
+                arrays[f"control_{part}_{i}"]
+                for i in range(count)
+                if f"control_{part}_{i}" in arrays.files
+            ]
         ranks.append(result)
     return ranks
 
 
 def _horovodrun(out, *args, timeout=240):
-    argv = [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo",
-            sys.executable, WORKER, "--out", str(out), *args]
+    argv = [
+        HOROVODRUN,
+        "-np",
+        "2",
+        "-H",
+        "localhost:2",
+        "--gloo",
+        sys.executable,
+        WORKER,
+        "--out",
+        str(out),
+        *args,
+    ]
     return _run(argv, out, timeout)
 
 
@@ -84,8 +109,9 @@ def trained(hvd, tmp_path_factory):
     Then the control: the same ranks and shards, each training plain
     "single" alone from the same weights."""
     out = tmp_path_factory.mktemp("hvd")
-    return _horovodrun(out, "--samples", "256", "--seed_per_rank", "--validation", "64",
-                       "--control")
+    return _horovodrun(
+        out, "--samples", "256", "--seed_per_rank", "--validation", "64", "--control"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +131,18 @@ def launched(hvd, tmp_path_factory):
     link; else both ranks run here. Returns (ranks, output, the hosts).
     """
     out = tmp_path_factory.mktemp("hvd_launch")
-    launcher = [sys.executable, "-m", "keras_distrib.launch", "launch", "--backend", "horovod",
-                "-n", "2", "--timeout", "220"]
+    launcher = [
+        sys.executable,
+        "-m",
+        "keras_distrib.launch",
+        "launch",
+        "--backend",
+        "horovod",
+        "-n",
+        "2",
+        "--timeout",
+        "220",
+    ]
     script = [WORKER, "--out", str(out), "--n", "203", "--seed_per_rank", "--rank0_extra_model"]
     with contextlib.ExitStack() as stack:
         if netns_hosts.unavailable() is not None:
@@ -175,12 +211,15 @@ def test_only_rank_0_prints_progress(trained):
 @pytest.mark.timeout(400)
 def test_control_without_strategy_ends_different(trained):
     ranks, _ = trained
-    assert_weight_lists_close(ranks[1]["control_initial"], ranks[0]["control_initial"],
-                              atol=0)  # same start
+    assert_weight_lists_close(
+        ranks[1]["control_initial"], ranks[0]["control_initial"], atol=0
+    )  # same start
     assert ranks[0]["control_initial"]
     assert all(r["control_iterations"] == EPOCHS * 128 // (BATCH // 2) for r in ranks)
-    assert any(np.abs(a - b).max() > 1e-3
-               for a, b in zip(ranks[0]["control_final"], ranks[1]["control_final"]))
+    assert any(
+        np.abs(a - b).max() > 1e-3
+        for a, b in zip(ranks[0]["control_final"], ranks[1]["control_final"])
+    )
 
 
 # -- (c) evaluate / predict ----------------------------------------------------
@@ -251,5 +290,3 @@ def test_launch_backend_horovod_trains_like_one_process(launched):
         for key in history:
             np.testing.assert_allclose(r["history"][key], history[key], atol=1e-5, err_msg=key)
     assert "[rank 0] Epoch 1/2" in output and "<stdout>:" not in output
-
-

@@ -42,12 +42,31 @@ def _processes():
                 p.wait()
 
 
-def _start(tmp_path, rank, world, job, mode="sums", directory=None, timeout=None,
-           connect_timeout=20, env=None):
+def _start(
+    tmp_path,
+    rank,
+    world,
+    job,
+    mode="sums",
+    directory=None,
+    timeout=None,
+    connect_timeout=20,
+    env=None,
+):
     """One worker of tests/workers/host_reduce.py; directory "" means the default base."""
     directory = str(tmp_path) if directory is None else directory
-    args = [sys.executable, WORKER, str(rank), str(world), job, directory,
-            str(tmp_path / f"rank{rank}.npz"), mode, str(timeout).lower(), str(connect_timeout)]
+    args = [
+        sys.executable,
+        WORKER,
+        str(rank),
+        str(world),
+        job,
+        directory,
+        str(tmp_path / f"rank{rank}.npz"),
+        mode,
+        str(timeout).lower(),
+        str(connect_timeout),
+    ]
     return subprocess.Popen(args, env=env)
 
 
@@ -56,8 +75,17 @@ def _run(tmp_path, world, mode, timeout=None, ranks=None, connect_timeout=20, jo
     job = job or uuid.uuid4().hex[:12]
     with _processes() as procs:
         for rank in ranks if ranks is not None else range(world):
-            procs.append(_start(tmp_path, rank, world, job, mode, timeout=timeout,
-                                connect_timeout=connect_timeout))
+            procs.append(
+                _start(
+                    tmp_path,
+                    rank,
+                    world,
+                    job,
+                    mode,
+                    timeout=timeout,
+                    connect_timeout=connect_timeout,
+                )
+            )
         return [p.wait(timeout=60) for p in procs]
 
 
@@ -82,8 +110,10 @@ def test_sums_are_exact_identical_and_leave_no_files(tmp_path, world):
         for i in range(len(per_rank[0])):
             want = sum(np.asarray(p[i], np.float64) for p in per_rank)
             got = results[0][f"c{call}_{i}"]
-            assert (got.shape == np.shape(per_rank[0][i])
-                    and got.dtype == np.asarray(per_rank[0][i]).dtype)
+            assert (
+                got.shape == np.shape(per_rank[0][i])
+                and got.dtype == np.asarray(per_rank[0][i]).dtype
+            )
             tol = 1e-2 if got.dtype == np.float16 else 1e-5
             np.testing.assert_allclose(got.astype(np.float64), want, atol=tol, rtol=tol)
             for other in results[1:]:  # each element is summed by one worker only
@@ -188,9 +218,11 @@ def test_a_planted_job_directory_is_refused_and_left_untouched(tmp_path):
     assert _error(tmp_path, 0) == (
         f"SharedMemoryTamperedError: shared-memory all-reduce: {planted} already exists "
         "(another job with this id, or planted by another user); remove it and start "
-        "the job again.")
+        "the job again."
+    )
     assert _error(tmp_path, 1).startswith(
-        f"SharedMemoryTamperedError: shared-memory all-reduce: the job directory {planted} ")
+        f"SharedMemoryTamperedError: shared-memory all-reduce: the job directory {planted} "
+    )
     assert "\n" not in _error(tmp_path, 1)
     assert os.listdir(planted) == ["pid0"] and open(bait).read() == "1"  # nothing read or written
     assert stat.S_IMODE(os.stat(planted).st_mode) == 0o777
@@ -204,8 +236,11 @@ def test_the_launcher_directory_holds_the_job_and_nothing_after(tmp_path):
     job_dir = _job_dir(shm, job)
     with _processes() as procs:
         procs.append(_start(tmp_path, 0, 3, job, directory="", env=env))
-        _wait_until(lambda: {"fifo0", "pid0"} <= set(os.listdir(job_dir))
-                    if os.path.isdir(job_dir) else False)
+        _wait_until(
+            lambda: (
+                {"fifo0", "pid0"} <= set(os.listdir(job_dir)) if os.path.isdir(job_dir) else False
+            )
+        )
         assert stat.S_IMODE(os.lstat(job_dir).st_mode) == 0o700
         procs += [_start(tmp_path, r, 3, job, directory="", env=env) for r in (1, 2)]
         assert [p.wait(timeout=60) for p in procs] == [0, 0, 0]
@@ -225,7 +260,8 @@ def test_a_worker_killed_mid_join_is_named_and_the_survivor_leaves_nothing(tmp_p
         assert procs[0].wait(timeout=20) == 1  # the exit is named, not rank 2's absence
     assert _error(tmp_path, 0) == (
         f"PeerLostError: shared-memory all-reduce: worker 1 (pid {procs[1].pid}) exited; "
-        "see its output for the cause.")
+        "see its output for the cause."
+    )
     assert set(os.listdir(job_dir)) <= {"fifo1", "pid1"}  # only the dead worker's
 
 
@@ -261,14 +297,27 @@ def test_a_stopped_peer_is_named_without_a_timeout(tmp_path, stopped):
     out = tmp_path / "waiter.txt"
     with _processes() as procs:
         for rank in (0, 1):
-            procs.append(subprocess.Popen(
-                [sys.executable, "-c", _STOPPING_WORKER, WORKERS,
-                 str(rank), job, str(tmp_path), str(out), str(stopped)]))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-c",
+                        _STOPPING_WORKER,
+                        WORKERS,
+                        str(rank),
+                        job,
+                        str(tmp_path),
+                        str(out),
+                        str(stopped),
+                    ]
+                )
+            )
         assert procs[1 - stopped].wait(timeout=30) == 1
         stopped_pid = procs[stopped].pid
         assert procs[stopped].poll() is None  # still there, stopped
     message = out.read_text()
     assert message == (
         f"shared-memory all-reduce: worker {stopped} (pid {stopped_pid}) is stopped (SIGSTOP "
-        "or a debugger) and has not arrived for 3s; resume it (kill -CONT) or stop the job.")
+        "or a debugger) and has not arrived for 3s; resume it (kill -CONT) or stop the job."
+    )
     assert sorted(os.listdir(tmp_path)) == ["waiter.txt"]  # the waiter removed what it made

@@ -31,9 +31,12 @@ def single():
     x, y = make_data()
     model = build("functional", "single")
     history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
-    return dict(weights=model.get_weights(), history=history.history,
-                evaluate=model.evaluate(x, y, batch_size=BATCH, verbose=0),
-                predict=model.predict(x, batch_size=BATCH, verbose=0))
+    return dict(
+        weights=model.get_weights(),
+        history=history.history,
+        evaluate=model.evaluate(x, y, batch_size=BATCH, verbose=0),
+        predict=model.predict(x, batch_size=BATCH, verbose=0),
+    )
 
 
 # The two workers on one host (shared memory between them) or on two hosts
@@ -48,8 +51,14 @@ def launched(request, tmp_path_factory):
             request.getfixturevalue("netns_usable")
             bed = stack.enter_context(TestBed(2))
             argv += ["--hosts", bed.hosts_flag(), "--ssh", "--ssh_command", bed.ssh_command]
-        proc = subprocess.run([*argv, WORKER, "--out", str(out)], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=240)
+        proc = subprocess.run(
+            [*argv, WORKER, "--out", str(out)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = {}
     for run in RUNS:
@@ -106,8 +115,7 @@ def test_our_callbacks_and_optimizer_run_under_hybrid(launched):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("run", ["gpipe", "1f1b"])
-def test_a_batch_micro_batches_and_workers_cannot_share_evenly_trains_as_one_device(
-        launched, run):
+def test_a_batch_micro_batches_and_workers_cannot_share_evenly_trains_as_one_device(launched, run):
     _, out, _ = launched
     x, y = make_data()
     model = build("functional", "single")

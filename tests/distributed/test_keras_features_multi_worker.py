@@ -12,8 +12,12 @@ import json
 import numpy as np
 import pytest
 
-from helpers import (KERAS_FEATURES_WORKER as WORKER, assert_kept_counts_from_own_masks,
-                     assert_replicas_drop_alike_only_by_chance, launch)
+from helpers import (
+    KERAS_FEATURES_WORKER as WORKER,
+    assert_kept_counts_from_own_masks,
+    assert_replicas_drop_alike_only_by_chance,
+    launch,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -31,14 +35,16 @@ def hybrid_probes(tmp_path_factory):
     """The `replica_dropout` probe under `pipeline` across 2 workers (hybrid:
     one replica of the split model per worker)."""
     out = tmp_path_factory.mktemp("keras_features_hybrid")
-    launch(out, 2, WORKER, "--out", str(out), "--probes", "replica_dropout",
-           "--strategy", "pipeline")
+    launch(
+        out, 2, WORKER, "--out", str(out), "--probes", "replica_dropout", "--strategy", "pipeline"
+    )
     return out
 
 
 # Tests run for both strategies (by fixture).
-BY_STRATEGY = pytest.mark.parametrize("runs", ["probes", "horovod_probes"],
-                                      ids=["multi_worker", "horovod"])
+BY_STRATEGY = pytest.mark.parametrize(
+    "runs", ["probes", "horovod_probes"], ids=["multi_worker", "horovod"]
+)
 
 
 def test_metric_objects_made_outside_scope_report_global_values(probes):
@@ -118,8 +124,12 @@ def test_ragged_input_trains_like_plain_keras(runs, request):
     assert ranks[0] == ranks[1]
     for feed in ("dataset", "tensor"):
         for key in ("loss", "accuracy"):
-            np.testing.assert_allclose(ranks[0][f"{feed}_ours"][key], ranks[0][f"{feed}_twin"][key],
-                                       atol=1e-5, err_msg=f"{feed} {key}")
+            np.testing.assert_allclose(
+                ranks[0][f"{feed}_ours"][key],
+                ranks[0][f"{feed}_twin"][key],
+                atol=1e-5,
+                err_msg=f"{feed} {key}",
+            )
         assert ranks[0][f"{feed}_gap"] < 1e-5, feed
 
 
@@ -133,8 +143,10 @@ def test_custom_metric_variables_are_read_by_their_aggregation(runs, request):
     for rank in ranks:
         for logs in (rank["evaluate"], {k: v[0] for k, v in rank["history"].items()}):
             assert (logs["seen_sum"], logs["seen_mean"]) == (203, 101.5), logs
-    first = [[r["evaluate"]["seen_only_first_replica"], r["history"]["seen_only_first_replica"][0]]
-             for r in ranks]
+    first = [
+        [r["evaluate"]["seen_only_first_replica"], r["history"]["seen_only_first_replica"][0]]
+        for r in ranks
+    ]
     if runs == "horovod_probes":  # worker 0's, on every worker
         assert first == [[102, 102], [102, 102]]
     else:  # TensorFlow's read: each worker's own first replica
@@ -171,8 +183,9 @@ def test_a_pydataset_with_workers_shows_every_sample_once_per_epoch(probes):
     assert ranks[0]["ids"] == [sum(range(101)) * 1000.0 + 101] * 4
 
 
-@pytest.mark.parametrize("runs", ["probes", "horovod_probes", "hybrid_probes"],
-                         ids=["multi_worker", "horovod", "hybrid"])
+@pytest.mark.parametrize(
+    "runs", ["probes", "horovod_probes", "hybrid_probes"], ids=["multi_worker", "horovod", "hybrid"]
+)
 def test_dropout_masks_differ_between_workers(runs, request):
     """Each worker held an equal copy of every layer's seed state (worker
     0's broadcast) and drew the same dropout masks: both workers' rows of

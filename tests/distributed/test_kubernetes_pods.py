@@ -24,21 +24,44 @@ SERVICE = "train-workers"  # configs/k8s/job.yaml's headless Service
 def test_indexed_job_pods_train_by_their_stable_names(tmp_path, hosts, uninterrupted):
     bed = hosts(2)
     for host in range(2):
-        bed.hosts_file(host, [
-            f"{address} train-{i}.{SERVICE}.default.svc.cluster.local train-{i}.{SERVICE} "
-            f"train-{i}" for i, address in enumerate(bed.addresses)])
+        bed.hosts_file(
+            host,
+            [
+                f"{address} train-{i}.{SERVICE}.default.svc.cluster.local train-{i}.{SERVICE} "
+                f"train-{i}"
+                for i, address in enumerate(bed.addresses)
+            ],
+        )
     procs = []
     try:
         for index in range(2):
-            env = dict(os.environ, JOB_COMPLETION_INDEX=str(index), KERAS_DISTRIB_WORLD_SIZE="2",
-                       TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
+            env = dict(
+                os.environ,
+                JOB_COMPLETION_INDEX=str(index),
+                KERAS_DISTRIB_WORLD_SIZE="2",
+                TF_CPP_MIN_LOG_LEVEL="2",
+                PYTHONUNBUFFERED="1",
+            )
             env.pop("TF_CONFIG", None)
-            argv = [sys.executable, fault_job.FAULTS, "--out", str(tmp_path), "--backup",
-                    str(tmp_path / "backup")]
-            procs.append(subprocess.Popen(bed.on(index, argv, name=f"train-{index}"), cwd=ROOT,
-                                          env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True,
-                                          start_new_session=True))
+            argv = [
+                sys.executable,
+                fault_job.FAULTS,
+                "--out",
+                str(tmp_path),
+                "--backup",
+                str(tmp_path / "backup"),
+            ]
+            procs.append(
+                subprocess.Popen(
+                    bed.on(index, argv, name=f"train-{index}"),
+                    cwd=ROOT,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    start_new_session=True,
+                )
+            )
         outputs = [p.communicate(timeout=240)[0] for p in procs]
     finally:
         for p in procs:

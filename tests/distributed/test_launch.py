@@ -27,6 +27,7 @@ from keras_distrib.launch import LaunchConfig
 
 pytestmark = pytest.mark.timeout(60)
 
+
 @pytest.fixture
 def no_leftovers(tmp_path):
     """Yields a list for Popen objects; kills them and any worker on exit."""
@@ -39,15 +40,20 @@ def no_leftovers(tmp_path):
 
 def _lines_of(output: str, rank: int) -> list[str]:
     prefix = f"[rank {rank}] "
-    return [line[len(prefix):] for line in output.splitlines() if line.startswith(prefix)]
+    return [line[len(prefix) :] for line in output.splitlines() if line.startswith(prefix)]
 
 
 def _cli(*args, cwd=None) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH, "TF_CPP_MIN_LOG_LEVEL": "3"}
     return subprocess.Popen(
-        [sys.executable, "-m", "keras_distrib.launch", *args], cwd=cwd, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True)
+        [sys.executable, "-m", "keras_distrib.launch", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _error_lines(stderr: str) -> list[str]:
@@ -75,8 +81,9 @@ def _check_report(output: str, nproc: int, args, host="127.0.0.1"):
         assert env["KERAS_DISTRIB_RANK"] == str(rank)
         assert env["KERAS_DISTRIB_WORLD_SIZE"] == str(nproc)
         assert env["PYTHONUNBUFFERED"] == "1"
-        assert json.loads(next(line for line in lines
-                               if line.startswith("ARGS="))[5:]) == list(args)
+        assert json.loads(next(line for line in lines if line.startswith("ARGS="))[5:]) == list(
+            args
+        )
         assert config["task"] == {"type": "worker", "index": rank}
         configs.append(config)
     workers = configs[0]["cluster"]["worker"]
@@ -105,20 +112,27 @@ def test_two_workers_succeed_with_prefixed_lines_and_own_tf_config(tmp_path, cap
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("body, code, text", [
-    ("sys.stderr.write('boom: bad batch\\n'); sys.exit(3)", 3, "boom: bad batch"),
-    ("raise ValueError('shapes do not match')", 1, "ValueError: shapes do not match"),
-])
+@pytest.mark.parametrize(
+    "body, code, text",
+    [
+        ("sys.stderr.write('boom: bad batch\\n'); sys.exit(3)", 3, "boom: bad batch"),
+        ("raise ValueError('shapes do not match')", 1, "ValueError: shapes do not match"),
+    ],
+)
 def test_failing_rank_stops_the_others_and_sets_exit_code(
-        tmp_path, capfd, no_leftovers, body, code, text):
-    script = rank_script(tmp_path, f"""\
+    tmp_path, capfd, no_leftovers, body, code, text
+):
+    script = rank_script(
+        tmp_path,
+        f"""\
         if RANK == 0:
             print("ready", flush=True)
             time.sleep(600)
         while not os.path.exists(os.path.join(HERE, "rank0.pid")):
             time.sleep(0.01)
         {body}
-    """)
+    """,
+    )
     # Rank 0 stops on the launcher's SIGTERM. Had it to wait for SIGKILL,
     # the grace would keep the launch running past the test's timeout.
     config = LaunchConfig(nproc=2, script=script, grace_seconds=600)
@@ -127,7 +141,7 @@ def test_failing_rank_stops_the_others_and_sets_exit_code(
     assert text in "\n".join(_lines_of(out, 1))
     summary = err.splitlines()
     first = summary.index(f"keras-distrib: rank 1 failed with exit code {code}; last output:")
-    assert any(text in line for line in summary[first + 1:]), err
+    assert any(text in line for line in summary[first + 1 :]), err
     pids = rank_pids(tmp_path)
     assert set(pids) == {0, 1}
     for pid in pids.values():
@@ -156,8 +170,9 @@ def test_a_rank_left_running_after_another_exited_0_is_named(tmp_path, capfd, no
     warning = next(i for i, line in enumerate(lines) if "still runs" in line)
     assert lines[warning].startswith(
         "keras-distrib: rank 0 still runs 1s after rank 1 exited with 0; a rank waiting for "
-        "rank 1 in a collective waits until its collective timeout"), lines
-    assert any("timed out after 8s" in line for line in lines[warning + 1:]), lines
+        "rank 1 in a collective waits until its collective timeout"
+    ), lines
+    assert any("timed out after 8s" in line for line in lines[warning + 1 :]), lines
 
 
 @pytest.mark.slow
@@ -172,14 +187,17 @@ def test_timeout_stops_all_ranks(tmp_path, capfd, no_leftovers):
 
 @pytest.mark.slow
 def test_interrupt_escalates_to_sigkill_for_stubborn_ranks(tmp_path, capfd, no_leftovers):
-    script = rank_script(tmp_path, """\
+    script = rank_script(
+        tmp_path,
+        """\
         import signal
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         open(os.path.join(HERE, f"ready{RANK}"), "w").close()  # handlers in place
         print("ready", flush=True)
         time.sleep(600)
-    """)
+    """,
+    )
 
     def interrupt_when_ready():
         ready = [tmp_path / f"ready{rank}" for rank in range(2)]
@@ -255,16 +273,21 @@ class _Watched:
 @pytest.mark.slow
 def test_a_redraw_shows_before_its_line_ends(tmp_path, no_leftovers):
     go = tmp_path / "go"
-    script = rank_script(tmp_path, f"""\
+    script = rank_script(
+        tmp_path,
+        f"""\
         print("\\r1/2", end="", flush=True)
         while not os.path.exists({str(go)!r}):
             time.sleep(0.01)
         print("\\r2/2")
-    """)
+    """,
+    )
     out, codes = _Watched(), []
     runner = threading.Thread(
-        target=lambda: codes.append(launch.launch(LaunchConfig(nproc=1, script=script),
-                                                  out=out, err=out)))
+        target=lambda: codes.append(
+            launch.launch(LaunchConfig(nproc=1, script=script), out=out, err=out)
+        )
+    )
     runner.start()
     try:
         shown = out.wait_for("\r[rank 0] 1/2", timeout=20)
@@ -279,13 +302,15 @@ def test_a_redraw_shows_before_its_line_ends(tmp_path, no_leftovers):
 @pytest.mark.slow
 @pytest.mark.parametrize("user_value, want", [(None, "2"), ("0", "0")])
 def test_tf_cpp_min_log_level_defaults_to_2_and_the_users_value_wins(
-        tmp_path, capfd, no_leftovers, monkeypatch, user_value, want):
+    tmp_path, capfd, no_leftovers, monkeypatch, user_value, want
+):
     if user_value is None:
         monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
     else:
         monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", user_value)
-    script = rank_script(tmp_path,
-                         'print("LEVEL=" + os.environ.get("TF_CPP_MIN_LOG_LEVEL", "unset"))')
+    script = rank_script(
+        tmp_path, 'print("LEVEL=" + os.environ.get("TF_CPP_MIN_LOG_LEVEL", "unset"))'
+    )
     assert launch.launch(LaunchConfig(nproc=2, script=script)) == 0
     out, _ = capfd.readouterr()
     for rank in range(2):
@@ -311,28 +336,34 @@ TF_BANNERS = [
     "E0000 00:00:1795414311.000000   26383 cuda_executor.cc:1228] failed call to cuInit: "
     "INTERNAL: CUDA error: Failed call to cuInit: UNKNOWN ERROR (303)",
 ]
-AT_EXIT_BANNER = ("I0000 00:00:1795414312.000000   26383 coordination_service_agent.cc:500] "
-                  "Coordination agent has successfully shut down.")
+AT_EXIT_BANNER = (
+    "I0000 00:00:1795414312.000000   26383 coordination_service_agent.cc:500] "
+    "Coordination agent has successfully shut down."
+)
 
 
 @pytest.mark.slow
 def test_failure_tail_leaves_out_tf_banners_and_ends_with_the_traceback(
-        tmp_path, capfd, no_leftovers):
-    script = rank_script(tmp_path, f"""\
+    tmp_path, capfd, no_leftovers
+):
+    script = rank_script(
+        tmp_path,
+        f"""\
         import atexit
         atexit.register(lambda: print({AT_EXIT_BANNER!r}, file=sys.stderr, flush=True))
         for line in {TF_BANNERS!r}:
             print(line, file=sys.stderr, flush=True)
         print("epoch 1", flush=True)
         raise ValueError("boom")
-    """)
+    """,
+    )
     config = LaunchConfig(nproc=1, script=script, tail_lines=8)
     assert launch.launch(config) == 1
     out, err = capfd.readouterr()
     assert AT_EXIT_BANNER in _lines_of(out, 0)  # the live output shows everything
     summary = err.splitlines()
     first = summary.index("keras-distrib: rank 0 failed with exit code 1; last output:")
-    tail = [line.strip() for line in summary[first + 1:]]
+    tail = [line.strip() for line in summary[first + 1 :]]
     assert tail[-1] == "ValueError: boom", err
     assert tail[0] == "epoch 1" and "Traceback (most recent call last):" in tail, err
     for banner in (*TF_BANNERS, AT_EXIT_BANNER):
@@ -344,8 +375,9 @@ def test_failure_tail_leaves_out_tf_banners_and_ends_with_the_traceback(
 def test_horovod_backend_output_has_one_prefix_style(tmp_path, capfd, no_leftovers):
     pytest.importorskip("horovod.tensorflow")
     script = tmp_path / "hvd_worker.py"
-    script.write_text(RANK_PRELUDE.replace('"KERAS_DISTRIB_RANK"', '"HOROVOD_RANK"')
-                      + textwrap.dedent("""\
+    script.write_text(
+        RANK_PRELUDE.replace('"KERAS_DISTRIB_RANK"', '"HOROVOD_RANK"')
+        + textwrap.dedent("""\
         print("hello", flush=True)
         if RANK == 0:
             for i in range(5):
@@ -353,19 +385,22 @@ def test_horovod_backend_output_has_one_prefix_style(tmp_path, capfd, no_leftove
                 time.sleep(0.05)
             print()
         print("to stderr", file=sys.stderr, flush=True)
-    """))
+    """)
+    )
     config = LaunchConfig(nproc=2, script=str(script), backend="horovod", timeout=100)
     assert launch.launch(config) == 0
     out, _ = capfd.readouterr()
     assert "<stdout>:" not in out and "<stderr>:" not in out, out
     for line in out.split("\n")[:-1]:
         for piece in line.split("\r"):
-            assert piece == "" or piece.startswith(
-                ("[rank 0] ", "[rank 1] ", "[horovodrun] ")), repr(out)
+            assert piece == "" or piece.startswith(("[rank 0] ", "[rank 1] ", "[horovodrun] ")), (
+                repr(out)
+            )
     for rank in range(2):
         assert {"hello", "to stderr"} <= set(_lines_of(out, rank)), out
-    assert "\r[rank 0] " in out and ("\r[rank 0] 4/5\n" in out
-                                     or "\n[rank 0] 4/5\n" in out), repr(out)
+    assert "\r[rank 0] " in out and ("\r[rank 0] 4/5\n" in out or "\n[rank 0] 4/5\n" in out), repr(
+        out
+    )
     assert not any(process_alive(pid) for pid in rank_pids(tmp_path).values())
 
 
@@ -379,9 +414,14 @@ def test_ssh_runs_remote_ranks_through_the_ssh_command(tmp_path, capfd, no_lefto
     fake_ssh = tmp_path / "fake_ssh.py"
     fake_ssh.write_text("import os, sys\nos.execvp('sh', ['sh', '-c', sys.argv[-1]])\n")
     args = ("quote's", "two words")
-    config = LaunchConfig(nproc=2, script=rank_script(tmp_path, REPORT_BODY), script_args=args,
-                          hosts=("node-a.invalid", "node-b.invalid"), ssh=True,
-                          ssh_command=f"{sys.executable} {fake_ssh}")
+    config = LaunchConfig(
+        nproc=2,
+        script=rank_script(tmp_path, REPORT_BODY),
+        script_args=args,
+        hosts=("node-a.invalid", "node-b.invalid"),
+        ssh=True,
+        ssh_command=f"{sys.executable} {fake_ssh}",
+    )
     assert launch.launch(config) == 0
     out, _ = capfd.readouterr()
     configs = _check_report(out, 2, args, host=None)
@@ -390,9 +430,13 @@ def test_ssh_runs_remote_ranks_through_the_ssh_command(tmp_path, capfd, no_lefto
 
 @pytest.mark.slow
 def test_ranks_run_on_their_hosts_and_their_exit_reaches_the_launcher(
-        tmp_path, capfd, no_leftovers, hosts):
+    tmp_path, capfd, no_leftovers, hosts
+):
     bed = hosts(2)  # two network namespaces (tests/netns_hosts.py)
-    script = rank_script(tmp_path, textwrap.dedent(REPORT_BODY) + textwrap.dedent("""\
+    script = rank_script(
+        tmp_path,
+        textwrap.dedent(REPORT_BODY)
+        + textwrap.dedent("""\
         import pathlib
         import socket
         me = json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"][RANK].rsplit(":", 1)[0]
@@ -407,9 +451,11 @@ def test_ranks_run_on_their_hosts_and_their_exit_reaches_the_launcher(
             sys.stderr.write("rank 1 gives up\\n")
             sys.exit(3)
         time.sleep(600)
-    """))
-    config = LaunchConfig(nproc=2, script=script, hosts=tuple(bed.addresses), ssh=True,
-                          ssh_command=bed.ssh_command)
+    """),
+    )
+    config = LaunchConfig(
+        nproc=2, script=script, hosts=tuple(bed.addresses), ssh=True, ssh_command=bed.ssh_command
+    )
     assert launch.launch(config) == 3
     out, err = capfd.readouterr()
     configs = _check_report(out, 2, (), host=None)
@@ -437,12 +483,15 @@ def test_cli_runs_workers_and_passes_script_flags_untouched(tmp_path, no_leftove
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args, fragment", [
-    (["launch", "-n", "0", "{script}"], "-n/--nproc must be >= 1, got 0"),
-    (["launch", "-n", "2"], "missing the script to run"),
-    (["launch", "--nproc=two", "{script}"], "flag --nproc=two"),
-    (["train", "-n", "2", "{script}"], "unknown subcommand 'train'; valid subcommands: launch"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["launch", "-n", "0", "{script}"], "-n/--nproc must be >= 1, got 0"),
+        (["launch", "-n", "2"], "missing the script to run"),
+        (["launch", "--nproc=two", "{script}"], "flag --nproc=two"),
+        (["train", "-n", "2", "{script}"], "unknown subcommand 'train'; valid subcommands: launch"),
+    ],
+)
 def test_cli_bad_flags_give_one_line_error(tmp_path, no_leftovers, args, fragment):
     script = rank_script(tmp_path, "open(os.path.join(HERE, 'ran'), 'w').close()")
     proc = _cli(*[a.replace("{script}", script) for a in args], cwd=tmp_path)

@@ -99,15 +99,22 @@ class _Launcher:
     def __init__(self, args, cwd):
         env = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "keras_distrib.launch", "launch", *args], cwd=cwd,
-            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True, start_new_session=True)
+            [sys.executable, "-m", "keras_distrib.launch", "launch", *args],
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         self.out: list[str] = []
         self.err: list[str] = []
         self._changed = threading.Condition()
-        self._readers = [threading.Thread(target=self._read, args=(stream, lines), daemon=True)
-                         for stream, lines in ((self.proc.stdout, self.out),
-                                               (self.proc.stderr, self.err))]
+        self._readers = [
+            threading.Thread(target=self._read, args=(stream, lines), daemon=True)
+            for stream, lines in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))
+        ]
         for reader in self._readers:
             reader.start()
 
@@ -125,8 +132,9 @@ class _Launcher:
             return [m for m in map(regex.search, self.out + self.err) if m]
 
         with self._changed:
-            self._changed.wait_for(lambda: len(matches()) >= count or self.proc.poll() is not None,
-                                   timeout)
+            self._changed.wait_for(
+                lambda: len(matches()) >= count or self.proc.poll() is not None, timeout
+            )
             found = matches()
         assert len(found) >= count, f"no {pattern!r} within {timeout}s:\n{self.text()}"
         return found[:count]
@@ -172,21 +180,30 @@ def launcher(tmp_path, token):
 
 def _cli_error(tmp_path, *args):
     env = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH}
-    proc = subprocess.run([sys.executable, "-m", "keras_distrib.launch", "launch", *args],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [sys.executable, "-m", "keras_distrib.launch", "launch", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     errors = [line for line in proc.stderr.splitlines() if line.startswith("keras-distrib:")]
     return proc.returncode, proc.stdout, errors
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args, fragment", [
-    (["-n", "2", "--workers", "3"], "-n 2 and --workers 3 disagree"),
-    (["--ps", "1"], "--workers is required with --ps"),
-    (["--workers", "1", "--ps", "1", "--backend", "horovod"], "works with --backend=tf only"),
-    (["--workers", "2", "--ps_tasks_run_script"], "--ps_tasks_run_script needs --ps"),
-    (["--workers", "2", "--ps", "-1"], "flag --ps=-1"),
-    (["--workers", "0", "--ps", "1"], "--workers must be >= 1 with --ps"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["-n", "2", "--workers", "3"], "-n 2 and --workers 3 disagree"),
+        (["--ps", "1"], "--workers is required with --ps"),
+        (["--workers", "1", "--ps", "1", "--backend", "horovod"], "works with --backend=tf only"),
+        (["--workers", "2", "--ps_tasks_run_script"], "--ps_tasks_run_script needs --ps"),
+        (["--workers", "2", "--ps", "-1"], "flag --ps=-1"),
+        (["--workers", "0", "--ps", "1"], "--workers must be >= 1 with --ps"),
+    ],
+)
 def test_cli_bad_parameter_server_flags_give_one_line_error(tmp_path, token, args, fragment):
     script = write_script(tmp_path, "open('ran', 'w').close()")
     code, out, errors = _cli_error(tmp_path, *args, script)
@@ -199,8 +216,9 @@ def test_cli_bad_parameter_server_flags_give_one_line_error(tmp_path, token, arg
 @pytest.mark.slow
 def test_workers_flag_without_ps_is_n(tmp_path, token):
     # --workers N is -n N: the same ranks, `[rank N]` lines.
-    script = write_script(tmp_path,
-                          "import os; print('size', os.environ['KERAS_DISTRIB_WORLD_SIZE'])")
+    script = write_script(
+        tmp_path, "import os; print('size', os.environ['KERAS_DISTRIB_WORLD_SIZE'])"
+    )
     code, out, errors = _cli_error(tmp_path, "--workers", "2", "-n", "2", script)
     assert code == 0, errors
     assert sorted(out.splitlines()) == ["[rank 0] size 2", "[rank 1] size 2"]
@@ -255,25 +273,32 @@ def _records(tmp_path) -> dict[tuple[str, int], dict]:
 
 
 def _ps_config(script, **kwargs) -> LaunchConfig:
-    options = dict(nproc=2, ps=1, script=script, ps_tasks_run_script=True, grace_seconds=5,
-                   timeout=50)
+    options = dict(
+        nproc=2, ps=1, script=script, ps_tasks_run_script=True, grace_seconds=5, timeout=50
+    )
     options.update(kwargs)
     return LaunchConfig(**options)
 
 
 @pytest.mark.slow
-def test_ps_tasks_run_script_runs_it_on_every_task_with_its_tf_config(
-        tmp_path, capfd, token):
-    script = _role_script(tmp_path, """\
+def test_ps_tasks_run_script_runs_it_on_every_task_with_its_tf_config(tmp_path, capfd, token):
+    script = _role_script(
+        tmp_path,
+        """\
         if ROLE != "chief":
             time.sleep(600)  # as a server: until the launcher stops it
         wait_for(lambda: all(starts(n) for n in ("worker-0", "worker-1", "ps-0")))
         print("all tasks up")
-    """)
+    """,
+    )
     assert launch.launch(_ps_config(script)) == 0
     out, err = capfd.readouterr()
-    for label, line in [("chief", "TASK chief 0 start 0"), ("worker 0", "TASK worker 0 start 0"),
-                        ("worker 1", "TASK worker 1 start 0"), ("ps 0", "TASK ps 0 start 0")]:
+    for label, line in [
+        ("chief", "TASK chief 0 start 0"),
+        ("worker 0", "TASK worker 0 start 0"),
+        ("worker 1", "TASK worker 1 start 0"),
+        ("ps 0", "TASK ps 0 start 0"),
+    ]:
         assert f"[{label}] {line}" in out.splitlines(), out
     assert "[chief] all tasks up" in out.splitlines()
     records = _records(tmp_path)
@@ -283,17 +308,25 @@ def test_ps_tasks_run_script_runs_it_on_every_task_with_its_tf_config(
     assert len(set(ports)) == 4
     for (name, _), record in records.items():
         role, index = name.split("-")
-        assert record["tf_config"] == {"cluster": cluster,
-                                       "task": {"type": role, "index": int(index)}}
+        assert record["tf_config"] == {
+            "cluster": cluster,
+            "task": {"type": role, "index": int(index)},
+        }
     assert [records[n, 0]["rank"] for n in ("chief-0", "worker-0", "worker-1", "ps-0")] == [
-        "0", "1", "2", None]
+        "0",
+        "1",
+        "2",
+        None,
+    ]
     assert "restarting" not in err
     assert not _wait_until_gone(token)
 
 
 @pytest.mark.slow
 def test_exited_worker_is_restarted_alone_with_the_same_tf_config(tmp_path, capfd, token):
-    script = _role_script(tmp_path, """\
+    script = _role_script(
+        tmp_path,
+        """\
         if NAME == "worker-1" and START == 0:
             wait_for(lambda: starts("chief-0"))
             sys.exit(3)
@@ -301,15 +334,21 @@ def test_exited_worker_is_restarted_alone_with_the_same_tf_config(tmp_path, capf
             time.sleep(600)
         wait_for(lambda: len(starts("worker-1")) == 2)
         print("worker 1 is back")
-    """)
+    """,
+    )
     assert launch.launch(_ps_config(script)) == 0
     out, err = capfd.readouterr()
     assert "[launcher] worker 1 exited (exit code 3); restarting it (restart 1)" in err.splitlines()
     assert "[chief] worker 1 is back" in out.splitlines()
     records = _records(tmp_path)
     # Only worker 1 started again, with the same TF_CONFIG (so the same port).
-    assert set(records) == {("chief-0", 0), ("worker-0", 0), ("worker-1", 0), ("worker-1", 1),
-                            ("ps-0", 0)}
+    assert set(records) == {
+        ("chief-0", 0),
+        ("worker-0", 0),
+        ("worker-1", 0),
+        ("worker-1", 1),
+        ("ps-0", 0),
+    }
     assert records["worker-1", 1]["tf_config"] == records["worker-1", 0]["tf_config"]
     assert records["worker-1", 1]["pid"] != records["worker-1", 0]["pid"]
     assert not _wait_until_gone(token)
@@ -317,18 +356,23 @@ def test_exited_worker_is_restarted_alone_with_the_same_tf_config(tmp_path, capf
 
 @pytest.mark.slow
 def test_worker_restarts_are_bounded_by_max_restarts(tmp_path, capfd, token):
-    script = _role_script(tmp_path, """\
+    script = _role_script(
+        tmp_path,
+        """\
         if ROLE == "worker":
             sys.exit(3)
         time.sleep(600)
-    """)
+    """,
+    )
     assert launch.launch(_ps_config(script, nproc=1, max_restarts=2)) == 3
     _, err = capfd.readouterr()
     lines = err.splitlines()
     assert "[launcher] worker 0 exited (exit code 3); restarting it (restart 1)" in lines
     assert "[launcher] worker 0 exited (exit code 3); restarting it (restart 2)" in lines
-    assert ("[launcher] worker 0 exited (exit code 3); no restarts left (2 used, at most "
-            "--max_restarts=2); stopping the job.") in lines, err
+    assert (
+        "[launcher] worker 0 exited (exit code 3); no restarts left (2 used, at most "
+        "--max_restarts=2); stopping the job."
+    ) in lines, err
     assert "keras-distrib: worker 0 failed with exit code 3; last output:" in lines
     assert len(_records(tmp_path)) == 1 + 3 + 1  # chief, worker 0 three times, ps
     assert not _wait_until_gone(token)
@@ -336,35 +380,45 @@ def test_worker_restarts_are_bounded_by_max_restarts(tmp_path, capfd, token):
 
 @pytest.mark.slow
 def test_lost_ps_is_not_restarted_and_a_chief_running_on_is_stopped(
-        tmp_path, capfd, token, monkeypatch):
+    tmp_path, capfd, token, monkeypatch
+):
     monkeypatch.setattr(ps_supervise_lib, "PS_LOSS_GRACE_SECONDS", 1.0)
-    script = _role_script(tmp_path, """\
+    script = _role_script(
+        tmp_path,
+        """\
         if ROLE == "ps":
             wait_for(lambda: starts("chief-0") and starts("worker-0"))
             os.kill(os.getpid(), 9)
         time.sleep(600)  # the chief too: as if it missed the loss
-    """)
+    """,
+    )
     # The chief sleeps 600 s: the launch ends (within the test's timeout)
     # only because the launcher stops it.
     assert launch.launch(_ps_config(script, nproc=1)) == 1
     _, err = capfd.readouterr()
     lines = err.splitlines()
-    assert ("[launcher] ps 0 exited (signal 9); not restarting it (its variables are lost); "
-            "the chief should fail, else it is stopped in 1s.") in lines, err
-    assert ("[launcher] the chief still runs 1s after ps 0 was lost; stopping the job "
-            "(exit code 1).") in lines, err
+    assert (
+        "[launcher] ps 0 exited (signal 9); not restarting it (its variables are lost); "
+        "the chief should fail, else it is stopped in 1s."
+    ) in lines, err
+    assert (
+        "[launcher] the chief still runs 1s after ps 0 was lost; stopping the job (exit code 1)."
+    ) in lines, err
     assert set(_records(tmp_path)) == {("chief-0", 0), ("worker-0", 0), ("ps-0", 0)}
     assert not _wait_until_gone(token)
 
 
 @pytest.mark.slow
 def test_chief_failure_ends_the_job_with_its_code_and_tail(tmp_path, capfd, token):
-    script = _role_script(tmp_path, """\
+    script = _role_script(
+        tmp_path,
+        """\
         if ROLE != "chief":
             time.sleep(600)
         wait_for(lambda: starts("ps-0"))
         raise ValueError("the chief gave up")
-    """)
+    """,
+    )
     assert launch.launch(_ps_config(script, nproc=1)) == 1
     _, err = capfd.readouterr()
     lines = err.splitlines()
@@ -377,24 +431,28 @@ def test_chief_failure_ends_the_job_with_its_code_and_tail(tmp_path, capfd, toke
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["signal", "timeout"])
 def test_signal_or_timeout_stops_every_task(tmp_path, capfd, token, how):
-    script = _role_script(tmp_path, """\
+    script = _role_script(
+        tmp_path,
+        """\
         import signal
         if ROLE == "worker":  # a stubborn one: SIGKILL after --grace_seconds
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         put(f"{NAME}.ready")
         time.sleep(600)
-    """)
+    """,
+    )
 
     def interrupt_when_ready():
         names = ("chief-0", "worker-0", "ps-0")
         deadline = time.monotonic() + 20
-        while (not all((tmp_path / f"{n}.ready").exists() for n in names)
-               and time.monotonic() < deadline):
+        while (
+            not all((tmp_path / f"{n}.ready").exists() for n in names)
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.02)
         os.kill(os.getpid(), signal.SIGINT)  # the launcher's trap gets it
 
-    config = _ps_config(script, nproc=1, grace_seconds=1,
-                        timeout=50 if how == "signal" else 3)
+    config = _ps_config(script, nproc=1, grace_seconds=1, timeout=50 if how == "signal" else 3)
     timer = threading.Thread(target=interrupt_when_ready) if how == "signal" else None
     if timer:
         timer.start()
@@ -407,8 +465,9 @@ def test_signal_or_timeout_stops_every_task(tmp_path, capfd, token, how):
         assert "keras-distrib: got SIGINT; stopping all tasks." in err.splitlines()
     else:
         assert code == launch.EXIT_TIMEOUT
-        assert ("keras-distrib: timed out after 3s (--timeout); stopping all tasks."
-                in err.splitlines())
+        assert (
+            "keras-distrib: timed out after 3s (--timeout); stopping all tasks." in err.splitlines()
+        )
     assert len(_records(tmp_path)) == 3
     assert not _wait_until_gone(token)
 
@@ -421,23 +480,42 @@ def test_signal_or_timeout_stops_every_task(tmp_path, capfd, token, how):
 def test_task_server_without_a_cluster_is_a_one_line_error(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG" and not k.startswith("SLURM_")}
     env["PYTHONPATH"] = CHILD_PYTHONPATH
-    proc = subprocess.run([sys.executable, *SERVER_MODULE], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [sys.executable, *SERVER_MODULE],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [
         "keras_distrib.strategies.parameter_server.task_server: error: no cluster in the "
-        "environment; set TF_CONFIG to this task's cluster and task (type 'worker' or 'ps')."]
+        "environment; set TF_CONFIG to this task's cluster and task (type 'worker' or 'ps')."
+    ]
 
 
 @pytest.mark.slow
 def test_task_server_exits_0_quietly_and_at_once_on_sigterm(tmp_path, token):
     chief, worker, ps = (f"127.0.0.1:{p}" for p in cluster.free_ports(3))
-    config = {"cluster": {"chief": [chief], "worker": [worker], "ps": [ps]},
-              "task": {"type": "ps", "index": 0}}
-    env = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH, "TF_CONFIG": json.dumps(config),
-           "TF_CPP_MIN_LOG_LEVEL": "3"}
-    proc = subprocess.Popen([sys.executable, *SERVER_MODULE], env=env, cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    config = {
+        "cluster": {"chief": [chief], "worker": [worker], "ps": [ps]},
+        "task": {"type": "ps", "index": 0},
+    }
+    env = {
+        **os.environ,
+        "PYTHONPATH": CHILD_PYTHONPATH,
+        "TF_CONFIG": json.dumps(config),
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, *SERVER_MODULE],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         lines = []
         for line in proc.stderr:
@@ -502,8 +580,10 @@ CHIEF = textwrap.dedent("""\
     print("VALUE", float(v.numpy()), flush=True)
 """)
 
-SERVING = (r"\[(?P<label>(?:worker|ps) \d+)\] keras_distrib: (?P=label) serving on "
-           r"(?P<address>\S+) \(pid (?P<pid>\d+)\)")
+SERVING = (
+    r"\[(?P<label>(?:worker|ps) \d+)\] keras_distrib: (?P=label) serving on "
+    r"(?P<address>\S+) \(pid (?P<pid>\d+)\)"
+)
 
 
 def _serving(run: _Launcher, count: int) -> dict[str, tuple[str, int]]:
@@ -519,13 +599,15 @@ def test_parameter_server_job_trains_and_leaves_nothing_running(tmp_path, launch
     # The servers, connected to by the coordinator, exit on SIGTERM: not
     # after --grace_seconds (SIGKILL), which would keep the job running
     # past finish()'s timeout.
-    run = launcher("--workers", "2", "--ps", "1", "--timeout", "100", "--grace_seconds", "600",
-                   script)
+    run = launcher(
+        "--workers", "2", "--ps", "1", "--timeout", "100", "--grace_seconds", "600", script
+    )
     run.wait_for(r"^\[chief\] VALUE", timeout=100)
     assert run.finish(timeout=60) == 0, run.text()
     assert "[chief] VALUE 30.0" in run.out, run.text()
-    tf_config = json.loads(next(line for line in run.out
-                                if line.startswith("[chief] TF_CONFIG="))[18:])
+    tf_config = json.loads(
+        next(line for line in run.out if line.startswith("[chief] TF_CONFIG="))[18:]
+    )
     assert tf_config["task"] == {"type": "chief", "index": 0}
     cluster = tf_config["cluster"]
     servers = _serving(run, 3)

@@ -96,9 +96,15 @@ def launcher(tmp_path):
     def start(*args) -> subprocess.Popen:
         env = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH}
         proc = subprocess.Popen(
-            [sys.executable, "-m", "keras_distrib.launch", "launch", *args], cwd=tmp_path,
-            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True, start_new_session=True)
+            [sys.executable, "-m", "keras_distrib.launch", "launch", *args],
+            cwd=tmp_path,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         started.append(proc)
         return proc
 
@@ -147,8 +153,8 @@ def test_rank_failing_once_is_restarted_on_new_ports(tmp_path, launcher):
     lines = _launcher_lines(err)
     assert lines.count("keras-distrib: rank 1 failed with exit code 3; last output:") == 1, err
     assert [line for line in lines if "restart 1/" in line] == [
-        "keras-distrib: restart 1/2: rank 1 failed with exit code 3; "
-        "starting all 2 ranks again."], err
+        "keras-distrib: restart 1/2: rank 1 failed with exit code 3; starting all 2 ranks again."
+    ], err
     assert lines[-1] == "keras-distrib: all 2 ranks succeeded; 1 of 2 restarts used; exit code 0."
     records = _records(tmp_path)
     assert set(records) == {(0, 0), (1, 0), (0, 1), (1, 1)}
@@ -162,50 +168,62 @@ def test_rank_failing_once_is_restarted_on_new_ports(tmp_path, launcher):
 
 
 def test_always_failing_rank_exits_with_its_code_after_every_restart(tmp_path, launcher):
-    script = _script(tmp_path, """\
+    script = _script(
+        tmp_path,
+        """\
         if RANK == 1:
             wait_for(f"rank0.a{RESTART}.json")
             sys.exit(3)
         time.sleep(600)
-    """)
+    """,
+    )
     code, _, err = _run(launcher, "-n", "2", "--max_restarts=2", script)
     assert code == 3, err
     lines = _launcher_lines(err)
     assert [line for line in lines if line.startswith("keras-distrib: restart ")] == [
-        f"keras-distrib: restart {k}/2: rank 1 failed with exit code 3; "
-        "starting all 2 ranks again." for k in (1, 2)], err
-    assert lines[-1] == ("keras-distrib: rank 1 failed with exit code 3; "
-                         "2 of 2 restarts used; exit code 3.")
+        f"keras-distrib: restart {k}/2: rank 1 failed with exit code 3; starting all 2 ranks again."
+        for k in (1, 2)
+    ], err
+    assert lines[-1] == (
+        "keras-distrib: rank 1 failed with exit code 3; 2 of 2 restarts used; exit code 3."
+    )
     assert {attempt for _, attempt in _records(tmp_path)} == {0, 1, 2}
     _assert_all_gone(tmp_path)
 
 
 def test_rank_killed_by_sigkill_is_restarted(tmp_path, launcher):
-    script = _script(tmp_path, """\
+    script = _script(
+        tmp_path,
+        """\
         if RESTART == 0 and RANK == 1:
             wait_for("rank0.a0.json")
             os.kill(os.getpid(), signal.SIGKILL)
         if RESTART == 0:
             time.sleep(600)
-    """)
+    """,
+    )
     code, _, err = _run(launcher, "-n", "2", "--max-restarts", "1", script)
     assert code == 0, err
-    assert ("keras-distrib: restart 1/1: rank 1 failed with signal SIGKILL (exit code 137); "
-            "starting all 2 ranks again.") in _launcher_lines(err), err
+    assert (
+        "keras-distrib: restart 1/1: rank 1 failed with signal SIGKILL (exit code 137); "
+        "starting all 2 ranks again."
+    ) in _launcher_lines(err), err
     assert set(_records(tmp_path)) == {(0, 0), (1, 0), (0, 1), (1, 1)}
     _assert_all_gone(tmp_path)
 
 
 @pytest.mark.parametrize("max_restarts", [0, 1])
-def test_preempted_rank_is_restarted_or_ends_the_job_as_preempted(
-        tmp_path, launcher, max_restarts):
-    script = _script(tmp_path, f"""\
+def test_preempted_rank_is_restarted_or_ends_the_job_as_preempted(tmp_path, launcher, max_restarts):
+    script = _script(
+        tmp_path,
+        f"""\
         if RESTART == 0 and RANK == 1:
             wait_for("rank0.a0.json")
             sys.exit({PREEMPTED})
         if RESTART == 0:
             time.sleep(600)
-    """)
+    """,
+    )
     code, _, err = _run(launcher, "-n", "2", "--max-restarts", str(max_restarts), script)
     lines = _launcher_lines(err)
     preempted = f"keras-distrib: rank 1 was preempted (exit code {PREEMPTED}); last output:"
@@ -213,8 +231,10 @@ def test_preempted_rank_is_restarted_or_ends_the_job_as_preempted(
     assert not any("failed" in line for line in lines), err
     if max_restarts:
         assert code == 0, err
-        assert (f"keras-distrib: restart 1/1: rank 1 was preempted (exit code {PREEMPTED}); "
-                "starting all 2 ranks again.") in lines, err
+        assert (
+            f"keras-distrib: restart 1/1: rank 1 was preempted (exit code {PREEMPTED}); "
+            "starting all 2 ranks again."
+        ) in lines, err
         assert set(_records(tmp_path)) == {(0, 0), (1, 0), (0, 1), (1, 1)}
     else:
         assert code == PREEMPTED, err
@@ -227,7 +247,9 @@ def test_timeout_bounds_all_attempts_together(tmp_path, launcher):
     # Attempt 0 takes over 1s of the 6s, so attempt 1 is stopped before it
     # writes "late" 5.5s after it starts, which a deadline counted per
     # attempt would let it do.
-    script = _script(tmp_path, """\
+    script = _script(
+        tmp_path,
+        """\
         if RESTART == 0 and RANK == 1:
             time.sleep(1)
             sys.exit(3)
@@ -235,7 +257,8 @@ def test_timeout_bounds_all_attempts_together(tmp_path, launcher):
             time.sleep(5.5)
             put(f"late{RANK}")
         time.sleep(600)
-    """)
+    """,
+    )
     code, _, err = _run(launcher, "-n", "2", "--max-restarts", "5", "--timeout", "6", script)
     assert code == 124, err
     lines = _launcher_lines(err)
@@ -255,17 +278,25 @@ RANK_1_ALWAYS_FAILS = """\
 """
 
 
-def test_an_elastic_launch_left_with_fewer_than_min_workers_stops_in_one_line(
-        tmp_path, launcher):
+def test_an_elastic_launch_left_with_fewer_than_min_workers_stops_in_one_line(tmp_path, launcher):
     """Rank 1 fails first twice within --elastic_grace, so its slot is left
     out (a slot is a process on one host); 1 slot is fewer than
     --min_workers=2 (tests/distributed/test_elastic.py has jobs that go on)."""
-    code, _, err = _run(launcher, "-n", "2", "--min_workers", "2", "--max_restarts", "3",
-                        _script(tmp_path, RANK_1_ALWAYS_FAILS))
+    code, _, err = _run(
+        launcher,
+        "-n",
+        "2",
+        "--min_workers",
+        "2",
+        "--max_restarts",
+        "3",
+        _script(tmp_path, RANK_1_ALWAYS_FAILS),
+    )
     assert code == 1, err
     assert err.rstrip().endswith(
         "keras-distrib: 1 of 2 slots left, fewer than --min_workers=2; the last failure: "
-        "rank 1 failed with exit code 3; stopping."), err
+        "rank 1 failed with exit code 3; stopping."
+    ), err
     assert set(_records(tmp_path)) == {(0, 0), (1, 0), (0, 1), (1, 1)}
     _assert_all_gone(tmp_path)
 
@@ -299,17 +330,30 @@ def test_under_horovod_a_slot_whose_rank_is_killed_again_is_left_out(tmp_path, l
     pytest.importorskip("horovod")
     script = tmp_path / "worker.py"
     script.write_text(HOROVOD_RANK_1_KILLED_AGAIN)
-    code, _, err = _run(launcher, "-n", "2", "--backend", "horovod", "--min_workers", "1",
-                        "--max_restarts", "3", str(script))
+    code, _, err = _run(
+        launcher,
+        "-n",
+        "2",
+        "--backend",
+        "horovod",
+        "--min_workers",
+        "1",
+        "--max_restarts",
+        "3",
+        str(script),
+    )
     assert code == 0, err
     assert [line for line in _launcher_lines(err) if "restart " in line] == [
-        f"keras-distrib: restart {k}/3: horovodrun failed with exit code 1 (its rank 1 "
-        "first)." for k in (1, 2)], err
-    assert ("[launcher] 2 -> 1 workers: slot 1 on host 127.0.0.1 left out (its rank failed "
-            "again within --elastic_grace=60s); training goes on from the last backup."
-            ) in err.splitlines(), err
+        f"keras-distrib: restart {k}/3: horovodrun failed with exit code 1 (its rank 1 first)."
+        for k in (1, 2)
+    ], err
+    assert (
+        "[launcher] 2 -> 1 workers: slot 1 on host 127.0.0.1 left out (its rank failed "
+        "again within --elastic_grace=60s); training goes on from the last backup."
+    ) in err.splitlines(), err
     assert err.rstrip().endswith(
-        "keras-distrib: the rank succeeded; 2 of 3 restarts used; exit code 0."), err
+        "keras-distrib: the rank succeeded; 2 of 3 restarts used; exit code 0."
+    ), err
     records = _records(tmp_path)
     assert set(records) == {(0, 0), (1, 0), (0, 1), (1, 1), (0, 2)}
     assert records[0, 2]["size"] == 1
@@ -339,17 +383,29 @@ BACKUPS_THEN_RANK_1_FAILS = """\
 
 @pytest.mark.parametrize("elastic", [False, True])
 def test_a_restart_names_the_step_of_the_last_backup_the_chief_reported(
-        tmp_path, launcher, elastic):
+    tmp_path, launcher, elastic
+):
     flags = ("--min_workers", "1") if elastic else ()
-    code, out, err = _run(launcher, "-n", "2", "--max_restarts", "2", *flags,
-                          _script(tmp_path, BACKUPS_THEN_RANK_1_FAILS))
-    restart = ("keras-distrib: restart 1/2: rank 1 failed with exit code 3; starting all 2 "
-               "ranks again, from the last backup, step 8 (epoch 1, step 8).")
+    code, out, err = _run(
+        launcher,
+        "-n",
+        "2",
+        "--max_restarts",
+        "2",
+        *flags,
+        _script(tmp_path, BACKUPS_THEN_RANK_1_FAILS),
+    )
+    restart = (
+        "keras-distrib: restart 1/2: rank 1 failed with exit code 3; starting all 2 "
+        "ranks again, from the last backup, step 8 (epoch 1, step 8)."
+    )
     if elastic:
         assert code == 0, err
-        assert ("[launcher] 2 -> 1 workers: slot 1 on host 127.0.0.1 left out (its rank failed "
-                "again within --elastic_grace=60s); training goes on from the last backup, "
-                "step 8 (epoch 1, step 8).") in err.splitlines(), err
+        assert (
+            "[launcher] 2 -> 1 workers: slot 1 on host 127.0.0.1 left out (its rank failed "
+            "again within --elastic_grace=60s); training goes on from the last backup, "
+            "step 8 (epoch 1, step 8)."
+        ) in err.splitlines(), err
     else:
         assert code == 3, err
         assert restart in _launcher_lines(err), err
@@ -362,19 +418,35 @@ def test_a_restart_names_the_step_of_the_last_backup_the_chief_reported(
 
 
 def test_an_elastic_launch_that_loses_a_host_below_min_workers_stops_naming_it(
-        tmp_path, launcher, hosts):
+    tmp_path, launcher, hosts
+):
     """Two hosts (network namespaces): host 1's link is cut and its rank
     fails; the launcher finds host 1 does not answer, which leaves 1 slot,
     fewer than --min_workers=2."""
     bed = hosts(2)
-    script = _script(tmp_path, """\
+    script = _script(
+        tmp_path,
+        """\
         if RANK == 1:
             wait_for("cut")
             sys.exit(3)
         time.sleep(600)
-    """)
-    proc = launcher("-n", "2", "--hosts", bed.hosts_flag(), "--ssh", "--ssh_command",
-                    bed.ssh_command, "--min_workers", "2", "--max_restarts", "3", script)
+    """,
+    )
+    proc = launcher(
+        "-n",
+        "2",
+        "--hosts",
+        bed.hosts_flag(),
+        "--ssh",
+        "--ssh_command",
+        bed.ssh_command,
+        "--min_workers",
+        "2",
+        "--max_restarts",
+        "3",
+        script,
+    )
     _wait_for(tmp_path / "rank0.a0.json")
     _wait_for(tmp_path / "rank1.a0.json")
     bed.cut(1)
@@ -383,7 +455,8 @@ def test_an_elastic_launch_that_loses_a_host_below_min_workers_stops_naming_it(
     assert proc.returncode == 1, err
     assert err.rstrip().endswith(
         f"keras-distrib: 1 of 2 slots left, fewer than --min_workers=2; lost: host "
-        f"{bed.addresses[1]}; the last failure: rank 1 failed with exit code 3; stopping."), err
+        f"{bed.addresses[1]}; the last failure: rank 1 failed with exit code 3; stopping."
+    ), err
     assert set(_records(tmp_path)) == {(0, 0), (1, 0)}  # nothing started again
     assert bed.pids() == [], "a process outlived the job on a host"
     _assert_all_gone(tmp_path)
@@ -406,13 +479,15 @@ SIGTERM_BODY = """\
 """
 
 
-@pytest.mark.parametrize("trap, code", [
-    ("preempted", PREEMPTED),  # every rank exits 75: the job was preempted
-    ("default", 128 + signal.SIGTERM),  # killed by SIGTERM: as before
-    ("rank 1 ignores", 128 + signal.SIGTERM),  # rank 1 is SIGKILLed after the grace
-])
-def test_sigterm_to_the_launcher_stops_all_ranks_without_restart(
-        tmp_path, launcher, trap, code):
+@pytest.mark.parametrize(
+    "trap, code",
+    [
+        ("preempted", PREEMPTED),  # every rank exits 75: the job was preempted
+        ("default", 128 + signal.SIGTERM),  # killed by SIGTERM: as before
+        ("rank 1 ignores", 128 + signal.SIGTERM),  # rank 1 is SIGKILLed after the grace
+    ],
+)
+def test_sigterm_to_the_launcher_stops_all_ranks_without_restart(tmp_path, launcher, trap, code):
     script = _script(tmp_path, SIGTERM_BODY.format(trap=trap, preempted=PREEMPTED))
     proc = launcher("-n", "2", "--max-restarts", "3", "--grace-seconds", "1", script)
     for rank in range(2):
@@ -425,10 +500,13 @@ def test_sigterm_to_the_launcher_stops_all_ranks_without_restart(
     lines = _launcher_lines(err)
     assert "keras-distrib: got SIGTERM; stopping all ranks." in lines, err
     assert not any(line.startswith("keras-distrib: restart ") for line in lines), err
-    assert (f"keras-distrib: every rank exited with {PREEMPTED} (preempted) or 0; "
-            f"exit code {PREEMPTED}." in lines) == (code == PREEMPTED), err
-    assert lines[-1] == (f"keras-distrib: stopped by SIGTERM; 0 of 3 restarts used; "
-                         f"exit code {code}.")
+    assert (
+        f"keras-distrib: every rank exited with {PREEMPTED} (preempted) or 0; "
+        f"exit code {PREEMPTED}." in lines
+    ) == (code == PREEMPTED), err
+    assert lines[-1] == (
+        f"keras-distrib: stopped by SIGTERM; 0 of 3 restarts used; exit code {code}."
+    )
     assert set(_records(tmp_path)) == {(0, 0), (1, 0)}
     _assert_all_gone(tmp_path)
 
@@ -449,8 +527,7 @@ def test_rank_ignoring_sigterm_is_killed_after_grace_seconds(tmp_path, launcher)
 # The private shared-memory directory
 
 
-def test_shm_dir_is_private_shared_by_local_ranks_and_removed_after_success(
-        tmp_path, launcher):
+def test_shm_dir_is_private_shared_by_local_ranks_and_removed_after_success(tmp_path, launcher):
     script = _script(tmp_path, "")
     code, _, err = _run(launcher, "-n", "2", script)
     assert code == 0, err
@@ -468,12 +545,15 @@ def test_shm_dir_is_private_shared_by_local_ranks_and_removed_after_success(
 
 
 def test_shm_dir_is_removed_after_a_failure(tmp_path, launcher):
-    script = _script(tmp_path, """\
+    script = _script(
+        tmp_path,
+        """\
         if RANK == 1:
             wait_for("rank0.a0.json")
             sys.exit(3)
         time.sleep(600)
-    """)
+    """,
+    )
     code, _, err = _run(launcher, "-n", "2", script)
     assert code == 3, err
     assert not any("restart" in line for line in _launcher_lines(err)), err
@@ -485,14 +565,26 @@ def test_ranks_over_ssh_get_the_restart_count_but_no_shm_dir(tmp_path, launcher)
     # Rank 0 runs here, rank 1 on "another host" through a stand-in for ssh
     # that runs the remote command here, as sshd would.
     from keras_distrib.cluster import free_ports
+
     fake_ssh = tmp_path / "fake_ssh.py"
     fake_ssh.write_text("import os, sys\nos.execvp('sh', ['sh', '-c', sys.argv[-1]])\n")
     script = _script(tmp_path, RANK_1_FAILS_ONCE)
     port = free_ports(1)[0]
     code, _, err = _run(
-        launcher, "-n", "2", "--hosts", "127.0.0.1,node-b.invalid", "--ssh",
-        "--ssh_command", f"{sys.executable} {fake_ssh}", "--port_base", str(port),
-        "--max_restarts", "1", script)
+        launcher,
+        "-n",
+        "2",
+        "--hosts",
+        "127.0.0.1,node-b.invalid",
+        "--ssh",
+        "--ssh_command",
+        f"{sys.executable} {fake_ssh}",
+        "--port_base",
+        str(port),
+        "--max_restarts",
+        "1",
+        script,
+    )
     assert code == 0, err
     records = _records(tmp_path)
     assert set(records) == {(0, 0), (1, 0), (0, 1), (1, 1)}
@@ -509,7 +601,9 @@ def test_ranks_over_ssh_get_the_restart_count_but_no_shm_dir(tmp_path, launcher)
 
 
 def test_failure_while_a_rank_is_stopped_names_the_stopped_rank(tmp_path, launcher):
-    script = _script(tmp_path, """\
+    script = _script(
+        tmp_path,
+        """\
         if RANK == 1:
             os.kill(os.getpid(), signal.SIGSTOP)
             time.sleep(600)
@@ -524,15 +618,18 @@ def test_failure_while_a_rank_is_stopped_names_the_stopped_rank(tmp_path, launch
             time.sleep(0.01)
         print("rank 1 is stopped", flush=True)
         sys.exit(1)
-    """)
+    """,
+    )
     # The default grace (30s) is longer than the wait below: the stopped rank
     # must act on SIGTERM, so the launcher must send SIGCONT.
     code, out, err = _run(launcher, "-n", "2", script, timeout=20)
     assert code == 1, err
     assert "[rank 0] rank 1 is stopped" in out.splitlines()
     pid = _records(tmp_path)[1, 0]["pid"]
-    assert (f"keras-distrib: rank 0 failed with exit code 1 while rank 1 (pid {pid}) was "
-            "stopped (SIGSTOP); the stopped rank is the likely cause.") in _launcher_lines(err)
+    assert (
+        f"keras-distrib: rank 0 failed with exit code 1 while rank 1 (pid {pid}) was "
+        "stopped (SIGSTOP); the stopped rank is the likely cause."
+    ) in _launcher_lines(err)
     _assert_all_gone(tmp_path)
 
 
@@ -540,13 +637,18 @@ def test_failure_while_a_rank_is_stopped_names_the_stopped_rank(tmp_path, launch
 # Flags
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["--max_restarts", "-1"], "flag --max_restarts=-1: -1 is not a non-negative integer"),
-    (["--max-restarts=two"], "flag --max_restarts=two"),
-    (["--grace-seconds", "-1"], "flag --grace_seconds=-1"),
-    (["--backend", "horovod", "--max_restarts", "1"],
-     "--max_restarts=1 works with --backend=tf only"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--max_restarts", "-1"], "flag --max_restarts=-1: -1 is not a non-negative integer"),
+        (["--max-restarts=two"], "flag --max_restarts=two"),
+        (["--grace-seconds", "-1"], "flag --grace_seconds=-1"),
+        (
+            ["--backend", "horovod", "--max_restarts", "1"],
+            "--max_restarts=1 works with --backend=tf only",
+        ),
+    ],
+)
 def test_bad_restart_flags_give_one_line_error(tmp_path, launcher, args, fragment):
     script = _script(tmp_path, "")
     code, out, err = _run(launcher, "-n", "2", *args, script)
@@ -560,17 +662,19 @@ def test_bad_restart_flags_give_one_line_error(tmp_path, launcher, args, fragmen
 def test_shm_dir_is_removed_when_the_launcher_raises(tmp_path, capfd):
     """A child that cannot start: LaunchError, and nothing of the attempt is left."""
     from keras_distrib import launch
+
     made = []
 
     def specs(restart, shm_dir):
         made.append(shm_dir)
         sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
-        return [launch.ChildSpec("rank 0", sleeper, {}),
-                launch.ChildSpec("rank 1", [str(tmp_path / "no-such-program")], {})]
+        return [
+            launch.ChildSpec("rank 0", sleeper, {}),
+            launch.ChildSpec("rank 1", [str(tmp_path / "no-such-program")], {}),
+        ]
 
     config = launch.LaunchConfig(nproc=2, script=__file__)
     with pytest.raises(launch.LaunchError, match="cannot start rank 1"):
-        launch.supervise(launch.Job(2, specs, private_dir=True), config,
-                         sys.stdout, sys.stderr)
+        launch.supervise(launch.Job(2, specs, private_dir=True), config, sys.stdout, sys.stderr)
     assert len(made) == 1 and made[0] is not None
     assert not os.path.exists(made[0])

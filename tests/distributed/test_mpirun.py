@@ -17,9 +17,10 @@ from pure_helpers import ROOT, kill_process_group
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(shutil.which("mpirun") is None,
-                       reason="Open MPI's mpirun is not installed "
-                              "(make setup installs it as root)"),
+    pytest.mark.skipif(
+        shutil.which("mpirun") is None,
+        reason="Open MPI's mpirun is not installed (make setup installs it as root)",
+    ),
 ]
 
 # mpirun refuses to run as root unless told twice; the suite runs as root.
@@ -27,8 +28,15 @@ ROOT_OK = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
 def _mpirun(argv, env, timeout=240):
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         output = proc.communicate(timeout=timeout)[0]
     finally:
@@ -56,8 +64,7 @@ def test_mpirun_on_one_host_trains_as_one_process(tmp_path, uninterrupted):
 def test_mpirun_across_two_hosts_trains_as_one_process(tmp_path, hosts, uninterrupted):
     bed = hosts(2)
     path = bed.ssh_program(str(tmp_path)) + os.pathsep + os.environ["PATH"]
-    argv = bed.on(0, ["mpirun", "--host", ",".join(bed.addresses), "-np", "2",
-                      *_job(tmp_path)])
+    argv = bed.on(0, ["mpirun", "--host", ",".join(bed.addresses), "-np", "2", *_job(tmp_path)])
     code, output = _mpirun(argv, _environment(PATH=path))
     assert code == 0, output[-3000:]
     workers = [f"'{address}:" for address in bed.addresses]
@@ -69,11 +76,14 @@ def test_mpirun_across_two_hosts_trains_as_one_process(tmp_path, hosts, uninterr
 def test_mpirun_gives_each_process_of_a_host_its_own_gpu():
     # One write per line: mpirun forwards the ranks' output as it comes, and
     # an unbuffered print writes its pieces one by one.
-    report = ("import os, keras_distrib; os.write(1, ('rank %s sees %s\\n' % ("
-              "os.environ['OMPI_COMM_WORLD_RANK'], os.environ.get('CUDA_VISIBLE_DEVICES'))"
-              ").encode())")
-    code, output = _mpirun(["mpirun", "-np", "2", sys.executable, "-c", report], _environment(),
-                           timeout=120)
+    report = (
+        "import os, keras_distrib; os.write(1, ('rank %s sees %s\\n' % ("
+        "os.environ['OMPI_COMM_WORLD_RANK'], os.environ.get('CUDA_VISIBLE_DEVICES'))"
+        ").encode())"
+    )
+    code, output = _mpirun(
+        ["mpirun", "-np", "2", sys.executable, "-c", report], _environment(), timeout=120
+    )
     assert code == 0, output[-3000:]
     lines = sorted(line for line in output.splitlines() if line.startswith("rank "))
     assert lines == ["rank 0 sees 0", "rank 1 sees 1"]

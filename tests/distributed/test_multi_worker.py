@@ -34,9 +34,26 @@ def _launch(out, n, *args, timeout=240, launch_flags=()):
     env = dict(os.environ, TMPDIR=str(out / "tmp"), TF_CPP_MIN_LOG_LEVEL="2")
     os.makedirs(env["TMPDIR"])
     proc = subprocess.run(
-        [sys.executable, "-m", "keras_distrib.launch", "launch", "-n", str(n),
-         "--timeout", str(timeout - 20), *launch_flags, WORKER, "--out", str(out), *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+        [
+            sys.executable,
+            "-m",
+            "keras_distrib.launch",
+            "launch",
+            "-n",
+            str(n),
+            "--timeout",
+            str(timeout - 20),
+            *launch_flags,
+            WORKER,
+            "--out",
+            str(out),
+            *args,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = []
@@ -62,8 +79,11 @@ def _single_process(batch, epochs=2):
 # launcher's --ssh: "auto" there is TensorFlow's collectives over gRPC. The
 # 2 workers take a global batch they cannot share evenly (33: 17 and 16
 # rows), which trains as one device's.
-@pytest.fixture(scope="module", params=[(2, 33, "one host"), (3, 30, "three hosts")],
-                ids=["2workers-shm", "3hosts-ring"])
+@pytest.fixture(
+    scope="module",
+    params=[(2, 33, "one host"), (3, 30, "three hosts")],
+    ids=["2workers-shm", "3hosts-ring"],
+)
 def run(request, tmp_path_factory):
     n, batch, where = request.param
     out = tmp_path_factory.mktemp(f"mw{n}")
@@ -81,8 +101,9 @@ def run(request, tmp_path_factory):
             # kernel, 512 bytes, cut in two), as over a slow link
             # (benchmarks/multi_host.py): the results must not change.
             across = ("--hosts", bed.hosts_flag(), "--ssh", "--ssh_command", bed.ssh_command)
-            ranks, stdout = _launch(out, n, "--batch", str(batch), "--bytes_per_pack", "256",
-                                    launch_flags=across)
+            ranks, stdout = _launch(
+                out, n, "--batch", str(batch), "--bytes_per_pack", "256", launch_flags=across
+            )
         assert [r["implementation"] for r in ranks] == ["auto"] * n
         assert [r["local_hosts"] for r in ranks] == [[a] for a in bed.addresses]
     return n, batch, out, ranks, stdout
@@ -153,7 +174,10 @@ def test_only_the_chief_printed_and_wrote_files(run):
     # Keras's BackupAndRestore ran as keras_distrib's: the chief's one backup
     # of step 14, and Keras's file names leading to its files.
     assert sorted(os.listdir(files / "backup")) == [
-        "backup-000000000014", "latest.weights.h5", "training_metadata.json"]
+        "backup-000000000014",
+        "latest.weights.h5",
+        "training_metadata.json",
+    ]
     with open(files / "backup" / "training_metadata.json") as f:
         assert json.load(f)["epoch"] == 2
     with open(files / "log.csv") as f:
@@ -168,17 +192,23 @@ def test_only_the_chief_printed_and_wrote_files(run):
 @pytest.mark.timeout(120)
 # With TF_CONFIG set, `import keras_distrib` starts the runtime and waits
 # KERAS_DISTRIB_PEER_TIMEOUT; opted out, the strategy's peer_timeout applies.
-@pytest.mark.parametrize("env", [{"KERAS_DISTRIB_PEER_TIMEOUT": "3"},
-                                 {"KERAS_DISTRIB_BOOTSTRAP": "0"}])
+@pytest.mark.parametrize(
+    "env", [{"KERAS_DISTRIB_PEER_TIMEOUT": "3"}, {"KERAS_DISTRIB_BOOTSTRAP": "0"}]
+)
 def test_peer_that_never_answers_is_named(tmp_path, env):
     ports = cluster.free_ports(2)
-    tf_config = {"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
-                 "task": {"type": "worker", "index": 0}}
-    code = ("import keras_distrib as kd\n"
-            "kd.strategies.get('multi_worker', peer_timeout=3)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=100,
-                          env=dict(os.environ, TF_CONFIG=json.dumps(tf_config), **env))
+    tf_config = {
+        "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+        "task": {"type": "worker", "index": 0},
+    }
+    code = "import keras_distrib as kd\nkd.strategies.get('multi_worker', peer_timeout=3)\n"
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=dict(os.environ, TF_CONFIG=json.dumps(tf_config), **env),
+    )
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert f"worker 1 at 127.0.0.1:{ports[1]} did not answer" in last
@@ -209,24 +239,39 @@ def test_steps_do_not_pile_up_timeout_threads(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,implementation,step", [
-    ("stuck", "ring", "training"),
-    # predict's gathers are TensorFlow collectives on every path (here with
-    # the gradients on shared memory); fit's error is also predict's.
-    ("stuck_predict", "auto", "predict"),
-])
+@pytest.mark.parametrize(
+    "mode,implementation,step",
+    [
+        ("stuck", "ring", "training"),
+        # predict's gathers are TensorFlow collectives on every path (here with
+        # the gradients on shared memory); fit's error is also predict's.
+        ("stuck_predict", "auto", "predict"),
+    ],
+)
 def test_a_stuck_worker_fails_the_step_at_the_collective_timeout(
-        tmp_path, mode, implementation, step):
+    tmp_path, mode, implementation, step
+):
     from helpers import launch
 
     out = str(tmp_path / "stuck")
     # Rank 1 sleeps on through the launcher's SIGTERM (a preemption request
     # keras_distrib honours at the next step): a short grace before SIGKILL.
-    code, output = launch(tmp_path, 2, RING_WATCHDOG, mode, out, implementation,
-                          launch_flags=("--grace_seconds", "2"), timeout=200, expect=None)
+    code, output = launch(
+        tmp_path,
+        2,
+        RING_WATCHDOG,
+        mode,
+        out,
+        implementation,
+        launch_flags=("--grace_seconds", "2"),
+        timeout=200,
+        expect=None,
+    )
     assert code != 0, output[-3000:]
     with open(f"{out}.rank0.json") as f:
         error = json.load(f)["error"]
-    assert error.startswith(f"PeerLostError: multi_worker: a collective of the {step} step "
-                            "did not complete within collective_timeout=5s"), error
+    assert error.startswith(
+        f"PeerLostError: multi_worker: a collective of the {step} step "
+        "did not complete within collective_timeout=5s"
+    ), error
     assert "\n" not in error

@@ -29,6 +29,7 @@ PAUSE_AFTER = 6
 def _cut_link(bed, out, host, seconds=None, also=None):
     """`launch(during=...)`: once every rank paused, cuts `host`'s link (for
     `seconds`, or for good), runs `also(bed)`, and lets the ranks go on."""
+
     def during(proc):
         deadline = time.monotonic() + 120
         while len(glob.glob(os.path.join(out, "paused-rank*"))) < bed.n:
@@ -41,14 +42,34 @@ def _cut_link(bed, out, host, seconds=None, also=None):
         if seconds is not None:
             time.sleep(seconds)  # the outage itself, not a wait for anything
             bed.restore(host)
+
     return during
 
 
 def _launch_across(bed, out, fault, env=None, launch_flags=()):
-    return launch(out, 2, FAULTS, "--out", str(out), "--backup", str(out / "backup"),
-                  "--pause_after_step", str(PAUSE_AFTER), expect=None, env=env, timeout=200,
-                  during=fault, launch_flags=("--hosts", bed.hosts_flag(), "--ssh",
-                                              "--ssh_command", bed.ssh_command, *launch_flags))
+    return launch(
+        out,
+        2,
+        FAULTS,
+        "--out",
+        str(out),
+        "--backup",
+        str(out / "backup"),
+        "--pause_after_step",
+        str(PAUSE_AFTER),
+        expect=None,
+        env=env,
+        timeout=200,
+        during=fault,
+        launch_flags=(
+            "--hosts",
+            bed.hosts_flag(),
+            "--ssh",
+            "--ssh_command",
+            bed.ssh_command,
+            *launch_flags,
+        ),
+    )
 
 
 def _assert_nothing_left(bed, out):
@@ -60,26 +81,37 @@ def _assert_nothing_left(bed, out):
 
 def test_a_cut_link_ends_both_workers_in_one_line_naming_the_peer(tmp_path, hosts):
     bed = hosts(2)
-    code, output = _launch_across(bed, tmp_path, _cut_link(bed, tmp_path, 1),
-                                  env={"KERAS_DISTRIB_HEARTBEAT_TIMEOUT": "3"})
+    code, output = _launch_across(
+        bed, tmp_path, _cut_link(bed, tmp_path, 1), env={"KERAS_DISTRIB_HEARTBEAT_TIMEOUT": "3"}
+    )
     assert code != 0, output[-3000:]
     a, b = (f"{address}:23456" for address in bed.addresses)
     # Worker 0 leads the coordination service and misses worker 1's heartbeats.
-    assert re.search(rf"\[rank 0\] \S*PeerLostError: multi_worker: worker 1 at {b} is "
-                     r"unreachable: no heartbeat reached the coordination service for "
-                     r"KERAS_DISTRIB_HEARTBEAT_TIMEOUT=3s \(", output), output[-3000:]
+    assert re.search(
+        rf"\[rank 0\] \S*PeerLostError: multi_worker: worker 1 at {b} is "
+        r"unreachable: no heartbeat reached the coordination service for "
+        r"KERAS_DISTRIB_HEARTBEAT_TIMEOUT=3s \(",
+        output,
+    ), output[-3000:]
     # Worker 1's heartbeats to worker 0 go unanswered.
-    assert re.search(rf"\[rank 1\] \S*PeerLostError: multi_worker: worker 0 at {a}, the "
-                     r"coordination service's leader, is unreachable: this worker's heartbeat "
-                     r"got no answer within KERAS_DISTRIB_HEARTBEAT_TIMEOUT=3s", output), \
-        output[-3000:]
-    summary = output[output.index("keras-distrib: rank "):]
-    assert f"worker 1 at {b} is unreachable" in summary or \
-        f"worker 0 at {a}, the coordination service's leader, is unreachable" in summary
+    assert re.search(
+        rf"\[rank 1\] \S*PeerLostError: multi_worker: worker 0 at {a}, the "
+        r"coordination service's leader, is unreachable: this worker's heartbeat "
+        r"got no answer within KERAS_DISTRIB_HEARTBEAT_TIMEOUT=3s",
+        output,
+    ), output[-3000:]
+    summary = output[output.index("keras-distrib: rank ") :]
+    assert (
+        f"worker 1 at {b} is unreachable" in summary
+        or f"worker 0 at {a}, the coordination service's leader, is unreachable" in summary
+    )
     # The flight recorder's screen: the ranks said on their own whom they lost.
-    screen = output[output.index("keras-distrib: flight recorder ("):]
-    assert re.search(rf"reported on its own: it lost a peer: (worker 1 at {b} is unreachable|"
-                     rf"worker 0 at {a}, the coordination service's leader)", screen), screen
+    screen = output[output.index("keras-distrib: flight recorder (") :]
+    assert re.search(
+        rf"reported on its own: it lost a peer: (worker 1 at {b} is unreachable|"
+        rf"worker 0 at {a}, the coordination service's leader)",
+        screen,
+    ), screen
     _assert_nothing_left(bed, tmp_path)
 
 
@@ -87,9 +119,12 @@ def test_a_host_that_disappears_fails_the_launch_naming_its_rank(tmp_path, hosts
     bed = hosts(2)
     # Worker 0 waits for the lost one in a collective; the launcher's
     # SIGTERM cannot end that step, so its SIGKILL follows after the grace.
-    code, output = _launch_across(bed, tmp_path,
-                                  _cut_link(bed, tmp_path, 1, also=lambda bed: bed.kill(1)),
-                                  launch_flags=("--grace_seconds", "2"))
+    code, output = _launch_across(
+        bed,
+        tmp_path,
+        _cut_link(bed, tmp_path, 1, also=lambda bed: bed.kill(1)),
+        launch_flags=("--grace_seconds", "2"),
+    )
     assert code != 0
     assert "keras-distrib: rank 1 failed with signal SIGKILL" in output, output[-3000:]
     _assert_nothing_left(bed, tmp_path)
@@ -103,12 +138,15 @@ def test_a_three_second_flap_is_ridden_out(tmp_path, hosts, uninterrupted):
     _assert_nothing_left(bed, tmp_path)
 
 
-def test_an_outage_longer_than_the_timeout_restarts_and_ends_exact(tmp_path, hosts,
-                                                                    uninterrupted):
+def test_an_outage_longer_than_the_timeout_restarts_and_ends_exact(tmp_path, hosts, uninterrupted):
     bed = hosts(2)
-    code, output = _launch_across(bed, tmp_path, _cut_link(bed, tmp_path, 1, seconds=8),
-                                  env={"KERAS_DISTRIB_HEARTBEAT_TIMEOUT": "3"},
-                                  launch_flags=("--max_restarts", "2"))
+    code, output = _launch_across(
+        bed,
+        tmp_path,
+        _cut_link(bed, tmp_path, 1, seconds=8),
+        env={"KERAS_DISTRIB_HEARTBEAT_TIMEOUT": "3"},
+        launch_flags=("--max_restarts", "2"),
+    )
     assert code == 0, output[-3000:]
     assert "is unreachable" in output and "restart 1/2: rank " in output, output[-3000:]
     assert "restart 2/2" not in output

@@ -26,8 +26,13 @@ from helpers import WORKERS, launch, make_data
 WORKER = os.path.join(WORKERS, "optimizer_sharding.py")
 # The cases the unsharded and the Horovod runs repeat: Adam, weight decay,
 # the two clippings that need whole norms, and sparse gradients.
-COMPARED = ["adam", "adamw_decay", "sgd_momentum_clipnorm", "rmsprop_global_clipnorm",
-            *cases.EMBEDDING]
+COMPARED = [
+    "adam",
+    "adamw_decay",
+    "sgd_momentum_clipnorm",
+    "rmsprop_global_clipnorm",
+    *cases.EMBEDDING,
+]
 # The sharded run: those, and the optimizers that wrap another (moving
 # averages, loss scaling).
 TWO_WORKERS = [*COMPARED, "adam_ema", "adam_loss_scale"]
@@ -45,22 +50,43 @@ def _run(out, *args, launch_flags=()):
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("sharded"), "--cases", ",".join(TWO_WORKERS),
-                "--save", SAVED, "--resume", RESUMED)
+    return _run(
+        tmp_path_factory.mktemp("sharded"),
+        "--cases",
+        ",".join(TWO_WORKERS),
+        "--save",
+        SAVED,
+        "--resume",
+        RESUMED,
+    )
 
 
 @pytest.fixture(scope="module")
 def unsharded(tmp_path_factory, sharded):
     """From the sharded run's initial weights."""
-    return _run(tmp_path_factory.mktemp("unsharded"), "--sharding", "none",
-                "--cases", ",".join(COMPARED), "--initial_from", str(sharded))
+    return _run(
+        tmp_path_factory.mktemp("unsharded"),
+        "--sharding",
+        "none",
+        "--cases",
+        ",".join(COMPARED),
+        "--initial_from",
+        str(sharded),
+    )
 
 
 @pytest.fixture(scope="module")
 def stage2(tmp_path_factory, sharded):
     """optimizer_sharding="gradients", from the sharded run's initial weights."""
-    return _run(tmp_path_factory.mktemp("stage2"), "--sharding", "gradients",
-                "--cases", ",".join(COMPARED), "--initial_from", str(sharded))
+    return _run(
+        tmp_path_factory.mktemp("stage2"),
+        "--sharding",
+        "gradients",
+        "--cases",
+        ",".join(COMPARED),
+        "--initial_from",
+        str(sharded),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -68,24 +94,49 @@ def ring(tmp_path_factory, sharded):
     """Stage 2 on TensorFlow's collectives instead of shared memory (as
     between hosts): its all-reduce in place of a reduce-scatter, and stage
     1's all-gather."""
-    return _run(tmp_path_factory.mktemp("ring"), "--implementation", "ring",
-                "--sharding", "gradients", "--cases", "adam,sgd_momentum_clipnorm",
-                "--initial_from", str(sharded))
+    return _run(
+        tmp_path_factory.mktemp("ring"),
+        "--implementation",
+        "ring",
+        "--sharding",
+        "gradients",
+        "--cases",
+        "adam,sgd_momentum_clipnorm",
+        "--initial_from",
+        str(sharded),
+    )
 
 
 @pytest.fixture(scope="module")
 def horovod(tmp_path_factory):
     pytest.importorskip("horovod.tensorflow")
-    return _run(tmp_path_factory.mktemp("horovod"), "--strategy", "horovod", "--cases",
-                ",".join(COMPARED), "--resume", RESUMED, launch_flags=("--backend", "horovod"))
+    return _run(
+        tmp_path_factory.mktemp("horovod"),
+        "--strategy",
+        "horovod",
+        "--cases",
+        ",".join(COMPARED),
+        "--resume",
+        RESUMED,
+        launch_flags=("--backend", "horovod"),
+    )
 
 
 @pytest.fixture(scope="module")
 def horovod_stage2(tmp_path_factory, horovod):
     """Horovod's reducescatter, from the stage-1 run's initial weights."""
-    return _run(tmp_path_factory.mktemp("horovod2"), "--strategy", "horovod",
-                "--sharding", "gradients", "--cases", ",".join(HOROVOD_STAGE2),
-                "--initial_from", str(horovod), launch_flags=("--backend", "horovod"))
+    return _run(
+        tmp_path_factory.mktemp("horovod2"),
+        "--strategy",
+        "horovod",
+        "--sharding",
+        "gradients",
+        "--cases",
+        ",".join(HOROVOD_STAGE2),
+        "--initial_from",
+        str(horovod),
+        launch_flags=("--backend", "horovod"),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -251,8 +302,11 @@ def test_a_file_written_by_two_workers_loads_into_one_sharded_replica(sharded):
     model.optimizer.build(model.trainable_variables)
     model.load_weights(sharded / f"{SAVED}.weights.h5")
     _assert_holds_the_saved_run(
-        model, sharded, SAVED,
-        lambda got, want: np.testing.assert_array_equal(got.reshape(want.shape), want))
+        model,
+        sharded,
+        SAVED,
+        lambda got, want: np.testing.assert_array_equal(got.reshape(want.shape), want),
+    )
 
 
 @pytest.mark.parametrize("engine", ["multi_worker", "horovod"])

@@ -33,10 +33,27 @@ def test_two_processes_accumulation_and_compression(backend, tmp_path, data):
     launcher = ["--backend", "horovod"] if backend == "horovod" else []
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
     proc = subprocess.run(
-        [sys.executable, "-m", "keras_distrib.launch", "launch", "-n", "2", "--timeout", "240",
-         *launcher, os.path.join(WORKERS, "mw_optimizer.py"),
-         "--out", str(tmp_path), "--strategy", backend],
-        cwd=ROOT, capture_output=True, text=True, timeout=280, env=env,
+        [
+            sys.executable,
+            "-m",
+            "keras_distrib.launch",
+            "launch",
+            "-n",
+            "2",
+            "--timeout",
+            "240",
+            *launcher,
+            os.path.join(WORKERS, "mw_optimizer.py"),
+            "--out",
+            str(tmp_path),
+            "--strategy",
+            backend,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=env,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     x, y = data
@@ -51,7 +68,8 @@ def test_two_processes_accumulation_and_compression(backend, tmp_path, data):
         for i, w in enumerate(want):
             np.testing.assert_allclose(arrays[f"accumulate_{i}"], w, atol=1e-5, rtol=0)
             for compression in ("fp16", "bf16"):
-                np.testing.assert_allclose(arrays[f"{compression}_{i}"], w,
-                                           atol=COMPRESSION_TOLERANCE[compression], rtol=0)
+                np.testing.assert_allclose(
+                    arrays[f"{compression}_{i}"], w, atol=COMPRESSION_TOLERANCE[compression], rtol=0
+                )
         for compression in ("fp16", "bf16"):
             assert results[compression]["dtypes"] == WIRE_DTYPES[backend][compression]

@@ -37,11 +37,18 @@ def built(tmp_path_factory):
     source = tmp_path_factory.mktemp("source")
     for name in ("setup.cfg", "pyproject.toml", "README.md"):
         shutil.copy(os.path.join(ROOT, name), source)
-    shutil.copytree(os.path.join(ROOT, "keras_distrib"), source / "keras_distrib",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        os.path.join(ROOT, "keras_distrib"),
+        source / "keras_distrib",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
     out = tmp_path_factory.mktemp("dist")
-    result = subprocess.run([sys.executable, "-m", "build", "--outdir", str(out), str(source)],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "build", "--outdir", str(out), str(source)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (sdist,) = glob.glob(str(out / "*.tar.gz"))
     (wheel,) = glob.glob(str(out / "*.whl"))
@@ -57,29 +64,63 @@ def test_sdist_and_wheel_carry_one_version_and_every_subpackage(built):
         names = set(archive.namelist())
         metadata = archive.read(f"keras_distrib-{version}.dist-info/METADATA").decode()
     assert f"\nVersion: {version}\n" in metadata
-    packages = {os.path.relpath(d, ROOT).replace(os.sep, "/")
-                for d, _, files in os.walk(os.path.join(ROOT, "keras_distrib"))
-                if "__init__.py" in files}
+    packages = {
+        os.path.relpath(d, ROOT).replace(os.sep, "/")
+        for d, _, files in os.walk(os.path.join(ROOT, "keras_distrib"))
+        if "__init__.py" in files
+    }
     assert {f"{p}/__init__.py" for p in packages} <= names
 
 
 def test_the_installed_wheel_runs_the_quickstart_and_the_launcher(built, tmp_path):
     _, wheel = built
     target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
-                    "--target", str(target), wheel], check=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--target",
+            str(target),
+            wheel,
+        ],
+        check=True,
+        timeout=300,
+    )
     env = plain_environment(PYTHONPATH=str(target))
-    check = ("import importlib.metadata, keras_distrib\n"
-             "print(keras_distrib.__file__)\n"
-             "print(keras_distrib.__version__, importlib.metadata.version('keras_distrib'))\n")
-    where, versions = subprocess.run([sys.executable, "-c", check], env=env, cwd=tmp_path,
-                                     capture_output=True, text=True, timeout=120,
-                                     check=True).stdout.splitlines()[-2:]
+    check = (
+        "import importlib.metadata, keras_distrib\n"
+        "print(keras_distrib.__file__)\n"
+        "print(keras_distrib.__version__, importlib.metadata.version('keras_distrib'))\n"
+    )
+    where, versions = subprocess.run(
+        [sys.executable, "-c", check],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout.splitlines()[-2:]
     assert where.startswith(str(target))  # the wheel's copy, not the repository's
     assert versions.split() == [_version(), _version()]
-    result = subprocess.run([sys.executable, "-c", quickstart_code()], env=env, cwd=tmp_path,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", quickstart_code()],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    launcher = subprocess.run([str(target / "bin" / "keras-distrib"), "launch", "--help"],
-                              env=env, capture_output=True, text=True, timeout=60)
+    launcher = subprocess.run(
+        [str(target / "bin" / "keras-distrib"), "launch", "--help"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert launcher.returncode == 0 and "--max_restarts" in launcher.stdout, launcher.stderr

@@ -27,19 +27,27 @@ import netns_hosts
 SCRIPT = os.path.join(helpers.WORKERS, "ps_train.py")
 
 
-def _launch_modes(tmp_path, modes, workers=2, ps=1, timeout=400, env=None, during=None,
-                  launch_flags=()):
+def _launch_modes(
+    tmp_path, modes, workers=2, ps=1, timeout=400, env=None, during=None, launch_flags=()
+):
     """Runs the chief script's `modes` in turn under the launcher; returns
     (code, output, {mode: its report, or None}). `during(proc, report
     path)` acts on the first mode."""
     out = str(tmp_path / f"{modes[0]}.json")
     code, output = helpers.launch(
-        tmp_path, workers, SCRIPT, ",".join(modes), str(tmp_path),
-        launch_flags=("--ps", str(ps), *launch_flags), timeout=timeout, expect=None, env=env,
-        during=during and (lambda proc: during(proc, out)))
+        tmp_path,
+        workers,
+        SCRIPT,
+        ",".join(modes),
+        str(tmp_path),
+        launch_flags=("--ps", str(ps), *launch_flags),
+        timeout=timeout,
+        expect=None,
+        env=env,
+        during=during and (lambda proc: during(proc, out)),
+    )
     paths = {m: tmp_path / f"{m}.json" for m in modes}
-    return code, output, {m: json.load(open(p)) if p.exists() else None
-                          for m, p in paths.items()}
+    return code, output, {m: json.load(open(p)) if p.exists() else None for m, p in paths.items()}
 
 
 def _launch(tmp_path, mode, **kwargs):
@@ -56,15 +64,16 @@ SHARED_MODES = ("inputs", "warmup", "callbacks", "digits", "remat", "errors")
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
     """{mode: (code, output, report)} of the one launch of SHARED_MODES."""
-    code, output, reports = _launch_modes(tmp_path_factory.mktemp("ps"), SHARED_MODES,
-                                          timeout=540)
+    code, output, reports = _launch_modes(tmp_path_factory.mktemp("ps"), SHARED_MODES, timeout=540)
     return {mode: (code, output, reports[mode]) for mode in SHARED_MODES}
 
 
 # What a task server prints when it serves (keras_distrib.strategies.
 # parameter_server.task_server), relayed by the launcher.
-SERVING = (r"\[(?P<label>(?:worker|ps) \d+)\] keras_distrib: (?P=label) serving on "
-           r"(?P<address>\S+) \(pid (?P<pid>\d+)\)")
+SERVING = (
+    r"\[(?P<label>(?:worker|ps) \d+)\] keras_distrib: (?P=label) serving on "
+    r"(?P<address>\S+) \(pid (?P<pid>\d+)\)"
+)
 
 
 def _tasks(launcher_pid, task_type, index=None):
@@ -86,7 +95,7 @@ def _tasks(launcher_pid, task_type, index=None):
         config = [e for e in environ if e.startswith(b"TF_CONFIG=")]
         if not config:
             continue
-        config = json.loads(config[0][len(b"TF_CONFIG="):])
+        config = json.loads(config[0][len(b"TF_CONFIG=") :])
         task = config["task"]
         if task["type"] == task_type and (index is None or task["index"] == index):
             if os.getsid(int(entry)) == launcher_pid or _descends(int(entry), launcher_pid):
@@ -106,8 +115,9 @@ def _wait_until_restarted(proc, task_type, index, old_pid, timeout=90):
     while True:
         assert proc.poll() is None, "the job ended before the task was restarted"
         assert time.monotonic() < deadline, f"{task_type} {index} was not restarted"
-        new = [address for pid, address in _tasks(proc.pid, task_type, index).items()
-               if pid != old_pid]
+        new = [
+            address for pid, address in _tasks(proc.pid, task_type, index).items() if pid != old_pid
+        ]
         if new:
             host, port = new[0].rsplit(":", 1)
             try:
@@ -187,8 +197,14 @@ def test_every_input_form_and_a_custom_train_step(shared):
     assert code == 0, output[-3000:]
     # 1500 samples, batch 50: 30 steps an epoch; the dataset function's
     # epoch is steps_per_epoch=12; the PyDataset has 10 batches.
-    expected = {"arrays": 60, "dataset": 60, "dataset_fn": 24, "pydataset": 20,
-                "steps_per_execution": 60, "custom": 60}
+    expected = {
+        "arrays": 60,
+        "dataset": 60,
+        "dataset_fn": 24,
+        "pydataset": 20,
+        "steps_per_execution": 60,
+        "custom": 60,
+    }
     for name, steps in expected.items():
         assert report[name]["iterations"] == steps, name
         losses = report[name]["history"]["loss"]
@@ -295,8 +311,9 @@ def test_epoch_level_callbacks_see_every_step_applied(shared):
     for rate in history["samples_per_sec"]:
         assert overall / 10 < rate < overall * 40, (rate, overall)
     # A batch-level callback that cannot work: a one-line error naming it.
-    assert re.match(r"TensorBoard\(profile_batch=\.\.\.\) profiles the chief",
-                    report["profile_error"])
+    assert re.match(
+        r"TensorBoard\(profile_batch=\.\.\.\) profiles the chief", report["profile_error"]
+    )
     assert "\n" not in report["profile_error"]
 
 
@@ -315,10 +332,15 @@ def test_a_lost_ps_is_one_line_and_a_rerun_resumes_from_the_last_backup(tmp_path
     # The lost ps is one line; the chief fails on its own (the launcher did
     # not have to stop it, as it does when the chief runs on a while).
     assert code != 0 and report is None, output[-3000:]
-    assert re.search(r"ParameterServerLostError: parameter server ps 0 \(127\.0\.0\.1:\d+\) "
-                     r"failed; its variables are lost", output), output[-3000:]
-    assert ("[launcher] ps 0 exited (signal 9); not restarting it (its variables are lost); "
-            "the chief should fail, else it is stopped in 60s.") in output, output[-3000:]
+    assert re.search(
+        r"ParameterServerLostError: parameter server ps 0 \(127\.0\.0\.1:\d+\) "
+        r"failed; its variables are lost",
+        output,
+    ), output[-3000:]
+    assert (
+        "[launcher] ps 0 exited (signal 9); not restarting it (its variables are lost); "
+        "the chief should fail, else it is stopped in 60s."
+    ) in output, output[-3000:]
     assert "keras-distrib: chief failed with exit code 1; last output:" in output
     assert "the chief still runs" not in output
     (backup,) = os.listdir(backup_dir)
@@ -345,8 +367,11 @@ def test_a_lost_ps_is_one_line_and_a_rerun_resumes_from_the_last_backup(tmp_path
 def test_bad_input_gives_one_line_errors(shared):
     code, output, report = shared["errors"]
     assert code == 0, output[-3000:]
-    assert re.search(r"rebuilds the training dataset on every worker, but this one runs "
-                     r"Python \(.*GeneratorDataset.*\).*PyDataset", report["generator"])
+    assert re.search(
+        r"rebuilds the training dataset on every worker, but this one runs "
+        r"Python \(.*GeneratorDataset.*\).*PyDataset",
+        report["generator"],
+    )
     assert "pass steps_per_epoch= to fit" in report["endless"]
     assert "the dataset repeats forever" in report["endless"]
     assert "class_weight is not supported" in report["class_weight"]
@@ -379,14 +404,15 @@ def test_a_killed_worker_does_not_stop_training(tmp_path):
         _wait_until_restarted(proc, "worker", 1, pids[0])
         open(out + ".go", "w").close()
 
-    code, output, report = _launch(tmp_path, "long", during=kill_a_worker,
-                                   env={"PS_HOLD": "1"})
+    code, output, report = _launch(tmp_path, "long", during=kill_a_worker, env={"PS_HOLD": "1"})
     assert killed and code == 0, output[-3000:]
     # The launcher started it again, serving at the address the cluster knows.
-    assert ("[launcher] worker 1 exited (signal 9); restarting it (restart 1)"
-            in output), output[-3000:]
-    serving = [m.group("address", "pid") for m in re.finditer(SERVING, output)
-               if m["label"] == "worker 1"]
+    assert "[launcher] worker 1 exited (signal 9); restarting it (restart 1)" in output, output[
+        -3000:
+    ]
+    serving = [
+        m.group("address", "pid") for m in re.finditer(SERVING, output) if m["label"] == "worker 1"
+    ]
     assert len(serving) == 2 and serving[0][0] == serving[1][0], serving
     assert serving[0][1] == str(killed[0]) != serving[1][1]
     # At least once: every scheduled step was applied, a re-run closure's
@@ -395,6 +421,12 @@ def test_a_killed_worker_does_not_stop_training(tmp_path):
     assert report["iterations"] >= report["applied"]
     # Results lost with the worker are at most what it had in flight.
     assert report["lost_results"] <= 4 * 2
-    print("steps applied twice:", report["iterations"] - report["scheduled"],
-          "of", report["scheduled"], "| results lost with the worker:", report["lost_results"])
+    print(
+        "steps applied twice:",
+        report["iterations"] - report["scheduled"],
+        "of",
+        report["scheduled"],
+        "| results lost with the worker:",
+        report["lost_results"],
+    )
     assert report["loss"][-1] < report["loss"][0]

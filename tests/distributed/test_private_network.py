@@ -43,8 +43,9 @@ def test_nothing_a_rank_opens_is_reachable_from_outside_the_job(tmp_path):
         seen["refused outside"] = [_refused(p) for p in ports]
         (tmp_path / "go").touch()
 
-    output = launch(tmp_path, 2, SCRIPT, str(tmp_path), during=during,
-                    launch_flags=("--private_network",))
+    output = launch(
+        tmp_path, 2, SCRIPT, str(tmp_path), during=during, launch_flags=("--private_network",)
+    )
     # Inside the job every rank reaches every server; from here, none.
     assert seen[0]["reached"] == seen[1]["reached"] == [True, True], seen
     assert seen["refused outside"] == [True, True], output[-3000:]

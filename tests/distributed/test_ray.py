@@ -34,8 +34,10 @@ def _one_process(initial):
     hidden = keras.layers.Dense(16, activation="relu")(inputs)
     model = keras.Model(inputs, keras.layers.Dense(3)(hidden))
     model.set_weights(initial)
-    model.compile(optimizer=keras.optimizers.SGD(0.1),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
     model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
     return model.get_weights()
 
@@ -49,8 +51,13 @@ def ray_cluster(monkeypatch):
     paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in paths if p != CHILD_SITE))
     directory = tempfile.mkdtemp(prefix="kdray")
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=directory,
-             log_to_driver=False, configure_logging=False)
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        _temp_dir=directory,
+        log_to_driver=False,
+        configure_logging=False,
+    )
     try:
         yield directory
     finally:
@@ -76,9 +83,9 @@ def test_tensorflow_trainer_runs_multi_worker_like_one_process(tmp_path, ray_clu
     trainer = TensorflowTrainer(
         ray_train.train_loop_per_worker,
         train_loop_config={"initial": initial, "out": str(tmp_path)},
-        scaling_config=ScalingConfig(num_workers=2, use_gpu=False,
-                                     resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(storage_path=str(tmp_path / "ray"), name="keras_distrib"))
+        scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(storage_path=str(tmp_path / "ray"), name="keras_distrib"),
+    )
     result = trainer.fit()
     assert result.error is None, result.error
     want = _one_process([np.array(w, "float32") for w in initial])

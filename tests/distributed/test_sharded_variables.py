@@ -29,16 +29,30 @@ from helpers import CHILD_PYTHONPATH, ROOT, WORKERS, kill_process_group
 
 sys.path.insert(0, WORKERS)
 from sharded_ps import (  # noqa: E402
-    EXPECTED_PARTS, OPTIMIZERS, STEPS, build_model, data, initial_weights, loss_fn, plain_replay)
+    EXPECTED_PARTS,
+    OPTIMIZERS,
+    STEPS,
+    build_model,
+    data,
+    initial_weights,
+    loss_fn,
+    plain_replay,
+)
 
 WORKER = os.path.join(WORKERS, "sharded_ps.py")
 
 
 def _spawn(*args, log):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=CHILD_PYTHONPATH)
-    return subprocess.Popen([sys.executable, WORKER, *args], cwd=ROOT, env=env,
-                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, WORKER, *args],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +62,11 @@ def cluster(tmp_path_factory):
 
     logs = tmp_path_factory.mktemp("servers")
     ports = free_ports(5)
-    spec = {"chief": [f"127.0.0.1:{ports[0]}"],
-            "worker": [f"127.0.0.1:{p}" for p in ports[1:3]],
-            "ps": [f"127.0.0.1:{p}" for p in ports[3:5]]}
+    spec = {
+        "chief": [f"127.0.0.1:{ports[0]}"],
+        "worker": [f"127.0.0.1:{p}" for p in ports[1:3]],
+        "ps": [f"127.0.0.1:{p}" for p in ports[3:5]],
+    }
     procs = []
     try:
         for job in ("ps", "worker"):
@@ -72,7 +88,8 @@ def _wait_listening(ports, procs, logs, timeout=120):
         dead = [p.args[4:] for p in procs if p.poll() is not None]
         assert not dead and time.monotonic() < deadline, (
             f"servers not up (exited: {dead}):\n"
-            + "\n".join(f.read_text()[-2000:] for f in sorted(logs.iterdir())))
+            + "\n".join(f.read_text()[-2000:] for f in sorted(logs.iterdir()))
+        )
         try:
             socket.create_connection(("127.0.0.1", waiting[0]), timeout=1).close()
             waiting.pop(0)
@@ -110,8 +127,11 @@ def assert_sharded_as_expected(weights, slots):
         devices = [device for _, device in layout]
         assert len(set(devices)) == len(devices), (path, devices)
         assert all("/job:ps/" in d for d in devices), (path, devices)
-        mine = [layout_ for p, layout_ in slots.items()
-                if p.split("/", 1)[1].startswith(path.replace("/", "_") + "_")]
+        mine = [
+            layout_
+            for p, layout_ in slots.items()
+            if p.split("/", 1)[1].startswith(path.replace("/", "_") + "_")
+        ]
         assert mine, path
         for slot in mine:
             assert slot == layout, (path, slot, layout)
@@ -159,9 +179,10 @@ def test_asynchronous_workers_train_sharded_variables(trained):
     model = build_model()
     trained_weights = np.load(out / "async.npz")
     whole_set_loss = {}
-    for when, weights in (("initial", initial_weights()),
-                          ("trained", [trained_weights[f"arr_{i}"]
-                                       for i in range(len(trained_weights.files))])):
+    for when, weights in (
+        ("initial", initial_weights()),
+        ("trained", [trained_weights[f"arr_{i}"] for i in range(len(trained_weights.files))]),
+    ):
         model.set_weights(weights)
         whole_set_loss[when] = float(loss_fn()(y, model(x)))
     assert whole_set_loss["trained"] < whole_set_loss["initial"] - 0.1, whole_set_loss
@@ -199,8 +220,9 @@ def test_saved_files_load_into_plain_and_sharded_models(cluster, tmp_path):
             np.testing.assert_array_equal(loaded[f"w{i}"], source[f"w{i}"])
             starts = np.cumsum([0] + rows)
             for j in range(len(rows)):
-                np.testing.assert_array_equal(loaded[f"p{i}_{j}"],
-                                              source[f"w{i}"][starts[j]:starts[j + 1]])
+                np.testing.assert_array_equal(
+                    loaded[f"p{i}_{j}"], source[f"w{i}"][starts[j] : starts[j + 1]]
+                )
 
     # The .keras file loaded in the strategy's scope, then install().
     reloaded = report["reloaded"]

@@ -33,10 +33,16 @@ def slurm():
 
 
 def _submit(bed, out, *script_flags):
-    return bed.sbatch(SBATCH, "--chdir", ROOT, "-o", str(out / "slurm-%j.out"),
-                      args=(fault_job.FAULTS, "--out", str(out), "--backup",
-                            str(out / "backup"), *script_flags),
-                      PYTHON=sys.executable, TF_CPP_MIN_LOG_LEVEL="2")
+    return bed.sbatch(
+        SBATCH,
+        "--chdir",
+        ROOT,
+        "-o",
+        str(out / "slurm-%j.out"),
+        args=(fault_job.FAULTS, "--out", str(out), "--backup", str(out / "backup"), *script_flags),
+        PYTHON=sys.executable,
+        TF_CPP_MIN_LOG_LEVEL="2",
+    )
 
 
 def _assert_one_process_weights(out, uninterrupted):
@@ -62,11 +68,22 @@ def test_a_parameter_server_step_trains_and_ends_with_its_chief(slurm, tmp_path)
     (the coordinator), task 1 a worker, task 2 the ps; every task runs
     the script, the strategy turns the worker and ps tasks into servers, and
     those end once their chief is gone, so the step and the job end with it."""
-    job = slurm.sbatch(SBATCH, "--chdir", ROOT, "-o", str(tmp_path / "slurm-%j.out"),
-                       "-N", "2", "-n", "3", "--ntasks-per-node=2",
-                       args=(os.path.join("tests", "workers", "ps_train.py"), "warmup",
-                             str(tmp_path)),
-                       PYTHON=sys.executable, TF_CPP_MIN_LOG_LEVEL="2", KERAS_DISTRIB_NUM_PS="1")
+    job = slurm.sbatch(
+        SBATCH,
+        "--chdir",
+        ROOT,
+        "-o",
+        str(tmp_path / "slurm-%j.out"),
+        "-N",
+        "2",
+        "-n",
+        "3",
+        "--ntasks-per-node=2",
+        args=(os.path.join("tests", "workers", "ps_train.py"), "warmup", str(tmp_path)),
+        PYTHON=sys.executable,
+        TF_CPP_MIN_LOG_LEVEL="2",
+        KERAS_DISTRIB_NUM_PS="1",
+    )
     assert slurm.wait_for_job(job) == "COMPLETED", _log(tmp_path)
     with open(tmp_path / "warmup.json") as f:
         report = json.load(f)
@@ -77,8 +94,9 @@ def test_a_parameter_server_step_trains_and_ends_with_its_chief(slurm, tmp_path)
         assert f"keras_distrib: {task}: the chief at " in log and "is gone" in log, log
 
 
-def test_scancel_signal_term_saves_and_the_requeued_job_resumes_exact(slurm, tmp_path,
-                                                                    uninterrupted):
+def test_scancel_signal_term_saves_and_the_requeued_job_resumes_exact(
+    slurm, tmp_path, uninterrupted
+):
     """The workers pause after step 6; `scancel --signal=TERM` reaches them
     there; they stop at one step, save, exit 75, Slurm queues the job again,
     and its second run resumes from that backup."""
@@ -97,8 +115,10 @@ def test_scancel_signal_term_saves_and_the_requeued_job_resumes_exact(slurm, tmp
     # Exit code 75 requeues it (the cluster's RequeueExit=75), and Slurm
     # holds it about two minutes (its BeginTime); an operator in a hurry
     # starts it now.
-    assert slurm.wait_for_job(job, until=("PENDING BeginTime", "COMPLETED", "FAILED")) \
-        == "PENDING BeginTime", _log(tmp_path)
+    assert (
+        slurm.wait_for_job(job, until=("PENDING BeginTime", "COMPLETED", "FAILED"))
+        == "PENDING BeginTime"
+    ), _log(tmp_path)
     deadline = time.monotonic() + 120
     while [a.number for a in fault_job.attempts(tmp_path, 2)[0]] != [0, 1]:
         assert time.monotonic() < deadline, _log(tmp_path)
@@ -115,8 +135,7 @@ def test_scancel_signal_term_saves_and_the_requeued_job_resumes_exact(slurm, tmp
     _assert_one_process_weights(tmp_path, uninterrupted)
 
 
-def test_a_node_taken_down_mid_job_stops_every_worker_at_one_step_in_one_line(slurm,
-                                                                              tmp_path):
+def test_a_node_taken_down_mid_job_stops_every_worker_at_one_step_in_one_line(slurm, tmp_path):
     """n1 is set DOWN while the workers pause: Slurm signals the job's tasks
     (SIGTERM, then SIGKILL after KillWait) and requeues it. The workers stop
     together at the next step, the chief saves there and says so in one
@@ -135,15 +154,19 @@ def test_a_node_taken_down_mid_job_stops_every_worker_at_one_step_in_one_line(sl
             assert time.monotonic() < deadline, _log(tmp_path)
             time.sleep(0.1)
         (tmp_path / "go").touch()
-        assert slurm.wait_for_job(job, until=("PENDING BeginTime", "COMPLETED", "FAILED")) \
+        assert (
+            slurm.wait_for_job(job, until=("PENDING BeginTime", "COMPLETED", "FAILED"))
             == "PENDING BeginTime"
+        )
     finally:
         slurm.slurm("scancel", str(job), check=False)
         slurm.slurm("scontrol", "update", "NodeName=n1", "State=RESUME", check=False)
     log = _log(tmp_path)
     said = [line for line in log.splitlines() if line.startswith("keras_distrib: preempted")]
-    assert said == [f"keras_distrib: preempted (SIGTERM): every worker stopped at epoch 1, "
-                    f"step 7; backup in {tmp_path / 'backup'}; exiting with code 75. Run the "
-                    "same command again to resume."], log
+    assert said == [
+        f"keras_distrib: preempted (SIGTERM): every worker stopped at epoch 1, "
+        f"step 7; backup in {tmp_path / 'backup'}; exiting with code 75. Run the "
+        "same command again to resume."
+    ], log
     assert os.listdir(tmp_path / "backup") == ["backup-000000000007"]
     assert not (tmp_path / "rank0.npz").exists()

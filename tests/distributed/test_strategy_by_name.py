@@ -32,14 +32,28 @@ def single_weights():
 
 
 def _launch(out, n, names, *launch_flags, script_args=(), timeout=300):
-    launch(out, n, WORKER, "--out", str(out), "--names", ",".join(names), "--batch",
-           str(BATCH), "--epochs", str(EPOCHS), *script_args, launch_flags=launch_flags,
-           timeout=timeout)
+    launch(
+        out,
+        n,
+        WORKER,
+        "--out",
+        str(out),
+        "--names",
+        ",".join(names),
+        "--batch",
+        str(BATCH),
+        "--epochs",
+        str(EPOCHS),
+        *script_args,
+        launch_flags=launch_flags,
+        timeout=timeout,
+    )
     return [json.load(open(out / f"summary-rank{r}.json")) for r in range(n)]
 
 
-def _check(out, summaries, names, expected_strategy, n, single_weights, evaluate_atol=1e-5,
-           forms=FORMS):
+def _check(
+    out, summaries, names, expected_strategy, n, single_weights, evaluate_atol=1e-5, forms=FORMS
+):
     weights, evaluate = single_weights
     for name in names:
         for form in forms:
@@ -50,16 +64,20 @@ def _check(out, summaries, names, expected_strategy, n, single_weights, evaluate
                 np.testing.assert_allclose(got["evaluate"], evaluate, atol=evaluate_atol)
                 arrays = np.load(out / f"{name}-{form}-rank{r}.npz")
                 for i, want in enumerate(weights):
-                    np.testing.assert_allclose(arrays[f"arr_{i}"], want, atol=1e-5, rtol=0,
-                                               err_msg=f"{name} {form} rank {r}")
+                    np.testing.assert_allclose(
+                        arrays[f"arr_{i}"],
+                        want,
+                        atol=1e-5,
+                        rtol=0,
+                        err_msg=f"{name} {form} rank {r}",
+                    )
     assert all(s["before"] == [6.0, 12] for s in summaries)
 
 
 # 2 workers: the name resolves as with any number (3 workers equal one
 # process in tests/distributed/test_multi_worker.py).
 @pytest.mark.slow
-def test_launch_multi_worker_and_auto_by_name_with_steps_per_execution(tmp_path,
-                                                                     single_weights):
+def test_launch_multi_worker_and_auto_by_name_with_steps_per_execution(tmp_path, single_weights):
     names = ["multi_worker", "auto"]
     # With 7 batches per epoch and 4 steps per execution, the last execution
     # of each epoch runs 3 steps, as plain Keras does: 14 steps, not 16.
@@ -87,13 +105,36 @@ def test_hand_set_tf_config_with_chief_role(tmp_path, single_weights):
     procs = []
     try:
         for task in ({"type": "chief", "index": 0}, {"type": "worker", "index": 0}):
-            env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
-                       TF_CONFIG=json.dumps({"cluster": spec, "task": task}))
-            procs.append(subprocess.Popen(
-                [sys.executable, WORKER, "--out", str(tmp_path), "--names", "auto",
-                 "--forms", "functional", "--batch", str(BATCH), "--epochs", str(EPOCHS)],
-                cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, text=True, start_new_session=True))
+            env = dict(
+                os.environ,
+                TF_CPP_MIN_LOG_LEVEL="2",
+                TF_CONFIG=json.dumps({"cluster": spec, "task": task}),
+            )
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        WORKER,
+                        "--out",
+                        str(tmp_path),
+                        "--names",
+                        "auto",
+                        "--forms",
+                        "functional",
+                        "--batch",
+                        str(BATCH),
+                        "--epochs",
+                        str(EPOCHS),
+                    ],
+                    cwd=ROOT,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    start_new_session=True,
+                )
+            )
         outputs = [p.communicate(timeout=240)[0] for p in procs]
     finally:
         for p in procs:

@@ -32,18 +32,20 @@ def _model(strategy="single"):
 
 def _fit(model, data, backup_dir, *extra, save_freq=4, epochs=EPOCHS, **options):
     x, y = data
-    callbacks = [kd.callbacks.BackupAndRestore(backup_dir, save_freq=save_freq, **options),
-                 *extra]
+    callbacks = [kd.callbacks.BackupAndRestore(backup_dir, save_freq=save_freq, **options), *extra]
     if isinstance(x, keras.utils.PyDataset):
         return model.fit(x, epochs=epochs, shuffle=True, verbose=0, callbacks=callbacks)
-    return model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=True, verbose=0,
-                     callbacks=callbacks)
+    return model.fit(
+        x, y, batch_size=BATCH, epochs=epochs, shuffle=True, verbose=0, callbacks=callbacks
+    )
 
 
 def _assert_same_state(a, b):
     assert int(a.optimizer.iterations.numpy()) == int(b.optimizer.iterations.numpy())
-    for wa, wb in zip(a.get_weights() + [v.numpy() for v in a.optimizer.variables],
-                      b.get_weights() + [v.numpy() for v in b.optimizer.variables]):
+    for wa, wb in zip(
+        a.get_weights() + [v.numpy() for v in a.optimizer.variables],
+        b.get_weights() + [v.numpy() for v in b.optimizer.variables],
+    ):
         np.testing.assert_allclose(wa, wb, atol=1e-6, rtol=0)
 
 
@@ -60,7 +62,8 @@ def uninterrupted(data, tmp_path_factory):
 
 @pytest.mark.parametrize("save_freq", [4, "epoch"])
 def test_a_run_resumed_after_a_crash_equals_an_uninterrupted_one(
-        data, uninterrupted, tmp_path, save_freq, capsys):
+    data, uninterrupted, tmp_path, save_freq, capsys
+):
     at = random.randint(1, 7 * EPOCHS - 1)
     first = _model()
     with pytest.raises(Crash):
@@ -73,16 +76,19 @@ def test_a_run_resumed_after_a_crash_equals_an_uninterrupted_one(
     assert history.epoch == list(range(saved // 7, EPOCHS)), (at, history.epoch)
     said = capsys.readouterr().out
     if saved:  # the one line a resumed run prints
-        assert said.startswith(f"keras_distrib: resuming from step {saved} (epoch "
-                               f"{saved // 7 + 1}, step {saved % 7}) of the backup in "
-                               f"{tmp_path}"), (at, said)
+        assert said.startswith(
+            f"keras_distrib: resuming from step {saved} (epoch "
+            f"{saved // 7 + 1}, step {saved % 7}) of the backup in "
+            f"{tmp_path}"
+        ), (at, said)
     else:
         assert "resuming" not in said
     assert os.listdir(tmp_path) == []  # removed after the normal end
 
 
 def test_under_the_launcher_the_chief_reports_each_backup_it_writes(
-        data, tmp_path, capsys, monkeypatch):
+    data, tmp_path, capsys, monkeypatch
+):
     """The line `keras-distrib launch` reads to say from which step a
     restarted job goes on; the resumed run's own line names the same."""
     _fit(_model(), data, tmp_path / "alone", epochs=1)
@@ -91,13 +97,16 @@ def test_under_the_launcher_the_chief_reports_each_backup_it_writes(
     with pytest.raises(Crash):
         _fit(_model(), data, tmp_path / "b", CrashAfter(10))
     reports = capsys.readouterr().out.splitlines()
-    assert reports == ["keras_distrib: backup saved at step 4 (epoch 1, step 4).",
-                       "keras_distrib: backup saved at step 8 (epoch 2, step 1)."]
+    assert reports == [
+        "keras_distrib: backup saved at step 4 (epoch 1, step 4).",
+        "keras_distrib: backup saved at step 8 (epoch 2, step 1).",
+    ]
     _fit(_model(), data, tmp_path / "b")
     resumed = capsys.readouterr().out.splitlines()
     assert launch_contract.backup_point(resumed[0]) == "step 8 (epoch 2, step 1)", resumed
     assert [launch_contract.backup_point(line) for line in resumed[1:]] == [
-        f"step {s} (epoch {s // 7 + 1}, step {s % 7})" for s in (12, 16, 20)], resumed
+        f"step {s} (epoch {s // 7 + 1}, step {s % 7})" for s in (12, 16, 20)
+    ], resumed
 
 
 def test_a_pydataset_run_resumes_exactly(tmp_path):
@@ -124,7 +133,8 @@ def test_mirrored_resumes_exactly(data, tmp_path):
 
 
 def test_a_backup_goes_on_with_the_same_steps_on_more_replicas(
-        data, uninterrupted, tmp_path, capsys):
+    data, uninterrupted, tmp_path, capsys
+):
     """An elastic restart in one process: a backup made with one replica
     goes on with two, which split the same global batches, and ends as the
     uninterrupted one-replica run."""
@@ -137,13 +147,17 @@ def test_a_backup_goes_on_with_the_same_steps_on_more_replicas(
     for wa, wb in zip(second.get_weights(), uninterrupted[4].get_weights()):
         np.testing.assert_allclose(wa, wb, atol=1e-5, rtol=0)
     assert int(second.optimizer.iterations.numpy()) == 7 * EPOCHS
-    assert ("of the backup in {}. It was made with 1 replica, this run has 2: each replica's "
-            "share of the global batch changes, the steps do not.".format(
-                tmp_path / "backup-000000000004")) in capsys.readouterr().out
+    assert (
+        "of the backup in {}. It was made with 1 replica, this run has 2: each replica's "
+        "share of the global batch changes, the steps do not.".format(
+            tmp_path / "backup-000000000004"
+        )
+    ) in capsys.readouterr().out
 
 
 def test_an_interrupted_save_leaves_the_previous_backup_usable(
-        data, uninterrupted, tmp_path, monkeypatch):
+    data, uninterrupted, tmp_path, monkeypatch
+):
     saves = []
     real_dump = json.dump
 
@@ -178,8 +192,7 @@ def test_leftovers_of_a_killed_save_are_ignored_and_removed(data, uninterrupted,
     assert os.listdir(tmp_path) == []
 
 
-def test_sigterm_stops_fit_writes_a_backup_and_the_next_run_resumes(
-        data, uninterrupted, tmp_path):
+def test_sigterm_stops_fit_writes_a_backup_and_the_next_run_resumes(data, uninterrupted, tmp_path):
     class TermAfter(CrashAfter):
         def on_train_batch_end(self, batch, logs=None):
             self.steps += 1
@@ -201,18 +214,29 @@ def test_sigterm_stops_fit_writes_a_backup_and_the_next_run_resumes(
 
 def test_delete_checkpoint_false_keeps_the_last_backup_and_resumes_at_the_end(data, tmp_path):
     model = _model()
-    model.fit(*data, batch_size=BATCH, epochs=2, verbose=0, callbacks=[
-        kd.callbacks.BackupAndRestore(tmp_path, delete_checkpoint=False)])
+    model.fit(
+        *data,
+        batch_size=BATCH,
+        epochs=2,
+        verbose=0,
+        callbacks=[kd.callbacks.BackupAndRestore(tmp_path, delete_checkpoint=False)],
+    )
     assert os.listdir(tmp_path) == ["backup-000000000014"]
     again = _model()
-    history = again.fit(*data, batch_size=BATCH, epochs=2, verbose=0, callbacks=[
-        kd.callbacks.BackupAndRestore(tmp_path, delete_checkpoint=False)])
+    history = again.fit(
+        *data,
+        batch_size=BATCH,
+        epochs=2,
+        verbose=0,
+        callbacks=[kd.callbacks.BackupAndRestore(tmp_path, delete_checkpoint=False)],
+    )
     assert history.epoch == []  # nothing left to train
     _assert_same_state(again, model)
 
 
 def test_double_checkpoint_resumes_from_the_backup_before_a_damaged_one(
-        data, uninterrupted, tmp_path, capsys):
+    data, uninterrupted, tmp_path, capsys
+):
     with pytest.raises(Crash):
         _fit(_model(), data, tmp_path, CrashAfter(10), double_checkpoint=True)
     assert sorted(os.listdir(tmp_path)) == ["backup-000000000004", "backup-000000000008"]
@@ -226,13 +250,15 @@ def test_double_checkpoint_resumes_from_the_backup_before_a_damaged_one(
         f"(weights.weights.h5 is missing or not an HDF5 file); it is removed and training "
         "resumes from the backup before it.",
         f"keras_distrib: resuming from step 4 (epoch 1, step 4) of the backup in "
-        f"{tmp_path / 'backup-000000000004'}."], said
+        f"{tmp_path / 'backup-000000000004'}.",
+    ], said
     _assert_same_state(second, uninterrupted[4])
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_a_backup_whose_weights_changed_since_is_damaged(data, uninterrupted, tmp_path, capsys,
-                                                         damage):
+def test_a_backup_whose_weights_changed_since_is_damaged(
+    data, uninterrupted, tmp_path, capsys, damage
+):
     """A byte flipped in the middle of the weights (the file still HDF5,
     the values wrong) or the file cut short: the backup before it is used."""
     with pytest.raises(Crash):
@@ -242,14 +268,15 @@ def test_a_backup_whose_weights_changed_since_is_damaged(data, uninterrupted, tm
     if damage == "flip":
         content[-len(content) // 3] ^= 0xFF
     else:
-        del content[len(content) * 3 // 4:]
+        del content[len(content) * 3 // 4 :]
     weights.write_bytes(bytes(content))
     capsys.readouterr()
     second = _model()
     _fit(second, data, tmp_path, double_checkpoint=True)
     said = capsys.readouterr().out.splitlines()
-    assert said[0].startswith(f"keras_distrib: the backup {tmp_path / 'backup-000000000008'} "
-                              "is damaged ("), said
+    assert said[0].startswith(
+        f"keras_distrib: the backup {tmp_path / 'backup-000000000008'} is damaged ("
+    ), said
     assert said[1].startswith("keras_distrib: resuming from step 4 (epoch 1, step 4)"), said
     _assert_same_state(second, uninterrupted[4])
 
@@ -289,7 +316,8 @@ def test_a_backup_that_cannot_be_written_is_one_line_and_keeps_the_last(data, tm
         assert str(error.value) == (
             f"BackupAndRestore: cannot write the backup of step 8 (epoch 2, step 1) to "
             f"{backups}: No space left on device; the last backup is kept. Free space there or "
-            "pass another backup_dir.")
+            "pass another backup_dir."
+        )
         assert os.listdir(backups) == ["backup-000000000004"]
     finally:
         subprocess.run(["umount", str(disk)], check=True)
@@ -299,20 +327,26 @@ def test_a_damaged_backup_is_a_one_line_error(data, tmp_path):
     damaged = tmp_path / "backup-000000000004"
     damaged.mkdir()
     (damaged / "state.json").write_text("{not json")
-    with pytest.raises(ValueError, match=r"^The backup .*backup-000000000004 is damaged "
-                                         r"\(.*\) and no older one reads; delete .* to "
-                                         r"start afresh\.$") as error:
+    with pytest.raises(
+        ValueError,
+        match=r"^The backup .*backup-000000000004 is damaged "
+        r"\(.*\) and no older one reads; delete .* to "
+        r"start afresh\.$",
+    ) as error:
         _fit(_model(), data, tmp_path)
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(save_freq=0), r"save_freq=0 must be 'epoch' or a number of steps >= 1\."),
-    (dict(save_freq="batch"), r"save_freq='batch' must be 'epoch' or a number"),
-    (dict(save_freq=True), r"save_freq=True must be"),
-    (dict(backup_dir="gs://bucket/b"), r"must be a local path"),
-    (dict(backup_dir=""), r"backup_dir='' must be a directory path\."),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(save_freq=0), r"save_freq=0 must be 'epoch' or a number of steps >= 1\."),
+        (dict(save_freq="batch"), r"save_freq='batch' must be 'epoch' or a number"),
+        (dict(save_freq=True), r"save_freq=True must be"),
+        (dict(backup_dir="gs://bucket/b"), r"must be a local path"),
+        (dict(backup_dir=""), r"backup_dir='' must be a directory path\."),
+    ],
+)
 def test_bad_arguments_are_one_line_errors(tmp_path, kwargs, message):
     kwargs.setdefault("backup_dir", str(tmp_path))
     with pytest.raises(ValueError, match=message):
@@ -330,6 +364,7 @@ def test_sigterm_stops_fit_after_a_library_replaced_the_handler(data, tmp_path):
     """A library that sets its own SIGTERM handler between two fits (Ray's
     driver does) does not switch preemption off; outside fit its handler
     runs again."""
+
     class TermAfter(CrashAfter):
         def on_train_batch_end(self, batch, logs=None):
             self.steps += 1
@@ -360,8 +395,14 @@ def _fit_with_keras_backup(model, data, backup_dir, *extra, process):
     seed: the random state of each run is that of a new process (`process`)."""
     keras.utils.set_random_seed(process)
     x, y = data
-    return model.fit(x, y, batch_size=BATCH, epochs=KERAS_EPOCHS, verbose=0, callbacks=[
-        keras.callbacks.BackupAndRestore(backup_dir, save_freq=KERAS_SAVE_FREQ), *extra])
+    return model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=KERAS_EPOCHS,
+        verbose=0,
+        callbacks=[keras.callbacks.BackupAndRestore(backup_dir, save_freq=KERAS_SAVE_FREQ), *extra],
+    )
 
 
 def _resumed_and_uninterrupted(make_model, data, tmp_path):
@@ -388,14 +429,14 @@ def test_keras_backup_and_restore_resumes_a_distributed_model_exactly(data, tmp_
     """Keras's callback is adopted as ours: the resumed run goes on at the
     step after the backup, with the shuffle seed of the crashed run."""
     resumed, reference, after_the_crash = _resumed_and_uninterrupted(
-        lambda: build("functional", strategy), data, tmp_path)
+        lambda: build("functional", strategy), data, tmp_path
+    )
     assert int(resumed.optimizer.iterations.numpy()) == 7 * KERAS_EPOCHS
     # The same float32 operations on the same batches: SGD's 28 steps end
     # within rounding of the reductions' order (measured below 1e-6).
     assert _largest_difference(resumed, reference) < 1e-5
     # Keras's file names lead to the backup; all is gone after the end.
-    assert after_the_crash == ["backup-000000000009", "latest.weights.h5",
-                               "training_metadata.json"]
+    assert after_the_crash == ["backup-000000000009", "latest.weights.h5", "training_metadata.json"]
     assert not os.path.exists(tmp_path / "run")
 
 
@@ -403,10 +444,13 @@ def test_keras_backup_and_restore_on_a_plain_keras_model_is_not_exact(data, tmp_
     """The control: Keras restores the weights of step 9 but trains epoch 2
     again from its start, in a new order, so it ends far from the run that
     was not interrupted."""
+
     def plain():
         model = plain_model()
-        model.compile(optimizer=keras.optimizers.SGD(0.1),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
         return model
 
     resumed, reference, _ = _resumed_and_uninterrupted(plain, data, tmp_path)
@@ -425,29 +469,38 @@ class _OwnHook(keras.callbacks.BackupAndRestore):
 
 
 def test_keras_backup_and_restore_is_adopted_unless_its_code_would_be_lost(tmp_path):
-    adopted = keras_backup.adopt_keras_backup([
-        [keras.callbacks.BackupAndRestore(tmp_path / "a", save_freq=3)],
-        _OtherDefaults(str(tmp_path / "b"))])
+    adopted = keras_backup.adopt_keras_backup(
+        [
+            [keras.callbacks.BackupAndRestore(tmp_path / "a", save_freq=3)],
+            _OtherDefaults(str(tmp_path / "b")),
+        ]
+    )
     assert [type(c) for c in adopted] == [keras_backup.KerasBackupAndRestore] * 2
     assert [(c.save_freq, c.double_checkpoint, c.delete_checkpoint) for c in adopted] == [
-        (3, False, True), (5, True, True)]
+        (3, False, True),
+        (5, True, True),
+    ]
     kept = [_OwnHook(str(tmp_path / "c")), keras.callbacks.BackupAndRestore("gs://bucket/d")]
     assert keras_backup.adopt_keras_backup(kept) is kept
     listed = keras.callbacks.CallbackList([keras.callbacks.BackupAndRestore(str(tmp_path))])
     copied = keras_backup.adopt_keras_backup(listed)
     assert type(listed.callbacks[0]) is keras.callbacks.BackupAndRestore  # the user's, as it was
     assert type(copied.callbacks[0]) is keras_backup.KerasBackupAndRestore
-    with pytest.raises(ValueError, match=r"^_OwnHook overrides on_epoch_end of "
-                                         r"keras.callbacks.BackupAndRestore, .*; pass "
-                                         r"keras_distrib.callbacks.BackupAndRestore"):
+    with pytest.raises(
+        ValueError,
+        match=r"^_OwnHook overrides on_epoch_end of "
+        r"keras.callbacks.BackupAndRestore, .*; pass "
+        r"keras_distrib.callbacks.BackupAndRestore",
+    ):
         keras_backup.KerasBackupAndRestore(kept[0])
 
 
 def test_a_keras_backup_subclass_keeps_its_own_hooks_on_the_other_workers(tmp_path):
     """Not adopted, it runs as Keras's callback, its writes redirected to
     scratch on workers other than the chief: its own code runs there too."""
-    with chief_only.redirected([_OwnHook(str(tmp_path))], is_chief=False,
-                               enabled=True) as (redirected,):
+    with chief_only.redirected([_OwnHook(str(tmp_path))], is_chief=False, enabled=True) as (
+        redirected,
+    ):
         assert isinstance(redirected, _OwnHook)
         assert type(redirected).on_epoch_end is _OwnHook.on_epoch_end
 
@@ -467,8 +520,9 @@ def test_a_killed_workers_scratch_is_deleted_by_the_next_worker(tmp_path, monkey
     (left / "0" / "model.keras").write_bytes(b"half a checkpoint")
     running = tmp_path / f"{chief_only.SCRATCH_PREFIX}{os.getpid()}-def"
     running.mkdir()
-    with chief_only.redirected([keras.callbacks.CSVLogger(str(tmp_path / "log.csv"))],
-                               is_chief=False, enabled=True) as (logger,):
+    with chief_only.redirected(
+        [keras.callbacks.CSVLogger(str(tmp_path / "log.csv"))], is_chief=False, enabled=True
+    ) as (logger,):
         assert logger.filename.startswith(f"{tmp_path}/{chief_only.SCRATCH_PREFIX}{os.getpid()}-")
         assert not left.exists() and running.exists()
     assert sorted(os.listdir(tmp_path)) == [running.name]

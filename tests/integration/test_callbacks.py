@@ -95,8 +95,9 @@ def test_warmup_constant_rate_follows_the_formula(data, strategy, multiplier):
     expected_multiplier = multiplier or 2.0  # mirrored: 2 replicas
     warmup = kdc.LearningRateWarmup(warmup_epochs=1.5, target_multiplier=multiplier)
     record = Record()
-    model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
-              callbacks=[warmup, record])
+    model.fit(
+        x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0, callbacks=[warmup, record]
+    )
     warmup_steps = 6  # 1.5 epochs * 4 steps
     assert [s for s, _ in warmup.lr_history] == list(range(warmup_steps + 1))
     for step in (0, 3, 6):  # start, middle, end
@@ -126,8 +127,9 @@ def test_warmup_wraps_a_schedule_and_trains_with_it(data):
     model = build("functional", "single", optimizer=keras.optimizers.SGD(decay))
     warmup = kdc.LearningRateWarmup(warmup_epochs=1, target_multiplier=3)
     record = Record()
-    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
-              callbacks=[warmup, record])
+    model.fit(
+        x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[warmup, record]
+    )
 
     schedule = model.optimizer._learning_rate
     assert isinstance(schedule, kdc.ScaledSchedule) and schedule.schedule is decay
@@ -137,8 +139,9 @@ def test_warmup_wraps_a_schedule_and_trains_with_it(data):
     assert [lr for _, lr in warmup.lr_history] == pytest.approx(want[:5], rel=1e-6)
 
     # The optimizer really trained with it.
-    reference = build("functional", "single",
-                      optimizer=keras.optimizers.SGD(_Reference(decay, 3.0, 4)))
+    reference = build(
+        "functional", "single", optimizer=keras.optimizers.SGD(_Reference(decay, 3.0, 4))
+    )
     reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
     for got, ref in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got, ref, atol=1e-6, rtol=0)
@@ -150,8 +153,9 @@ def test_warmup_wraps_a_schedule_and_trains_with_it(data):
         assert float(restored._learning_rate(step)) == pytest.approx(want[step], rel=1e-6)
 
 
-@pytest.mark.parametrize("strategy,multiplier,want", [("mirrored", None, 2.0),
-                                                      ("single", 3.0, 3.0)])
+@pytest.mark.parametrize(
+    "strategy,multiplier,want", [("mirrored", None, 2.0), ("single", 3.0, 3.0)]
+)
 def test_scaling_multiplies_once(data, strategy, multiplier, want):
     x, y = data
     model = build("functional", strategy)
@@ -167,24 +171,46 @@ def test_scaling_wraps_a_schedule(data):
     decay = keras.optimizers.schedules.ExponentialDecay(LR, decay_steps=4, decay_rate=0.5)
     model = build("functional", "single", optimizer=keras.optimizers.SGD(decay))
     record = Record()
-    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
-              callbacks=[kdc.LearningRateScaling(3), record])
-    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
-              callbacks=[kdc.LearningRateScaling(3), record])
+    model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[kdc.LearningRateScaling(3), record],
+    )
+    model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[kdc.LearningRateScaling(3), record],
+    )
     schedule = model.optimizer._learning_rate
     assert isinstance(schedule, kdc.ScaledSchedule) and schedule.schedule is decay
     assert [float(schedule(s)) for s in (0, 5)] == pytest.approx(
-        [3 * float(decay(0)), 3 * float(decay(5))])
-    assert record.optimizer_lr == pytest.approx([3 * float(decay(s + 1)) for s in range(8)],
-                                                rel=1e-6)
+        [3 * float(decay(0)), 3 * float(decay(5))]
+    )
+    assert record.optimizer_lr == pytest.approx(
+        [3 * float(decay(s + 1)) for s in range(8)], rel=1e-6
+    )
 
 
 def test_warmup_and_scaling_together_is_an_error(data):
     x, y = data
     model = build("functional", "single")
     with pytest.raises(ValueError, match="already ends at the scaled rate"):
-        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[
-            kdc.LearningRateScaling(2), kdc.LearningRateWarmup(1, target_multiplier=2)])
+        model.fit(
+            x,
+            y,
+            batch_size=BATCH,
+            epochs=1,
+            verbose=0,
+            callbacks=[kdc.LearningRateScaling(2), kdc.LearningRateWarmup(1, target_multiplier=2)],
+        )
 
 
 def test_bad_arguments():
@@ -205,16 +231,19 @@ def test_bad_arguments():
 def test_throughput_keys_are_present_and_sane(data, tmp_path, strategy):
     x, y = data
     model = build("functional", strategy)
-    monitor = kdc.ThroughputMonitor(BATCH, single_worker_throughput=1000.0,
-                                    log_dir=str(tmp_path / "tb"))
+    monitor = kdc.ThroughputMonitor(
+        BATCH, single_worker_throughput=1000.0, log_dir=str(tmp_path / "tb")
+    )
     history = model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[monitor])
     h = history.history
-    for key in ("samples_per_sec", "samples_per_sec_per_worker", "step_time",
-                "scaling_efficiency"):
+    for key in ("samples_per_sec", "samples_per_sec_per_worker", "step_time", "scaling_efficiency"):
         assert len(h[key]) == 2 and all(np.isfinite(v) and v > 0 for v in h[key]), key
     for total, per_worker, step_time, efficiency in zip(
-            h["samples_per_sec"], h["samples_per_sec_per_worker"], h["step_time"],
-            h["scaling_efficiency"]):
+        h["samples_per_sec"],
+        h["samples_per_sec_per_worker"],
+        h["step_time"],
+        h["scaling_efficiency"],
+    ):
         assert per_worker == pytest.approx(total)  # one process
         assert efficiency == pytest.approx(total / 1000.0)
         assert step_time < 10.0
@@ -247,8 +276,14 @@ def test_metric_average_is_a_noop_on_one_process(data):
         def on_epoch_end(self, epoch, logs=None):
             logs["value"] = 7.0 + epoch
 
-    history = model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0,
-                        callbacks=[Value(), kdc.MetricAverage(per_batch=True)])
+    history = model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=2,
+        verbose=0,
+        callbacks=[Value(), kdc.MetricAverage(per_batch=True)],
+    )
     assert history.history["value"] == [7.0, 8.0]
 
 
@@ -294,8 +329,9 @@ def _drift_replica_1(model):
 def test_consistency_check_passes_clean_mirrored_training(data):
     x, y = data
     check = kdc.ReplicaConsistencyCheck(every_n_steps=2)
-    build("functional", "mirrored").fit(x, y, batch_size=BATCH, epochs=2, verbose=0,
-                                        callbacks=[check])
+    build("functional", "mirrored").fit(
+        x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[check]
+    )
     assert check.step == 8
 
 
@@ -303,8 +339,14 @@ def test_consistency_check_names_the_drifted_mirrored_replica(data):
     x, y = data
     model = build("functional", "mirrored")
     with pytest.raises(kdc.ReplicaDivergenceError) as error:
-        model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[
-            AtBatch(2, _drift_replica_1), kdc.ReplicaConsistencyCheck(every_n_steps=2)])
+        model.fit(
+            x,
+            y,
+            batch_size=BATCH,
+            epochs=2,
+            verbose=0,
+            callbacks=[AtBatch(2, _drift_replica_1), kdc.ReplicaConsistencyCheck(every_n_steps=2)],
+        )
     message = str(error.value)
     assert message.startswith("step 4: replica 1 (rank 0) weights differ from replica 0 (rank 0)")
     assert "\n" not in message
@@ -318,11 +360,20 @@ def test_consistency_check_catches_a_nan_sample(data):
     model.check_finite = False  # fit would refuse the NaN input before training
     # ReLU turns the NaN input into 0, so the loss may stay finite; the
     # gradient of the first kernel (x^T delta) cannot.
-    with pytest.raises(kdc.ReplicaDivergenceError,
-                       match=r"^step 2: (non-finite loss on rank 0; )?"
-                             r"non-finite weights on replica 0 \(rank 0\)$"):
-        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
-                  callbacks=[kdc.ReplicaConsistencyCheck(every_n_steps=2)])
+    with pytest.raises(
+        kdc.ReplicaDivergenceError,
+        match=r"^step 2: (non-finite loss on rank 0; )?"
+        r"non-finite weights on replica 0 \(rank 0\)$",
+    ):
+        model.fit(
+            x,
+            y,
+            batch_size=BATCH,
+            epochs=1,
+            shuffle=False,
+            verbose=0,
+            callbacks=[kdc.ReplicaConsistencyCheck(every_n_steps=2)],
+        )
 
 
 def _row(first, loss_bad, *replicas):
@@ -334,11 +385,13 @@ def test_verdict_names_replica_and_rank_and_honours_atol():
     gathered = np.array([_row(0, 0, ok, ok), _row(2, 0, ok, (0.0, 1.5 + 1e-4, 2.25))])
     assert verdict(gathered, 40, atol=0.0) == (
         "step 40: replica 3 (rank 1) weights differ from replica 0 (rank 0): "
-        "checksum (sum, sum of squares) (1.5001, 2.25) vs (1.5, 2.25)")
+        "checksum (sum, sum of squares) (1.5001, 2.25) vs (1.5, 2.25)"
+    )
     assert verdict(gathered, 40, atol=1e-3) is None
     gathered = np.array([_row(0, 1, ok), _row(1, 1, (1.0, np.nan, np.nan))])
     assert verdict(gathered, 7, 0.0) == (
-        "step 7: non-finite loss on rank 0, rank 1; non-finite weights on replica 1 (rank 1)")
+        "step 7: non-finite loss on rank 0, rank 1; non-finite weights on replica 1 (rank 1)"
+    )
 
 
 def test_step_counter_with_steps_per_execution():
@@ -356,12 +409,25 @@ def test_step_counter_with_steps_per_execution():
 def test_plain_keras_model_gets_single_process_behaviour(data, tmp_path):
     x, y = data
     model = plain_model()
-    model.compile(optimizer=keras.optimizers.SGD(LR),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        optimizer=keras.optimizers.SGD(LR),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
     warmup = kdc.LearningRateWarmup(1)
-    history = model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[
-        kdc.MetricAverage(), kdc.BroadcastInitialWeights(), warmup,
-        kdc.ThroughputMonitor(BATCH), kdc.ReplicaConsistencyCheck(every_n_steps=1)])
+    history = model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=2,
+        verbose=0,
+        callbacks=[
+            kdc.MetricAverage(),
+            kdc.BroadcastInitialWeights(),
+            warmup,
+            kdc.ThroughputMonitor(BATCH),
+            kdc.ReplicaConsistencyCheck(every_n_steps=1),
+        ],
+    )
     assert "samples_per_sec" in history.history
     assert [lr for _, lr in warmup.lr_history] == pytest.approx([LR] * 5)  # 1 replica
 
@@ -372,7 +438,10 @@ def test_plain_keras_model_under_a_replicating_tf_strategy_is_a_clear_error():
         model = plain_model()
     callback = kdc.ReplicaConsistencyCheck()
     callback.set_model(model)
-    with pytest.raises(ValueError, match=r"ReplicaConsistencyCheck needs a "
-                       r"keras_distrib.DistributedModel, got a plain Functional under "
-                       r"MirroredStrategy with 2 replicas; wrap it"):
+    with pytest.raises(
+        ValueError,
+        match=r"ReplicaConsistencyCheck needs a "
+        r"keras_distrib.DistributedModel, got a plain Functional under "
+        r"MirroredStrategy with 2 replicas; wrap it",
+    ):
         callback.on_train_begin()

@@ -17,15 +17,17 @@ BATCH, EPOCHS = 32, 2  # 203 samples: 7 steps per epoch (last 11 rows), 14 SGD s
 @pytest.mark.parametrize("form", FORMS)
 def test_matches_single(form, data):
     x, y = data
-    central = assert_trains_like_single(form, "central_storage", x, y, BATCH, EPOCHS,
-                                        steps=EPOCHS * 7)
+    central = assert_trains_like_single(
+        form, "central_storage", x, y, BATCH, EPOCHS, steps=EPOCHS * 7
+    )
     strategy = central.strategy
     assert type(strategy).__name__ == "CentralStorage"
     assert strategy.num_replicas == 2 and len(strategy.devices) == 2
     # One copy of every variable, on the parameter device (the CPU).
     assert all(strategy.holds(v) for v in central.variables)
     assert {v.value.device for v in central.trainable_variables} == {
-        "/job:localhost/replica:0/task:0/device:CPU:0"}
+        "/job:localhost/replica:0/task:0/device:CPU:0"
+    }
 
 
 _OPTIMIZERS = {
@@ -44,8 +46,9 @@ class GuideStepModel(kd.DistributedModel):
         with tf.GradientTape() as tape:
             loss = self.compute_loss(y=y, y_pred=self(x, training=True))
             scaled = self.optimizer.scale_loss(loss)  # a LossScaleOptimizer's scale
-        self.optimizer.apply(tape.gradient(scaled, self.trainable_variables),
-                             self.trainable_variables)
+        self.optimizer.apply(
+            tape.gradient(scaled, self.trainable_variables), self.trainable_variables
+        )
         return {"loss": loss}
 
 
@@ -61,19 +64,23 @@ def test_optimizers_that_assign_their_own_variables(name, custom_step, data):
     if custom_step:  # Keras's custom steps average per replica: equal shares only
         x, y = x[:192], y[:192]
     plain = build("functional", "single", compile_model=False)
-    central = (GuideStepModel(plain.inputs, plain.outputs, strategy="central_storage")
-               if custom_step else build("functional", "central_storage", compile_model=False))
+    central = (
+        GuideStepModel(plain.inputs, plain.outputs, strategy="central_storage")
+        if custom_step
+        else build("functional", "central_storage", compile_model=False)
+    )
     central.set_weights(plain.get_weights())
     for model in (plain, central):
-        model.compile(optimizer=_OPTIMIZERS[name](),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(
+            optimizer=_OPTIMIZERS[name](),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
         model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
     assert int(central.optimizer.iterations.numpy()) == EPOCHS * (6 if custom_step else 7)
     for a, b in zip(plain.get_weights(), central.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
     for a, b in zip(plain.optimizer.variables, central.optimizer.variables):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0,
-                                   err_msg=a.path)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0, err_msg=a.path)
 
 
 def test_jit_compile_true_runs_without_xla_and_says_why(data):
@@ -85,17 +92,24 @@ def test_jit_compile_true_runs_without_xla_and_says_why(data):
     plain = build("functional", "single", jit_compile=True)
     central = build("functional", "central_storage", compile_model=False)
     central.set_weights(plain.get_weights())
-    with pytest.warns(UserWarning, match=r"jit_compile=True is not possible with "
-                      r"strategy='central_storage': XLA cannot read the variables"):
-        central.compile(optimizer=keras.optimizers.SGD(0.1), jit_compile=True,
-                        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.warns(
+        UserWarning,
+        match=r"jit_compile=True is not possible with "
+        r"strategy='central_storage': XLA cannot read the variables",
+    ):
+        central.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            jit_compile=True,
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
     assert central.jit_compile is False
     for model in (plain, central):
         model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
     for a, b in zip(plain.get_weights(), central.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
-    np.testing.assert_allclose(plain.predict(x, verbose=0), central.predict(x, verbose=0),
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        plain.predict(x, verbose=0), central.predict(x, verbose=0), atol=1e-5
+    )
 
 
 def test_jit_compile_set_true_after_compile_warns_and_stays_off(data):
@@ -105,10 +119,15 @@ def test_jit_compile_set_true_after_compile_warns_and_stays_off(data):
     plain = build("functional", "single")
     central = build("functional", "central_storage", compile_model=False)
     central.set_weights(plain.get_weights())
-    central.compile(optimizer=keras.optimizers.SGD(0.1),
-                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    with pytest.warns(UserWarning, match=r"jit_compile=True is not possible with "
-                      r"strategy='central_storage'"):
+    central.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    with pytest.warns(
+        UserWarning,
+        match=r"jit_compile=True is not possible with "
+        r"strategy='central_storage'",
+    ):
         central.jit_compile = True
     assert central.jit_compile is False
     for model in (plain, central):
@@ -127,8 +146,9 @@ def test_predict_before_compile_on_a_machine_where_keras_picks_xla(data, monkeyp
     central = build("functional", "central_storage", compile_model=False)
     central.set_weights(plain.get_weights())
     assert plain.jit_compile is True and central.jit_compile is False
-    np.testing.assert_allclose(plain.predict(x, verbose=0), central.predict(x, verbose=0),
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        plain.predict(x, verbose=0), central.predict(x, verbose=0), atol=1e-5
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # "auto" turns XLA off silently
         central.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
@@ -137,8 +157,9 @@ def test_predict_before_compile_on_a_machine_where_keras_picks_xla(data, monkeyp
 
 def test_jit_compile_with_variables_on_the_one_compute_device(data):
     """Where the one replica computes beside the variables, XLA compiles its step."""
-    strategy = kd.strategies.get("central_storage", compute_devices=["/cpu:1"],
-                                 parameter_device="/cpu:1")
+    strategy = kd.strategies.get(
+        "central_storage", compute_devices=["/cpu:1"], parameter_device="/cpu:1"
+    )
     model = build("functional", strategy, jit_compile=True)
     assert model.jit_compile is True
     x, y = data
@@ -172,8 +193,10 @@ def test_layers_with_state_train_like_mirrored():
 
     mirrored, central = _twins(batch_norm, ["mirrored", "central_storage"])
     for model in (mirrored, central):
-        model.compile(optimizer=keras.optimizers.SGD(0.1),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
         model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
     for a, b in zip(mirrored.get_weights(), central.get_weights()):  # moving stats too
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
@@ -187,8 +210,10 @@ def test_layers_with_state_train_like_mirrored():
     seeds = [v for v in model.non_trainable_variables if "seed" in v.path]
     assert len(seeds) == 2
     before = [np.asarray(v).copy() for v in seeds]
-    model.compile(optimizer=keras.optimizers.SGD(0.1),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
     history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0).history
     assert np.all(np.isfinite(history["loss"]))
     assert all(not np.array_equal(a, np.asarray(b)) for a, b in zip(before, seeds))
@@ -203,16 +228,21 @@ def test_each_replica_reads_its_own_added_losses():
 
     def two_outputs():
         inputs = keras.Input((x.shape[1],))
-        h = keras.layers.Dense(16, activation="relu",
-                               activity_regularizer=keras.regularizers.L1(0.01))(inputs)
-        return inputs, {"a": keras.layers.Dense(3, name="a")(h),
-                        "b": keras.layers.Dense(1, name="b")(h)}
+        h = keras.layers.Dense(
+            16, activation="relu", activity_regularizer=keras.regularizers.L1(0.01)
+        )(inputs)
+        return inputs, {
+            "a": keras.layers.Dense(3, name="a")(h),
+            "b": keras.layers.Dense(1, name="b")(h),
+        }
 
     single, central = _twins(two_outputs, ["single", "central_storage"])
     targets = {"a": y, "b": x[:, :1]}
     for model in (single, central):
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss={
-            "a": keras.losses.SparseCategoricalCrossentropy(from_logits=True), "b": "mse"})
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss={"a": keras.losses.SparseCategoricalCrossentropy(from_logits=True), "b": "mse"},
+        )
         model.fit(x, targets, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
     for a, b in zip(single.get_weights(), central.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
@@ -234,8 +264,10 @@ def test_mixed_float16_policy_wraps_the_optimizer_it_adopts():
     try:
         single, central = _twins(graph, ["single", "central_storage"])
         for model in (single, central):
-            model.compile(optimizer=keras.optimizers.SGD(0.1),
-                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model.compile(
+                optimizer=keras.optimizers.SGD(0.1),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            )
             model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
     finally:
         keras.mixed_precision.set_global_policy("float32")
@@ -262,8 +294,10 @@ def _largest_gradient(model, x, y) -> float:
     largest = 0.0
     for start in range(0, len(x), BATCH):
         with tf.GradientTape() as tape:
-            value = loss(y[start:start + BATCH],
-                         tf.cast(model(x[start:start + BATCH], training=True), tf.float32))
+            value = loss(
+                y[start : start + BATCH],
+                tf.cast(model(x[start : start + BATCH], training=True), tf.float32),
+            )
         grads = tape.gradient(value, model.trainable_variables)
         largest = max(largest, *(float(tf.reduce_max(tf.abs(g))) for g in grads))
     return 2 * largest
@@ -276,28 +310,35 @@ def test_metrics_accumulate_over_batches(data):
     single = build("functional", "single")
     central = build("functional", "central_storage")
     for batch in (32, 2):
-        np.testing.assert_allclose(single.evaluate(x, y, batch_size=batch, verbose=0),
-                                   central.evaluate(x, y, batch_size=batch, verbose=0),
-                                   atol=1e-5)
+        np.testing.assert_allclose(
+            single.evaluate(x, y, batch_size=batch, verbose=0),
+            central.evaluate(x, y, batch_size=batch, verbose=0),
+            atol=1e-5,
+        )
 
 
 def test_named_devices(data):
-    strategy = kd.strategies.get("central_storage", compute_devices=["/cpu:0", "/cpu:1"],
-                                 parameter_device="/cpu:1")
+    strategy = kd.strategies.get(
+        "central_storage", compute_devices=["/cpu:0", "/cpu:1"], parameter_device="/cpu:1"
+    )
     assert strategy.parameter_device.endswith("CPU:1")
     model = build("functional", strategy)
     assert {v.value.device for v in model.trainable_variables} == {
-        "/job:localhost/replica:0/task:0/device:CPU:1"}
+        "/job:localhost/replica:0/task:0/device:CPU:1"
+    }
     x, y = data
     model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
 
 
-@pytest.mark.parametrize("options,fragment", [
-    ({"compute_devices": ["/gpu:7"]}, "does not exist"),
-    ({"compute_devices": "/cpu:0"}, "must be a list"),
-    ({"parameter_device": "/tpu:0"}, "does not exist"),
-    ({"cores": 2}, "does not take option"),
-])
+@pytest.mark.parametrize(
+    "options,fragment",
+    [
+        ({"compute_devices": ["/gpu:7"]}, "does not exist"),
+        ({"compute_devices": "/cpu:0"}, "must be a list"),
+        ({"parameter_device": "/tpu:0"}, "does not exist"),
+        ({"cores": 2}, "does not take option"),
+    ],
+)
 def test_bad_options(options, fragment):
     with pytest.raises(ValueError, match=fragment):
         kd.strategies.get("central_storage", **options)

@@ -79,12 +79,15 @@ def test_missing_declared_name_is_a_one_line_import_error(monkeypatch):
     message = str(raised.value)
     assert "\n" not in message
     assert message.startswith(
-        f"keras {keras.__version__} has no unscale_loss_for_distribution (keras.src.losses.loss)")
+        f"keras {keras.__version__} has no unscale_loss_for_distribution (keras.src.losses.loss)"
+    )
     assert "(keras_distrib/_compat/keras_trainer.py)" in message
     tested = _compat.TESTED
-    assert (f"keras_distrib was tested with tensorflow {tested['tensorflow']}.x and keras "
-            f"{tested['keras']}.x but found tensorflow {tf.__version__} and keras "
-            f"{keras.__version__}") in message
+    assert (
+        f"keras_distrib was tested with tensorflow {tested['tensorflow']}.x and keras "
+        f"{tested['keras']}.x but found tensorflow {tf.__version__} and keras "
+        f"{keras.__version__}"
+    ) in message
 
 
 def test_import_fails_in_one_line_when_a_declared_name_is_missing():
@@ -93,17 +96,23 @@ def test_import_fails_in_one_line_when_a_declared_name_is_missing():
     imported, `import keras_distrib` imports the model module, which imports
     `_compat`, whose probe fails the import in one line."""
     modules = sorted({spec.split(":")[0] for m in _compat.MODULES for spec in m.PRIVATE})
-    code = ("import sys, keras\n"
-            "print(repr([name for name in sys.argv[1:] if name not in sys.modules]))\n"
-            "from keras.src.trainers import trainer\n"
-            "del trainer.Trainer._compute_loss\n"
-            "try:\n"
-            "    import keras_distrib\n"
-            "except ImportError as error:\n"
-            "    print(repr(str(error)))\n")
-    done = subprocess.run([sys.executable, "-c", code, *modules], capture_output=True,
-                          text=True, timeout=300,
-                          env={**os.environ, "KERAS_DISTRIB_BOOTSTRAP": "0"})
+    code = (
+        "import sys, keras\n"
+        "print(repr([name for name in sys.argv[1:] if name not in sys.modules]))\n"
+        "from keras.src.trainers import trainer\n"
+        "del trainer.Trainer._compute_loss\n"
+        "try:\n"
+        "    import keras_distrib\n"
+        "except ImportError as error:\n"
+        "    print(repr(str(error)))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, *modules],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "KERAS_DISTRIB_BOOTSTRAP": "0"},
+    )
     assert done.returncode == 0, done.stderr
     not_loaded, error = done.stdout.splitlines()
     assert not_loaded == "[]"
@@ -116,6 +125,7 @@ def _assigner():
         @functools.wraps(function)
         def wrapper(*args, **kwargs):
             return function(*args, **kwargs)
+
         return wrapper
 
     class Base:
@@ -126,6 +136,7 @@ def _assigner():
         def compile(self):
             def nested():
                 self._made_by_nested = 2
+
             nested()
 
         def read(self):
@@ -154,6 +165,7 @@ def test_instance_attributes_resolve_where_the_class_assigns_them(monkeypatch):
 
 # -- our private names on classes that subclass Keras's or TensorFlow's ------------------
 
+
 def _our_modules():
     """Every module of keras_distrib outside _compat and the launcher (which
     never imports TensorFlow), imported."""
@@ -162,7 +174,8 @@ def _our_modules():
         for name in sorted(files):
             dotted = os.path.relpath(os.path.join(directory, name), ROOT)[:-3].replace(os.sep, ".")
             if name.endswith(".py") and not dotted.startswith(
-                    ("keras_distrib._compat", "keras_distrib.launch")):
+                ("keras_distrib._compat", "keras_distrib.launch")
+            ):
                 found.append(importlib.import_module(dotted.removesuffix(".__init__")))
     return found
 
@@ -173,9 +186,14 @@ def _classes_on_keras() -> list:
     (`DistributedOptimizer`'s, over any Keras optimizer)."""
     from keras_distrib import optimizers
 
-    found = [cls for module in _our_modules() for cls in vars(module).values()
-             if isinstance(cls, type) and cls.__module__ == module.__name__
-             and any(map(_is_foreign, cls.__mro__))]
+    found = [
+        cls
+        for module in _our_modules()
+        for cls in vars(module).values()
+        if isinstance(cls, type)
+        and cls.__module__ == module.__name__
+        and any(map(_is_foreign, cls.__mro__))
+    ]
     return found + [type("Wrapped", (optimizers._Distributed, keras.optimizers.Optimizer), {})]
 
 
@@ -188,21 +206,28 @@ def _private_names_on_self(cls) -> set:
     methods use on `self`, `cls` or `super()` (attributes, `getattr(self, "_x")`)."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
     names = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
-    names |= {target.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
-              for target in getattr(node, "targets", [getattr(node, "target", None)])
-              if isinstance(target, ast.Name)}
+    names |= {
+        target.id
+        for node in tree.body
+        if isinstance(node, (ast.Assign, ast.AnnAssign))
+        for target in getattr(node, "targets", [getattr(node, "target", None)])
+        if isinstance(target, ast.Name)
+    }
     for node in ast.walk(tree):
         owner, name = None, None
         if isinstance(node, ast.Attribute):
             owner, name = node.value, node.attr
-        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in (
-                "getattr", "hasattr", "setattr", "delattr") and len(node.args) >= 2:
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "id", None) in ("getattr", "hasattr", "setattr", "delattr")
+            and len(node.args) >= 2
+        ):
             owner, name = node.args[0], getattr(node.args[1], "value", None)
         if getattr(owner, "id", None) in ("self", "cls") or (
-                isinstance(owner, ast.Call) and getattr(owner.func, "id", None) == "super"):
+            isinstance(owner, ast.Call) and getattr(owner.func, "id", None) == "super"
+        ):
             names.add(name)
-    return {n for n in names if isinstance(n, str) and n.startswith("_")
-            and not n.startswith("__")}
+    return {n for n in names if isinstance(n, str) and n.startswith("_") and not n.startswith("__")}
 
 
 def _keras_uses(cls, name: str) -> bool:
@@ -227,8 +252,12 @@ def test_our_private_names_on_keras_subclasses_are_ours_or_declared_hooks():
     from the sources alone)."""
     shared, hooks_used = [], set()
     for cls in _classes_on_keras():
-        ours = [k for k in cls.__mro__ if k.__module__.startswith("keras_distrib.")
-                and not k.__module__.startswith("keras_distrib._compat")]
+        ours = [
+            k
+            for k in cls.__mro__
+            if k.__module__.startswith("keras_distrib.")
+            and not k.__module__.startswith("keras_distrib._compat")
+        ]
         for name in sorted(set().union(*map(_private_names_on_self, ours))):
             if _keras_uses(cls, name):
                 hooks_used.add(name)
@@ -237,6 +266,7 @@ def test_our_private_names_on_keras_subclasses_are_ours_or_declared_hooks():
     assert shared == [], (
         "private names our classes share with the Keras/TensorFlow classes they subclass: "
         "read or set them through keras_distrib/_compat/, or declare an override of a Keras "
-        f"hook in _compat.KERAS_HOOKS: {shared}")
+        f"hook in _compat.KERAS_HOOKS: {shared}"
+    )
     # The scan sees DistributedModel's overrides of Keras's trainer.
     assert {"_make_function", "_maybe_symbolic_build", "_resolve_auto_jit_compile"} <= hooks_used

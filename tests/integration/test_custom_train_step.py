@@ -31,8 +31,9 @@ def test_logs_with_keys_that_are_not_metrics():
     x, y = make_data()
     model = CustomNet()
     model(np.zeros((1, FEATURES), "float32"))
-    model.compile(optimizer="sgd",
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
     history = model.fit(x, y, batch_size=32, epochs=2, verbose=0)
     assert model.strategy.num_replicas == 2
     assert set(history.history) == {"my_loss", "my_count"}

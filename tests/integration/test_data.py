@@ -12,12 +12,15 @@ from keras_distrib.input import sharding
 from keras_distrib.topology import Topology
 
 
-@pytest.mark.parametrize("n,num,sizes", [
-    (32, 2, [16, 16]),
-    (11, 2, [6, 5]),
-    (10, 4, [3, 3, 2, 2]),
-    (1, 2, [1, 0]),
-])
+@pytest.mark.parametrize(
+    "n,num,sizes",
+    [
+        (32, 2, [16, 16]),
+        (11, 2, [6, 5]),
+        (10, 4, [3, 3, 2, 2]),
+        (1, 2, [1, 0]),
+    ],
+)
 def test_split_sizes_and_order(n, num, sizes):
     x = np.arange(n * 2, dtype="float32").reshape(n, 2)
     shards = data.split_batch((x, None, {"w": np.arange(n)}), num)
@@ -52,8 +55,9 @@ def test_repeated_array_shards_cover_every_sample_once_per_epoch():
     x = np.arange(10, dtype=np.float32)[:, None]
     steps = sharding.array_steps(x, 4)
     assert steps == 3  # 4 + 4 + 2: the short batch is kept
-    dataset, _ = sharding.shard(kd.strategies.get("single"), x, x[:, 0], None, 4,
-                                shuffle=True, seed=7, repeat=True)
+    dataset, _ = sharding.shard(
+        kd.strategies.get("single"), x, x[:, 0], None, 4, shuffle=True, seed=7, repeat=True
+    )
     batches = iter(dataset)
     epochs = []
     for _ in range(3):
@@ -74,8 +78,9 @@ def test_array_shards_of_two_workers_make_each_global_batch(n, shuffle):
     x = np.arange(n, dtype=np.float32)[:, None] * np.ones((1, 3), np.float32)
     per_worker = []
     for rank in range(2):
-        worker = types.SimpleNamespace(topology=Topology.data_parallel(
-            ("/cpu:0",), num_processes=2, process_index=rank))
+        worker = types.SimpleNamespace(
+            topology=Topology.data_parallel(("/cpu:0",), num_processes=2, process_index=rank)
+        )
         dataset, _ = sharding.shard(worker, x, np.arange(n), None, 4, shuffle=shuffle, seed=3)
         per_worker.append([(b[0].numpy(), b[1].numpy()) for b in dataset])
     expected_batches = -(-n // 4)
@@ -92,6 +97,9 @@ def test_array_shards_of_two_workers_make_each_global_batch(n, shuffle):
 
 def test_array_input_holding_none_is_a_one_line_error():
     x = np.ones((8, 2), "float32")
-    with pytest.raises(TypeError, match=r"^Multi-worker array input cannot hold None \(an "
-                                        r"optional input given as None\): pass that input"):
+    with pytest.raises(
+        TypeError,
+        match=r"^Multi-worker array input cannot hold None \(an "
+        r"optional input given as None\): pass that input",
+    ):
         sharding.shard(kd.strategies.get("single"), {"x": x, "o": None}, x[:, 0], None, 4)

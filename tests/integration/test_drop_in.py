@@ -81,41 +81,61 @@ def test_predict_on_a_generator_loses_no_batch(strategy):
 # -- any global batch -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("strategy", ["mirrored", "central_storage", "tensor_parallel",
-                                      "pipeline"])
+@pytest.mark.parametrize("strategy", ["mirrored", "central_storage", "tensor_parallel", "pipeline"])
 def test_a_batch_the_replicas_cannot_share_evenly_trains_as_one_device(strategy):
     x, y = make_data()
     reference, model = build("functional", "single"), build("functional", strategy)
     for m in (reference, model):
-        m.fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0,
-              validation_data=(x, y), validation_batch_size=7)
+        m.fit(
+            x,
+            y,
+            batch_size=5,
+            epochs=2,
+            shuffle=False,
+            verbose=0,
+            validation_data=(x, y),
+            validation_batch_size=7,
+        )
     for a, b in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
-    np.testing.assert_allclose(model.evaluate(x, y, batch_size=33, verbose=0),
-                               reference.evaluate(x, y, batch_size=33, verbose=0), atol=ATOL)
-    np.testing.assert_allclose(model.predict(x, batch_size=33, verbose=0),
-                               reference.predict(x, batch_size=33, verbose=0), atol=ATOL)
+    np.testing.assert_allclose(
+        model.evaluate(x, y, batch_size=33, verbose=0),
+        reference.evaluate(x, y, batch_size=33, verbose=0),
+        atol=ATOL,
+    )
+    np.testing.assert_allclose(
+        model.predict(x, batch_size=33, verbose=0),
+        reference.predict(x, batch_size=33, verbose=0),
+        atol=ATOL,
+    )
 
 
 @pytest.mark.parametrize("strategy", ["mirrored", "central_storage"])
 def test_a_batch_smaller_than_the_replica_count_trains_as_one_device(strategy):
     x, y = make_data(7)
     reference, model = build("functional", "single"), build("functional", strategy)
-    logs = [m.fit(x, y, batch_size=1, epochs=1, shuffle=False, verbose=0).history["loss"]
-            for m in (reference, model)]
+    logs = [
+        m.fit(x, y, batch_size=1, epochs=1, shuffle=False, verbose=0).history["loss"]
+        for m in (reference, model)
+    ]
     np.testing.assert_allclose(logs[1], logs[0], atol=ATOL)
     for a, b in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
-    np.testing.assert_allclose(model.evaluate(x, y, batch_size=1, verbose=0),
-                               reference.evaluate(x, y, batch_size=1, verbose=0), atol=ATOL)
+    np.testing.assert_allclose(
+        model.evaluate(x, y, batch_size=1, verbose=0),
+        reference.evaluate(x, y, batch_size=1, verbose=0),
+        atol=ATOL,
+    )
 
 
 def test_plain_keras_reference_trains_with_that_batch_too():
     # The control: the reference is Keras itself (same weights, batch 5).
     x, y = make_data()
     plain, ours = plain_model(), build("functional", "single")
-    plain.compile(optimizer=keras.optimizers.SGD(0.1),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    plain.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
     for m in (plain, ours):
         m.fit(x, y, batch_size=5, epochs=1, shuffle=False, verbose=0)
     for a, b in zip(ours.get_weights(), plain.get_weights()):
@@ -132,8 +152,9 @@ def test_a_subclass_nested_in_a_functional_model_trains_with_it(strategy):
 
     def trained(inner, outer_class, **kwargs):
         inputs = keras.Input((FEATURES,))
-        outer = outer_class(inputs, keras.layers.Dense(1, kernel_initializer="ones")(
-            inner(inputs)), **kwargs)
+        outer = outer_class(
+            inputs, keras.layers.Dense(1, kernel_initializer="ones")(inner(inputs)), **kwargs
+        )
         outer.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
         outer.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
         return outer.get_weights()
@@ -162,8 +183,9 @@ def test_a_subclass_nested_in_a_functional_model_trains_with_it(strategy):
 def test_terminate_on_nan_stops_quietly(strategy):
     x, y = make_data()
     model = build("functional", strategy, optimizer=keras.optimizers.SGD(1e30))
-    history = model.fit(x, y, batch_size=32, epochs=5, verbose=0,
-                        callbacks=[keras.callbacks.TerminateOnNaN()])
+    history = model.fit(
+        x, y, batch_size=32, epochs=5, verbose=0, callbacks=[keras.callbacks.TerminateOnNaN()]
+    )
     assert len(history.history["loss"]) == 1 and not np.isfinite(history.history["loss"][0])
 
 
@@ -175,8 +197,9 @@ def test_terminate_on_nan_takes_non_finite_input_as_keras_does(strategy):
     x, y = make_data()
     x[0, 0] = np.inf
     model = build("functional", strategy)
-    history = model.fit(x, y, batch_size=32, epochs=3, verbose=0,
-                        callbacks=[keras.callbacks.TerminateOnNaN()])
+    history = model.fit(
+        x, y, batch_size=32, epochs=3, verbose=0, callbacks=[keras.callbacks.TerminateOnNaN()]
+    )
     assert len(history.history["loss"]) == 1 and not np.isfinite(history.history["loss"][0])
     with pytest.raises(ValueError, match=r"^x holds inf at row 0; .* set model.check_finite"):
         model.fit(x, y, batch_size=32, verbose=0)
@@ -228,7 +251,8 @@ def test_a_warning_of_the_step_is_shown_once(strategy):
         warnings.simplefilter("always")
         model.predict(np.ones((4, FEATURES), "float32"), batch_size=4, verbose=0)
     assert [str(w.message) for w in caught if "kd-test" in str(w.message)] == [
-        "kd-test: a user's layer warns"]
+        "kd-test: a user's layer warns"
+    ]
 
 
 @pytest.mark.parametrize("strategy", ["single", "mirrored", "central_storage"])
@@ -242,14 +266,16 @@ def test_an_optional_input_given_as_none_by_a_generator(strategy):
             return self.dense(x if o is None else x + o)
 
     x_in, o_in = keras.Input((2,), name="x"), keras.Input((2,), name="o", optional=True)
-    model = kd.DistributedModel({"x": x_in, "o": o_in}, OptionalInput()(x_in, o_in),
-                                strategy=strategy)
+    model = kd.DistributedModel(
+        {"x": x_in, "o": o_in}, OptionalInput()(x_in, o_in), strategy=strategy
+    )
 
     def batches():
         for _ in range(4):
             yield ({"x": np.ones((2, 2), "float32"), "o": None},)
 
     np.testing.assert_array_equal(model.predict(batches(), verbose=0), np.full((8, 2), 2.0))
+
 
 # -- a variable read as a Python number -----------------------------------------------
 
@@ -319,8 +345,11 @@ def test_a_plain_model_sharing_layers_with_a_distributed_one_trains_them(strateg
         full.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
         encoder.compile(optimizer=getattr(keras.optimizers, optimizer)(0.01), loss="mse")
         encoder.fit(x, z, batch_size=32, epochs=2, shuffle=False, verbose=0)
-        results = [*encoder.get_weights(), encoder.evaluate(x, z, verbose=0),
-                   encoder.predict(x, verbose=0)]
+        results = [
+            *encoder.get_weights(),
+            encoder.evaluate(x, z, verbose=0),
+            encoder.predict(x, verbose=0),
+        ]
         full.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)  # on what it trained
         return results + full.get_weights()
 
@@ -353,14 +382,24 @@ def test_a_model_saved_with_ema_weights_loads_under_mirrored(tmp_path):
     # first fit, an optimizer with EMA slots; compiled again on load, the
     # optimizer makes its slots beside the loaded variables.
     x, y = make_data()
-    model = SequentialNet([keras.layers.Dense(CLASSES, kernel_initializer="ones")],
-                        strategy="mirrored")
-    model.compile(optimizer=keras.optimizers.SGD(use_ema=True, ema_momentum=0.9),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    model.fit(x, y, batch_size=32, epochs=1, verbose=0,
-              callbacks=[keras.callbacks.SwapEMAWeights(swap_on_epoch=True)])
+    model = SequentialNet(
+        [keras.layers.Dense(CLASSES, kernel_initializer="ones")], strategy="mirrored"
+    )
+    model.compile(
+        optimizer=keras.optimizers.SGD(use_ema=True, ema_momentum=0.9),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    model.fit(
+        x,
+        y,
+        batch_size=32,
+        epochs=1,
+        verbose=0,
+        callbacks=[keras.callbacks.SwapEMAWeights(swap_on_epoch=True)],
+    )
     model.save(tmp_path / "model.keras")
     loaded = keras.saving.load_model(tmp_path / "model.keras")
     assert loaded.strategy.name == "mirrored"
-    assert loaded.evaluate(x, y, verbose=0) == pytest.approx(model.evaluate(x, y, verbose=0),
-                                                             abs=ATOL)
+    assert loaded.evaluate(x, y, verbose=0) == pytest.approx(
+        model.evaluate(x, y, verbose=0), abs=ATOL
+    )

@@ -100,8 +100,11 @@ def test_jit_compile_where_xla_cannot_compile_the_step(strategy, data):
     False, with a warning saying why when True was asked for."""
     x, y = data
     single = build("functional", "single", jit_compile=True)
-    with pytest.warns(UserWarning, match=rf"jit_compile=True is not possible with "
-                      rf"strategy='{strategy}': XLA compiles the work of one device"):
+    with pytest.warns(
+        UserWarning,
+        match=rf"jit_compile=True is not possible with "
+        rf"strategy='{strategy}': XLA compiles the work of one device",
+    ):
         model = build("functional", strategy, jit_compile=True)
     assert model.jit_compile is False
     with pytest.warns(UserWarning, match=rf"strategy='{strategy}'"):
@@ -127,8 +130,14 @@ def test_validation_and_sample_weights(data):
     w = np.linspace(0.5, 1.5, len(x)).astype("float32")
     single = build("functional", "single")
     mirrored = build("functional", "mirrored")
-    kwargs = dict(sample_weight=w, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
-                  validation_data=(x[:64], y[:64]))
+    kwargs = dict(
+        sample_weight=w,
+        batch_size=BATCH,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        validation_data=(x[:64], y[:64]),
+    )
     h1 = single.fit(x, y, **kwargs)
     h2 = mirrored.fit(x, y, **kwargs)
     assert_weights_close(single, mirrored)
@@ -144,8 +153,10 @@ def test_regularization_loss_counted_once(data):
         inputs = keras.Input((x.shape[1],))
         outputs = keras.layers.Dense(3, kernel_regularizer=keras.regularizers.L2(0.1))(inputs)
         model = kd.DistributedModel(inputs, outputs, strategy=strategy)
-        model.compile(optimizer=keras.optimizers.SGD(0.1),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
         return model
 
     single, mirrored = make("single"), make("mirrored")
@@ -171,8 +182,11 @@ def test_replica_gradients_are_those_of_the_summed_loss_bit_for_bit(batch, data)
 
     reference = plain_model()
     model = Recording(reference.input, reference.output, strategy="mirrored")
-    model.compile(optimizer=keras.optimizers.SGD(0.1), run_eagerly=True,
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        run_eagerly=True,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
     summed = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
 
     def gradient_of_sum(rows):
@@ -186,5 +200,6 @@ def test_replica_gradients_are_those_of_the_summed_loss_bit_for_bit(batch, data)
     assert len(seen) == 2
     for got in seen:  # the replicas' order of arrival varies
         matches = [all(np.array_equal(g, w) for g, w in zip(got, shard)) for shard in want]
-        assert any(matches), [max(float(np.abs(g - w).max()) for g, w in zip(got, shard))
-                              for shard in want]
+        assert any(matches), [
+            max(float(np.abs(g - w).max()) for g, w in zip(got, shard)) for shard in want
+        ]

@@ -68,11 +68,15 @@ def test_strategy_options_given_to_the_model_are_refused(option, value):
     import keras
 
     inputs = keras.Input((4,))
-    with pytest.raises(ValueError, match=rf"^{option}= is an option of the strategy, not of "
-                                         rf"the model; pass strategy=keras_distrib.strategies"
-                                         rf"\.get\('mirrored', {option}=\.\.\.\) instead\.$") as e:
-        kd.DistributedModel(inputs, keras.layers.Dense(1)(inputs), strategy="mirrored",
-                            **{option: value})
+    with pytest.raises(
+        ValueError,
+        match=rf"^{option}= is an option of the strategy, not of "
+        rf"the model; pass strategy=keras_distrib.strategies"
+        rf"\.get\('mirrored', {option}=\.\.\.\) instead\.$",
+    ) as e:
+        kd.DistributedModel(
+            inputs, keras.layers.Dense(1)(inputs), strategy="mirrored", **{option: value}
+        )
     _one_line(e)
 
 
@@ -86,8 +90,11 @@ def test_arrays_of_different_lengths_are_refused(strategy, bad):
     else:
         weights = weights[:10]
     model = build("functional", strategy)
-    with pytest.raises(ValueError, match=r"do not have one row per sample \(rows: x 203, y "
-                                         rf"{len(y)}, sample_weight {len(weights)}\)") as e:
+    with pytest.raises(
+        ValueError,
+        match=r"do not have one row per sample \(rows: x 203, y "
+        rf"{len(y)}, sample_weight {len(weights)}\)",
+    ) as e:
         model.fit(x, y, sample_weight=weights, batch_size=32, verbose=0)
     _one_line(e)
 
@@ -116,10 +123,13 @@ def test_keras_gradient_accumulation_under_tf_distribute_points_to_ours(strategy
 
     model = build("functional", strategy, compile_model=False)
     optimizer = keras.optimizers.SGD(0.1, gradient_accumulation_steps=2)
-    with pytest.raises(ValueError, match=r"gradient_accumulation_steps=2 of a Keras optimizer "
-                                         rf"cannot run under strategy '{strategy}'; use "
-                                         r"keras_distrib\.optimizers\.DistributedOptimizer\("
-                                         r"optimizer, backward_passes_per_step=2\) instead\.") as e:
+    with pytest.raises(
+        ValueError,
+        match=r"gradient_accumulation_steps=2 of a Keras optimizer "
+        rf"cannot run under strategy '{strategy}'; use "
+        r"keras_distrib\.optimizers\.DistributedOptimizer\("
+        r"optimizer, backward_passes_per_step=2\) instead\.",
+    ) as e:
         model.compile(optimizer=optimizer, loss="mse")
     _one_line(e)
 
@@ -127,16 +137,26 @@ def test_keras_gradient_accumulation_under_tf_distribute_points_to_ours(strategy
 # -- bad input an adversarial user tried ---------------------------------------
 
 
-@pytest.mark.parametrize("option,value,message", [
-    ("collective_timeout", "10",
-     "collective_timeout='10' must be a number of seconds > 0, or None."),
-    ("collective_timeout", True,
-     "collective_timeout=True must be a number of seconds > 0, or None."),
-    ("peer_timeout", "x", "peer_timeout='x' must be a number of seconds > 0."),
-    ("peer_timeout", 0, "peer_timeout=0 must be a number of seconds > 0."),
-])
+@pytest.mark.parametrize(
+    "option,value,message",
+    [
+        (
+            "collective_timeout",
+            "10",
+            "collective_timeout='10' must be a number of seconds > 0, or None.",
+        ),
+        (
+            "collective_timeout",
+            True,
+            "collective_timeout=True must be a number of seconds > 0, or None.",
+        ),
+        ("peer_timeout", "x", "peer_timeout='x' must be a number of seconds > 0."),
+        ("peer_timeout", 0, "peer_timeout=0 must be a number of seconds > 0."),
+    ],
+)
 def test_multi_worker_timeouts_are_named_before_any_cluster_is_needed(
-        monkeypatch, option, value, message):
+    monkeypatch, option, value, message
+):
     monkeypatch.delenv("TF_CONFIG", raising=False)
     with pytest.raises(ValueError) as e:
         kd.strategies.get("multi_worker", **{option: value})
@@ -150,18 +170,23 @@ def test_batch_size_must_be_a_positive_integer(method, strategy, batch_size):
     x, y = make_data()
     model = build("functional", strategy)
     args = (x,) if method == "predict" else (x, y)
-    with pytest.raises(ValueError, match=rf"^batch_size={batch_size!r} must be a positive "
-                                         r"integer \(the global batch\)") as e:
+    with pytest.raises(
+        ValueError,
+        match=rf"^batch_size={batch_size!r} must be a positive "
+        r"integer \(the global batch\)",
+    ) as e:
         getattr(model, method)(*args, batch_size=batch_size, verbose=0)
     _one_line(e)
 
 
 def test_validation_batch_size_must_be_a_positive_integer():
     x, y = make_data()
-    with pytest.raises(ValueError,
-                       match=r"^validation_batch_size=0 must be a positive integer") as e:
-        build("functional", "single").fit(x, y, validation_data=(x, y),
-                                          validation_batch_size=0, verbose=0)
+    with pytest.raises(
+        ValueError, match=r"^validation_batch_size=0 must be a positive integer"
+    ) as e:
+        build("functional", "single").fit(
+            x, y, validation_data=(x, y), validation_batch_size=0, verbose=0
+        )
     _one_line(e)
 
 
@@ -169,8 +194,14 @@ def test_batch_size_none_and_numpy_integers_still_work():
     x, y = make_data()
     model = build("functional", "mirrored")
     model.fit(x, y, batch_size=None, verbose=0)
-    model.fit(x, y, batch_size=np.int64(32), validation_data=(x, y),
-              validation_batch_size=np.int32(64), verbose=0)
+    model.fit(
+        x,
+        y,
+        batch_size=np.int64(32),
+        validation_data=(x, y),
+        validation_batch_size=np.int32(64),
+        verbose=0,
+    )
 
 
 @pytest.mark.parametrize("strategy", ["single", "mirrored"])
@@ -183,8 +214,11 @@ def test_empty_training_data_is_a_one_line_error(strategy):
         model.fit(x[:0], y[:0], verbose=0)
     _one_line(e)
     empty = tf.data.Dataset.from_tensor_slices((x[:0], y[:0])).batch(4)
-    with pytest.raises(ValueError, match=r"^The training data is empty: the tf.data.Dataset "
-                                         r"has no elements") as e:
+    with pytest.raises(
+        ValueError,
+        match=r"^The training data is empty: the tf.data.Dataset "
+        r"has no elements",
+    ) as e:
         model.fit(empty, verbose=0)
     _one_line(e)
     # Size unknown without reading it: the batch Keras reads to build is missing.
@@ -195,17 +229,23 @@ def test_empty_training_data_is_a_one_line_error(strategy):
 
 
 @pytest.mark.parametrize("strategy", ["single", "mirrored"])
-@pytest.mark.parametrize("bad,loss", [
-    (5, keras.losses.SparseCategoricalCrossentropy(from_logits=True)),
-    (-1, "sparse_categorical_crossentropy"),
-])
+@pytest.mark.parametrize(
+    "bad,loss",
+    [
+        (5, keras.losses.SparseCategoricalCrossentropy(from_logits=True)),
+        (-1, "sparse_categorical_crossentropy"),
+    ],
+)
 def test_sparse_labels_out_of_range_name_the_label_and_the_classes(strategy, bad, loss):
     x, y = make_data()
     y = y.copy()
     y[7] = bad
     model = build("functional", strategy, loss=loss)
-    with pytest.raises(ValueError, match=rf"^y holds label {bad} \(row 7\) but the model's "
-                                         r"output has 3 classes;.* in 0\.\.2") as e:
+    with pytest.raises(
+        ValueError,
+        match=rf"^y holds label {bad} \(row 7\) but the model's "
+        r"output has 3 classes;.* in 0\.\.2",
+    ) as e:
         model.fit(x, y[:, None], verbose=0)
     _one_line(e)
 
@@ -220,14 +260,18 @@ def test_ignored_class_label_is_not_out_of_range():
 @pytest.mark.parametrize("steps", [0, -3, 1.5])
 def test_steps_per_execution_must_be_an_integer_of_at_least_one(steps):
     model = build("functional", "mirrored", compile_model=False)
-    with pytest.raises(ValueError, match=rf"^steps_per_execution={steps!r} must be an "
-                                         r"integer >= 1") as e:
+    with pytest.raises(
+        ValueError,
+        match=rf"^steps_per_execution={steps!r} must be an "
+        r"integer >= 1",
+    ) as e:
         model.compile(optimizer="sgd", loss="mse", steps_per_execution=steps)
     _one_line(e)
 
 
-@pytest.mark.parametrize("load", [keras.models.load_model, keras.saving.load_model],
-                         ids=["keras.models", "keras.saving"])
+@pytest.mark.parametrize(
+    "load", [keras.models.load_model, keras.saving.load_model], ids=["keras.models", "keras.saving"]
+)
 def test_a_truncated_keras_file_is_named_truncated_not_missing(tmp_path, load):
     # Our saves are atomic, so a truncated file comes from a copy cut short;
     # Keras alone says "File not found" for a file that is there.
@@ -235,9 +279,12 @@ def test_a_truncated_keras_file_is_named_truncated_not_missing(tmp_path, load):
     build("functional", "single").save(path)
     truncated = tmp_path / "truncated.keras"
     truncated.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-    with pytest.raises(ValueError, match=rf"^{re.escape(str(truncated))} is not a valid "
-                                         r"\.keras file: it exists \(\d+ bytes\) but is no "
-                                         r"zip archive, i\.e\. truncated") as e:
+    with pytest.raises(
+        ValueError,
+        match=rf"^{re.escape(str(truncated))} is not a valid "
+        r"\.keras file: it exists \(\d+ bytes\) but is no "
+        r"zip archive, i\.e\. truncated",
+    ) as e:
         load(str(truncated))
     _one_line(e)
     with pytest.raises(ValueError, match=r"^File not found"):  # one that is not there
@@ -250,8 +297,9 @@ def test_nan_input_is_refused_unless_opted_out(strategy):
     x = x.copy()
     x[20, 3] = np.inf
     model = build("functional", strategy)
-    with pytest.raises(ValueError,
-                       match=r"^x holds inf at row 20;.*model.check_finite = False") as e:
+    with pytest.raises(
+        ValueError, match=r"^x holds inf at row 20;.*model.check_finite = False"
+    ) as e:
         model.fit(x, y, verbose=0)
     _one_line(e)
     model.check_finite = False
@@ -274,8 +322,11 @@ def test_non_finite_loss_stops_training_naming_the_step(strategy):
         def on_epoch_end(self, epoch, logs=None):
             epochs.append(epoch)
 
-    with pytest.raises(ValueError, match=r"^The training loss is nan at epoch 1, step 3: .*"
-                                         r"model.check_finite = False") as e:
+    with pytest.raises(
+        ValueError,
+        match=r"^The training loss is nan at epoch 1, step 3: .*"
+        r"model.check_finite = False",
+    ) as e:
         model.fit(x, y, batch_size=32, shuffle=False, verbose=0, callbacks=[Spoil(), Record()])
     _one_line(e)
     assert epochs == []  # stopped at the step, before the epoch's callbacks

@@ -33,7 +33,7 @@ def test_arrays_become_one_endless_iterator(data, shuffle):
     batches = list(fit.x.take(15))
     assert [int(b[0].shape[0]) for b in batches] == [32] * 6 + [11] + [32] * 6 + [11] + [32]
     assert fit.y is None and fit.shuffle is False
-    epochs = [np.concatenate([b[0] for b in batches[e * 7:(e + 1) * 7]]) for e in range(2)]
+    epochs = [np.concatenate([b[0] for b in batches[e * 7 : (e + 1) * 7]]) for e in range(2)]
     for epoch in epochs:  # every sample once an epoch, in order unless shuffled
         order = np.argsort(epoch[:, 0])
         np.testing.assert_array_equal(epoch[order], x[np.argsort(x[:, 0])])
@@ -47,7 +47,8 @@ def test_our_array_pipelines_do_not_autotune_or_rewrite(data):
     run at every iterator's creation and find nothing to fuse here."""
     x, y = data
     fit = kd.strategies.get("single").distribute_fit_input(
-        _given(x, y, validation_data=(x[:50], y[:50])))
+        _given(x, y, validation_data=(x[:50], y[:50]))
+    )
     for dataset in (fit.x, fit.validation_data):
         assert dataset.options().autotune.enabled is False
         assert dataset.options().experimental_optimization.apply_default_optimizations is False
@@ -56,8 +57,9 @@ def test_our_array_pipelines_do_not_autotune_or_rewrite(data):
 
 def _traced_functions(dataset):
     graph = tf.compat.v1.GraphDef()
-    graph.ParseFromString(tf.raw_ops.DatasetToGraphV2(
-        input_dataset=dataset._variant_tensor).numpy())  # the pipeline as a GraphDef
+    graph.ParseFromString(
+        tf.raw_ops.DatasetToGraphV2(input_dataset=dataset._variant_tensor).numpy()
+    )  # the pipeline as a GraphDef
     return [f.signature.name for f in graph.library.function]
 
 
@@ -66,7 +68,8 @@ def test_unshuffled_arrays_trace_no_function(data):
     every fit, validation and evaluate): in-order batches are slices."""
     x, y = data
     fit = kd.strategies.get("single").distribute_fit_input(
-        _given(x, y, shuffle=False, validation_data=(x[:50], y[:50])))
+        _given(x, y, shuffle=False, validation_data=(x[:50], y[:50]))
+    )
     assert _traced_functions(fit.x) == []
     assert _traced_functions(fit.validation_data) == []
     shuffled = kd.strategies.get("single").distribute_fit_input(_given(x, y))
@@ -80,8 +83,10 @@ def test_other_input_is_left_to_keras(data):
     assert fit.x is dataset
 
 
-@pytest.mark.parametrize("extras", ["plain", "sample_weight", "validation_split",
-                                    "class_weight", "class_weight_of_some_classes"])
+@pytest.mark.parametrize(
+    "extras",
+    ["plain", "sample_weight", "validation_split", "class_weight", "class_weight_of_some_classes"],
+)
 def test_single_trains_exactly_like_plain_keras(extras, data):
     x, y = data
     kwargs = dict(batch_size=32, epochs=3, shuffle=False, verbose=0)
@@ -94,9 +99,11 @@ def test_single_trains_exactly_like_plain_keras(extras, data):
     elif extras == "class_weight_of_some_classes":  # the others weigh 1, as Keras does
         kwargs["class_weight"] = {0: 2.0}
     plain = plain_model()
-    plain.compile(optimizer=keras.optimizers.SGD(0.1),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+    plain.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
     ours = build("functional", "single")
     h_plain, h_ours = plain.fit(x, y, **kwargs), ours.fit(x, y, **kwargs)
     for a, b in zip(plain.get_weights(), ours.get_weights()):
@@ -133,8 +140,11 @@ def test_a_list_of_inputs_stays_separate_inputs(strategy):
         keras.utils.set_random_seed(1)
         a, b = keras.Input((4, 8)), keras.Input((4, 8))
         out = keras.layers.Add()([keras.layers.Dense(5)(a), keras.layers.Dense(5)(b)])
-        made = (keras.Model([a, b], out) if strategy_name is None
-                else kd.DistributedModel([a, b], out, strategy=strategy_name))
+        made = (
+            keras.Model([a, b], out)
+            if strategy_name is None
+            else kd.DistributedModel([a, b], out, strategy=strategy_name)
+        )
         made.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
         return made
 

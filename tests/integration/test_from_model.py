@@ -19,9 +19,11 @@ def _optimizer_state(model):
 def test_from_trained_model_keeps_weights_and_optimizer_state(strategy):
     x, y = make_data()
     plain = plain_model()
-    plain.compile(optimizer=keras.optimizers.Adam(0.01),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+    plain.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
     plain.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
 
     wrapped = kd.DistributedModel.from_model(plain, strategy=strategy)
@@ -39,8 +41,9 @@ def test_from_trained_model_keeps_weights_and_optimizer_state(strategy):
     wrapped.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
     for a, b in zip(wrapped.get_weights(), plain.get_weights(), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
-    np.testing.assert_allclose(wrapped.evaluate(x, y, verbose=0), plain.evaluate(x, y, verbose=0),
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        wrapped.evaluate(x, y, verbose=0), plain.evaluate(x, y, verbose=0), atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("strategy", ["single", "mirrored", "pipeline", "tensor_parallel"])
@@ -59,8 +62,9 @@ def test_from_a_split_model_takes_its_whole_weights(strategy):
         assert len(wrapped.weights) == len(plain.weights)
     for a, b in zip(wrapped.get_weights(), plain.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
-    np.testing.assert_allclose(wrapped.predict(x, verbose=0), plain.predict(x, verbose=0),
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        wrapped.predict(x, verbose=0), plain.predict(x, verbose=0), atol=1e-6
+    )
 
 
 def test_optimizer_state_that_does_not_fit_is_a_one_line_error():

@@ -29,7 +29,11 @@ def test_single_process_without_horovodrun_trains_like_single(hvd):
     strategy = kd.strategies.get("horovod")
     assert kd.strategies.get("hvd") is strategy  # one per process, alias
     assert (strategy.name, strategy.rank, strategy.world_size, strategy.num_replicas) == (
-        "horovod", 0, 1, 1)
+        "horovod",
+        0,
+        1,
+        1,
+    )
     assert strategy.num_local_replicas == 1 and strategy.first_local_replica == 0
     assert strategy.topology.num_processes == 1 and strategy.is_chief
     assert strategy.devices == ("/device:CPU:0",)
@@ -37,21 +41,27 @@ def test_single_process_without_horovodrun_trains_like_single(hvd):
     keras.utils.set_random_seed(SEED)
     reference = keras.Model(*graph())
     model = kd.DistributedModel(reference.input, reference.output, strategy=strategy)
-    model.compile(optimizer=keras.optimizers.SGD(0.1),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
     assert all(strategy.holds(v) for v in model.variables)
     initial = model.get_weights()
     history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
     single, want, _, _ = train_single(initial, 203, BATCH, EPOCHS)
     assert_weight_lists_close(model.get_weights(), single.get_weights())
     np.testing.assert_allclose(history.history["loss"], want["loss"], atol=1e-5)
-    np.testing.assert_allclose(model.predict(x, batch_size=BATCH, verbose=0),
-                               single.predict(x, batch_size=BATCH, verbose=0), atol=1e-5)
+    np.testing.assert_allclose(
+        model.predict(x, batch_size=BATCH, verbose=0),
+        single.predict(x, batch_size=BATCH, verbose=0),
+        atol=1e-5,
+    )
     assert strategy.sync_sum([np.float32(2), np.arange(3)])[1].tolist() == [0, 1, 2]
     assert strategy.agree_on_seed(5) == 5
-    np.testing.assert_array_equal(strategy.local_replica_values(model.variables[0])[0],
-                                  model.get_weights()[0])
+    np.testing.assert_array_equal(
+        strategy.local_replica_values(model.variables[0])[0], model.get_weights()[0]
+    )
 
 
 def test_bad_device_is_a_clear_error(hvd):
@@ -80,8 +90,7 @@ _BLOCKERS = {
 @pytest.mark.parametrize("blocker", sorted(_BLOCKERS))
 def test_without_horovod_get_gives_one_line_error(blocker):
     code = (
-        "import sys\n" + _BLOCKERS[blocker]
-        + "import keras_distrib as kd\n"
+        "import sys\n" + _BLOCKERS[blocker] + "import keras_distrib as kd\n"
         "try:\n"
         "    kd.strategies.get('horovod')\n"
         "except ImportError as e:\n"
@@ -89,10 +98,14 @@ def test_without_horovod_get_gives_one_line_error(blocker):
         "    print('CAUGHT', str(e))\n"
         "kd.strategies.get('horovod')\n"
     )
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=100)
+    env = dict(
+        os.environ,
+        TF_CPP_MIN_LOG_LEVEL="2",
+        PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=100
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert f"CAUGHT {NOT_INSTALLED}\n" in proc.stdout
     last = proc.stderr.strip().splitlines()[-1]

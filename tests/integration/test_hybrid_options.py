@@ -15,8 +15,10 @@ from keras_distrib import cluster
 @pytest.mark.parametrize("name", ["tensor_parallel", "pipeline"])
 def test_workers_options_without_a_cluster_are_a_clear_error(monkeypatch, name):
     monkeypatch.delenv("TF_CONFIG", raising=False)
-    with pytest.raises(cluster.ClusterConfigError,
-                       match=f"strategy '{name}' got workers=.*found no cluster; start it with"):
+    with pytest.raises(
+        cluster.ClusterConfigError,
+        match=f"strategy '{name}' got workers=.*found no cluster; start it with",
+    ):
         kd.strategies.get(name, workers={"implementation": "ring"})
     with pytest.raises(ValueError, match="workers='ring' must be a dict of multi_worker options"):
         kd.strategies.get(name, workers="ring")
@@ -33,11 +35,16 @@ def test_one_process_has_one_replica_and_identity_collectives(monkeypatch):
 
 @pytest.mark.parametrize("name", ["tensor_parallel", "pipeline"])
 def test_a_cluster_configured_after_tensorflow_started_is_a_one_line_error(monkeypatch, name):
-    monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, '
-                                    '"task": {"type": "worker", "index": 0}}')
-    with pytest.raises(ValueError, match="TensorFlow was used before keras_distrib could start "
-                                         "its multi-worker runtime; "
-                                         "`import keras_distrib` before") as e:
+    monkeypatch.setenv(
+        "TF_CONFIG",
+        '{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, '
+        '"task": {"type": "worker", "index": 0}}',
+    )
+    with pytest.raises(
+        ValueError,
+        match="TensorFlow was used before keras_distrib could start "
+        "its multi-worker runtime; "
+        "`import keras_distrib` before",
+    ) as e:
         kd.strategies.get(name)
     assert "\n" not in str(e.value)
-

@@ -57,6 +57,7 @@ def test_mixed_float16_applies_every_step_plain_keras_applies(mixed_float16):
     loss scale, which overflows float16: 11 of 20 steps applied at batch
     8192. And a LossScaleOptimizer under mirrored applied gradients reduced
     twice (they doubled)."""
+
     def graph():
         inputs = keras.Input((16,))
         h = keras.layers.Dense(32, activation="relu")(inputs)
@@ -79,6 +80,7 @@ def test_mixed_float16_applies_every_step_plain_keras_applies(mixed_float16):
 def test_a_multi_optimizer_applies_gradients_reduced_once():
     """A MultiOptimizer's sub-optimizers each reduced the (already reduced)
     gradients across replicas again: 0.1 off one device in 2 epochs."""
+
     def multi():
         by_path = keras.optimizers.OptimizerMap(default_optimizer=keras.optimizers.SGD(0.1))
         by_path["hidden.*"] = keras.optimizers.Adam(0.01)
@@ -149,8 +151,7 @@ def test_functional_model_with_custom_train_step(tmp_path):
     model.save(path)
     loaded = keras.models.load_model(path, custom_objects={"CustomModel": CustomModel})
     assert isinstance(loaded, CustomModel) and isinstance(loaded, kd.DistributedModel)
-    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0),
-                               atol=1e-6)
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), atol=1e-6)
 
 
 def test_subclass_without_graph_is_still_a_subclassed_model():
@@ -202,8 +203,11 @@ def test_batch_norm_replicas_keep_one_moving_statistic():
         first, second = model.strategy.local_replica_values(variable)
         np.testing.assert_array_equal(first, second)
     rows = x[:64]
-    np.testing.assert_allclose(model.predict(rows, batch_size=64, verbose=0)[::-1],
-                               model.predict(rows[::-1], batch_size=64, verbose=0), atol=1e-6)
+    np.testing.assert_allclose(
+        model.predict(rows, batch_size=64, verbose=0)[::-1],
+        model.predict(rows[::-1], batch_size=64, verbose=0),
+        atol=1e-6,
+    )
 
 
 def test_synchronized_batch_norm_trains_like_plain_keras():
@@ -216,12 +220,16 @@ def test_synchronized_batch_norm_trains_like_plain_keras():
         m.compile(optimizer=keras.optimizers.SGD(0.1), loss=_loss())
         m.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
     _close(plain, model, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(_bn_layer(plain).moving_variance),
-                               np.asarray(_bn_layer(model).moving_variance), atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(_bn_layer(plain).moving_variance),
+        np.asarray(_bn_layer(model).moving_variance),
+        atol=1e-5,
+    )
 
 
-@pytest.mark.parametrize("strategy", ["single", "mirrored", "central_storage", "pipeline",
-                                      "tensor_parallel"])
+@pytest.mark.parametrize(
+    "strategy", ["single", "mirrored", "central_storage", "pipeline", "tensor_parallel"]
+)
 def test_sparse_input_trains_like_plain_keras(strategy):
     """`keras.Input(sparse=True)` fed `tf.SparseTensor` batches: each replica
     gets its rows (`tf.sparse.slice`), the copy under the strategy keeps the
@@ -243,8 +251,9 @@ def test_sparse_input_trains_like_plain_keras(strategy):
     assert ours.inputs[0].sparse
     results = []
     for m in (plain, ours):
-        m.compile(keras.optimizers.SGD(0.5), "sparse_categorical_crossentropy",
-                  metrics=["accuracy"])
+        m.compile(
+            keras.optimizers.SGD(0.5), "sparse_categorical_crossentropy", metrics=["accuracy"]
+        )
         history = m.fit(data, epochs=2, verbose=0).history
         results.append((history, m.predict(data, verbose=0)))
     (h_plain, p_plain), (h_ours, p_ours) = results
@@ -260,9 +269,17 @@ def _ragged_data(n=203):
     return tf.ragged.constant(sequences), np.array([len(s) % 2 for s in sequences], "int32")
 
 
-@pytest.mark.parametrize("strategy,feed", [
-    ("single", "dataset"), ("mirrored", "dataset"), ("central_storage", "dataset"),
-    ("pipeline", "dataset"), ("tensor_parallel", "dataset"), ("mirrored", "tensor")])
+@pytest.mark.parametrize(
+    "strategy,feed",
+    [
+        ("single", "dataset"),
+        ("mirrored", "dataset"),
+        ("central_storage", "dataset"),
+        ("pipeline", "dataset"),
+        ("tensor_parallel", "dataset"),
+        ("mirrored", "tensor"),
+    ],
+)
 def test_ragged_input_trains_like_plain_keras(strategy, feed):
     """`keras.Input(ragged=True)` fed `tf.RaggedTensor` batches (variable-length
     token ids): each replica gets its rows (a row slice; this used to be refused
@@ -270,15 +287,15 @@ def test_ragged_input_trains_like_plain_keras(strategy, feed):
     the logs, `evaluate` and `predict` match plain Keras."""
     x, y = _ragged_data()
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
-    fit = (dict(x=data) if feed == "dataset"
-           else dict(x=x, y=y, batch_size=32, shuffle=False))
+    fit = dict(x=data) if feed == "dataset" else dict(x=x, y=y, batch_size=32, shuffle=False)
 
     def model(make):
         keras.utils.set_random_seed(4)
         inputs = keras.Input((None,), ragged=True, dtype="int32")
         pooled = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(50, 8)(inputs))
-        return make(inputs,
-                    keras.layers.Dense(2)(keras.layers.Dense(16, activation="relu")(pooled)))
+        return make(
+            inputs, keras.layers.Dense(2)(keras.layers.Dense(16, activation="relu")(pooled))
+        )
 
     plain = model(keras.Model)
     ours = model(lambda i, o: kd.DistributedModel(i, o, strategy=strategy))
@@ -310,8 +327,7 @@ def _adapted_preprocessing_graph(numbers, words, sentences):
     return inputs, keras.layers.Dense(2)(keras.layers.Dense(8, activation="relu")(h))
 
 
-@pytest.mark.parametrize("strategy", ["mirrored", "central_storage", "pipeline",
-                                      "tensor_parallel"])
+@pytest.mark.parametrize("strategy", ["mirrored", "central_storage", "pipeline", "tensor_parallel"])
 def test_adapted_preprocessing_layers_keep_their_state(strategy):
     """Strategies that rebuild the graph copy each layer: an adapted
     `Normalization` then normalized with 0 and 1 (its mean and variance are
@@ -321,11 +337,11 @@ def test_adapted_preprocessing_layers_keep_their_state(strategy):
     rng = np.random.default_rng(0)
     numbers = rng.normal(3.0, 2.0, size=(96, 4)).astype("float32")
     words = tf.constant([["a", "b", "c", "d", "e"][i % 5] for i in range(96)])[:, None]
-    sentences = tf.constant([" ".join(["x", "y", "z"][(i + j) % 3] for j in range(i % 4 + 1))
-                             for i in range(96)])
+    sentences = tf.constant(
+        [" ".join(["x", "y", "z"][(i + j) % 3] for j in range(i % 4 + 1)) for i in range(96)]
+    )
     x, y = [numbers, words, sentences], (numbers[:, 0] > 3.0).astype("int32")
-    plain, ours = _twins(lambda: _adapted_preprocessing_graph(numbers, words, sentences),
-                         strategy)
+    plain, ours = _twins(lambda: _adapted_preprocessing_graph(numbers, words, sentences), strategy)
     np.testing.assert_allclose(ours.predict(x, verbose=0), plain.predict(x, verbose=0), atol=1e-5)
     results = []
     for m in (plain, ours):
@@ -360,6 +376,7 @@ def test_embedding_gradients_travel_as_rows_and_adam_is_plain_keras():
     into its second moment). Before, the table went dense: Adam then moved
     rows differently from plain Keras (0.16 off after 4 epochs) and every
     step carried the whole table. Rows never seen stay put."""
+
     def graph():
         inputs = keras.Input((4,), dtype="int32")
         h = keras.layers.Embedding(50, 8)(inputs)
@@ -401,11 +418,14 @@ def test_multi_output_loss_logs():
     """The total loss log and the per-output loss logs are exact whatever
     the split (203 samples, batch 32: the last batch splits 6/5; see
     tests/integration/test_output_losses.py)."""
+
     def graph():
         inputs = keras.Input((8,))
         h = keras.layers.Dense(16, activation="relu")(inputs)
-        return inputs, {"a": keras.layers.Dense(3, name="a")(h),
-                        "b": keras.layers.Dense(1, name="b")(h)}
+        return inputs, {
+            "a": keras.layers.Dense(3, name="a")(h),
+            "b": keras.layers.Dense(1, name="b")(h),
+        }
 
     for n in (192, 203):
         x, labels = _data(n=n)
@@ -414,13 +434,11 @@ def test_multi_output_loss_logs():
         histories = []
         for m in (plain, model):
             m.compile(optimizer=keras.optimizers.SGD(0.05), loss={"a": _loss(), "b": "mse"})
-            histories.append(m.fit(x, y, batch_size=32, epochs=1, shuffle=False,
-                                   verbose=0).history)
+            histories.append(m.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0).history)
         _close(plain, model)
         np.testing.assert_allclose(histories[0]["loss"], histories[1]["loss"], atol=1e-5)
         for key in ("a_loss", "b_loss"):
-            np.testing.assert_allclose(histories[0][key], histories[1][key], atol=1e-5,
-                                       err_msg=key)
+            np.testing.assert_allclose(histories[0][key], histories[1][key], atol=1e-5, err_msg=key)
 
 
 # -- item 7: load_model inside a strategy's scope ----------------------------------------
@@ -437,8 +455,9 @@ def test_load_model_inside_scope_uses_that_strategy(tmp_path):
     with strategy.scope():
         loaded = keras.models.load_model(path)
     assert loaded.strategy is strategy
-    np.testing.assert_allclose(loaded.evaluate(x, y, verbose=0), model.evaluate(x, y, verbose=0),
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        loaded.evaluate(x, y, verbose=0), model.evaluate(x, y, verbose=0), atol=1e-6
+    )
     loaded.fit(x, y, batch_size=32, epochs=1, verbose=0)
     with strategy.scope():
         with pytest.raises(ValueError, match="inside the scope of strategy 'mirrored'"):

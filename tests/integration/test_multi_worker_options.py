@@ -17,33 +17,42 @@ def test_no_cluster_is_a_clear_error(monkeypatch):
     import keras_distrib as kd
 
     monkeypatch.delenv("TF_CONFIG", raising=False)
-    with pytest.raises(ValueError,
-                       match="found no cluster; start the workers with `keras-distrib launch"):
+    with pytest.raises(
+        ValueError, match="found no cluster; start the workers with `keras-distrib launch"
+    ):
         kd.strategies.get("multi_worker")
 
 
-@pytest.mark.parametrize("options,fragment", [
-    ({"implementation": "carrier"}, "Unknown implementation"),
-    ({"bytes_per_pack": -1}, "bytes_per_pack=-1"),
-    ({"collective_timeout": 0}, "collective_timeout=0"),
-])
+@pytest.mark.parametrize(
+    "options,fragment",
+    [
+        ({"implementation": "carrier"}, "Unknown implementation"),
+        ({"bytes_per_pack": -1}, "bytes_per_pack=-1"),
+        ({"collective_timeout": 0}, "collective_timeout=0"),
+    ],
+)
 def test_bad_options(options, fragment):
     import keras_distrib as kd
 
     with pytest.raises(ValueError, match=fragment):
-        kd.strategies.get("multi_worker", cluster=["127.0.0.1:1", "127.0.0.1:2"],
-                          task_index=0, **options)
+        kd.strategies.get(
+            "multi_worker", cluster=["127.0.0.1:1", "127.0.0.1:2"], task_index=0, **options
+        )
 
 
 def test_created_after_tensorflow_started_is_a_clear_error():
-    code = ("import tensorflow as tf, keras_distrib as kd\n"
-            "tf.Variable(1.0)\n"
-            "kd.strategies.get('multi_worker', cluster=['127.0.0.1:1', '127.0.0.1:2'], "
-            "task_index=0)\n")
+    code = (
+        "import tensorflow as tf, keras_distrib as kd\n"
+        "tf.Variable(1.0)\n"
+        "kd.strategies.get('multi_worker', cluster=['127.0.0.1:1', '127.0.0.1:2'], "
+        "task_index=0)\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
-    assert "TensorFlow was used before keras_distrib could start its multi-worker runtime" in (
-        proc.stderr.strip().splitlines()[-1])
+    assert (
+        "TensorFlow was used before keras_distrib could start its multi-worker runtime"
+        in (proc.stderr.strip().splitlines()[-1])
+    )
 
 
 def _info(*workers):
@@ -52,6 +61,7 @@ def _info(*workers):
 
 def test_auto_picks_shared_memory_only_when_every_worker_is_here():
     from keras_distrib.strategies import multi_worker
+
     local = _info("127.0.0.1:2222", "localhost:2223")
     assert multi_worker._wants_shared_memory("auto", local)
     assert multi_worker._wants_shared_memory("shm", local)
@@ -61,9 +71,14 @@ def test_auto_picks_shared_memory_only_when_every_worker_is_here():
 
 
 def test_shm_across_hosts_is_a_clear_error():
-    with pytest.raises(cluster.ClusterConfigError,
-                       match=r"implementation='shm' needs every worker on this host, but "
-                             r"worker 1 at 192.0.2.7:2222 is not"):
-        kd.strategies.get("multi_worker", cluster=["127.0.0.1:2222", "192.0.2.7:2222"],
-                          task_index=0, implementation="shm")
-
+    with pytest.raises(
+        cluster.ClusterConfigError,
+        match=r"implementation='shm' needs every worker on this host, but "
+        r"worker 1 at 192.0.2.7:2222 is not",
+    ):
+        kd.strategies.get(
+            "multi_worker",
+            cluster=["127.0.0.1:2222", "192.0.2.7:2222"],
+            task_index=0,
+            implementation="shm",
+        )

@@ -26,8 +26,14 @@ STAGE2 = ["adam", "rmsprop_global_clipnorm", "sgd_momentum_clipnorm", "embedding
 def _sharded(case, mode, initial, x, y):
     """The case's model under `mirrored`, sharded (`mode`), trained."""
     model = _compiled(case, mode, initial)
-    model.fit(cases.inputs(case, x), y, batch_size=cases.BATCH, epochs=cases.EPOCHS,
-              shuffle=False, verbose=0)
+    model.fit(
+        cases.inputs(case, x),
+        y,
+        batch_size=cases.BATCH,
+        epochs=cases.EPOCHS,
+        shuffle=False,
+        verbose=0,
+    )
     return model
 
 
@@ -37,7 +43,7 @@ def _whole(model, variable, like) -> np.ndarray:
     values = model.strategy.local_replica_values(variable)
     if values[0].shape == like.shape:
         return values[0]
-    return np.concatenate([v.reshape(-1) for v in values])[:like.size].reshape(like.shape)
+    return np.concatenate([v.reshape(-1) for v in values])[: like.size].reshape(like.shape)
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,8 +56,9 @@ def _plain(case):
     return initial, x, y, cases.plain_run(case, initial, x, y, bounds=True)
 
 
-@pytest.mark.parametrize("mode, case", [("optimizer", c) for c in cases.CASES] +
-                         [("gradients", c) for c in STAGE2])
+@pytest.mark.parametrize(
+    "mode, case", [("optimizer", c) for c in cases.CASES] + [("gradients", c) for c in STAGE2]
+)
 def test_each_device_updates_its_part_as_plain_keras(mode, case):
     initial, x, y, (weights, slots, (weight_bounds, slot_bounds)) = _plain(case)
     ours = _sharded(case, mode, initial, x, y)
@@ -85,8 +92,9 @@ def _compiled(case, mode, initial, model_class=None):
     """The case's model, compiled and its optimizer built: a plain
     `model_class`, or sharded (`mode`) under `mirrored`."""
     if model_class is None:
-        model = kd.DistributedModel(*cases.graph(case), strategy=kd.strategies.get(
-            "mirrored", optimizer_sharding=mode))
+        model = kd.DistributedModel(
+            *cases.graph(case), strategy=kd.strategies.get("mirrored", optimizer_sharding=mode)
+        )
     else:
         model = model_class(*cases.graph(case))
     model.set_weights(initial)
@@ -115,11 +123,13 @@ def test_a_file_goes_whole_to_plain_keras_and_back_into_the_parts(tmp_path):
         model.load_weights(tmp_path / "plain.keras")
     reference = Reference.fit(plain, x, y, cases.BATCH, slots=True)
     resumed.fit(x, y, batch_size=cases.BATCH, epochs=1, shuffle=False, verbose=0)
-    for i, (got, value, bound) in enumerate(zip(resumed.get_weights(), plain.get_weights(),
-                                                reference.weights)):
+    for i, (got, value, bound) in enumerate(
+        zip(resumed.get_weights(), plain.get_weights(), reference.weights)
+    ):
         assert_within(got, value, bound, f"weight {i}")
-    for variable, value, bound in zip(resumed.optimizer.variables, plain.optimizer.variables,
-                                      reference.slots):
+    for variable, value, bound in zip(
+        resumed.optimizer.variables, plain.optimizer.variables, reference.slots
+    ):
         value = np.asarray(value)
         assert_within(_whole(resumed, variable, value), value, bound, variable.path)
 
@@ -134,11 +144,25 @@ def test_a_resumed_run_ends_as_an_uninterrupted_one(tmp_path):
     straight = _sharded(case, "optimizer", initial, x, y)
     resumed = _compiled(case, "optimizer", initial)
     backup = str(tmp_path / "backup")
-    resumed.fit(x, y, batch_size=cases.BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[
-        kd.callbacks.BackupAndRestore(backup, delete_checkpoint=False)])
+    resumed.fit(
+        x,
+        y,
+        batch_size=cases.BATCH,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[kd.callbacks.BackupAndRestore(backup, delete_checkpoint=False)],
+    )
     again = _compiled(case, "optimizer", keras.Model(*cases.graph(case)).get_weights())
-    again.fit(x, y, batch_size=cases.BATCH, epochs=cases.EPOCHS, shuffle=False, verbose=0,
-              callbacks=[kd.callbacks.BackupAndRestore(backup)])
+    again.fit(
+        x,
+        y,
+        batch_size=cases.BATCH,
+        epochs=cases.EPOCHS,
+        shuffle=False,
+        verbose=0,
+        callbacks=[kd.callbacks.BackupAndRestore(backup)],
+    )
     # Exact: both runs are the same sharded steps on the same devices, rows
     # and shapes (the same kernels, so the same sums), and the backup holds
     # the values themselves.

@@ -35,27 +35,35 @@ def test_loss_scaling_in_stage_2_is_one_line():
     strategy = kd.strategies.get("mirrored", devices=["/cpu:0"], optimizer_sharding="gradients")
     model = kd.DistributedModel(*_graph(), strategy=strategy)
     with pytest.raises(ValueError) as excinfo:
-        model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()),
-                      loss="mse")
-    assert_one_line_error(excinfo, "cannot run a LossScaleOptimizer",
-                          "optimizer_sharding='optimizer'")
+        model.compile(
+            optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()), loss="mse"
+        )
+    assert_one_line_error(
+        excinfo, "cannot run a LossScaleOptimizer", "optimizer_sharding='optimizer'"
+    )
 
 
 def test_compressed_gradients_cannot_be_scattered():
     strategy = kd.strategies.get("mirrored", devices=["/cpu:0"], optimizer_sharding="gradients")
     model = kd.DistributedModel(*_graph(), strategy=strategy)
     with pytest.raises(ValueError) as excinfo:
-        model.compile(optimizer=kd.optimizers.DistributedOptimizer(
-            "sgd", compression="fp16"), loss="mse")
+        model.compile(
+            optimizer=kd.optimizers.DistributedOptimizer("sgd", compression="fp16"), loss="mse"
+        )
     assert_one_line_error(excinfo, "cannot compress them", "optimizer_sharding='optimizer'")
 
 
-@pytest.mark.parametrize("make, fragment", [
-    (lambda: keras.optimizers.Lamb(), "cannot shard Lamb"),
-    (lambda: keras.optimizers.Adafactor(), "cannot shard Adafactor"),
-    (lambda: kd.optimizers.DistributedOptimizer("sgd", backward_passes_per_step=2),
-     "backward_passes_per_step"),
-])
+@pytest.mark.parametrize(
+    "make, fragment",
+    [
+        (lambda: keras.optimizers.Lamb(), "cannot shard Lamb"),
+        (lambda: keras.optimizers.Adafactor(), "cannot shard Adafactor"),
+        (
+            lambda: kd.optimizers.DistributedOptimizer("sgd", backward_passes_per_step=2),
+            "backward_passes_per_step",
+        ),
+    ],
+)
 def test_an_optimizer_that_cannot_be_sharded_is_one_line(make, fragment):
     model = kd.DistributedModel(*_graph(), strategy=_sharded_strategy())
     with pytest.raises(ValueError) as excinfo:
@@ -68,7 +76,8 @@ def test_clipping_accumulated_gradients_is_one_line():
     # applies to the accumulated mean, which the parts cannot clip whole.
     with pytest.raises(ValueError) as excinfo:
         optimizer_shards.check_optimizer(
-            keras.optimizers.SGD(gradient_accumulation_steps=2, clipnorm=1.0))
+            keras.optimizers.SGD(gradient_accumulation_steps=2, clipnorm=1.0)
+        )
     assert_one_line_error(excinfo, "cannot clip the accumulated gradients")
 
 
@@ -83,11 +92,15 @@ def _ids(n=32):
     return rng.integers(0, 13, size=(n, 4)).astype("int32"), rng.normal(size=(n, 2))
 
 
-@pytest.mark.parametrize("make", [
-    lambda: keras.optimizers.Adam(0.05),  # adds the squares of duplicate rows
-    lambda: keras.optimizers.SGD(0.5, clipnorm=0.05),  # clips the rows, as Keras
-    lambda: keras.optimizers.Adagrad(0.5),  # leaves absent rows' accumulators
-], ids=["adam", "sgd_clipnorm", "adagrad"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: keras.optimizers.Adam(0.05),  # adds the squares of duplicate rows
+        lambda: keras.optimizers.SGD(0.5, clipnorm=0.05),  # clips the rows, as Keras
+        lambda: keras.optimizers.Adagrad(0.5),  # leaves absent rows' accumulators
+    ],
+    ids=["adam", "sgd_clipnorm", "adagrad"],
+)
 def test_a_sparse_gradient_updates_its_parts_as_plain_keras(make):
     """An Embedding's gradient (`tf.IndexedSlices`) stays sparse: each
     replica's part of it is the elements of its rows in the part."""
@@ -109,14 +122,17 @@ def test_one_replica_sharded_is_plain_kerass_twin():
     ours = kd.DistributedModel(*_graph(), strategy=_sharded_strategy())
     ours.set_weights(initial)
     for model in (plain, ours):
-        model.compile(optimizer=keras.optimizers.AdamW(0.01, weight_decay=0.1, clipnorm=0.1),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(
+            optimizer=keras.optimizers.AdamW(0.01, weight_decay=0.1, clipnorm=0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
         model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
     for a, b in zip(ours.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
     got, want = ours.optimizer.variables, plain.optimizer.variables
-    assert [tuple(v.shape) for v in got] == [(int(np.prod(v.shape)),) if len(v.shape) else ()
-                                             for v in want]
+    assert [tuple(v.shape) for v in got] == [
+        (int(np.prod(v.shape)),) if len(v.shape) else () for v in want
+    ]
     memory = ours.strategy.describe(ours)
     assert memory.optimizer == sum(np.asarray(v).nbytes for v in want)
 
@@ -131,8 +147,9 @@ def test_mixed_float16_shards_the_loss_scale_optimizers_inner_one(tmp_path):
         ours = kd.DistributedModel(*_graph(), strategy=_sharded_strategy())
         ours.set_weights(plain.get_weights())
         for model in (plain, ours):
-            model.compile(optimizer="adam",
-                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model.compile(
+                optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+            )
             model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
         assert isinstance(ours.optimizer, keras.optimizers.LossScaleOptimizer)
         assert optimizer_shards.of(ours.optimizer) is not None
@@ -169,8 +186,10 @@ def test_a_custom_train_step_applies_through_the_parts():
     ours = GuideStep(*_graph(), strategy=_sharded_strategy())
     ours.set_weights(plain.get_weights())
     for model in (plain, ours):
-        model.compile(optimizer=keras.optimizers.Adam(0.01),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(
+            optimizer=keras.optimizers.Adam(0.01),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
         model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
     for a, b in zip(ours.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)

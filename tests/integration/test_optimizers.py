@@ -13,8 +13,13 @@ import numpy as np
 import pytest
 
 from keras_distrib.optimizers import DistributedOptimizer
-from helpers import (COMPRESSION_TOLERANCE, assert_weights_close, build, collective_dtypes,
-                     plain_model)
+from helpers import (
+    COMPRESSION_TOLERANCE,
+    assert_weights_close,
+    build,
+    collective_dtypes,
+    plain_model,
+)
 
 DATA_SAMPLES = 192  # the `data` fixture's size (tests/conftest.py)
 
@@ -24,8 +29,11 @@ def test_four_steps_of_16_equal_one_step_of_64(strategy, data):
     x, y = data
     big = build("functional", strategy)
     big.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
-    accumulated = build("functional", strategy, optimizer=DistributedOptimizer(
-        keras.optimizers.SGD(0.1), backward_passes_per_step=4))
+    accumulated = build(
+        "functional",
+        strategy,
+        optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=4),
+    )
     accumulated.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     assert int(accumulated.optimizer.iterations.numpy()) == 3
     assert_weights_close(big, accumulated)
@@ -35,11 +43,17 @@ def test_accumulation_across_fit_calls_and_with_momentum(data):
     x, y = data
     big = build("functional", "mirrored", optimizer=keras.optimizers.SGD(0.1, momentum=0.9))
     big.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
-    accumulated = build("functional", "mirrored", optimizer=DistributedOptimizer(
-        keras.optimizers.SGD(0.1, momentum=0.9), backward_passes_per_step=2))
+    accumulated = build(
+        "functional",
+        "mirrored",
+        optimizer=DistributedOptimizer(
+            keras.optimizers.SGD(0.1, momentum=0.9), backward_passes_per_step=2
+        ),
+    )
     for start in range(0, 192, 64):  # each fit call ends mid-way... and resumes
-        accumulated.fit(x[start:start + 64], y[start:start + 64], batch_size=32,
-                        shuffle=False, verbose=0)
+        accumulated.fit(
+            x[start : start + 64], y[start : start + 64], batch_size=32, shuffle=False, verbose=0
+        )
     assert_weights_close(big, accumulated)
 
 
@@ -48,8 +62,11 @@ def test_compressed_allreduce_trains_close_to_fp32(compression, data):
     x, y = data
     reference = build("functional", "mirrored")
     reference.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
-    model = build("functional", "mirrored", optimizer=DistributedOptimizer(
-        keras.optimizers.SGD(0.1), compression=compression))
+    model = build(
+        "functional",
+        "mirrored",
+        optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1), compression=compression),
+    )
     model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
     assert_weights_close(reference, model, atol=COMPRESSION_TOLERANCE[compression])
     assert not np.allclose(model.get_weights()[0], plain_model().get_weights()[0])
@@ -74,8 +91,10 @@ def test_wrapper_keeps_class_name_and_config():
 def test_saved_model_loads_without_keras_distrib(data, tmp_path):
     x, y = data
     model = plain_model()
-    model.compile(optimizer=DistributedOptimizer("adam", compression="fp16"),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        optimizer=DistributedOptimizer("adam", compression="fp16"),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
     model.fit(x, y, batch_size=32, epochs=1, verbose=0)
     path = tmp_path / "m.keras"
     model.save(path)
@@ -94,10 +113,13 @@ def test_saved_model_loads_without_keras_distrib(data, tmp_path):
     np.testing.assert_allclose(np.load(tmp_path / "p.npy"), model.predict(x, verbose=0), atol=1e-6)
 
 
-@pytest.mark.parametrize("kwargs,fragment", [
-    ({"compression": "int8"}, "Unknown compression='int8'"),
-    ({"backward_passes_per_step": 0}, "backward_passes_per_step=0 must be an int >= 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs,fragment",
+    [
+        ({"compression": "int8"}, "Unknown compression='int8'"),
+        ({"backward_passes_per_step": 0}, "backward_passes_per_step=0 must be an int >= 1"),
+    ],
+)
 def test_bad_options(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
         DistributedOptimizer("sgd", **kwargs)
@@ -105,7 +127,11 @@ def test_bad_options(kwargs, fragment):
 
 def test_accumulation_needs_steps_per_execution_1(data):
     x, y = data
-    model = build("functional", "single", steps_per_execution=2,
-                  optimizer=DistributedOptimizer("sgd", backward_passes_per_step=2))
+    model = build(
+        "functional",
+        "single",
+        steps_per_execution=2,
+        optimizer=DistributedOptimizer("sgd", backward_passes_per_step=2),
+    )
     with pytest.raises(ValueError, match="needs steps_per_execution=1"):
         model.fit(x, y, verbose=0)

@@ -17,25 +17,32 @@ import keras_distrib as kd
 def _graph():
     inputs = keras.Input((4,))
     h = keras.layers.Dense(8, activation="relu")(inputs)
-    return inputs, {"a": keras.layers.Dense(3, name="a")(h),
-                    "b": keras.layers.Dense(1, name="b")(h)}
+    return inputs, {
+        "a": keras.layers.Dense(3, name="a")(h),
+        "b": keras.layers.Dense(1, name="b")(h),
+    }
 
 
 def _data(n):
     rng = np.random.default_rng(0)
-    return (rng.normal(size=(n, 4)).astype("float32"),
-            {"a": rng.integers(0, 3, n).astype("int32"),
-             "b": rng.normal(size=(n, 1)).astype("float32")})
+    return (
+        rng.normal(size=(n, 4)).astype("float32"),
+        {
+            "a": rng.integers(0, 3, n).astype("int32"),
+            "b": rng.normal(size=(n, 1)).astype("float32"),
+        },
+    )
 
 
 def _compile(model):
-    model.compile(optimizer=keras.optimizers.SGD(0.05), loss_weights={"a": 1.0, "b": 0.5},
-                  loss={"a": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                        "b": "mse"})
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.05),
+        loss_weights={"a": 1.0, "b": 0.5},
+        loss={"a": keras.losses.SparseCategoricalCrossentropy(from_logits=True), "b": "mse"},
+    )
 
 
-@pytest.mark.parametrize("strategy", ["mirrored", "central_storage", "pipeline",
-                                      "tensor_parallel"])
+@pytest.mark.parametrize("strategy", ["mirrored", "central_storage", "pipeline", "tensor_parallel"])
 def test_per_output_losses_of_fit_and_evaluate_are_plain_keras(strategy):
     # 29 rows, batches of 8: the last (5 rows) splits 3/2 over 2 replicas.
     x, y = _data(29)
@@ -52,5 +59,6 @@ def test_per_output_losses_of_fit_and_evaluate_are_plain_keras(strategy):
         plain_logs, ours = logs["plain", kind], logs["ours", kind]
         assert set(ours) == set(plain_logs) >= {"a_loss", "b_loss", "loss"}
         for key in plain_logs:
-            np.testing.assert_allclose(ours[key], plain_logs[key], atol=1e-6, rtol=0,
-                                       err_msg=f"{kind} {key}")
+            np.testing.assert_allclose(
+                ours[key], plain_logs[key], atol=1e-6, rtol=0, err_msg=f"{kind} {key}"
+            )

@@ -9,8 +9,12 @@ from keras_distrib.collectives import pieces
 
 
 def test_large_tensors_are_cut_into_pieces_of_at_most_max_bytes_and_joined_back():
-    values = [tf.reshape(tf.range(15, dtype=tf.float32), (3, 5)), tf.constant(2.0),
-              tf.ones((2, 2), tf.float16), tf.range(4, dtype=tf.int64)]
+    values = [
+        tf.reshape(tf.range(15, dtype=tf.float32), (3, 5)),
+        tf.constant(2.0),
+        tf.ones((2, 2), tf.float16),
+        tf.range(4, dtype=tf.int64),
+    ]
     cut, plan = pieces.cut(values, 16)
     # 15 float32 -> 4 + 4 + 4 + 3; the scalar, the 8-byte float16 and the
     # 32-byte int64 (2 per piece) as they are or in two.

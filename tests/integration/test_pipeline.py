@@ -7,7 +7,6 @@ really on both devices. The schedules themselves (pure Python) are checked
 in tests/unit/test_pipeline_schedule.py.
 """
 
-
 import keras
 import numpy as np
 import pytest
@@ -52,13 +51,18 @@ def placement(model):
 @pytest.mark.parametrize("form", ["functional", "from_model"])
 def test_matches_single(form, schedule, data):
     x, y = data
-    model = assert_trains_like_single(form, pipeline(schedule=schedule), x, y, BATCH,
-                                      EPOCHS, steps=EPOCHS * 7)
+    model = assert_trains_like_single(
+        form, pipeline(schedule=schedule), x, y, BATCH, EPOCHS, steps=EPOCHS * 7
+    )
     assert model.strategy.num_replicas == 1
     assert model.strategy.devices == (CPU0, CPU1)
     # Read from the variables themselves: each layer lives on its stage.
-    assert placement(model) == {"hidden/kernel": CPU0, "hidden/bias": CPU0,
-                                "logits/kernel": CPU1, "logits/bias": CPU1}
+    assert placement(model) == {
+        "hidden/kernel": CPU0,
+        "hidden/bias": CPU0,
+        "logits/kernel": CPU1,
+        "logits/bias": CPU1,
+    }
 
 
 @pytest.mark.parametrize("options", [dict(steps_per_execution=3), dict(run_eagerly=True)])
@@ -66,12 +70,12 @@ def test_steps_per_execution_eager_and_validation_match_single(options, data):
     x, y = data
     single = build("functional", "single", **options)
     model = build("functional", pipeline(), **options)
-    fit = dict(batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
-               validation_data=(x[:50], y[:50]))
+    fit = dict(
+        batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, validation_data=(x[:50], y[:50])
+    )
     h_single, h_model = single.fit(x, y, **fit), model.fit(x, y, **fit)
     assert_weights_close(single, model)
-    np.testing.assert_allclose(h_single.history["val_loss"], h_model.history["val_loss"],
-                               atol=1e-5)
+    np.testing.assert_allclose(h_single.history["val_loss"], h_model.history["val_loss"], atol=1e-5)
 
 
 def test_a_wrong_average_would_be_seen(data):
@@ -83,8 +87,10 @@ def test_a_wrong_average_would_be_seen(data):
     fit = dict(epochs=1, shuffle=False, verbose=0)
     model.fit(x, y, batch_size=BATCH, **fit)
     per_micro_batch.fit(x, y, batch_size=BATCH // 4, **fit)
-    assert max(np.abs(a - b).max() for a, b in
-               zip(model.get_weights(), per_micro_batch.get_weights())) > 1e-2
+    assert (
+        max(np.abs(a - b).max() for a, b in zip(model.get_weights(), per_micro_batch.get_weights()))
+        > 1e-2
+    )
 
 
 def _branchy(seed=3):
@@ -111,19 +117,27 @@ def test_two_inputs_two_outputs_and_skips_match_single(schedule, data):
     models = []
     for strategy in ("single", pipeline(schedule=schedule, split_at=["b"])):
         model = kd.DistributedModel.from_model(_branchy(), strategy=strategy)
-        model.compile(optimizer=keras.optimizers.SGD(0.1),
-                      loss={"out": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                            "mid": "mse"})
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss={
+                "out": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                "mid": "mse",
+            },
+        )
         model.fit(inputs, targets, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
         models.append(model)
     single, piped = models
     assert weights_moved(single, _branchy())
     assert_weights_close(single, piped)
     assert {p: d for p, d in placement(piped).items() if p.startswith("b/")} == {
-        "b/kernel": CPU1, "b/bias": CPU1}
+        "b/kernel": CPU1,
+        "b/bias": CPU1,
+    }
     assert device_of(piped.get_layer("mid").kernel) == CPU0
-    for got, want in zip(tf.nest.flatten(piped.predict(inputs, batch_size=BATCH, verbose=0)),
-                         tf.nest.flatten(single.predict(inputs, batch_size=BATCH, verbose=0))):
+    for got, want in zip(
+        tf.nest.flatten(piped.predict(inputs, batch_size=BATCH, verbose=0)),
+        tf.nest.flatten(single.predict(inputs, batch_size=BATCH, verbose=0)),
+    ):
         np.testing.assert_allclose(got, want, atol=1e-5)
 
 
@@ -138,8 +152,11 @@ def test_nested_models_and_attention_blocks_cut_by_default_match_single(data):
 
     def nested_head():
         head_in = keras.Input((8,))
-        head = keras.Model(head_in, keras.layers.Dense(3)(
-            keras.layers.Dense(16, activation="relu")(head_in)), name="head")
+        head = keras.Model(
+            head_in,
+            keras.layers.Dense(3)(keras.layers.Dense(16, activation="relu")(head_in)),
+            name="head",
+        )
         inputs = keras.Input((FEATURES,))
         return keras.Model(inputs, head(keras.layers.Dense(8, activation="relu")(inputs)))
 
@@ -147,15 +164,18 @@ def test_nested_models_and_attention_blocks_cut_by_default_match_single(data):
         inputs = keras.Input((FEATURES,))
         h = keras.layers.Reshape((2, FEATURES // 2))(inputs)
         h = keras.layers.LayerNormalization()(
-            h + keras.layers.MultiHeadAttention(2, 4)(h, h, use_causal_mask=True))
+            h + keras.layers.MultiHeadAttention(2, 4)(h, h, use_causal_mask=True)
+        )
         return keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Flatten()(h)))
 
     for graph in (nested_head, attention_block):
         plain = graph()
         piped = kd.DistributedModel.from_model(plain, strategy=pipeline())
         for model in (plain, piped):
-            model.compile(optimizer=keras.optimizers.SGD(0.1),
-                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model.compile(
+                optimizer=keras.optimizers.SGD(0.1),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            )
             model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
         assert_weights_close(plain, piped)
 
@@ -171,11 +191,13 @@ class _PenalizeActivations(keras.layers.Layer):
 def _added_losses_graph():
     keras.utils.set_random_seed(5)
     inputs = keras.Input((FEATURES,))
-    h = keras.layers.Dense(16, activation="relu", name="first",
-                           activity_regularizer=keras.regularizers.L2(0.05))(inputs)
+    h = keras.layers.Dense(
+        16, activation="relu", name="first", activity_regularizer=keras.regularizers.L2(0.05)
+    )(inputs)
     h = _PenalizeActivations()(h)
-    h = keras.layers.Dense(16, activation="relu", name="second",
-                           activity_regularizer=keras.regularizers.L2(0.05))(h)
+    h = keras.layers.Dense(
+        16, activation="relu", name="second", activity_regularizer=keras.regularizers.L2(0.05)
+    )(h)
     return inputs, keras.layers.Dense(3, name="logits")(h)
 
 
@@ -187,18 +209,22 @@ def test_losses_added_in_call_count_in_every_stage(schedule, data):
     # micro-batch's.
     x, y = data
     plain = keras.Model(*_added_losses_graph())
-    piped = kd.DistributedModel(*_added_losses_graph(),
-                                strategy=pipeline(schedule=schedule, split_at=["second"]))
+    piped = kd.DistributedModel(
+        *_added_losses_graph(), strategy=pipeline(schedule=schedule, split_at=["second"])
+    )
     assert device_of(piped.get_layer("first").kernel) == CPU0
     assert device_of(piped.get_layer("second").kernel) == CPU1
     results = []
     for model in (plain, piped):
-        model.compile(optimizer=keras.optimizers.SGD(0.1),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
         before = model.evaluate(x, y, batch_size=BATCH, verbose=0)
         history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
-        results.append([before, *history.history["loss"],
-                        model.evaluate(x, y, batch_size=BATCH, verbose=0)])
+        results.append(
+            [before, *history.history["loss"], model.evaluate(x, y, batch_size=BATCH, verbose=0)]
+        )
     np.testing.assert_allclose(results[1], results[0], atol=1e-5)
     assert_weights_close(plain, piped)
 
@@ -219,8 +245,11 @@ def _pass_ops(graph_def, stage, kind, i):
     by the tape for it (backward ops are named after the forward's)."""
     scope = f"stage_{stage}_{kind}_{i}/"
     grads = f"gradient_tape/stage_{stage}_F_{i}/"
-    return [n.name for n in graph_def.node
-            if n.name.startswith(scope) or (kind == "B" and n.name.startswith(grads))]
+    return [
+        n.name
+        for n in graph_def.node
+        if n.name.startswith(scope) or (kind == "B" and n.name.startswith(grads))
+    ]
 
 
 def _upstream(graph_def, names):
@@ -252,8 +281,11 @@ def test_the_schedule_is_enforced_in_the_graph(schedule, data):
     # Every pass's ops run on its stage's device.
     for stage, device in enumerate((CPU0, CPU1)):
         for kind in "FB":
-            placed = {n.device for n in graph_def.node
-                      if n.name in _pass_ops(graph_def, stage, kind, 1) and n.op == "MatMul"}
+            placed = {
+                n.device
+                for n in graph_def.node
+                if n.name in _pass_ops(graph_def, stage, kind, 1) and n.op == "MatMul"
+            }
             assert placed == {device}, (stage, kind, placed)
 
 
@@ -264,10 +296,10 @@ def _dropout_model(schedule, seed=0, features=64):
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((features,))
     dropped = keras.layers.Dropout(0.5, name="drop")(inputs)
-    outputs = keras.layers.Dense(1, use_bias=False, kernel_initializer="ones", name="out")(
-        dropped)
-    model = kd.DistributedModel(inputs, outputs,
-                                strategy=pipeline(schedule=schedule, num_micro_batches=2))
+    outputs = keras.layers.Dense(1, use_bias=False, kernel_initializer="ones", name="out")(dropped)
+    model = kd.DistributedModel(
+        inputs, outputs, strategy=pipeline(schedule=schedule, num_micro_batches=2)
+    )
     model.compile(optimizer=keras.optimizers.SGD(1.0), loss="mae")
     return model
 
@@ -318,8 +350,9 @@ def test_batch_norm_uses_micro_batch_statistics():
     after_first = 0.5 * 0.0 + 0.5 * x[:4].mean(axis=0)
     expected = 0.5 * after_first + 0.5 * x[4:].mean(axis=0)
     np.testing.assert_allclose(piped.get_layer("bn").moving_mean.numpy(), expected, rtol=1e-5)
-    np.testing.assert_allclose(single.get_layer("bn").moving_mean.numpy(),
-                               0.5 * x.mean(axis=0), rtol=1e-5)
+    np.testing.assert_allclose(
+        single.get_layer("bn").moving_mean.numpy(), 0.5 * x.mean(axis=0), rtol=1e-5
+    )
 
 
 def test_batch_norm_with_one_micro_batch_matches_single():
@@ -331,8 +364,7 @@ def test_batch_norm_with_one_micro_batch_matches_single():
     for model in (piped, single):
         model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
     assert_weights_close(single, piped)
-    np.testing.assert_allclose(piped.predict(x, verbose=0), single.predict(x, verbose=0),
-                               atol=1e-5)
+    np.testing.assert_allclose(piped.predict(x, verbose=0), single.predict(x, verbose=0), atol=1e-5)
 
 
 # -- saving, the plan, callbacks, optimizers ---------------------------------------------
@@ -388,12 +420,17 @@ def test_split_at_places_the_cut(data):
 def test_callbacks_and_distributed_optimizer(data, tmp_path):
     x, y = data
     single = build("functional", "single")
-    model = build("functional", pipeline(),
-                  optimizer=kd.optimizers.DistributedOptimizer(keras.optimizers.SGD(0.1), "fp16"))
-    callbacks = [kd.callbacks.BackupAndRestore(tmp_path / "backup", save_freq=3),
-                 kd.callbacks.ThroughputMonitor(global_batch_size=BATCH),
-                 kd.callbacks.ReplicaConsistencyCheck(every_n_steps=2),
-                 kd.callbacks.MetricAverage()]
+    model = build(
+        "functional",
+        pipeline(),
+        optimizer=kd.optimizers.DistributedOptimizer(keras.optimizers.SGD(0.1), "fp16"),
+    )
+    callbacks = [
+        kd.callbacks.BackupAndRestore(tmp_path / "backup", save_freq=3),
+        kd.callbacks.ThroughputMonitor(global_batch_size=BATCH),
+        kd.callbacks.ReplicaConsistencyCheck(every_n_steps=2),
+        kd.callbacks.MetricAverage(),
+    ]
     fit = dict(batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
     history = model.fit(x, y, callbacks=callbacks, **fit)
     single.fit(x, y, **fit)
@@ -406,12 +443,26 @@ def test_a_resumed_run_equals_an_uninterrupted_one(data, tmp_path):
 
     def fit(model, *extra):
         backup = kd.callbacks.BackupAndRestore(tmp_path / "run", save_freq=4)
-        return model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=True, verbose=0,
-                         callbacks=[backup, *extra])
+        return model.fit(
+            x,
+            y,
+            batch_size=BATCH,
+            epochs=EPOCHS,
+            shuffle=True,
+            verbose=0,
+            callbacks=[backup, *extra],
+        )
 
     reference = build("functional", pipeline())
-    reference.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=True, verbose=0,
-                  callbacks=[kd.callbacks.BackupAndRestore(tmp_path / "ref", save_freq=4)])
+    reference.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=EPOCHS,
+        shuffle=True,
+        verbose=0,
+        callbacks=[kd.callbacks.BackupAndRestore(tmp_path / "ref", save_freq=4)],
+    )
     with pytest.raises(Crash):
         fit(build("functional", pipeline()), CrashAfter(12))  # epoch 2, batch 4
     resumed = build("functional", pipeline())
@@ -429,15 +480,18 @@ def _one_line(excinfo):
     return message
 
 
-@pytest.mark.parametrize("options,match", [
-    (dict(schedule="interleaved"), "Unknown schedule 'interleaved'"),
-    (dict(num_micro_batches=0), "num_micro_batches=0 must be an integer >= 1"),
-    (dict(num_stages=3), "num_stages=3 needs 3 devices but only 2"),
-    (dict(devices=["/cpu:0"], num_stages=2), "num_stages=2 but 1 devices were given"),
-    (dict(split_at="hidden"), "must be a non-empty list of layer names"),
-    (dict(split_at=["a", "b"], num_stages=2), "split_at names 2 layer"),
-    (dict(balance="flops"), "Unknown balance 'flops'"),
-])
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        (dict(schedule="interleaved"), "Unknown schedule 'interleaved'"),
+        (dict(num_micro_batches=0), "num_micro_batches=0 must be an integer >= 1"),
+        (dict(num_stages=3), "num_stages=3 needs 3 devices but only 2"),
+        (dict(devices=["/cpu:0"], num_stages=2), "num_stages=2 but 1 devices were given"),
+        (dict(split_at="hidden"), "must be a non-empty list of layer names"),
+        (dict(split_at=["a", "b"], num_stages=2), "split_at names 2 layer"),
+        (dict(balance="flops"), "Unknown balance 'flops'"),
+    ],
+)
 def test_bad_options_are_one_line_errors(options, match):
     with pytest.raises(ValueError, match=match) as excinfo:
         kd.strategies.get("pipeline", **options)
@@ -467,10 +521,15 @@ def test_a_nested_model_is_cut_through_where_its_own_layers_are_needed(tmp_path)
     x, y = make_data()
 
     def one_nested():
-        backbone = keras.Sequential([keras.Input((FEATURES,)),
-                                     keras.layers.Dense(16, activation="relu", name="inner_a"),
-                                     keras.layers.Dense(16, activation="relu", name="inner_b"),
-                                     keras.layers.Dense(3, name="inner_out")], name="backbone")
+        backbone = keras.Sequential(
+            [
+                keras.Input((FEATURES,)),
+                keras.layers.Dense(16, activation="relu", name="inner_a"),
+                keras.layers.Dense(16, activation="relu", name="inner_b"),
+                keras.layers.Dense(3, name="inner_out"),
+            ],
+            name="backbone",
+        )
         inputs = keras.Input((FEATURES,))
         return keras.Model(inputs, backbone(inputs))
 
@@ -478,8 +537,10 @@ def test_a_nested_model_is_cut_through_where_its_own_layers_are_needed(tmp_path)
         plain = one_nested()
         piped = kd.DistributedModel.from_model(plain, strategy=strategy)
         for model in (plain, piped):
-            model.compile(optimizer=keras.optimizers.SGD(0.1),
-                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model.compile(
+                optimizer=keras.optimizers.SGD(0.1),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            )
             model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
         assert_weights_close(plain, piped)
         assert device_of(piped.get_layer("backbone").get_layer("inner_a").kernel) == CPU0
@@ -490,8 +551,9 @@ def test_a_nested_model_is_cut_through_where_its_own_layers_are_needed(tmp_path)
     piped.save_weights(path)
     for fresh in (one_nested(), kd.DistributedModel.from_model(one_nested(), strategy=pipeline())):
         fresh.load_weights(path)
-        np.testing.assert_allclose(fresh.predict(x, verbose=0), piped.predict(x, verbose=0),
-                                   atol=1e-6)
+        np.testing.assert_allclose(
+            fresh.predict(x, verbose=0), piped.predict(x, verbose=0), atol=1e-6
+        )
 
 
 def test_a_mask_crossing_the_cut_is_handed_over():
@@ -499,10 +561,12 @@ def test_a_mask_crossing_the_cut_is_handed_over():
     in the next: the mask (an operation's output in the graph) crosses the
     cut with the values. It failed ("Output with path `0` is not connected
     to `inputs`") when only layers' outputs could cross."""
+
     def graph():
         ids = keras.Input((5,), dtype="int32")
         masked = keras.layers.LSTM(4, name="lstm")(
-            keras.layers.Embedding(9, 3, mask_zero=True)(ids))
+            keras.layers.Embedding(9, 3, mask_zero=True)(ids)
+        )
         return keras.Model(ids, keras.layers.Dense(2, name="out")(masked))
 
     rng = np.random.default_rng(0)
@@ -511,8 +575,11 @@ def test_a_mask_crossing_the_cut_is_handed_over():
     y = rng.normal(size=(32, 2)).astype("float32")
     plain = graph()
     piped = kd.DistributedModel.from_model(plain, strategy=pipeline(split_at=["lstm"]))
-    np.testing.assert_allclose(piped.predict(x, batch_size=8, verbose=0),
-                               plain.predict(x, batch_size=8, verbose=0), atol=1e-6)
+    np.testing.assert_allclose(
+        piped.predict(x, batch_size=8, verbose=0),
+        plain.predict(x, batch_size=8, verbose=0),
+        atol=1e-6,
+    )
     for model in (plain, piped):
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
         model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
@@ -525,10 +592,16 @@ def test_a_batch_micro_batches_cannot_share_evenly_trains_as_one_device(data):
     for model in (plain, piped):
         model.fit(x, y, batch_size=30, epochs=1, shuffle=False, verbose=0)
     assert_weights_close(plain, piped)
-    np.testing.assert_allclose(piped.evaluate(x, y, batch_size=30, verbose=0),
-                               plain.evaluate(x, y, batch_size=30, verbose=0), atol=1e-5)
-    np.testing.assert_allclose(piped.predict(x, batch_size=30, verbose=0),
-                               plain.predict(x, batch_size=30, verbose=0), atol=1e-5)
+    np.testing.assert_allclose(
+        piped.evaluate(x, y, batch_size=30, verbose=0),
+        plain.evaluate(x, y, batch_size=30, verbose=0),
+        atol=1e-5,
+    )
+    np.testing.assert_allclose(
+        piped.predict(x, batch_size=30, verbose=0),
+        plain.predict(x, batch_size=30, verbose=0),
+        atol=1e-5,
+    )
 
 
 class CustomStep(kd.DistributedModel):
@@ -550,8 +623,13 @@ def test_unsupported_uses_are_one_line_errors(data):
         subclassed.fit(x, y, batch_size=BATCH, verbose=0)
     _one_line(excinfo)
 
-    accumulating = build("functional", pipeline(), optimizer=kd.optimizers.DistributedOptimizer(
-        keras.optimizers.SGD(0.1), backward_passes_per_step=2))
+    accumulating = build(
+        "functional",
+        pipeline(),
+        optimizer=kd.optimizers.DistributedOptimizer(
+            keras.optimizers.SGD(0.1), backward_passes_per_step=2
+        ),
+    )
     with pytest.raises(ValueError, match="backward_passes_per_step > 1") as excinfo:
         accumulating.fit(x, y, batch_size=BATCH, verbose=0)
     _one_line(excinfo)

@@ -58,8 +58,11 @@ def _data(n=32):
 
 
 def _compile(model):
-    model.compile(optimizer=keras.optimizers.SGD(0.1), metrics=[Seen()],
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        metrics=[Seen()],
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
 
 
 @pytest.mark.parametrize("form", ["constructor", "from_model"])
@@ -96,8 +99,12 @@ def test_constructor_takes_the_layers_as_keras_model_does():
     # Keras predicts batches of 16; the same shapes need not mean the same
     # kernels (a CPU without AVX-512 ends a few rows a last bit apart), so
     # within what other orders of the layers' sums allow.
-    assert_within(model.predict(x, verbose=0), plain.predict(x, batch_size=16, verbose=0),
-                  outputs_apart(plain, x), "predict")
+    assert_within(
+        model.predict(x, verbose=0),
+        plain.predict(x, batch_size=16, verbose=0),
+        outputs_apart(plain, x),
+        "predict",
+    )
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -126,8 +133,7 @@ def test_layers_another_distributed_model_trains_are_copied():
     first = kd.DistributedModel(inputs, outputs, strategy="single")
     second = kd.DistributedModel(inputs, outputs, strategy="mirrored")
     assert not any(a is b for a in first.weights for b in second.weights)
-    np.testing.assert_allclose(first.predict(x, verbose=0), second.predict(x, verbose=0),
-                               atol=1e-6)
+    np.testing.assert_allclose(first.predict(x, verbose=0), second.predict(x, verbose=0), atol=1e-6)
     _compile(second)
     second.fit(x, y, batch_size=8, verbose=0)
     assert not any(isinstance(v.value, tf.distribute.DistributedValues) for v in first.weights)
@@ -147,8 +153,11 @@ def test_a_subclass_taking_another_models_layers_is_a_one_line_error():
             return self.body(x)
 
     model = Head(first.layers[2], strategy="mirrored")
-    with pytest.raises(ValueError, match=r"belongs to model .* on strategy 'single', and a "
-                       r"variable lives under one strategy; build the layers again") as e:
+    with pytest.raises(
+        ValueError,
+        match=r"belongs to model .* on strategy 'single', and a "
+        r"variable lives under one strategy; build the layers again",
+    ) as e:
         model(np.zeros((2, 6), "float32"))
     assert "\n" not in str(e.value)
 
@@ -160,8 +169,11 @@ def test_optimizer_and_metric_without_get_config_are_adopted_in_place():
 
     optimizer, metric = Plain(), Seen()
     model = kd.DistributedModel(*_graph(), strategy="mirrored")
-    model.compile(optimizer=optimizer, metrics=[metric],
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        optimizer=optimizer,
+        metrics=[metric],
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
     assert model.optimizer is optimizer
     assert model.strategy.holds(optimizer.iterations) and model.strategy.holds(metric.count)
     x, y = _data()
@@ -182,9 +194,11 @@ def test_a_layer_that_cannot_be_copied_is_named_in_one_line():
 
     inputs = keras.Input((6,))
     plain = keras.Model(inputs, keras.layers.Dense(2)(Locked()(inputs)))
-    with pytest.raises(ValueError, match=r"Layer 'locked.*' \(Locked\) cannot be copied .*; "
-                       r"build the model with keras_distrib.DistributedModel\(inputs, outputs")\
-            as e:
+    with pytest.raises(
+        ValueError,
+        match=r"Layer 'locked.*' \(Locked\) cannot be copied .*; "
+        r"build the model with keras_distrib.DistributedModel\(inputs, outputs",
+    ) as e:
         kd.DistributedModel.from_model(plain, strategy="mirrored")
     assert "\n" not in str(e.value)
     # ... and the constructor, which takes the layers themselves, works.

@@ -14,8 +14,15 @@ from pure_helpers import plain_environment, quickstart_code
 
 
 def test_readme_quickstart_runs(tmp_path):
-    result = subprocess.run([sys.executable, "-c", quickstart_code()], cwd=tmp_path,
-                            env=plain_environment(), capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", quickstart_code()],
+        cwd=tmp_path,
+        env=plain_environment(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, (
         f"README quickstart exited with {result.returncode}:\n"
-        f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
+        f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    )

@@ -39,10 +39,15 @@ def _trained(strategy, scope=None):
     x, y = make_data(32)
     keras.utils.set_random_seed(1)
     with contextlib.nullcontext() if scope is None else scope:
-        model = (keras.Model(*_layers()) if strategy is None
-                 else kd.DistributedModel(*_layers(), strategy=strategy))
-    model.compile(optimizer=keras.optimizers.SGD(1.0),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model = (
+            keras.Model(*_layers())
+            if strategy is None
+            else kd.DistributedModel(*_layers(), strategy=strategy)
+        )
+    model.compile(
+        optimizer=keras.optimizers.SGD(1.0),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
     model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
     return model.get_weights()
 
@@ -52,10 +57,18 @@ def without_remat():
     return _trained(None)
 
 
-@pytest.mark.parametrize("strategy, mode", [
-    (None, "full"), ("single", "full"), ("mirrored", "full"), ("mirrored", "activations"),
-    ("central_storage", "full"), ("pipeline", "full"), ("tensor_parallel", "full"),
-])
+@pytest.mark.parametrize(
+    "strategy, mode",
+    [
+        (None, "full"),
+        ("single", "full"),
+        ("mirrored", "full"),
+        ("mirrored", "activations"),
+        ("central_storage", "full"),
+        ("pipeline", "full"),
+        ("tensor_parallel", "full"),
+    ],
+)
 def test_remat_scope_trains_as_without_it(without_remat, strategy, mode):
     # One step at learning rate 1: the weights differ by the gradients'
     # difference. Another graph's rounding moves a float32 gradient (sums of
@@ -105,10 +118,14 @@ def test_keras_remat_in_a_layer_trains_as_without_it():
         keras.utils.set_random_seed(1)
         inputs = keras.Input((FEATURES,))
         outputs = keras.layers.Dense(CLASSES)(make_layer()(inputs))
-        model = (keras.Model(inputs, outputs) if strategy is None
-                 else kd.DistributedModel(inputs, outputs, strategy=strategy))
-        model.compile(optimizer="sgd",
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model = (
+            keras.Model(inputs, outputs)
+            if strategy is None
+            else kd.DistributedModel(inputs, outputs, strategy=strategy)
+        )
+        model.compile(
+            optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
         model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
         return model.get_weights()
 

@@ -13,8 +13,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from helpers import (assert_kept_counts_from_own_masks, assert_replicas_drop_alike_only_by_chance,
-                     dropout_kept_counts, monte_carlo_dropped)
+from helpers import (
+    assert_kept_counts_from_own_masks,
+    assert_replicas_drop_alike_only_by_chance,
+    dropout_kept_counts,
+    monte_carlo_dropped,
+)
 from keras_distrib import replica_seeds
 
 REPLICATING = ["single", "mirrored", "central_storage"]  # single: the control

@@ -56,8 +56,9 @@ def test_loading_needs_keras_distrib_imported(data, tmp_path):
                 m.predict(np.load({str(tmp_path / "x.npy")!r}), verbose=0))
     """)
     subprocess.run([sys.executable, "-c", code], check=True, timeout=180, capture_output=True)
-    np.testing.assert_allclose(np.load(tmp_path / "p.npy"), model.predict(x[:5], verbose=0),
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        np.load(tmp_path / "p.npy"), model.predict(x[:5], verbose=0), atol=1e-6
+    )
 
 
 _WITHOUT_KERAS_DISTRIB = textwrap.dedent("""
@@ -79,9 +80,14 @@ def test_a_file_loads_where_keras_distrib_is_not_installed(strategy, data, tmp_p
     model, same predictions, trainable); with keras_distrib imported it
     loads back on the strategy it was saved with."""
     x, y = data
-    sequential = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(16, "relu"),
-                                   keras.layers.Lambda(lambda t: t * 2.0),
-                                   keras.layers.Dense(3, activation="softmax")])
+    sequential = keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(16, "relu"),
+            keras.layers.Lambda(lambda t: t * 2.0),
+            keras.layers.Dense(3, activation="softmax"),
+        ]
+    )
     model = kd.DistributedModel.from_model(sequential, strategy=strategy)
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
     model.fit(x, y, batch_size=32, epochs=1, verbose=0)
@@ -98,16 +104,15 @@ def test_a_file_loads_where_keras_distrib_is_not_installed(strategy, data, tmp_p
         m.fit(x, np.zeros(5), verbose=0)  # its optimizer state loaded too
         print(int(m.optimizer.iterations.numpy()))
     """)
-    done = subprocess.run([sys.executable, "-c", code], timeout=180, capture_output=True,
-                          text=True)
+    done = subprocess.run([sys.executable, "-c", code], timeout=180, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert int(done.stdout.split()[-1]) == int(model.optimizer.iterations.numpy()) + 1
-    np.testing.assert_allclose(np.load(tmp_path / "p.npy"), model.predict(x[:5], verbose=0),
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        np.load(tmp_path / "p.npy"), model.predict(x[:5], verbose=0), atol=1e-6
+    )
     loaded = keras.models.load_model(path, safe_mode=False)
     assert isinstance(loaded, kd.DistributedModel) and loaded.strategy.name == strategy
-    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0),
-                               atol=1e-6)
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), atol=1e-6)
 
 
 def test_weights_interchange_with_plain_keras(data, tmp_path):
@@ -168,8 +173,14 @@ def test_model_checkpoint_callback_writes_loadable_files(data, tmp_path):
     x, y = data
     model = build("functional", "mirrored")
     path = tmp_path / "ckpt-{epoch}.keras"
-    model.fit(x, y, batch_size=32, epochs=2, verbose=0,
-              callbacks=[keras.callbacks.ModelCheckpoint(str(path))])
+    model.fit(
+        x,
+        y,
+        batch_size=32,
+        epochs=2,
+        verbose=0,
+        callbacks=[keras.callbacks.ModelCheckpoint(str(path))],
+    )
     assert sorted(os.listdir(tmp_path)) == ["ckpt-1.keras", "ckpt-2.keras"]
     loaded = keras.models.load_model(tmp_path / "ckpt-2.keras")
     np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), atol=1e-6)

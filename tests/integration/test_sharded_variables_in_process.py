@@ -18,8 +18,17 @@ from helpers import WORKERS
 
 sys.path.insert(0, WORKERS)
 from sharded_ps import (  # noqa: E402
-    EXPECTED_PARTS, LENGTH, OPTIMIZERS, VOCAB, build_model, data, initial_weights, loss_fn,
-    make_optimizer, plain_replay)
+    EXPECTED_PARTS,
+    LENGTH,
+    OPTIMIZERS,
+    VOCAB,
+    build_model,
+    data,
+    initial_weights,
+    loss_fn,
+    make_optimizer,
+    plain_replay,
+)
 
 
 def _split_in_two(next_creator, **kwargs):
@@ -38,9 +47,12 @@ def _split_in_two(next_creator, **kwargs):
         return next_creator(initial_value=value, **kwargs)
     kwargs.pop("shape", None)
     name, cut = kwargs.pop("name", "v"), (value.shape[0] + 1) // 2
-    return _compat.sharded_variable_class()([
-        next_creator(initial_value=value[:cut], name=f"{name}/part_0", **kwargs),
-        next_creator(initial_value=value[cut:], name=f"{name}/part_1", **kwargs)])
+    return _compat.sharded_variable_class()(
+        [
+            next_creator(initial_value=value[:cut], name=f"{name}/part_0", **kwargs),
+            next_creator(initial_value=value[cut:], name=f"{name}/part_1", **kwargs),
+        ]
+    )
 
 
 def _sharded_in_process(optimizer_name=None, install_first=True):
@@ -73,8 +85,11 @@ IN_PROCESS_OPTIMIZERS = {
 def _writes(function, variables):
     """{variable part name: op types that write it} in a traced function."""
     names = {id(p.handle): p.name for v in variables for p in _parts(v)}
-    captured = {inner.name: names[id(outer)]
-                for outer, inner in function.graph.captures if id(outer) in names}
+    captured = {
+        inner.name: names[id(outer)]
+        for outer, inner in function.graph.captures
+        if id(outer) in names
+    }
     writes = {}
     for op in function.graph.get_operations():
         if op.inputs and op.inputs[0].name in captured:
@@ -96,7 +111,8 @@ def test_gradients_of_sharded_variables_are_whole_variable_gradients():
 
     model, _ = _sharded_in_process()
     assert [sharded_variables.is_sharded(v) for v in model.weights] == [
-        len(rows) > 1 for rows in EXPECTED_PARTS.values()]
+        len(rows) > 1 for rows in EXPECTED_PARTS.values()
+    ]
     plain = build_model()
     plain.set_weights(initial_weights())
     x, y = data(n=32)
@@ -111,8 +127,9 @@ def test_gradients_of_sharded_variables_are_whole_variable_gradients():
     assert ours[0].dense_shape.numpy().tolist() == [VOCAB, 16]
     for v, a, b in zip(model.trainable_variables, ours, theirs):
         assert tuple(a.shape) == tuple(v.shape)
-        np.testing.assert_allclose(tf.convert_to_tensor(a), tf.convert_to_tensor(b),
-                                   atol=1e-6, err_msg=v.path)
+        np.testing.assert_allclose(
+            tf.convert_to_tensor(a), tf.convert_to_tensor(b), atol=1e-6, err_msg=v.path
+        )
 
 
 @pytest.mark.parametrize("name", list(IN_PROCESS_OPTIMIZERS))
@@ -167,9 +184,12 @@ def test_install_after_build_shards_the_slots_keeping_values():
     with tf.variable_creator_scope(_split_in_two):
         sharded_variables.install(optimizer)
     assert optimizer.variables == slots  # the same Keras variables
-    expected = {f"{optimizer.name}/{w.path.replace('/', '_')}_{slot}"
-                for w in model.trainable_variables if sharded_variables.is_sharded(w)
-                for slot in ("momentum", "velocity")}
+    expected = {
+        f"{optimizer.name}/{w.path.replace('/', '_')}_{slot}"
+        for w in model.trainable_variables
+        if sharded_variables.is_sharded(w)
+        for slot in ("momentum", "velocity")
+    }
     assert {v.path for v in slots if sharded_variables.is_sharded(v)} == expected
     for v, value in zip(slots, before):
         np.testing.assert_array_equal(v.numpy(), value)

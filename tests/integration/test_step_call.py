@@ -24,9 +24,12 @@ def _op_types(compiled, dataset):
 
 
 def _compile_like_build(model, **options):
-    model.compile(optimizer=keras.optimizers.SGD(0.1),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"], **options)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        **options,
+    )
     return model
 
 
@@ -64,15 +67,18 @@ def test_finite_dataset_epochs_end_as_in_keras(data, strategy):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
     for key in h_plain.history:
         np.testing.assert_allclose(h_plain.history[key], h_ours.history[key], atol=1e-5)
-    np.testing.assert_allclose(plain.evaluate(tf_dataset(x, y, 32), verbose=0),
-                               ours.evaluate(tf_dataset(x, y, 32), verbose=0), atol=1e-5)
+    np.testing.assert_allclose(
+        plain.evaluate(tf_dataset(x, y, 32), verbose=0),
+        ours.evaluate(tf_dataset(x, y, 32), verbose=0),
+        atol=1e-5,
+    )
 
 
 def _batches_without_weights(x, y, batch_size=32):
     """Endless (x, y, None) batches: Keras feeds the absent weights as an Optional."""
     while True:
         for i in range(0, len(x), batch_size):
-            yield x[i:i + batch_size], y[i:i + batch_size], None
+            yield x[i : i + batch_size], y[i : i + batch_size], None
 
 
 @pytest.mark.parametrize("strategy", ["single", "mirrored"])

@@ -19,13 +19,16 @@ def test_available_lists_names_with_descriptions():
     assert all(isinstance(d, str) and d and "\n" not in d for d in names.values())
 
 
-@pytest.mark.parametrize("name,cls", [
-    ("single", strategies.SingleDevice),
-    ("one_device", strategies.SingleDevice),
-    ("ONE-DEVICE", strategies.SingleDevice),
-    ("mirrored", strategies.Mirrored),
-    ("auto", strategies.Mirrored),  # two logical CPUs in this process
-])
+@pytest.mark.parametrize(
+    "name,cls",
+    [
+        ("single", strategies.SingleDevice),
+        ("one_device", strategies.SingleDevice),
+        ("ONE-DEVICE", strategies.SingleDevice),
+        ("mirrored", strategies.Mirrored),
+        ("auto", strategies.Mirrored),  # two logical CPUs in this process
+    ],
+)
 def test_get_by_name_and_alias(name, cls):
     strategy = strategies.get(name)
     assert isinstance(strategy, cls)
@@ -54,15 +57,18 @@ def test_unknown_name_lists_valid_ones():
     assert "\n" not in message
 
 
-@pytest.mark.parametrize("name,options,fragment", [
-    ("mirrored", {"devcies": ["/cpu:0"]}, "does not take option(s) ['devcies']"),
-    ("mirrored", {"cross_device_ops": "carrier_pigeon"}, "Unknown cross_device_ops"),
-    ("mirrored", {"cross_device_ops": "nccl"}, "needs GPU devices"),
-    ("mirrored", {"devices": ["/cpu:7"]}, "does not exist"),
-    ("mirrored", {"devices": ["/cpu:0", "/cpu:0"]}, "listed twice"),
-    ("mirrored", {"devices": "/cpu:0"}, "must be a list"),
-    ("single", {"device": "/gpu:3"}, "does not exist"),
-])
+@pytest.mark.parametrize(
+    "name,options,fragment",
+    [
+        ("mirrored", {"devcies": ["/cpu:0"]}, "does not take option(s) ['devcies']"),
+        ("mirrored", {"cross_device_ops": "carrier_pigeon"}, "Unknown cross_device_ops"),
+        ("mirrored", {"cross_device_ops": "nccl"}, "needs GPU devices"),
+        ("mirrored", {"devices": ["/cpu:7"]}, "does not exist"),
+        ("mirrored", {"devices": ["/cpu:0", "/cpu:0"]}, "listed twice"),
+        ("mirrored", {"devices": "/cpu:0"}, "must be a list"),
+        ("single", {"device": "/gpu:3"}, "does not exist"),
+    ],
+)
 def test_bad_options_are_one_line_errors(name, options, fragment):
     with pytest.raises(ValueError) as e:
         strategies.get(name, **options)
@@ -115,8 +121,9 @@ def test_auto_is_single_with_one_device():
         s = kd.strategies.get("auto")
         print(type(s).__name__, s.num_replicas)
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
     assert out.stdout.split() == ["SingleDevice", "1"]
 
 

@@ -18,8 +18,15 @@ from keras_distrib.strategies.per_process import PerProcessStrategy
 
 def test_builtin_strategies_registered_themselves():
     names = kd.strategies.available()
-    assert {"auto", "single", "mirrored", "central_storage", "multi_worker", "horovod",
-            "tpu"} <= set(names)
+    assert {
+        "auto",
+        "single",
+        "mirrored",
+        "central_storage",
+        "multi_worker",
+        "horovod",
+        "tpu",
+    } <= set(names)
 
 
 def test_a_subclass_with_a_name_registers_and_gets_built_by_name():
@@ -44,15 +51,18 @@ def test_a_subclass_with_a_name_registers_and_gets_built_by_name():
 @pytest.mark.parametrize("taken", ["single", "one_device", "auto"])
 def test_a_taken_name_is_an_error(taken):
     with pytest.raises(ValueError, match=f"Strategy name '{taken}' .* is already taken"):
+
         class Clash(PerProcessStrategy):  # noqa: F841
             name = taken
 
 
 def test_a_taken_alias_is_an_error():
     with pytest.raises(ValueError, match="'mirror' .* is already taken by Mirrored"):
+
         class Clash(PerProcessStrategy):  # noqa: F841
             name = "test_clash"
             aliases = ("mirror",)
+
     assert "test_clash" not in kd.strategies.available()
 
 
@@ -92,13 +102,15 @@ def test_a_strategy_is_imported_when_first_asked_for(tmp_path):
     that strategy's module only (`registry.BUILTIN`); a user's module that
     subclasses `Strategy` with a `name` is available by that name once
     imported."""
-    (tmp_path / "my_plugin.py").write_text(textwrap.dedent("""\
+    (tmp_path / "my_plugin.py").write_text(
+        textwrap.dedent("""\
         from keras_distrib.strategies.per_process import PerProcessStrategy
 
         class Plugin(PerProcessStrategy):
             name = "zz_test_plugin"
             description = "A strategy of the user's own."
-    """))
+    """)
+    )
     code = textwrap.dedent("""\
         import sys
         import keras_distrib as kd
@@ -111,9 +123,14 @@ def test_a_strategy_is_imported_when_first_asked_for(tmp_path):
         print(strategies.available()["zz_test_plugin"],
               type(strategies.get("zz_test_plugin")).__name__)
     """)
-    proc = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), capture_output=True,
-                          text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": CHILD_PYTHONPATH})
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=str(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": CHILD_PYTHONPATH},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()[-3:]
     assert lines[0] == "False []"
@@ -181,8 +198,7 @@ def test_the_strategy_gets_typed_steps_and_fit_input():
     model = _tiny(strategy=plain)
     model.fit(x, y, batch_size=4, epochs=1, verbose=0, validation_split=0.25)
     model.predict(x, verbose=0)
-    assert plain.steps == [("train", False, True), ("test", False, True),
-                           ("predict", False, True)]
+    assert plain.steps == [("train", False, True), ("test", False, True), ("predict", False, True)]
     (given,) = plain.fit_inputs
     assert isinstance(given, FitInput)
     assert (given.batch_size, given.validation_split, given.resumable) == (4, 0.25, False)
@@ -193,9 +209,9 @@ def test_the_strategy_gets_typed_steps_and_fit_input():
 
     accumulating = _Recording()
     optimizer = kd.optimizers.DistributedOptimizer(
-        __import__("keras").optimizers.SGD(0.1), backward_passes_per_step=2)
-    _tiny(strategy=accumulating, optimizer=optimizer).fit(x, y, batch_size=4, epochs=1,
-                                                          verbose=0)
+        __import__("keras").optimizers.SGD(0.1), backward_passes_per_step=2
+    )
+    _tiny(strategy=accumulating, optimizer=optimizer).fit(x, y, batch_size=4, epochs=1, verbose=0)
     assert sorted(accumulating.steps) == [("train", False, False), ("train", False, True)]
 
 
@@ -230,8 +246,7 @@ def test_a_fit_keeps_its_state_in_one_object_and_callbacks_resume_by_protocol(tm
     assert model.fit_state is None
     model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[ResumeAtEpoch1()])
     assert seen["epochs"] == [1] and seen["seed"] == 5
-    assert isinstance(seen["state"], FitState) and isinstance(seen["state"].backup,
-                                                                ResumeAtEpoch1)
+    assert isinstance(seen["state"], FitState) and isinstance(seen["state"].backup, ResumeAtEpoch1)
     assert model.fit_state is None
     with pytest.raises(ValueError, match="Pass one backup callback per fit, not 2"):
         model.fit(x, y, batch_size=4, verbose=0, callbacks=[ResumeAtEpoch1(), ResumeAtEpoch1()])

@@ -47,10 +47,16 @@ def assert_matches_single(single, model, x, y, atol=1e-5, steps=STEPS, **fit):
         np.testing.assert_allclose(a, b, atol=atol, rtol=0)
     for key in h_single.history:
         np.testing.assert_allclose(h_single.history[key], h_model.history[key], atol=atol)
-    np.testing.assert_allclose(single.evaluate(x, y, batch_size=BATCH, verbose=0),
-                               model.evaluate(x, y, batch_size=BATCH, verbose=0), atol=atol)
-    np.testing.assert_allclose(single.predict(x, batch_size=BATCH, verbose=0),
-                               model.predict(x, batch_size=BATCH, verbose=0), atol=atol)
+    np.testing.assert_allclose(
+        single.evaluate(x, y, batch_size=BATCH, verbose=0),
+        model.evaluate(x, y, batch_size=BATCH, verbose=0),
+        atol=atol,
+    )
+    np.testing.assert_allclose(
+        single.predict(x, batch_size=BATCH, verbose=0),
+        model.predict(x, batch_size=BATCH, verbose=0),
+        atol=atol,
+    )
 
 
 # -- equivalence with "single" -----------------------------------------------------------
@@ -69,11 +75,14 @@ def test_default_plan_alternates_column_row_and_matches_single(form, data):
     assert_matches_single(build(form, "single"), model, x, y)
 
 
-@pytest.mark.parametrize("layout,kinds", [
-    ({"hidden": "column", "logits": "column"}, ("column", "column")),  # 3 units: 2 + 1
-    ({".*": "row"}, ("row", "row")),  # hidden's input sliced (no column producer)
-    ({"logits": "whole"}, ("column", "whole")),
-])
+@pytest.mark.parametrize(
+    "layout,kinds",
+    [
+        ({"hidden": "column", "logits": "column"}, ("column", "column")),  # 3 units: 2 + 1
+        ({".*": "row"}, ("row", "row")),  # hidden's input sliced (no column producer)
+        ({"logits": "whole"}, ("column", "whole")),
+    ],
+)
 def test_explicit_layouts_match_single(layout, kinds, data):
     x, y = data
     model = build("functional", tensor_parallel(layout=layout))
@@ -98,8 +107,10 @@ def test_whole_layers_are_spread_by_size(data):
 
 def _sequence_data(n=203, length=5, vocab=11, seed=1):
     rng = np.random.default_rng(seed)
-    return (rng.integers(0, vocab, size=(n, length)).astype("int32"),
-            rng.integers(0, CLASSES, size=n).astype("int32"))
+    return (
+        rng.integers(0, vocab, size=(n, length)).astype("int32"),
+        rng.integers(0, CLASSES, size=n).astype("int32"),
+    )
 
 
 def _embedding_model(strategy, vocab=11):
@@ -110,9 +121,11 @@ def _embedding_model(strategy, vocab=11):
     h = keras.layers.LayerNormalization(name="norm")(h)
     outputs = keras.layers.Dense(CLASSES, name="logits")(h)
     model = kd.DistributedModel(inputs, outputs, strategy=strategy)
-    model.compile(optimizer=keras.optimizers.SGD(0.5),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.5),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
     return model
 
 
@@ -126,8 +139,9 @@ def test_embedding_split_by_vocabulary_or_features_matches_single(embed_kind):
     assert kinds == {"embed": embed_kind, "norm": "whole", "logits": "column"}
     shards = [v for v in model.get_layer("embed").weights]
     assert [device_of(v) for v in shards] == list(DEVICES)
-    assert [tuple(v.shape) for v in shards] == ([(6, 6), (5, 6)] if embed_kind == "row"
-                                                else [(11, 3), (11, 3)])
+    assert [tuple(v.shape) for v in shards] == (
+        [(6, 6), (5, 6)] if embed_kind == "row" else [(11, 3), (11, 3)]
+    )
     assert_matches_single(_embedding_model("single"), model, x, y)
 
 
@@ -139,8 +153,10 @@ def _masked_lstm_model(strategy):
     h = keras.layers.LSTM(8)(keras.layers.Embedding(11, 6, mask_zero=True)(inputs))
     h = keras.layers.Dense(16, activation="relu")(keras.ops.cast(h, "float32") * 2.0)
     model = kd.DistributedModel(inputs, keras.layers.Dense(CLASSES)(h), strategy=strategy)
-    model.compile(optimizer=keras.optimizers.SGD(0.5),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.5),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
     return model
 
 
@@ -149,8 +165,7 @@ def test_a_graph_with_operations_that_are_not_layers_matches_single():
     # has no attribute 'set_weights'".
     x, y = _sequence_data()
     x[:, 3:] = 0  # masked steps
-    assert_matches_single(_masked_lstm_model("single"), _masked_lstm_model(tensor_parallel()),
-                          x, y)
+    assert_matches_single(_masked_lstm_model("single"), _masked_lstm_model(tensor_parallel()), x, y)
 
 
 def test_adam_slots_live_with_their_shards_and_match_single(data):
@@ -178,30 +193,36 @@ def test_adam_slots_live_with_their_shards_and_match_single(data):
 _CLIPPING = {
     "adam": lambda: keras.optimizers.Adam(0.01, clipnorm=0.02),
     "loss_scale": lambda: keras.optimizers.LossScaleOptimizer(
-        keras.optimizers.Adam(0.01, clipnorm=0.02)),
+        keras.optimizers.Adam(0.01, clipnorm=0.02)
+    ),
     "sgd": lambda: keras.optimizers.SGD(0.5, clipnorm=0.05),
 }
 
 
-@pytest.mark.parametrize("model_kind,optimizer", [
-    ("mlp", "adam"), ("mlp", "loss_scale"), ("embedding", "sgd")])
+@pytest.mark.parametrize(
+    "model_kind,optimizer", [("mlp", "adam"), ("mlp", "loss_scale"), ("embedding", "sgd")]
+)
 def test_clipnorm_clips_a_split_variable_by_its_whole_norm(model_kind, optimizer, data):
     """Keras clips each variable by its own norm; each part of a split
     kernel was clipped by the part's (3e-2 off one device). The embedding's
     gradients are sparse (IndexedSlices)."""
+
     def compiled(strategy):
         if model_kind == "mlp":
             model = build("functional", strategy, compile_model=False)
         else:
             model = _embedding_model(strategy)
-        model.compile(optimizer=_CLIPPING[optimizer](),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(
+            optimizer=_CLIPPING[optimizer](),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
         return model
 
     x, y = data if model_kind == "mlp" else _sequence_data()
     model = compiled("tensor_parallel")
-    assert (len(model.strategy.plan().kinds) >= 2
-            and "column" in model.strategy.plan().kinds.values())
+    assert (
+        len(model.strategy.plan().kinds) >= 2 and "column" in model.strategy.plan().kinds.values()
+    )
     single = compiled("single")
     single.set_weights(model.get_weights())
     assert_matches_single(single, model, x, y, atol=1e-5)
@@ -210,14 +231,20 @@ def test_clipnorm_clips_a_split_variable_by_its_whole_norm(model_kind, optimizer
 @pytest.mark.parametrize("name", ["Adafactor", "Lamb", "Muon"])
 def test_optimizers_reading_whole_variables_are_one_line_errors(name, data):
     x, y = data
-    model = build("functional", "tensor_parallel",
-                  optimizer=getattr(keras.optimizers, name)(learning_rate=0.01))
+    model = build(
+        "functional",
+        "tensor_parallel",
+        optimizer=getattr(keras.optimizers, name)(learning_rate=0.01),
+    )
     with pytest.raises(ValueError, match=f"optimizer {name} updates each variable") as error:
         model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
     assert "\n" not in str(error.value) and "element-wise optimizer" in str(error.value)
     # Kept whole, the same layers train with it.
-    whole = build("functional", tensor_parallel(layout={".*": "whole"}),
-                  optimizer=getattr(keras.optimizers, name)(learning_rate=0.01))
+    whole = build(
+        "functional",
+        tensor_parallel(layout={".*": "whole"}),
+        optimizer=getattr(keras.optimizers, name)(learning_rate=0.01),
+    )
     whole.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
 
 
@@ -226,16 +253,20 @@ def test_sequential_from_model_matches_single(data):
 
     def sequential():
         keras.utils.set_random_seed(7)
-        return keras.Sequential([
-            keras.Input((FEATURES,)),
-            keras.layers.Dense(16, activation="relu", name="hidden"),
-            keras.layers.Dense(CLASSES, name="logits"),
-        ])
+        return keras.Sequential(
+            [
+                keras.Input((FEATURES,)),
+                keras.layers.Dense(16, activation="relu", name="hidden"),
+                keras.layers.Dense(CLASSES, name="logits"),
+            ]
+        )
 
     def wrap(strategy):
         model = kd.DistributedModel.from_model(sequential(), strategy=strategy)
-        model.compile(optimizer=keras.optimizers.SGD(0.1),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
         return model
 
     model = wrap("model_parallel")  # the alias
@@ -249,14 +280,16 @@ def test_distributed_optimizer_accumulation_and_steps_per_execution(data):
 
     def make(strategy, **compile_kwargs):
         optimizer = kd.optimizers.DistributedOptimizer(
-            keras.optimizers.SGD(0.1), backward_passes_per_step=2)
+            keras.optimizers.SGD(0.1), backward_passes_per_step=2
+        )
         return build("functional", strategy, optimizer=optimizer, **compile_kwargs)
 
     # 21 batches: gradients applied every 2nd one.
     assert_matches_single(make("single"), make("tensor_parallel"), x, y, steps=10, epochs=3)
     single = build("functional", "single", steps_per_execution=3)
-    assert_matches_single(single, build("functional", "tensor_parallel", steps_per_execution=3),
-                          x, y)
+    assert_matches_single(
+        single, build("functional", "tensor_parallel", steps_per_execution=3), x, y
+    )
 
 
 # -- the pair keeps its activation split -----------------------------------------------------
@@ -356,7 +389,8 @@ def _adam_by_layer():
 
 @pytest.mark.parametrize("optimizer", [_adam, _adam_by_layer])
 def test_optimizer_state_is_saved_whole_and_plain_keras_continues_from_it(
-        optimizer, data, tmp_path):
+    optimizer, data, tmp_path
+):
     """Adam's slots live per shard, but files hold the plain model's slots
     (a MultiOptimizer's sub-optimizers' too: each saves its own)."""
     x, y = data
@@ -379,8 +413,7 @@ def test_optimizer_state_is_saved_whole_and_plain_keras_continues_from_it(
     # All three go on from the same state: same weights one epoch later.
     for m in (plain, fresh, model):
         m.fit(x, y, **fit)
-    for a, b, c in zip(plain.get_weights(), model.get_weights(),
-                       fresh.get_weights()):
+    for a, b, c in zip(plain.get_weights(), model.get_weights(), fresh.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
         np.testing.assert_allclose(c, b, atol=1e-6, rtol=0)
 
@@ -392,8 +425,7 @@ def test_plain_keras_files_load_into_the_split_model(data, tmp_path):
     plain.save_weights(path)
     model = build("functional", "tensor_parallel", compile_model=False)
     model.load_weights(path)
-    np.testing.assert_allclose(model.predict(x, verbose=0), plain.predict(x, verbose=0),
-                               atol=1e-6)
+    np.testing.assert_allclose(model.predict(x, verbose=0), plain.predict(x, verbose=0), atol=1e-6)
     other = plain_model(seed=22).get_weights()
     model.set_weights(other)
     for a, b in zip(other, model.get_weights()):
@@ -438,11 +470,15 @@ def test_our_callbacks_work_and_backup_and_restore_resumes_exactly(data, tmp_pat
     fit = dict(batch_size=BATCH, epochs=3, shuffle=True, verbose=0)
 
     def run(model, backup_dir, *extra):
-        callbacks = [kd.callbacks.MetricAverage(), kd.callbacks.BroadcastInitialWeights(),
-                     kd.callbacks.BackupAndRestore(str(backup_dir), save_freq=4),
-                     kd.callbacks.LearningRateWarmup(warmup_epochs=1),
-                     kd.callbacks.ReplicaConsistencyCheck(every_n_steps=5),
-                     kd.callbacks.ThroughputMonitor(global_batch_size=BATCH), *extra]
+        callbacks = [
+            kd.callbacks.MetricAverage(),
+            kd.callbacks.BroadcastInitialWeights(),
+            kd.callbacks.BackupAndRestore(str(backup_dir), save_freq=4),
+            kd.callbacks.LearningRateWarmup(warmup_epochs=1),
+            kd.callbacks.ReplicaConsistencyCheck(every_n_steps=5),
+            kd.callbacks.ThroughputMonitor(global_batch_size=BATCH),
+            *extra,
+        ]
         return model.fit(x, y, callbacks=callbacks, **fit)
 
     reference = build("functional", "tensor_parallel", optimizer=keras.optimizers.Adam(0.01))
@@ -454,8 +490,10 @@ def test_our_callbacks_work_and_backup_and_restore_resumes_exactly(data, tmp_pat
     run(resumed, tmp_path / "b")
     assert int(resumed.optimizer.iterations.numpy()) == 21
     assert weights_moved(resumed, crashed)
-    for a, b in zip(reference.get_weights() + [v.numpy() for v in reference.optimizer.variables],
-                    resumed.get_weights() + [v.numpy() for v in resumed.optimizer.variables]):
+    for a, b in zip(
+        reference.get_weights() + [v.numpy() for v in reference.optimizer.variables],
+        resumed.get_weights() + [v.numpy() for v in resumed.optimizer.variables],
+    ):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
 
 
@@ -469,15 +507,24 @@ def _conv_model(strategy):
     return kd.DistributedModel(inputs, keras.layers.Dense(3, name="logits")(h), strategy=strategy)
 
 
-@pytest.mark.parametrize("layout,message", [
-    ({"conv": "column"}, r"split layer 'conv' column-wise, but it is a Conv2D; tensor_parallel "
-                         r"splits Dense and Embedding layers; map it to 'whole'"),
-    ({"logits": "diagonal"}, r"layout\['logits'\]='diagonal' is not a split kind"),
-    ({"hiden": "row"}, r"layout pattern 'hiden' matches no layer of model"),
-    ({"conv(": "whole"}, r"layout pattern 'conv\(' is not a valid regular expression"),
-    ({"log.*": "row", "logits": "column"}, r"layer 'logits' matches layout patterns "
-                                           r"\['log.\*', 'logits'\] of different kinds"),
-])
+@pytest.mark.parametrize(
+    "layout,message",
+    [
+        (
+            {"conv": "column"},
+            r"split layer 'conv' column-wise, but it is a Conv2D; tensor_parallel "
+            r"splits Dense and Embedding layers; map it to 'whole'",
+        ),
+        ({"logits": "diagonal"}, r"layout\['logits'\]='diagonal' is not a split kind"),
+        ({"hiden": "row"}, r"layout pattern 'hiden' matches no layer of model"),
+        ({"conv(": "whole"}, r"layout pattern 'conv\(' is not a valid regular expression"),
+        (
+            {"log.*": "row", "logits": "column"},
+            r"layer 'logits' matches layout patterns "
+            r"\['log.\*', 'logits'\] of different kinds",
+        ),
+    ],
+)
 def test_bad_layouts_are_one_line_errors(layout, message):
     with pytest.raises(ValueError, match=message) as raised:
         _conv_model(tensor_parallel(layout=layout))
@@ -487,8 +534,9 @@ def test_bad_layouts_are_one_line_errors(layout, message):
 def test_a_dimension_smaller_than_the_device_count_is_an_error_or_whole():
     def one_unit(strategy):
         inputs = keras.Input((4,))
-        return kd.DistributedModel(inputs, keras.layers.Dense(1, name="score")(inputs),
-                                   strategy=strategy)
+        return kd.DistributedModel(
+            inputs, keras.layers.Dense(1, name="score")(inputs), strategy=strategy
+        )
 
     with pytest.raises(ValueError, match=r"it has 1 output units, fewer than the 2 devices"):
         one_unit(tensor_parallel(layout={"score": "column"}))
@@ -496,7 +544,9 @@ def test_a_dimension_smaller_than_the_device_count_is_an_error_or_whole():
     assert plan.kinds == {"score": "whole"}
     # Unsplittable layers in the default plan are placed whole.
     assert _conv_model("tensor_parallel").strategy.plan().kinds == {
-        "conv": "whole", "logits": "column"}
+        "conv": "whole",
+        "logits": "column",
+    }
 
 
 def test_a_bad_layout_type_and_unknown_device_are_one_line_errors():
@@ -511,9 +561,11 @@ def test_a_subclassed_model_is_split_in_place_and_matches_single(called_first, d
     x, y = data
     reference = plain_model()
     model = Net(strategy="tensor_parallel")
-    model.compile(optimizer=keras.optimizers.SGD(0.1),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
     if called_first:
         model(x[:1])
     else:  # fit builds it, then its optimizer: the slots must follow the shards

@@ -29,9 +29,11 @@ def _data(n=64):
 
 
 def _compile(model):
-    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.1),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=[keras.metrics.SparseCategoricalAccuracy()])
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.05, momentum=0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=[keras.metrics.SparseCategoricalAccuracy()],
+    )
 
 
 def _mirrored():
@@ -53,7 +55,8 @@ def test_keras_integration_test_as_written_with_a_distributed_model():
     assert np.isfinite(history.history["val_loss"]).all()
     with strategy.scope():
         dataset = strategy.experimental_distribute_dataset(
-            tf.data.Dataset.from_tensor_slices((x, y)).batch(8))
+            tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+        )
         model.fit(dataset, epochs=1, verbose=0)
         results = model.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
         predictions = model.predict(x, batch_size=8, verbose=0)
@@ -94,8 +97,11 @@ def test_other_in_process_strategies_map_to_ours():
         _compile(model)
     model.fit(x, y, batch_size=8, verbose=0)
     assert model.strategy is central
-    with pytest.raises(ValueError, match=r"Options \['devices'\] were given with a "
-                       r"tf.distribute strategy object"):
+    with pytest.raises(
+        ValueError,
+        match=r"Options \['devices'\] were given with a "
+        r"tf.distribute strategy object",
+    ):
         kd.strategies.get(tf.distribute.OneDeviceStrategy("/cpu:0"), devices=["/cpu:0"])
 
 
@@ -128,12 +134,19 @@ def test_datasets_distributed_by_tensorflow_are_used_as_the_global_batches():
 
     def per_replica(context):
         batch = context.get_per_replica_batch_size(16)
-        return (tf.data.Dataset.from_tensor_slices((x, y))
-                .shard(context.num_input_pipelines, context.input_pipeline_id).batch(batch))
+        return (
+            tf.data.Dataset.from_tensor_slices((x, y))
+            .shard(context.num_input_pipelines, context.input_pipeline_id)
+            .batch(batch)
+        )
 
     model.fit(engine.distribute_datasets_from_function(per_replica), verbose=0)
-    model.fit(engine.experimental_distribute_dataset(
-        tf.data.Dataset.from_tensor_slices((x, y)).batch(16)), verbose=0)
+    model.fit(
+        engine.experimental_distribute_dataset(
+            tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+        ),
+        verbose=0,
+    )
     plain.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 8
     for a, b in zip(plain.get_weights(), model.get_weights()):
@@ -142,7 +155,10 @@ def test_datasets_distributed_by_tensorflow_are_used_as_the_global_batches():
 
 def test_another_strategy_named_inside_a_scope_is_a_one_line_error():
     with _mirrored().scope():
-        with pytest.raises(ValueError, match=r"Strategy 'pipeline' was asked for inside the "
-                           r"scope of strategy 'mirrored'; build the model outside") as e:
+        with pytest.raises(
+            ValueError,
+            match=r"Strategy 'pipeline' was asked for inside the "
+            r"scope of strategy 'mirrored'; build the model outside",
+        ) as e:
             kd.DistributedModel(*_graph(), strategy="pipeline")
     assert "\n" not in str(e.value)

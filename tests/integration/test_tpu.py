@@ -28,13 +28,15 @@ def test_static_batches_pass():
     x = np.zeros((64, 3), "float32")
     tpu.check_static_batches(x, 32)
     tpu.check_static_batches((x, x[:, 0]), 16)
-    tpu.check_static_batches(tf.data.Dataset.from_tensor_slices(x).batch(8, drop_remainder=True),
-                             None)
+    tpu.check_static_batches(
+        tf.data.Dataset.from_tensor_slices(x).batch(8, drop_remainder=True), None
+    )
 
 
 def test_partial_last_batch_of_arrays_is_an_error():
-    with pytest.raises(ValueError,
-                       match=r"203 samples leave a last batch of 11 with batch_size=32"):
+    with pytest.raises(
+        ValueError, match=r"203 samples leave a last batch of 11 with batch_size=32"
+    ):
         tpu.check_static_batches(np.zeros((203, 3)), 32)
 
 

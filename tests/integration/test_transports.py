@@ -26,13 +26,27 @@ from keras_distrib.collectives.across_processes import AcrossProcesses
 from keras_distrib.collectives.transport import Transport
 from pure_helpers import CHILD_PYTHONPATH, ROOT
 
-INTERFACE = ["all_gather", "all_reduce", "all_reduce_across_processes", "broadcast",
-             "gather_rows", "mean_by_count", "reduce_scatter", "sum_over_processes"]
+INTERFACE = [
+    "all_gather",
+    "all_reduce",
+    "all_reduce_across_processes",
+    "broadcast",
+    "gather_rows",
+    "mean_by_count",
+    "reduce_scatter",
+    "sum_over_processes",
+]
 
 
 def test_the_interface_is_the_collectives_strategies_call():
-    assert sorted(name for name, member in vars(Transport).items()
-                  if callable(member) and not name.startswith("_")) == INTERFACE
+    assert (
+        sorted(
+            name
+            for name, member in vars(Transport).items()
+            if callable(member) and not name.startswith("_")
+        )
+        == INTERFACE
+    )
 
 
 @pytest.mark.parametrize("name", registry.names())
@@ -44,19 +58,34 @@ def test_each_registered_transport_implements_the_whole_interface(name):
 
 
 def test_the_horovod_transport_imports_horovod_only_when_made():
-    code = ("import sys\n"
-            "from keras_distrib.collectives import registry\n"
-            "print(registry.transport_class('horovod').__name__,\n"
-            "      sorted(m for m in sys.modules if m.split('.')[0] == 'horovod'))\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "PYTHONPATH": CHILD_PYTHONPATH})
+    code = (
+        "import sys\n"
+        "from keras_distrib.collectives import registry\n"
+        "print(registry.transport_class('horovod').__name__,\n"
+        "      sorted(m for m in sys.modules if m.split('.')[0] == 'horovod'))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": CHILD_PYTHONPATH},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.splitlines()[-1] == "HorovodCollectives []"
 
 
-@pytest.mark.parametrize("strategy,transport", [
-    ("single", "one_process"), ("mirrored", "tensorflow"), ("central_storage", "tensorflow"),
-    ("pipeline", "one_process"), ("tensor_parallel", "one_process")])
+@pytest.mark.parametrize(
+    "strategy,transport",
+    [
+        ("single", "one_process"),
+        ("mirrored", "tensorflow"),
+        ("central_storage", "tensorflow"),
+        ("pipeline", "one_process"),
+        ("tensor_parallel", "one_process"),
+    ],
+)
 def test_each_strategy_composes_one_transport(strategy, transport):
     assert kd.strategies.get(strategy).transport.name == transport
 
@@ -93,8 +122,9 @@ def test_tensorflow_collectives_between_two_replicas():
             return (*_collectives(transport, index, value), value[None])
 
         outputs = strategy.run(replica, tf.zeros([2, 1]))
-        return [engine.experimental_local_results(v) for v in outputs[:-1]], \
-            transport.gather_rows(outputs[-1])
+        return [engine.experimental_local_results(v) for v in outputs[:-1]], transport.gather_rows(
+            outputs[-1]
+        )
 
     per_replica, rows = step()
     for index in (0, 1):
@@ -130,14 +160,22 @@ def test_shared_memory_between_two_workers(tmp_path, monkeypatch):
     def worker(rank):
         try:
             transport = registry.create(
-                "shm", rows=registry.create("one_process"), rank=rank, world_size=2,
-                job_id=job, timeout=60, connect_timeout=60)
+                "shm",
+                rows=registry.create("one_process"),
+                rank=rank,
+                world_size=2,
+                job_id=job,
+                timeout=60,
+                connect_timeout=60,
+            )
             value = tf.fill([2], float(rank + 1))
             # Traced, as a step calls them.
             in_step = tf.function(lambda: _collectives(transport, rank, value))
-            got[rank] = (in_step(),
-                         transport.sum_over_processes(np.arange(3.0) * (rank + 1)),
-                         transport.gather_rows(value))
+            got[rank] = (
+                in_step(),
+                transport.sum_over_processes(np.arange(3.0) * (rank + 1)),
+                transport.gather_rows(value),
+            )
         except BaseException as e:  # reported by the test's thread
             failed.append(e)
 

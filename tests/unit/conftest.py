@@ -20,11 +20,15 @@ def _in_this_tier(item) -> bool:
 
 
 def pytest_collection_finish(session):
-    if session.items and all(_in_this_tier(item) for item in session.items) \
-            and "tensorflow" in sys.modules:
+    if (
+        session.items
+        and all(_in_this_tier(item) for item in session.items)
+        and "tensorflow" in sys.modules
+    ):
         raise pytest.UsageError(
             "tests/unit imported TensorFlow while collecting; unit tests must import only "
-            "pure modules (tests/pure_helpers.py, not tests/helpers.py)")
+            "pure modules (tests/pure_helpers.py, not tests/helpers.py)"
+        )
 
 
 @pytest.fixture(autouse=True)
@@ -33,5 +37,6 @@ def _no_tensorflow():
     before = "tensorflow" in sys.modules
     yield
     if not before and "tensorflow" in sys.modules:
-        pytest.fail("this unit test imported TensorFlow; move it to tests/integration",
-                    pytrace=False)
+        pytest.fail(
+            "this unit test imported TensorFlow; move it to tests/integration", pytrace=False
+        )

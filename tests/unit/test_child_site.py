@@ -9,9 +9,11 @@ import sys
 
 from pure_helpers import run_python
 
-CODE = ("import importlib.util, json\n"
-        "print(json.dumps([importlib.util.find_spec(m) is None "
-        "for m in ('pandas', 'matplotlib')]))")
+CODE = (
+    "import importlib.util, json\n"
+    "print(json.dumps([importlib.util.find_spec(m) is None "
+    "for m in ('pandas', 'matplotlib')]))"
+)
 
 
 def test_a_process_given_the_child_pythonpath_loads_neither():
@@ -21,8 +23,14 @@ def test_a_process_given_the_child_pythonpath_loads_neither():
 
 
 def test_a_process_that_inherits_the_environment_loads_neither():
-    out = subprocess.run([sys.executable, "-c", CODE], env=dict(os.environ),
-                         capture_output=True, text=True, timeout=45, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", CODE],
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=45,
+        check=True,
+    ).stdout
     assert json.loads(out) == [True, True]
 
 
@@ -50,7 +58,8 @@ print(json.dumps({"while_loading": kd_probe.ENABLED_WHILE_LOADING, "after": gc.i
 
 
 def test_importing_tensorflow_or_keras_runs_without_the_collector_and_freezes_what_it_made(
-        tmp_path):
+    tmp_path,
+):
     """tests/child_site/frozen_imports.py, on a stand-in module (this tier
     does not import TensorFlow): the collector is off while it loads, on
     again after, and the objects it made are frozen."""

@@ -14,8 +14,7 @@ import pytest
 
 from keras_distrib import cluster
 from keras_distrib.cluster import ClusterConfigError, ClusterInfo
-from pure_helpers import (ROOT, SLURM_2x2, assert_one_line_error, tf_config_environ,
-                          worker_cluster)
+from pure_helpers import ROOT, SLURM_2x2, assert_one_line_error, tf_config_environ, worker_cluster
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -62,8 +61,7 @@ def test_tf_config_workers():
 
 
 def test_tf_config_kubeflow_chief_is_rank_zero_and_evaluator_is_ignored():
-    config = worker_cluster("w0:2222", "w1:2222", index=1,
-                      chief=["c:2222"], evaluator=["e:2222"])
+    config = worker_cluster("w0:2222", "w1:2222", index=1, chief=["c:2222"], evaluator=["e:2222"])
     config["environment"] = "cloud"
     info = cluster.from_tf_config(tf_config_environ(config))
     assert info.workers == ("c:2222", "w0:2222", "w1:2222")
@@ -76,27 +74,39 @@ def test_tf_config_kubeflow_chief_is_rank_zero_and_evaluator_is_ignored():
 
 
 MALFORMED = {
-    "bad_json": ('{"cluster": {"worker": ["a:1"]}, "task": ',
-                 ["not valid JSON", "line 1 column", "char "]),
+    "bad_json": (
+        '{"cluster": {"worker": ["a:1"]}, "task": ',
+        ["not valid JSON", "line 1 column", "char "],
+    ),
     "not_object": ("[1, 2]", ["must be a JSON object", "got list"]),
     "no_cluster": ({"task": {"type": "worker", "index": 0}}, ["no 'cluster'"]),
     "no_task": ({"cluster": {"worker": ["a:1"]}}, ["no 'task'"]),
-    "unknown_task_type": (worker_cluster("a:1", task_type="boss"),
-                          ["task.type='boss' is unknown", "'worker' or 'chief'"]),
-    "unknown_cluster_type": (worker_cluster("a:1", trainer=["t:1"]),
-                             ["unknown task type 'trainer'",
-                              "'chief', 'worker', 'ps' or 'evaluator'"]),
-    "missing_type": ({"cluster": {"worker": ["a:1"]}, "task": {"index": 0}},
-                     ["task.type is missing"]),
-    "index_out_of_range": (worker_cluster("a:1", "b:1", index=2),
-                           ["task.index=2 is out of range", "2 'worker' tasks", "0..1"]),
-    "missing_index": ({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker"}},
-                      ["task.index is missing"]),
+    "unknown_task_type": (
+        worker_cluster("a:1", task_type="boss"),
+        ["task.type='boss' is unknown", "'worker' or 'chief'"],
+    ),
+    "unknown_cluster_type": (
+        worker_cluster("a:1", trainer=["t:1"]),
+        ["unknown task type 'trainer'", "'chief', 'worker', 'ps' or 'evaluator'"],
+    ),
+    "missing_type": (
+        {"cluster": {"worker": ["a:1"]}, "task": {"index": 0}},
+        ["task.type is missing"],
+    ),
+    "index_out_of_range": (
+        worker_cluster("a:1", "b:1", index=2),
+        ["task.index=2 is out of range", "2 'worker' tasks", "0..1"],
+    ),
+    "missing_index": (
+        {"cluster": {"worker": ["a:1"]}, "task": {"type": "worker"}},
+        ["task.index is missing"],
+    ),
     "negative_index": (worker_cluster("a:1", index=-1), ["task.index=-1 is negative"]),
     "string_index": (worker_cluster("a:1", index="0"), ["must be an integer"]),
-    "duplicate": (worker_cluster("a:1", "b:2", "a:1"),
-                  ["cluster.worker[0] and TF_CONFIG cluster.worker[2]", "'a:1'",
-                   "its own host:port"]),
+    "duplicate": (
+        worker_cluster("a:1", "b:2", "a:1"),
+        ["cluster.worker[0] and TF_CONFIG cluster.worker[2]", "'a:1'", "its own host:port"],
+    ),
     "no_port": (worker_cluster("a:1", "b"), ["cluster.worker[1]='b' has no port", "'b:2222'"]),
     "port_not_int": (worker_cluster("a:x1"), ["port 'x1' is not an integer"]),
     "port_zero": (worker_cluster("a:0"), ["port 0 is out of range", "1..65535"]),
@@ -106,29 +116,39 @@ MALFORMED = {
     "bracketed_not_ipv6": (worker_cluster("[host]:2222"), ["not an IPv6 address"]),
     "url_scheme": (worker_cluster("grpc://a:1"), ["URL scheme", "plain 'host:port'"]),
     "not_a_string": (worker_cluster(2222), ["must be a 'host:port' string"]),
-    "ps_task_without_ps": (worker_cluster("a:1", task_type="ps"),
-                           ["task.type is 'ps' but cluster lists no 'ps' tasks",
-                            "add cluster.ps"]),
-    "evaluator_task_without_evaluator": (worker_cluster("a:1", task_type="evaluator"),
-                                         ["lists no 'evaluator' tasks"]),
-    "ps_index_out_of_range": (worker_cluster("a:1", task_type="ps", index=1, ps=["p:1"]),
-                              ["task.index=1 is out of range", "1 'ps' tasks", "0..0"]),
-    "only_ps_and_evaluator": ({"cluster": {"ps": ["p:1"], "evaluator": ["e:1"]},
-                               "task": {"type": "ps", "index": 0}},
-                              ["no 'worker' or 'chief' tasks", "only 'ps' and 'evaluator'"]),
+    "ps_task_without_ps": (
+        worker_cluster("a:1", task_type="ps"),
+        ["task.type is 'ps' but cluster lists no 'ps' tasks", "add cluster.ps"],
+    ),
+    "evaluator_task_without_evaluator": (
+        worker_cluster("a:1", task_type="evaluator"),
+        ["lists no 'evaluator' tasks"],
+    ),
+    "ps_index_out_of_range": (
+        worker_cluster("a:1", task_type="ps", index=1, ps=["p:1"]),
+        ["task.index=1 is out of range", "1 'ps' tasks", "0..0"],
+    ),
+    "only_ps_and_evaluator": (
+        {"cluster": {"ps": ["p:1"], "evaluator": ["e:1"]}, "task": {"type": "ps", "index": 0}},
+        ["no 'worker' or 'chief' tasks", "only 'ps' and 'evaluator'"],
+    ),
     "chief_and_master": (worker_cluster("a:1", chief=["c:1"], master=["m:1"]), ["2 chief tasks"]),
-    "duplicate_across_roles": (worker_cluster("a:1", "b:2", ps=["p:1", "B:2"]),
-                               ["TF_CONFIG cluster.worker[1] and TF_CONFIG cluster.ps[1]",
-                                "'B:2'", "its own host:port"]),
+    "duplicate_across_roles": (
+        worker_cluster("a:1", "b:2", ps=["p:1", "B:2"]),
+        ["TF_CONFIG cluster.worker[1] and TF_CONFIG cluster.ps[1]", "'B:2'", "its own host:port"],
+    ),
     "ps_not_a_list": (worker_cluster("a:1", ps="p:1"), ["cluster.ps must be a list"]),
-    "chief_without_chief": (worker_cluster("a:1", task_type="chief"),
-                            ["lists no 'chief' task"]),
+    "chief_without_chief": (worker_cluster("a:1", task_type="chief"), ["lists no 'chief' task"]),
     "two_chiefs": (worker_cluster("a:1", chief=["c:1", "d:1"]), ["2 chief tasks"]),
-    "empty_cluster": ({"cluster": {}, "task": {"type": "worker", "index": 0}},
-                      ["no 'worker' or 'chief' tasks"]),
+    "empty_cluster": (
+        {"cluster": {}, "task": {"type": "worker", "index": 0}},
+        ["no 'worker' or 'chief' tasks"],
+    ),
     "worker_without_workers": (worker_cluster(chief=["c:1"]), ["lists no 'worker' tasks"]),
-    "sparse_dict": ({"cluster": {"worker": {"1": "a:1"}}, "task": {"type": "worker", "index": 1}},
-                    ["cluster.worker must be a list"]),
+    "sparse_dict": (
+        {"cluster": {"worker": {"1": "a:1"}}, "task": {"type": "worker", "index": 1}},
+        ["cluster.worker must be a list"],
+    ),
 }
 
 
@@ -158,10 +178,12 @@ def test_bad_json_error_quotes_position():
 # A Kubeflow TFJob with a chief, two workers, a parameter server and an
 # evaluator, as the operator writes TF_CONFIG into each pod.
 KUBEFLOW = {
-    "cluster": {"chief": ["job-chief-0:2222"],
-                "worker": ["job-worker-0:2222", "job-worker-1:2222"],
-                "ps": ["job-ps-0:2222"],
-                "evaluator": ["job-evaluator-0:2222"]},
+    "cluster": {
+        "chief": ["job-chief-0:2222"],
+        "worker": ["job-worker-0:2222", "job-worker-1:2222"],
+        "ps": ["job-ps-0:2222"],
+        "evaluator": ["job-evaluator-0:2222"],
+    },
     "environment": "cloud",
 }
 TRAINING = ("job-chief-0:2222", "job-worker-0:2222", "job-worker-1:2222")
@@ -171,13 +193,16 @@ def _kubeflow(task_type, index):
     return {**KUBEFLOW, "task": {"type": task_type, "index": index}}
 
 
-@pytest.mark.parametrize("task_type, index, rank, address", [
-    ("chief", 0, 0, "job-chief-0:2222"),
-    ("worker", 0, 1, "job-worker-0:2222"),
-    ("worker", 1, 2, "job-worker-1:2222"),
-    ("ps", 0, None, "job-ps-0:2222"),
-    ("evaluator", 0, None, "job-evaluator-0:2222"),
-])
+@pytest.mark.parametrize(
+    "task_type, index, rank, address",
+    [
+        ("chief", 0, 0, "job-chief-0:2222"),
+        ("worker", 0, 1, "job-worker-0:2222"),
+        ("worker", 1, 2, "job-worker-1:2222"),
+        ("ps", 0, None, "job-ps-0:2222"),
+        ("evaluator", 0, None, "job-evaluator-0:2222"),
+    ],
+)
 def test_kubeflow_tf_config_seen_from_each_task(task_type, index, rank, address):
     info = cluster.from_tf_config(tf_config_environ(_kubeflow(task_type, index)))
     assert info.workers == TRAINING
@@ -191,23 +216,31 @@ def test_kubeflow_tf_config_seen_from_each_task(task_type, index, rank, address)
     assert info.is_chief == (rank == 0)
     assert info.cluster_spec() == KUBEFLOW["cluster"]
     assert info.tasks == (
-        ("chief", 0, "job-chief-0:2222"), ("worker", 0, "job-worker-0:2222"),
-        ("worker", 1, "job-worker-1:2222"), ("ps", 0, "job-ps-0:2222"),
-        ("evaluator", 0, "job-evaluator-0:2222"))
+        ("chief", 0, "job-chief-0:2222"),
+        ("worker", 0, "job-worker-0:2222"),
+        ("worker", 1, "job-worker-1:2222"),
+        ("ps", 0, "job-ps-0:2222"),
+        ("evaluator", 0, "job-evaluator-0:2222"),
+    )
     # The peers are the training tasks, never the process itself.
     assert info.peers == tuple(a for a in TRAINING if a != address)
     if rank is None:
         with pytest.raises(ClusterConfigError) as excinfo:
             info.rank  # noqa: B018 - the property raises
-        assert_one_line_error(excinfo, f"{task_type!r} task {index} at {address}",
-                               "not a training task", "has no rank",
-                               "require_training_workers")
+        assert_one_line_error(
+            excinfo,
+            f"{task_type!r} task {index} at {address}",
+            "not a training task",
+            "has no rank",
+            "require_training_workers",
+        )
     else:
         assert info.rank == rank
 
 
-@pytest.mark.parametrize("task_type, index", [
-    ("chief", 0), ("worker", 0), ("worker", 1), ("ps", 0), ("evaluator", 0)])
+@pytest.mark.parametrize(
+    "task_type, index", [("chief", 0), ("worker", 0), ("worker", 1), ("ps", 0), ("evaluator", 0)]
+)
 def test_to_tf_config_round_trips_kubeflow(task_type, index):
     config = _kubeflow(task_type, index)
     info = cluster.from_tf_config(tf_config_environ(config))
@@ -218,12 +251,16 @@ def test_to_tf_config_round_trips_kubeflow(task_type, index):
 
 
 def test_master_reads_as_chief_and_is_written_as_chief():
-    config = {"cluster": {"master": ["m:1"], "worker": ["w:1"]},
-              "task": {"type": "master", "index": 0}}
+    config = {
+        "cluster": {"master": ["m:1"], "worker": ["w:1"]},
+        "task": {"type": "master", "index": 0},
+    }
     info = cluster.from_tf_config(tf_config_environ(config))
     assert (info.task_type, info.has_chief, info.rank) == ("chief", True, 0)
-    assert info.to_tf_config() == {"cluster": {"chief": ["m:1"], "worker": ["w:1"]},
-                                   "task": {"type": "chief", "index": 0}}
+    assert info.to_tf_config() == {
+        "cluster": {"chief": ["m:1"], "worker": ["w:1"]},
+        "task": {"type": "chief", "index": 0},
+    }
     assert cluster.from_tf_config({"TF_CONFIG": info.tf_config_json()}) == info
 
 
@@ -238,19 +275,33 @@ def test_worker_only_tf_config_is_unchanged_by_roles():
 
 
 def test_cluster_info_with_roles():
-    info = ClusterInfo(["c:1", "w:1"], 0, ps=["p:1", "p:2"], evaluators=["e:1"],
-                       has_chief=True, task_type="ps")
+    info = ClusterInfo(
+        ["c:1", "w:1"], 0, ps=["p:1", "p:2"], evaluators=["e:1"], has_chief=True, task_type="ps"
+    )
     assert (info.ps, info.evaluators) == (("p:1", "p:2"), ("e:1",))  # stored as tuples
-    assert hash(info) == hash(ClusterInfo(("c:1", "w:1"), 0, ps=("p:1", "p:2"),
-                                          evaluators=("e:1",), has_chief=True,
-                                          task_type="ps"))
+    assert hash(info) == hash(
+        ClusterInfo(
+            ("c:1", "w:1"),
+            0,
+            ps=("p:1", "p:2"),
+            evaluators=("e:1",),
+            has_chief=True,
+            task_type="ps",
+        )
+    )
     assert (info.address, info.num_ps, info.is_chief, info.is_training_task) == (
-        "p:1", 2, False, False)
+        "p:1",
+        2,
+        False,
+        False,
+    )
     assert info.peers == ("c:1", "w:1")
     worker = ClusterInfo(["c:1", "w:1"], 0, has_chief=True)
     assert (worker.rank, worker.address, worker.is_chief) == (1, "w:1", False)
-    assert worker.to_tf_config() == {"cluster": {"chief": ["c:1"], "worker": ["w:1"]},
-                                     "task": {"type": "worker", "index": 0}}
+    assert worker.to_tf_config() == {
+        "cluster": {"chief": ["c:1"], "worker": ["w:1"]},
+        "task": {"type": "worker", "index": 0},
+    }
     chief_only = ClusterInfo(["c:1"], 0, has_chief=True, task_type="chief")
     assert chief_only.is_chief and chief_only.cluster_spec() == {"chief": ["c:1"]}
     # New fields are keyword-only: the old positional form means what it did.
@@ -258,36 +309,67 @@ def test_cluster_info_with_roles():
         ClusterInfo(("a:1",), 0, ("p:1",))  # pylint: disable=too-many-function-args
 
 
-@pytest.mark.parametrize("kwargs, fragments", [
-    ({"workers": ["a:1", "b:1"], "task_index": 0, "ps": ["b:1"]},
-     ["workers[1] and ps[0] are both 'b:1'", "its own host:port"]),
-    ({"workers": ["a:1"], "task_index": 0, "ps": ["p:1"], "evaluators": ["P:1"]},
-     ["ps[0] and evaluators[0] are both 'P:1'"]),
-    ({"workers": ["a:1"], "task_index": 0, "task_type": "boss"},
-     ["task_type='boss' is unknown", "'chief', 'worker', 'ps' or 'evaluator'"]),
-    ({"workers": ["a:1"], "task_index": 0, "task_type": "master"},
-     ["task_type='master' is unknown"]),
-    ({"workers": ["a:1"], "task_index": 0, "task_type": "chief"},
-     ["task_type='chief' but has_chief=False", "set has_chief=True"]),
-    ({"workers": ["a:1"], "task_index": 0, "task_type": "ps"},
-     ["task_type='ps' but the cluster has no 'ps' tasks", "add them to ps"]),
-    ({"workers": ["c:1"], "task_index": 0, "has_chief": True},
-     ["task_type='worker' but the cluster has no 'worker' tasks"]),
-    ({"workers": ["c:1", "w:1"], "task_index": 1, "has_chief": True},
-     ["task_index=1 is out of range", "'worker' tasks (after the chief)", "0..0"]),
-    ({"workers": ["c:1"], "task_index": 1, "has_chief": True, "task_type": "chief"},
-     ["task_index=1 is out of range for 1 'chief' tasks"]),
-    ({"workers": ["a:1"], "task_index": 2, "ps": ["p:1", "p:2"], "task_type": "ps"},
-     ["task_index=2 is out of range for 2 'ps' tasks", "0..1"]),
-    ({"workers": [], "task_index": 0, "ps": ["p:1"], "task_type": "ps"},
-     ["'ps'/'evaluator' tasks but no training task"]),
-    ({"workers": ["a:1"], "task_index": 0, "ps": "p:1"},
-     ["ps='p:1' must be a list", "['p:1']"]),
-    ({"workers": ["a:1"], "task_index": 0, "evaluators": ["e"]},
-     ["evaluators[0]='e' has no port"]),
-    ({"workers": ["a:1"], "task_index": 0, "has_chief": 1},
-     ["has_chief=1 must be True or False"]),
-])
+@pytest.mark.parametrize(
+    "kwargs, fragments",
+    [
+        (
+            {"workers": ["a:1", "b:1"], "task_index": 0, "ps": ["b:1"]},
+            ["workers[1] and ps[0] are both 'b:1'", "its own host:port"],
+        ),
+        (
+            {"workers": ["a:1"], "task_index": 0, "ps": ["p:1"], "evaluators": ["P:1"]},
+            ["ps[0] and evaluators[0] are both 'P:1'"],
+        ),
+        (
+            {"workers": ["a:1"], "task_index": 0, "task_type": "boss"},
+            ["task_type='boss' is unknown", "'chief', 'worker', 'ps' or 'evaluator'"],
+        ),
+        (
+            {"workers": ["a:1"], "task_index": 0, "task_type": "master"},
+            ["task_type='master' is unknown"],
+        ),
+        (
+            {"workers": ["a:1"], "task_index": 0, "task_type": "chief"},
+            ["task_type='chief' but has_chief=False", "set has_chief=True"],
+        ),
+        (
+            {"workers": ["a:1"], "task_index": 0, "task_type": "ps"},
+            ["task_type='ps' but the cluster has no 'ps' tasks", "add them to ps"],
+        ),
+        (
+            {"workers": ["c:1"], "task_index": 0, "has_chief": True},
+            ["task_type='worker' but the cluster has no 'worker' tasks"],
+        ),
+        (
+            {"workers": ["c:1", "w:1"], "task_index": 1, "has_chief": True},
+            ["task_index=1 is out of range", "'worker' tasks (after the chief)", "0..0"],
+        ),
+        (
+            {"workers": ["c:1"], "task_index": 1, "has_chief": True, "task_type": "chief"},
+            ["task_index=1 is out of range for 1 'chief' tasks"],
+        ),
+        (
+            {"workers": ["a:1"], "task_index": 2, "ps": ["p:1", "p:2"], "task_type": "ps"},
+            ["task_index=2 is out of range for 2 'ps' tasks", "0..1"],
+        ),
+        (
+            {"workers": [], "task_index": 0, "ps": ["p:1"], "task_type": "ps"},
+            ["'ps'/'evaluator' tasks but no training task"],
+        ),
+        (
+            {"workers": ["a:1"], "task_index": 0, "ps": "p:1"},
+            ["ps='p:1' must be a list", "['p:1']"],
+        ),
+        (
+            {"workers": ["a:1"], "task_index": 0, "evaluators": ["e"]},
+            ["evaluators[0]='e' has no port"],
+        ),
+        (
+            {"workers": ["a:1"], "task_index": 0, "has_chief": 1},
+            ["has_chief=1 must be True or False"],
+        ),
+    ],
+)
 def test_cluster_info_validates_roles(kwargs, fragments):
     with pytest.raises(ClusterConfigError) as excinfo:
         ClusterInfo(**kwargs)
@@ -297,14 +379,22 @@ def test_cluster_info_validates_roles(kwargs, fragments):
 # The configs that from_tf_config refused before it knew roles: they parse
 # now, and the refusal moved to require_training_workers, same words.
 REFUSED_BY_WORKER_STRATEGIES = {
-    "ps_in_cluster": (worker_cluster("a:1", ps=["p:1"]),
-                      ["'ps' tasks", "parameter_server strategy",
-                       "drop the 'ps' tasks or use strategy='parameter_server'"]),
-    "ps_task": (worker_cluster("a:1", task_type="ps", ps=["p:1"]),
-                ["'ps'", "parameter_server strategy"]),
-    "evaluator_task": (worker_cluster("a:1", task_type="evaluator", evaluator=["e:1"]),
-                       ["'evaluator'", "not a training worker",
-                        "make this task a 'worker'"]),
+    "ps_in_cluster": (
+        worker_cluster("a:1", ps=["p:1"]),
+        [
+            "'ps' tasks",
+            "parameter_server strategy",
+            "drop the 'ps' tasks or use strategy='parameter_server'",
+        ],
+    ),
+    "ps_task": (
+        worker_cluster("a:1", task_type="ps", ps=["p:1"]),
+        ["'ps'", "parameter_server strategy"],
+    ),
+    "evaluator_task": (
+        worker_cluster("a:1", task_type="evaluator", evaluator=["e:1"]),
+        ["'evaluator'", "not a training worker", "make this task a 'worker'"],
+    ),
 }
 
 
@@ -345,15 +435,18 @@ def test_from_explicit_list_and_dict():
     assert cluster.from_explicit({"worker": ["a:1"]}, 0) == ClusterInfo(("a:1",), 0)
 
 
-@pytest.mark.parametrize("workers, index, fragments", [
-    (["a:1"], 1, ["task_index=1 is out of range"]),
-    (["a:1"], None, ["task_index is missing"]),
-    (["a:1"], True, ["must be an integer"]),
-    ([], 0, ["no workers"]),
-    ("a:1", 0, ["must be a list"]),
-    ({"workers": ["a:1"]}, 0, ["keys ['workers']"]),
-    (["a:1", "a:2", "b"], 0, ["cluster[2]='b' has no port"]),
-])
+@pytest.mark.parametrize(
+    "workers, index, fragments",
+    [
+        (["a:1"], 1, ["task_index=1 is out of range"]),
+        (["a:1"], None, ["task_index is missing"]),
+        (["a:1"], True, ["must be an integer"]),
+        ([], 0, ["no workers"]),
+        ("a:1", 0, ["must be a list"]),
+        ({"workers": ["a:1"]}, 0, ["keys ['workers']"]),
+        (["a:1", "a:2", "b"], 0, ["cluster[2]='b' has no port"]),
+    ],
+)
 def test_from_explicit_errors(workers, index, fragments):
     with pytest.raises(ClusterConfigError) as excinfo:
         cluster.from_explicit(workers, index)
@@ -361,8 +454,7 @@ def test_from_explicit_errors(workers, index, fragments):
 
 
 def test_from_explicit_dict_with_roles():
-    roles = {"chief": ["c:1"], "worker": ["w0:1", "w1:1"], "ps": ["p:1"],
-             "evaluator": ["e:1"]}
+    roles = {"chief": ["c:1"], "worker": ["w0:1", "w1:1"], "ps": ["p:1"], "evaluator": ["e:1"]}
     info = cluster.from_explicit(roles, 1)  # task_type defaults to worker
     assert (info.task_type, info.rank, info.address) == ("worker", 2, "w1:1")
     assert info.cluster_spec() == roles
@@ -371,40 +463,71 @@ def test_from_explicit_dict_with_roles():
     assert cluster.from_explicit(roles, 0, "chief").is_chief
     assert cluster.from_explicit(roles, 0, task_type="evaluator").address == "e:1"
     assert ps == cluster.from_tf_config(
-        tf_config_environ({"cluster": roles, "task": {"type": "ps", "index": 0}}))
+        tf_config_environ({"cluster": roles, "task": {"type": "ps", "index": 0}})
+    )
     assert cluster.from_explicit({"worker": ["a:1"], "ps": []}, 0) == ClusterInfo(("a:1",), 0)
     assert cluster.resolve(roles, 0, environ={}, task_type="ps") == ps
 
 
-@pytest.mark.parametrize("workers, index, task_type, fragments", [
-    ({"worker": ["a:1"], "trainer": ["t:1"]}, 0, None,
-     ["keys ['trainer']", "'chief', 'worker', 'ps' and/or 'evaluator'"]),
-    ({"chief": ["c:1", "d:1"], "worker": ["a:1"]}, 0, None,
-     ["cluster['chief'] lists 2 addresses", "at most one chief"]),
-    ({"ps": ["p:1"]}, 0, "ps", ["'ps' tasks but no 'worker' or 'chief'"]),
-    ({}, 0, None, ["no 'worker' key"]),
-    ({"worker": ["a:1"], "ps": ["a:1"]}, 0, None,
-     ["cluster['worker'][0] and cluster['ps'][0] are both 'a:1'"]),
-    ({"worker": ["a:1"], "ps": "p:1"}, 0, None, ["cluster['ps']='p:1' must be a list"]),
-    ({"worker": ["a:1"]}, 0, "ps", ["task_type='ps' but cluster has no 'ps' tasks",
-                                    "add cluster['ps']"]),
-    ({"worker": ["a:1"], "ps": ["p:1"]}, 1, "ps", ["task_index=1 is out of range",
-                                                   "1 'ps' tasks"]),
-    ({"worker": ["a:1"]}, 0, "chief", ["task_type='chief' but cluster has no 'chief'"]),
-    (["a:1"], 0, "ps", ["task_type='ps' needs a dict cluster", "only workers"]),
-    (["a:1"], 0, "boss", ["task_type='boss' is unknown",
-                          "'chief', 'worker', 'ps' or 'evaluator'"]),
-])
+@pytest.mark.parametrize(
+    "workers, index, task_type, fragments",
+    [
+        (
+            {"worker": ["a:1"], "trainer": ["t:1"]},
+            0,
+            None,
+            ["keys ['trainer']", "'chief', 'worker', 'ps' and/or 'evaluator'"],
+        ),
+        (
+            {"chief": ["c:1", "d:1"], "worker": ["a:1"]},
+            0,
+            None,
+            ["cluster['chief'] lists 2 addresses", "at most one chief"],
+        ),
+        ({"ps": ["p:1"]}, 0, "ps", ["'ps' tasks but no 'worker' or 'chief'"]),
+        ({}, 0, None, ["no 'worker' key"]),
+        (
+            {"worker": ["a:1"], "ps": ["a:1"]},
+            0,
+            None,
+            ["cluster['worker'][0] and cluster['ps'][0] are both 'a:1'"],
+        ),
+        ({"worker": ["a:1"], "ps": "p:1"}, 0, None, ["cluster['ps']='p:1' must be a list"]),
+        (
+            {"worker": ["a:1"]},
+            0,
+            "ps",
+            ["task_type='ps' but cluster has no 'ps' tasks", "add cluster['ps']"],
+        ),
+        (
+            {"worker": ["a:1"], "ps": ["p:1"]},
+            1,
+            "ps",
+            ["task_index=1 is out of range", "1 'ps' tasks"],
+        ),
+        ({"worker": ["a:1"]}, 0, "chief", ["task_type='chief' but cluster has no 'chief'"]),
+        (["a:1"], 0, "ps", ["task_type='ps' needs a dict cluster", "only workers"]),
+        (
+            ["a:1"],
+            0,
+            "boss",
+            ["task_type='boss' is unknown", "'chief', 'worker', 'ps' or 'evaluator'"],
+        ),
+    ],
+)
 def test_from_explicit_role_errors(workers, index, task_type, fragments):
     with pytest.raises(ClusterConfigError) as excinfo:
         cluster.from_explicit(workers, index, task_type=task_type)
     assert_one_line_error(excinfo, *fragments)
 
 
-@pytest.mark.parametrize("args, fragment", [
-    ((["a:1"], None), "without task_index"),
-    ((None, 1), "without cluster"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        ((["a:1"], None), "without task_index"),
+        ((None, 1), "without cluster"),
+    ],
+)
 def test_resolve_needs_cluster_and_index_together(args, fragment):
     with pytest.raises(ClusterConfigError) as excinfo:
         cluster.resolve(*args, environ={})
@@ -433,25 +556,40 @@ def test_slurm_not_in_a_step_is_none():
     assert cluster.from_slurm({"SLURM_PROCID": "0"}) is None
 
 
-@pytest.mark.parametrize("num_ps, fragments", [
-    ("3", ["KERAS_DISTRIB_NUM_PS=3 leaves no chief and worker", "4 Slurm tasks",
-           "at least 5 tasks"]),
-    ("x", ["KERAS_DISTRIB_NUM_PS='x' is not a non-negative integer"]),
-    ("-1", ["KERAS_DISTRIB_NUM_PS='-1'"]),
-])
+@pytest.mark.parametrize(
+    "num_ps, fragments",
+    [
+        (
+            "3",
+            [
+                "KERAS_DISTRIB_NUM_PS=3 leaves no chief and worker",
+                "4 Slurm tasks",
+                "at least 5 tasks",
+            ],
+        ),
+        ("x", ["KERAS_DISTRIB_NUM_PS='x' is not a non-negative integer"]),
+        ("-1", ["KERAS_DISTRIB_NUM_PS='-1'"]),
+    ],
+)
 def test_slurm_bad_num_ps(num_ps, fragments):
     with pytest.raises(ClusterConfigError) as excinfo:
         cluster.from_slurm({**SLURM_2x2, "KERAS_DISTRIB_NUM_PS": num_ps})
     assert_one_line_error(excinfo, *fragments)
 
 
-@pytest.mark.parametrize("task_type, index", [("chief", 0), ("worker", 0), ("worker", 1),
-                                              ("ps", 0)])
+@pytest.mark.parametrize(
+    "task_type, index", [("chief", 0), ("worker", 0), ("worker", 1), ("ps", 0)]
+)
 def test_resolve_reads_a_launcher_parameter_server_tf_config(task_type, index):
     # As `keras-distrib launch --workers 2 --ps 1` writes it.
-    config = {"cluster": {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2", "127.0.0.1:3"],
-                          "ps": ["127.0.0.1:4"]},
-              "task": {"type": task_type, "index": index}}
+    config = {
+        "cluster": {
+            "chief": ["127.0.0.1:1"],
+            "worker": ["127.0.0.1:2", "127.0.0.1:3"],
+            "ps": ["127.0.0.1:4"],
+        },
+        "task": {"type": task_type, "index": index},
+    }
     info = cluster.resolve(environ=tf_config_environ(config))
     assert (info.task_type, info.task_index, info.num_ps) == (task_type, index, 1)
     assert info.to_tf_config() == config
@@ -484,10 +622,20 @@ def test_module_imports_without_tensorflow():
 def test_old_module_names_still_exported():
     # `from keras_distrib import cluster; cluster.X` keeps working for every
     # name the single-module version exported.
-    old = ["ClusterConfigError", "ClusterInfo", "DEFAULT_SLURM_PORT_BASE",
-           "check_own_port_free", "free_ports", "from_explicit", "from_slurm",
-           "from_tf_config", "is_local_host", "parse_address", "resolve",
-           "wait_for_peers"]
+    old = [
+        "ClusterConfigError",
+        "ClusterInfo",
+        "DEFAULT_SLURM_PORT_BASE",
+        "check_own_port_free",
+        "free_ports",
+        "from_explicit",
+        "from_slurm",
+        "from_tf_config",
+        "is_local_host",
+        "parse_address",
+        "resolve",
+        "wait_for_peers",
+    ]
     new = ["require_training_workers", "TASK_TYPES", "TRAINING_TASK_TYPES"]
     for name in old + new:
         assert name in cluster.__all__ and hasattr(cluster, name), name
@@ -555,8 +703,9 @@ def test_port_in_use_is_detected(listener):
     info = ClusterInfo((f"127.0.0.1:{port}", "127.0.0.1:1"), 0)
     with pytest.raises(ClusterConfigError) as excinfo:
         cluster.check_own_port_free(info)
-    assert_one_line_error(excinfo, f"worker 0 at 127.0.0.1:{port}",
-                           "already in use", "another port")
+    assert_one_line_error(
+        excinfo, f"worker 0 at 127.0.0.1:{port}", "already in use", "another port"
+    )
     # localhost names the same machine.
     with pytest.raises(ClusterConfigError):
         cluster.check_own_port_free(ClusterInfo((f"localhost:{port}",), 0))
@@ -594,8 +743,9 @@ def test_wait_for_peers_times_out_naming_first_missing_peer(listener, clock):
     with pytest.raises(ClusterConfigError) as excinfo:
         cluster.wait_for_peers(info, timeout=0.5, poll=0.05)
     assert clock.now < 5
-    assert_one_line_error(excinfo, f"worker 2 at 127.0.0.1:{closed}",
-                           "did not answer within 0.5s", "is it started?")
+    assert_one_line_error(
+        excinfo, f"worker 2 at 127.0.0.1:{closed}", "did not answer within 0.5s", "is it started?"
+    )
 
 
 def test_port_check_and_peer_wait_name_tasks_by_role(listener):
@@ -603,9 +753,14 @@ def test_port_check_and_peer_wait_name_tasks_by_role(listener):
     own, closed = cluster.free_ports(2)
     # This process is the ps; the chief answers, worker 0 does not, and the
     # evaluator (which runs no server) is not waited for.
-    info = ClusterInfo((f"127.0.0.1:{up}", f"127.0.0.1:{closed}"), 0,
-                       ps=(f"127.0.0.1:{own}",), evaluators=("192.0.2.1:1",),
-                       has_chief=True, task_type="ps")
+    info = ClusterInfo(
+        (f"127.0.0.1:{up}", f"127.0.0.1:{closed}"),
+        0,
+        ps=(f"127.0.0.1:{own}",),
+        evaluators=("192.0.2.1:1",),
+        has_chief=True,
+        task_type="ps",
+    )
     cluster.check_own_port_free(info)
     with pytest.raises(ClusterConfigError) as excinfo:
         cluster.wait_for_peers(info, timeout=0.3, poll=0.05)
@@ -614,11 +769,11 @@ def test_port_check_and_peer_wait_name_tasks_by_role(listener):
     busy = ClusterInfo((f"127.0.0.1:{own}",), 0, ps=(f"127.0.0.1:{up}",), task_type="ps")
     with pytest.raises(ClusterConfigError) as excinfo:
         cluster.check_own_port_free(busy)
-    assert_one_line_error(excinfo, f"ps 0 at 127.0.0.1:{up}", "already in use",
-                           "give this ps task another port")
+    assert_one_line_error(
+        excinfo, f"ps 0 at 127.0.0.1:{up}", "already in use", "give this ps task another port"
+    )
     # A worker waits for the ps tasks too, after every training task.
-    worker = ClusterInfo((f"127.0.0.1:{own}", f"127.0.0.1:{up}"), 0,
-                         ps=(f"127.0.0.1:{closed}",))
+    worker = ClusterInfo((f"127.0.0.1:{own}", f"127.0.0.1:{up}"), 0, ps=(f"127.0.0.1:{closed}",))
     with pytest.raises(ClusterConfigError) as excinfo:
         cluster.wait_for_peers(worker, timeout=0.3, poll=0.05)
     assert_one_line_error(excinfo, f"ps 0 at 127.0.0.1:{closed}")
@@ -642,7 +797,7 @@ def _listening_ips(port):
             hex_ip, hex_port = local.split(":")
             if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
                 raw = bytes.fromhex(hex_ip)  # 32-bit words in host byte order
-                words = [raw[i:i + 4] for i in range(0, len(raw), 4)]
+                words = [raw[i : i + 4] for i in range(0, len(raw), 4)]
                 if sys.byteorder == "little":
                     words = [w[::-1] for w in words]
                 found.add(socket.inet_ntop(family, b"".join(words)))
@@ -675,8 +830,16 @@ def fake_dns(monkeypatch):
             return real(host, port, *args, **kwargs)
         if table[host] is None:
             raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
-        return [(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM, 6, "",
-                 (ip, port or 0)) for ip in table[host]]
+        return [
+            (
+                socket.AF_INET6 if ":" in ip else socket.AF_INET,
+                socket.SOCK_STREAM,
+                6,
+                "",
+                (ip, port or 0),
+            )
+            for ip in table[host]
+        ]
 
     monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
     return table
@@ -777,28 +940,30 @@ def test_port_helpers_probe_where_the_port_is_used(fake_dns, listener):
     assert_one_line_error(excinfo, f"worker 0 at 127.0.0.2:{port}", "already in use")
 
 
-def test_wait_for_peers_unresolvable_host_fails_after_grace(monkeypatch, fake_dns, listener,
-                                                           clock):
+def test_wait_for_peers_unresolvable_host_fails_after_grace(monkeypatch, fake_dns, listener, clock):
     from keras_distrib.cluster import network
 
     monkeypatch.setattr(network, "UNRESOLVED_GRACE", 0.5, raising=False)
     (own,) = cluster.free_ports(1)
     up = listener.getsockname()[1]
-    info = ClusterInfo((f"127.0.0.1:{own}", "nonexistent-host.invalid:1234",
-                        f"127.0.0.1:{up}"), 0)
+    info = ClusterInfo((f"127.0.0.1:{own}", "nonexistent-host.invalid:1234", f"127.0.0.1:{up}"), 0)
     start = clock.now
     with pytest.raises(ClusterConfigError) as excinfo:
         cluster.wait_for_peers(info, timeout=20, poll=0.05)
     elapsed = clock.now - start
     assert 0.5 <= elapsed < 0.5 + 3, elapsed
-    assert_one_line_error(excinfo, "worker 1 at nonexistent-host.invalid:1234",
-                           "'nonexistent-host.invalid' does not resolve",
-                           "check the cluster's host names", "TF_CONFIG", "--hosts")
+    assert_one_line_error(
+        excinfo,
+        "worker 1 at nonexistent-host.invalid:1234",
+        "'nonexistent-host.invalid' does not resolve",
+        "check the cluster's host names",
+        "TF_CONFIG",
+        "--hosts",
+    )
     # A timeout shorter than the grace still names the cause.
     with pytest.raises(ClusterConfigError) as excinfo:
         cluster.wait_for_peers(info, timeout=0.2, poll=0.05)
-    assert_one_line_error(excinfo, "worker 1 at nonexistent-host.invalid:1234",
-                           "does not resolve")
+    assert_one_line_error(excinfo, "worker 1 at nonexistent-host.invalid:1234", "does not resolve")
     # A peer that resolves but does not answer still gets the whole timeout.
     (closed,) = cluster.free_ports(1)
     closed_info = ClusterInfo((f"127.0.0.1:{own}", f"localhost:{closed}"), 0)
@@ -818,6 +983,7 @@ def test_wait_for_peers_unresolvable_host_fails_after_grace(monkeypatch, fake_dn
             fake_dns["late.test"] = ["127.0.0.1"]
 
     clock.on_sleep = appear_after_0_3s
-    cluster.wait_for_peers(ClusterInfo((f"127.0.0.1:{own}", f"late.test:{up}"), 0),
-                           timeout=10, poll=0.05)
+    cluster.wait_for_peers(
+        ClusterInfo((f"127.0.0.1:{own}", f"late.test:{up}"), 0), timeout=10, poll=0.05
+    )
     assert 0.3 <= clock.now - start < 3

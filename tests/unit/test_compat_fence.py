@@ -51,17 +51,24 @@ PYTHON_PRIVATE = {
     ("os", "_exit"),  # ends a process without cleanup (a forked task server)
     ("sys", "_current_frames"),  # every thread's stack (the flight recorder's dump)
 }
-FIX = ("a private TensorFlow/Keras name outside keras_distrib/_compat/: move the use into a "
-       "small function of the fitting _compat module (declared in its PRIVATE, with a "
-       "docstring saying what it reads and why) and call that; a private name of "
-       "keras_distrib's own used on another object goes on OURS_ON_OTHER_OBJECTS in "
-       "tests/unit/test_compat_fence.py, a Keras Trainer method DistributedModel overrides "
-       "or calls on purpose on KERAS_HOOKS in keras_distrib/_compat/keras_trainer.py")
+FIX = (
+    "a private TensorFlow/Keras name outside keras_distrib/_compat/: move the use into a "
+    "small function of the fitting _compat module (declared in its PRIVATE, with a "
+    "docstring saying what it reads and why) and call that; a private name of "
+    "keras_distrib's own used on another object goes on OURS_ON_OTHER_OBJECTS in "
+    "tests/unit/test_compat_fence.py, a Keras Trainer method DistributedModel overrides "
+    "or calls on purpose on KERAS_HOOKS in keras_distrib/_compat/keras_trainer.py"
+)
 
 
 def _private(name) -> bool:
-    return (isinstance(name, str) and name.isidentifier() and name.startswith("_")
-            and name.strip("_") != "" and not name.startswith("__"))
+    return (
+        isinstance(name, str)
+        and name.isidentifier()
+        and name.startswith("_")
+        and name.strip("_") != ""
+        and not name.startswith("__")
+    )
 
 
 def _modules() -> dict:
@@ -102,8 +109,9 @@ def keras_hooks() -> set:
 
 # -- what keras_distrib defines --------------------------------------------------------
 
+
 def _dotted(node):
-    """"a.b.c" for a chain of names and attributes, else None."""
+    """ "a.b.c" for a chain of names and attributes, else None."""
     if isinstance(node, ast.Name):
         return node.id
     if isinstance(node, ast.Attribute):
@@ -114,8 +122,8 @@ def _dotted(node):
 
 def _is_self(node) -> bool:
     return (isinstance(node, ast.Name) and node.id in SELF) or (
-        isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-        and node.func.id == "super")
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super"
+    )
 
 
 def _body_names(body) -> set:
@@ -143,15 +151,25 @@ def _named_on_self(node):
     `self.__dict__.setdefault("_x", v)`), else None."""
     if isinstance(node, ast.Call):
         call = _dotted(node.func)
-        if call in ("setattr", "object.__setattr__") and len(node.args) >= 2 \
-                and _is_self(node.args[0]) and isinstance(node.args[1], ast.Constant):
+        if (
+            call in ("setattr", "object.__setattr__")
+            and len(node.args) >= 2
+            and _is_self(node.args[0])
+            and isinstance(node.args[1], ast.Constant)
+        ):
             return node.args[1].value
-        if call in ("self.__dict__.setdefault", "cls.__dict__.setdefault") and node.args \
-                and isinstance(node.args[0], ast.Constant):
+        if (
+            call in ("self.__dict__.setdefault", "cls.__dict__.setdefault")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+        ):
             return node.args[0].value
-    if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store) \
-            and _is_self(_dict_of(node.value)) \
-            and isinstance(node.slice, ast.Constant):
+    if (
+        isinstance(node, ast.Subscript)
+        and isinstance(node.ctx, ast.Store)
+        and _is_self(_dict_of(node.value))
+        and isinstance(node.slice, ast.Constant)
+    ):
         return node.slice.value
     return None
 
@@ -165,8 +183,11 @@ def defined(trees) -> set:
         for node in _walk(tree):
             if isinstance(node, ast.ClassDef):
                 names |= _body_names(node.body)
-            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
-                    and _is_self(node.value):
+            elif (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and _is_self(node.value)
+            ):
                 names.add(node.attr)
             else:
                 names.add(_named_on_self(node))
@@ -174,6 +195,7 @@ def defined(trees) -> set:
 
 
 # -- the uses ---------------------------------------------------------------------------
+
 
 def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
     if not node.level:
@@ -213,7 +235,8 @@ def _foreign_imports(module: str, is_package: bool, tree: ast.Module):
             continue
         for name in names:
             if name.split(".")[0] != "keras_distrib" and (
-                    name.startswith(PRIVATE_MODULES) or any(map(_private, name.split(".")))):
+                name.startswith(PRIVATE_MODULES) or any(map(_private, name.split(".")))
+            ):
                 yield node, f"import {name}"
 
 
@@ -227,8 +250,15 @@ def _private_module_uses(tree: ast.Module, imports: dict):
             yield node, f"{dotted} (a private module)"
 
 
-_STRING_NAMED = {"getattr", "hasattr", "setattr", "delattr", "object.__setattr__",
-                 "object.__getattribute__", "object.__delattr__"}
+_STRING_NAMED = {
+    "getattr",
+    "hasattr",
+    "setattr",
+    "delattr",
+    "object.__setattr__",
+    "object.__getattribute__",
+    "object.__delattr__",
+}
 
 
 def _uses(tree: ast.Module):
@@ -241,19 +271,29 @@ def _uses(tree: ast.Module):
             yield node, node.value, node.attr
         elif isinstance(node, ast.JoinedStr):
             named.update(id(part) for part in node.values)
-        elif isinstance(node, ast.Call) and len(node.args) >= 2 \
-                and _dotted(node.func) in _STRING_NAMED and _private(
-                    getattr(node.args[1], "value", None)):
+        elif (
+            isinstance(node, ast.Call)
+            and len(node.args) >= 2
+            and _dotted(node.func) in _STRING_NAMED
+            and _private(getattr(node.args[1], "value", None))
+        ):
             named.add(id(node.args[1]))
             yield node, node.args[0], node.args[1].value
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                and node.func.attr in ("get", "pop", "setdefault") and node.args:
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("get", "pop", "setdefault")
+            and node.args
+        ):
             owner = _dict_of(node.func.value)
             if owner is not None and _private(getattr(node.args[0], "value", None)):
                 named.add(id(node.args[0]))
                 yield node, owner, node.args[0].value
-        elif isinstance(node, ast.Subscript) and _dict_of(node.value) is not None \
-                and _private(getattr(node.slice, "value", None)):
+        elif (
+            isinstance(node, ast.Subscript)
+            and _dict_of(node.value) is not None
+            and _private(getattr(node.slice, "value", None))
+        ):
             named.add(id(node.slice))
             yield node, _dict_of(node.value), node.slice.value
     for node in _walk(tree):
@@ -271,6 +311,7 @@ def _dict_of(node):
 
 
 # -- the check --------------------------------------------------------------------------
+
 
 class Fence:
     """Tells our private names from TensorFlow's and Keras's in the
@@ -331,19 +372,23 @@ def fence():
 
 def test_no_private_tensorflow_or_keras_name_outside_compat(fence):
     offenders = fence.offenders()
-    assert offenders == [], (f"{len(offenders)} uses of {FIX}:\n  " + "\n  ".join(offenders))
+    assert offenders == [], f"{len(offenders)} uses of {FIX}:\n  " + "\n  ".join(offenders)
 
 
 def test_the_allowances_are_in_use(fence):
     assert OURS_ON_OTHER_OBJECTS <= fence.ours
-    used = {(_dotted(owner), name) for module, tree in fence.trees.items()
-            if not fence._in_compat(module)
-            for _, owner, name in _uses(tree) if owner is not None}
+    used = {
+        (_dotted(owner), name)
+        for module, tree in fence.trees.items()
+        if not fence._in_compat(module)
+        for _, owner, name in _uses(tree)
+        if owner is not None
+    }
     assert {name for _, name in used} >= OURS_ON_OTHER_OBJECTS
     assert used >= PYTHON_PRIVATE
 
 
-SAMPLE = '''
+SAMPLE = """
 import os
 import keras
 import tensorflow as tf
@@ -371,7 +416,7 @@ class Model(keras.Model):
         os._exists
         layer._mine
         keras.src.backend.standardize_dtype, tf.python.framework
-'''
+"""
 
 
 def test_the_check_tells_foreign_names_from_ours(tmp_path):
@@ -379,9 +424,21 @@ def test_the_check_tells_foreign_names_from_ours(tmp_path):
     path = tmp_path / "sample.py"
     path.write_text(SAMPLE)
     found = Fence({**_modules(), "keras_distrib.sample": str(path)}).offenders()
-    mine = [line.split(": ", 1)[1].split(" (")[0] for line in found
-            if line.startswith(os.path.relpath(str(path), ROOT) + ":")]
-    assert mine == ["import keras.src.backend", "self._jit_compile", "layer._inbound_nodes",
-                    "layer._functional", "layer._losses", "_use_cached_eval_dataset",
-                    "placement._no_such_name", "os._exists", "layer._mine",
-                    "keras.src", "tf.python"]
+    mine = [
+        line.split(": ", 1)[1].split(" (")[0]
+        for line in found
+        if line.startswith(os.path.relpath(str(path), ROOT) + ":")
+    ]
+    assert mine == [
+        "import keras.src.backend",
+        "self._jit_compile",
+        "layer._inbound_nodes",
+        "layer._functional",
+        "layer._losses",
+        "_use_cached_eval_dataset",
+        "placement._no_such_name",
+        "os._exists",
+        "layer._mine",
+        "keras.src",
+        "tf.python",
+    ]

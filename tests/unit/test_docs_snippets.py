@@ -10,8 +10,10 @@ import re
 
 from pure_helpers import ROOT
 
-PAGES = [os.path.join(ROOT, "README.md"),
-         *glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True)]
+PAGES = [
+    os.path.join(ROOT, "README.md"),
+    *glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True),
+]
 MARKERS = ("<!-- quickstart -->", "<!-- excerpt -->")
 
 
@@ -28,8 +30,11 @@ def _unmarked_python_blocks(text: str) -> list[int]:
 
 
 def test_every_python_block_is_run_or_marked_as_an_excerpt():
-    unmarked = {os.path.relpath(page, ROOT): lines for page in PAGES
-                if (lines := _unmarked_python_blocks(open(page).read()))}
+    unmarked = {
+        os.path.relpath(page, ROOT): lines
+        for page in PAGES
+        if (lines := _unmarked_python_blocks(open(page).read()))
+    }
     assert not unmarked, f"Python blocks neither run nor marked <!-- excerpt -->: {unmarked}"
 
 
@@ -47,8 +52,11 @@ def test_the_prose_tells_no_work_history():
     files = [*PAGES, os.path.join(ROOT, "CHANGELOG.md"), os.path.join(ROOT, "Makefile")]
     for folder in ("keras_distrib", "tests", "benchmarks", "examples", "scripts"):
         files += glob.glob(os.path.join(ROOT, folder, "**", "*.py"), recursive=True)
-    found = [f"{os.path.relpath(path, ROOT)}:{number}: {line.strip()}"
-             for path in files if os.path.abspath(path) != this
-             for number, line in enumerate(open(path, encoding="utf-8"), 1)
-             if history.search(line) and "github.com" not in line]
+    found = [
+        f"{os.path.relpath(path, ROOT)}:{number}: {line.strip()}"
+        for path in files
+        if os.path.abspath(path) != this
+        for number, line in enumerate(open(path, encoding="utf-8"), 1)
+        if history.search(line) and "github.com" not in line
+    ]
     assert not found, "\n".join(found)

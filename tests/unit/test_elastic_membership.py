@@ -13,22 +13,25 @@ from keras_distrib.launch import blame, reachability
 from keras_distrib.launch.output import Accounts
 
 
-@pytest.mark.parametrize("first, lost, expected", [
-    # Nobody said anything: the rank that failed first.
-    (0, {}, blame.Charge(0)),
-    (None, {}, blame.Charge(None)),
-    # Rank 1 was stopped (or hung): rank 0 failed first, naming it.
-    (0, {0: {1}}, blame.Charge(1)),
-    # Rank 0 was killed: rank 1 named it and said nothing else.
-    (1, {1: {0}}, blame.Charge(0)),
-    # Both alive, each unable to reach the other: the side away from rank 0.
-    (0, {0: {1}, 1: {0}}, blame.Charge(1, partition=True)),
-    (0, {0: {2}, 1: {2}, 2: {0, 1}}, blame.Charge(2, partition=True)),
-    # Rank 0 said nothing of its own, rank 2 could not reach it: rank 0 is absent.
-    (2, {2: {0}, 1: {0}}, blame.Charge(0)),
-    # A rank naming itself does not count.
-    (1, {1: {1}}, blame.Charge(1)),
-])
+@pytest.mark.parametrize(
+    "first, lost, expected",
+    [
+        # Nobody said anything: the rank that failed first.
+        (0, {}, blame.Charge(0)),
+        (None, {}, blame.Charge(None)),
+        # Rank 1 was stopped (or hung): rank 0 failed first, naming it.
+        (0, {0: {1}}, blame.Charge(1)),
+        # Rank 0 was killed: rank 1 named it and said nothing else.
+        (1, {1: {0}}, blame.Charge(0)),
+        # Both alive, each unable to reach the other: the side away from rank 0.
+        (0, {0: {1}, 1: {0}}, blame.Charge(1, partition=True)),
+        (0, {0: {2}, 1: {2}, 2: {0, 1}}, blame.Charge(2, partition=True)),
+        # Rank 0 said nothing of its own, rank 2 could not reach it: rank 0 is absent.
+        (2, {2: {0}, 1: {0}}, blame.Charge(0)),
+        # A rank naming itself does not count.
+        (1, {1: {1}}, blame.Charge(1)),
+    ],
+)
 def test_a_failure_is_charged_to_the_rank_the_others_could_not_reach(first, lost, expected):
     assert blame.charge(first, {r: frozenset(n) for r, n in lost.items()}) == expected
 
@@ -72,12 +75,14 @@ def test_a_host_is_present_when_it_reaches_the_rendezvous(tmp_path):
 def test_a_host_ssh_reaches_but_the_training_network_does_not_is_out(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("the stand-in host is a network namespace, made as root")
-    with reachability.Rendezvous(["127.0.0.1", "198.51.100.7"],
-                                 _ssh_here(tmp_path, cut=True)) as rendezvous:
+    with reachability.Rendezvous(
+        ["127.0.0.1", "198.51.100.7"], _ssh_here(tmp_path, cut=True)
+    ) as rendezvous:
         where = f"the job's rendezvous at {rendezvous.address} on the training network"
         assert rendezvous.why_out("198.51.100.7") == (
             f"ssh reaches it, but it cannot reach {where}",
-            f"ssh reaches them, but they cannot reach {where}")
+            f"ssh reaches them, but they cannot reach {where}",
+        )
 
 
 def test_a_closed_rendezvous_probes_no_more(tmp_path):
@@ -87,8 +92,9 @@ def test_a_closed_rendezvous_probes_no_more(tmp_path):
 
 
 def test_a_host_ssh_does_not_reach_does_not_answer(tmp_path):
-    with reachability.Rendezvous(["127.0.0.1", "198.51.100.7"],
-                                 _ssh_here(tmp_path, exit_code=255)) as rendezvous:
+    with reachability.Rendezvous(
+        ["127.0.0.1", "198.51.100.7"], _ssh_here(tmp_path, exit_code=255)
+    ) as rendezvous:
         assert rendezvous.out(["198.51.100.7"]) == {"198.51.100.7": reachability.NO_ANSWER}
 
 

@@ -14,10 +14,13 @@ ON_THE_LEADER = (
     "Collective ops is aborted by: Error reported from /job:worker/task:1: The following "
     "tasks are unhealthy (stopped sending heartbeats):\n/job:worker/replica:0/task:2\n"
     "The tasks have crashed. Check the task logs for an earlier error, or scheduler events "
-    "(e.g. preemption, eviction) to debug further.")
-ON_THE_CUT_HOST = ("Collective ops is aborted by: Deadline Exceeded\n\n"
-                   "RPC: /tensorflow.CoordinationService/Heartbeat\n"
-                   "The error could be from a previous operation. Restart your program to reset.")
+    "(e.g. preemption, eviction) to debug further."
+)
+ON_THE_CUT_HOST = (
+    "Collective ops is aborted by: Deadline Exceeded\n\n"
+    "RPC: /tensorflow.CoordinationService/Heartbeat\n"
+    "The error could be from a previous operation. Restart your program to reset."
+)
 
 
 @pytest.mark.parametrize("value, seconds", [(None, 10.0), ("", 10.0), ("2.5", 2.5)])
@@ -43,17 +46,21 @@ def test_the_leader_names_the_peer_that_went_silent(monkeypatch):
     monkeypatch.setenv(heartbeats.ENV, "4")
     line = heartbeats.lost_peer(RuntimeError(ON_THE_LEADER), INFO)
     assert "\n" not in line
-    assert line.startswith("worker 2 at 10.0.0.3:2222 is unreachable: no heartbeat reached "
-                           "the coordination service for KERAS_DISTRIB_HEARTBEAT_TIMEOUT=4s")
+    assert line.startswith(
+        "worker 2 at 10.0.0.3:2222 is unreachable: no heartbeat reached "
+        "the coordination service for KERAS_DISTRIB_HEARTBEAT_TIMEOUT=4s"
+    )
 
 
 def test_a_cut_off_worker_names_the_leader(monkeypatch):
     monkeypatch.delenv(heartbeats.ENV, raising=False)
     line = heartbeats.lost_peer(RuntimeError(ON_THE_CUT_HOST), INFO)
     assert "\n" not in line
-    assert line.startswith("worker 0 at 10.0.0.1:2222, the coordination service's leader, is "
-                           "unreachable: this worker's heartbeat got no answer within "
-                           "KERAS_DISTRIB_HEARTBEAT_TIMEOUT=10s")
+    assert line.startswith(
+        "worker 0 at 10.0.0.1:2222, the coordination service's leader, is "
+        "unreachable: this worker's heartbeat got no answer within "
+        "KERAS_DISTRIB_HEARTBEAT_TIMEOUT=10s"
+    )
 
 
 def test_other_errors_are_left_alone():

@@ -21,14 +21,17 @@ from keras_distrib.cluster import launch_contract
 OTHER_UID = 65534  # "nobody": stands for another user where we may chown (root)
 
 
-@pytest.mark.parametrize("kwargs,fragment", [
-    ({"rank": 0, "world_size": 1}, "world_size=1"),
-    ({"rank": 2, "world_size": 2}, "rank=2"),
-    ({"rank": 0, "world_size": 2, "job_id": "a/b"}, "job_id='a/b'"),
-    ({"rank": 0, "world_size": 2, "job_id": ""}, "job_id=''"),
-    ({"rank": 0, "world_size": 2, "job_id": ".."}, "job_id='..'"),
-    ({"rank": 0, "world_size": 2, "job_id": "x" * 65}, "must be 1 to 64 letters"),
-])
+@pytest.mark.parametrize(
+    "kwargs,fragment",
+    [
+        ({"rank": 0, "world_size": 1}, "world_size=1"),
+        ({"rank": 2, "world_size": 2}, "rank=2"),
+        ({"rank": 0, "world_size": 2, "job_id": "a/b"}, "job_id='a/b'"),
+        ({"rank": 0, "world_size": 2, "job_id": ""}, "job_id=''"),
+        ({"rank": 0, "world_size": 2, "job_id": ".."}, "job_id='..'"),
+        ({"rank": 0, "world_size": 2, "job_id": "x" * 65}, "must be 1 to 64 letters"),
+    ],
+)
 def test_bad_arguments(kwargs, fragment):
     kwargs.setdefault("job_id", "x")
     with pytest.raises(ValueError, match=fragment.replace("[", r"\[")):
@@ -42,8 +45,11 @@ def test_a_full_shm_directory_is_a_clear_error(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "posix_fallocate", no_space)
-    with pytest.raises(OSError, match=r"needs 64.0 MiB in .*MiB free; enlarge it \(docker run "
-                                      r"--shm-size=...\) or use implementation='ring'"):
+    with pytest.raises(
+        OSError,
+        match=r"needs 64.0 MiB in .*MiB free; enlarge it \(docker run "
+        r"--shm-size=...\) or use implementation='ring'",
+    ):
         host_allreduce.create_segment(str(tmp_path / "seg"), 64 * 2**20)
     assert os.listdir(tmp_path) == []
 
@@ -66,16 +72,21 @@ def test_a_job_directory_open_to_others_is_refused(tmp_path):
     job = uuid.uuid4().hex[:8]
     os.mkdir(_job_dir(tmp_path, job))
     os.chmod(_job_dir(tmp_path, job), 0o755)  # ours, but others may read it
-    with pytest.raises(host_allreduce.SharedMemoryTamperedError,
-                       match=r"kd-\w+ has mode 0755 \(group or others have access; want 0700\)"):
+    with pytest.raises(
+        host_allreduce.SharedMemoryTamperedError,
+        match=r"kd-\w+ has mode 0755 \(group or others have access; want 0700\)",
+    ):
         host_allreduce.HostAllReduce(1, 2, job, connect_timeout=2, directory=str(tmp_path))
     assert os.listdir(_job_dir(tmp_path, job)) == []
 
 
-@pytest.mark.parametrize("rank,fragment", [
-    (0, "already exists"),
-    (1, "is a symbolic link"),
-])
+@pytest.mark.parametrize(
+    "rank,fragment",
+    [
+        (0, "already exists"),
+        (1, "is a symbolic link"),
+    ],
+)
 def test_a_link_in_place_of_the_job_directory_is_refused(tmp_path, rank, fragment):
     job = uuid.uuid4().hex[:8]
     target = tmp_path / "elsewhere"
@@ -86,11 +97,14 @@ def test_a_link_in_place_of_the_job_directory_is_refused(tmp_path, rank, fragmen
     assert os.listdir(target) == [] and os.path.islink(_job_dir(tmp_path, job))
 
 
-@pytest.mark.parametrize("how,fragment", [
-    ("mode", "has mode 0777"),
-    ("link", "is a symbolic link"),
-    ("missing", "does not exist"),
-])
+@pytest.mark.parametrize(
+    "how,fragment",
+    [
+        ("mode", "has mode 0777"),
+        ("link", "is a symbolic link"),
+        ("missing", "does not exist"),
+    ],
+)
 def test_the_launcher_directory_must_be_private(tmp_path, monkeypatch, how, fragment):
     shm = tmp_path / "shm"
     if how == "mode":
@@ -100,9 +114,10 @@ def test_the_launcher_directory_must_be_private(tmp_path, monkeypatch, how, frag
         (tmp_path / "real").mkdir(mode=0o700)
         os.symlink(tmp_path / "real", shm)
     monkeypatch.setenv(launch_contract.SHM_DIR_ENV, str(shm))
-    with pytest.raises(host_allreduce.SharedMemoryTamperedError,
-                       match=f"KERAS_DISTRIB_SHM_DIR={shm} {fragment}.*fix or unset "
-                             "KERAS_DISTRIB_SHM_DIR"):
+    with pytest.raises(
+        host_allreduce.SharedMemoryTamperedError,
+        match=f"KERAS_DISTRIB_SHM_DIR={shm} {fragment}.*fix or unset KERAS_DISTRIB_SHM_DIR",
+    ):
         host_allreduce.HostAllReduce(0, 2, "x", connect_timeout=1)
     assert [f for f in os.listdir(tmp_path) if f.startswith("kd-")] == []
 
@@ -140,17 +155,24 @@ def _other_owner(path):
     os.chown(path, OTHER_UID, OTHER_UID)
 
 
-@pytest.mark.parametrize("tamper,expect,fragment", [
-    (_copy_over, {}, r"is inode \d+ \(device \d+\) but its header names inode \d+ "
-                     r"\(device \d+\): it was copied or replaced"),
-    (_symlink_to_a_real_segment, {}, "is a symbolic link"),
-    (_fifo, {}, r"has the wrong type \(prw-------, wanted a regular file\)"),
-    (_zeros, {}, "has no segment header"),
-    (_other_owner, {}, f"belongs to uid {OTHER_UID}, not to this user"),
-    (None, {"size": 4 * 4096}, "has 12288 bytes instead of 16384"),
-    (None, {"job_id": "other"}, "belongs to another job"),
-    (None, {"generation": 2}, "is generation 1, not 2"),
-])
+@pytest.mark.parametrize(
+    "tamper,expect,fragment",
+    [
+        (
+            _copy_over,
+            {},
+            r"is inode \d+ \(device \d+\) but its header names inode \d+ "
+            r"\(device \d+\): it was copied or replaced",
+        ),
+        (_symlink_to_a_real_segment, {}, "is a symbolic link"),
+        (_fifo, {}, r"has the wrong type \(prw-------, wanted a regular file\)"),
+        (_zeros, {}, "has no segment header"),
+        (_other_owner, {}, f"belongs to uid {OTHER_UID}, not to this user"),
+        (None, {"size": 4 * 4096}, "has 12288 bytes instead of 16384"),
+        (None, {"job_id": "other"}, "belongs to another job"),
+        (None, {"generation": 2}, "is generation 1, not 2"),
+    ],
+)
 def test_a_foreign_or_replaced_segment_is_refused(tmp_path, tamper, expect, fragment):
     path = str(tmp_path / "data1")
     host_allreduce.create_segment(path, 3 * 4096, "job", 1)
@@ -198,8 +220,9 @@ def test_a_segment_replaced_between_creation_and_mapping_stops_every_worker(tmp_
 
     def worker(rank):
         try:
-            reducer = host_allreduce.HostAllReduce(rank, 2, "swap", timeout=5, connect_timeout=5,
-                                                   directory=str(tmp_path))
+            reducer = host_allreduce.HostAllReduce(
+                rank, 2, "swap", timeout=5, connect_timeout=5, directory=str(tmp_path)
+            )
             try:
                 reducer.all_reduce(np.ones(3, np.float32))
             finally:

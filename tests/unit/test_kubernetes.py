@@ -20,12 +20,17 @@ def _names(host, fqdn):
 
 def test_a_pod_finds_its_rank_and_peers_by_their_stable_names():
     info = from_indexed_job(POD, **_names("train-1", "train-1.train-workers.ml.svc.cluster.local"))
-    assert info.workers == ("train-0.train-workers:8888", "train-1.train-workers:8888",
-                            "train-2.train-workers:8888")
+    assert info.workers == (
+        "train-0.train-workers:8888",
+        "train-1.train-workers:8888",
+        "train-2.train-workers:8888",
+    )
     assert (info.rank, info.world_size, info.is_chief) == (1, 3, False)
     # A JobSet's pods: <jobset>-<replicated job>-<job index>-<index>, another port.
-    info = from_indexed_job({**POD, "KERAS_DISTRIB_PORT": "2222"},
-                            **_names("train-workers-0-1", "train-workers-0-1.train.ml.svc"))
+    info = from_indexed_job(
+        {**POD, "KERAS_DISTRIB_PORT": "2222"},
+        **_names("train-workers-0-1", "train-workers-0-1.train.ml.svc"),
+    )
     assert info.workers[0] == "train-workers-0-0.train:2222"
 
 
@@ -35,18 +40,33 @@ def test_outside_an_indexed_job_asking_for_a_cluster_there_is_none():
     assert resolve(environ={"JOB_COMPLETION_INDEX": "0"}) is None
 
 
-@pytest.mark.parametrize("environ, names, message", [
-    ({**POD, "KERAS_DISTRIB_WORLD_SIZE": "two"}, ("train-1", "train-1.s.ns.svc"),
-     "KERAS_DISTRIB_WORLD_SIZE='two' must be a whole number (set it in the pod template to "
-     "the Job's completions)."),
-    ({**POD, "JOB_COMPLETION_INDEX": "3"}, ("train-3", "train-3.s.ns.svc"),
-     "JOB_COMPLETION_INDEX"),
-    (POD, ("worker", "worker.s.ns.svc"),
-     "the pod's host name 'worker' does not end in '-1' (JOB_COMPLETION_INDEX=1)"),
-    (POD, ("train-1", "train-1"), "the pod 'train-1' has no subdomain"),
-    ({**POD, "KERAS_DISTRIB_PORT": "70000"}, ("train-1", "train-1.s.ns.svc"),
-     "KERAS_DISTRIB_PORT=70000 must be a port in 1..65535."),
-])
+@pytest.mark.parametrize(
+    "environ, names, message",
+    [
+        (
+            {**POD, "KERAS_DISTRIB_WORLD_SIZE": "two"},
+            ("train-1", "train-1.s.ns.svc"),
+            "KERAS_DISTRIB_WORLD_SIZE='two' must be a whole number (set it in the pod template to "
+            "the Job's completions).",
+        ),
+        (
+            {**POD, "JOB_COMPLETION_INDEX": "3"},
+            ("train-3", "train-3.s.ns.svc"),
+            "JOB_COMPLETION_INDEX",
+        ),
+        (
+            POD,
+            ("worker", "worker.s.ns.svc"),
+            "the pod's host name 'worker' does not end in '-1' (JOB_COMPLETION_INDEX=1)",
+        ),
+        (POD, ("train-1", "train-1"), "the pod 'train-1' has no subdomain"),
+        (
+            {**POD, "KERAS_DISTRIB_PORT": "70000"},
+            ("train-1", "train-1.s.ns.svc"),
+            "KERAS_DISTRIB_PORT=70000 must be a port in 1..65535.",
+        ),
+    ],
+)
 def test_a_pod_that_cannot_be_placed_is_one_line_with_the_fix(environ, names, message):
     with pytest.raises(ClusterConfigError) as error:
         from_indexed_job(environ, **_names(*names))
@@ -78,8 +98,14 @@ def test_the_manifests_validate_against_kubernetes_schemas():
     # validated as Kubernetes' Job.
     (jobset,) = _documents("jobset.yaml")
     for replicated in jobset["spec"]["replicatedJobs"]:
-        _validate({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "x"},
-                   **replicated["template"]})
+        _validate(
+            {
+                "apiVersion": "batch/v1",
+                "kind": "Job",
+                "metadata": {"name": "x"},
+                **replicated["template"],
+            }
+        )
 
 
 def test_the_validator_rejects_a_broken_manifest():

@@ -38,8 +38,16 @@ def _attempt(tmp_path, resize):
     ready = str(tmp_path / "ready")
     spec = ChildSpec("horovodrun", [sys.executable, "-c", RESIZED, ready], {})
     with SignalTrap() as trap:
-        return run_attempt(Job.of([spec]), 0, CONFIG, trap, None, Printer(io.StringIO()),
-                           io.StringIO(), resize=lambda: resize(ready))
+        return run_attempt(
+            Job.of([spec]),
+            0,
+            CONFIG,
+            trap,
+            None,
+            Printer(io.StringIO()),
+            io.StringIO(),
+            resize=lambda: resize(ready),
+        )
 
 
 def test_a_job_stopped_for_a_resize_is_resized_though_it_exits_0(tmp_path):
@@ -48,12 +56,19 @@ def test_a_job_stopped_for_a_resize_is_resized_though_it_exits_0(tmp_path):
 
 
 def test_a_job_that_finished_before_the_request_is_not_resized(tmp_path):
-    child = start(ChildSpec("rank 0", [sys.executable, "-c", "pass"], {}), 40,
-                  Printer(io.StringIO()))
+    child = start(
+        ChildSpec("rank 0", [sys.executable, "-c", "pass"], {}), 40, Printer(io.StringIO())
+    )
     child.proc.wait()
     with SignalTrap() as trap:
-        result = end(SuperviseResult(Ending.RESIZING, PREEMPTED), [child], CONFIG, trap,
-                     Printer(io.StringIO()), io.StringIO())
+        result = end(
+            SuperviseResult(Ending.RESIZING, PREEMPTED),
+            [child],
+            CONFIG,
+            trap,
+            Printer(io.StringIO()),
+            io.StringIO(),
+        )
     assert result.ending is Ending.SUCCEEDED
     assert result.exit_code == 0
 
@@ -62,7 +77,8 @@ def test_a_job_that_finished_before_the_request_is_not_resized(tmp_path):
 # `[rank]<stream>:`. The ranks in `argv[1]` say they were preempted, as
 # keras_distrib's workers do, on SIGTERM or at once (`argv[2]`); then it
 # exits `argv[3]`, as horovodrun does for ranks that exited 75.
-HOROVODRUN = """
+HOROVODRUN = (
+    """
 import signal, sys, time
 def preempted(*args):
     for rank in sys.argv[1].split(","):
@@ -73,12 +89,19 @@ if sys.argv[2] == "now":
 signal.signal(signal.SIGTERM, preempted)
 print("[0]<stdout>:training", flush=True)
 time.sleep(60)
-""" % PREEMPTED_LINE
+"""
+    % PREEMPTED_LINE
+)
 
 
 def _horovodrun(ranks, when, code):
-    spec = ChildSpec("horovodrun", [sys.executable, "-c", HOROVODRUN, ranks, when, str(code)],
-                     {}, rank_prefix=HOROVODRUN_RANK_PREFIX, ranks=2)
+    spec = ChildSpec(
+        "horovodrun",
+        [sys.executable, "-c", HOROVODRUN, ranks, when, str(code)],
+        {},
+        rank_prefix=HOROVODRUN_RANK_PREFIX,
+        ranks=2,
+    )
     return start(spec, 40, Printer(io.StringIO()))
 
 
@@ -90,9 +113,14 @@ def test_horovodrun_whose_ranks_were_preempted_ends_a_stopped_launch_with_75(cod
         assert time.monotonic() < deadline and child.running
         time.sleep(0.01)
     with SignalTrap() as trap:
-        result = end(SuperviseResult(Ending.INTERRUPTED, 128 + signal.SIGTERM,
-                                     signum=signal.SIGTERM),
-                     [child], CONFIG, trap, Printer(io.StringIO()), io.StringIO())
+        result = end(
+            SuperviseResult(Ending.INTERRUPTED, 128 + signal.SIGTERM, signum=signal.SIGTERM),
+            [child],
+            CONFIG,
+            trap,
+            Printer(io.StringIO()),
+            io.StringIO(),
+        )
     assert result.exit_code == PREEMPTED
 
 

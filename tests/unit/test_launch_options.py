@@ -28,16 +28,28 @@ pytestmark = pytest.mark.timeout(60)
 # Flags and configuration
 
 
-@pytest.mark.parametrize("argv, head, tail", [
-    (["kd", "launch", "-n", "2", "t.py", "-n", "5", "--ssh"],
-     ["kd", "launch", "-n", "2"], ["t.py", "-n", "5", "--ssh"]),
-    (["kd", "-n", "2", "--ssh", "launch", "--hosts", "a,b", "t.py"],
-     ["kd", "-n", "2", "--ssh", "launch", "--hosts", "a,b"], ["t.py"]),
-    (["kd", "launch", "--nproc=2", "--", "-weird.py", "x"],
-     ["kd", "launch", "--nproc=2"], ["-weird.py", "x"]),
-    (["kd", "launch", "-n", "2"], ["kd", "launch", "-n", "2"], []),
-    (["kd"], ["kd"], []),
-])
+@pytest.mark.parametrize(
+    "argv, head, tail",
+    [
+        (
+            ["kd", "launch", "-n", "2", "t.py", "-n", "5", "--ssh"],
+            ["kd", "launch", "-n", "2"],
+            ["t.py", "-n", "5", "--ssh"],
+        ),
+        (
+            ["kd", "-n", "2", "--ssh", "launch", "--hosts", "a,b", "t.py"],
+            ["kd", "-n", "2", "--ssh", "launch", "--hosts", "a,b"],
+            ["t.py"],
+        ),
+        (
+            ["kd", "launch", "--nproc=2", "--", "-weird.py", "x"],
+            ["kd", "launch", "--nproc=2"],
+            ["-weird.py", "x"],
+        ),
+        (["kd", "launch", "-n", "2"], ["kd", "launch", "-n", "2"], []),
+        (["kd"], ["kd"], []),
+    ],
+)
 def test_split_argv_keeps_script_flags_away_from_absl(argv, head, tail):
     assert launch.split_argv(argv) == (head, tail)
 
@@ -50,14 +62,17 @@ def test_parse_hosts():
     assert launch.parse_hosts(["[fe80::1]:2"], 2) == ["[fe80::1]", "[fe80::1]"]
 
 
-@pytest.mark.parametrize("hosts, nproc, fragment", [
-    (["a:1", "b:1"], 3, "gives 2 slots but -n is 3"),
-    (["a", "b", "c"], 2, "lists 3 hosts but -n is 2"),
-    (["a", "a:2"], 2, "lists 'a' twice"),
-    (["a:0"], 1, "slots must be >= 1"),
-    (["fe80::1"], 1, "IPv6 hosts in brackets"),
-    (["a:x"], 1, "not host or host:slots"),
-])
+@pytest.mark.parametrize(
+    "hosts, nproc, fragment",
+    [
+        (["a:1", "b:1"], 3, "gives 2 slots but -n is 3"),
+        (["a", "b", "c"], 2, "lists 3 hosts but -n is 2"),
+        (["a", "a:2"], 2, "lists 'a' twice"),
+        (["a:0"], 1, "slots must be >= 1"),
+        (["fe80::1"], 1, "IPv6 hosts in brackets"),
+        (["a:x"], 1, "not host or host:slots"),
+    ],
+)
 def test_parse_hosts_errors(hosts, nproc, fragment):
     with pytest.raises(LaunchError, match=fragment):
         launch.parse_hosts(hosts, nproc)
@@ -66,8 +81,9 @@ def test_parse_hosts_errors(hosts, nproc, fragment):
 def test_check_config_errors(tmp_path):
     script = rank_script(tmp_path, "")
     # Elastic Horovod: horovodrun again on the hosts that answer.
-    launch.check_config(LaunchConfig(nproc=2, script=script, min_workers=1, max_restarts=1,
-                                     backend="horovod"))
+    launch.check_config(
+        LaunchConfig(nproc=2, script=script, min_workers=1, max_restarts=1, backend="horovod")
+    )
     for config, fragment in [
         (LaunchConfig(nproc=0, script=script), "must be >= 1, got 0"),
         (LaunchConfig(nproc=1, script=str(tmp_path / "no.py")), "not found"),
@@ -75,16 +91,23 @@ def test_check_config_errors(tmp_path):
         (LaunchConfig(nproc=1, script=script, timeout=-1), "--timeout=-1"),
         (LaunchConfig(nproc=1, script=script, max_restarts=-1), "--max_restarts=-1 must be >= 0"),
         (LaunchConfig(nproc=1, script=script, grace_seconds=-1), "--grace_seconds=-1 must be >= 0"),
-        (LaunchConfig(nproc=1, script=script, straggler_warning=-1),
-         "--straggler_warning=-1 must be >= 0"),
-        (LaunchConfig(nproc=1, script=script, backend="horovod", max_restarts=1),
-         "works with --backend=tf only"),
-        (LaunchConfig(nproc=2, script=script, min_workers=3, max_restarts=1),
-         r"--min_workers=3 must be between 1 and -n \(2\)"),
-        (LaunchConfig(nproc=2, script=script, min_workers=1),
-         "give --max_restarts K"),
-        (LaunchConfig(nproc=2, script=script, min_workers=1, max_restarts=1, ps=1),
-         "--min_workers works with workers only"),
+        (
+            LaunchConfig(nproc=1, script=script, straggler_warning=-1),
+            "--straggler_warning=-1 must be >= 0",
+        ),
+        (
+            LaunchConfig(nproc=1, script=script, backend="horovod", max_restarts=1),
+            "works with --backend=tf only",
+        ),
+        (
+            LaunchConfig(nproc=2, script=script, min_workers=3, max_restarts=1),
+            r"--min_workers=3 must be between 1 and -n \(2\)",
+        ),
+        (LaunchConfig(nproc=2, script=script, min_workers=1), "give --max_restarts K"),
+        (
+            LaunchConfig(nproc=2, script=script, min_workers=1, max_restarts=1, ps=1),
+            "--min_workers works with workers only",
+        ),
     ]:
         with pytest.raises(LaunchError, match=fragment):
             launch.check_config(config)
@@ -92,6 +115,7 @@ def test_check_config_errors(tmp_path):
 
 def test_port_base_in_use_is_refused(tmp_path):
     import socket
+
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         sock.listen(1)
@@ -109,6 +133,7 @@ def test_port_base_in_use_is_refused(tmp_path):
 def _feed(chunks_by_source, hide_tf_noise=False) -> str:
     """What the printer writes for `(source, chunk)` pairs fed in order."""
     import io
+
     stream = io.StringIO()
     printer = output_lib.Printer(stream, hide_tf_noise=hide_tf_noise)
     tail: list[str] = []
@@ -129,7 +154,8 @@ def test_redraws_show_as_one_updating_line_and_crlf_ends_lines():
     assert _feed(bar) == "\r[r0] 0/3\r[r0] 1/3\r[r0] 2/3\n"
     # ssh -tt: CRLF line ends, also when a read ends between \r and \n.
     assert _feed([("r0", "one\r\ntwo\r\nthree\r"), ("r0", "\nfour\r\n")]) == (
-        "[r0] one\n[r0] two\n\r[r0] three\n[r0] four\n")
+        "[r0] one\n[r0] two\n\r[r0] three\n[r0] four\n"
+    )
     # A bar ended by CRLF; several redraws in one read show the last.
     assert _feed([("r0", "\r1/3\r2/3"), ("r0", "\r3/3\r\n")]) == "\r[r0] 2/3\r[r0] 3/3\n"
     # A plain partial line still waits for its end.
@@ -137,23 +163,27 @@ def test_redraws_show_as_one_updating_line_and_crlf_ends_lines():
 
 
 def test_banners_left_by_tf_cpp_min_log_level_are_dropped_unless_asked_for():
-    banners = ("WARNING: All log messages before absl::InitializeLog() is called are "
-               "written to STDERR\nI0000 00:00:1795414363.840102   27521 port.cc:153] oneDNN "
-               "custom operations are on.\n")
+    banners = (
+        "WARNING: All log messages before absl::InitializeLog() is called are "
+        "written to STDERR\nI0000 00:00:1795414363.840102   27521 port.cc:153] oneDNN "
+        "custom operations are on.\n"
+    )
     chunks = [("r0", banners + "Epoch 1/2\n")]
     assert _feed(chunks, hide_tf_noise=True) == "[r0] Epoch 1/2\n"
     assert _feed(chunks).count("[r0] ") == 3
 
 
 def test_another_sources_line_ends_an_open_redraw_first():
-    out = _feed([("r0", "\r1/3"), ("r1", "hello\n"), ("r0", "\r2/3"), ("r0", "\n"),
-                 ("r1", "bye\n")])
+    out = _feed(
+        [("r0", "\r1/3"), ("r1", "hello\n"), ("r0", "\r2/3"), ("r0", "\n"), ("r1", "bye\n")]
+    )
     assert out == "\r[r0] 1/3\n[r1] hello\n\r[r0] 2/3\n[r1] bye\n"
 
 
 def test_horovodrun_prefixes_become_rank_labels():
     import io
     from keras_distrib.launch import backends
+
     stream = io.StringIO()
     printer = output_lib.Printer(stream)
     tail: list = []
@@ -161,15 +191,18 @@ def test_horovodrun_prefixes_become_rank_labels():
     demux = output_lib.RankDemux(backends.HOROVODRUN_RANK_PREFIX, own, printer, tail)
     # As horovodrun forwards a Keras bar on rank 0 (each piece behind the
     # prefix, ending in \r or \n), reads cut anywhere.
-    text = ("[0]<stdout>:\r[0]<stdout>:1/2 \b\b\b\b\r[1]<stdout>:hi\n"
-            "[0]<stdout>:2/2\n[1]<stderr>:warn\nProcess 1 exit with status code 0.\n"
-            "Mon Nov  3 06:13:52 2026[1]<stdout>:stamped\n")
+    text = (
+        "[0]<stdout>:\r[0]<stdout>:1/2 \b\b\b\b\r[1]<stdout>:hi\n"
+        "[0]<stdout>:2/2\n[1]<stderr>:warn\nProcess 1 exit with status code 0.\n"
+        "Mon Nov  3 06:13:52 2026[1]<stdout>:stamped\n"
+    )
     for i in range(0, len(text), 7):
-        demux.feed(text[i:i + 7])
+        demux.feed(text[i : i + 7])
     demux.close()
     assert stream.getvalue() == (
         "\r[rank 0] 1/2 \n[rank 1] hi\n[rank 0] 2/2\n[rank 1] warn\n"
-        "[horovodrun] Process 1 exit with status code 0.\n[rank 1] stamped\n")
+        "[horovodrun] Process 1 exit with status code 0.\n[rank 1] stamped\n"
+    )
     assert "[rank 1] warn" in tail
 
 
@@ -180,18 +213,27 @@ def test_horovodrun_prefixes_become_rank_labels():
 def test_multi_host_dry_run_prints_and_writes_tf_config(tmp_path, capfd):
     script = rank_script(tmp_path, "open(os.path.join(HERE, 'ran'), 'w').close()")
     out_dir = tmp_path / "out"
-    config = LaunchConfig(nproc=3, script=script, script_args=("--lr", "0.1"),
-                          hosts=("node-a.invalid:2", "node-b.invalid"),
-                          output_dir=str(out_dir))
+    config = LaunchConfig(
+        nproc=3,
+        script=script,
+        script_args=("--lr", "0.1"),
+        hosts=("node-a.invalid:2", "node-b.invalid"),
+        output_dir=str(out_dir),
+    )
     assert launch.launch(config) == 0
     out, _ = capfd.readouterr()
     expected_workers = ["node-a.invalid:23456", "node-a.invalid:23457", "node-b.invalid:23456"]
     for rank, host in enumerate(["node-a.invalid", "node-a.invalid", "node-b.invalid"]):
-        line = next(printed for printed in out.splitlines()
-                    if printed.startswith(f"rank {rank} on {host}: "))
+        line = next(
+            printed
+            for printed in out.splitlines()
+            if printed.startswith(f"rank {rank} on {host}: ")
+        )
         tf_config = json.loads(line.split("TF_CONFIG=", 1)[1])
-        assert tf_config == {"cluster": {"worker": expected_workers},
-                             "task": {"type": "worker", "index": rank}}
+        assert tf_config == {
+            "cluster": {"worker": expected_workers},
+            "task": {"type": "worker", "index": rank},
+        }
         assert json.loads((out_dir / f"rank-{rank}.tf_config.json").read_text()) == tf_config
     commands = [line.strip() for line in out.splitlines() if line.startswith("  cd ")]
     assert len(commands) == 3
@@ -209,10 +251,21 @@ def test_multi_host_dry_run_prints_and_writes_tf_config(tmp_path, capfd):
 
 def test_usage_lists_flags_and_env_contract():
     text = launch.usage()
-    for fragment in ("-n,--nproc", "--hosts", "--port_base", "--bind", "--ssh",
-                     "--timeout", "--tail_lines", "--max_restarts", "--grace_seconds",
-                     "KERAS_DISTRIB_WORLD_SIZE", "KERAS_DISTRIB_RESTART",
-                     "KERAS_DISTRIB_SHM_DIR", "TF_CPP_MIN_LOG_LEVEL"):
+    for fragment in (
+        "-n,--nproc",
+        "--hosts",
+        "--port_base",
+        "--bind",
+        "--ssh",
+        "--timeout",
+        "--tail_lines",
+        "--max_restarts",
+        "--grace_seconds",
+        "KERAS_DISTRIB_WORLD_SIZE",
+        "KERAS_DISTRIB_RESTART",
+        "KERAS_DISTRIB_SHM_DIR",
+        "TF_CPP_MIN_LOG_LEVEL",
+    ):
         assert fragment in text
 
 
@@ -226,20 +279,25 @@ def test_launcher_warns_when_local_ranks_exceed_cpu_cores(tmp_path, monkeypatch,
 
     cli = importlib.import_module("keras_distrib.launch.cli")
     started = []
-    monkeypatch.setattr(cli, "supervise", lambda specs, config, out, err: (
-        started.append(len(specs)) or types.SimpleNamespace(exit_code=0)))
+    monkeypatch.setattr(
+        cli,
+        "supervise",
+        lambda specs, config, out, err: (
+            started.append(len(specs)) or types.SimpleNamespace(exit_code=0)
+        ),
+    )
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     script = tmp_path / "train.py"
     script.write_text("")
     err = io.StringIO()
-    assert cli.launch(LaunchConfig(nproc=nproc, script=str(script)),
-                      io.StringIO(), err) == 0
+    assert cli.launch(LaunchConfig(nproc=nproc, script=str(script)), io.StringIO(), err) == 0
     assert started == [nproc]  # a warning, not an error: the ranks start
     if warned:
         assert err.getvalue() == (
             "keras-distrib: warning: 3 ranks on this machine, which has 2 CPU cores; they "
             "will compete for the cores and train slowly (lower -n, or spread the ranks "
-            "with --hosts).\n")
+            "with --hosts).\n"
+        )
     else:
         assert err.getvalue() == ""
 
@@ -270,8 +328,9 @@ def test_an_elastic_attempt_plans_the_member_slots_only(tmp_path):
     from keras_distrib.launch import elastic
 
     script = rank_script(tmp_path, "")
-    config = LaunchConfig(nproc=4, script=script, hosts=("a:2", "b:1", "c:1"), min_workers=2,
-                          max_restarts=1)
+    config = LaunchConfig(
+        nproc=4, script=script, hosts=("a:2", "b:1", "c:1"), min_workers=2, max_restarts=1
+    )
     hosts = elastic.slot_hosts(config)
     assert hosts == ["a", "a", "b", "c"]
     members = elastic._Membership(hosts, [0, 1, 3])
@@ -288,8 +347,10 @@ def test_a_private_network_is_for_one_host_jobs(tmp_path):
     private_network.check(LaunchConfig(nproc=2, script=script))
     private_network.check(LaunchConfig(nproc=2, script=script, hosts=("127.0.0.1:2",)))
     with pytest.raises(LaunchError) as excinfo:
-        private_network.check(LaunchConfig(nproc=2, script=script,
-                                           hosts=("127.0.0.1:1", "198.51.100.7:1")))
+        private_network.check(
+            LaunchConfig(nproc=2, script=script, hosts=("127.0.0.1:1", "198.51.100.7:1"))
+        )
     assert str(excinfo.value) == (
         "--private_network keeps the job on this machine's loopback, but --hosts names "
-        "198.51.100.7; drop --private_network or run the job on one host.")
+        "198.51.100.7; drop --private_network or run the job on one host."
+    )

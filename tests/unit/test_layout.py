@@ -58,13 +58,16 @@ def _imported(module, node):
     else:
         base = node.module or ""
         if node.level:
-            package = module if MODULES[module].endswith("__init__.py") else \
-                module.rsplit(".", 1)[0]
+            package = (
+                module if MODULES[module].endswith("__init__.py") else module.rsplit(".", 1)[0]
+            )
             for _ in range(node.level - 1):
                 package = package.rsplit(".", 1)[0]
             base = package + ("." + base if base else "")
-        names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base
-                 for alias in node.names]
+        names = [
+            f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base
+            for alias in node.names
+        ]
     found = set()
     for name in names:
         while name and name not in MODULES:
@@ -85,11 +88,18 @@ def _imports(module, top_level_only):
             node = stack.pop()
             nodes.append(node)
             if isinstance(node, (ast.If, ast.Try)):
-                stack.extend(node.body + node.orelse + getattr(node, "finalbody", [])
-                             + [n for handler in getattr(node, "handlers", [])
-                                for n in handler.body])
-    return {target for node in nodes if isinstance(node, (ast.Import, ast.ImportFrom))
-            for target in _imported(module, node)}
+                stack.extend(
+                    node.body
+                    + node.orelse
+                    + getattr(node, "finalbody", [])
+                    + [n for handler in getattr(node, "handlers", []) for n in handler.body]
+                )
+    return {
+        target
+        for node in nodes
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for target in _imported(module, node)
+    }
 
 
 def _part(module):
@@ -103,18 +113,25 @@ def _layer(module):
 
 def test_files_and_functions_are_small():
     lines = {name: len(source.splitlines()) for name, source in SOURCES.items()}
-    long_files = [f"{name}: {count} lines" for name, count in lines.items()
-                  if count > MAX_FILE_LINES]
-    long_functions = [f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines"
-                      for name, tree in TREES.items() for node in ast.walk(tree)
-                      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-                      and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    long_files = [
+        f"{name}: {count} lines" for name, count in lines.items() if count > MAX_FILE_LINES
+    ]
+    long_functions = [
+        f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines"
+        for name, tree in TREES.items()
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+    ]
     assert long_files == [] and long_functions == []
 
 
 def test_few_modules_at_the_root():
-    root = [name for name in MODULES if name.count(".") == 1
-            and not os.path.isdir(os.path.join(PACKAGE, _part(name)))]
+    root = [
+        name
+        for name in MODULES
+        if name.count(".") == 1 and not os.path.isdir(os.path.join(PACKAGE, _part(name)))
+    ]
     assert len(root) <= MAX_ROOT_MODULES, sorted(root)
 
 
@@ -124,7 +141,7 @@ def test_no_import_circle():
 
     def visit(name):
         if name in path:
-            pytest.fail("import circle: " + " -> ".join(path[path.index(name):] + [name]))
+            pytest.fail("import circle: " + " -> ".join(path[path.index(name) :] + [name]))
         if name in done:
             return
         path.append(name)
@@ -141,11 +158,17 @@ def test_each_layer_imports_only_from_below():
     up, launcher = [], []
     for name in MODULES:
         if _part(name) == LAUNCHER:
-            launcher += [f"{name} -> {t}" for t in _imports(name, top_level_only=False)
-                         if t != "keras_distrib" and _part(t) not in LAUNCHER_MAY_IMPORT]
+            launcher += [
+                f"{name} -> {t}"
+                for t in _imports(name, top_level_only=False)
+                if t != "keras_distrib" and _part(t) not in LAUNCHER_MAY_IMPORT
+            ]
             continue
-        up += [f"{name} -> {t}" for t in _imports(name, top_level_only=False)
-               if _part(t) == LAUNCHER or _layer(t) < _layer(name)]
+        up += [
+            f"{name} -> {t}"
+            for t in _imports(name, top_level_only=False)
+            if _part(t) == LAUNCHER or _layer(t) < _layer(name)
+        ]
     assert up == [] and launcher == []
 
 

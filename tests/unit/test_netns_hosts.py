@@ -7,12 +7,28 @@ from netns_hosts import SUBNET, TestBed, ssh_words
 
 def test_ssh_words_read_options_before_and_after_the_host():
     # As horovodrun writes it: options, the host, more options, the command.
-    argv = ["-o", "PasswordAuthentication=no", "-o", "StrictHostKeyChecking=no", "10.77.0.2",
-            "-o", "ConnectTimeout=10", "cd", "/work", ">", "/dev/null", "2>&1", ";", "true"]
+    argv = [
+        "-o",
+        "PasswordAuthentication=no",
+        "-o",
+        "StrictHostKeyChecking=no",
+        "10.77.0.2",
+        "-o",
+        "ConnectTimeout=10",
+        "cd",
+        "/work",
+        ">",
+        "/dev/null",
+        "2>&1",
+        ";",
+        "true",
+    ]
     assert ssh_words(argv) == ("10.77.0.2", "cd /work > /dev/null 2>&1 ; true")
     # As the launcher's --ssh_command gives it: the host, one command word.
     assert ssh_words(["10.77.0.1", "cd /w && exec env A=1 python t.py"]) == (
-        "10.77.0.1", "cd /w && exec env A=1 python t.py")
+        "10.77.0.1",
+        "cd /w && exec env A=1 python t.py",
+    )
     assert ssh_words(["-p", "22"]) == (None, "")
     # As the launcher's default --ssh_command asks a host whether it answers.
     assert ssh_words(["-o", "BatchMode=yes", "-tt", "10.77.0.2", "true"]) == ("10.77.0.2", "true")

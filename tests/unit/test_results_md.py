@@ -17,7 +17,8 @@ def _load_script():
     if "results_md" in sys.modules:  # absl flags are defined once per process
         return sys.modules["results_md"]
     spec = importlib.util.spec_from_file_location(
-        "results_md", os.path.join(REPO, "benchmarks", "results_md.py"))
+        "results_md", os.path.join(REPO, "benchmarks", "results_md.py")
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules["results_md"] = module
     spec.loader.exec_module(module)
@@ -29,52 +30,90 @@ results_md = _load_script()
 
 def _summary(values):
     ordered = sorted(values)
-    return {"median": ordered[len(ordered) // 2], "min": ordered[0], "max": ordered[-1],
-            "values": values}
+    return {
+        "median": ordered[len(ordered) // 2],
+        "min": ordered[0],
+        "max": ordered[-1],
+        "values": values,
+    }
 
 
 def _meta(name, quick=False):
-    return {"benchmark": name, "time": "2026-11-26 13:10:39 +0000",
-            "argv": [f"benchmarks/{name}.py"], "cpus": 2,
-            "load": "1-min load average at start 0.02 on 2 cores", "quick": quick}
+    return {
+        "benchmark": name,
+        "time": "2026-11-26 13:10:39 +0000",
+        "argv": [f"benchmarks/{name}.py"],
+        "cpus": 2,
+        "load": "1-min load average at start 0.02 on 2 cores",
+        "quick": quick,
+    }
 
 
 SPARSE = {
     "meta": _meta("sparse_embeddings"),
-    "vocab": 1000000, "dim": 64, "batch": 1024, "optimizer": "sgd",
+    "vocab": 1000000,
+    "dim": 64,
+    "batch": 1024,
+    "optimizer": "sgd",
     "configs": {
         "sparse": {"step_ms": _summary([31.2, 27.0, 33.4]), "bytes_per_step": 270620},
         "dense": {"step_ms": _summary([208.8, 201.3, 220.6]), "bytes_per_step": 256000268},
         "plain": {"step_ms": _summary([24.5, 22.7, 25.8]), "bytes_per_step": 0},
     },
-    "ratios": {"dense/sparse step time": _summary([7.08, 6.24, 7.45]),
-               "sparse/plain step time": _summary([1.30, 1.10, 1.37])},
+    "ratios": {
+        "dense/sparse step time": _summary([7.08, 6.24, 7.45]),
+        "sparse/plain step time": _summary([1.30, 1.10, 1.37]),
+    },
     "bytes_ratio_dense_over_sparse": 945.98,
 }
 
 
 def _step(step, compute, comm, tail):
-    return {"step": step, "compute": compute, "comm": comm, "tail": tail,
-            "step_over_max_parts": step / max(compute, comm),
-            "bound": (compute + tail) / max(compute, comm), "weight_sum": -38.7}
+    return {
+        "step": step,
+        "compute": compute,
+        "comm": comm,
+        "tail": tail,
+        "step_over_max_parts": step / max(compute, comm),
+        "bound": (compute + tail) / max(compute, comm),
+        "weight_sum": -38.7,
+    }
 
 
 MULTI_HOST = {
     "meta": _meta("multi_host", quick=True),
-    "repeats": 2, "batch": 512,
-    "results": [{
-        "rate": "1gbit", "link_bytes_per_second": 125000000.0,
-        "allreduce": [
-            {"name": "64 KB", "bytes": 65536,
-             "bus_fraction": {"ours_ring": 0.199, "ours_gloo": 0.131, "raw_tf": 0.276,
-                              "sockets": 0.912}},
-            {"name": "4 MB", "bytes": 4194304,
-             "bus_fraction": {"ours_ring": 0.986, "ours_gloo": 0.971, "raw_tf": 0.987,
-                              "sockets": 0.996}},
-        ],
-        "train": _step(0.0552, 0.0144, 0.0355, 0.0270),
-        "compressed": {"fp16": _step(0.0375, 0.0144, 0.0174, 0.0133)},
-    }],
+    "repeats": 2,
+    "batch": 512,
+    "results": [
+        {
+            "rate": "1gbit",
+            "link_bytes_per_second": 125000000.0,
+            "allreduce": [
+                {
+                    "name": "64 KB",
+                    "bytes": 65536,
+                    "bus_fraction": {
+                        "ours_ring": 0.199,
+                        "ours_gloo": 0.131,
+                        "raw_tf": 0.276,
+                        "sockets": 0.912,
+                    },
+                },
+                {
+                    "name": "4 MB",
+                    "bytes": 4194304,
+                    "bus_fraction": {
+                        "ours_ring": 0.986,
+                        "ours_gloo": 0.971,
+                        "raw_tf": 0.987,
+                        "sockets": 0.996,
+                    },
+                },
+            ],
+            "train": _step(0.0552, 0.0144, 0.0355, 0.0270),
+            "compressed": {"fp16": _step(0.0375, 0.0144, 0.0174, 0.0133)},
+        }
+    ],
     "one_host": _step(0.0374, 0.0158, 0.0150, 0.0112),
 }
 
@@ -122,8 +161,15 @@ def test_sections_figures_and_missing_benchmarks(tmp_path):
 
 
 def test_an_unknown_benchmark_gets_a_generic_section(tmp_path):
-    _write(tmp_path, "new_bench", {"meta": _meta("new_bench"), "batch": 64,
-                                   "ratios": {"ours / peer": _summary([1.5, 1.2, 1.8])}})
+    _write(
+        tmp_path,
+        "new_bench",
+        {
+            "meta": _meta("new_bench"),
+            "batch": 64,
+            "ratios": {"ours / peer": _summary([1.5, 1.2, 1.8])},
+        },
+    )
     text = results_md.render(str(tmp_path), str(tmp_path / "RESULTS.md"))
     assert "## New bench (`new_bench.py`)" in text
     assert "| batch | 64 |" in text

@@ -34,10 +34,15 @@ def _classes_in(path):
     for node in tree.body:
         if isinstance(node, ast.ClassDef):
             found[node.name] = next(
-                (statement.value.value for statement in node.body
-                 if isinstance(statement, ast.Assign)
-                 and [getattr(t, "id", None) for t in statement.targets] == ["name"]
-                 and isinstance(statement.value, ast.Constant)), None)
+                (
+                    statement.value.value
+                    for statement in node.body
+                    if isinstance(statement, ast.Assign)
+                    and [getattr(t, "id", None) for t in statement.targets] == ["name"]
+                    and isinstance(statement.value, ast.Constant)
+                ),
+                None,
+            )
     return found
 
 

@@ -41,10 +41,13 @@ def main(argv):
             model = build(form, name, steps_per_execution=FLAGS.steps_per_execution)
             model.fit(x, y, batch_size=FLAGS.batch, epochs=FLAGS.epochs, shuffle=False, verbose=0)
             strategy = model.strategy
-            np.savez(os.path.join(FLAGS.out, f"{name}-{form}-rank{strategy.rank}.npz"),
-                     *model.get_weights())
+            np.savez(
+                os.path.join(FLAGS.out, f"{name}-{form}-rank{strategy.rank}.npz"),
+                *model.get_weights(),
+            )
             results[f"{name}-{form}"] = {
-                "strategy": strategy.name, "rank": strategy.rank,
+                "strategy": strategy.name,
+                "rank": strategy.rank,
                 "world_size": strategy.world_size,
                 "iterations": int(model.optimizer.iterations.numpy()),
                 "evaluate": model.evaluate(x, y, batch_size=FLAGS.batch, verbose=0),

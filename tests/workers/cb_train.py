@@ -123,7 +123,12 @@ def main(argv):
     record = Record()
     warmup = kdc.LearningRateWarmup(warmup_epochs=1, verbose=1)
     history = model.fit(
-        x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=EPOCHS,
+        shuffle=False,
+        verbose=0,
         callbacks=[
             # First: it sees the epoch logs before RankValue's text, which no
             # summary takes.
@@ -132,8 +137,9 @@ def main(argv):
             kdc.MetricAverage(),
             kdc.BroadcastInitialWeights(),
             warmup,
-            kdc.ThroughputMonitor(BATCH, single_worker_throughput=1000.0,
-                                  log_dir=os.path.join(FLAGS.out, "tb")),
+            kdc.ThroughputMonitor(
+                BATCH, single_worker_throughput=1000.0, log_dir=os.path.join(FLAGS.out, "tb")
+            ),
             kdc.ReplicaConsistencyCheck(every_n_steps=2),
             record,
         ],
@@ -151,7 +157,12 @@ def main(argv):
     # B: NaN weights on rank 1 only.
     try:
         build("functional", strategy).fit(
-            x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+            x,
+            y,
+            batch_size=BATCH,
+            epochs=EPOCHS,
+            shuffle=False,
+            verbose=0,
             callbacks=[OnRank(1, 1, nan_weight), kdc.ReplicaConsistencyCheck(every_n_steps=2)],
         )
     except kdc.ReplicaDivergenceError as e:
@@ -160,17 +171,29 @@ def main(argv):
     # N: TerminateOnNaN, a NaN loss on rank 1 only.
     batches = CountBatches()
     history = build("functional", strategy).fit(
-        x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=EPOCHS,
+        shuffle=False,
+        verbose=0,
         callbacks=[OnRank(1, 1, nan_output_bias), keras.callbacks.TerminateOnNaN(), batches],
     )
-    result["terminate_on_nan"] = {"batches": len(batches.losses),
-                                  "finite": [bool(np.isfinite(v)) for v in batches.losses],
-                                  "epochs": len(history.epoch)}
+    result["terminate_on_nan"] = {
+        "batches": len(batches.losses),
+        "finite": [bool(np.isfinite(v)) for v in batches.losses],
+        "epochs": len(history.epoch),
+    }
 
     # C: drift on rank 1 only; the error ends the job.
     try:
         build("functional", strategy).fit(
-            x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+            x,
+            y,
+            batch_size=BATCH,
+            epochs=EPOCHS,
+            shuffle=False,
+            verbose=0,
             callbacks=[OnRank(1, 2, nudge_weight), kdc.ReplicaConsistencyCheck(every_n_steps=2)],
         )
     except kdc.ReplicaDivergenceError as e:

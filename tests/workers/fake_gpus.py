@@ -12,8 +12,7 @@ import os
 
 import tensorflow as tf
 
-_REAL = {"logical": tf.config.list_logical_devices,
-         "physical": tf.config.list_physical_devices}
+_REAL = {"logical": tf.config.list_logical_devices, "physical": tf.config.list_physical_devices}
 
 
 def _gpus_cuda_shows() -> int:
@@ -32,8 +31,9 @@ def _lister(kind, device_class):
         # Named as the process's CPU is (a cluster's process names its
         # devices by its job and task).
         cpu = _REAL[kind]("CPU")[0].name
-        prefix = cpu[:cpu.rindex("CPU:")] + "GPU:"
+        prefix = cpu[: cpu.rindex("CPU:")] + "GPU:"
         return found + [device_class(f"{prefix}{i}", "GPU") for i in range(_gpus_cuda_shows())]
+
     return listed
 
 
@@ -48,9 +48,11 @@ def _short(devices):
 
 
 mirrored = kd.strategies.get("mirrored")
-auto = kd.strategies.get("auto") if os.environ.get("KERAS_DISTRIB_WORLD_SIZE", "1") == "1" \
-    else None
-print(f"rank {os.environ.get('KERAS_DISTRIB_RANK', '-')} "
-      f"visible {os.environ.get('CUDA_VISIBLE_DEVICES', '-')} "
-      f"mirrored {_short(mirrored.devices)} "
-      f"auto {auto.name + ':' + _short(auto.devices) if auto else '-'}", flush=True)
+auto = kd.strategies.get("auto") if os.environ.get("KERAS_DISTRIB_WORLD_SIZE", "1") == "1" else None
+print(
+    f"rank {os.environ.get('KERAS_DISTRIB_RANK', '-')} "
+    f"visible {os.environ.get('CUDA_VISIBLE_DEVICES', '-')} "
+    f"mirrored {_short(mirrored.devices)} "
+    f"auto {auto.name + ':' + _short(auto.devices) if auto else '-'}",
+    flush=True,
+)

@@ -43,7 +43,8 @@ if os.environ.get("FAULTS_LOGICAL_CPUS"):
 
     tf.config.set_logical_device_configuration(
         tf.config.list_physical_devices("CPU")[0],
-        [tf.config.LogicalDeviceConfiguration()] * int(os.environ["FAULTS_LOGICAL_CPUS"]))
+        [tf.config.LogicalDeviceConfiguration()] * int(os.environ["FAULTS_LOGICAL_CPUS"]),
+    )
 
 import keras  # noqa: E402
 import keras_distrib as kd  # noqa: E402
@@ -57,28 +58,49 @@ flags.DEFINE_string("backup", None, "BackupAndRestore directory.")
 flags.DEFINE_enum("fault", "none", ["none", "kill", "stop", "term"], "What to inject.")
 flags.DEFINE_integer("fault_rank", 1, "The rank that hurts itself.")
 flags.DEFINE_integer("fault_step", 5, "After this global step (1-based).")
-flags.DEFINE_integer("fault_attempts", 1, "The fault strikes on the launcher's first this "
-                     "many attempts (KERAS_DISTRIB_RESTART below it).")
+flags.DEFINE_integer(
+    "fault_attempts",
+    1,
+    "The fault strikes on the launcher's first this "
+    "many attempts (KERAS_DISTRIB_RESTART below it).",
+)
 flags.DEFINE_integer("epochs", 3, "Epochs.")
-flags.DEFINE_enum("optimizer", "adam", ["adam", "sgd"], "Adam or SGD, on a decaying "
-                  "learning rate.")
-flags.DEFINE_string("strategy", "auto", "The strategy (with FAULTS_LOGICAL_CPUS=2 in the "
-                    "environment, a model-parallel one splits each worker's model).")
+flags.DEFINE_enum("optimizer", "adam", ["adam", "sgd"], "Adam or SGD, on a decaying learning rate.")
+flags.DEFINE_string(
+    "strategy",
+    "auto",
+    "The strategy (with FAULTS_LOGICAL_CPUS=2 in the "
+    "environment, a model-parallel one splits each worker's model).",
+)
 flags.DEFINE_integer("save_freq", 4, "Backup every this many steps.")
-flags.DEFINE_integer("pause_after_step", 0,
-                     "After this global step (1-based; 0: never) every rank writes "
-                     "--out/paused-rank<r> and waits until --out/go exists (at most 120 s), "
-                     "on the first attempt only: a network-fault test cuts a link there.")
-flags.DEFINE_integer("hold_after_step", 0,
-                     "After this global step (1-based; 0: never) every rank waits until it "
-                     "is asked to stop (SIGTERM, as keras_distrib.preemption records it), "
-                     "at most 120 s: a preemption test's signal then lands mid-training.")
-flags.DEFINE_bool("step_log", False, "Append `attempt begin|step count time` to "
-                  "--out/steps-rank<r>.txt at the start and after every step that "
-                  "trained (for benchmarks/elastic.py).")
-flags.DEFINE_integer("hold_on_attempt", -1, "Hold (--hold_after_step) on this attempt "
-                     "only, after its --hold_after_step-th step, and say so in "
-                     "--out/held-rank<r>; -1: on every attempt.")
+flags.DEFINE_integer(
+    "pause_after_step",
+    0,
+    "After this global step (1-based; 0: never) every rank writes "
+    "--out/paused-rank<r> and waits until --out/go exists (at most 120 s), "
+    "on the first attempt only: a network-fault test cuts a link there.",
+)
+flags.DEFINE_integer(
+    "hold_after_step",
+    0,
+    "After this global step (1-based; 0: never) every rank waits until it "
+    "is asked to stop (SIGTERM, as keras_distrib.preemption records it), "
+    "at most 120 s: a preemption test's signal then lands mid-training.",
+)
+flags.DEFINE_bool(
+    "step_log",
+    False,
+    "Append `attempt begin|step count time` to "
+    "--out/steps-rank<r>.txt at the start and after every step that "
+    "trained (for benchmarks/elastic.py).",
+)
+flags.DEFINE_integer(
+    "hold_on_attempt",
+    -1,
+    "Hold (--hold_after_step) on this attempt "
+    "only, after its --hold_after_step-th step, and say so in "
+    "--out/held-rank<r>; -1: on every attempt.",
+)
 
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
 
@@ -169,8 +191,9 @@ class _StepLog(keras.callbacks.Callback):
 def main(argv):
     del argv
     # The launcher's attempt, or the run of a requeued Slurm job.
-    attempt = int(os.environ.get("KERAS_DISTRIB_RESTART") or
-                  os.environ.get("SLURM_RESTART_COUNT") or 0)
+    attempt = int(
+        os.environ.get("KERAS_DISTRIB_RESTART") or os.environ.get("SLURM_RESTART_COUNT") or 0
+    )
     keras.utils.set_random_seed(3)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(240, 8)).astype("float32")
@@ -188,14 +211,18 @@ def main(argv):
         shm_dir = os.environ.get("KERAS_DISTRIB_SHM_DIR", "-")
         f.write(f"{attempt} {os.getpid()} {time.time()} {shm_dir}\n")
     if FLAGS.optimizer == "adam":
-        optimizer = keras.optimizers.Adam(keras.optimizers.schedules.ExponentialDecay(
-            0.01, decay_steps=5, decay_rate=0.7))
+        optimizer = keras.optimizers.Adam(
+            keras.optimizers.schedules.ExponentialDecay(0.01, decay_steps=5, decay_rate=0.7)
+        )
     else:
-        optimizer = keras.optimizers.SGD(keras.optimizers.schedules.ExponentialDecay(
-            0.2, decay_steps=5, decay_rate=0.7))
-    model.compile(optimizer=optimizer,
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+        optimizer = keras.optimizers.SGD(
+            keras.optimizers.schedules.ExponentialDecay(0.2, decay_steps=5, decay_rate=0.7)
+        )
+    model.compile(
+        optimizer=optimizer,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
     callbacks = [kd.callbacks.BackupAndRestore(FLAGS.backup, save_freq=FLAGS.save_freq)]
     if FLAGS.pause_after_step and attempt == 0:
         callbacks.append(_PauseUntilGo(FLAGS.pause_after_step, rank))
@@ -205,10 +232,14 @@ def main(argv):
         callbacks.append(_HoldUntilPreempted(FLAGS.hold_after_step, rank))
     if FLAGS.fault != "none" and attempt < FLAGS.fault_attempts and rank == FLAGS.fault_rank:
         callbacks.append(_Fault(SIGNALS[FLAGS.fault], FLAGS.fault_step))
-    model.fit(x, y, batch_size=30, epochs=FLAGS.epochs, shuffle=True, verbose=0,
-              callbacks=callbacks)
-    np.savez(os.path.join(FLAGS.out, f"rank{rank}.npz"),
-             *model.get_weights(), iterations=int(model.optimizer.iterations.numpy()))
+    model.fit(
+        x, y, batch_size=30, epochs=FLAGS.epochs, shuffle=True, verbose=0, callbacks=callbacks
+    )
+    np.savez(
+        os.path.join(FLAGS.out, f"rank{rank}.npz"),
+        *model.get_weights(),
+        iterations=int(model.optimizer.iterations.numpy()),
+    )
 
 
 if __name__ == "__main__":

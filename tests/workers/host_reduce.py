@@ -36,7 +36,7 @@ if "keras_distrib" not in sys.modules:
     _package = types.ModuleType("keras_distrib")
     _package.__path__ = [os.path.join(_ROOT, "keras_distrib")]
     sys.modules["keras_distrib"] = _package
-from keras_distrib.collectives import host_allreduce# noqa: E402
+from keras_distrib.collectives import host_allreduce  # noqa: E402
 
 
 def inputs(rank, call):
@@ -57,20 +57,25 @@ def mean_inputs(rank, call):
     """float32 "gradients" and a sample count last (all counts 0 on call 2)."""
     rng = np.random.default_rng(5000 * call + rank)
     count = [rank * 7 + 3, 0 if rank else 5, 0][call]
-    return [rng.standard_normal((301, 3)).astype(np.float32),
-            rng.standard_normal(11).astype(np.float32), np.float32(count)]
+    return [
+        rng.standard_normal((301, 3)).astype(np.float32),
+        rng.standard_normal(11).astype(np.float32),
+        np.float32(count),
+    ]
 
 
 def skewed_inputs(rank, call):
     rng = np.random.default_rng(9000 * call + rank)
-    return [rng.standard_normal(300_001).astype(np.float32),
-            rng.standard_normal(17).astype(np.float32)]
+    return [
+        rng.standard_normal(300_001).astype(np.float32),
+        rng.standard_normal(17).astype(np.float32),
+    ]
 
 
 def _table(flat, world):
     """The first `world * k` elements of `flat` as a `[world, k]` table."""
     k = flat.size // world
-    return flat[:world * k].reshape(world, k)
+    return flat[: world * k].reshape(world, k)
 
 
 def _skewed(reducer, rank, world):
@@ -114,7 +119,8 @@ def main():
     rank, world = int(rank), int(world)
     try:
         reducer = host_allreduce.HostAllReduce(
-            rank, world, job, timeout=timeout, connect_timeout=connect_timeout, directory=directory)
+            rank, world, job, timeout=timeout, connect_timeout=connect_timeout, directory=directory
+        )
         results = {}
         if mode == "reuse":
             addresses = []

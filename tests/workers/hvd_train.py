@@ -30,7 +30,7 @@ import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 import keras_distrib as kd  # noqa: E402
-from keras_distrib.input import sharding# noqa: E402
+from keras_distrib.input import sharding  # noqa: E402
 from helpers import build, make_data  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -42,9 +42,12 @@ flags.DEFINE_integer("seed", 100, "Seed of the initial weights (of rank 0).")
 flags.DEFINE_bool("seed_per_rank", False, "Rank r builds its weights from seed + r.")
 flags.DEFINE_bool("control", False, "Then also train plain 'single' on this rank's shard.")
 flags.DEFINE_integer("validation", 0, "Validate on the first N samples during fit.")
-flags.DEFINE_bool("rank0_extra_model", False,
-                  "Rank 0 makes a model of its own first, so Keras numbers its layer and "
-                  "model names differently from the other ranks'.")
+flags.DEFINE_bool(
+    "rank0_extra_model",
+    False,
+    "Rank 0 makes a model of its own first, so Keras numbers its layer and "
+    "model names differently from the other ranks'.",
+)
 
 
 def collectives(strategy):
@@ -57,17 +60,22 @@ def collectives(strategy):
 
     @tf.function
     def in_graph():
-        return (strategy.all_reduce(mixed(), "sum"),
-                strategy.all_reduce({"m": tf.constant([2.0 * r, 4.0])}, "mean"),
-                strategy.concat(tf.fill([r + 1, 2], float(r))),
-                strategy.concat(tf.constant(float(r))))
+        return (
+            strategy.all_reduce(mixed(), "sum"),
+            strategy.all_reduce({"m": tf.constant([2.0 * r, 4.0])}, "mean"),
+            strategy.concat(tf.fill([r + 1, 2], float(r))),
+            strategy.concat(tf.constant(float(r))),
+        )
 
     def listed(values):
         return [[str(v.dtype.name), np.asarray(tf.cast(v, "float64")).tolist()] for v in values]
 
     graph_sum, graph_mean, rows, scalars = in_graph()
-    variables = [keras.Variable(np.full([2], 10.0 * (r + 1), "float32")),
-                 tf.Variable(np.int64(r + 7)), tf.Variable(r == 0)]
+    variables = [
+        keras.Variable(np.full([2], 10.0 * (r + 1), "float32")),
+        tf.Variable(np.int64(r + 7)),
+        tf.Variable(r == 0),
+    ]
     strategy.broadcast_variables(variables, root=0)
     return {
         "eager_sum": listed(strategy.all_reduce(mixed(), "sum")),
@@ -75,8 +83,9 @@ def collectives(strategy):
         "graph_mean": np.asarray(graph_mean["m"]).tolist(),
         "concat_rows": np.asarray(rows).tolist(),
         "concat_scalars": np.asarray(scalars).tolist(),
-        "sync_sum": [np.asarray(v).tolist()
-                     for v in strategy.sync_sum([np.float32(r + 1), np.arange(3) * r])],
+        "sync_sum": [
+            np.asarray(v).tolist() for v in strategy.sync_sum([np.float32(r + 1), np.arange(3) * r])
+        ],
         "sync_gather": strategy.sync_gather(np.array([r, 10 * r])).tolist(),
         "seed": strategy.agree_on_seed(1234 if r == 0 else 999),
         "broadcast": [np.asarray(v).tolist() for v in variables],
@@ -94,15 +103,24 @@ def main(argv):
         inputs = keras.Input((3,))
         kd.DistributedModel(inputs, keras.layers.Dense(1)(inputs), strategy="single")
     broadcast = hvd_strategy.broadcast_variables
-    hvd_strategy.broadcast_variables = lambda v, root=0: (broadcasts.append(len(v)),
-                                                          broadcast(v, root))
+    hvd_strategy.broadcast_variables = lambda v, root=0: (
+        broadcasts.append(len(v)),
+        broadcast(v, root),
+    )
     model = build("functional", hvd_strategy, seed=seed)
     initial = model.get_weights()
     validation = None
     if FLAGS.validation:
         validation = (x[: FLAGS.validation], y[: FLAGS.validation])
-    history = model.fit(x, y, batch_size=FLAGS.batch, epochs=FLAGS.epochs, shuffle=False,
-                        validation_data=validation, verbose=2)
+    history = model.fit(
+        x,
+        y,
+        batch_size=FLAGS.batch,
+        epochs=FLAGS.epochs,
+        shuffle=False,
+        validation_data=validation,
+        verbose=2,
+    )
     result = {
         "rank": rank,
         "hostname": socket.gethostname(),  # on the multi-host test bed, the host's address

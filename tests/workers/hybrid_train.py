@@ -20,7 +20,8 @@ import tensorflow as tf  # noqa: E402
 # Before `import keras_distrib`, which starts the collective runtime (and
 # with it TensorFlow's devices) under the launcher.
 tf.config.set_logical_device_configuration(
-    tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+    tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2
+)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -35,8 +36,11 @@ flags.DEFINE_string("out", None, "Directory for results.")
 flags.DEFINE_integer("batch", 32, "Global batch size.")
 flags.DEFINE_integer("epochs", 2, "Epochs.")
 flags.DEFINE_string("implementation", "auto", "Collectives across workers.")
-flags.DEFINE_list("runs", ["tensor_parallel", "gpipe", "1f1b", "tensor_parallel_spe3", "1f1b_ours"],
-                  "What to train, in turn.")
+flags.DEFINE_list(
+    "runs",
+    ["tensor_parallel", "gpipe", "1f1b", "tensor_parallel_spe3", "1f1b_ours"],
+    "What to train, in turn.",
+)
 
 # A global batch the pipeline runs' 4 micro-batches x 2 workers cannot share evenly.
 UNEVEN_BATCH = 36
@@ -54,12 +58,16 @@ RUNS = {
 
 def callbacks(run, strategy):
     """Keras's checkpoint on every run; ours where the run asks for them."""
-    found = [keras.callbacks.ModelCheckpoint(os.path.join(FLAGS.out, f"{run}.weights.h5"),
-                                             save_weights_only=True)]
+    found = [
+        keras.callbacks.ModelCheckpoint(
+            os.path.join(FLAGS.out, f"{run}.weights.h5"), save_weights_only=True
+        )
+    ]
     if run.endswith("_ours"):
         found += [
-            kd.callbacks.BackupAndRestore(os.path.join(FLAGS.out, f"{run}-backup"),
-                                          save_freq=5, delete_checkpoint=False),
+            kd.callbacks.BackupAndRestore(
+                os.path.join(FLAGS.out, f"{run}-backup"), save_freq=5, delete_checkpoint=False
+            ),
             kd.callbacks.ReplicaConsistencyCheck(),
             kd.callbacks.ThroughputMonitor(FLAGS.batch),
         ]
@@ -68,16 +76,23 @@ def callbacks(run, strategy):
 
 def train(run, x, y):
     name, options, compile_options = RUNS[run]
-    strategy = kd.strategies.get(name, workers={"implementation": FLAGS.implementation},
-                                 **options)
+    strategy = kd.strategies.get(name, workers={"implementation": FLAGS.implementation}, **options)
     if compile_options == "ours":
         compile_options = {"optimizer": DistributedOptimizer(keras.optimizers.SGD(0.1))}
     model = build("functional", strategy, seed=7 + strategy.rank, **compile_options)
-    history = model.fit(x, y, batch_size=FLAGS.batch, epochs=FLAGS.epochs, shuffle=False,
-                        verbose=0, callbacks=callbacks(run, strategy))
+    history = model.fit(
+        x,
+        y,
+        batch_size=FLAGS.batch,
+        epochs=FLAGS.epochs,
+        shuffle=False,
+        verbose=0,
+        callbacks=callbacks(run, strategy),
+    )
     whole = model.get_weights()  # whole values, also from the split model
-    devices = sorted({tf.DeviceSpec.from_string(v.value.device).device_index
-                      for v in model.trainable_variables})
+    devices = sorted(
+        {tf.DeviceSpec.from_string(v.value.device).device_index for v in model.trainable_variables}
+    )
     result = {
         "rank": strategy.rank,
         "world_size": strategy.world_size,
@@ -89,8 +104,7 @@ def train(run, x, y):
         "iterations": int(model.optimizer.iterations.numpy()),
     }
     prefix = os.path.join(FLAGS.out, f"{run}-rank{strategy.rank}")
-    np.savez(prefix + ".npz", *whole,
-             predict=model.predict(x, batch_size=FLAGS.batch, verbose=0))
+    np.savez(prefix + ".npz", *whole, predict=model.predict(x, batch_size=FLAGS.batch, verbose=0))
     if name == "pipeline" and run != "1f1b_ours":
         # 36 rows a step: 18 per worker, micro-batches of 5, 5, 4 and 4.
         uneven = build("functional", strategy, seed=7 + strategy.rank)

@@ -29,11 +29,23 @@ def main(out: str) -> int:
         from keras_distrib.model import DistributedTrainer
 
         DistributedTrainer.chief_only_side_effects = False
-    pytest.main([
-        os.path.join(CONFORMANCE, "multi_worker_suite.py"), "-q", "-p", "no:cacheprovider",
-        "-p", "no:xdist", "--confcutdir", CONFORMANCE, "--rootdir", CONFORMANCE,
-        "-o", "timeout=300", f"--junitxml={os.path.join(out, f'rank{rank}.xml')}",
-    ])
+    pytest.main(
+        [
+            os.path.join(CONFORMANCE, "multi_worker_suite.py"),
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:xdist",
+            "--confcutdir",
+            CONFORMANCE,
+            "--rootdir",
+            CONFORMANCE,
+            "-o",
+            "timeout=300",
+            f"--junitxml={os.path.join(out, f'rank{rank}.xml')}",
+        ]
+    )
     return 0
 
 

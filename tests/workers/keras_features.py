@@ -14,8 +14,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "zoo"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "zoo"))
 
 import keras  # noqa: E402
 import keras_distrib as kd  # noqa: E402
@@ -23,18 +22,27 @@ from keras_distrib.input.fit_input import FitInput  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
-from helpers import (CountedDense, IdBatches, SampleIds, dropout_kept_counts,  # noqa: E402
-                     monte_carlo_dropped)
+from helpers import (
+    CountedDense,
+    IdBatches,
+    SampleIds,
+    dropout_kept_counts,  # noqa: E402
+    monte_carlo_dropped,
+)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Directory for results.")
-flags.DEFINE_list("probes", ["metric_objects", "unseeded_shuffle", "load_model",
-                             "batch_norm"], "Probes to run.")
+flags.DEFINE_list(
+    "probes", ["metric_objects", "unseeded_shuffle", "load_model", "batch_norm"], "Probes to run."
+)
 flags.DEFINE_integer("seed", 1, "Seed for the `seeded_shuffle` probe.")
 flags.DEFINE_list("zoo", [], "Zoo patterns (tests/zoo/patterns.py) of the `zoo` probe.")
-flags.DEFINE_string("strategy", "multi_worker",
-                    "Strategy of the `sparse_input`, `ragged_input` and later probes "
-                    "(`horovod`: run by `keras-distrib launch --backend horovod`).")
+flags.DEFINE_string(
+    "strategy",
+    "multi_worker",
+    "Strategy of the `sparse_input`, `ragged_input` and later probes "
+    "(`horovod`: run by `keras-distrib launch --backend horovod`).",
+)
 
 BATCH = 32
 
@@ -76,8 +84,14 @@ def metric_objects():
     """Metric objects made outside any scope report global values (item 2)."""
     x, y = _data()
     model = kd.DistributedModel(*_graph(), strategy="multi_worker")
-    metrics = lambda: ["accuracy", keras.metrics.SparseCategoricalAccuracy(name="acc_object"),  # noqa: E731
-                       keras.metrics.SparseTopKCategoricalAccuracy(k=2, name="top2")]
+
+    def metrics():
+        return [
+            "accuracy",
+            keras.metrics.SparseCategoricalAccuracy(name="acc_object"),
+            keras.metrics.SparseTopKCategoricalAccuracy(k=2, name="top2"),
+        ]
+
     _, twin = _twin(model, x, y, 2, metrics=metrics())
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss=_loss(), metrics=metrics())
     history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0).history
@@ -130,10 +144,15 @@ def load_model():
     after = restored.evaluate(x, y, batch_size=BATCH, verbose=0)
     restored.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-    gap = max(float(np.abs(a - b).max())
-              for a, b in zip(model.get_weights(), restored.get_weights()))
-    return rank, {"same_strategy": same_strategy, "before": before, "after": after,
-                  "trained_gap": gap}
+    gap = max(
+        float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), restored.get_weights())
+    )
+    return rank, {
+        "same_strategy": same_strategy,
+        "before": before,
+        "after": after,
+        "trained_gap": gap,
+    }
 
 
 def batch_norm():
@@ -184,8 +203,9 @@ def sparse_input():
         m.compile(optimizer=keras.optimizers.SGD(0.5), loss=_loss(), metrics=["accuracy"])
         results[name] = m.fit(data, epochs=2, verbose=0).history
     results["sparse"] = bool(model.inputs[0].sparse)
-    results["gap"] = max(float(np.abs(a - b).max())
-                         for a, b in zip(model.get_weights(), twin.get_weights()))
+    results["gap"] = max(
+        float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), twin.get_weights())
+    )
     return model.strategy.rank, results
 
 
@@ -196,8 +216,10 @@ def ragged_input():
     rng = np.random.default_rng(0)
     sequences = [rng.integers(1, 50, size=rng.integers(1, 10)).tolist() for _ in range(203)]
     x, y = tf.ragged.constant(sequences), np.array([len(s) % 2 for s in sequences], "int32")
-    feeds = {"dataset": dict(x=tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)),
-             "tensor": dict(x=x, y=y, batch_size=BATCH, shuffle=False)}
+    feeds = {
+        "dataset": dict(x=tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)),
+        "tensor": dict(x=x, y=y, batch_size=BATCH, shuffle=False),
+    }
     results = {}
 
     def graph():
@@ -210,8 +232,9 @@ def ragged_input():
         for name, m in (("twin", twin), ("ours", model)):
             m.compile(optimizer=keras.optimizers.SGD(0.5), loss=_loss(), metrics=["accuracy"])
             results[f"{feed}_{name}"] = m.fit(epochs=2, verbose=0, **fit).history
-        results[f"{feed}_gap"] = max(float(np.abs(a - b).max())
-                                     for a, b in zip(model.get_weights(), twin.get_weights()))
+        results[f"{feed}_gap"] = max(
+            float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), twin.get_weights())
+        )
     return model.strategy.rank, results
 
 
@@ -231,11 +254,11 @@ def remat():
     for name, m in (("twin", twin), ("ours", model)):
         m.compile(optimizer=keras.optimizers.Adam(0.01), loss=_loss())
         CountedDense.calls = 0
-        results[name] = m.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False,
-                              verbose=0).history
+        results[name] = m.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0).history
         results[f"{name}_forward_passes"] = CountedDense.calls
-    results["gap"] = max(float(np.abs(a - b).max())
-                         for a, b in zip(model.get_weights(), twin.get_weights()))
+    results["gap"] = max(
+        float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), twin.get_weights())
+    )
     return model.strategy.rank, results
 
 
@@ -301,8 +324,14 @@ def adapted_per_worker():
     model = kd.DistributedModel(*graph(0.0), strategy=strategy)
     model.layers[1].adapt(x + 5.0 + 10.0 * strategy.rank)
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss=_loss())
-    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
-              callbacks=[kd.callbacks.BroadcastInitialWeights()])
+    model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=1,
+        verbose=0,
+        callbacks=[kd.callbacks.BroadcastInitialWeights()],
+    )
     result.update(zip(("callback_predict", "callback_gap"), against_worker_0(model, 5.0)))
     # Resumed from a backup (worker 0 loads it, the others receive it) made
     # with other statistics.
@@ -310,8 +339,14 @@ def adapted_per_worker():
     for shift in (7.0, 0.0):
         model = kd.DistributedModel(*graph(shift), strategy=strategy)
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss=_loss())
-        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[
-            kd.callbacks.BackupAndRestore(backup, delete_checkpoint=False)])
+        model.fit(
+            x,
+            y,
+            batch_size=BATCH,
+            epochs=1,
+            verbose=0,
+            callbacks=[kd.callbacks.BackupAndRestore(backup, delete_checkpoint=False)],
+        )
     result.update(zip(("restored_predict", "restored_gap"), against_worker_0(model, 7.0)))
     return strategy.rank, result
 
@@ -339,8 +374,10 @@ def vocabulary_per_worker():
     twin.layers[-1].set_weights(model.layers[-1].get_weights())
     ours = model.predict(words, verbose=0)
     return strategy.rank, {
-        "vocabulary": model.layers[1].get_vocabulary(), "predict": ours.tolist(),
-        "gap": float(np.abs(ours - twin.predict(words, verbose=0)).max())}
+        "vocabulary": model.layers[1].get_vocabulary(),
+        "predict": ours.tolist(),
+        "gap": float(np.abs(ours - twin.predict(words, verbose=0)).max()),
+    }
 
 
 def pydataset_workers():

@@ -33,11 +33,21 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 FLAGS = flags.FLAGS
-CASES = ["fit_vs_evaluate", "batch_size", "data_length", "early_exit", "changed_weights",
-         "wider_layer", "extra_layer", "wider_subclass", "learning_rate"]
+CASES = [
+    "fit_vs_evaluate",
+    "batch_size",
+    "data_length",
+    "early_exit",
+    "changed_weights",
+    "wider_layer",
+    "extra_layer",
+    "wider_subclass",
+    "learning_rate",
+]
 flags.DEFINE_list("cases", None, "How rank 1 departs, case after case (of CASES).")
-flags.register_validator("cases", lambda cases: set(cases) <= set(CASES),
-                         f"--cases must be among {CASES}")
+flags.register_validator(
+    "cases", lambda cases: set(cases) <= set(CASES), f"--cases must be among {CASES}"
+)
 
 
 class Net(kd.DistributedModel):
@@ -69,8 +79,9 @@ def run_case(case, strategy, x, y):
     odd = strategy.rank == 1
     model = build(case, odd, strategy)
     rate = 0.05 if odd and case == "learning_rate" else 0.01  # SGD's default
-    model.compile(optimizer=keras.optimizers.SGD(rate),
-                  loss=keras.losses.SparseCategoricalCrossentropy(True))
+    model.compile(
+        optimizer=keras.optimizers.SGD(rate), loss=keras.losses.SparseCategoricalCrossentropy(True)
+    )
     fit = dict(batch_size=32, epochs=1, verbose=0)
     if case == "fit_vs_evaluate":
         (model.evaluate if odd else model.fit)(x, y, batch_size=32, verbose=0)

@@ -26,12 +26,20 @@ flags.DEFINE_string("out", None, "Directory for results.")
 flags.DEFINE_string("strategy", "multi_worker", "Strategy name.")
 
 RUNS = {
-    "accumulate": dict(batch=16, optimizer=lambda: DistributedOptimizer(
-        keras.optimizers.SGD(0.1), backward_passes_per_step=4)),
-    "fp16": dict(batch=64, optimizer=lambda: DistributedOptimizer(
-        keras.optimizers.SGD(0.1), compression="fp16")),
-    "bf16": dict(batch=64, optimizer=lambda: DistributedOptimizer(
-        keras.optimizers.SGD(0.1), compression="bf16")),
+    "accumulate": dict(
+        batch=16,
+        optimizer=lambda: DistributedOptimizer(
+            keras.optimizers.SGD(0.1), backward_passes_per_step=4
+        ),
+    ),
+    "fp16": dict(
+        batch=64,
+        optimizer=lambda: DistributedOptimizer(keras.optimizers.SGD(0.1), compression="fp16"),
+    ),
+    "bf16": dict(
+        batch=64,
+        optimizer=lambda: DistributedOptimizer(keras.optimizers.SGD(0.1), compression="bf16"),
+    ),
 }
 
 

@@ -35,12 +35,21 @@ def seen_ids(strategy, x_ids, files_dir, batch):
     """Ids each input kind yields on this worker, per epoch (2 epochs)."""
     ids = x_ids.astype("float32")[:, None]
     kinds = {
-        "arrays_shuffled": lambda: sharding.shard(strategy, ids, ids[:, 0], None, batch, True,
-                                                  strategy.agree_on_seed())[0],
-        "tf_data": lambda: sharding.shard(strategy,
-                                          tf.data.Dataset.from_tensor_slices(ids).batch(batch))[0],
-        "py_dataset": lambda: sharding.shard(strategy, Batches(ids, ids[:, 0], batch), None, None,
-                                             None, True, strategy.agree_on_seed())[0],
+        "arrays_shuffled": lambda: sharding.shard(
+            strategy, ids, ids[:, 0], None, batch, True, strategy.agree_on_seed()
+        )[0],
+        "tf_data": lambda: sharding.shard(
+            strategy, tf.data.Dataset.from_tensor_slices(ids).batch(batch)
+        )[0],
+        "py_dataset": lambda: sharding.shard(
+            strategy,
+            Batches(ids, ids[:, 0], batch),
+            None,
+            None,
+            None,
+            True,
+            strategy.agree_on_seed(),
+        )[0],
         "tf_files": lambda: sharding.shard(strategy, _file_dataset(files_dir, batch))[0],
     }
     seen = {}
@@ -94,12 +103,18 @@ def _file_dataset(files_dir, batch):
 
 def main(argv):
     del argv
-    strategy = kd.strategies.get(FLAGS.strategy, bytes_per_pack=FLAGS.bytes_per_pack,
-                                 implementation=FLAGS.implementation) \
-        if FLAGS.strategy == "multi_worker" else kd.strategies.get(FLAGS.strategy)
+    strategy = (
+        kd.strategies.get(
+            FLAGS.strategy, bytes_per_pack=FLAGS.bytes_per_pack, implementation=FLAGS.implementation
+        )
+        if FLAGS.strategy == "multi_worker"
+        else kd.strategies.get(FLAGS.strategy)
+    )
     rank = strategy.rank
-    worker_hosts = [cluster.parse_address(a)[0]
-                    for a in json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"]]
+    worker_hosts = [
+        cluster.parse_address(a)[0]
+        for a in json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"]
+    ]
     x, y = make_data()
     model = build("functional", strategy)
     files = os.path.join(FLAGS.out, "files")
@@ -109,8 +124,15 @@ def main(argv):
         keras.callbacks.TensorBoard(os.path.join(files, "tb")),
         keras.callbacks.BackupAndRestore(os.path.join(files, "backup"), delete_checkpoint=False),
     ]
-    history = model.fit(x, y, batch_size=FLAGS.batch, epochs=FLAGS.epochs, shuffle=False,
-                        callbacks=callbacks, verbose=2)
+    history = model.fit(
+        x,
+        y,
+        batch_size=FLAGS.batch,
+        epochs=FLAGS.epochs,
+        shuffle=False,
+        callbacks=callbacks,
+        verbose=2,
+    )
     result = {
         "rank": rank,
         "world_size": strategy.world_size,
@@ -123,12 +145,15 @@ def main(argv):
         "iterations": int(model.optimizer.iterations.numpy()),
         "matmuls_before_each_all_reduce": matmuls_before_each_all_reduce(model),
     }
-    np.savez(os.path.join(FLAGS.out, f"rank{rank}.npz"),
-             *model.get_weights(),
-             predict=model.predict(x, batch_size=FLAGS.batch, verbose=0))
+    np.savez(
+        os.path.join(FLAGS.out, f"rank{rank}.npz"),
+        *model.get_weights(),
+        predict=model.predict(x, batch_size=FLAGS.batch, verbose=0),
+    )
     if strategy.world_size > 1:
-        result["seen"] = seen_ids(strategy, np.arange(len(x)), os.path.join(FLAGS.out, "records"),
-                                  FLAGS.batch)
+        result["seen"] = seen_ids(
+            strategy, np.arange(len(x)), os.path.join(FLAGS.out, "records"), FLAGS.batch
+        )
     with open(os.path.join(FLAGS.out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
 

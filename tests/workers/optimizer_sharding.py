@@ -61,8 +61,15 @@ def _train(kd, strategy, case, x, y, out, initial_from):
     np.savez(os.path.join(out, f"{case}-rank{strategy.rank}.npz"), **arrays)
     memory = strategy.describe(model)
     with open(os.path.join(out, f"{case}-rank{strategy.rank}.json"), "w") as f:
-        json.dump({"weights": memory.weights, "gradients": memory.gradients,
-                   "optimizer": memory.optimizer, "str": str(memory)}, f)
+        json.dump(
+            {
+                "weights": memory.weights,
+                "gradients": memory.gradients,
+                "optimizer": memory.optimizer,
+                "str": str(memory),
+            },
+            f,
+        )
     if case in FLAGS.save:
         model.save_weights(os.path.join(out, f"{case}.weights.h5"))
     if case in FLAGS.resume:
@@ -79,14 +86,27 @@ def _resume(kd, strategy, case, x, y, out):
     first = kd.DistributedModel(*graph(case), strategy=strategy)
     first.set_weights(_initial(out, case))
     first.compile(**compile_kwargs(case))
-    first.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[
-        kd.callbacks.BackupAndRestore(backup, delete_checkpoint=False)])
+    first.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[kd.callbacks.BackupAndRestore(backup, delete_checkpoint=False)],
+    )
     again = kd.DistributedModel(*graph(case), strategy=strategy)
     again.compile(**compile_kwargs(case))
-    again.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
-              callbacks=[kd.callbacks.BackupAndRestore(backup)])
-    np.savez(os.path.join(out, f"{case}-resumed-rank{strategy.rank}.npz"),
-             *again.get_weights())
+    again.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=EPOCHS,
+        shuffle=False,
+        verbose=0,
+        callbacks=[kd.callbacks.BackupAndRestore(backup)],
+    )
+    np.savez(os.path.join(out, f"{case}-resumed-rank{strategy.rank}.npz"), *again.get_weights())
 
 
 if __name__ == "__main__":

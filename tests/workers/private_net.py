@@ -36,8 +36,9 @@ def reaches(address):
 workers = json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"]
 with open(os.path.join(OUT, f"ports-rank{RANK}.json.tmp"), "w") as f:
     json.dump({"workers": workers, "reached": [reaches(a) for a in workers]}, f)
-os.replace(os.path.join(OUT, f"ports-rank{RANK}.json.tmp"),
-           os.path.join(OUT, f"ports-rank{RANK}.json"))
+os.replace(
+    os.path.join(OUT, f"ports-rank{RANK}.json.tmp"), os.path.join(OUT, f"ports-rank{RANK}.json")
+)
 deadline = time.monotonic() + 120
 while not os.path.exists(os.path.join(OUT, "go")):
     assert time.monotonic() < deadline, "no go"

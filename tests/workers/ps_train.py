@@ -54,9 +54,12 @@ def layers():
 
 
 def compile_model(model, optimizer=None, **kwargs):
-    model.compile(optimizer=optimizer or keras.optimizers.SGD(0.05),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=[keras.metrics.SparseCategoricalAccuracy(name="acc")], **kwargs)
+    model.compile(
+        optimizer=optimizer or keras.optimizers.SGD(0.05),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=[keras.metrics.SparseCategoricalAccuracy(name="acc")],
+        **kwargs,
+    )
     return model
 
 
@@ -68,12 +71,12 @@ def steps_of(model):
 
 
 def mode_digits(report, out):
-    model = compile_model(kd.DistributedModel(*layers(), strategy="parameter_server"),
-                          keras.optimizers.SGD(0.1))
+    model = compile_model(
+        kd.DistributedModel(*layers(), strategy="parameter_server"), keras.optimizers.SGD(0.1)
+    )
     report["strategy"] = repr(model.strategy)
     report["placement"] = sorted({v.value.device.split("/device")[0] for v in model.weights})
-    history = model.fit(x, y, batch_size=32, epochs=10, validation_data=(x_val, y_val),
-                        verbose=2)
+    history = model.fit(x, y, batch_size=32, epochs=10, validation_data=(x_val, y_val), verbose=2)
     report["history"] = history.history
     report["iterations"] = steps_of(model)
     report["applied"] = model.strategy.steps_applied
@@ -89,7 +92,7 @@ def mode_inputs(report, out):
             return 10
 
         def __getitem__(self, i):
-            return x[i * 50:(i + 1) * 50], y[i * 50:(i + 1) * 50]
+            return x[i * 50 : (i + 1) * 50], y[i * 50 : (i + 1) * 50]
 
     class Custom(kd.DistributedModel):
         """The Keras guide's custom train_step, with a metric object of its own."""
@@ -122,16 +125,18 @@ def mode_inputs(report, out):
     cases = {
         "arrays": dict(x=x, y=y, batch_size=50),
         "dataset": dict(x=dataset),
-        "dataset_fn": dict(x=lambda: tf.data.Dataset.from_tensor_slices((x, y)).batch(50),
-                           steps_per_epoch=12),
+        "dataset_fn": dict(
+            x=lambda: tf.data.Dataset.from_tensor_slices((x, y)).batch(50), steps_per_epoch=12
+        ),
         "pydataset": dict(x=Rows()),
     }
     for name, kwargs in cases.items():
         model = compile_model(kd.DistributedModel(*layers(), strategy="parameter_server"))
         history = model.fit(epochs=2, verbose=0, **kwargs)
         report[name] = {"iterations": steps_of(model), "history": history.history}
-    model = compile_model(kd.DistributedModel(*layers(), strategy="parameter_server"),
-                          steps_per_execution=4)
+    model = compile_model(
+        kd.DistributedModel(*layers(), strategy="parameter_server"), steps_per_execution=4
+    )
     history = model.fit(x, y, batch_size=50, epochs=2, verbose=0)
     report["steps_per_execution"] = {"iterations": steps_of(model), "history": history.history}
     model = compile_model(Custom(strategy="parameter_server"))
@@ -142,15 +147,20 @@ def mode_inputs(report, out):
 
 def mode_warmup(report, out):
     for kind in ("float", "schedule"):
-        rate = 0.05 if kind == "float" else keras.optimizers.schedules.ExponentialDecay(
-            0.05, 100, 1.0)
-        model = compile_model(kd.DistributedModel(*layers(), strategy="parameter_server"),
-                              optimizer=keras.optimizers.SGD(rate))
+        rate = (
+            0.05 if kind == "float" else keras.optimizers.schedules.ExponentialDecay(0.05, 100, 1.0)
+        )
+        model = compile_model(
+            kd.DistributedModel(*layers(), strategy="parameter_server"),
+            optimizer=keras.optimizers.SGD(rate),
+        )
         warmup = kd.callbacks.LearningRateWarmup(warmup_epochs=1, target_multiplier=3)
         model.fit(x, y, batch_size=50, epochs=2, verbose=0, callbacks=[warmup])
-        report[kind] = {"iterations": steps_of(model),
-                        "final_lr": float(np.asarray(model.optimizer.learning_rate)),
-                        "schedule": type(learning_rate_or_schedule(model.optimizer)).__name__}
+        report[kind] = {
+            "iterations": steps_of(model),
+            "final_lr": float(np.asarray(model.optimizer.learning_rate)),
+            "schedule": type(learning_rate_or_schedule(model.optimizer)).__name__,
+        }
 
 
 def mode_long(report, out):
@@ -170,8 +180,14 @@ def mode_long(report, out):
                     time.sleep(0.05)
 
     started = time.time()
-    history = model.fit(x, y, batch_size=16, epochs=int(os.environ.get("PS_EPOCHS", "4")),
-                        verbose=0, callbacks=[Ready()])
+    history = model.fit(
+        x,
+        y,
+        batch_size=16,
+        epochs=int(os.environ.get("PS_EPOCHS", "4")),
+        verbose=0,
+        callbacks=[Ready()],
+    )
     report["seconds"] = time.time() - started
     report["iterations"] = steps_of(model)
     report["applied"] = model.strategy.steps_applied
@@ -182,7 +198,8 @@ def mode_long(report, out):
 
 def mode_sharded(report, out):
     partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
-        min_shard_bytes=256, max_shards=2)
+        min_shard_bytes=256, max_shards=2
+    )
     strategy = kd.strategies.get("parameter_server", variable_partitioner=partitioner)
 
     def embedding_layers():
@@ -195,8 +212,7 @@ def mode_sharded(report, out):
     labels = (ids[:, 0] % 3).astype("int32")
     model = kd.DistributedModel(*embedding_layers(), strategy=strategy)
     compile_model(model, optimizer=keras.optimizers.Adam(0.01))
-    report["parts"] = {v.path: len(getattr(v.value, "variables", [v.value]))
-                       for v in model.weights}
+    report["parts"] = {v.path: len(getattr(v.value, "variables", [v.value])) for v in model.weights}
     history = model.fit(ids, labels, batch_size=50, epochs=3, verbose=0)
     report["loss"] = history.history["loss"]
     report["iterations"] = steps_of(model)
@@ -219,22 +235,32 @@ def mode_callbacks(report, out):
     files = out + ".files"
     report["files"] = files
     callbacks = [
-        keras.callbacks.ModelCheckpoint(files + "/epoch-{epoch}.weights.h5",
-                                        save_weights_only=True),
-        keras.callbacks.ModelCheckpoint(files + "/best.keras", monitor="val_loss",
-                                        save_best_only=True),
+        keras.callbacks.ModelCheckpoint(
+            files + "/epoch-{epoch}.weights.h5", save_weights_only=True
+        ),
+        keras.callbacks.ModelCheckpoint(
+            files + "/best.keras", monitor="val_loss", save_best_only=True
+        ),
         kd.callbacks.BackupAndRestore(files + "/backup", delete_checkpoint=False),
         keras.callbacks.TensorBoard(files + "/tensorboard"),
         keras.callbacks.CSVLogger(files + "/log.csv"),
         # The loss never falls by 10 after the first epoch: stops after the
         # third and puts the first epoch's weights back (on the ps).
-        keras.callbacks.EarlyStopping(monitor="loss", min_delta=10.0, patience=2,
-                                      restore_best_weights=True),
+        keras.callbacks.EarlyStopping(
+            monitor="loss", min_delta=10.0, patience=2, restore_best_weights=True
+        ),
         kd.callbacks.ThroughputMonitor(global_batch_size=32),
     ]
     started = time.time()
-    history = model.fit(x, y, batch_size=32, epochs=10, validation_data=(x_val, y_val),
-                        verbose=0, callbacks=callbacks)
+    history = model.fit(
+        x,
+        y,
+        batch_size=32,
+        epochs=10,
+        validation_data=(x_val, y_val),
+        verbose=0,
+        callbacks=callbacks,
+    )
     report["seconds"] = time.time() - started
     report["history"] = history.history
     report["iterations"] = steps_of(model)
@@ -242,8 +268,14 @@ def mode_callbacks(report, out):
     report["predict"] = model.predict(x_val, verbose=0).tolist()
     report["profile_error"] = None
     try:
-        model.fit(x, y, batch_size=32, epochs=1, verbose=0,
-                  callbacks=[keras.callbacks.TensorBoard(files + "/profile", profile_batch=2)])
+        model.fit(
+            x,
+            y,
+            batch_size=32,
+            epochs=1,
+            verbose=0,
+            callbacks=[keras.callbacks.TensorBoard(files + "/profile", profile_batch=2)],
+        )
     except ValueError as error:
         report["profile_error"] = str(error)
 
@@ -265,9 +297,14 @@ def mode_resume(report, out):
         def on_train_begin(self, logs=None):
             report["iterations_at_start"] = steps_of(self.model)
 
-    history = model.fit(x, y, batch_size=32, epochs=int(os.environ["PS_EPOCHS"]), verbose=0,
-                        callbacks=[kd.callbacks.BackupAndRestore(backup_dir, save_freq=20),
-                                   Begins(), Ready()])
+    history = model.fit(
+        x,
+        y,
+        batch_size=32,
+        epochs=int(os.environ["PS_EPOCHS"]),
+        verbose=0,
+        callbacks=[kd.callbacks.BackupAndRestore(backup_dir, save_freq=20), Begins(), Ready()],
+    )
     report["epochs_run"] = len(history.history["loss"])
     report["iterations"] = steps_of(model)
     report["steps_per_epoch"] = history.params["steps"]
@@ -286,22 +323,29 @@ def mode_errors(report, out):
 
     def generator():
         for i in range(10):
-            yield x[i * 10:(i + 1) * 10], y[i * 10:(i + 1) * 10]
+            yield x[i * 10 : (i + 1) * 10], y[i * 10 : (i + 1) * 10]
 
-    python_data = tf.data.Dataset.from_generator(generator, output_signature=(
-        tf.TensorSpec([None, 64], tf.float32), tf.TensorSpec([None], tf.int32)))
+    python_data = tf.data.Dataset.from_generator(
+        generator,
+        output_signature=(tf.TensorSpec([None, 64], tf.float32), tf.TensorSpec([None], tf.int32)),
+    )
     report["generator"] = error_of(lambda: model.fit(python_data, epochs=1, verbose=0))
     endless = tf.data.Dataset.from_tensor_slices((x, y)).batch(32).repeat()
     report["endless"] = error_of(lambda: model.fit(endless, epochs=1, verbose=0))
-    report["class_weight"] = error_of(lambda: model.fit(
-        x, y, epochs=1, verbose=0, class_weight={0: 2.0}))
-    report["muon"] = error_of(lambda: model.compile(
-        optimizer=keras.optimizers.Muon(0.01), loss="sparse_categorical_crossentropy"))
+    report["class_weight"] = error_of(
+        lambda: model.fit(x, y, epochs=1, verbose=0, class_weight={0: 2.0})
+    )
+    report["muon"] = error_of(
+        lambda: model.compile(
+            optimizer=keras.optimizers.Muon(0.01), loss="sparse_categorical_crossentropy"
+        )
+    )
 
     def muon_without_decay():
-        model.compile(optimizer=keras.optimizers.Muon(0.01, weight_decay=None,
-                                                      adam_weight_decay=None),
-                      loss="sparse_categorical_crossentropy")
+        model.compile(
+            optimizer=keras.optimizers.Muon(0.01, weight_decay=None, adam_weight_decay=None),
+            loss="sparse_categorical_crossentropy",
+        )
         model.fit(x, y, batch_size=32, epochs=1, verbose=0)
 
     report["muon_without_decay"] = error_of(muon_without_decay)
@@ -309,8 +353,7 @@ def mode_errors(report, out):
     def jit_compile():  # XLA cannot read the ps's variables: runs without, says so
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy",
-                          jit_compile=True)
+            model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", jit_compile=True)
         model.fit(x, y, batch_size=32, epochs=1, verbose=0)
         model.evaluate(x, y, batch_size=32, verbose=0)
         model.predict(x[:40], batch_size=32, verbose=0)
@@ -319,11 +362,15 @@ def mode_errors(report, out):
     def inputs_and_outputs_as_list_and_dict():  # each leaf an array of its own
         a, b = keras.Input((64,), name="a"), keras.Input((4,), name="b")
         h = keras.layers.Dense(8, activation="relu")(keras.layers.Concatenate()([a, b]))
-        two = kd.DistributedModel([a, b], {"c": keras.layers.Dense(10, name="c")(h),
-                                           "r": keras.layers.Dense(1, name="r")(h)},
-                                  strategy="parameter_server")
-        two.compile(optimizer="sgd", loss={
-            "c": keras.losses.SparseCategoricalCrossentropy(from_logits=True), "r": "mse"})
+        two = kd.DistributedModel(
+            [a, b],
+            {"c": keras.layers.Dense(10, name="c")(h), "r": keras.layers.Dense(1, name="r")(h)},
+            strategy="parameter_server",
+        )
+        two.compile(
+            optimizer="sgd",
+            loss={"c": keras.losses.SparseCategoricalCrossentropy(from_logits=True), "r": "mse"},
+        )
         inputs, targets = [x, x[:, :4]], {"c": y, "r": x[:, :1]}
         two.fit(inputs, targets, batch_size=32, epochs=1, verbose=0)
         two.evaluate(inputs, targets, batch_size=32, verbose=0)
@@ -339,24 +386,39 @@ def mode_remat(report, out):
     """The same model with and without `keras.RematScope(mode="full")`:
     the forward passes traced for the workers' step (remat recomputes one
     in the backward pass) and the losses."""
+
     def counted_layers():
         inputs = keras.Input((64,))
         return inputs, keras.layers.Dense(10)(CountedDense(64, activation="relu")(inputs))
 
-    for name, scope in (("plain", contextlib.nullcontext()),
-                        ("remat", keras.RematScope(mode="full"))):
+    for name, scope in (
+        ("plain", contextlib.nullcontext()),
+        ("remat", keras.RematScope(mode="full")),
+    ):
         with scope:
-            model = compile_model(kd.DistributedModel(*counted_layers(),
-                                                      strategy="parameter_server"))
+            model = compile_model(
+                kd.DistributedModel(*counted_layers(), strategy="parameter_server")
+            )
         CountedDense.calls = 0
         history = model.fit(x, y, batch_size=50, epochs=2, verbose=0)
-        report[name] = {"loss": history.history["loss"], "iterations": steps_of(model),
-                        "forward_passes": CountedDense.calls}
+        report[name] = {
+            "loss": history.history["loss"],
+            "iterations": steps_of(model),
+            "forward_passes": CountedDense.calls,
+        }
 
 
-MODES = {"digits": mode_digits, "inputs": mode_inputs, "warmup": mode_warmup,
-         "long": mode_long, "sharded": mode_sharded, "callbacks": mode_callbacks,
-         "resume": mode_resume, "errors": mode_errors, "remat": mode_remat}
+MODES = {
+    "digits": mode_digits,
+    "inputs": mode_inputs,
+    "warmup": mode_warmup,
+    "long": mode_long,
+    "sharded": mode_sharded,
+    "callbacks": mode_callbacks,
+    "resume": mode_resume,
+    "errors": mode_errors,
+    "remat": mode_remat,
+}
 
 for mode in sys.argv[1].split(","):
     # Each mode's report (and side files: its path + ".ready", ...) by its name.

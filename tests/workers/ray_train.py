@@ -23,8 +23,13 @@ def train_loop_per_worker(config):
     hidden = keras.layers.Dense(16, activation="relu")(inputs)
     model = kd.DistributedModel(inputs, keras.layers.Dense(3)(hidden), strategy="multi_worker")
     model.set_weights([np.array(w, "float32") for w in config["initial"]])
-    model.compile(optimizer=keras.optimizers.SGD(0.1),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
     model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
-    np.savez(os.path.join(config["out"], f"rank{model.strategy.rank}.npz"),
-             *model.get_weights(), iterations=int(model.optimizer.iterations.numpy()))
+    np.savez(
+        os.path.join(config["out"], f"rank{model.strategy.rank}.npz"),
+        *model.get_weights(),
+        iterations=int(model.optimizer.iterations.numpy()),
+    )

@@ -38,8 +38,9 @@ def threads() -> int:
 
 
 timeout = 5.0 if MODE.startswith("stuck") else multi_worker.DEFAULT_COLLECTIVE_TIMEOUT
-strategy = kd.strategies.get("multi_worker", implementation=IMPLEMENTATION,
-                             collective_timeout=timeout)
+strategy = kd.strategies.get(
+    "multi_worker", implementation=IMPLEMENTATION, collective_timeout=timeout
+)
 rank = strategy.cluster.rank
 inputs = keras.Input((8,))
 outputs = keras.layers.Dense(3)(keras.layers.Dense(16, activation="relu")(inputs))

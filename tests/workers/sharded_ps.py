@@ -108,8 +108,14 @@ def serve(cluster, job, index):
     import tensorflow as tf
 
     config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=4)
-    tf.distribute.Server(tf.train.ClusterSpec(cluster), job_name=job, task_index=index,
-                         protocol="grpc", config=config, start=True).join()
+    tf.distribute.Server(
+        tf.train.ClusterSpec(cluster),
+        job_name=job,
+        task_index=index,
+        protocol="grpc",
+        config=config,
+        start=True,
+    ).join()
 
 
 def _connect(cluster):
@@ -117,7 +123,8 @@ def _connect(cluster):
 
     tf.config.threading.set_inter_op_parallelism_threads(4)
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-        tf.train.ClusterSpec(cluster), task_type="chief", task_id=0, rpc_layer="grpc")
+        tf.train.ClusterSpec(cluster), task_type="chief", task_id=0, rpc_layer="grpc"
+    )
     partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(**PARTITION)
     strategy = tf.distribute.ParameterServerStrategy(resolver, variable_partitioner=partitioner)
     return strategy, tf.distribute.coordinator.ClusterCoordinator(strategy)
@@ -127,13 +134,15 @@ def _layout(variables):
     """{path: [[rows, device], ...]} of each variable's parts."""
     from keras_distrib.strategies.parameter_server import sharded_variables
 
-    return {v.path: [[int(p.shape[0]) if p.shape.rank else 0, p.device]
-                     for p in sharded_variables.shards(v)]
-            for v in variables}
+    return {
+        v.path: [
+            [int(p.shape[0]) if p.shape.rank else 0, p.device] for p in sharded_variables.shards(v)
+        ]
+        for v in variables
+    }
 
 
-def _scheduled_step(strategy, coordinator, model, optimizer, seed, shuffle=False,
-                    record=None):
+def _scheduled_step(strategy, coordinator, model, optimizer, seed, shuffle=False, record=None):
     """`(step, iterator)`: one training step to schedule on a worker, which
     returns the loss and the batch it used, and the workers' iterator.
     `record`, if given, gets the gradient types seen when the step is traced."""
@@ -156,8 +165,9 @@ def _scheduled_step(strategy, coordinator, model, optimizer, seed, shuffle=False
             value = loss(y, model(x, training=True))
         grads = sharded_variables.gradients(tape, value, model.trainable_variables)
         if record is not None:
-            record.update({v.path: type(g).__name__
-                           for v, g in zip(model.trainable_variables, grads)})
+            record.update(
+                {v.path: type(g).__name__ for v, g in zip(model.trainable_variables, grads)}
+            )
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return value, x, y
 
@@ -172,8 +182,7 @@ def _train(strategy, coordinator, model, optimizer, steps, seed, record):
     """`steps` steps scheduled one at a time (join after each); returns the
     losses and the batches the workers used, in order. `record` gets the
     gradient types seen when the step was traced."""
-    step, iterator = _scheduled_step(strategy, coordinator, model, optimizer, seed,
-                                     record=record)
+    step, iterator = _scheduled_step(strategy, coordinator, model, optimizer, seed, record=record)
     losses, xs, ys = [], [], []
     for _ in range(steps):
         result = coordinator.schedule(step, args=(iterator,))
@@ -209,11 +218,19 @@ def chief_train(strategy, coordinator, out):
         model, optimizer = _sharded_model(strategy, initial_weights(), name, install_first)
         grad_types = {}
         losses, xs, ys = _train(strategy, coordinator, model, optimizer, STEPS, 0, grad_types)
-        report[name] = dict(weights=_layout(model.weights), slots=_layout(optimizer.variables),
-                            grad_types=grad_types, losses=losses)
-        np.savez(os.path.join(out, f"{name}.npz"), x=xs, y=ys,
-                 **{f"w{i}": w for i, w in enumerate(model.get_weights())},
-                 **{f"o{i}": v.numpy() for i, v in enumerate(optimizer.variables)})
+        report[name] = dict(
+            weights=_layout(model.weights),
+            slots=_layout(optimizer.variables),
+            grad_types=grad_types,
+            losses=losses,
+        )
+        np.savez(
+            os.path.join(out, f"{name}.npz"),
+            x=xs,
+            y=ys,
+            **{f"w{i}": w for i, w in enumerate(model.get_weights())},
+            **{f"o{i}": v.numpy() for i, v in enumerate(optimizer.variables)},
+        )
     # Both workers at once (no join between steps): updates of the same
     # parts race, as in any asynchronous PS training; the loss still falls.
     model, optimizer = _sharded_model(strategy, initial_weights(), "sgd_momentum")
@@ -227,8 +244,9 @@ def _train_async(strategy, coordinator, model, optimizer, steps):
     step, iterator = _scheduled_step(strategy, coordinator, model, optimizer, 2, shuffle=True)
     results = [coordinator.schedule(step, args=(iterator,)) for _ in range(steps)]
     coordinator.join()
-    return dict(losses=[float(r.fetch()[0]) for r in results],
-                iterations=int(optimizer.iterations.numpy()))
+    return dict(
+        losses=[float(r.fetch()[0]) for r in results], iterations=int(optimizer.iterations.numpy())
+    )
 
 
 def chief_save(strategy, coordinator, out):
@@ -241,9 +259,11 @@ def chief_save(strategy, coordinator, out):
     _train(strategy, coordinator, model, optimizer, 5, 1, {})
     model.save_weights(os.path.join(out, "sharded.weights.h5"))
     model.save(os.path.join(out, "sharded.keras"))
-    np.savez(os.path.join(out, "saved.npz"),
-             **{f"w{i}": w for i, w in enumerate(model.get_weights())},
-             **{f"o{i}": v.numpy() for i, v in enumerate(optimizer.variables)})
+    np.savez(
+        os.path.join(out, "saved.npz"),
+        **{f"w{i}": w for i, w in enumerate(model.get_weights())},
+        **{f"o{i}": v.numpy() for i, v in enumerate(optimizer.variables)},
+    )
 
     # A plain model's file (no strategy in scope), and the sharded model's
     # own file, loaded into fresh sharded models.
@@ -257,12 +277,18 @@ def chief_save(strategy, coordinator, out):
         fresh, _ = _sharded_model(strategy, [w * 0 + 7 for w in model.get_weights()])
         fresh.load_weights(os.path.join(out, f"{name}.weights.h5"))
         loaded[name] = fresh
-        np.savez(os.path.join(out, f"loaded_{name}.npz"),
-                 **{f"w{i}": w for i, w in enumerate(fresh.get_weights())},
-                 **{f"p{i}_{j}": p.numpy() for i, v in enumerate(fresh.weights)
-                    for j, p in enumerate(sharded_variables.shards(v))})
-    np.savez(os.path.join(out, "plain.npz"),
-             **{f"w{i}": w for i, w in enumerate(plain.get_weights())})
+        np.savez(
+            os.path.join(out, f"loaded_{name}.npz"),
+            **{f"w{i}": w for i, w in enumerate(fresh.get_weights())},
+            **{
+                f"p{i}_{j}": p.numpy()
+                for i, v in enumerate(fresh.weights)
+                for j, p in enumerate(sharded_variables.shards(v))
+            },
+        )
+    np.savez(
+        os.path.join(out, "plain.npz"), **{f"w{i}": w for i, w in enumerate(plain.get_weights())}
+    )
 
     # The .keras file loaded in the strategy's scope: sharded weights, and
     # slots Keras puts unsharded on the coordinator until install().
@@ -271,13 +297,24 @@ def chief_save(strategy, coordinator, out):
         slots_as_loaded = _layout(reloaded.optimizer.variables)
         sharded_variables.install(reloaded.optimizer)
     same = all(np.array_equal(a, b) for a, b in zip(model.get_weights(), reloaded.get_weights()))
-    same_slots = all(np.array_equal(a.numpy(), b.numpy())
-                     for a, b in zip(optimizer.variables, reloaded.optimizer.variables))
+    same_slots = all(
+        np.array_equal(a.numpy(), b.numpy())
+        for a, b in zip(optimizer.variables, reloaded.optimizer.variables)
+    )
     with open(os.path.join(out, "report.json"), "w") as f:
-        json.dump(dict(loaded=_layout(loaded["sharded"].weights),
-                       reloaded=dict(weights=_layout(reloaded.weights), slots=_layout(
-                           reloaded.optimizer.variables), slots_as_loaded=slots_as_loaded,
-                           same_weights=same, same_slots=same_slots)), f)
+        json.dump(
+            dict(
+                loaded=_layout(loaded["sharded"].weights),
+                reloaded=dict(
+                    weights=_layout(reloaded.weights),
+                    slots=_layout(reloaded.optimizer.variables),
+                    slots_as_loaded=slots_as_loaded,
+                    same_weights=same,
+                    same_slots=same_slots,
+                ),
+            ),
+            f,
+        )
 
 
 def chief(cluster, mode, out):

@@ -41,7 +41,8 @@ def main(argv):
     del argv
     strategy = kd.strategies.get("multi_worker", collective_timeout=8)
     model = kd.DistributedModel.from_model(
-        keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]), strategy=strategy)
+        keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]), strategy=strategy
+    )
     model.compile("sgd", "mse")
     x, y = np.random.rand(128, 4), np.random.rand(128, 2)
     epochs = 2 if FLAGS.mode == "slow" else 1

@@ -131,14 +131,18 @@ def _from_model(make: Callable[[], keras.Model]) -> Callable[[Optional[str]], ke
 
 def _classes(n=16, features=6, classes=3, seed=0):
     rng = np.random.default_rng(seed)
-    return (rng.normal(size=(n, features)).astype("float32"),
-            rng.integers(0, classes, n).astype("int32"))
+    return (
+        rng.normal(size=(n, features)).astype("float32"),
+        rng.integers(0, classes, n).astype("int32"),
+    )
 
 
 def _images(n=16, size=16, channels=3, classes=3, seed=0):
     rng = np.random.default_rng(seed)
-    return (rng.uniform(size=(n, size, size, channels)).astype("float32"),
-            rng.integers(0, classes, n).astype("int32"))
+    return (
+        rng.uniform(size=(n, size, size, channels)).astype("float32"),
+        rng.integers(0, classes, n).astype("int32"),
+    )
 
 
 def _app_images():
@@ -150,7 +154,7 @@ def _tokens(n=16, length=6, vocab=40, classes=2, seed=0, zeros=False):
     x = rng.integers(1, vocab, (n, length)).astype("int32")
     if zeros:  # padded sequences: masks
         for i in range(n):
-            x[i, rng.integers(2, length):] = 0
+            x[i, rng.integers(2, length) :] = 0
     return x, rng.integers(0, classes, n).astype("int32")
 
 
@@ -227,8 +231,7 @@ def _gan_class(base):
 
         def _latent(self, real):
             if self.random_latent:
-                return keras.random.normal((tf.shape(real)[0], LATENT),
-                                           seed=self.seed_generator)
+                return keras.random.normal((tf.shape(real)[0], LATENT), seed=self.seed_generator)
             return real[:, :LATENT] * 2.0 - 1.0  # deterministic: exact runs
 
         def train_step(self, real):
@@ -256,21 +259,30 @@ def _gan_class(base):
 
 def _gan(random_latent):
     def build(strategy):
-        discriminator = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8),
-                                          keras.layers.LeakyReLU(0.2), keras.layers.Dense(1)])
+        discriminator = keras.Sequential(
+            [
+                keras.Input((6,)),
+                keras.layers.Dense(8),
+                keras.layers.LeakyReLU(0.2),
+                keras.layers.Dense(1),
+            ]
+        )
         generator = keras.Sequential([keras.Input((LATENT,)), keras.layers.Dense(6)])
         if strategy is None:
             return _gan_class(keras.Model)(discriminator, generator, random_latent)
-        return _gan_class(kd.DistributedModel)(discriminator, generator, random_latent,
-                                               strategy=strategy)
+        return _gan_class(kd.DistributedModel)(
+            discriminator, generator, random_latent, strategy=strategy
+        )
 
     return build
 
 
 def _gan_compile(model):
-    model.compile(d_optimizer=keras.optimizers.Adam(1e-3),
-                  g_optimizer=keras.optimizers.Adam(1e-3),
-                  loss_fn=keras.losses.BinaryCrossentropy(from_logits=True))
+    model.compile(
+        d_optimizer=keras.optimizers.Adam(1e-3),
+        g_optimizer=keras.optimizers.Adam(1e-3),
+        loss_fn=keras.losses.BinaryCrossentropy(from_logits=True),
+    )
 
 
 # -- VAE (keras-io "Variational AutoEncoder"): no call, sampling layer, trackers ---------
@@ -306,18 +318,22 @@ def _vae_class(base):
             with tf.GradientTape() as tape:
                 z_mean, z_log_var, z = self.encoder(data)
                 reconstruction = self.decoder(z)
-                reconstruction_loss = keras.ops.mean(keras.ops.sum(
-                    keras.losses.binary_crossentropy(data, reconstruction), axis=1))
-                kl_loss = -0.5 * (1 + z_log_var - keras.ops.square(z_mean)
-                                  - keras.ops.exp(z_log_var))
+                reconstruction_loss = keras.ops.mean(
+                    keras.ops.sum(keras.losses.binary_crossentropy(data, reconstruction), axis=1)
+                )
+                kl_loss = -0.5 * (
+                    1 + z_log_var - keras.ops.square(z_mean) - keras.ops.exp(z_log_var)
+                )
                 kl_loss = keras.ops.mean(keras.ops.sum(kl_loss, axis=1))
                 total_loss = reconstruction_loss + kl_loss
             grads = tape.gradient(total_loss, self.trainable_weights)
             self.optimizer.apply_gradients(zip(grads, self.trainable_weights))
             self.total_loss_tracker.update_state(total_loss)
             self.kl_loss_tracker.update_state(kl_loss)
-            return {"loss": self.total_loss_tracker.result(),
-                    "kl_loss": self.kl_loss_tracker.result()}
+            return {
+                "loss": self.total_loss_tracker.result(),
+                "kl_loss": self.kl_loss_tracker.result(),
+            }
 
     return VAE
 
@@ -330,8 +346,9 @@ def _vae(strategy):
     z_log_var = keras.layers.Dense(2, name="z_log_var")(h)
     encoder = keras.Model(inputs, [z_mean, z_log_var, Sampling()([z_mean, z_log_var])])
     latent = keras.Input((2,))
-    decoder = keras.Model(latent, keras.layers.Reshape((6, 1))(
-        keras.layers.Dense(6, activation="sigmoid")(latent)))
+    decoder = keras.Model(
+        latent, keras.layers.Reshape((6, 1))(keras.layers.Dense(6, activation="sigmoid")(latent))
+    )
     if strategy is None:
         return _vae_class(keras.Model)(encoder, decoder)
     return _vae_class(kd.DistributedModel)(encoder, decoder, strategy=strategy)
@@ -370,8 +387,11 @@ def _wgan_class(base):
             latent = real[:, :LATENT]
             with tf.GradientTape() as tape:
                 fake = self.generator(latent)
-                c_loss = (tf.reduce_mean(self.critic(fake)) - tf.reduce_mean(self.critic(real))
-                          + 10.0 * self.gradient_penalty(real, fake))
+                c_loss = (
+                    tf.reduce_mean(self.critic(fake))
+                    - tf.reduce_mean(self.critic(real))
+                    + 10.0 * self.gradient_penalty(real, fake)
+                )
             grads = tape.gradient(c_loss, self.critic.trainable_variables)
             self.c_optimizer.apply_gradients(zip(grads, self.critic.trainable_variables))
             with tf.GradientTape() as tape:
@@ -384,8 +404,9 @@ def _wgan_class(base):
 
 
 def _wgan(strategy):
-    critic = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
-                               keras.layers.Dense(1)])
+    critic = keras.Sequential(
+        [keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)]
+    )
     generator = keras.Sequential([keras.Input((LATENT,)), keras.layers.Dense(6)])
     if strategy is None:
         return _wgan_class(keras.Model)(critic, generator)
@@ -400,26 +421,32 @@ def _wgan_compile(model):
 
 
 def _siamese_graph():
-    tower = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
-                              keras.layers.Dense(4)])
+    tower = keras.Sequential(
+        [keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(4)]
+    )
     left, right = keras.Input((6,)), keras.Input((6,))
     distance = keras.layers.Lambda(
-        lambda t: keras.ops.sqrt(keras.ops.sum(keras.ops.square(t[0] - t[1]), axis=1,
-                                               keepdims=True) + 1e-6))([tower(left), tower(right)])
+        lambda t: keras.ops.sqrt(
+            keras.ops.sum(keras.ops.square(t[0] - t[1]), axis=1, keepdims=True) + 1e-6
+        )
+    )([tower(left), tower(right)])
     return [left, right], keras.layers.Dense(1, activation="sigmoid")(distance)
 
 
 def _contrastive_loss(y_true, y_pred, margin=1.0):
     y_true = tf.cast(y_true, y_pred.dtype)
-    return keras.ops.mean((1 - y_true) * keras.ops.square(y_pred)
-                          + y_true * keras.ops.square(keras.ops.maximum(margin - y_pred, 0)))
+    return keras.ops.mean(
+        (1 - y_true) * keras.ops.square(y_pred)
+        + y_true * keras.ops.square(keras.ops.maximum(margin - y_pred, 0))
+    )
 
 
 def _pairs():
     rng = np.random.default_rng(0)
-    return ([rng.normal(size=(16, 6)).astype("float32"),
-             rng.normal(size=(16, 6)).astype("float32")],
-            rng.integers(0, 2, (16, 1)).astype("float32"))
+    return (
+        [rng.normal(size=(16, 6)).astype("float32"), rng.normal(size=(16, 6)).astype("float32")],
+        rng.integers(0, 2, (16, 1)).astype("float32"),
+    )
 
 
 # -- code written for tf.distribute ---------------------------------------------------------
@@ -429,6 +456,7 @@ def _in_user_scope(strategy):
     """Keras's integration test: the model built in the user's own
     `tf.distribute.MirroredStrategy` scope (`MultiWorkerMirroredStrategy`,
     `ParameterServerStrategy` across processes), `strategy="auto"`."""
+
     def graph():
         inputs = keras.Input((6,))
         h = keras.layers.Dense(8, activation="relu")(inputs)
@@ -442,7 +470,8 @@ def _in_user_scope(strategy):
         user = tf.distribute.MultiWorkerMirroredStrategy()
     elif strategy == "parameter_server":  # on the chief
         user = tf.distribute.ParameterServerStrategy(
-            tf.distribute.cluster_resolver.TFConfigClusterResolver())
+            tf.distribute.cluster_resolver.TFConfigClusterResolver()
+        )
     else:
         return _functional(graph)(strategy)
     with user.scope():
@@ -476,8 +505,9 @@ class TransformerBlock(keras.layers.Layer):
     def __init__(self, embed_dim, num_heads, ff_dim):
         super().__init__()
         self.att = keras.layers.MultiHeadAttention(num_heads=num_heads, key_dim=embed_dim)
-        self.ffn = keras.Sequential([keras.layers.Dense(ff_dim, activation="relu"),
-                                     keras.layers.Dense(embed_dim)])
+        self.ffn = keras.Sequential(
+            [keras.layers.Dense(ff_dim, activation="relu"), keras.layers.Dense(embed_dim)]
+        )
         self.layernorm1 = keras.layers.LayerNormalization(epsilon=1e-6)
         self.layernorm2 = keras.layers.LayerNormalization(epsilon=1e-6)
 
@@ -505,8 +535,19 @@ def _transformer_graph():
     return inputs, keras.layers.Dense(2, activation="softmax")(keras.layers.Dense(8, "relu")(h))
 
 
-_SENTENCES = np.array(["the cat sat", "a dog ran far", "the dog sat down", "cats run",
-                       "a cat and a dog", "far down the road", "the end", "run dog run"] * 2)
+_SENTENCES = np.array(
+    [
+        "the cat sat",
+        "a dog ran far",
+        "the dog sat down",
+        "cats run",
+        "a cat and a dog",
+        "far down the road",
+        "the end",
+        "run dog run",
+    ]
+    * 2
+)
 
 
 def _text_graph():
@@ -537,14 +578,19 @@ def _recommender_graph():
     u = keras.layers.Flatten()(keras.layers.Embedding(50, 8)(users))
     v = keras.layers.Flatten()(keras.layers.Embedding(60, 8)(items))
     return [users, items], keras.layers.Dense(1, activation="sigmoid")(
-        keras.layers.Dot(axes=1)([u, v]))
+        keras.layers.Dot(axes=1)([u, v])
+    )
 
 
 def _ratings():
     rng = np.random.default_rng(0)
-    return ([rng.integers(0, 50, (16, 1)).astype("int32"),
-             rng.integers(0, 60, (16, 1)).astype("int32")],
-            rng.integers(0, 2, (16, 1)).astype("float32"))
+    return (
+        [
+            rng.integers(0, 50, (16, 1)).astype("int32"),
+            rng.integers(0, 60, (16, 1)).astype("int32"),
+        ],
+        rng.integers(0, 2, (16, 1)).astype("float32"),
+    )
 
 
 # -- vision blocks -----------------------------------------------------------------------
@@ -572,24 +618,33 @@ def _resnet_graph(synchronized):
 def _multi_io_graph():
     a, b = keras.Input((6,), name="a"), keras.Input((4,), name="b")
     h = keras.layers.Concatenate()([keras.layers.Dense(8, activation="relu")(a), b])
-    return [a, b], {"label": keras.layers.Dense(3, name="label")(h),
-                    "score": keras.layers.Dense(1, name="score")(h)}
+    return [a, b], {
+        "label": keras.layers.Dense(3, name="label")(h),
+        "score": keras.layers.Dense(1, name="score")(h),
+    }
 
 
 def _multi_io_data():
     rng = np.random.default_rng(0)
-    return ([rng.normal(size=(16, 6)).astype("float32"),
-             rng.normal(size=(16, 4)).astype("float32")],
-            {"label": rng.integers(0, 3, 16).astype("int32"),
-             "score": rng.normal(size=(16, 1)).astype("float32")})
+    return (
+        [rng.normal(size=(16, 6)).astype("float32"), rng.normal(size=(16, 4)).astype("float32")],
+        {
+            "label": rng.integers(0, 3, 16).astype("int32"),
+            "score": rng.normal(size=(16, 1)).astype("float32"),
+        },
+    )
 
 
 def _multi_io_compile(model):
-    model.compile(optimizer=keras.optimizers.SGD(0.1),
-                  loss={"label": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                        "score": "mse"},
-                  loss_weights={"label": 1.0, "score": 0.5},
-                  metrics={"label": ["accuracy"]})
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss={
+            "label": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            "score": "mse",
+        },
+        loss_weights={"label": 1.0, "score": 0.5},
+        metrics={"label": ["accuracy"]},
+    )
 
 
 class ActivityPenalty(keras.layers.Layer):
@@ -600,8 +655,12 @@ class ActivityPenalty(keras.layers.Layer):
 
 def _regularized_graph():
     inputs = keras.Input((6,))
-    h = keras.layers.Dense(8, activation="relu", kernel_regularizer=keras.regularizers.L2(1e-2),
-                           activity_regularizer=keras.regularizers.L1(1e-3))(inputs)
+    h = keras.layers.Dense(
+        8,
+        activation="relu",
+        kernel_regularizer=keras.regularizers.L2(1e-2),
+        activity_regularizer=keras.regularizers.L1(1e-3),
+    )(inputs)
     h = ActivityPenalty()(h)
     return inputs, keras.layers.Dense(3)(h)
 
@@ -615,8 +674,14 @@ def _noise_graph():
 
 
 def _nested_graph():
-    inner = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
-                              keras.layers.Dense(8, activation="relu")], name="backbone")
+    inner = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8, activation="relu"),
+            keras.layers.Dense(8, activation="relu"),
+        ],
+        name="backbone",
+    )
     inputs = keras.Input((6,))
     return inputs, keras.layers.Dense(3)(inner(inputs))
 
@@ -640,8 +705,11 @@ def _containers_class(base):
 
 def _subclassed(make_class):
     def build(strategy):
-        model = (make_class(keras.Model)() if strategy is None
-                 else make_class(kd.DistributedModel)(strategy=strategy))
+        model = (
+            make_class(keras.Model)()
+            if strategy is None
+            else make_class(kd.DistributedModel)(strategy=strategy)
+        )
         model(np.zeros((1, 6), "float32"))
         return model
 
@@ -680,10 +748,14 @@ def _guide_step_class(base):
 
 # -- the zoo -------------------------------------------------------------------------------
 
-_SUBCLASSED = refused("subclassed model",
-                      r"strategy='pipeline' needs a Functional or Sequential model")
-_CUSTOM_STEP = refused("custom train_step", r"strategy='pipeline' runs its own train step "
-                       r"and cannot run a custom train_step")
+_SUBCLASSED = refused(
+    "subclassed model", r"strategy='pipeline' needs a Functional or Sequential model"
+)
+_CUSTOM_STEP = refused(
+    "custom train_step",
+    r"strategy='pipeline' runs its own train step "
+    r"and cannot run a custom train_step",
+)
 # _DEEP_NOTE: a keras.applications model on 8 images of 32x32: its last
 # BatchNormalization layers normalize 8 values each, which turns float
 # rounding in another summation order (tensor_parallel computes on two
@@ -692,86 +764,227 @@ _CUSTOM_STEP = refused("custom train_step", r"strategy='pipeline' runs its own t
 # rows assert `AGREES`, and their forward pass before training must equal
 # plain Keras's (a softmax head applied per shard was 0.1 off there).
 _BN = {"mirrored": AGREES, "central_storage": AGREES, "pipeline": AGREES}
-_APPLICATION = {"single": SKIPPED, "mirrored": SKIPPED, "central_storage": SKIPPED,
-                "pipeline": SKIPPED}
+_APPLICATION = {
+    "single": SKIPPED,
+    "mirrored": SKIPPED,
+    "central_storage": SKIPPED,
+    "pipeline": SKIPPED,
+}
 # Seeded random layers: one device draws what plain Keras draws, replicas
 # draw their own (keras_distrib.replica_seeds).
-_RANDOM = {s: AGREES for s in ("mirrored", "central_storage", "pipeline", "tensor_parallel",
-                               "multi_worker", "horovod")}
+_RANDOM = {
+    s: AGREES
+    for s in (
+        "mirrored",
+        "central_storage",
+        "pipeline",
+        "tensor_parallel",
+        "multi_worker",
+        "horovod",
+    )
+}
 # Unseeded ones: plain Keras's own draws differ from run to run.
 _UNSEEDED = {s: AGREES for s in IN_PROCESS + MULTI_PROCESS}
 
 PATTERNS = [
-    Pattern("lambda", "`Lambda(lambda t: t * 2.0 - 1.0)` in a Functional model",
-            _functional(_lambda_graph), _classes, _sgd),
-    Pattern("user_layer", "a user layer without `get_config`/`**kwargs`, holding a layer, "
-            "an array and a callable", _functional(_user_layer_graph), _classes, _sgd),
-    Pattern("user_metric", "a user metric without `get_config`/`**kwargs` in `compile`",
-            _functional(_lambda_graph), _classes,
-            lambda m: _sgd(m, metrics=[Coverage(), "accuracy"])),
-    Pattern("gan", "keras-io GAN: no `call`, two optimizers set in `compile`, two tapes, "
-            "latent vectors from the data", _gan(False), lambda: (_classes()[0],), _gan_compile,
-            {"pipeline": _CUSTOM_STEP}),
-    Pattern("gan_random", "keras-io GAN, latent vectors from `keras.random.normal(seed=...)`",
-            _gan(True), lambda: (_classes()[0],), _gan_compile,
-            {**_RANDOM, "pipeline": _CUSTOM_STEP}),
-    Pattern("vae", "keras-io VAE: no `call`, a sampling layer, loss trackers",
-            _vae, lambda: (np.random.default_rng(0).uniform(size=(16, 6, 1)).astype("float32"),),
-            lambda m: m.compile(optimizer=keras.optimizers.Adam(1e-3)),
-            {**_RANDOM, "pipeline": _CUSTOM_STEP}),
-    Pattern("wgan_gp", "keras-io WGAN-GP: a nested tape for the gradient penalty",
-            _wgan, lambda: (_classes()[0],), _wgan_compile, {"pipeline": _CUSTOM_STEP},
-            batch_logs=True),
-    Pattern("siamese", "keras-io Siamese network: one tower on two inputs, contrastive loss",
-            _functional(_siamese_graph), _pairs,
-            lambda m: m.compile(optimizer=keras.optimizers.SGD(0.1), loss=_contrastive_loss)),
-    Pattern("tf_distribute_scope", "Keras's tf.distribute test: built in the user's "
-            "`MirroredStrategy` scope (across processes: `MultiWorkerMirroredStrategy`, "
-            "`ParameterServerStrategy`), `strategy=\"auto\"`",
-            _in_user_scope, _classes,
-            lambda m: _sgd(m, metrics=[keras.metrics.SparseCategoricalAccuracy()])),
-    Pattern("softmax_head", "`Dense(4, activation=\"softmax\")` head",
-            _functional(_softmax_graph), lambda: _classes(classes=4), _softmax_sgd),
-    Pattern("mobilenet_v2", "`keras.applications.MobileNetV2(weights=None)`",
-            _application("MobileNetV2", alpha=0.35), _app_images, _deep_sgd,
-            {**_APPLICATION, "tensor_parallel": AGREES}, steps=1, forward=True),
-    Pattern("efficientnet_b0", "`keras.applications.EfficientNetB0(weights=None)`",
-            _application("EfficientNetB0"), _app_images, _deep_sgd,
-            {**_UNSEEDED, **_APPLICATION, "tensor_parallel": AGREES}, steps=1, forward=True),
-    Pattern("transformer", "keras-io Transformer text classifier (layers without "
-            "`get_config`)", _functional(_transformer_graph),
-            lambda: _tokens(vocab=40), _softmax_sgd),
-    Pattern("text_vectorization", "`TextVectorization` + `Embedding`, Adam",
-            _functional(_text_graph), _text_data, _adam),
-    Pattern("masked_lstm", "`Embedding(mask_zero=True)` + `LSTM`",
-            _functional(_recurrent_graph("LSTM")), lambda: _tokens(zeros=True), _softmax_sgd),
-    Pattern("masked_gru", "`Embedding(mask_zero=True)` + `GRU`",
-            _functional(_recurrent_graph("GRU")), lambda: _tokens(zeros=True), _softmax_sgd),
-    Pattern("embeddings_adam", "two `Embedding`s (a recommender), Adam",
-            _functional(_recommender_graph), _ratings,
-            lambda m: _adam(m, loss="binary_crossentropy")),
-    Pattern("resnet_block", "ResNet block with `BatchNormalization`",
-            _functional(_resnet_graph(False)), lambda: _images(size=8), _sgd, _BN),
-    Pattern("resnet_block_sync", "ResNet block with `BatchNormalization(synchronized=True)`",
-            _functional(_resnet_graph(True)), lambda: _images(size=8), _sgd,
-            {"pipeline": AGREES}),
-    Pattern("multi_io", "two inputs, two outputs, `loss_weights`, per-output metrics",
-            _functional(_multi_io_graph), _multi_io_data, _multi_io_compile),
-    Pattern("regularizers", "kernel and activity regularizers, `add_loss`",
-            _functional(_regularized_graph), _classes,
-            lambda m: m.compile(optimizer=keras.optimizers.SGD(0.1),
-                                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))),
-    Pattern("dropout_noise", "`GaussianNoise` and `Dropout`", _functional(_noise_graph),
-            _classes, _sgd, _UNSEEDED),
-    Pattern("nested_model", "a Sequential model used as a layer", _functional(_nested_graph),
-            _classes, _sgd),
-    Pattern("containers", "subclassed model with sub-layers in a list and a dict",
-            _subclassed(_containers_class), _classes,
-            lambda m: _sgd(m, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)),
-            {"pipeline": _SUBCLASSED}),
-    Pattern("guide_train_step", "the Keras guide's custom `train_step`",
-            _subclassed(_guide_step_class), _classes, lambda m: _sgd(m, metrics=["accuracy"]),
-            {"pipeline": _CUSTOM_STEP}, batch_logs=True),
+    Pattern(
+        "lambda",
+        "`Lambda(lambda t: t * 2.0 - 1.0)` in a Functional model",
+        _functional(_lambda_graph),
+        _classes,
+        _sgd,
+    ),
+    Pattern(
+        "user_layer",
+        "a user layer without `get_config`/`**kwargs`, holding a layer, an array and a callable",
+        _functional(_user_layer_graph),
+        _classes,
+        _sgd,
+    ),
+    Pattern(
+        "user_metric",
+        "a user metric without `get_config`/`**kwargs` in `compile`",
+        _functional(_lambda_graph),
+        _classes,
+        lambda m: _sgd(m, metrics=[Coverage(), "accuracy"]),
+    ),
+    Pattern(
+        "gan",
+        "keras-io GAN: no `call`, two optimizers set in `compile`, two tapes, "
+        "latent vectors from the data",
+        _gan(False),
+        lambda: (_classes()[0],),
+        _gan_compile,
+        {"pipeline": _CUSTOM_STEP},
+    ),
+    Pattern(
+        "gan_random",
+        "keras-io GAN, latent vectors from `keras.random.normal(seed=...)`",
+        _gan(True),
+        lambda: (_classes()[0],),
+        _gan_compile,
+        {**_RANDOM, "pipeline": _CUSTOM_STEP},
+    ),
+    Pattern(
+        "vae",
+        "keras-io VAE: no `call`, a sampling layer, loss trackers",
+        _vae,
+        lambda: (np.random.default_rng(0).uniform(size=(16, 6, 1)).astype("float32"),),
+        lambda m: m.compile(optimizer=keras.optimizers.Adam(1e-3)),
+        {**_RANDOM, "pipeline": _CUSTOM_STEP},
+    ),
+    Pattern(
+        "wgan_gp",
+        "keras-io WGAN-GP: a nested tape for the gradient penalty",
+        _wgan,
+        lambda: (_classes()[0],),
+        _wgan_compile,
+        {"pipeline": _CUSTOM_STEP},
+        batch_logs=True,
+    ),
+    Pattern(
+        "siamese",
+        "keras-io Siamese network: one tower on two inputs, contrastive loss",
+        _functional(_siamese_graph),
+        _pairs,
+        lambda m: m.compile(optimizer=keras.optimizers.SGD(0.1), loss=_contrastive_loss),
+    ),
+    Pattern(
+        "tf_distribute_scope",
+        "Keras's tf.distribute test: built in the user's "
+        "`MirroredStrategy` scope (across processes: `MultiWorkerMirroredStrategy`, "
+        '`ParameterServerStrategy`), `strategy="auto"`',
+        _in_user_scope,
+        _classes,
+        lambda m: _sgd(m, metrics=[keras.metrics.SparseCategoricalAccuracy()]),
+    ),
+    Pattern(
+        "softmax_head",
+        '`Dense(4, activation="softmax")` head',
+        _functional(_softmax_graph),
+        lambda: _classes(classes=4),
+        _softmax_sgd,
+    ),
+    Pattern(
+        "mobilenet_v2",
+        "`keras.applications.MobileNetV2(weights=None)`",
+        _application("MobileNetV2", alpha=0.35),
+        _app_images,
+        _deep_sgd,
+        {**_APPLICATION, "tensor_parallel": AGREES},
+        steps=1,
+        forward=True,
+    ),
+    Pattern(
+        "efficientnet_b0",
+        "`keras.applications.EfficientNetB0(weights=None)`",
+        _application("EfficientNetB0"),
+        _app_images,
+        _deep_sgd,
+        {**_UNSEEDED, **_APPLICATION, "tensor_parallel": AGREES},
+        steps=1,
+        forward=True,
+    ),
+    Pattern(
+        "transformer",
+        "keras-io Transformer text classifier (layers without `get_config`)",
+        _functional(_transformer_graph),
+        lambda: _tokens(vocab=40),
+        _softmax_sgd,
+    ),
+    Pattern(
+        "text_vectorization",
+        "`TextVectorization` + `Embedding`, Adam",
+        _functional(_text_graph),
+        _text_data,
+        _adam,
+    ),
+    Pattern(
+        "masked_lstm",
+        "`Embedding(mask_zero=True)` + `LSTM`",
+        _functional(_recurrent_graph("LSTM")),
+        lambda: _tokens(zeros=True),
+        _softmax_sgd,
+    ),
+    Pattern(
+        "masked_gru",
+        "`Embedding(mask_zero=True)` + `GRU`",
+        _functional(_recurrent_graph("GRU")),
+        lambda: _tokens(zeros=True),
+        _softmax_sgd,
+    ),
+    Pattern(
+        "embeddings_adam",
+        "two `Embedding`s (a recommender), Adam",
+        _functional(_recommender_graph),
+        _ratings,
+        lambda m: _adam(m, loss="binary_crossentropy"),
+    ),
+    Pattern(
+        "resnet_block",
+        "ResNet block with `BatchNormalization`",
+        _functional(_resnet_graph(False)),
+        lambda: _images(size=8),
+        _sgd,
+        _BN,
+    ),
+    Pattern(
+        "resnet_block_sync",
+        "ResNet block with `BatchNormalization(synchronized=True)`",
+        _functional(_resnet_graph(True)),
+        lambda: _images(size=8),
+        _sgd,
+        {"pipeline": AGREES},
+    ),
+    Pattern(
+        "multi_io",
+        "two inputs, two outputs, `loss_weights`, per-output metrics",
+        _functional(_multi_io_graph),
+        _multi_io_data,
+        _multi_io_compile,
+    ),
+    Pattern(
+        "regularizers",
+        "kernel and activity regularizers, `add_loss`",
+        _functional(_regularized_graph),
+        _classes,
+        lambda m: m.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        ),
+    ),
+    Pattern(
+        "dropout_noise",
+        "`GaussianNoise` and `Dropout`",
+        _functional(_noise_graph),
+        _classes,
+        _sgd,
+        _UNSEEDED,
+    ),
+    Pattern(
+        "nested_model",
+        "a Sequential model used as a layer",
+        _functional(_nested_graph),
+        _classes,
+        _sgd,
+    ),
+    Pattern(
+        "containers",
+        "subclassed model with sub-layers in a list and a dict",
+        _subclassed(_containers_class),
+        _classes,
+        lambda m: _sgd(m, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)),
+        {"pipeline": _SUBCLASSED},
+    ),
+    Pattern(
+        "guide_train_step",
+        "the Keras guide's custom `train_step`",
+        _subclassed(_guide_step_class),
+        _classes,
+        lambda m: _sgd(m, metrics=["accuracy"]),
+        {"pipeline": _CUSTOM_STEP},
+        batch_logs=True,
+    ),
 ]
 
 BY_NAME = {p.name: p for p in PATTERNS}
@@ -796,8 +1009,9 @@ def train(pattern: Pattern, model, data, callbacks=()) -> dict:
     rows = batch * pattern.steps
     x = keras.tree.map_structure(lambda a: a[:rows], x)
     y = None if y is None else keras.tree.map_structure(lambda a: a[:rows], y)
-    history = model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0,
-                        callbacks=list(callbacks))
+    history = model.fit(
+        x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=list(callbacks)
+    )
     return {k: float(v[-1]) for k, v in history.history.items()}
 
 
@@ -837,13 +1051,20 @@ def run_pattern(pattern: Pattern, strategy: str, initial=None) -> dict:
         return {"error": f"{type(error).__name__}: {error}"}
     replicas_agree = all(
         all(np.array_equal(values[0], other) for other in values[1:])
-        for values in (model.strategy.local_replica_values(v) for v in model.trainable_variables))
-    return {"initial": start.weights, "weights": model.get_weights(), "logs": logs,
-            "replicas_agree": replicas_agree, "predictions": predictions}
+        for values in (model.strategy.local_replica_values(v) for v in model.trainable_variables)
+    )
+    return {
+        "initial": start.weights,
+        "weights": model.get_weights(),
+        "logs": logs,
+        "replicas_agree": replicas_agree,
+        "predictions": predictions,
+    }
 
 
-def check(pattern: Pattern, strategy: str, initial, expected_weights, result,
-          expected_logs=None) -> str:
+def check(
+    pattern: Pattern, strategy: str, initial, expected_weights, result, expected_logs=None
+) -> str:
     """Asserts `result` is `pattern.outcome(strategy)`; returns the outcome.
     `EXACT` also compares the epoch's logs with plain Keras's, if given."""
     outcome = pattern.outcome(strategy)
@@ -861,19 +1082,33 @@ def check(pattern: Pattern, strategy: str, initial, expected_weights, result,
     assert all(np.all(np.isfinite(v)) for v in result["logs"].values()), result["logs"]
     if outcome == EXACT:
         for i, (a, b) in enumerate(zip(expected_weights, weights, strict=True)):
-            np.testing.assert_allclose(b, a, atol=pattern.atol, rtol=0,
-                                       err_msg=f"{pattern.name} under {strategy}: weight {i}")
+            np.testing.assert_allclose(
+                b,
+                a,
+                atol=pattern.atol,
+                rtol=0,
+                err_msg=f"{pattern.name} under {strategy}: weight {i}",
+            )
         if expected_logs is not None:
             assert set(result["logs"]) == set(expected_logs), (result["logs"], expected_logs)
             for key, value in expected_logs.items():
-                np.testing.assert_allclose(result["logs"][key], value, atol=1e-5, rtol=1e-6,
-                                           err_msg=f"{pattern.name} under {strategy}: {key}")
+                np.testing.assert_allclose(
+                    result["logs"][key],
+                    value,
+                    atol=1e-5,
+                    rtol=1e-6,
+                    err_msg=f"{pattern.name} under {strategy}: {key}",
+                )
     else:
         assert result["replicas_agree"], f"{pattern.name} under {strategy}: replicas differ"
         if pattern.forward and result.get("predictions") is not None:
-            np.testing.assert_allclose(result["predictions"], _FORWARD[pattern.name],
-                                       atol=1e-5, rtol=0,
-                                       err_msg=f"{pattern.name} under {strategy}: predictions")
+            np.testing.assert_allclose(
+                result["predictions"],
+                _FORWARD[pattern.name],
+                atol=1e-5,
+                rtol=0,
+                err_msg=f"{pattern.name} under {strategy}: predictions",
+            )
         moved = any(not np.array_equal(a, b) for a, b in zip(initial, weights))
         assert moved, f"{pattern.name} under {strategy}: no weight moved"
     return outcome

@@ -17,8 +17,7 @@ import pytest
 import patterns as zoo
 from helpers import KERAS_FEATURES_WORKER, ZOO_PROCESS_PATTERNS, launch
 
-CASES = [(name, strategy) for strategy, names in ZOO_PROCESS_PATTERNS.items()
-         for name in names]
+CASES = [(name, strategy) for strategy, names in ZOO_PROCESS_PATTERNS.items() for name in names]
 
 pytestmark = pytest.mark.slow
 
@@ -27,17 +26,32 @@ pytestmark = pytest.mark.slow
 def parameter_server_zoo(tmp_path_factory):
     """The patterns under `parameter_server`: a chief, 2 workers, 1 ps."""
     out = tmp_path_factory.mktemp("zoo_parameter_server")
-    launch(out, 2, KERAS_FEATURES_WORKER, "--out", str(out), "--probes", "zoo",
-           "--zoo", ",".join(ZOO_PROCESS_PATTERNS["parameter_server"]),
-           "--strategy", "parameter_server", launch_flags=("--ps", "1"), timeout=400)
+    launch(
+        out,
+        2,
+        KERAS_FEATURES_WORKER,
+        "--out",
+        str(out),
+        "--probes",
+        "zoo",
+        "--zoo",
+        ",".join(ZOO_PROCESS_PATTERNS["parameter_server"]),
+        "--strategy",
+        "parameter_server",
+        launch_flags=("--ps", "1"),
+        timeout=400,
+    )
     return out
 
 
 @pytest.fixture
 def runs(request):
     """strategy -> the directory of the launch that ran its patterns."""
-    fixtures = {"multi_worker": "probes", "horovod": "horovod_probes",
-                "parameter_server": "parameter_server_zoo"}
+    fixtures = {
+        "multi_worker": "probes",
+        "horovod": "horovod_probes",
+        "parameter_server": "parameter_server_zoo",
+    }
     return lambda strategy: request.getfixturevalue(fixtures[strategy])
 
 
@@ -78,7 +92,12 @@ def test_pattern_across_processes(name, strategy, runs, zoo_results):
         for a, b in zip(final, _weights(other, "final"), strict=True):
             np.testing.assert_array_equal(a, b, err_msg=f"{name} under {strategy}: workers")
     _, expected, logs = zoo.reference(pattern, initial, [strategy])
-    result = {"initial": initial, "weights": final, "logs": first["logs"],
-              "replicas_agree": first["replicas_agree"]}
-    zoo_results[name, strategy] = zoo.check(pattern, strategy, initial, expected, result,
-                                            None if pattern.batch_logs else logs)
+    result = {
+        "initial": initial,
+        "weights": final,
+        "logs": first["logs"],
+        "replicas_agree": first["replicas_agree"],
+    }
+    zoo_results[name, strategy] = zoo.check(
+        pattern, strategy, initial, expected, result, None if pattern.batch_logs else logs
+    )

@@ -49,8 +49,10 @@ def render(results) -> str:
 def test_zoo_page_matrix_is_what_the_zoo_found(zoo_results):
     missing = EXPECTED - set(zoo_results)
     if missing:
-        pytest.skip(f"the zoo did not run whole ({len(missing)} cases missing, e.g. "
-                    f"{sorted(missing)[0]}); a whole run checks docs/zoo.md's matrix")
+        pytest.skip(
+            f"the zoo did not run whole ({len(missing)} cases missing, e.g. "
+            f"{sorted(missing)[0]}); a whole run checks docs/zoo.md's matrix"
+        )
     table = render(zoo_results)
     with open(ZOO_PAGE) as f:
         text = f.read()
@@ -58,8 +60,8 @@ def test_zoo_page_matrix_is_what_the_zoo_found(zoo_results):
     assert found, f"docs/zoo.md has no {BEGIN} ... {END} section"
     if os.environ.get("KD_ZOO_WRITE_README"):
         with open(ZOO_PAGE, "w") as f:
-            f.write(text[:found.start(1)] + table + "\n" + text[found.end(1):])
+            f.write(text[: found.start(1)] + table + "\n" + text[found.end(1) :])
         return
     assert found.group(1) == table + "\n", (
-        "docs/zoo.md's zoo matrix is not what this run found; write it anew with "
-        "`make zoo-matrix`")
+        "docs/zoo.md's zoo matrix is not what this run found; write it anew with `make zoo-matrix`"
+    )

@@ -71,8 +71,10 @@ def plan(fit: FitInput) -> Plan:
     x, y, sample_weight = fit.x, fit.y, fit.sample_weight
     steps = fit.steps_per_epoch
     if fit.class_weight is not None:
-        raise ValueError("class_weight is not supported by strategy='parameter_server'; "
-                         "pass per-sample weights (sample_weight=) instead.")
+        raise ValueError(
+            "class_weight is not supported by strategy='parameter_server'; "
+            "pass per-sample weights (sample_weight=) instead."
+        )
     validation = fit.validation_data
     if isinstance(x, keras.utils.PyDataset):
         _no_split(fit, "a PyDataset")
@@ -117,9 +119,15 @@ def _arrays_plan(fit, x, y, sample_weight, steps, validation) -> Plan:
             arrays, validation = _split(arrays, split)
     # Leaf by leaf: x and y may be dicts or lists of arrays (several inputs
     # or outputs), which np.asarray would make one object array (or stack).
-    arrays = tuple(None if a is None else keras.tree.map_structure(
-        lambda leaf: leaf if tf.is_tensor(leaf) else np.asarray(leaf),
-        keras.tree.lists_to_tuples(a)) for a in arrays)
+    arrays = tuple(
+        None
+        if a is None
+        else keras.tree.map_structure(
+            lambda leaf: leaf if tf.is_tensor(leaf) else np.asarray(leaf),
+            keras.tree.lists_to_tuples(a),
+        )
+        for a in arrays
+    )
     size = int(keras.tree.flatten(arrays[0])[0].shape[0])
     steps = steps or math.ceil(size / batch_size)
     shuffle = bool(fit.shuffle) and fit.shuffle != "batch"
@@ -157,8 +165,10 @@ def _split(arrays, fraction):
 
 def _no_split(fit, what) -> None:
     if fit.validation_split:
-        raise ValueError(f"validation_split is only supported for arrays, not {what} "
-                         "(as in Keras); pass validation_data= instead.")
+        raise ValueError(
+            f"validation_split is only supported for arrays, not {what} "
+            "(as in Keras); pass validation_data= instead."
+        )
 
 
 def _call_dataset_fn(fn) -> tf.data.Dataset:
@@ -167,8 +177,10 @@ def _call_dataset_fn(fn) -> tf.data.Dataset:
     except TypeError:
         dataset = fn(tf.distribute.InputContext())
     if not isinstance(dataset, tf.data.Dataset):
-        raise ValueError(f"The dataset function {getattr(fn, '__name__', fn)!r} returned "
-                         f"{type(dataset).__name__}, not a tf.data.Dataset.")
+        raise ValueError(
+            f"The dataset function {getattr(fn, '__name__', fn)!r} returned "
+            f"{type(dataset).__name__}, not a tf.data.Dataset."
+        )
     return dataset
 
 
@@ -192,8 +204,10 @@ def _known_length(py_dataset) -> Optional[int]:
 
 
 def _unknown_steps(why: str) -> str:
-    return (f"strategy='parameter_server' cannot know how many steps make an epoch: {why}; "
-            "pass steps_per_epoch= to fit.")
+    return (
+        f"strategy='parameter_server' cannot know how many steps make an epoch: {why}; "
+        "pass steps_per_epoch= to fit."
+    )
 
 
 def _is_array(x) -> bool:

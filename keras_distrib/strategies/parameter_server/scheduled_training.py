@@ -56,9 +56,14 @@ from keras_distrib.strategies.parameter_server.per_worker_input import Plan
 
 # What the coordinator raises once it gives up on a task (a ps, usually:
 # closures of a failed worker run again elsewhere).
-_REMOTE_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError,
-                  tf.errors.CancelledError, tf.errors.NotFoundError,
-                  tf.errors.InternalError, tf.errors.FailedPreconditionError)
+_REMOTE_ERRORS = (
+    tf.errors.UnavailableError,
+    tf.errors.AbortedError,
+    tf.errors.CancelledError,
+    tf.errors.NotFoundError,
+    tf.errors.InternalError,
+    tf.errors.FailedPreconditionError,
+)
 
 
 class ScheduledTraining:
@@ -76,8 +81,16 @@ class ScheduledTraining:
             the error `fit` raises.
     """
 
-    def __init__(self, model, engine, coordinator, plan: Plan, step_fn: Callable, lag: int,
-                 lost: Callable[[Exception], Exception]):
+    def __init__(
+        self,
+        model,
+        engine,
+        coordinator,
+        plan: Plan,
+        step_fn: Callable,
+        lag: int,
+        lost: Callable[[Exception], Exception],
+    ):
         self.model = model
         self.engine = engine
         self.coordinator = coordinator
@@ -219,8 +232,10 @@ class ScheduledTraining:
             values = [i + t for i, t in zip(self.initial, self.totals)]
             with keras.StatelessScope(state_mapping=list(zip(self.metric_variables, values))):
                 logs = keras.Model.get_metrics_result(self.model)
-            self._logs = {k: float(np.asarray(v)) if np.ndim(v) == 0 else np.asarray(v)
-                          for k, v in logs.items()}
+            self._logs = {
+                k: float(np.asarray(v)) if np.ndim(v) == 0 else np.asarray(v)
+                for k, v in logs.items()
+            }
         return dict(self._logs)  # callbacks may add keys to the dict they get
 
     # -- epoch boundaries ---------------------------------------------------------------
@@ -234,8 +249,7 @@ class ScheduledTraining:
             self.coordinator.join()
             while self.pending:
                 self._fold(self.pending.popleft())
-            for variable, initial, total in zip(self.metric_variables, self.initial,
-                                                self.totals):
+            for variable, initial, total in zip(self.metric_variables, self.initial, self.totals):
                 variable.assign(initial + total)  # on a ps
         except _REMOTE_ERRORS as error:
             raise self.lost(error) from None

@@ -137,8 +137,9 @@ def gradients(tape: tf.GradientTape, target, variables: Sequence, **kwargs) -> l
         if parts is None:
             result.append(flat[start])
         else:
-            result.append(_join(parts, flat[start:start + len(parts)],
-                                tf.TensorShape(variable.shape)))
+            result.append(
+                _join(parts, flat[start : start + len(parts)], tf.TensorShape(variable.shape))
+            )
     return result
 
 
@@ -157,17 +158,19 @@ def _sharded_slot_creator(reference):
         parts = list(reference.variables)
         made = []
         for i, (part, offset) in enumerate(zip(parts, _row_offsets(parts))):
-            rows = initial_value[offset:offset + int(part.shape[0])]
+            rows = initial_value[offset : offset + int(part.shape[0])]
             # ParameterServerStrategy's creator places a variable created
             # with `colocate_with` on that variable's ps, unpartitioned.
             with tf.device(part.device):
-                made.append(next_creator(
-                    initial_value=rows,
-                    shape=part.shape,
-                    name=None if name is None else f"{name}/part_{i}",
-                    colocate_with=part,
-                    **kwargs,
-                ))
+                made.append(
+                    next_creator(
+                        initial_value=rows,
+                        shape=part.shape,
+                        name=None if name is None else f"{name}/part_{i}",
+                        colocate_with=part,
+                        **kwargs,
+                    )
+                )
         return _compat.sharded_variable_class()(made)
 
     return creator
@@ -180,8 +183,9 @@ def _reshard_built_slots(optimizer) -> None:
         return
     # Keras names the slot of weight `a/b` `a_b_<slot name>`; longest first
     # so that `a/b_c` is not taken for `a/b`.
-    prefixes = sorted(((w.path.replace("/", "_") + "_", w) for w in weights),
-                      key=lambda item: -len(item[0]))
+    prefixes = sorted(
+        ((w.path.replace("/", "_") + "_", w) for w in weights), key=lambda item: -len(item[0])
+    )
     with tf.init_scope(), _compat.optimizer_strategy(optimizer).scope():
         for slot in optimizer.variables:
             if is_sharded(slot):
@@ -189,8 +193,9 @@ def _reshard_built_slots(optimizer) -> None:
             for prefix, weight in prefixes:
                 if slot.name.startswith(prefix) and slot.shape == weight.shape:
                     with tf.variable_creator_scope(_sharded_slot_creator(weight.value)):
-                        value = tf.Variable(tf.convert_to_tensor(slot.value), trainable=False,
-                                            name=slot.name)
+                        value = tf.Variable(
+                            tf.convert_to_tensor(slot.value), trainable=False, name=slot.name
+                        )
                     _compat.replace_variable_value(slot, value)
                     break
 

@@ -88,8 +88,10 @@ class ParameterServer(Strategy):
 
     name = "parameter_server"
     aliases = ("ps", "parameter_servers", "async")
-    description = ("Asynchronous: variables on ps tasks, steps scheduled on workers by the "
-                   "chief (tf.distribute.ParameterServerStrategy).")
+    description = (
+        "Asynchronous: variables on ps tasks, steps scheduled on workers by the "
+        "chief (tf.distribute.ParameterServerStrategy)."
+    )
     capabilities = Capabilities(one_per_process=True, asynchronous=True)
 
     def __init__(self, variable_partitioner=None, lag: Optional[int] = None):
@@ -103,12 +105,17 @@ class ParameterServer(Strategy):
         self.num_ps = info.num_ps
         self.lag = int(lag) if lag else 2 * self.num_workers
         self._engine, self.coordinator = runtime.ensure_coordinator(
-            info, runtime.DEFAULT_PEER_TIMEOUT)
+            info, runtime.DEFAULT_PEER_TIMEOUT
+        )
         _compat.set_variable_partitioner(self._engine, variable_partitioner)
         self._topology = Topology(
-            num_replicas=1, num_local_replicas=1, first_local_replica=0,
-            devices=("/job:chief/replica:0/task:0/device:CPU:0",), role="chief",
-            num_data_shards=self.num_workers)
+            num_replicas=1,
+            num_local_replicas=1,
+            first_local_replica=0,
+            devices=("/job:chief/replica:0/task:0/device:CPU:0",),
+            role="chief",
+            num_data_shards=self.num_workers,
+        )
         self._training: Optional[ScheduledTraining] = None
         self._plan: Optional[per_worker_input.Plan] = None
         # One replica here (the steps run on the workers): nothing to reduce.
@@ -124,8 +131,10 @@ class ParameterServer(Strategy):
         return self._engine
 
     def __repr__(self) -> str:
-        return (f"<ParameterServer workers={self.num_workers} ps={self.num_ps} "
-                f"chief={self.info.workers[0]}>")
+        return (
+            f"<ParameterServer workers={self.num_workers} ps={self.num_ps} "
+            f"chief={self.info.workers[0]}>"
+        )
 
     # -- placement ------------------------------------------------------------------
 
@@ -143,10 +152,17 @@ class ParameterServer(Strategy):
         the data itself goes to the workers (see `per_worker_input`)."""
         self._plan = plan = per_worker_input.plan(fit)
         tickets = tf.data.Dataset.range(plan.steps_per_epoch)
-        return fit.replace(x=tickets, y=None, sample_weight=None, batch_size=None,
-                           validation_split=0.0, validation_data=plan.validation_data,
-                           steps_per_epoch=plan.steps_per_epoch, shuffle=False,
-                           build_batch=plan.build_batch)
+        return fit.replace(
+            x=tickets,
+            y=None,
+            sample_weight=None,
+            batch_size=None,
+            validation_split=0.0,
+            validation_data=plan.validation_data,
+            steps_per_epoch=plan.steps_per_epoch,
+            shuffle=False,
+            build_batch=plan.build_batch,
+        )
 
     def distribute_input(self, x, y=None, sample_weight=None, batch_size=None):
         return x, y, sample_weight, batch_size  # the chief reads it all
@@ -156,12 +172,14 @@ class ParameterServer(Strategy):
         applied; per-batch ones run on the chief as it schedules, with logs
         `lag` closures behind. A profiler there would trace no step."""
         for callback in callbacks:
-            if (isinstance(callback, keras.callbacks.TensorBoard)
-                    and _compat.tensorboard_profiles(callback)):
+            if isinstance(callback, keras.callbacks.TensorBoard) and _compat.tensorboard_profiles(
+                callback
+            ):
                 raise ValueError(
                     "TensorBoard(profile_batch=...) profiles the chief, but under "
                     "strategy='parameter_server' the steps run on the workers; pass "
-                    "profile_batch=0 (and profile a worker with tf.profiler.experimental.client).")
+                    "profile_batch=0 (and profile a worker with tf.profiler.experimental.client)."
+                )
 
     def adopt_optimizer(self, optimizer) -> None:
         """A one-line error for Muon with weight decay.
@@ -174,26 +192,32 @@ class ParameterServer(Strategy):
         must be a Variable."). Muon without weight decay trains here.
         """
         for opt in optimizers_in(optimizer):
-            if (keras_class_among(opt, ("Muon",))
-                    and (opt.weight_decay or getattr(opt, "adam_weight_decay", None))):
+            if keras_class_among(opt, ("Muon",)) and (
+                opt.weight_decay or getattr(opt, "adam_weight_decay", None)
+            ):
                 raise ValueError(
                     "strategy='parameter_server' cannot apply Muon's weight decay (Muon "
                     "assigns the weights through Keras variables, which a parameter-server "
                     "step does not apply); pass Muon(weight_decay=None, adam_weight_decay=None), "
-                    "or use AdamW.")
+                    "or use AdamW."
+                )
 
     # -- execution --------------------------------------------------------------------
 
     def make_step_function(self, model, step, keras_make_function: Callable):
         if getattr(model.optimizer, "backward_passes_per_step", 1) > 1:
-            raise ValueError("backward_passes_per_step > 1 does not apply to "
-                             "strategy='parameter_server' (each worker step is applied on "
-                             "its own); use a larger batch_size instead.")
+            raise ValueError(
+                "backward_passes_per_step > 1 does not apply to "
+                "strategy='parameter_server' (each worker step is applied on "
+                "its own); use a larger batch_size instead."
+            )
         if step.kind != "train":
             return keras_make_function(step.fn)  # evaluation, on the chief
         if self._plan is None:
-            raise ValueError("strategy='parameter_server' trains through model.fit only "
-                             "(no train_on_batch): the workers need fit's input plan.")
+            raise ValueError(
+                "strategy='parameter_server' trains through model.fit only "
+                "(no train_on_batch): the workers need fit's input plan."
+            )
         if model.optimizer is not None:
             with self.scope():
                 # Slots and updates of variables split over the ps tasks
@@ -202,7 +226,8 @@ class ParameterServer(Strategy):
                 if not model.optimizer.built:
                     model.optimizer.build(model.trainable_variables)
         self._training = ScheduledTraining(
-            model, self._engine, self.coordinator, self._plan, step.fn, self.lag, self.lost)
+            model, self._engine, self.coordinator, self._plan, step.fn, self.lag, self.lost
+        )
         return self._training
 
     def make_predict_function(self, model, step, keras_make_predict_function: Callable):
@@ -229,8 +254,10 @@ class ParameterServer(Strategy):
         `predict` on the chief failed with "Trying to access resource ...
         located in device /job:ps/... from device /job:chief/..."
         (TensorFlow's XLA known issue "tf.Variable on a different device")."""
-        return ("XLA cannot read the variables kept on the ps tasks (TensorFlow's XLA known "
-                "issue 'tf.Variable on a different device')")
+        return (
+            "XLA cannot read the variables kept on the ps tasks (TensorFlow's XLA known "
+            "issue 'tf.Variable on a different device')"
+        )
 
     def failure(self, error: Exception) -> Optional[Exception]:
         # A ps may die while a callback reads or writes its variables
@@ -250,11 +277,13 @@ class ParameterServer(Strategy):
                 return ParameterServerLostError(
                     f"parameter server ps {index} ({address}) failed; its variables are "
                     "lost: restart the job (with keras_distrib.callbacks.BackupAndRestore "
-                    "training resumes from the last backup).")
+                    "training resumes from the last backup)."
+                )
         return RuntimeError(
             f"parameter-server training failed: {failure_summary(text, self.info)}; restart "
             "the job (with keras_distrib.callbacks.BackupAndRestore training resumes from "
-            "the last backup).")
+            "the last backup)."
+        )
 
     @property
     def steps_applied(self) -> int:
@@ -289,13 +318,21 @@ def _looks_like_a_lost_task(error: Exception) -> bool:
     coordinator judges a ps failure (`_is_ps_failure` in
     tensorflow/python/distribute/coordinator/cluster_coordinator.py):
     unreachable or aborted, or a restarted task's unknown device or handle."""
-    if isinstance(error, (tf.errors.UnavailableError, tf.errors.AbortedError,
-                          tf.errors.DeadlineExceededError, tf.errors.CancelledError)):
+    if isinstance(
+        error,
+        (
+            tf.errors.UnavailableError,
+            tf.errors.AbortedError,
+            tf.errors.DeadlineExceededError,
+            tf.errors.CancelledError,
+        ),
+    ):
         return True
     text = str(error)
     return isinstance(error, tf.errors.InvalidArgumentError) and (
         "unknown device" in text.lower()
-        or "Unable to find the relevant tensor remote_handle" in text)
+        or "Unable to find the relevant tensor remote_handle" in text
+    )
 
 
 def failure_summary(text: str, info) -> str:
@@ -322,18 +359,28 @@ def _check_cluster(info: Optional[cluster_lib.ClusterInfo]) -> cluster_lib.Clust
     """`info`, once it is a cluster this strategy can train on."""
     example = "e.g. keras-distrib launch --workers 2 --ps 1 train.py"
     if info is None:
-        raise ValueError("strategy='parameter_server' needs a cluster with 'chief', 'worker' "
-                         f"and 'ps' tasks (TF_CONFIG), and none is configured; {example}.")
+        raise ValueError(
+            "strategy='parameter_server' needs a cluster with 'chief', 'worker' "
+            f"and 'ps' tasks (TF_CONFIG), and none is configured; {example}."
+        )
     if not info.has_ps:
-        raise ValueError("strategy='parameter_server' needs 'ps' tasks in the cluster, and "
-                         f"it has none; add some ({example}) or use strategy='multi_worker'.")
+        raise ValueError(
+            "strategy='parameter_server' needs 'ps' tasks in the cluster, and "
+            f"it has none; add some ({example}) or use strategy='multi_worker'."
+        )
     if not info.has_chief:
-        raise ValueError("strategy='parameter_server' needs a 'chief' task to run the script "
-                         f"and coordinate the workers; add one ({example}).")
+        raise ValueError(
+            "strategy='parameter_server' needs a 'chief' task to run the script "
+            f"and coordinate the workers; add one ({example})."
+        )
     if len(info.workers) < 2:
-        raise ValueError("strategy='parameter_server' needs at least one 'worker' task to "
-                         f"run the steps; add some ({example}).")
+        raise ValueError(
+            "strategy='parameter_server' needs at least one 'worker' task to "
+            f"run the steps; add some ({example})."
+        )
     if info.role == cluster_lib.EVALUATOR:
-        raise ValueError("strategy='parameter_server' has no work for an 'evaluator' task; "
-                         "run it without this strategy.")
+        raise ValueError(
+            "strategy='parameter_server' has no work for an 'evaluator' task; "
+            "run it without this strategy."
+        )
     return info

@@ -125,8 +125,12 @@ def serve(info: cluster_lib.ClusterInfo) -> NoReturn:
         config=server_config(),
         start=True,
     )
-    print(f"keras_distrib: {info.task_type} {info.task_index} serving on {info.address} "
-          f"(pid {os.getpid()})", file=sys.stderr, flush=True)
+    print(
+        f"keras_distrib: {info.task_type} {info.task_index} serving on {info.address} "
+        f"(pid {os.getpid()})",
+        file=sys.stderr,
+        flush=True,
+    )
     _wait_for_the_chief_to_go(info, main_thread)
 
 
@@ -140,9 +144,12 @@ def _wait_for_the_chief_to_go(info: cluster_lib.ClusterInfo, main_thread: bool) 
         if main_thread:
             _install_handlers()
         if chief.gone():
-            print(f"keras_distrib: {info.task_type} {info.task_index}: the chief at "
-                  f"{info.workers[0]} is gone (its port refuses connections); this server ends.",
-                  file=sys.stderr, flush=True)
+            print(
+                f"keras_distrib: {info.task_type} {info.task_index}: the chief at "
+                f"{info.workers[0]} is gone (its port refuses connections); this server ends.",
+                file=sys.stderr,
+                flush=True,
+            )
             _exit_quietly(signal.SIGTERM, None)
 
 
@@ -187,8 +194,11 @@ def _exit_quietly(signum, frame) -> None:
 
 
 def _error(message: str) -> None:
-    print(f"keras_distrib.strategies.parameter_server.task_server: error: {message}",
-          file=sys.stderr, flush=True)
+    print(
+        f"keras_distrib.strategies.parameter_server.task_server: error: {message}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def main() -> int:
@@ -200,8 +210,10 @@ def main() -> int:
         _error(str(e))
         return 2
     if info is None:
-        _error("no cluster in the environment; set TF_CONFIG to this task's cluster and "
-               "task (type 'worker' or 'ps').")
+        _error(
+            "no cluster in the environment; set TF_CONFIG to this task's cluster and "
+            "task (type 'worker' or 'ps')."
+        )
         return 2
     try:
         serve(info)

@@ -39,14 +39,17 @@ class PipelinePlan:
     peak_live_activations: list
 
     def __str__(self) -> str:
-        lines = [f"pipeline: {len(self.devices)} stages, {self.num_micro_batches} "
-                 f"micro-batches, schedule {self.schedule!r}"]
+        lines = [
+            f"pipeline: {len(self.devices)} stages, {self.num_micro_batches} "
+            f"micro-batches, schedule {self.schedule!r}"
+        ]
         for s, device in enumerate(self.devices):
             lines.append(
                 f"  stage {s} on {device}: {self.bytes_per_device.get(device, 0):,} bytes "
                 f"(+{self.optimizer_bytes_per_device.get(device, 0):,} optimizer), "
                 f"peak live activations {self.peak_live_activations[s]}, layers "
-                f"{', '.join(self.layers[s])}")
+                f"{', '.join(self.layers[s])}"
+            )
         return "\n".join(lines)
 
 
@@ -60,7 +63,8 @@ def bytes_per_device(variables) -> dict:
     """Device -> the bytes of those of `variables` that live there."""
     sizes: dict = {}
     for v in variables:
-        nbytes = int(np.prod(v.shape)) * np.dtype(
-            getattr(v.dtype, "as_numpy_dtype", v.dtype)).itemsize
+        nbytes = (
+            int(np.prod(v.shape)) * np.dtype(getattr(v.dtype, "as_numpy_dtype", v.dtype)).itemsize
+        )
         sizes[device_of(v)] = sizes.get(device_of(v), 0) + nbytes
     return sizes

@@ -56,8 +56,7 @@ def partition(weights: Sequence[int], num_stages: int) -> list[int]:
     if num_stages < 1:
         raise ValueError(f"num_stages={num_stages} must be >= 1.")
     if num_stages > n:
-        raise ValueError(
-            f"Cannot cut {n} layers into {num_stages} stages; use num_stages <= {n}.")
+        raise ValueError(f"Cannot cut {n} layers into {num_stages} stages; use num_stages <= {n}.")
     prefix = [0]
     for w in weights:
         prefix.append(prefix[-1] + int(w))

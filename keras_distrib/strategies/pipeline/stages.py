@@ -42,15 +42,15 @@ class Stages:
         p = strategy.num_stages
         stage_of = stage_of_layers(graph, p, strategy.split_at)
         self.layers = [(layer, stage_of[layer.name]) for layer in pipelined_layers(graph)]
-        walk = _walk_calls(graph, [layer for layer, _ in self.layers], stage_of,
-                           strategy.devices)
+        walk = _walk_calls(graph, [layer for layer, _ in self.layers], stage_of, strategy.devices)
         outputs = list(graph.outputs)
         for t in outputs:
             walk.used_at[id(t)] = p
         self.boundary = [list(graph.inputs)]
         for s in range(1, p):
-            self.boundary.append([t for t in walk.known
-                                  if walk.made_at[id(t)] < s <= walk.used_at.get(id(t), -1)])
+            self.boundary.append(
+                [t for t in walk.known if walk.made_at[id(t)] < s <= walk.used_at.get(id(t), -1)]
+            )
         self.boundary.append(outputs)
         self._output_structure = graph.output
         self.models, self.inputs, self.made = [], [], []
@@ -72,7 +72,8 @@ class Stages:
         if not mine:
             raise ValueError(
                 f"Pipeline stage {s} makes none of the tensors later stages use; "
-                "choose split_at (or num_stages) differently.")
+                "choose split_at (or num_stages) differently."
+            )
         try:
             stage = keras.Model(inputs, mine, name=f"{graph.name}_stage_{s}")
         except ValueError as error:
@@ -97,8 +98,10 @@ class Stages:
         made = _flat(self.models[s]([inputs[k] for k in self.inputs[s]], training=training))
         by_id = dict(zip(self.made[s], made))
         entering = {id(t): v for t, v in zip(self.boundary[s], inputs)}
-        return [by_id[id(t)] if id(t) in by_id else tf.identity(entering[id(t)])
-                for t in self.boundary[s + 1]]
+        return [
+            by_id[id(t)] if id(t) in by_id else tf.identity(entering[id(t)])
+            for t in self.boundary[s + 1]
+        ]
 
     def take_added_losses(self, s: int, share):
         """The losses stage `s`'s layers added in its latest call (`add_loss`,
@@ -137,8 +140,12 @@ def _walk_calls(model, layers: list, stage_of: dict, devices) -> _Walk:
     layers' (those of `layers`), and the operations between them
     (`h + a`), which are computed in the stage of their latest input."""
     by_id = {id(layer): layer for layer in layers}
-    walk = _Walk(made_at={id(t): -1 for t in model.inputs}, used_at={}, consumed_at={},
-                 known=list(model.inputs))
+    walk = _Walk(
+        made_at={id(t): -1 for t in model.inputs},
+        used_at={},
+        consumed_at={},
+        known=list(model.inputs),
+    )
     for operation, (inputs, outputs) in _compat.layer_tensors(model).items():
         layer = by_id.get(operation)
         if layer is not None:
@@ -152,7 +159,8 @@ def _walk_calls(model, layers: list, stage_of: dict, devices) -> _Walk:
                 raise ValueError(
                     f"Layer {layer.name!r} (stage {stage}) uses a tensor made in a later "
                     "stage; pipeline stages must follow the layer graph (a shared layer "
-                    "called at two depths cannot be cut); choose split_at differently.")
+                    "called at two depths cannot be cut); choose split_at differently."
+                )
             walk.used_at[id(t)] = max(walk.used_at.get(id(t), -1), stage)
             walk.consumed_at.setdefault(stage, set()).add(id(t))
         for t in outputs:
@@ -176,8 +184,9 @@ def cut_graph(model, num_stages: int, split_at: Optional[list]):
     graph = model
     names = {layer.name for layer in pipelined_layers(model)}
     wants_inside = any(name not in names for name in split_at or ())
-    if ((len(names) < num_stages or wants_inside)
-            and any(_compat.graph_of(layer) is not None for layer in model.layers)):
+    if (len(names) < num_stages or wants_inside) and any(
+        _compat.graph_of(layer) is not None for layer in model.layers
+    ):
         graph = _compat.inlined_functional(model)
     model.__dict__["_kd_pipeline_graph"] = types.SimpleNamespace(graph=graph)
     return graph
@@ -197,22 +206,25 @@ def stage_of_layers(model, num_stages: int, split_at: Optional[list]) -> dict:
     if num_stages > len(layers):
         raise ValueError(
             f"Cannot cut model {model.name!r} ({len(layers)} layers) into {num_stages} "
-            f"stages; use num_stages <= {len(layers)}.")
+            f"stages; use num_stages <= {len(layers)}."
+        )
     if split_at is None:
-        stages = pipeline_schedule.partition([layer.count_params() for layer in layers],
-                                             num_stages)
+        stages = pipeline_schedule.partition([layer.count_params() for layer in layers], num_stages)
         return dict(zip(names, stages))
     starts = []
     for name in split_at:
         if name not in names:
             shown = names if len(names) <= 12 else names[:6] + ["..."] + names[-5:]
-            raise ValueError(f"split_at: {name!r} is not a layer of model {model.name!r}; "
-                             f"its layers are {shown}.")
+            raise ValueError(
+                f"split_at: {name!r} is not a layer of model {model.name!r}; "
+                f"its layers are {shown}."
+            )
         starts.append(names.index(name))
     if starts != sorted(set(starts)) or starts[0] == 0:
         raise ValueError(
             f"split_at={split_at} must name distinct layers in the model's order, after its "
-            f"first layer {names[0]!r} (each starts a stage).")
+            f"first layer {names[0]!r} (each starts a stage)."
+        )
     return {name: sum(i >= start for start in starts) for i, name in enumerate(names)}
 
 
@@ -223,7 +235,8 @@ def _check_placement(layer, device: str) -> None:
             raise ValueError(
                 f"Layer {layer.name!r} belongs to a stage on {device} but its variable "
                 f"{variable.path!r} is on {placed}; build the layers outside "
-                "strategy.scope() and let DistributedModel place them.")
+                "strategy.scope() and let DistributedModel place them."
+            )
 
 
 def _flat(structure) -> list:

@@ -82,9 +82,15 @@ from keras_distrib import devices as devices_lib
 from keras_distrib.strategies.pipeline import schedule as pipeline_schedule
 from keras_distrib.strategies.pipeline import train_step
 from keras_distrib.strategies.pipeline.plan import PipelinePlan, bytes_per_device, device_of
-from keras_distrib.strategies.pipeline.stages import (Stages, batch_rows, concat_micro_batches,
-                                                      cut_graph, pipelined_layers, row_share,
-                                                      stage_of_layers)
+from keras_distrib.strategies.pipeline.stages import (
+    Stages,
+    batch_rows,
+    concat_micro_batches,
+    cut_graph,
+    pipelined_layers,
+    row_share,
+    stage_of_layers,
+)
 from keras_distrib import replica_seeds
 from keras_distrib.strategies import lockstep
 from keras_distrib.strategies.base import Strategy
@@ -139,30 +145,40 @@ class Pipeline(WorkerReplicas, Strategy):
 
     name = "pipeline"
     aliases = ("pipeline_parallel",)
-    description = ("Model cut into stages, one per device; micro-batches in a GPipe or 1F1B "
-                   "schedule (one process).")
+    description = (
+        "Model cut into stages, one per device; micro-batches in a GPipe or 1F1B "
+        "schedule (one process)."
+    )
 
-    def __init__(self, devices: Optional[Sequence[str]] = None,
-                 num_stages: Optional[int] = None,
-                 num_micro_batches: Optional[int] = None,
-                 schedule: str = "1f1b",
-                 split_at: Optional[Sequence[str]] = None,
-                 balance: str = "params",
-                 workers: Optional[Mapping[str, Any]] = None):
+    def __init__(
+        self,
+        devices: Optional[Sequence[str]] = None,
+        num_stages: Optional[int] = None,
+        num_micro_batches: Optional[int] = None,
+        schedule: str = "1f1b",
+        split_at: Optional[Sequence[str]] = None,
+        balance: str = "params",
+        workers: Optional[Mapping[str, Any]] = None,
+    ):
         if schedule not in pipeline_schedule.SCHEDULES:
-            raise ValueError(f"Unknown schedule {schedule!r}; use one of "
-                             f"{list(pipeline_schedule.SCHEDULES)}.")
+            raise ValueError(
+                f"Unknown schedule {schedule!r}; use one of {list(pipeline_schedule.SCHEDULES)}."
+            )
         if balance not in BALANCES:
             raise ValueError(f"Unknown balance {balance!r}; use one of {list(BALANCES)}.")
         if split_at is not None and (isinstance(split_at, str) or not split_at):
-            raise ValueError(f"split_at={split_at!r} must be a non-empty list of layer names "
-                             "(the first layer of stages 2..p), e.g. ['dense_2'].")
+            raise ValueError(
+                f"split_at={split_at!r} must be a non-empty list of layer names "
+                "(the first layer of stages 2..p), e.g. ['dense_2']."
+            )
         num_stages, devices = _stages_and_devices(devices, num_stages, split_at)
         if num_micro_batches is None:
             num_micro_batches = 4 * num_stages
         if not data_lib.is_positive_int(num_micro_batches):
-            raise ValueError(f"num_micro_batches={num_micro_batches!r} must be an integer "
-                             ">= 1 (micro-batches per global batch).")
+            raise ValueError(
+                f"num_micro_batches={num_micro_batches!r} must be an integer "
+                ">= 1 (micro-batches per global batch)."
+            )
         self.num_stages = num_stages
         self.num_micro_batches = int(num_micro_batches)
         self.schedule = schedule
@@ -237,12 +253,15 @@ class Pipeline(WorkerReplicas, Strategy):
             variables=placement,
             bytes_per_device=bytes_per_device(model.variables),
             optimizer_bytes_per_device=bytes_per_device(
-                optimizer.variables if optimizer is not None else []),
+                optimizer.variables if optimizer is not None else []
+            ),
             num_micro_batches=self.num_micro_batches,
             schedule=self.schedule,
             peak_live_activations=pipeline_schedule.peak_live_activations(
                 pipeline_schedule.stage_orders(
-                    self.schedule, self.num_micro_batches, self.num_stages)),
+                    self.schedule, self.num_micro_batches, self.num_stages
+                )
+            ),
         )
 
     # -- input --------------------------------------------------------------------------
@@ -256,11 +275,13 @@ class Pipeline(WorkerReplicas, Strategy):
         if not step.applies:  # DistributedModel's gradient accumulation
             raise ValueError(
                 "strategy='pipeline' does not support backward_passes_per_step > 1; raise "
-                "num_micro_batches instead (micro-batches accumulate gradients in a step).")
+                "num_micro_batches instead (micro-batches accumulate gradients in a step)."
+            )
         if step.kind == "train" and step.custom:
             raise ValueError(
                 "strategy='pipeline' runs its own train step and cannot run a custom "
-                "train_step; use DistributedModel's (override compute_loss instead).")
+                "train_step; use DistributedModel's (override compute_loss instead)."
+            )
         model.compile_replicas_separately(False)
         if step.custom:
             run_step = step.fn  # a custom test step runs as written, on the whole batch
@@ -284,9 +305,14 @@ class Pipeline(WorkerReplicas, Strategy):
         if step.custom:
             return keras_make_predict_function()
         stages = self._stages(model)
-        return lockstep.predict_over_steps(model, self._as_this_replica(
-            lambda batch: self.gather_rows(
-                self._forward(stages, keras.utils.unpack_x_y_sample_weight(batch)[0])[0])))
+        return lockstep.predict_over_steps(
+            model,
+            self._as_this_replica(
+                lambda batch: self.gather_rows(
+                    self._forward(stages, keras.utils.unpack_x_y_sample_weight(batch)[0])[0]
+                )
+            ),
+        )
 
     def run(self, replica_fn: Callable, batch: Any):
         with self.scope():
@@ -295,9 +321,11 @@ class Pipeline(WorkerReplicas, Strategy):
     def _as_this_replica(self, step: Callable) -> Callable:
         """`step`, drawing this worker's random numbers (`replica_seeds`):
         the schedule runs the stages itself, not through `run`."""
+
         def seeded_step(data):
             with replica_seeds.as_replica(self.rank):
                 return step(data)
+
         return seeded_step
 
     def _stages(self, model) -> Stages:
@@ -310,7 +338,8 @@ class Pipeline(WorkerReplicas, Strategy):
             raise ValueError(
                 f"strategy='pipeline' needs a Functional or Sequential model, got subclassed "
                 f"{type(model).__name__}; build it with DistributedModel(inputs, outputs) or "
-                "DistributedModel.from_model(model).")
+                "DistributedModel.from_model(model)."
+            )
         stages = Stages(self, cut_graph(model, self.num_stages, self.split_at))
         model.__dict__["_kd_pipeline_stages"] = stages
         return stages
@@ -329,8 +358,10 @@ class Pipeline(WorkerReplicas, Strategy):
             outputs.append(values)
         added = [loss for loss in added if loss is not None]
         with tf.device(self.devices[-1]):
-            return (stages.pack_outputs(concat_micro_batches(outputs)),
-                    tf.add_n(added) if added else None)
+            return (
+                stages.pack_outputs(concat_micro_batches(outputs)),
+                tf.add_n(added) if added else None,
+            )
 
     def _test_step(self, model, stages: Stages, data):
         import keras
@@ -339,8 +370,9 @@ class Pipeline(WorkerReplicas, Strategy):
         y_pred, added = self._forward(stages, x)
         with tf.device(self.devices[-1]):
             # As DistributedModel.test_step, on the whole batch.
-            loss = _compat.compute_loss(model, x=x, y=y, y_pred=y_pred,
-                                        sample_weight=sample_weight, training=False)
+            loss = _compat.compute_loss(
+                model, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False
+            )
             if added is not None:
                 loss = loss + tf.cast(added, loss.dtype)
             _compat.loss_tracker(model).update_state(loss, sample_weight=batch_rows(x))
@@ -352,8 +384,9 @@ class Pipeline(WorkerReplicas, Strategy):
         return train_step.run(self, model, stages, data)
 
 
-def _stages_and_devices(devices: Optional[Sequence[str]], num_stages: Optional[int],
-                        split_at: Optional[Sequence[str]]) -> tuple[int, list[str]]:
+def _stages_and_devices(
+    devices: Optional[Sequence[str]], num_stages: Optional[int], split_at: Optional[Sequence[str]]
+) -> tuple[int, list[str]]:
     """`PipelineStrategy`'s stage count and stage devices, checked against
     each other and `split_at`: a count `split_at` implies, the visible
     devices when `devices` is None (one per stage)."""
@@ -364,19 +397,22 @@ def _stages_and_devices(devices: Optional[Sequence[str]], num_stages: Optional[i
     if split_at and num_stages is not None and len(split_at) != num_stages - 1:
         raise ValueError(
             f"split_at names {len(split_at)} layer(s) but num_stages={num_stages} needs "
-            f"{num_stages - 1} (the first layer of each stage after the first).")
+            f"{num_stages - 1} (the first layer of each stage after the first)."
+        )
     if devices is None:
         available = devices_lib.local_devices()
         num_stages = num_stages or len(available)
         if num_stages > len(available):
             raise ValueError(
                 f"num_stages={num_stages} needs {num_stages} devices but only "
-                f"{len(available)} are visible ({available}); use fewer stages.")
+                f"{len(available)} are visible ({available}); use fewer stages."
+            )
         devices = available[:num_stages]
     devices = devices_lib.check_devices(devices)
     num_stages = num_stages or len(devices)
     if num_stages != len(devices):
         raise ValueError(
             f"num_stages={num_stages} but {len(devices)} devices were given; pass one "
-            "device per stage.")
+            "device per stage."
+        )
     return num_stages, devices

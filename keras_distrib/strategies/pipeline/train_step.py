@@ -22,8 +22,12 @@ import tensorflow as tf
 from keras_distrib import _compat
 from keras_distrib.input import data as data_lib
 from keras_distrib.strategies.pipeline import schedule as pipeline_schedule
-from keras_distrib.strategies.pipeline.stages import (Stages, batch_rows,
-                                                      concat_micro_batches, row_share)
+from keras_distrib.strategies.pipeline.stages import (
+    Stages,
+    batch_rows,
+    concat_micro_batches,
+    row_share,
+)
 from keras_distrib.arithmetic.gradients import scaled_gradient, summed_gradients
 
 
@@ -70,7 +74,8 @@ class _ScheduledStep:
         self.rows = batch_rows(x)
         self.micro_batches = [
             _MicroBatch(*part)
-            for part in data_lib.split_batch((x, y, sample_weight), strategy.num_micro_batches)]
+            for part in data_lib.split_batch((x, y, sample_weight), strategy.num_micro_batches)
+        ]
         self.variables = list(model.trainable_weights)
         self.gradients: list = [[] for _ in self.variables]  # per variable, to be summed
         self.last_pass: list = [None] * strategy.num_stages  # what a stage's next pass waits for
@@ -78,11 +83,15 @@ class _ScheduledStep:
     def run_passes(self) -> None:
         strategy = self.strategy
         orders = pipeline_schedule.stage_orders(
-            strategy.schedule, strategy.num_micro_batches, strategy.num_stages)
+            strategy.schedule, strategy.num_micro_batches, strategy.num_stages
+        )
         for _, s, kind, i in pipeline_schedule.emission_order(orders):
             # The scope names each pass in the graph (tests find them there).
-            with tf.device(strategy.devices[s]), _after(self.last_pass[s]), \
-                    tf.name_scope(f"stage_{s}_{kind}_{i}"):
+            with (
+                tf.device(strategy.devices[s]),
+                _after(self.last_pass[s]),
+                tf.name_scope(f"stage_{s}_{kind}_{i}"),
+            ):
                 run_pass = self._forward if kind == "F" else self._backward
                 self.last_pass[s] = run_pass(s, self.micro_batches[i])
 
@@ -110,20 +119,29 @@ class _ScheduledStep:
         y_pred = self.stages.pack_outputs(outputs)
         # Counts the losses this stage added in this pass.
         with _compat.captured_output_losses(model) as per_output:
-            loss = _compat.compute_loss(model, x=micro_batch.x, y=micro_batch.y, y_pred=y_pred,
-                                        sample_weight=micro_batch.sample_weight, training=True)
+            loss = _compat.compute_loss(
+                model,
+                x=micro_batch.x,
+                y=micro_batch.y,
+                y_pred=y_pred,
+                sample_weight=micro_batch.sample_weight,
+                training=True,
+            )
         rows = tf.cast(batch_rows(micro_batch.x), tf.float32)
         # An empty micro-batch's mean is NaN (0/0); its sum is 0.
-        micro_batch.output_sums = [tf.where(rows > 0, tf.cast(v, tf.float32) * rows, 0.0)
-                                   for v in per_output]
+        micro_batch.output_sums = [
+            tf.where(rows > 0, tf.cast(v, tf.float32) * rows, 0.0) for v in per_output
+        ]
         # This micro-batch's share of the global mean loss. A batch with
         # fewer rows than micro-batches leaves some empty: Keras's loss of
         # no rows has shape [0], whose sum is their share, 0.
-        loss = tf.reduce_sum(loss) * tf.cast(batch_rows(micro_batch.x), loss.dtype) / tf.cast(
-            self.rows, loss.dtype)
+        loss = (
+            tf.reduce_sum(loss)
+            * tf.cast(batch_rows(micro_batch.x), loss.dtype)
+            / tf.cast(self.rows, loss.dtype)
+        )
         target = model.optimizer.scale_loss(loss)
-        micro_batch.loss = tf.add_n([loss, *(tf.cast(a, loss.dtype)
-                                             for a in micro_batch.added)])
+        micro_batch.loss = tf.add_n([loss, *(tf.cast(a, loss.dtype) for a in micro_batch.added)])
         micro_batch.outputs = outputs
         return target
 
@@ -148,10 +166,9 @@ class _ScheduledStep:
         what the stage's next pass waits for."""
         tape, target, sources = micro_batch.tapes.pop(s)
         output_gradients = self._output_gradients(s, micro_batch, target)
-        found = tape.gradient(target, self.variables + sources,
-                              output_gradients=output_gradients)
-        micro_batch.upstream[s] = found[len(self.variables):]
-        self._add_gradients(found[:len(self.variables)])
+        found = tape.gradient(target, self.variables + sources, output_gradients=output_gradients)
+        micro_batch.upstream[s] = found[len(self.variables) :]
+        self._add_gradients(found[: len(self.variables)])
         return [g for g in found if g is not None] or [tf.constant(0)]
 
     def _output_gradients(self, s: int, micro_batch: _MicroBatch, target: list):
@@ -161,7 +178,7 @@ class _ScheduledStep:
             return None
         arriving = list(micro_batch.upstream.pop(s + 1))
         # An added loss's target (after the outputs) gets 1.
-        arriving += [tf.ones_like(t) for t in target[len(arriving):]]
+        arriving += [tf.ones_like(t) for t in target[len(arriving) :]]
         return [tf.zeros_like(t) if g is None else g for t, g in zip(target, arriving)]
 
     def _add_gradients(self, found: list) -> None:
@@ -184,15 +201,18 @@ class _ScheduledStep:
         gradients = [summed_gradients(g) if g else None for g in self.gradients]
         # Per-output losses (a model with several outputs): the batch's
         # means, recorded once as one device records them.
-        output_losses = [tf.add_n(list(sums)) / tf.cast(rows, tf.float32)
-                         for sums in zip(*(mb.output_sums for mb in self.micro_batches))]
+        output_losses = [
+            tf.add_n(list(sums)) / tf.cast(rows, tf.float32)
+            for sums in zip(*(mb.output_sums for mb in self.micro_batches))
+        ]
         if self.strategy.world_size > 1:
             # The sum over micro-batches is this worker's mean-loss gradient;
             # as a sum over its rows it reduces with every worker's (and the
             # row counts, statistics, per-output losses and stop vote) in one
             # all-reduce.
             gradients = model.reduce_with_statistics(
-                [scaled_gradient(g, rows) for g in gradients], rows, output_losses, x)
+                [scaled_gradient(g, rows) for g in gradients], rows, output_losses, x
+            )
         else:
             model.record_output_losses(output_losses, x, summed=True)
         model.apply_reduced_gradients(gradients)
@@ -202,9 +222,11 @@ class _ScheduledStep:
         model = self.model
         with tf.device(self.strategy.devices[-1]):
             y_pred = self.stages.pack_outputs(
-                concat_micro_batches([mb.outputs for mb in self.micro_batches]))
+                concat_micro_batches([mb.outputs for mb in self.micro_batches])
+            )
             _compat.loss_tracker(model).update_state(
-                tf.add_n([mb.loss for mb in self.micro_batches]), sample_weight=self.rows)
+                tf.add_n([mb.loss for mb in self.micro_batches]), sample_weight=self.rows
+            )
             return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 

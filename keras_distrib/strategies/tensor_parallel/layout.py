@@ -77,8 +77,10 @@ def split_problem(layer, kind: str, num_devices: int) -> Optional[str]:
             return f"it has a {role} constraint, which may couple the parts"
         regularizer = getattr(layer, f"{role}_regularizer", None)
         if regularizer is not None and type(regularizer).__name__ not in _SUMMED_REGULARIZERS:
-            return (f"its {role} regularizer {type(regularizer).__name__} is not a sum over "
-                    "elements (L1, L2, L1L2)")
+            return (
+                f"its {role} regularizer {type(regularizer).__name__} is not a sum over "
+                "elements (L1, L2, L1L2)"
+            )
     if name == "Dense":
         dim = layer.units if kind == "column" else layer.input_spec.axes[-1]
         what = "output units" if kind == "column" else "input features"
@@ -94,10 +96,35 @@ def split_problem(layer, kind: str, num_devices: int) -> Optional[str]:
 # columns of a column-split layer); any other (softmax, log_softmax, glu,
 # sparsemax, a user's function) runs on the gathered output.
 _ELEMENTWISE_ACTIVATIONS = (
-    "linear", "relu", "relu6", "leaky_relu", "elu", "selu", "gelu", "celu", "silu",
-    "swish", "hard_silu", "hard_swish", "sigmoid", "hard_sigmoid", "log_sigmoid", "tanh",
-    "tanh_shrink", "hard_tanh", "softplus", "softsign", "soft_shrink", "hard_shrink",
-    "exponential", "mish", "sparse_plus", "sparse_sigmoid", "squareplus", "threshold")
+    "linear",
+    "relu",
+    "relu6",
+    "leaky_relu",
+    "elu",
+    "selu",
+    "gelu",
+    "celu",
+    "silu",
+    "swish",
+    "hard_silu",
+    "hard_swish",
+    "sigmoid",
+    "hard_sigmoid",
+    "log_sigmoid",
+    "tanh",
+    "tanh_shrink",
+    "hard_tanh",
+    "softplus",
+    "softsign",
+    "soft_shrink",
+    "hard_shrink",
+    "exponential",
+    "mish",
+    "sparse_plus",
+    "sparse_sigmoid",
+    "squareplus",
+    "threshold",
+)
 
 
 def is_elementwise(activation) -> bool:
@@ -107,8 +134,9 @@ def is_elementwise(activation) -> bool:
 
     if activation is None:
         return True
-    return any(activation is getattr(keras.activations, name, None)
-               for name in _ELEMENTWISE_ACTIVATIONS)
+    return any(
+        activation is getattr(keras.activations, name, None) for name in _ELEMENTWISE_ACTIVATIONS
+    )
 
 
 def check_layout(layout: Optional[Mapping[str, str]]) -> dict[str, str]:
@@ -160,8 +188,9 @@ def _layers_of(template) -> list:
     return list(getattr(template, "layers", ()))
 
 
-def plan_layers(template, layout: Mapping[str, str],
-                devices: Sequence[str]) -> dict[str, LayerPlan]:
+def plan_layers(
+    template, layout: Mapping[str, str], devices: Sequence[str]
+) -> dict[str, LayerPlan]:
     """Layer name -> `LayerPlan` for the functional `template`.
 
     Raises:
@@ -169,8 +198,9 @@ def plan_layers(template, layout: Mapping[str, str],
             patterns of different kinds, or a layer the layout asks to split
             that cannot be split.
     """
-    layers = [layer for layer in _layers_of(template)
-              if layer.weights or _is_splittable_type(layer)]
+    layers = [
+        layer for layer in _layers_of(template) if layer.weights or _is_splittable_type(layer)
+    ]
     names = [layer.name for layer in _layers_of(template)]
     for pattern in layout:
         if not any(re.fullmatch(pattern, name) for name in names):
@@ -220,8 +250,12 @@ def _default_kind(layer, kinds, producers, consumers) -> str:
     if name != "Dense":
         return "whole"
     producer = producers.get(layer.name)
-    if (producer is not None and type(producer).__name__ == "Dense"
-            and kinds.get(producer.name) == "column" and consumers.get(producer.name) == 1):
+    if (
+        producer is not None
+        and type(producer).__name__ == "Dense"
+        and kinds.get(producer.name) == "column"
+        and consumers.get(producer.name) == 1
+    ):
         return "row"
     return "column"
 
@@ -335,14 +369,20 @@ class Plan:
     ```
     """
 
-    def __init__(self, devices: Sequence[str], placements: Sequence[Placement],
-                 kinds: Mapping[str, str],
-                 optimizer_bytes_per_device: Optional[Mapping[str, int]] = None):
+    def __init__(
+        self,
+        devices: Sequence[str],
+        placements: Sequence[Placement],
+        kinds: Mapping[str, str],
+        optimizer_bytes_per_device: Optional[Mapping[str, int]] = None,
+    ):
         self.devices = tuple(devices)
         self.placements = tuple(placements)
         self.kinds = dict(kinds)
         self.optimizer_bytes_per_device = {
-            **dict.fromkeys(self.devices, 0), **(optimizer_bytes_per_device or {})}
+            **dict.fromkeys(self.devices, 0),
+            **(optimizer_bytes_per_device or {}),
+        }
 
     @property
     def bytes_per_device(self) -> dict[str, int]:
@@ -356,8 +396,9 @@ class Plan:
         return sum(p.bytes for p in self.placements)
 
     def __str__(self) -> str:
-        rows = [(p.layer, p.kind, p.path, str(p.shape), p.device, str(p.bytes))
-                for p in self.placements]
+        rows = [
+            (p.layer, p.kind, p.path, str(p.shape), p.device, str(p.bytes)) for p in self.placements
+        ]
         header = ("layer", "split", "variable", "shape", "device", "bytes")
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         lines = [f"Tensor-parallel plan over {len(self.devices)} devices:"]
@@ -373,17 +414,27 @@ class Plan:
         return f"<Plan devices={list(self.devices)} bytes_per_device={self.bytes_per_device}>"
 
 
-def describe(layers: Sequence[Any], kinds: Mapping[str, str], devices: Sequence[str],
-             optimizer_variables: Sequence[Any] = ()) -> Plan:
+def describe(
+    layers: Sequence[Any],
+    kinds: Mapping[str, str],
+    devices: Sequence[str],
+    optimizer_variables: Sequence[Any] = (),
+) -> Plan:
     """The `Plan` of `layers` (and of the optimizer's variables) as their
     variables are actually placed."""
     placements = []
     for layer in layers:
         for variable in layer.weights:
-            placements.append(Placement(
-                layer=layer.name, kind=kinds.get(layer.name, "whole"), path=variable.path,
-                shape=tuple(variable.shape), device=device_of(variable, devices),
-                bytes=variable_bytes(variable)))
+            placements.append(
+                Placement(
+                    layer=layer.name,
+                    kind=kinds.get(layer.name, "whole"),
+                    path=variable.path,
+                    shape=tuple(variable.shape),
+                    device=device_of(variable, devices),
+                    bytes=variable_bytes(variable),
+                )
+            )
     optimizer: dict[str, int] = {}
     for variable in optimizer_variables:
         device = device_of(variable, devices)

@@ -66,8 +66,9 @@ def clip_by_joint_norms(grads, variables, groups, clipnorm) -> list:
         with tf.device(squares[0].device):
             l2sum = tf.add_n(squares)
             positive = l2sum > 0
-            l2norm = tf.where(positive, tf.sqrt(tf.where(positive, l2sum, tf.ones_like(l2sum))),
-                              l2sum)
+            l2norm = tf.where(
+                positive, tf.sqrt(tf.where(positive, l2sum, tf.ones_like(l2sum))), l2sum
+            )
             limit = tf.cast(clipnorm, l2norm.dtype)
             denominator = tf.maximum(l2norm, limit)
         for i in where:
@@ -102,8 +103,11 @@ class OptimizerFiles:
 
     @classmethod
     def install(cls, model) -> None:
-        splits = [s for s in (SplitLayer.of(layer) for layer in _compat.direct_layers(model))
-                  if s is not None]
+        splits = [
+            s
+            for s in (SplitLayer.of(layer) for layer in _compat.direct_layers(model))
+            if s is not None
+        ]
         # Keras saves each of these on its own (a LossScaleOptimizer's inner
         # one, a MultiOptimizer's and its sub-optimizers: each their `variables`).
         for opt in optimizers_in(getattr(model, "optimizer", None)):
@@ -122,31 +126,36 @@ class OptimizerFiles:
         """([variables], axis): one whole value each, in file order."""
         shard_of = {}  # slot prefix -> (group id, shard index, axis)
         for split in (ref() for ref in self.splits):
-            for shards, axis in (split.groups if split is not None else []):
+            for shards, axis in split.groups if split is not None else []:
                 if axis is not None:
                     for i, shard in enumerate(shards):
                         shard_of[_compat.optimizer_slot_prefix(shard)] = (id(shards), i, axis)
         slots: dict[tuple[int, str], dict[int, Any]] = {}  # key -> {shard index: slot}
         order: list[tuple[Any, Optional[int]]] = []  # ([variable], None) or (key, axis)
         for variable in self.optimizer.variables:
-            owner = next(((p, shard_of[p]) for p in shard_of if variable.name.startswith(p)),
-                         None)
+            owner = next(((p, shard_of[p]) for p in shard_of if variable.name.startswith(p)), None)
             if owner is None:
                 order.append(([variable], None))
                 continue
             prefix, (group, index, axis) = owner
-            key = (group, variable.name[len(prefix):])
+            key = (group, variable.name[len(prefix) :])
             slots.setdefault(key, {})[index] = variable
             if index == 0:
                 order.append((key, axis))
-        return [(entry, None) if axis is None else
-                ([slots[entry][i] for i in sorted(slots[entry])], axis)
-                for entry, axis in order]
+        return [
+            (entry, None)
+            if axis is None
+            else ([slots[entry][i] for i in sorted(slots[entry])], axis)
+            for entry, axis in order
+        ]
 
     def save_own_variables(self, store) -> None:
         for i, (variables, axis) in enumerate(self._entries()):
-            store[str(i)] = (np.asarray(variables[0]) if axis is None else
-                             np.concatenate([np.asarray(v) for v in variables], axis=axis))
+            store[str(i)] = (
+                np.asarray(variables[0])
+                if axis is None
+                else np.concatenate([np.asarray(v) for v in variables], axis=axis)
+            )
 
     def load_own_variables(self, store) -> None:
         entries = self._entries()
@@ -154,7 +163,9 @@ class OptimizerFiles:
             warnings.warn(
                 f"Skipping variable loading for optimizer '{self.optimizer.name}', because "
                 f"it has {len(entries)} variables whereas the saved optimizer has "
-                f"{len(store.keys())} variables.", stacklevel=2)
+                f"{len(store.keys())} variables.",
+                stacklevel=2,
+            )
             return
         for i, (variables, axis) in enumerate(entries):
             value = np.asarray(store[str(i)])

@@ -130,14 +130,18 @@ class SplitForward:
         """The row layer's input, one slice per device: the producing column
         layer's parts when it is that layer's latest output, else slices of it."""
         producer = _PRODUCERS.get(id(inputs))
-        if (producer is not None and producer.last_output is not None
-                and producer.last_output[0] is inputs
-                and producer.sizes == self.sizes and producer.devices == self.devices):
+        if (
+            producer is not None
+            and producer.last_output is not None
+            and producer.last_output[0] is inputs
+            and producer.sizes == self.sizes
+            and producer.devices == self.devices
+        ):
             return list(producer.last_output[1])
         pieces, start = [], 0
         for device, size in zip(self.devices, self.sizes):
             with tf.device(device):
-                pieces.append(inputs[..., start:start + size])
+                pieces.append(inputs[..., start : start + size])
             start += size
         return pieces
 

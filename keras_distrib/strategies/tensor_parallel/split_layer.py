@@ -52,8 +52,13 @@ class SplitLayer(SplitForward):
         object.__setattr__(layer, "save_own_variables", split.save_own_variables)
         object.__setattr__(layer, "load_own_variables", split.load_own_variables)
         object.__setattr__(layer, "get_weights", split.whole_values)
-        object.__setattr__(layer, "set_weights", functools.partial(
-            split.assign_whole, where=f"layer {layer.name!r}", fix=SAME_ARCHITECTURE))
+        object.__setattr__(
+            layer,
+            "set_weights",
+            functools.partial(
+                split.assign_whole, where=f"layer {layer.name!r}", fix=SAME_ARCHITECTURE
+            ),
+        )
         return split
 
     def __init__(self, layer, kind: str, devices: Sequence[str]):
@@ -75,22 +80,28 @@ class SplitLayer(SplitForward):
                 if kind == "column":
                     self.groups.append((self._shards(layer, "bias", values[1], 0), 0))
                 else:
-                    self.groups.append(([self._variable(layer, "bias", values[1], self.home)],
-                                        None))
+                    self.groups.append(
+                        ([self._variable(layer, "bias", values[1], self.home)], None)
+                    )
 
     def _shards(self, layer, role, value, axis) -> list:
         parts = np.split(value, self.offsets, axis=axis)
-        return [self._variable(layer, f"{role}_shard{i}", part, device, role)
-                for i, (part, device) in enumerate(zip(parts, self.devices))]
+        return [
+            self._variable(layer, f"{role}_shard{i}", part, device, role)
+            for i, (part, device) in enumerate(zip(parts, self.devices))
+        ]
 
     @staticmethod
     def _variable(layer, name, value, device, role=None):
         role = role or name
         with tf.device(device):
             variable = layer.add_weight(
-                name=name, shape=value.shape, initializer="zeros",
+                name=name,
+                shape=value.shape,
+                initializer="zeros",
                 regularizer=getattr(layer, f"{role}_regularizer", None),
-                trainable=layer.trainable)
+                trainable=layer.trainable,
+            )
             variable.assign(value)
         devices_lib.mark_split(variable)
         return variable
@@ -98,9 +109,12 @@ class SplitLayer(SplitForward):
     # -- whole values, saving ----------------------------------------------------------
 
     def whole_values(self) -> list[np.ndarray]:
-        return [np.asarray(shards[0]) if axis is None
-                else np.concatenate([np.asarray(s) for s in shards], axis=axis)
-                for shards, axis in self.groups]
+        return [
+            np.asarray(shards[0])
+            if axis is None
+            else np.concatenate([np.asarray(s) for s in shards], axis=axis)
+            for shards, axis in self.groups
+        ]
 
     def whole_shapes(self) -> list[tuple]:
         shapes = []
@@ -114,8 +128,12 @@ class SplitLayer(SplitForward):
     def variables(self) -> list:
         return [shard for shards, _ in self.groups for shard in shards]
 
-    def assign_whole(self, values: Sequence[Any], where: str,
-                     fix: str = "save from a model of the same architecture") -> None:
+    def assign_whole(
+        self,
+        values: Sequence[Any],
+        where: str,
+        fix: str = "save from a model of the same architecture",
+    ) -> None:
         shapes = self.whole_shapes()
         if len(values) != len(shapes):
             raise ValueError(

@@ -111,13 +111,17 @@ class TensorParallel(WorkerReplicas, Strategy):
     aliases = ("model_parallel",)
     description = "Dense/Embedding layers split over the local devices (one replica)."
 
-    def __init__(self, devices: Optional[Sequence[str]] = None,
-                 layout: Optional[Mapping[str, str]] = None,
-                 workers: Optional[Mapping[str, Any]] = None):
+    def __init__(
+        self,
+        devices: Optional[Sequence[str]] = None,
+        layout: Optional[Mapping[str, str]] = None,
+        workers: Optional[Mapping[str, Any]] = None,
+    ):
         self._layout = tensor_layout.check_layout(layout)
         self._topology = self._join_workers(
-            devices_lib.check_devices(devices_lib.local_devices() if devices is None
-                                      else devices), workers)
+            devices_lib.check_devices(devices_lib.local_devices() if devices is None else devices),
+            workers,
+        )
         self._devices = self._topology.devices
         # Variables this strategy placed (place) or saw created in scope().
         self._held: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
@@ -240,7 +244,8 @@ class TensorParallel(WorkerReplicas, Strategy):
         def apply(grads, trainable_variables=None):
             if optimizer.clipnorm and trainable_variables is not None:
                 grads = tp_optimizer.clip_by_joint_norms(
-                    grads, list(trainable_variables), self._split_groups(), optimizer.clipnorm)
+                    grads, list(trainable_variables), self._split_groups(), optimizer.clipnorm
+                )
             return keras_apply(grads, trainable_variables)
 
         return apply
@@ -278,12 +283,16 @@ class TensorParallel(WorkerReplicas, Strategy):
         self._check_laid_out(model)
         if self.world_size > 1:  # every worker's rows, in order
             return lockstep.predict_over_steps(
-                model, lambda batch: self.gather_rows(self.run(step.fn, batch)))
+                model, lambda batch: self.gather_rows(self.run(step.fn, batch))
+            )
         return keras_make_predict_function()
 
     def _check_laid_out(self, model) -> None:
-        missing = [layer.name for layer in _compat.direct_layers(model)
-                   if layer.weights and layer not in self._laid_out]
+        missing = [
+            layer.name
+            for layer in _compat.direct_layers(model)
+            if layer.weights and layer not in self._laid_out
+        ]
         if missing:
             raise ValueError(
                 f"strategy='tensor_parallel' did not lay out layers {missing} of model "
@@ -311,8 +320,9 @@ class TensorParallel(WorkerReplicas, Strategy):
             layers = [layer for layer in (ref() for ref in self._last_layers) if layer is not None]
         kinds = {layer.name: self._kinds[layer] for layer in layers if layer in self._kinds}
         optimizer = getattr(model, "optimizer", None)
-        return tensor_layout.describe(layers, kinds, self._devices,
-                                      optimizer.variables if optimizer is not None else ())
+        return tensor_layout.describe(
+            layers, kinds, self._devices, optimizer.variables if optimizer is not None else ()
+        )
 
     # Not `Strategy.describe`'s ReplicaMemory: the shards' placement, per device.
     def describe(self, model) -> tensor_layout.Plan:  # type: ignore[override]
@@ -322,9 +332,13 @@ class TensorParallel(WorkerReplicas, Strategy):
     def whole_weights(self, model) -> list[np.ndarray]:
         """`model.get_weights()`: a plain Keras model's list, each split
         variable's shards gathered into the whole value."""
-        return [value for entry in _whole_entries(model)
-                for value in (entry.whole_values() if isinstance(entry, SplitLayer)
-                              else [entry.numpy()])]
+        return [
+            value
+            for entry in _whole_entries(model)
+            for value in (
+                entry.whole_values() if isinstance(entry, SplitLayer) else [entry.numpy()]
+            )
+        ]
 
     def set_whole_weights(self, model, weights: Sequence[np.ndarray]) -> None:
         """`model.set_weights(weights)`, from a plain model's `get_weights()` list."""
@@ -333,27 +347,34 @@ class TensorParallel(WorkerReplicas, Strategy):
         if len(weights) != sum(counts):
             raise ValueError(
                 f"model {model.name!r} has {sum(counts)} weights (a plain Keras model's "
-                f"`get_weights()` list), got {len(weights)}; {SAME_ARCHITECTURE}.")
+                f"`get_weights()` list), got {len(weights)}; {SAME_ARCHITECTURE}."
+            )
         for entry, count in zip(entries, counts):
             values, weights = weights[:count], weights[count:]
             if isinstance(entry, SplitLayer):
-                entry.assign_whole(values, where=f"layer {entry.layer.name!r}",
-                                   fix=SAME_ARCHITECTURE)
+                entry.assign_whole(
+                    values, where=f"layer {entry.layer.name!r}", fix=SAME_ARCHITECTURE
+                )
                 continue
             value = np.asarray(values[0])
             if tuple(value.shape) != tuple(entry.shape):
                 raise ValueError(
                     f"weight {entry.path!r} of model {model.name!r} has shape "
                     f"{tuple(entry.shape)}, got a value of shape {tuple(value.shape)}; "
-                    f"{SAME_ARCHITECTURE}.")
+                    f"{SAME_ARCHITECTURE}."
+                )
             entry.assign(value)
 
 
 def _whole_entries(model) -> list:
     """`model.weights` in order, with each split layer's shards standing
     once, as that layer's `SplitLayer`, where its first shard is."""
-    owners = {id(variable): split for layer in _compat.direct_layers(model)
-              if (split := SplitLayer.of(layer)) is not None for variable in split.variables()}
+    owners = {
+        id(variable): split
+        for layer in _compat.direct_layers(model)
+        if (split := SplitLayer.of(layer)) is not None
+        for variable in split.variables()
+    }
     entries, done = [], set()
     for variable in model.weights:
         split = owners.get(id(variable))
