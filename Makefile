@@ -99,10 +99,12 @@ test-fast: setup
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit
 
-# ruff's rules (pyproject.toml's [tool.ruff]) on every Python file of the
+# ruff's rules (pyproject.toml's [tool.ruff]) and its formatting (checked,
+# not applied: `ruff format .` applies it) on every Python file of the
 # repository, then the type check.
 lint: typecheck
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # mypy on the package, as pyproject.toml's [tool.mypy] says: the whole
 # package in mypy's default mode, the modules users import strictly. Its
