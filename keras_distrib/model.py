@@ -37,7 +37,6 @@ from keras_distrib import _compat
 from keras_distrib import placement
 from keras_distrib import strategies
 from keras_distrib.strategies import registry
-from keras_distrib.strategies import tf_distribute
 from keras_distrib.strategies.base import Step, Strategy
 from keras_distrib.training import from_model as from_model_lib
 from keras_distrib.training import saving
@@ -50,7 +49,6 @@ from keras_distrib.training.step_state import StepState
 
 _compat.warn_if_untested()
 _compat.check_hooks()
-_compat.unscaled_losses_where(lambda: tf_distribute.entered() is not None)
 Functional: Any = _compat.functional_class()  # Keras's (not exported), a class
 
 StrategyLike = Union[str, Strategy]

@@ -48,6 +48,13 @@ def entered() -> Optional["TFDistributeStrategy"]:
     return owner_of(tf.distribute.get_strategy())
 
 
+# Keras's losses stay per-replica means inside our engines' steps (they
+# reduce gradients themselves); under a user's own tf.distribute strategy,
+# Keras's division stays. Installed here, where the engines are defined: a
+# step runs in one only after this module is imported.
+_compat.unscaled_losses_where(lambda: entered() is not None)
+
+
 class TFDistributeStrategy(Lockstep, Strategy):
     """A strategy running on a `tf.distribute.Strategy` (`tf_strategy`).
 
