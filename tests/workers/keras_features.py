@@ -81,7 +81,7 @@ def _write(name, rank, result):
 
 
 def metric_objects():
-    """Metric objects made outside any scope report global values (item 2)."""
+    """Metric objects made outside any scope report global values."""
     x, y = _data()
     model = kd.DistributedModel(*_graph(), strategy="multi_worker")
 
@@ -101,7 +101,7 @@ def metric_objects():
 
 def unseeded_shuffle():
     """An unseeded `.shuffle()` (as in TF's tutorial) still shows every sample
-    once per epoch across the workers (item 5)."""
+    once per epoch across the workers."""
     n = 96
     ids = np.arange(n, dtype="int64")
     strategy = kd.strategies.get("multi_worker")
@@ -118,7 +118,7 @@ def unseeded_shuffle():
 
 
 def seeded_shuffle():
-    """`keras.utils.set_random_seed` makes `shuffle=True` runs repeat (item 6)."""
+    """`keras.utils.set_random_seed` makes `shuffle=True` runs repeat."""
     keras.utils.set_random_seed(FLAGS.seed)
     x, y = _data()
     model = kd.DistributedModel(*_graph(), strategy="multi_worker")
@@ -129,7 +129,7 @@ def seeded_shuffle():
 
 def load_model():
     """`keras.models.load_model` inside `strategy.scope()`, as TF's tutorial
-    does, gives a model on that strategy (item 7)."""
+    does, gives a model on that strategy."""
     x, y = _data()
     model = kd.DistributedModel(*_graph(), strategy="multi_worker")
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss=_loss(), metrics=["accuracy"])
@@ -156,7 +156,7 @@ def load_model():
 
 
 def batch_norm():
-    """BatchNormalization's moving statistics stay equal on every worker (item 9)."""
+    """BatchNormalization's moving statistics stay equal on every worker."""
     x, y = _data()
     model = kd.DistributedModel(*_graph(batch_norm=True), strategy="multi_worker")
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss=_loss())
