@@ -40,7 +40,7 @@ def _close(a, b, atol=1e-5):
         np.testing.assert_allclose(x, y, atol=atol, rtol=0)
 
 
-# -- item 3: mixed precision ----------------------------------------------------------
+# -- mixed precision -------------------------------------------------------------------
 
 
 @pytest.fixture
@@ -99,7 +99,7 @@ def test_a_multi_optimizer_applies_gradients_reduced_once():
     _close(plain, model)
 
 
-# -- item 8: functional model with a custom train_step ------------------------------
+# -- functional model with a custom train_step -----------------------------------------
 
 
 class _GuideStep:
@@ -171,7 +171,7 @@ def test_subclass_without_graph_is_still_a_subclassed_model():
     assert not isinstance(net, kd.model.FunctionalDistributedModel)
 
 
-# -- item 9: BatchNormalization, Embedding, multi-output logs -----------------------------
+# -- BatchNormalization, Embedding, multi-output logs ----------------------------------
 
 
 def _bn_graph(synchronized=False):
@@ -441,7 +441,7 @@ def test_multi_output_loss_logs():
             np.testing.assert_allclose(histories[0][key], histories[1][key], atol=1e-5, err_msg=key)
 
 
-# -- item 7: load_model inside a strategy's scope ----------------------------------------
+# -- load_model inside a strategy's scope ----------------------------------------------
 
 
 def test_load_model_inside_scope_uses_that_strategy(tmp_path):
@@ -464,7 +464,7 @@ def test_load_model_inside_scope_uses_that_strategy(tmp_path):
             kd.DistributedModel(*_mlp(), strategy="single")
 
 
-# -- item 11: from_model on an unbuilt Sequential -------------------------------------------
+# -- from_model on an unbuilt Sequential -----------------------------------------------
 
 
 def test_from_model_of_unbuilt_sequential_says_add_an_input():
@@ -473,7 +473,7 @@ def test_from_model_of_unbuilt_sequential_says_add_an_input():
         kd.DistributedModel.from_model(model, strategy="single")
 
 
-# -- item 2: metric objects made outside the scope ------------------------------------------
+# -- metric objects made outside the scope ---------------------------------------------
 
 
 class _Threshold(keras.metrics.Mean):
