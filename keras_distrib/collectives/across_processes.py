@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 import tensorflow as tf
 
-from keras_distrib.collectives.transport import Transport
+from keras_distrib.collectives.transport import Transport, gather_by_sum, scatter_by_sum
 
 
 class AcrossProcesses(Transport):
@@ -31,13 +31,10 @@ class AcrossProcesses(Transport):
         return self._transport.all_reduce_across_processes(values, op)
 
     def all_gather(self, value: Any) -> Any:
-        value = tf.convert_to_tensor(value)
-        padding = [[self._rank, self._size - 1 - self._rank]] + [[0, 0]] * value.shape.rank
-        (table,) = self.all_reduce([tf.pad(value[None], padding)], "sum")
-        return table
+        return gather_by_sum(self, value, self._rank, self._size)
 
     def reduce_scatter(self, tables: Sequence[Any]) -> list[Any]:
-        return [tf.gather(t, self._rank) for t in self.all_reduce(list(tables), "sum")]
+        return scatter_by_sum(self, tables, self._rank)
 
     def gather_rows(self, per_replica: Any) -> Any:
         """In a step: two all-reduces per tensor (row counts, rows)."""

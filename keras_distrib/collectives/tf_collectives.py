@@ -24,7 +24,12 @@ import tensorflow as tf
 
 from keras_distrib import _compat
 from keras_distrib.collectives import pieces
-from keras_distrib.collectives.transport import Transport, reduce_op
+from keras_distrib.collectives.transport import (
+    Transport,
+    gather_by_sum,
+    reduce_op,
+    scatter_by_sum,
+)
 from keras_distrib.collectives.watchdog import CollectiveWatchdog
 
 _REDUCE_OPS = {"sum": tf.distribute.ReduceOp.SUM, "mean": tf.distribute.ReduceOp.MEAN}
@@ -96,22 +101,17 @@ class TFCollectives(Transport):
         value = tf.convert_to_tensor(value)
         context = tf.distribute.get_replica_context()
         if not self._multi_worker:
-            # Each replica's value at its own row of zeros, summed.
             here = tf.cast(context.replica_id_in_sync_group, tf.int32)
-            last = self._engine.num_replicas_in_sync - 1
-            padding = [[here, last - here]] + [[0, 0]] * value.shape.rank
-            (table,) = self.all_reduce([tf.pad(value[None], padding)], "sum")
-            return table
+            return gather_by_sum(self, value, here, self._engine.num_replicas_in_sync)
         options = self._step_options
         return self._watched(
             [value], lambda vs: [context.all_gather(vs[0][None], axis=0, options=options)]
         )[0]
 
     def reduce_scatter(self, tables: Sequence[Any]) -> list[Any]:
-        # The replica context has no reduce-scatter: the tables are
-        # all-reduced and each replica takes its row.
+        # The replica context has no reduce-scatter.
         here = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.int32)
-        return [tf.gather(t, here) for t in self.all_reduce(list(tables), "sum")]
+        return scatter_by_sum(self, tables, here)
 
     def gather_rows(self, per_replica: Any) -> Any:
         if not self._multi_worker:
@@ -136,30 +136,33 @@ class TFCollectives(Transport):
     # -- outside the replicas' step ----------------------------------------------------
 
     def all_reduce_across_processes(self, values: Sequence[Any], op: str = "sum") -> list[Any]:
-        first, engine = self._first, self._engine
+        engine = self._engine
 
         def across(values: list[Any]) -> list[Any]:
-            def value_fn(ctx: Any) -> list[Any]:
-                # Zeros from this process's other replicas (its other GPUs).
-                if ctx.replica_id_in_sync_group == first:
-                    return values
-                return [tf.zeros_like(v) for v in values]
-
-            per_replica = engine.experimental_distribute_values_from_function(value_fn)
+            per_replica = self._once_per_process(values)
             reduced = engine.run(lambda vs: self._reduce(vs, op), args=(per_replica,))
             return [engine.experimental_local_results(r)[0] for r in reduced]
 
         return self._watched([tf.convert_to_tensor(v) for v in values], across)
 
     def sum_over_processes(self, flat: np.ndarray) -> np.ndarray:
-        value = tf.constant(flat)
-        zeros = tf.zeros_like(value)
-        first = self._first
-        per_replica = self._engine.experimental_distribute_values_from_function(
-            lambda ctx: value if ctx.replica_id_in_sync_group == first else zeros
-        )
+        per_replica = self._once_per_process(tf.constant(flat))
         summed: np.ndarray = self._engine.reduce("SUM", per_replica, axis=None).numpy()
         return summed
+
+    def _once_per_process(self, values: Any) -> Any:
+        """`values` (a tensor or a list of them) as the per-replica values of
+        this process's replicas: on its first replica, zeros on its others
+        (its other GPUs), so that a sum over all replicas counts each
+        process once."""
+        first = self._first
+        return self._engine.experimental_distribute_values_from_function(
+            lambda ctx: (
+                values
+                if ctx.replica_id_in_sync_group == first
+                else tf.nest.map_structure(tf.zeros_like, values)
+            )
+        )
 
     def _watched(
         self, values: Sequence[Any], collective: Callable[[list[Any]], list[Any]]

@@ -38,6 +38,22 @@ def reduce_op(op: str) -> str:
     return op
 
 
+def gather_by_sum(transport: "Transport", value: Any, index: Any, count: int) -> Any:
+    """An all-gather built on `transport`'s all-reduce: each of the `count`
+    replicas puts its `value` at its own row (`index`) of zeros, and the
+    sum is every replica's value stacked in replica order."""
+    value = tf.convert_to_tensor(value)
+    padding = [[index, count - 1 - index]] + [[0, 0]] * value.shape.rank
+    (table,) = transport.all_reduce([tf.pad(value[None], padding)], "sum")
+    return table
+
+
+def scatter_by_sum(transport: "Transport", tables: Sequence[Any], index: Any) -> list[Any]:
+    """A reduce-scatter built on `transport`'s all-reduce: the whole tables
+    summed, and of each the row `index` (this replica's)."""
+    return [tf.gather(t, index) for t in transport.all_reduce(list(tables), "sum")]
+
+
 class Transport(abc.ABC):
     """The collectives between a strategy's replicas and processes.
 
