@@ -70,16 +70,6 @@ def reordered_sum(terms: int, magnitude, dtype: str = "float32"):
     return terms * (EPS if dtype == "float32" else float(_finfo(dtype).eps)) * magnitude
 
 
-def float32_formula(operations: int, functions: int = 0) -> float:
-    """The relative bound on a value a formula of positive terms (no
-    subtraction cancelling) gives in float32, against the same formula in
-    float64 or in float32 in another order: each of its `operations`
-    (+ - * /, and each input's rounding to float32) rounds within EPS/2,
-    each of its `functions` (exp, pow, ...) within `FUNCTION_TERMS` * EPS/2;
-    EPS per operation covers both evaluations."""
-    return (operations + FUNCTION_TERMS * functions) * EPS
-
-
 def compression_terms(dtype: str) -> float:
     """A gradient all-reduce in `dtype` ("float16" or "bfloat16", as
     `DistributedOptimizer(compression=...)` sends them), as terms of
@@ -89,16 +79,6 @@ def compression_terms(dtype: str) -> float:
     all. A value too small for the dtype's normal numbers rounds to within
     half its smallest step instead, absolutely: `compression_floor`."""
     return float(_finfo(dtype).eps) / EPS
-
-
-def half_precision_terms(roundings: int, dtype: str = "float16") -> float:
-    """Values computed in `dtype` (layers under "mixed_float16"), as terms
-    of `gradient_errors`: each of the `roundings` values along a gradient
-    element's computation (a layer's output forward, its input's gradient
-    backward, the kernel's gradient) is rounded to `dtype`, within eps/2 of
-    itself relatively (eps the dtype's), and two runs' kernels may round
-    each differently: eps / EPS terms of float32 each."""
-    return roundings * float(_finfo(dtype).eps) / EPS
 
 
 def compression_floor(dtype: str, rows: int) -> float:
@@ -1200,45 +1180,6 @@ def evaluate_apart(
         return {key: bounds[key] for key in logs}
     # In the order of evaluate's list (Keras's own ordering of its logs).
     return model._flatten_metrics_in_order({key: bounds[key] for key in logs})
-
-
-def moving_statistics_apart(model, x, weights_apart) -> dict:
-    """{id(variable): bound} for the moving mean and variance of each of
-    `model`'s BatchNormalization layers, trained on `x` by another run whose
-    weights are within `weights_apart` (one per trainable weight): they are
-    averages (weights summing to at most 1) of the batches' means and
-    variances of the layer's input h over all its axes but the last, so
-    within the largest difference of those. A batch's mean of h moves by at
-    most its largest |dh| (`outputs_apart` of the layers before, at the
-    final weights, standing for the steps' ones), its variance by at most
-    2 |h - mean| |dh| + |dh|**2, and each rounds over the rows once more."""
-    apart = {id(v): b for v, b in zip(model.trainable_weights, weights_apart)}
-    found = {}
-    for layer in _all_layers(model):
-        if not isinstance(layer, keras.layers.BatchNormalization):
-            continue
-        before = keras.Model(model.inputs, layer.input)
-        moved = outputs_apart(before, x, [apart[id(v)] for v in before.trainable_weights])
-        h = np.asarray(before(_tensors(x)), np.float64)
-        axes = tuple(range(h.ndim - 1))
-        largest = moved.max(axis=axes)
-        spread = np.abs(h - h.mean(axis=axes)).max(axis=axes)
-        rounding = reordered_sum(
-            int(np.prod(h.shape[:-1])) + 3, np.abs(h).mean(axis=axes) + spread**2
-        )
-        found[id(layer.moving_mean)] = largest + rounding
-        found[id(layer.moving_variance)] = 2 * spread * largest + largest**2 + rounding
-    return found
-
-
-def _all_layers(model) -> list:
-    """`model`'s layers, those of nested models too."""
-    found = []
-    for layer in model.layers:
-        found.append(layer)
-        if isinstance(layer, keras.Model):
-            found.extend(_all_layers(layer))
-    return found
 
 
 def aligned(model, trainable_bounds: list, others=None) -> list:
