@@ -131,8 +131,8 @@ class DistributedTrainer(StrategyAdoption, ReplicaStep, GradientReduction, Entry
         return self._strategy.read_metrics(self, keras_read)
 
     def reset_metrics(self) -> None:
-        super().reset_metrics()  # type: ignore[misc]  # Keras's
-        self._strategy.metrics_reset(self)
+        keras_reset = super().reset_metrics  # type: ignore[misc]  # Keras's
+        self._strategy.reset_metrics(self, keras_reset)
 
     # -- the function-making layer: the strategy's ---------------------------
 

@@ -17,7 +17,8 @@ gradients) and asks its strategy for everything else:
   `gather_sparse_gradients` (replica context), on the strategy's
   `transport` (`keras_distrib.collectives.transport`);
 * results: `read_metrics` / `metric_results` (what metric values every
-  process reports; `read_summed_metrics` for exact values across processes);
+  process reports) and `reset_metrics`; `read_summed_metrics` for exact
+  values across processes;
 * cross-process helpers for callbacks, eager and between steps:
   `sync_sum`, `sync_gather`, `broadcast_variables`, `agree_on_seed`,
   `local_replica_values`, `broadcast_derived_state` (with
@@ -423,8 +424,10 @@ class Strategy(CrossProcessHelpers):
         `model`'s metric variables, before Keras reads them (engines that
         schedule steps asynchronously; others have nothing to do)."""
 
-    def metrics_reset(self, model: Any) -> None:
-        """Keras has just reset `model`'s metrics (a new epoch, or evaluate)."""
+    def reset_metrics(self, model: Any, reset: Callable[[], None]) -> None:
+        """Resets `model`'s metrics (a new epoch, or evaluate); `reset()` is
+        Keras's `reset_metrics`. By default: `reset()`."""
+        reset()
 
     def failure(self, error: Exception) -> Optional[Exception]:
         """A clearer error to raise from `fit`, `evaluate` or `predict`

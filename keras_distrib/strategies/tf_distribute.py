@@ -23,6 +23,7 @@ from keras_distrib import _compat
 from keras_distrib import replica_seeds
 from keras_distrib.collectives import registry as transports
 from keras_distrib.input import data as data_lib
+from keras_distrib.strategies import synced_metrics
 from keras_distrib.strategies.base import Capabilities, Strategy
 from keras_distrib.strategies.lockstep import Lockstep
 from keras_distrib.topology import Topology
@@ -187,6 +188,22 @@ class TFDistributeStrategy(Lockstep, Strategy):
                 }
             return self._reduce_mean(outputs)
 
+    def read_metrics(self, model, read):
+        """Outside the step, every metric variable's value across replicas
+        from one batched reduction (`synced_metrics`); inside it, as
+        TensorFlow reads them."""
+        if not _between_steps():
+            return super().read_metrics(model, read)
+        self.settle(model)
+        return self.metric_results(synced_metrics.read(self._tf_strategy, model, read))
+
+    def reset_metrics(self, model, reset):
+        """Keras's reset without reading each variable back
+        (`synced_metrics.reset`)."""
+        if not _between_steps():
+            return super().reset_metrics(model, reset)
+        synced_metrics.reset(model, reset)
+
     def _reduce_mean(self, per_replica: Any) -> Any:
         return tf.nest.map_structure(
             lambda v: self._tf_strategy.reduce("MEAN", v, axis=None), per_replica
@@ -207,6 +224,14 @@ class TFDistributeStrategy(Lockstep, Strategy):
     def local_replica_variables(self, variable: Any) -> list:
         value = getattr(variable, "value", variable)
         return list(self._tf_strategy.experimental_local_results(value))
+
+
+def _between_steps() -> bool:
+    """Eager and outside any replica's step (Keras's reads and resets at an
+    epoch's ends and around evaluate)."""
+    return tf.executing_eagerly() and (
+        tf.distribute.in_cross_replica_context() or not tf.distribute.has_strategy()
+    )
 
 
 @contextlib.contextmanager

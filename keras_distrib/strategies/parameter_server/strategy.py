@@ -245,7 +245,8 @@ class ParameterServer(Strategy):
         if self._training is not None:
             self._training.settle()
 
-    def metrics_reset(self, model) -> None:
+    def reset_metrics(self, model, reset) -> None:
+        reset()
         if self._training is not None:
             self._training.metrics_reset()
 
