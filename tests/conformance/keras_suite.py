@@ -250,19 +250,26 @@ MULTI_WORKER_FILES = tuple(
 )
 
 
-# Where every execution mode runs: Keras parametrizes many trainer tests
-# over run_eagerly / tf.function / XLA (`_eager`, `_graph_fn`, `_jit`).
-# Under the other strategies those run in the mode `fit` runs by default
-# (tf.function) only, which keeps the tier within its time: each of
-# Keras's test functions still runs under every strategy.
+# How much of each of Keras's test functions runs where. Keras
+# parametrizes many tests: over execution modes (run_eagerly, tf.function,
+# XLA: `_eager`, `_graph_fn`, `_jit`), and over the inputs of Keras's own
+# logic (loss and output structures, data adapters, step counts).
+# * `single` runs them all.
+# * `mirrored` runs every parametrization in the mode `fit` runs by
+#   default (tf.function), but of Keras's tests of how the loop counts steps
+#   (`_LOOP_COUNTING`: steps_per_execution 3, 8, 32, 101 over known and
+#   unknown sizes, which test the loop every strategy shares) the first.
+# * The others (`central_storage`, `tensor_parallel`, `pipeline`,
+#   `multi_worker`) run each test function once, in its first
+#   parametrization of the default mode: what they change is where the
+#   variables live and how the model is split or the data sharded, which
+#   every test function exercises, while what the parametrizations vary is
+#   Keras's own handling, which `single` and `mirrored` cover in full.
+# So each of Keras's test functions runs under every strategy, within the
+# tier's time.
 ALL_MODES = ("single",)
+ALL_PARAMETRIZATIONS = ("single", "mirrored")
 _DEFAULT_MODE = ("_graph_fn", "_non_jit", "_graph")
-# Keras's tests of how the loop counts steps, parametrized over counts and
-# data sizes (steps_per_execution 3, 8, 32, 101; known and unknown sizes)
-# and modes: they test the loop every strategy shares, so under the other
-# strategies each runs in its first parametrization (of the default mode);
-# under `single` every parametrization runs in the default mode, and the
-# first in each other mode.
 _LOOP_COUNTING = ("test_steps_per_execution", "test_steps_per_epoch")
 
 
@@ -276,10 +283,16 @@ def other_mode(name: str, names) -> bool:
     return False
 
 
+def _function(cls: type, name: str) -> str:
+    """The name of the test function Keras parametrized into test `name`."""
+    method = getattr(cls, name)
+    return getattr(method, "__wrapped__", method).__name__
+
+
 def not_run(cls: type, strategy: str) -> set:
     """The tests of Keras's TestCase `cls` the tier leaves out under
-    `strategy`: other modes' variants and the loop-counting tests'
-    further parametrizations (see ALL_MODES, _LOOP_COUNTING)."""
+    `strategy`: other modes' variants and further parametrizations (see
+    ALL_MODES, ALL_PARAMETRIZATIONS, _LOOP_COUNTING)."""
     if strategy == "keras":
         return set()
     names = unittest.TestLoader().getTestCaseNames(cls)
@@ -287,9 +300,10 @@ def not_run(cls: type, strategy: str) -> set:
     left_out = set() if everywhere else {name for name in names if other_mode(name, names)}
     kept = set()
     for name in names:
-        method = getattr(cls, name)
-        function = getattr(method, "__wrapped__", method).__name__
-        if name in left_out or not function.startswith(_LOOP_COUNTING):
+        function = _function(cls, name)
+        if name in left_out:
+            continue
+        if strategy in ALL_PARAMETRIZATIONS and not function.startswith(_LOOP_COUNTING):
             continue
         mode = name.rsplit("_", 1)[-1] if other_mode(name, names) else ""
         if everywhere and not mode:
