@@ -252,23 +252,25 @@ MULTI_WORKER_FILES = tuple(
 
 # How much of each of Keras's test functions runs where. Keras
 # parametrizes many tests: over execution modes (run_eagerly, tf.function,
-# XLA: `_eager`, `_graph_fn`, `_jit`), and over the inputs of Keras's own
+# XLA: `_eager`, `_graph_fn`, `_jit`), and over the inputs of its own
 # logic (loss and output structures, data adapters, step counts).
-# * `single` runs them all.
-# * `mirrored` runs every parametrization in the mode `fit` runs by
-#   default (tf.function), but of Keras's tests of how the loop counts steps
+# * `single` runs each test function in every mode, in its first
+#   parametrization.
+# * `mirrored` runs every parametrization in the mode `fit` runs by default
+#   (tf.function), except Keras's tests of how the loop counts steps
 #   (`_LOOP_COUNTING`: steps_per_execution 3, 8, 32, 101 over known and
-#   unknown sizes, which test the loop every strategy shares) the first.
+#   unknown sizes, which test the loop every strategy shares), of which it
+#   runs the first.
 # * The others (`central_storage`, `tensor_parallel`, `pipeline`,
 #   `multi_worker`) run each test function once, in its first
 #   parametrization of the default mode: what they change is where the
 #   variables live and how the model is split or the data sharded, which
-#   every test function exercises, while what the parametrizations vary is
-#   Keras's own handling, which `single` and `mirrored` cover in full.
-# So each of Keras's test functions runs under every strategy, within the
-# tier's time.
+#   every test function exercises.
+# So each of Keras's test functions runs under every strategy, each mode
+# under `single` and each parametrization under `mirrored` (where the
+# data is split and the gradients reduced), within the tier's time.
 ALL_MODES = ("single",)
-ALL_PARAMETRIZATIONS = ("single", "mirrored")
+ALL_PARAMETRIZATIONS = ("mirrored",)
 _DEFAULT_MODE = ("_graph_fn", "_non_jit", "_graph")
 _LOOP_COUNTING = ("test_steps_per_execution", "test_steps_per_epoch")
 
@@ -296,8 +298,8 @@ def not_run(cls: type, strategy: str) -> set:
     if strategy == "keras":
         return set()
     names = unittest.TestLoader().getTestCaseNames(cls)
-    everywhere = strategy in ALL_MODES
-    left_out = set() if everywhere else {name for name in names if other_mode(name, names)}
+    every_mode = strategy in ALL_MODES
+    left_out = set() if every_mode else {name for name in names if other_mode(name, names)}
     kept = set()
     for name in names:
         function = _function(cls, name)
@@ -306,8 +308,6 @@ def not_run(cls: type, strategy: str) -> set:
         if strategy in ALL_PARAMETRIZATIONS and not function.startswith(_LOOP_COUNTING):
             continue
         mode = name.rsplit("_", 1)[-1] if other_mode(name, names) else ""
-        if everywhere and not mode:
-            continue  # every parametrization in the default mode
         if (function, mode) in kept:
             left_out.add(name)
         kept.add((function, mode))
