@@ -36,7 +36,8 @@ def test_a_rank_asleep_in_a_callback_is_named_with_the_line_it_sleeps_on(tmp_pat
         "sleep",
         expect=None,
         timeout=180,
-        launch_flags=("--stall_warning", "3"),
+        # Rank 1 sleeps on through SIGTERM: SIGKILL after 2 s, not 30.
+        launch_flags=("--stall_warning", "3", "--grace_seconds", "2"),
     )
     assert code != 0, output[-3000:]
     # First the launcher saw no step for 3 s (before rank 0's collective
