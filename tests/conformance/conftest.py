@@ -10,13 +10,6 @@ import pytest
 import expectations
 
 
-def pytest_configure(config):
-    # The markers Keras's own conftest.py (not in the wheel) declares; under
-    # the TensorFlow backend neither skips anything.
-    config.addinivalue_line("markers", "requires_trainable_backend: Keras's marker")
-    config.addinivalue_line("markers", "multi_device: Keras's marker")
-
-
 def test_key(item):
     """`(strategy, "file::Class::test")` of a conformance test, or None."""
     cls = getattr(item, "cls", None)
