@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import random
 import socket
 import time
 from typing import Optional
@@ -314,26 +315,66 @@ def _answers(address: str, timeout: float) -> bool:
         return False
 
 
+# Ports a task listens on are drawn below the kernel's ephemeral range
+# (`ip_local_port_range`, 32768-60999 by default), where no outgoing
+# connection takes its local port. A port inside it can be taken meanwhile
+# by any connection, including one of the job's own clients dialling the
+# task before it listens: Linux may then connect that client to itself
+# (TCP simultaneous open) on the very port, and the task's server cannot
+# bind it for as long as the client keeps the connection ("Could not start
+# gRPC server", the task restarted again and again).
+_LOWEST_PORT = 10000
+_EPHEMERAL = "/proc/sys/net/ipv4/ip_local_port_range"
+_DRAWS = 64
+
+
+def _ephemeral_start() -> int:
+    """The first port of the kernel's ephemeral range (32768 if unknown)."""
+    try:
+        with open(_EPHEMERAL) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bind_listening_port(sock: socket.socket, address: str, draw: random.Random) -> None:
+    """Binds `sock` to a free port below the ephemeral range (the OS's pick
+    when none of a few random draws is free, or the range leaves none)."""
+    top = _ephemeral_start() - 1
+    if top > _LOWEST_PORT:
+        for _ in range(_DRAWS):
+            try:
+                sock.bind((address, draw.randint(_LOWEST_PORT, top)))
+                return
+            except OSError as error:
+                if error.errno not in (errno.EADDRINUSE, errno.EACCES):
+                    raise
+    sock.bind((address, 0))
+
+
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     """Asks the OS for `n` distinct free TCP ports on `host`.
 
     The ports are picked on the address a task at `host` listens on
     (`listen_address`: `localhost` and names resolved to a local address,
     every interface when there is none), so they are free where they will
-    be used. All sockets stay open until every port is chosen, so the
-    ports differ; they are free when this returns, though another process
-    could take one before it is used. The sockets only bind, never listen.
+    be used, and below the kernel's ephemeral range, so no outgoing
+    connection takes one meanwhile (`_LOWEST_PORT`). All sockets stay open
+    until every port is chosen, so the ports differ; they are free when
+    this returns, though another process could still bind one before it is
+    used. The sockets only bind, never listen.
 
     Example:
 
     ```python
-    ports = free_ports(2)  # e.g. [41235, 38817]
+    ports = free_ports(2)  # e.g. [21235, 18817]
     workers = [f"127.0.0.1:{p}" for p in ports]
     ```
     """
     if n < 0:
         raise ValueError(f"n={n} must be >= 0.")
     family, address = _bind_target(listen_address(host))
+    draw = random.SystemRandom()  # not the seeded module state: ranks seed alike
     sockets = []
     try:
         for _ in range(n):
@@ -341,7 +382,7 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
             sockets.append(sock)
             if address == "::":
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            sock.bind((address, 0))
+            _bind_listening_port(sock, address, draw)
         return [s.getsockname()[1] for s in sockets]
     finally:
         for sock in sockets:

@@ -728,6 +728,16 @@ def test_free_ports_are_distinct_and_bindable():
             sock.bind(("127.0.0.1", port))
 
 
+def test_free_ports_are_below_the_ephemeral_range():
+    # Where no outgoing connection (a client dialling the task before it
+    # listens, say) can take them meanwhile.
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral = int(f.read().split()[0])
+    if ephemeral <= 10001:
+        pytest.skip(f"this kernel's ephemeral range starts at {ephemeral}")
+    assert all(port < ephemeral for port in cluster.free_ports(8))
+
+
 def test_wait_for_peers_succeeds_against_listening_peer(listener, clock):
     (own,) = cluster.free_ports(1)
     peer = listener.getsockname()[1]
