@@ -337,10 +337,9 @@ def _ephemeral_start() -> int:
         return 32768
 
 
-def _bind_listening_port(sock: socket.socket, address: str, draw: random.Random) -> None:
-    """Binds `sock` to a free port below the ephemeral range (the OS's pick
-    when none of a few random draws is free, or the range leaves none)."""
-    top = _ephemeral_start() - 1
+def _bind_listening_port(sock: socket.socket, address: str, top: int, draw: random.Random) -> None:
+    """Binds `sock` to a free port in [_LOWEST_PORT, top] (the OS's pick
+    when none of a few random draws is free, or the range is empty)."""
     if top > _LOWEST_PORT:
         for _ in range(_DRAWS):
             try:
@@ -374,6 +373,7 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     if n < 0:
         raise ValueError(f"n={n} must be >= 0.")
     family, address = _bind_target(listen_address(host))
+    top = _ephemeral_start() - 1
     draw = random.SystemRandom()  # not the seeded module state: ranks seed alike
     sockets = []
     try:
@@ -382,7 +382,7 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
             sockets.append(sock)
             if address == "::":
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            _bind_listening_port(sock, address, draw)
+            _bind_listening_port(sock, address, top, draw)
         return [s.getsockname()[1] for s in sockets]
     finally:
         for sock in sockets:
