@@ -20,6 +20,7 @@ import tempfile
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -169,15 +170,16 @@ class CrossProcessHelpers(abc.ABC):
         """`read()` while every metric variable of `model` holds its sum over
         the processes (one collective, eager): what one device reports for
         all their samples, since metric states are sums (totals and counts,
-        confusion counts). The variables then get this process's own values
-        back, to which its next steps add.
+        confusion counts).
 
         A variable declaring another tf.distribute `aggregation` (Keras's
         `Metric.add_variable(..., aggregation=...)`) is read as such: "mean"
         its mean over the processes, "only_first_replica" worker 0's value
         (on every worker, so that callbacks decide alike), "none" this
-        process's own. Results are taken before the values go back (a
-        `result()` may return its variable itself).
+        process's own. Keras reads the sums through a `keras.StatelessScope`,
+        so the variables keep this process's values, to which its next steps
+        add; results are taken inside it (a `result()` may return its
+        variable itself).
         """
         variables = [v for metric in model.metrics for v in metric.variables]
         local = [np.asarray(v) for v in variables]
@@ -186,15 +188,14 @@ class CrossProcessHelpers(abc.ABC):
             np.zeros_like(value) if kind == "only_first_replica" and self.rank != 0 else value
             for value, kind in zip(local, kinds)
         ]
+        summed = []
         for variable, value, kind, total in zip(variables, local, kinds, self.sync_sum(sent)):
             if kind == "mean":
                 total = (total / self.world_size).astype(value.dtype)
-            variable.assign(value if kind == "none" else total)
-        try:
+            if kind != "none":
+                summed.append((variable, total))
+        with keras.StatelessScope(state_mapping=summed):
             return {name: _read_now(value) for name, value in read().items()}
-        finally:
-            for variable, value in zip(variables, local):
-                variable.assign(value)
 
 
 def reload_derived_state(model: Any) -> None:
