@@ -1,0 +1,289 @@
+"""The TCP connections of a ring all-reduce: joining, and moving bytes with a deadline.
+
+For `TcpRing` (`keras_distrib.collectives.tcp_ring`, whose docstring
+describes the protocol): each worker listens on its own host (`listen`),
+connects to the next worker of the ring and accepts the previous one
+(`join_ring`). A connection is authenticated by the job's secret: the
+connecting side's first bytes are a magic, the secret and its rank; the
+accepting side answers one byte if they are right and closes the socket
+otherwise (another job's worker, a port scanner), then goes on waiting for
+the right one.
+
+`Link` wraps one connected socket and the peer at its other end, and turns
+every way a transfer can fail into a `PeerLostError` naming that peer: it
+closed or reset the connection (it exited, or its host dropped it: seen at
+once), or sent or took nothing for `timeout` seconds (it is stuck, stopped,
+or its host is unreachable). Waits poll every `POLL` seconds, so a caller
+can also check what else may have failed meanwhile.
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import hmac
+import socket
+import struct
+import threading
+import time
+from typing import Callable, Optional
+
+from keras_distrib.collectives.shm_peers import PeerLostError
+
+MAGIC = b"kd-ring1"
+SECRET_BYTES = 16
+_HELLO = struct.Struct(f"<{len(MAGIC)}s{SECRET_BYTES}sI")  # magic, secret, sender's rank
+_ACCEPTED = b"\x01"
+POLL = 0.25  # seconds between checks while a transfer waits
+_HANDSHAKE_SECONDS = 10.0  # a connection must send its hello within this
+# Socket buffers asked for (the kernel caps them at net.core.[rw]mem_max);
+# None leaves Linux's autotuning alone.
+BUFFER_BYTES: Optional[int] = None
+
+
+def address_text(host: str, port: int) -> str:
+    """`host:port`, an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def listen(host: str, port: int = 0) -> socket.socket:
+    """A socket listening on `host` (an address or name of this host; ""
+    for every interface) at `port` (0: a free one, `getsockname()[1]`)."""
+    if not host and socket.has_dualstack_ipv6():
+        return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=16)
+
+
+class Link:
+    """One connected socket to the worker `rank` at `address`."""
+
+    def __init__(self, sock: socket.socket, rank: int, address: str, what: str):
+        self.sock, self.rank, self.address, self.what = sock, rank, address, what
+        self.timeout: Optional[float] = None
+        _tune(sock)
+
+    def lost(self, how: str) -> PeerLostError:
+        return PeerLostError(
+            f"{self.what}: worker {self.rank} at {self.address} {how}", peers=[self.rank]
+        )
+
+    def closed(self, error: Optional[BaseException] = None) -> PeerLostError:
+        cause = f" ({error.strerror or error})" if isinstance(error, OSError) else ""
+        return self.lost(
+            f"closed the connection{cause}: it exited or failed; see its output for the cause."
+        )
+
+    def late(self, doing: str) -> PeerLostError:
+        return self.lost(
+            f"{doing} for {self.timeout:g}s (collective_timeout): it is stuck, stopped, "
+            "runs different code, or its host is unreachable."
+        )
+
+    def send(self, view: memoryview, check: Callable[[], None]) -> None:
+        """Sends all of `view`; `check()` runs whenever a wait lasts `POLL`."""
+        sent, last = 0, time.monotonic()
+        while sent < len(view):
+            try:
+                n = self.sock.send(view[sent:])
+            except socket.timeout:
+                check()
+                if self.timeout is not None and time.monotonic() - last > self.timeout:
+                    raise self.late("took no data") from None
+                continue
+            except OSError as e:
+                raise self.closed(e) from None
+            sent, last = sent + n, time.monotonic()
+
+    def recv_into(self, view: memoryview, check: Callable[[], None]) -> None:
+        """Fills `view`; `check()` runs whenever a wait lasts `POLL`."""
+        got, last = 0, time.monotonic()
+        while got < len(view):
+            try:
+                n = self.sock.recv_into(view[got:])
+            except socket.timeout:
+                check()
+                if self.timeout is not None and time.monotonic() - last > self.timeout:
+                    raise self.late("sent nothing") from None
+                continue
+            except OSError as e:
+                raise self.closed(e) from None
+            if not n:
+                raise self.closed()
+            got, last = got + n, time.monotonic()
+
+    def check_open(self) -> None:
+        """Fails if the peer closed this connection (on which it sends nothing)."""
+        try:
+            data = self.sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK)
+        except (BlockingIOError, socket.timeout):
+            return
+        except OSError as e:
+            raise self.closed(e) from None
+        if not data:
+            raise self.closed()
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if BUFFER_BYTES is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, BUFFER_BYTES)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, BUFFER_BYTES)
+    sock.settimeout(POLL)
+
+
+def join_ring(
+    listener: socket.socket,
+    rank: int,
+    addresses: list,
+    secret: bytes,
+    timeout: float,
+    what: str,
+) -> tuple:
+    """`(left, right)`: the `Link`s from worker `rank - 1` and to `rank + 1`.
+
+    Connects and says hello (on a thread: the neighbour may not listen
+    yet) while accepting, then waits for the answer: no order of starts
+    deadlocks. Raises `PeerLostError` naming a worker not joined within
+    `timeout` seconds, or one that refused this worker's secret.
+    """
+    world = len(addresses)
+    left_rank, right_rank = (rank - 1) % world, (rank + 1) % world
+    deadline = time.monotonic() + timeout
+    host, port = addresses[right_rank]
+    dialed: dict = {}
+
+    def dial() -> None:
+        try:
+            sock = dialed["sock"] = _connect(host, port, right_rank, deadline, what)
+            sock.sendall(_HELLO.pack(MAGIC, secret, rank))
+        except BaseException as e:  # re-raised by the caller
+            dialed["error"] = e
+
+    dialer = threading.Thread(target=dial, name="keras_distrib-tcp-ring-dial", daemon=True)
+    dialer.start()
+    left = right = None
+    try:
+        try:
+            left_sock = _accept(listener, left_rank, secret, deadline, what)
+        finally:
+            dialer.join()
+        left = Link(left_sock, left_rank, address_text(*addresses[left_rank]), what)
+        if "error" in dialed:
+            raise dialed["error"]
+        right = Link(dialed.pop("sock"), right_rank, address_text(host, port), what)
+        right.timeout = max(deadline - time.monotonic(), 0.0)
+        right.recv_into(memoryview(bytearray(1)), lambda: None)
+    except BaseException as e:
+        for link in (left, right):
+            if link is not None:
+                link.close()
+        raise _join_failed(
+            e, dialed.pop("sock", None), right, right_rank, address_text(host, port), timeout
+        ) from None
+    left.timeout = right.timeout = None
+    return left, right
+
+
+def _join_failed(
+    error: BaseException,
+    dialed: Optional[socket.socket],
+    right: Optional[Link],
+    right_rank: int,
+    address: str,
+    timeout: float,
+) -> BaseException:
+    """What to raise for `error` while joining: a refusal by the right
+    neighbour (it closed the connection we made, `dialed`, or never
+    answered on `right`) named as such."""
+    if not isinstance(error, PeerLostError):
+        return error
+    if dialed is not None:  # we never got to wait for the answer
+        refused = _refused(dialed)
+        dialed.close()
+        if refused:
+            return PeerLostError(
+                f"{str(error).split(':', 1)[0]}: worker {right_rank} at {address} "
+                "refused this worker's connection: not a worker of this job (another secret).",
+                peers=[right_rank],
+            )
+    if right is not None and error.peers == (right_rank,):
+        return right.lost(
+            f"refused this worker's connection within {timeout:g}s: not a worker "
+            "of this job (another secret), or it failed."
+        )
+    return error
+
+
+def _refused(sock: socket.socket) -> bool:
+    """Whether the other end closed `sock` (a connection we made and said hello on)."""
+    try:
+        return sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK) == b""
+    except (BlockingIOError, socket.timeout):
+        return False
+    except OSError:
+        return True
+
+
+def _connect(host: str, port: int, peer: int, deadline: float, what: str) -> socket.socket:
+    """A connection to `host:port`, retried until `deadline` while refused."""
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return socket.create_connection((host, port), timeout=max(min(left, 5.0), 0.1))
+        except OSError as e:
+            if time.monotonic() + 0.05 >= deadline:
+                raise PeerLostError(
+                    f"{what}: could not connect to worker {peer} at "
+                    f"{address_text(host, port)} ({e.strerror or e}); check that it runs "
+                    "and that this host reaches it.",
+                    peers=[peer],
+                ) from None
+            time.sleep(0.05)
+
+
+def _accept(
+    listener: socket.socket, peer: int, secret: bytes, deadline: float, what: str
+) -> socket.socket:
+    """The connection of worker `peer` that says the right hello; any
+    other is closed. Fails at `deadline`."""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise PeerLostError(
+                f"{what}: worker {peer} did not connect (with this job's secret) in time; "
+                "check that it runs and reaches this host.",
+                peers=[peer],
+            )
+        listener.settimeout(min(left, POLL))
+        try:
+            sock, _ = listener.accept()
+        except socket.timeout:
+            continue
+        if _hello_ok(sock, peer, secret, min(_HANDSHAKE_SECONDS, max(left, 0.1))):
+            sock.sendall(_ACCEPTED)
+            return sock
+        sock.close()
+
+
+def _hello_ok(sock: socket.socket, peer: int, secret: bytes, seconds: float) -> bool:
+    """Whether `sock`'s first bytes are worker `peer`'s hello with `secret`."""
+    sock.settimeout(seconds)
+    hello = bytearray(_HELLO.size)
+    got = 0
+    try:
+        while got < len(hello):
+            n = sock.recv_into(memoryview(hello)[got:])
+            if not n:
+                return False
+            got += n
+    except OSError:
+        return False
+    magic, their_secret, their_rank = _HELLO.unpack(hello)
+    return magic == MAGIC and hmac.compare_digest(their_secret, secret) and their_rank == peer

@@ -1,0 +1,159 @@
+"""The TCP ring all-reduce between real worker processes (NumPy only, no TensorFlow).
+
+Each test starts 2 or 3 workers (tests/workers/tcp_reduce.py) on
+127.0.0.1 at ports `free_ports` picks; whatever still runs at the end is
+killed. The strategy over it across two hosts: tests/distributed/
+test_multi_worker.py ("2hosts-tcp").
+"""
+
+import contextlib
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from helpers import WORKERS
+from keras_distrib.cluster import free_ports
+
+sys.path.insert(0, WORKERS)
+from host_reduce import inputs, mean_inputs  # noqa: E402
+from tcp_reduce import tables  # noqa: E402
+
+WORKER = os.path.join(WORKERS, "tcp_reduce.py")
+
+
+@contextlib.contextmanager
+def _workers(tmp_path, world, mode, timeout="none", connect_timeout=20, secrets_=None, ranks=None):
+    """Starts the workers of one ring (those of `ranks`); yields (procs, ports)."""
+    ports = free_ports(world)
+    secret = secrets.token_hex(16)
+    procs = []
+    try:
+        for rank in range(world) if ranks is None else ranks:
+            key = secret if secrets_ is None else secrets_[rank]
+            args = [str(rank), ",".join(map(str, ports)), key, str(tmp_path / f"rank{rank}.npz")]
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, WORKER, *args, mode, str(timeout), str(connect_timeout)]
+                )
+            )
+        yield procs, ports
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def _run(tmp_path, world, mode, **kwargs):
+    with _workers(tmp_path, world, mode, **kwargs) as (procs, _):
+        return [p.wait(timeout=60) for p in procs]
+
+
+def _error(tmp_path, rank):
+    with open(tmp_path / f"rank{rank}.npz.err") as f:
+        message, seconds = f.read().rsplit("\n", 1)
+    return message, float(seconds)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sums_are_right_and_identical_on_every_worker(tmp_path, world):
+    assert _run(tmp_path, world, "sums") == [0] * world
+    results = [np.load(tmp_path / f"rank{r}.npz") for r in range(world)]
+    got = results[0]
+    for call in range(3):  # mixed dtypes, odd sizes, a scalar, an empty array
+        per_rank = [inputs(r, call) for r in range(world)]
+        for i, mine in enumerate(per_rank[0]):
+            want = sum(np.asarray(p[i], np.float64) for p in per_rank)
+            value = got[f"c{call}_{i}"]
+            assert value.shape == np.shape(mine) and value.dtype == np.asarray(mine).dtype
+            if value.dtype.kind == "i":
+                np.testing.assert_array_equal(value, want)
+            tol = 1e-2 if value.dtype == np.float16 else 1e-5
+            np.testing.assert_allclose(value.astype(np.float64), want, atol=tol, rtol=tol)
+    per_rank = [mean_inputs(r, 0) for r in range(world)]
+    count = np.float32(sum(p[-1] for p in per_rank))
+    for i in range(len(per_rank[0]) - 1):
+        summed = sum(np.asarray(p[i], np.float64) for p in per_rank)
+        np.testing.assert_allclose(got[f"m_{i}"], summed / max(count, 1), rtol=1e-5, atol=1e-6)
+    assert got[f"m_{len(per_rank[0]) - 1}"] == count
+    want = np.stack([np.arange(2 * 1500 + r)[-1500:] for r in range(world)])
+    np.testing.assert_array_equal(got["gather"], want)
+    assert got["gather_empty"].shape == (world, 0, 3)
+    for rank, result in enumerate(results):
+        for i in range(2):  # each worker its own row of the sum, exactly
+            total = sum(tables(r, world)[i] for r in range(world))
+            np.testing.assert_array_equal(result[f"rs_{i}"], total[rank])
+    for other in results[1:]:  # every element is summed by one worker only
+        for key in got.files:
+            if not key.startswith("rs_"):
+                np.testing.assert_array_equal(other[key], got[key])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_peer_that_exits_is_named_within_seconds(tmp_path, world):
+    # No collective timeout: its connections close, which the others see.
+    last = world - 1
+    codes = _run(tmp_path, world, "exit")
+    assert codes == [1] * last + [3], codes
+    for rank in range(last):
+        # With 3, worker 1 may see worker 0 (failed with it) close first:
+        # its error then names both.
+        message, seconds = _error(tmp_path, rank)
+        assert message.startswith("PeerLostError: tcp all-reduce: worker "), message
+        assert f"orker {last} at 127.0.0.1:" in message, message
+        assert "closed the connection" in message and seconds < 3, (message, seconds)
+
+
+def test_a_peer_that_sends_nothing_times_out_naming_it(tmp_path):
+    codes = _run(tmp_path, 2, "stall", timeout=1)
+    assert codes[0] == 1, codes
+    message, seconds = _error(tmp_path, 0)
+    assert message.startswith("PeerLostError: tcp all-reduce: worker 1 at 127.0.0.1:"), message
+    assert "sent nothing for 1s (collective_timeout)" in message and 1 <= seconds < 3, seconds
+
+
+def test_a_worker_with_another_secret_is_refused(tmp_path):
+    keys = [secrets.token_hex(16), secrets.token_hex(16)]
+    assert _run(tmp_path, 2, "sums", connect_timeout=2, secrets_=keys) == [1, 1]
+    for rank in range(2):  # each closed the other's connection
+        message, _ = _error(tmp_path, rank)
+        assert f"worker {1 - rank} at 127.0.0.1:" in message, message
+        assert "refused this worker's connection" in message, message
+
+
+def test_a_stranger_is_disconnected_and_the_ring_still_forms(tmp_path):
+    with _workers(tmp_path, 2, "sums", ranks=[0]) as (procs, ports):
+        stranger = _connect_when_listening(ports[0])
+        stranger.sendall(b"kd-ring1" + bytes(16) + bytes(4))  # worker 1's rank, a wrong secret
+        stranger.settimeout(10)
+        assert stranger.recv(1) == b""  # closed without an answer
+        stranger.close()
+        args = ["1", ",".join(map(str, ports))]
+        key = _secret_of(procs[0])
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, WORKER, *args, key, str(tmp_path / "rank1.npz"), "sums"]
+            )
+        )
+        assert [p.wait(timeout=60) for p in procs] == [0, 0]
+
+
+def _secret_of(proc):
+    """The secret worker `proc` was started with (its argv)."""
+    return proc.args[4]
+
+
+def _connect_when_listening(port, seconds=15):
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return socket.create_connection(("127.0.0.1", port), timeout=5)
+        except ConnectionRefusedError:
+            assert time.monotonic() < deadline, "the worker never listened"
+            time.sleep(0.02)
