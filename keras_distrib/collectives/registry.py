@@ -20,6 +20,7 @@ BUILTIN = {
     "one_process": "keras_distrib.collectives.one_process:OneProcess",
     "tensorflow": "keras_distrib.collectives.tf_collectives:TFCollectives",
     "shm": "keras_distrib.collectives.shared_memory:SharedMemory",
+    "tcp": "keras_distrib.collectives.tcp_collectives:TcpCollectives",
     "horovod": "keras_distrib.collectives.horovod_collectives:HorovodCollectives",
 }
 

@@ -39,6 +39,8 @@ class SharedMemory(Transport):
     """
 
     name = "shm"
+    _ops = "kd_host"  # the prefix of its ops' names
+    _engine: Any  # HostAllReduce here; a subclass may run another engine (tcp_collectives)
 
     def __init__(
         self,
@@ -51,7 +53,7 @@ class SharedMemory(Transport):
     ):
         self._rows = rows
         self._world_size = world_size
-        self._host = HostAllReduce(
+        self._engine = HostAllReduce(
             rank, world_size, job_id, timeout=timeout, connect_timeout=connect_timeout
         )
 
@@ -60,7 +62,7 @@ class SharedMemory(Transport):
     def all_reduce(self, values: Sequence[Any], op: str = "sum") -> list[Any]:
         reduce_op(op)  # validates op, as TensorFlow's path does
         values = [tf.convert_to_tensor(v) for v in values]
-        reduced = _on_host(self._host.all_reduce, values, "kd_host_all_reduce")
+        reduced = _on_host(self._engine.all_reduce, values, f"{self._ops}_all_reduce")
         if op == "mean":
             return [total / tf.cast(self._world_size, total.dtype) for total in reduced]
         return reduced
@@ -73,12 +75,16 @@ class SharedMemory(Transport):
         # The division by the global count rides in the all-reduce's last
         # copy (the same float32 math as the default).
         counted = [*values, tf.cast(num_samples, tf.float32)]
-        return _on_host(self._host.mean_by_count, counted, "kd_host_mean_by_count")[:-1]
+        return _on_host(self._engine.mean_by_count, counted, f"{self._ops}_mean_by_count")[:-1]
 
     def all_gather(self, value: Any) -> Any:
         value = tf.convert_to_tensor(value)
         (table,) = tf.numpy_function(
-            self._host.all_gather, [value], [value.dtype], stateful=True, name="kd_host_all_gather"
+            self._engine.all_gather,
+            [value],
+            [value.dtype],
+            stateful=True,
+            name=f"{self._ops}_all_gather",
         )
         table.set_shape([self._world_size, *value.shape])
         return table
@@ -86,11 +92,11 @@ class SharedMemory(Transport):
     def reduce_scatter(self, tables: Sequence[Any]) -> list[Any]:
         tables = [tf.convert_to_tensor(t) for t in tables]
         rows = tf.numpy_function(
-            self._host.reduce_scatter,
+            self._engine.reduce_scatter,
             tables,
             [t.dtype for t in tables],
             stateful=True,
-            name="kd_host_reduce_scatter",
+            name=f"{self._ops}_reduce_scatter",
         )
         for row, table in zip(rows, tables):
             row.set_shape([table.shape[1]])
@@ -102,9 +108,9 @@ class SharedMemory(Transport):
     # -- between steps ------------------------------------------------------------------
 
     def sum_over_processes(self, flat: np.ndarray) -> np.ndarray:
-        # Shared memory here too: it notices a stopped or exited peer
-        # within seconds.
-        (total,) = self._host.all_reduce(flat)
+        # On the engine too: it notices a stopped or exited peer within
+        # seconds.
+        (total,) = self._engine.all_reduce(flat)
         summed: np.ndarray = total
         return summed
 

@@ -14,8 +14,9 @@ from keras_distrib import _compat
 from keras_distrib import cluster as cluster_lib
 from keras_distrib.collectives import flight_recorder, heartbeats, host_allreduce
 from keras_distrib.collectives import registry as transports
-from keras_distrib.collectives import runtime, seconds
+from keras_distrib.collectives import runtime, seconds, tcp_links
 from keras_distrib.collectives.watchdog import CollectiveWatchdog
+from keras_distrib.cluster.network import listen_address
 from keras_distrib.strategies.tf_distribute import TFDistributeStrategy
 from keras_distrib.arithmetic import optimizer_sharding as sharding_option
 
@@ -28,6 +29,10 @@ _IMPLEMENTATIONS = {
 # the workers of one host (the transport of that name,
 # keras_distrib/collectives/shared_memory.py).
 _SHARED_MEMORY = "shm"
+# Not TensorFlow's either: a ring all-reduce over plain TCP between the
+# workers' hosts (keras_distrib/collectives/tcp_collectives.py).
+_TCP = "tcp"
+_OURS = (_SHARED_MEMORY, _TCP)
 _KEY_RANGES = itertools.count(start=500_000, step=1_000)
 # Seconds a collective may wait for a worker that never joins it: long
 # enough for the chief to write a large checkpoint while the others wait in
@@ -51,7 +56,9 @@ class MultiWorker(TFDistributeStrategy):
     gradient all-reduce of the training step goes through shared memory
     instead (`implementation="shm"`, what `"auto"` picks there): TF's gRPC
     collectives are slow even between local processes (docs/design.md,
-    section 1.2, row 4). Every
+    section 1.2, row 4). Across hosts, `implementation="tcp"` reduces over a
+    ring of plain TCP connections of its own, which carries about twice
+    what TF's gRPC ring does over the same link (row 5). Every
     worker runs the same script; `keras-distrib launch` starts them and sets
     `TF_CONFIG`. Variables start equal on all workers (broadcast from worker
     0 when they are created).
@@ -67,9 +74,14 @@ class MultiWorker(TFDistributeStrategy):
         task_index: This process's rank in `cluster` (with `cluster` only).
         implementation: `"auto"` (`"shm"` when all workers are on this host
             and no GPU is visible, else TensorFlow's choice), `"ring"`,
-            `"nccl"`, or `"shm"` (the training step's collectives and the
+            `"nccl"`, `"shm"` (the training step's collectives and the
             eager sums between steps through shared memory; needs every
-            worker on this host, Linux). The initial broadcast of
+            worker on this host, Linux), or `"tcp"` (the same through a
+            ring of TCP connections between the workers, on any hosts:
+            each listens on its address in the cluster at a free port,
+            and a connection must present a secret the chief draws; see
+            `keras_distrib.collectives.tcp_ring`). Both need one device
+            per worker. The initial broadcast of
             variables, metric reads and `predict`'s gathers always use
             TensorFlow's collectives.
         bytes_per_pack: Pack gradients into all-reduces of about this many
@@ -78,19 +90,23 @@ class MultiWorker(TFDistributeStrategy):
             and a larger one is cut into pieces of this size (TensorFlow's
             ring moves a large tensor at a fraction of a link's rate; see
             `keras_distrib.collectives.pieces`).
-            (`"shm"` always moves each dtype's gradients as one block.)
+            (`"shm"` and `"tcp"` always move each dtype's gradients as
+            one block.)
         collective_timeout: Seconds after which a collective that some
             worker never joins fails, naming the late workers (default
             `DEFAULT_COLLECTIVE_TIMEOUT`, 300; None: wait forever). On
             shared memory a peer that exits is detected within a second
-            and one stopped by SIGSTOP within seconds, whatever this is.
+            and one stopped by SIGSTOP within seconds, whatever this is;
+            on `"tcp"` one that exits (its connections close) within a
+            second, and one that moves no data after this many seconds.
             The TensorFlow collectives of the training and predict steps
             are timed by one watchdog thread
             (`keras_distrib.collectives.watchdog`), not by TensorFlow's
             thread per collective, which would pile up (its error says the
             step timed out, not which worker).
-        peer_timeout: Seconds to wait for all workers to join at start-up;
-            a worker that never answers is named in the error.
+        peer_timeout: Seconds to wait for all workers to join at start-up
+            (and on `"tcp"`, for the ring's connections); a worker that
+            never answers is named in the error.
         optimizer_sharding: None (every worker keeps the optimizer's slots
             for every variable), `"optimizer"` (ZeRO stage 1: each keeps
             them for 1/N of each variable) or `"gradients"` (stage 2: and
@@ -155,7 +171,7 @@ class MultiWorker(TFDistributeStrategy):
         self.optimizer_sharding = sharding_option.check(
             self.name, optimizer_sharding, one_replica_per_process=self.num_local_replicas == 1
         )
-        if shared_memory and self._one_device_for_shared_memory(implementation):
+        if shared_memory and self._one_device_per_worker(implementation):
             self.implementation = _SHARED_MEMORY
             self.transport = transports.create(
                 _SHARED_MEMORY,
@@ -166,19 +182,51 @@ class MultiWorker(TFDistributeStrategy):
                 timeout=collective_timeout,
                 connect_timeout=peer_timeout,
             )
+        elif implementation == _TCP and info.world_size > 1:
+            self._one_device_per_worker(implementation)
+            self.transport = self._tcp_transport(collective_timeout, peer_timeout)
 
-    def _one_device_for_shared_memory(self, implementation: str) -> bool:
-        """Whether shared memory can serve this worker: one call per process
-        is what the shared segment expects (a one-line error when the
-        user asked for it with several devices)."""
+    def _one_device_per_worker(self, implementation: str) -> bool:
+        """Whether our own engines can serve this worker: one call per
+        process is what they expect (a one-line error when the user asked
+        for one with several devices)."""
         if self.num_local_replicas == 1:
             return True
-        if implementation == _SHARED_MEMORY:
+        if implementation in _OURS:
             raise cluster_lib.ClusterConfigError(
-                f"implementation='shm' needs one device per worker, but this worker "
-                f"has {self.num_local_replicas}; use implementation='auto'."
+                f"implementation={implementation!r} needs one device per worker, but this "
+                f"worker has {self.num_local_replicas}; use implementation='auto'."
             )
         return False
+
+    def _tcp_transport(self, timeout: Optional[float], connect_timeout: float):
+        """The TCP ring's transport: this worker listens on its own host (as
+        the cluster names it) at a free port; one sum over TensorFlow's
+        collectives shares every worker's port and a secret the chief draws
+        (128 random bits) that each connection must present."""
+        info = self._info
+        hosts = [cluster_lib.parse_address(a)[0] for a in info.workers]
+        listener = tcp_links.listen(listen_address(hosts[info.rank]))
+        try:
+            words = np.zeros(4 + info.world_size, np.int64)
+            if self.is_chief:
+                words[:4] = np.frombuffer(secrets.token_bytes(16), np.uint32)
+            words[4 + info.rank] = listener.getsockname()[1]
+            (shared,) = self.sync_sum([words])
+            return transports.create(
+                _TCP,
+                rows=self.transport,
+                rank=info.rank,
+                world_size=info.world_size,
+                addresses=[(h, int(p)) for h, p in zip(hosts, shared[4:])],
+                secret=b"".join(int(w).to_bytes(4, "little") for w in shared[:4]),
+                timeout=timeout,
+                connect_timeout=connect_timeout,
+                listener=listener,
+            )
+        except BaseException:
+            listener.close()
+            raise
 
     @property
     def cluster(self) -> cluster_lib.ClusterInfo:
@@ -205,10 +253,10 @@ class MultiWorker(TFDistributeStrategy):
 
 
 def _communication_options(implementation, bytes_per_pack, collective_timeout):
-    if implementation not in _IMPLEMENTATIONS and implementation != _SHARED_MEMORY:
+    if implementation not in _IMPLEMENTATIONS and implementation not in _OURS:
         raise ValueError(
             f"Unknown implementation={implementation!r}; use one of "
-            f"{sorted([*_IMPLEMENTATIONS, _SHARED_MEMORY])}."
+            f"{sorted([*_IMPLEMENTATIONS, *_OURS])}."
         )
     if (
         isinstance(bytes_per_pack, bool)

@@ -76,16 +76,19 @@ def _single_process(batch, epochs=2):
 
 # 2 workers on one host on the default path ("auto": shared memory), 3 on
 # three hosts (network namespaces, tests/netns_hosts.py), started by the
-# launcher's --ssh: "auto" there is TensorFlow's collectives over gRPC. The
-# 2 workers take a global batch they cannot share evenly (33: 17 and 16
-# rows), which trains as one device's.
+# launcher's --ssh: "auto" there is TensorFlow's collectives over gRPC; 2 on
+# two hosts with implementation="tcp" (our TCP ring). The 2 workers take a
+# global batch they cannot share evenly (33: 17 and 16 rows), which trains
+# as one device's.
 @pytest.fixture(
     scope="module",
-    params=[(2, 33, "one host"), (3, 30, "three hosts")],
-    ids=["2workers-shm", "3hosts-ring"],
+    params=[(2, 33, "one host"), (3, 30, "three hosts"), (2, 33, "two hosts tcp")],
+    ids=["2workers-shm", "3hosts-ring", "2hosts-tcp"],
 )
 def run(request, tmp_path_factory):
     n, batch, where = request.param
+    if where == "two hosts tcp":
+        return (n, batch, *_two_hosts_tcp(request, tmp_path_factory, n, batch))
     out = tmp_path_factory.mktemp(f"mw{n}")
     _write_records(str(out / "records"))
     if where == "one host":
@@ -109,6 +112,23 @@ def run(request, tmp_path_factory):
     return n, batch, out, ranks, stdout
 
 
+def _two_hosts_tcp(request, tmp_path_factory, n, batch):
+    """`(out, ranks, stdout)` of the workers on two hosts over the TCP ring."""
+    request.getfixturevalue("netns_usable")
+    from netns_hosts import TestBed
+
+    out = tmp_path_factory.mktemp(f"mw{n}tcp")
+    _write_records(str(out / "records"))
+    with TestBed(n) as bed:
+        across = ("--hosts", bed.hosts_flag(), "--ssh", "--ssh_command", bed.ssh_command)
+        ranks, stdout = _launch(
+            out, n, "--batch", str(batch), "--implementation", "tcp", launch_flags=across
+        )
+    assert [r["implementation"] for r in ranks] == ["tcp"] * n
+    assert [r["local_hosts"] for r in ranks] == [[a] for a in bed.addresses]
+    return out, ranks, stdout
+
+
 @pytest.mark.slow
 def test_workers_end_identical_and_equal_single_process(run):
     n, batch, _, ranks, _ = run
@@ -130,12 +150,12 @@ def test_gradient_packs_start_before_the_backward_pass_ends(run):
     # Across hosts, with gradients in packs, each all-reduce waits only for
     # the gradients it carries: the first (the last layer's) for fewer of
     # the step's matrix products than the last, so it overlaps the rest of
-    # the backward pass. Shared memory reduces outside TensorFlow's
-    # collectives.
+    # the backward pass. Shared memory and the TCP ring reduce outside
+    # TensorFlow's collectives.
     n, _, _, ranks, _ = run
     for r in ranks:
         counts = r["matmuls_before_each_all_reduce"]
-        if n == 2:
+        if r["implementation"] in ("shm", "tcp"):
             assert counts == []
         else:
             assert len(counts) > 1 and counts == sorted(counts) and counts[0] < counts[-1], counts

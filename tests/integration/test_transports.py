@@ -1,8 +1,8 @@
 """The transports strategies compose (keras_distrib.collectives): every
 registered one implements the whole interface, the strategies hold theirs,
 and the collectives give what they promise: TensorFlow's between the two
-replicas of `mirrored`'s engine, one process's, and shared memory between
-two workers (threads of this process).
+replicas of `mirrored`'s engine, one process's, and shared memory and the
+TCP ring between two workers (threads of this process).
 
 The registry's table without TensorFlow: tests/unit/test_transport_registry.py.
 Between real processes: tests/distributed (multi_worker, hybrid, horovod).
@@ -20,7 +20,7 @@ import pytest
 import tensorflow as tf
 
 import keras_distrib as kd
-from keras_distrib.cluster import launch_contract
+from keras_distrib.cluster import free_ports, launch_contract
 from keras_distrib.collectives import registry
 from keras_distrib.collectives.across_processes import AcrossProcesses
 from keras_distrib.collectives.transport import Transport
@@ -151,22 +151,28 @@ def test_one_process_collectives_are_the_identity(across):
     assert transport.broadcast([value]) == [value]
 
 
-def test_shared_memory_between_two_workers(tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", ["shm", "tcp"])
+def test_our_engines_between_two_workers(tmp_path, monkeypatch, name):
     directory = tmp_path / "shm"
     directory.mkdir(mode=0o700)
     monkeypatch.setenv(launch_contract.SHM_DIR_ENV, str(directory))
-    job, got, failed = uuid.uuid4().hex, {}, []
+    got, failed = {}, []
+    if name == "shm":
+        options = {"job_id": uuid.uuid4().hex}
+    else:
+        ports = free_ports(2)
+        options = {"addresses": [("127.0.0.1", p) for p in ports], "secret": os.urandom(16)}
 
     def worker(rank):
         try:
             transport = registry.create(
-                "shm",
+                name,
                 rows=registry.create("one_process"),
                 rank=rank,
                 world_size=2,
-                job_id=job,
                 timeout=60,
                 connect_timeout=60,
+                **options,
             )
             value = tf.fill([2], float(rank + 1))
             # Traced, as a step calls them.
