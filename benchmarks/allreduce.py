@@ -27,7 +27,10 @@ processes, on the same `tf.distribute.MultiWorkerMirroredStrategy`:
            implementation=I)`. With `--implementation auto` (the default)
            all workers are on this host, so that is the shared-memory
            all-reduce (keras_distrib/collectives/host_allreduce.py, 0 TF collectives);
-           `--implementation ring` measures our path on TF's collectives.
+           `--implementation ring` measures our path on TF's collectives,
+           `--implementation tcp` on our TCP ring
+           (keras_distrib/collectives/tcp_ring.py; benchmarks/multi_host.py
+           runs it across two hosts).
 
 Each variant is a `tf.function` that `strategy.run`s the replica function,
 called k times back to back per timing (k agreed by all ranks so each timing
@@ -46,7 +49,7 @@ benchmarks/results/allreduce_bandwidth.png.
 
 Run:
     python benchmarks/allreduce.py [--repeats 7] [--bytes_per_pack 4194304,0]
-        [--sizes 4K,64K,1M,16M,64M] [--nproc 2] [--pin] [--implementation auto|ring]
+        [--sizes 4K,64K,1M,16M,64M] [--nproc 2] [--pin] [--implementation auto|ring|shm|tcp]
         [--quick] [--json benchmarks/results/allreduce.json]
 """
 
@@ -85,7 +88,7 @@ flags.DEFINE_bool("pin", False, "Pin worker r to core r (mod cores).")
 flags.DEFINE_enum(
     "implementation",
     "auto",
-    ["auto", "ring", "shm"],
+    ["auto", "ring", "shm", "tcp"],
     "implementation= of our multi_worker strategy (auto: shared "
     "memory here, all workers being on this host).",
 )
