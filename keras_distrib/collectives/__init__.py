@@ -4,7 +4,8 @@
   `transport`), and `registry`, the transports by name; one module per
   transport: `one_process` (the identity), `tf_collectives` (TensorFlow's,
   through a `tf.distribute` engine), `shared_memory` (between the workers
-  of one host) and `horovod_collectives` (Horovod's), with
+  of one host), `tcp_collectives` (our ring over TCP, between hosts) and
+  `horovod_collectives` (Horovod's), with
   `across_processes` (a transport called from outside its replicas);
 * `runtime`: this process's TensorFlow collective runtime, started before
   TensorFlow is used (imported by `import keras_distrib`: keep it light);
@@ -12,6 +13,9 @@
   processes of one host (no TensorFlow), built on `shm_files` (the job's
   files), `shm_peers` (joining, barriers) and `shm_layout` (where the
   arrays sit, the result buffers);
+* `tcp_ring`: a ring all-reduce over plain TCP sockets between worker
+  processes on any hosts (no TensorFlow), on `tcp_links` (the
+  authenticated connections, transfers with deadlines);
 * `watchdog`: `collective_timeout` with one thread per process;
 * `heartbeats`: the coordination service's heartbeat timeout between
   hosts, and the one line naming the peer whose heartbeats stopped (no

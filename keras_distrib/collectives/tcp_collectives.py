@@ -6,7 +6,7 @@ sockets only); here its collectives run in the step through
 (`keras_distrib.collectives.shared_memory`, which this subclasses: stateful
 ops, never pruned, kept in program order). TensorFlow's gRPC ring carries
 about half of what plain TCP carries between the same two hosts
-(docs/design.md, section 1.2, row 5): `multi_worker` reduces here when
+(docs/design.md, section 1.2, row 16): `multi_worker` reduces here when
 asked (`implementation="tcp"`, one device per worker). The predict step's
 rows still travel by the transport given as `rows` (TensorFlow's), and so
 does whatever ran before the workers joined here. A peer that exits is

@@ -2,7 +2,7 @@
 
 TensorFlow's gRPC ring carries about a third of a 10 Gbit/s link between
 two hosts where plain TCP between the same hosts carries twice that
-(docs/design.md, section 1.2, row 5). This engine moves the bytes itself:
+(docs/design.md, section 1.2, row 16). This engine moves the bytes itself:
 
 1. every worker listens on its own host; worker `r` connects to worker
    `r + 1` and accepts worker `r - 1` (`tcp_links.join_ring`), each

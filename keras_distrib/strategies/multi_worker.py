@@ -58,7 +58,7 @@ class MultiWorker(TFDistributeStrategy):
     collectives are slow even between local processes (docs/design.md,
     section 1.2, row 4). Across hosts, `implementation="tcp"` reduces over a
     ring of plain TCP connections of its own, which carries about twice
-    what TF's gRPC ring does over the same link (row 5). Every
+    what TF's gRPC ring does over the same link (row 16). Every
     worker runs the same script; `keras-distrib launch` starts them and sets
     `TF_CONFIG`. Variables start equal on all workers (broadcast from worker
     0 when they are created).
