@@ -114,6 +114,7 @@ class TcpRing:
         self._failed: Optional[BaseException] = None
         self._layouts: dict = {}
         self._results = ResultBuffers()
+        self._spare = np.empty(0, np.uint8)
         self._listener: Optional[socket.socket] = listener or listen(*addresses[rank])
         self._left = self._right = self._sender = None
         try:
@@ -293,7 +294,14 @@ class TcpRing:
     ) -> None:
         """Runs the ring's steps over `work` (1-D), chunk `c` at
         `bounds[c]`: `reduce_steps` that add this worker's part (`spans`)
-        to what arrives, then `gather_steps` that pass the sums on."""
+        to what arrives, then `gather_steps` that pass the sums on.
+
+        Memory traffic is what bounds it on a fast link, so nothing is
+        copied that need not be: this worker's own chunk is sent straight
+        from its inputs (a segment of several arrays is packed first), and
+        a segment to reduce arrives in a buffer that stays in cache, from
+        which one `np.add` writes the sum in place.
+        """
         assert self._sender is not None and self._left is not None
         n, r = self.world_size, self.rank
         item = work.dtype.itemsize
@@ -304,21 +312,32 @@ class TcpRing:
             lo, hi = bounds[c]
             return [(a, min(a + step, hi)) for a in range(lo, hi, step)]
 
-        for a, b, source in spans(*bounds[r]):
-            work[a:b] = 0 if source is None else source
-        for a, b in segments(r):
-            self._sender.put(raw[a * item : b * item].data)
+        for a, b in segments(r):  # (kept in `work` where no all-gather overwrites it)
+            self._sender.put(_own_bytes(work, spans, a, b, keep=not reduce_steps))
         steps = reduce_steps + gather_steps
+        scratch = self._scratch(min(step, len(work)) * item).view(work.dtype)
         for s in range(steps):
             for a, b in segments((r - s - 1) % n):
                 view = raw[a * item : b * item].data
-                self._left.recv_into(view, self._check)
                 if s < reduce_steps:
+                    self._left.recv_into(scratch[: b - a].view(np.uint8).data, self._check)
                     for x, y, source in spans(a, b):
-                        if source is not None:
-                            np.add(work[x:y], source, out=work[x:y])
+                        arrived = scratch[x - a : y - a]
+                        if source is None:
+                            work[x:y] = arrived
+                        else:
+                            np.add(arrived, source, out=work[x:y])
+                else:
+                    self._left.recv_into(view, self._check)
                 if s + 1 < steps:
                     self._sender.put(view)
+
+    def _scratch(self, nbytes: int) -> np.ndarray:
+        """At least `nbytes` of memory reused by every call (for segments
+        received before they are summed)."""
+        if self._spare.nbytes < nbytes:
+            self._spare = np.empty(nbytes, np.uint8)
+        return self._spare[:nbytes]
 
     def _finish(self) -> None:
         """Returns once everything queued is sent (the caller may then
@@ -359,6 +378,18 @@ class TcpRing:
             self.close()
         except Exception:  # interpreter shutdown, or a constructor that failed early
             pass
+
+
+def _own_bytes(work: np.ndarray, spans: Spans, a: int, b: int, keep: bool) -> memoryview:
+    """The bytes of this worker's own `[a, b)` of `work`'s region: a view of
+    the input array holding them all, else (or to `keep` them in `work`)
+    packed into `work` there."""
+    pieces = list(spans(a, b))
+    if not keep and len(pieces) == 1 and pieces[0][2] is not None and pieces[0][2].size:
+        return pieces[0][2].view(np.uint8).data
+    for x, y, source in pieces:
+        work[x:y] = 0 if source is None else source
+    return work[a:b].view(np.uint8).data
 
 
 def _member_spans(members: list, flats: list) -> Spans:
