@@ -18,8 +18,12 @@ two hosts where plain TCP between the same hosts carries twice that
 It is pipelined and full duplex: chunks travel in segments of about
 `SEGMENT_BYTES`, a thread of its own sends (one queue of segments, each
 queued as soon as it is received and summed) while the calling thread
-receives the next segment straight into the results (`recv_into`, then
-`np.add(..., out=)`); both release the GIL. Every call starts with a
+receives the next one (`recv_into`; a segment to reduce into a buffer that
+stays in cache, then one `np.add(..., out=)` into the results); both
+release the GIL. This worker's own chunk is sent straight from its inputs,
+and the results are views of one reused buffer: on a fast link memory
+traffic is the cost, and this is about all a reduction must do beyond what
+a plain exchange of the same bytes does. Every call starts with a
 header (call number, kind, bytes), so workers that disagree on the
 sequence of collectives fail at once instead of summing garbage.
 
