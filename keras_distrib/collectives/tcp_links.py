@@ -35,7 +35,9 @@ SECRET_BYTES = 16
 _HELLO = struct.Struct(f"<{len(MAGIC)}s{SECRET_BYTES}sI")  # magic, secret, sender's rank
 _ACCEPTED = b"\x01"
 POLL = 0.25  # seconds between checks while a transfer waits
-_HANDSHAKE_SECONDS = 10.0  # a connection must send its hello within this
+_HANDSHAKE_SECONDS = 10.0
+# What a socket call raises when its kernel timeout passes with nothing moved.
+_WAITED = (BlockingIOError, socket.timeout)  # a connection must send its hello within this
 # Socket buffers asked for (the kernel caps them at net.core.[rw]mem_max);
 # None leaves Linux's autotuning alone.
 BUFFER_BYTES: Optional[int] = None
@@ -86,7 +88,7 @@ class Link:
         while sent < len(view):
             try:
                 n = self.sock.send(view[sent:])
-            except socket.timeout:
+            except _WAITED:
                 check()
                 if self.timeout is not None and time.monotonic() - last > self.timeout:
                     raise self.late("took no data") from None
@@ -100,8 +102,8 @@ class Link:
         got, last = 0, time.monotonic()
         while got < len(view):
             try:
-                n = self.sock.recv_into(view[got:])
-            except socket.timeout:
+                n = self.sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
+            except _WAITED:
                 check()
                 if self.timeout is not None and time.monotonic() - last > self.timeout:
                     raise self.late("sent nothing") from None
@@ -131,11 +133,20 @@ class Link:
 
 
 def _tune(sock: socket.socket) -> None:
+    """No Nagle; blocking calls that give up after `POLL` in the kernel
+    (`SO_RCVTIMEO`/`SO_SNDTIMEO`), so that one `recv(MSG_WAITALL)` or
+    `send` moves a whole segment: one system call and one wake-up, where
+    Python's own timeouts make the socket non-blocking and poll before
+    every call."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if BUFFER_BYTES is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, BUFFER_BYTES)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, BUFFER_BYTES)
-    sock.settimeout(POLL)
+    sock.settimeout(None)
+    seconds = int(POLL)
+    interval = struct.pack("ll", seconds, int((POLL - seconds) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, interval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, interval)
 
 
 def join_ring(
