@@ -198,11 +198,11 @@ def measure(rate: str) -> dict:
             ],
             bed,
         )
+        sockets = _sockets(bed)  # right after the TCP ring, on the same load
         compressed = {
             c: _run(HVT, _hvt_args("tf", train_only="true", compression=c), bed)
             for c in FLAGS.compressions
         }
-        sockets = _sockets(bed)
     _check_tcp(raw)
     wire = link_bytes_per_second(rate)
     sizes = []
