@@ -126,10 +126,12 @@ class Link:
             raise self.closed()
 
     def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+        """Shuts the connection down (waking a thread blocked on it) and closes it."""
+        for end in (lambda: self.sock.shutdown(socket.SHUT_RDWR), self.sock.close):
+            try:
+                end()
+            except OSError:
+                pass
 
 
 def _tune(sock: socket.socket) -> None:

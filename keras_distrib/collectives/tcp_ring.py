@@ -208,7 +208,7 @@ class TcpRing:
 
     def _reduce(self, arrays: Sequence[np.ndarray], divide_by_last: bool) -> list:
         arrays = [np.asarray(a) for a in arrays]
-        flats = [a.reshape(-1) for a in arrays]
+        flats = [np.ascontiguousarray(a).reshape(-1) for a in arrays]
         key = layout_key(arrays)
         if key not in self._layouts:
             self._layouts[key] = layout(arrays)
@@ -427,15 +427,22 @@ class _Sender:
         self._link = link
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._stopping = False
-        self.pending = 0  # segments queued and not yet sent
+        # Segments queued (counted by the caller's thread) and sent or
+        # dropped (by this thread): each counter has one writer.
+        self._queued = self._done = 0
         self.error: Optional[BaseException] = None
         self._thread = threading.Thread(
             target=self._run, name="keras_distrib-tcp-ring-send", daemon=True
         )
         self._thread.start()
 
+    @property
+    def pending(self) -> int:
+        """Segments queued and not yet sent."""
+        return self._queued - self._done
+
     def put(self, view: memoryview) -> None:
-        self.pending += 1  # (the GIL orders it before the thread's decrement)
+        self._queued += 1
         self._queue.put(view)
 
     def mark(self) -> threading.Event:
@@ -457,7 +464,7 @@ class _Sender:
                 except BaseException as e:
                     self.error = e
             if not isinstance(item, threading.Event):
-                self.pending -= 1
+                self._done += 1
 
     def _check(self) -> None:
         if self._stopping:

@@ -82,6 +82,9 @@ def test_sums_are_right_and_identical_on_every_worker(tmp_path, world):
         summed = sum(np.asarray(p[i], np.float64) for p in per_rank)
         np.testing.assert_allclose(got[f"m_{i}"], summed / max(count, 1), rtol=1e-5, atol=1e-6)
     assert got[f"m_{len(per_rank[0]) - 1}"] == count
+    np.testing.assert_array_equal(
+        got["strided"], np.arange(40)[::3] * world * (world + 1) // 2
+    )  # a view with strides
     want = np.stack([np.arange(2 * 1500 + r)[-1500:] for r in range(world)])
     np.testing.assert_array_equal(got["gather"], want)
     assert got["gather_empty"].shape == (world, 0, 3)

@@ -52,6 +52,7 @@ def sums(ring, rank, world):
             out[f"c{call}_{i}"] = r.copy()
     for i, r in enumerate(ring.mean_by_count(*mean_inputs(rank, 0))):
         out[f"m_{i}"] = r.copy()
+    (out["strided"],) = ring.all_reduce(np.arange(40, dtype=np.float32)[::3] * (rank + 1))
     out["gather"] = ring.all_gather(np.arange(2 * 1500 + rank, dtype=np.int64)[-1500:])
     out["gather_empty"] = ring.all_gather(np.zeros((0, 3), np.float32))
     for i, r in enumerate(ring.reduce_scatter(*tables(rank, world))):
