@@ -151,6 +151,7 @@ bench: $(HOROVOD)
 	# 3 repeats keep make bench short (7, the default, also runs).
 	$(PY) benchmarks/allreduce.py --repeats 3 $(BENCH_FLAGS)
 	$(PY) benchmarks/weak_scaling.py $(BENCH_FLAGS)
+	$(PY) benchmarks/host_engine.py $(BENCH_FLAGS)
 	$(PY) benchmarks/strong_scaling.py $(BENCH_FLAGS)
 	PATH=$(VENV)/bin:$$PATH $(PY) benchmarks/horovod_vs_tf.py
 	PATH=$(VENV)/bin:$$PATH $(PY) benchmarks/parameter_server.py

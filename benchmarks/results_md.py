@@ -44,6 +44,7 @@ KNOWN = (
     "overhead",
     "allreduce",
     "weak_scaling",
+    "host_engine",
     "strong_scaling",
     "model_parallel",
     "sparse_embeddings",
@@ -298,6 +299,40 @@ def weak_scaling(doc: _Doc, data: dict) -> None:
     doc.misses(data)
     doc.figure(
         "throughput_vs_workers.png", "Training throughput against workers: weak and strong scaling"
+    )
+
+
+def host_engine(doc: _Doc, data: dict) -> None:
+    doc.add(
+        "The shared-memory all-reduce alone (`HostAllReduce.mean_by_count`, what the "
+        f"training step calls) on the weak-scaling MLP's gradients ({_mb(data['nbytes'])} "
+        "float32 in six arrays) between 2 NumPy processes pinned to one core each, beside "
+        "a plain NumPy add-and-copy of the same bytes in each process at once (the least "
+        "memory work summing two copies and handing out the result takes) and the "
+        "engine's lock-step alone (one float32: its two barriers). "
+        f"{data['repeats']} alternating repetitions, each the median of {data['calls']} "
+        "calls, the slower process's.",
+        "",
+    )
+    rates = data["gb_per_s"]
+    doc.add(
+        *_table(
+            ["measurement", "ms per call", "GB/s"],
+            [
+                (kind, _stats(data["ms"][kind]), _stats(rates[kind]) if kind in rates else "–")
+                for kind in ("engine", "numpy", "lockstep")
+            ],
+        )
+    )
+    ratios = data["ratios"]
+    doc.add(
+        *_table(
+            ["ratio", "median [min, max]"],
+            [
+                ("engine / numpy (time)", _stats(ratios["engine_over_numpy"])),
+                ("engine less lock-step (ms)", _stats(ratios["engine_less_lockstep_ms"])),
+            ],
+        )
     )
 
 
@@ -668,6 +703,7 @@ SECTIONS = {
     "overhead": ("Overhead against plain Keras", overhead),
     "allreduce": ("All-reduce bandwidth between local processes", allreduce),
     "weak_scaling": ("Weak scaling: 1 and 2 workers", weak_scaling),
+    "host_engine": ("The shared-memory all-reduce against memory speed", host_engine),
     "strong_scaling": ("Strong scaling: a fixed global batch", strong_scaling),
     "model_parallel": ("Model parallelism: pipeline and tensor parallel", model_parallel),
     "sparse_embeddings": ("Sparse embedding gradients", sparse_embeddings),

@@ -178,3 +178,29 @@ def test_an_unknown_benchmark_gets_a_generic_section(tmp_path):
     assert "## New bench (`new_bench.py`)" in text
     assert "| batch | 64 |" in text
     assert "| ours / peer | 1.50 [1.20, 1.80] |" in text
+
+
+def test_the_host_engine_section_puts_the_engine_beside_memory_speed(tmp_path):
+    ms = {"engine": [1.2, 1.1, 1.3], "numpy": [0.6, 0.5, 0.7], "lockstep": [0.1, 0.1, 0.2]}
+    _write(
+        tmp_path,
+        "host_engine",
+        {
+            "meta": _meta("host_engine"),
+            "repeats": 3,
+            "calls": 50,
+            "nbytes": 4232232,
+            "ms": {k: _summary(v) for k, v in ms.items()},
+            "gb_per_s": {"engine": _summary([3.5, 3.8, 3.3]), "numpy": _summary([7.1, 8.5, 6.0])},
+            "ratios": {
+                "engine_over_numpy": _summary([2.0, 2.2, 1.9]),
+                "engine_less_lockstep_ms": _summary([1.1, 1.0, 1.1]),
+            },
+        },
+    )
+    text = results_md.render(str(tmp_path), str(tmp_path / "RESULTS.md"))
+    assert "## The shared-memory all-reduce against memory speed (`host_engine.py`)" in text
+    assert "(4.0 MB float32 in six arrays)" in text
+    assert "| engine | 1.20 [1.10, 1.30] | 3.50 [3.30, 3.80] |" in text
+    assert "| lockstep | 0.10 [0.10, 0.20] | – |" in text
+    assert "| engine / numpy (time) | 2.00 [1.90, 2.20] |" in text
