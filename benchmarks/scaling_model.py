@@ -363,7 +363,10 @@ def run() -> int:
             "fabrics": [_fabric_json(f) for f, _ in fabrics],
             "workloads": inputs.WORKLOAD_SOURCES,
             "predictions": predictions,
-            "inputs": sorted(data),
+            "inputs": {
+                name: {k: doc["meta"].get(k) for k in ("time", "quick", "load")}
+                for name, doc in sorted(data.items())
+            },
         },
         load="computed from saved results; no timing",
     )
