@@ -276,8 +276,8 @@ _COLUMNS = (("ours_ring", "ours/TF ring"), ("ours_gloo", "ours/Gloo"), ("raw_tf"
 
 def report(results: list[dict], one_host: Optional[dict]) -> None:
     print("\nall-reduce bus bandwidth as a fraction of the link (goal >= 0.8 from 4 MB)")
-    shown = [(k, name) for k, name in (*_COLUMNS, ("sockets", "sockets"))]
-    shown = [(k, name) for k, name in shown if k in results[0]["allreduce"][0]["bus_fraction"]]
+    measured = results[0]["allreduce"][0]["bus_fraction"]
+    shown = [(k, name) for k, name in (*_COLUMNS, ("sockets", "sockets")) if k in measured]
     print(f"{'link':>7s} {'ranks':>5s} {'size':>7s} | " + " ".join(f"{n:>12s}" for _, n in shown))
     for result in results:
         for size in result["allreduce"]:
