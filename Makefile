@@ -162,8 +162,16 @@ bench: $(HOROVOD)
 	$(PY) benchmarks/bigger_models.py $(BENCH_FLAGS)
 	# Two hosts as network namespaces: needs root.
 	PATH=$(VENV)/bin:$$PATH $(PY) benchmarks/multi_host.py $(BENCH_FLAGS)
+	# 4 ranks, for the scaling model's checks beyond two (benchmarks/results/scaling/).
+	PATH=$(VENV)/bin:$$PATH $(PY) benchmarks/multi_host.py --workers_per_host 2 --rates 1gbit,10gbit $(BENCH_FLAGS)
+	$(PY) benchmarks/allreduce.py --nproc 4 --repeats 3 --bytes_per_pack 4194304 --sizes 4K,64K,1M,4M,16M,64M \
+	  --json benchmarks/results/scaling/allreduce_nproc4_shm.json $(BENCH_FLAGS)
+	$(PY) benchmarks/allreduce.py --nproc 4 --repeats 3 --implementation ring --bytes_per_pack 0 \
+	  --sizes 4K,64K,1M,4M,16M,64M --json benchmarks/results/scaling/allreduce_nproc4_ring.json $(BENCH_FLAGS)
 	$(PY) benchmarks/elastic.py $(BENCH_FLAGS)
 	$(PY) benchmarks/chaos.py $(BENCH_FLAGS)
+	# Fits and predicts from the results above; measures nothing.
+	$(PY) benchmarks/scaling_model.py
 	$(PY) benchmarks/_plots.py
 	$(PY) benchmarks/results_md.py
 

@@ -403,6 +403,62 @@ def plot_multi_host() -> str | None:
     return _save(fig, "multi_host.png")
 
 
+_ENGINE_COLORS = {"flat ring": _PEER, "tree": _OTHER, "hierarchical": _OURS}
+_FABRIC_STYLES = ["-", "--", ":", "-."]
+
+
+def _scaling_legend(ax, engines, fabrics) -> None:
+    """One legend: a colour per engine, a line style per fabric."""
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], color=_ENGINE_COLORS.get(e, "0.3"), label=e) for e in engines]
+    handles += [
+        Line2D([], [], color="0.3", linestyle=_FABRIC_STYLES[i % len(_FABRIC_STYLES)], label=f)
+        for i, f in enumerate(fabrics)
+    ]
+    ax.legend(handles=handles, fontsize=6.5, loc="best")
+
+
+def plot_scaling_model() -> str | None:
+    import matplotlib.pyplot as plt
+
+    data = _load("scaling_model")
+    if data is None:
+        return None
+    panels: dict = {}  # model -> [prediction], in order
+    for p in data["predictions"]:
+        panels.setdefault(p["workload"].split(" on ")[0], []).append(p)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.6 * len(panels), 4.8), squeeze=False)
+    for ax, (model, predictions) in zip(axes[0], panels.items()):
+        for i, p in enumerate(predictions):
+            for engine, v in p["engines"].items():
+                ax.plot(
+                    data["workers"],
+                    v["efficiency"],
+                    color=_ENGINE_COLORS.get(engine, "0.3"),
+                    linestyle=_FABRIC_STYLES[i % len(_FABRIC_STYLES)],
+                    marker=".",
+                )
+        ax.axhline(0.5, color=_IDEAL, linestyle="--", linewidth=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(data["workers"], [str(n) for n in data["workers"]], fontsize=7)
+        ax.minorticks_off()
+        ax.set_ylim(0, 1.05)
+        ax.set_xlabel("workers (weak scaling: the same batch per worker)")
+        ax.set_ylabel("efficiency = compute / step")
+        ax.grid(alpha=0.3)
+        mb = predictions[0]["bytes"] / 1e6
+        ax.set_title(f"{model}: {mb:,.{0 if mb >= 100 else 2}f} MB of fp32 gradients", fontsize=10)
+        _scaling_legend(ax, predictions[0]["engines"], [p["fabric"] for p in predictions])
+    fig.suptitle(
+        "predicted weak-scaling efficiency: alpha-beta all-reduce costs fitted to this "
+        f"project's measurements, overlap {data['overlap']['fraction']:.2f} "
+        "(benchmarks/scaling_model.py)",
+        fontsize=9,
+    )
+    return _save(fig, "scaling_model.png")
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -410,7 +466,7 @@ def main(argv):
 
     matplotlib.use("Agg")
     os.makedirs(FLAGS.results_dir, exist_ok=True)
-    for draw in (plot_throughput, plot_allreduce, plot_multi_host):
+    for draw in (plot_throughput, plot_allreduce, plot_multi_host, plot_scaling_model):
         path = draw()
         if path:
             print(f"wrote {os.path.relpath(path)}")

@@ -43,6 +43,14 @@ horovod_vs_tf.py's and benchmarks/allreduce.py's, so the cases are theirs):
   one host     the same step with both workers on one host (no link; TF's
                ring over loopback): the cost of the link.
 
+With `--workers_per_host N` (N > 1), N workers on each host (one ring of 2N
+ranks over TF's collectives, crossing the link once each way): only the
+all-reduce over TF's ring (ours and raw TensorFlow) and the training step
+are measured, for benchmarks/scaling_model.py's check beyond two ranks;
+the results go to benchmarks/results/scaling/multi_host_2x{N}.json unless
+`--json` says otherwise. Bus bandwidth is bytes * 2(n-1)/n / time for n
+ranks, which is also what each direction of the link carries.
+
 Each worker is pinned to a core with one intra-op thread (2 workers on the
 2-core machine). Absolute times on a shared machine are noise; read the
 fractions and ratios. Results: `--json` (default
@@ -51,6 +59,7 @@ benchmarks/results/multi_host.json).
 Run (as root):
     python benchmarks/multi_host.py [--rates 1gbit,10gbit] [--repeats 3]
         [--sizes 64K,1M,4M,16M,64M] [--compressions fp16,bf16] [--quick]
+        [--workers_per_host 1]
 """
 
 from __future__ import annotations
@@ -60,6 +69,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -88,6 +98,13 @@ flags.DEFINE_integer(
     "training step over the link: gradient buckets, the last layer's first "
     "(TensorFlow reverses the list before packing), so an all-reduce can "
     "start before the backward pass ends; 0: one all-reduce.",
+)
+flags.DEFINE_integer(
+    "workers_per_host",
+    1,
+    "Workers on each of the two hosts; above 1, only the all-reduce over TF's ring "
+    "and the training step are measured (see the module doc).",
+    lower_bound=1,
 )
 flags.DEFINE_float("timeout", 400.0, "Seconds one launch of the workers may take.")
 flags.DEFINE_bool(
@@ -130,21 +147,30 @@ def _hvt_args(engine: str, **extra) -> list[str]:
 
 
 def _run(script, args, bed=None, horovod=False):
-    """One launch of 2 workers (across `bed`, or on this host); their reports."""
+    """One launch of the workers (`--workers_per_host` on each host of `bed`,
+    or 2 on this host); their reports."""
+    per_host = FLAGS.workers_per_host if bed is not None else 1
+    nproc = 2 * per_host
     flags_, prefix, env = [], [], None
     with tempfile.TemporaryDirectory(prefix="kd-ssh-") as ssh_dir:
         if bed is not None and horovod:  # horovodrun on host 0 reaches host 1 by ssh
-            flags_ = ["--backend", "horovod", "--hosts", bed.hosts_flag()]
+            flags_ = ["--backend", "horovod", "--hosts", bed.hosts_flag(per_host)]
             prefix = bed.on(0, [])
             env = {"PATH": bed.ssh_program(ssh_dir) + os.pathsep + os.environ["PATH"]}
         elif bed is not None:
-            flags_ = ["--hosts", bed.hosts_flag(), "--ssh", "--ssh_command", bed.ssh_command]
+            flags_ = [
+                "--hosts",
+                bed.hosts_flag(per_host),
+                "--ssh",
+                "--ssh_command",
+                bed.ssh_command,
+            ]
         elif horovod:
             flags_ = ["--backend", "horovod"]
         out_dir, _ = _harness.launch_workers(
-            script, 2, args, FLAGS.timeout, extra_env=env, launch_flags=flags_, prefix=prefix
+            script, nproc, args, FLAGS.timeout, extra_env=env, launch_flags=flags_, prefix=prefix
         )
-    return _harness.read_results(out_dir, 2)
+    return _harness.read_results(out_dir, nproc)
 
 
 def _sockets(bed) -> list[dict]:
@@ -182,9 +208,10 @@ def _median(values) -> float:
 
 
 def measure(rate: str) -> dict:
+    many = FLAGS.workers_per_host > 1
     with netns_hosts.TestBed(2, rate=rate) as bed:
         ring = _run(HVT, _hvt_args("tf"), bed)
-        gloo = _run(HVT, _hvt_args("hvd"), bed, horovod=True)
+        gloo = None if many else _run(HVT, _hvt_args("hvd"), bed, horovod=True)
         # Raw TF's all-reduce and ours over the TCP ring, in the same workers.
         raw = _run(
             ALLREDUCE,
@@ -198,34 +225,43 @@ def measure(rate: str) -> dict:
             ],
             bed,
         )
-        sockets = _sockets(bed)  # right after the TCP ring, on the same load
+        # Right after the TCP ring, on the same load.
+        sockets = None if many else _sockets(bed)
         compressed = {
             c: _run(HVT, _hvt_args("tf", train_only="true", compression=c), bed)
-            for c in FLAGS.compressions
+            for c in ([] if many else FLAGS.compressions)
         }
     _check_tcp(raw)
     wire = link_bytes_per_second(rate)
+    ranks = len(ring)
     sizes = []
     for i, case in enumerate(ring[0]["cases"][: len(FLAGS.sizes)]):
         times = {
             "ours_ring": _harness.slowest_rank(ring, lambda r, i=i: r["cases"][i]["times"]),
-            "ours_gloo": _harness.slowest_rank(gloo, lambda r, i=i: r["cases"][i]["times"]),
             "raw_tf": _harness.slowest_rank(raw, lambda r, i=i: r["cases"][i]["times"]["raw"]),
             "ours_tcp": _harness.slowest_rank(raw, lambda r, i=i: r["cases"][i]["times"]["ours"]),
-            "sockets": sockets[i]["times"],
         }
-        fraction = {k: case["bytes"] / _median(t) / wire for k, t in times.items()}
+        if gloo is not None:
+            times["ours_gloo"] = _harness.slowest_rank(gloo, lambda r, i=i: r["cases"][i]["times"])
+        if sockets is not None:
+            times["sockets"] = sockets[i]["times"]
+        bus_bytes = case["bytes"] * 2 * (ranks - 1) / ranks
+        fraction = {k: bus_bytes / _median(t) / wire for k, t in times.items()}
         sizes.append(
             {
                 "name": case["name"],
                 "bytes": case["bytes"],
+                "seconds": {k: _median(t) for k, t in times.items()},
                 "bus_fraction": fraction,
-                "tcp_over_sockets": fraction["ours_tcp"] / fraction["sockets"],
+                "tcp_over_sockets": (
+                    fraction["ours_tcp"] / fraction["sockets"] if "sockets" in fraction else None
+                ),
             }
         )
     return {
         "rate": rate,
         "link_bytes_per_second": wire,
+        "ranks": ranks,
         "allreduce": sizes,
         "train": _train(ring),
         "compressed": {c: _train(r) for c, r in compressed.items()},
@@ -260,22 +296,38 @@ def _train(reports) -> dict:
     }
 
 
-def report(results: list[dict], one_host: dict) -> None:
+_COLUMNS = (
+    ("ours_ring", "ours/TF ring"),
+    ("ours_gloo", "ours/Gloo"),
+    ("ours_tcp", "ours/TCP ring"),
+    ("raw_tf", "raw TF"),
+    ("sockets", "sockets"),
+)
+
+
+def report(results: list[dict], one_host: Optional[dict]) -> None:
     print(
         "\nall-reduce bus bandwidth as a fraction of the link (goal >= 0.8 from 4 MB; "
         "the TCP ring >= 0.9 of sockets from 16 MB)"
     )
+    measured = results[0]["allreduce"][0]["bus_fraction"]
+    shown = [(k, name) for k, name in _COLUMNS if k in measured]
     print(
-        f"{'link':>7s} {'size':>7s} | {'ours/TF ring':>12s} {'ours/Gloo':>10s} "
-        f"{'ours/TCP ring':>13s} {'raw TF':>8s} | {'sockets':>8s} | {'TCP/sockets':>11s}"
+        f"{'link':>7s} {'ranks':>5s} {'size':>7s} | "
+        + " ".join(f"{n:>13s}" for _, n in shown)
+        + f" | {'TCP/sockets':>11s}"
     )
     for result in results:
         for size in result["allreduce"]:
             f = size["bus_fraction"]
             print(
-                f"{result['rate']:>7s} {size['name']:>7s} | {f['ours_ring']:12.2f} "
-                f"{f['ours_gloo']:10.2f} {f['ours_tcp']:13.2f} {f['raw_tf']:8.2f} | "
-                f"{f['sockets']:8.2f} | {size['tcp_over_sockets']:11.2f}"
+                f"{result['rate']:>7s} {result['ranks']:5d} {size['name']:>7s} | "
+                + " ".join(f"{f[k]:13.2f}" for k, _ in shown)
+                + (
+                    f" | {size['tcp_over_sockets']:11.2f}"
+                    if size.get("tcp_over_sockets") is not None
+                    else ""
+                )
             )
     print("\ntraining step over TF's ring, ms (goal: step <= 1.15 x max(compute, comm))")
     print(
@@ -283,15 +335,16 @@ def report(results: list[dict], one_host: dict) -> None:
         f"{'step/max':>8s} {'bound':>6s} {'vs one host':>11s}"
     )
     rows = (
-        [("one host", one_host)]
+        ([("one host", one_host)] if one_host else [])
         + [(r["rate"], r["train"]) for r in results]
         + [(f"{r['rate']} {c}", t) for r in results for c, t in r["compressed"].items()]
     )
     for where, t in rows:
+        versus = f"{t['step'] / one_host['step']:11.2f}" if one_host else f"{'-':>11s}"
         print(
             f"{where:>14s} | {1e3 * t['step']:7.1f} {1e3 * t['compute']:8.1f} "
             f"{1e3 * t['comm']:7.1f} | {t['step_over_max_parts']:8.2f} {t['bound']:6.2f} "
-            f"{t['step'] / one_host['step']:11.2f}"
+            f"{versus}"
         )
 
 
@@ -304,6 +357,9 @@ def run() -> int:
         _harness.quick_defaults(
             rates=["1gbit"], repeats=2, sizes=["64K", "4M"], steps=4, compressions=["fp16"]
         )
+    per_host = FLAGS.workers_per_host
+    if per_host > 1 and not FLAGS["json"].present:
+        FLAGS.json = os.path.join(_harness.RESULTS_DIR, "scaling", f"multi_host_2x{per_host}.json")
     watch = _harness.Stopwatch()
     load = _harness.load_note()
     try:
@@ -311,19 +367,17 @@ def run() -> int:
         for rate in FLAGS.rates:
             results.append(measure(rate))
             print(f"  {rate}: done at {watch.elapsed():.0f}s", flush=True)
-        one_host = _train(_run(HVT, _hvt_args("tf", train_only="true")))
+        one_host = _train(_run(HVT, _hvt_args("tf", train_only="true"))) if per_host == 1 else None
     except _harness.WorkersFailed as e:
         print(f"multi_host: {e}; worker output:\n{e.output[-6000:]}", file=sys.stderr)
         return 1
     report(results, one_host)
     print(f"\n{load}; total time {watch.elapsed():.0f}s")
-    _harness.save_results(
-        FLAGS.json,
-        "multi_host",
-        {"repeats": FLAGS.repeats, "batch": FLAGS.batch, "results": results, "one_host": one_host},
-        quick=FLAGS.quick,
-        load=load,
-    )
+    payload = {"repeats": FLAGS.repeats, "batch": FLAGS.batch, "workers_per_host": per_host}
+    payload["results"] = results
+    if one_host is not None:
+        payload["one_host"] = one_host
+    _harness.save_results(FLAGS.json, "multi_host", payload, quick=FLAGS.quick, load=load)
     return 0
 
 

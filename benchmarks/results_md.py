@@ -54,6 +54,7 @@ KNOWN = (
     "multi_host",
     "elastic",
     "chaos",
+    "scaling_model",
 )
 PRINT_ONLY = ("horovod_vs_tf", "parameter_server")
 
@@ -674,6 +675,134 @@ def chaos(doc: _Doc, data: dict) -> None:
     doc.misses(data)
 
 
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**10:,.0f} KB" if nbytes < 2**20 else _mb(nbytes)
+
+
+def _checks_rows(rows: list) -> list:
+    return [
+        (
+            r["check"],
+            _size(r["bytes"]) if "bytes" in r else "–",
+            r.get("ranks", "–"),
+            _num(1e3 * r["measured"], 1),
+            _num(1e3 * r["predicted"], 1),
+            f"{100 * r['relative_error']:+.0f}%",
+        )
+        for r in rows
+    ]
+
+
+def _stop(stop: dict, far: int) -> tuple[str, str]:
+    below, peak = stop["efficiency_below_half"], stop["throughput_peak"]
+    return (
+        f"{below:,}" if below else f"> {far:,}",
+        f"{peak:,}" if peak else f"> {far:,}",
+    )
+
+
+def scaling_model(doc: _Doc, data: dict) -> None:
+    doc.add(
+        "Predicted step time and weak-scaling efficiency of data-parallel training past two "
+        "hosts, from the alpha-beta cost of the gradient all-reduce "
+        "(`benchmarks/_scaling.py`) with alpha and bandwidth fitted per engine and link to "
+        "the 2-rank results above (least squares on log time), checked on points no fit "
+        "saw. Formulas and sources: docs/performance.md, *A scaling model past this machine*.",
+        "",
+    )
+    fits = data["fits"]
+    doc.add(
+        *_table(
+            ["engine, link", "alpha ms", "bandwidth MB/s", "rms log error", "points"],
+            [
+                (
+                    name,
+                    _num(1e3 * f["alpha"], 3),
+                    _num(f["bandwidth"] / 1e6, 1),
+                    _num(f["rms_log_error"], 3),
+                    f["points"],
+                )
+                for name, f in fits.items()
+            ],
+        )
+    )
+    doc.add(
+        f"Overlap fraction (step = compute + comm - overlap x min(compute, comm)), fitted on "
+        f"{data['overlap']['rows']} two-host step rows: {data['overlap']['fraction']:.2f}. "
+        f"Fraction of the link rate our ring reaches where the link is the bottleneck, "
+        f"carried to the GPU fabrics: {data['link_efficiency']:.2f}.",
+        "",
+    )
+    _scaling_checks(doc, data)
+    _scaling_stops(doc, data)
+    doc.figure("scaling_model.png", "Predicted efficiency against workers, per engine and fabric")
+
+
+_CHECK_TITLES = {
+    "sizes": "fitted on sizes up to 4 MB, predicting 16 and 64 MB",
+    "ranks": "2-rank fits predicting 4 ranks",
+    "comm": "the training step's all-reduce, from the single-tensor fits",
+    "steps": "the fitted overlap on step rows it was not fitted on",
+}
+
+
+def _scaling_checks(doc: _Doc, data: dict) -> None:
+    summary = []
+    for key, rows in data["checks"].items():
+        errors = sorted(abs(r["relative_error"]) for r in rows)
+        if errors:
+            summary.append(
+                (
+                    _CHECK_TITLES.get(key, key),
+                    len(errors),
+                    f"{100 * _median(errors):.0f}%",
+                    f"{100 * errors[-1]:.0f}%",
+                )
+            )
+    doc.add(*_table(["held-out check", "points", "median abs error", "max abs error"], summary))
+    every = [r for rows in data["checks"].values() for r in rows]
+    doc.add(
+        *_table(
+            ["check", "size", "ranks", "measured ms", "predicted ms", "error"], _checks_rows(every)
+        )
+    )
+
+
+def _scaling_stops(doc: _Doc, data: dict) -> None:
+    far = data.get("stops_paying_searched_up_to", data["workers"][-1])
+    stops = []
+    for p in data["predictions"]:
+        for engine, v in p["engines"].items():
+            stops.append(
+                (
+                    p["fabric"],
+                    p["workload"],
+                    engine,
+                    _num(v["efficiency"][-1]),
+                    *_stop(v["stops_paying"], far),
+                )
+            )
+    doc.add(
+        f"Where each engine stops paying (efficiency below 0.5; the worker count after which "
+        f"throughput no longer rises), searched up to {far:,} workers; efficiency at "
+        f"{data['workers'][-1]:,}:",
+        "",
+    )
+    doc.add(
+        *_table(
+            [
+                "fabric",
+                "model",
+                "engine",
+                f"efficiency at {data['workers'][-1]:,}",
+                "efficiency < 0.5 from",
+                "throughput peaks at",
+            ],
+            stops,
+        )
+    )
+
+
 def generic(doc: _Doc, data: dict) -> None:
     settings = [
         (k, v) for k, v in data.items() if k != "meta" and isinstance(v, (int, float, str, bool))
@@ -713,6 +842,7 @@ SECTIONS = {
     "multi_host": ("Two hosts on a rate-limited link", multi_host),
     "elastic": ("Elastic: a host lost and taken back", elastic),
     "chaos": ("Chaos: random faults in a row, and what was lost", chaos),
+    "scaling_model": ("A scaling model past this machine", scaling_model),
 }
 
 

@@ -204,3 +204,46 @@ def test_the_host_engine_section_puts_the_engine_beside_memory_speed(tmp_path):
     assert "| engine | 1.20 [1.10, 1.30] | 3.50 [3.30, 3.80] |" in text
     assert "| lockstep | 0.10 [0.10, 0.20] | – |" in text
     assert "| engine / numpy (time) | 2.00 [1.90, 2.20] |" in text
+
+
+def test_the_scaling_model_section(tmp_path):
+    check = {"check": "raw TF ring, 1gbit link: fit <= 4 MB", "ranks": 2, "bytes": 2**24}
+    engine = {
+        "efficiency": [0.9, 0.8],
+        "stops_paying": {"efficiency_below_half": 16384, "throughput_peak": None},
+    }
+    data = {
+        "meta": _meta("scaling_model"),
+        "workers": [2, 1024],
+        "stops_paying_searched_up_to": 131072,
+        "fits": {
+            "raw TF ring, 1gbit link": {
+                "alpha": 4.4e-4,
+                "bandwidth": 1.151e8,
+                "rms_log_error": 0.123,
+                "points": 5,
+            }
+        },
+        "overlap": {"fraction": 0.22, "rows": 6},
+        "link_efficiency": 0.99,
+        "checks": {
+            "sizes": [{**check, "measured": 0.1476, "predicted": 0.1285, "relative_error": -0.129}]
+        },
+        "predictions": [
+            {
+                "fabric": "A100 NVLink 3 + 200 Gbit/s",
+                "workload": "ResNet-50 on A100",
+                "engines": {"flat ring": engine},
+            }
+        ],
+    }
+    _write(tmp_path, "scaling_model", data)
+    text = results_md.render(str(tmp_path), str(tmp_path / "RESULTS.md"))
+    assert "## A scaling model past this machine (`scaling_model.py`)" in text
+    assert "| raw TF ring, 1gbit link | 0.440 | 115.1 | 0.123 | 5 |" in text
+    assert "| fitted on sizes up to 4 MB, predicting 16 and 64 MB | 1 | 13% | 13% |" in text
+    assert "| raw TF ring, 1gbit link: fit <= 4 MB | 16.0 MB | 2 | 147.6 | 128.5 | -13% |" in text
+    assert (
+        "| A100 NVLink 3 + 200 Gbit/s | ResNet-50 on A100 | flat ring | 0.80 | 16,384 "
+        "| > 131,072 |" in text
+    )
