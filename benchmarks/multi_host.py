@@ -315,13 +315,13 @@ def report(results: list[dict], one_host: Optional[dict]) -> None:
     print(
         f"{'link':>7s} {'ranks':>5s} {'size':>7s} | "
         + " ".join(f"{n:>13s}" for _, n in shown)
-        + f" | {'TCP/sockets':>11s}"
+        + (f" | {'TCP/sockets':>11s}" if "sockets" in measured and "ours_tcp" in measured else "")
     )
     for result in results:
         for size in result["allreduce"]:
             f = size["bus_fraction"]
             print(
-                f"{result['rate']:>7s} {result['ranks']:5d} {size['name']:>7s} | "
+                f"{result['rate']:>7s} {result.get('ranks', 2):5d} {size['name']:>7s} | "
                 + " ".join(f"{f[k]:13.2f}" for k, _ in shown)
                 + (
                     f" | {size['tcp_over_sockets']:11.2f}"
