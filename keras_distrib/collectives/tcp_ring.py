@@ -45,6 +45,7 @@ import queue
 import socket
 import struct
 import threading
+import time
 from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
@@ -60,6 +61,9 @@ SEGMENT_BYTES = 1 << 20  # bytes a ring step's chunk is cut into (the pipeline's
 _HEADER = struct.Struct("<QQB")  # call number, bytes, kind
 _KINDS = {"all_reduce": 1, "all_gather": 2, "reduce_scatter": 3}
 _WHAT = "tcp all-reduce"
+# Seconds a worker whose left neighbour closed waits to see whether its
+# right one closed too (and names both): a failure only, never a step.
+_CASCADE_SECONDS = 0.25
 
 # What a ring step reads from this worker's own inputs: (lo, hi) of the
 # region -> (a, b, source) pieces covering it, source None for padding.
@@ -198,7 +202,15 @@ class TcpRing:
         if error.peers != (left.rank,) or right.rank == left.rank:
             return error
         try:
-            right.check_open()
+            # The right one's close may still be on its way: its process
+            # closes one connection after the other while the left
+            # neighbour, which saw the first, already failed and closed.
+            deadline = time.monotonic() + _CASCADE_SECONDS
+            while True:
+                right.check_open()
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.01)
         except PeerLostError as also:
             text = str(also).removeprefix(f"{_WHAT}: ")
             return PeerLostError(
