@@ -14,7 +14,8 @@ every way a transfer can fail into a `PeerLostError` naming that peer: it
 closed or reset the connection (it exited, or its host dropped it: seen at
 once), or sent or took nothing for `timeout` seconds (it is stuck, stopped,
 or its host is unreachable). Waits poll every `POLL` seconds, so a caller
-can also check what else may have failed meanwhile.
+can also check what else may have failed meanwhile. `Sender` is the thread
+that sends a ring's queued segments to its right neighbour, in order.
 
 Standard library only.
 """
@@ -22,11 +23,12 @@ Standard library only.
 from __future__ import annotations
 
 import hmac
+import queue
 import socket
 import struct
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from keras_distrib.collectives.shm_peers import PeerLostError
 
@@ -158,24 +160,29 @@ def join_ring(
     secret: bytes,
     timeout: float,
     what: str,
+    names: Optional[Sequence[int]] = None,
 ) -> tuple:
     """`(left, right)`: the `Link`s from worker `rank - 1` and to `rank + 1`.
 
     Connects and says hello (on a thread: the neighbour may not listen
     yet) while accepting, then waits for the answer: no order of starts
     deadlocks. Raises `PeerLostError` naming a worker not joined within
-    `timeout` seconds, or one that refused this worker's secret.
+    `timeout` seconds, or one that refused this worker's secret. Errors
+    and links name each worker as `names` does (its rank in the job, by
+    index in the ring; default: the index).
     """
     world = len(addresses)
-    left_rank, right_rank = (rank - 1) % world, (rank + 1) % world
+    left_index, right_index = (rank - 1) % world, (rank + 1) % world
+    name = list(range(world)) if names is None else list(names)
+    left_rank, right_rank = name[left_index], name[right_index]
     deadline = time.monotonic() + timeout
-    host, port = addresses[right_rank]
+    host, port = addresses[right_index]
     dialed: dict = {}
 
     def dial() -> None:
         try:
             sock = dialed["sock"] = _connect(host, port, right_rank, deadline, what)
-            sock.sendall(_HELLO.pack(MAGIC, secret, rank))
+            sock.sendall(_HELLO.pack(MAGIC, secret, rank))  # the hello holds the index
         except BaseException as e:  # re-raised by the caller
             dialed["error"] = e
 
@@ -184,10 +191,10 @@ def join_ring(
     left = right = None
     try:
         try:
-            left_sock = _accept(listener, left_rank, secret, deadline, what)
+            left_sock = _accept(listener, left_index, left_rank, secret, deadline, what)
         finally:
             dialer.join()
-        left = Link(left_sock, left_rank, address_text(*addresses[left_rank]), what)
+        left = Link(left_sock, left_rank, address_text(*addresses[left_index]), what)
         if "error" in dialed:
             raise dialed["error"]
         right = Link(dialed.pop("sock"), right_rank, address_text(host, port), what)
@@ -262,17 +269,17 @@ def _connect(host: str, port: int, peer: int, deadline: float, what: str) -> soc
 
 
 def _accept(
-    listener: socket.socket, peer: int, secret: bytes, deadline: float, what: str
+    listener: socket.socket, peer: int, name: int, secret: bytes, deadline: float, what: str
 ) -> socket.socket:
-    """The connection of worker `peer` that says the right hello; any
-    other is closed. Fails at `deadline`."""
+    """The connection of the worker at index `peer` (named `name`) that
+    says the right hello; any other is closed. Fails at `deadline`."""
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
             raise PeerLostError(
-                f"{what}: worker {peer} did not connect (with this job's secret) in time; "
+                f"{what}: worker {name} did not connect (with this job's secret) in time; "
                 "check that it runs and reaches this host.",
-                peers=[peer],
+                peers=[name],
             )
         listener.settimeout(min(left, POLL))
         try:
@@ -300,3 +307,61 @@ def _hello_ok(sock: socket.socket, peer: int, secret: bytes, seconds: float) -> 
         return False
     magic, their_secret, their_rank = _HELLO.unpack(hello)
     return magic == MAGIC and hmac.compare_digest(their_secret, secret) and their_rank == peer
+
+
+class Sender:
+    """The thread that sends the queued segments to the right neighbour, in order."""
+
+    def __init__(self, link) -> None:
+        self._link = link
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopping = False
+        # Segments queued (counted by the caller's thread) and sent or
+        # dropped (by this thread): each counter has one writer.
+        self._queued = self._done = 0
+        self.error: Optional[BaseException] = None
+        self._thread = threading.Thread(
+            target=self._run, name="keras_distrib-tcp-ring-send", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def pending(self) -> int:
+        """Segments queued and not yet sent."""
+        return self._queued - self._done
+
+    def put(self, view: memoryview) -> None:
+        self._queued += 1
+        self._queue.put(view)
+
+    def mark(self) -> threading.Event:
+        """An event set once everything queued before it is sent (or failed)."""
+        done = threading.Event()
+        self._queue.put(done)
+        return done
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if isinstance(item, threading.Event):
+                item.set()
+            elif self.error is None:
+                try:
+                    self._link.send(item, self._check)
+                except BaseException as e:
+                    self.error = e
+            if not isinstance(item, threading.Event):
+                self._done += 1
+
+    def _check(self) -> None:
+        if self._stopping:
+            raise RuntimeError(f"{self._link.what}: closed while sending.")
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._queue.put(None)
+
+    def join(self) -> None:
+        self._thread.join(timeout=2 * POLL + 1)
