@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 import secrets
-from typing import Mapping, Optional, Sequence, Union
+import sys
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import tensorflow as tf
@@ -14,9 +16,11 @@ from keras_distrib import _compat
 from keras_distrib import cluster as cluster_lib
 from keras_distrib.collectives import flight_recorder, heartbeats, host_allreduce
 from keras_distrib.collectives import registry as transports
-from keras_distrib.collectives import runtime, seconds, tcp_links
+from keras_distrib.collectives import engine_choice, runtime, seconds
+from keras_distrib.cluster import launch_contract
 from keras_distrib.collectives.watchdog import CollectiveWatchdog
-from keras_distrib.cluster.network import listen_address
+from keras_distrib.strategies import multi_worker_engines as engines
+from keras_distrib.strategies.replica_memory import ReplicaMemory
 from keras_distrib.strategies.tf_distribute import TFDistributeStrategy
 from keras_distrib.arithmetic import optimizer_sharding as sharding_option
 
@@ -32,7 +36,13 @@ _SHARED_MEMORY = "shm"
 # Not TensorFlow's either: a ring all-reduce over plain TCP between the
 # workers' hosts (keras_distrib/collectives/tcp_collectives.py).
 _TCP = "tcp"
-_OURS = (_SHARED_MEMORY, _TCP)
+# And shared memory within each host, a TCP ring between hosts
+# (keras_distrib/collectives/hierarchical_collectives.py).
+_HIERARCHICAL = "hierarchical"
+_OURS = (_SHARED_MEMORY, _TCP, _HIERARCHICAL)
+# What our engines raise, in the text of the TensorFlow error around a
+# step whose numpy_function raised it.
+_ENGINE_ERROR = re.compile(r"PeerLostError: ([^\n]+)")
 _KEY_RANGES = itertools.count(start=500_000, step=1_000)
 # Seconds a collective may wait for a worker that never joins it: long
 # enough for the chief to write a large checkpoint while the others wait in
@@ -168,23 +178,62 @@ class MultiWorker(TFDistributeStrategy):
             bytes_per_pack=bytes_per_pack,
         )
         self.implementation = implementation
+        # Which engine reduces the step's gradients, and why (`describe`).
+        self.engine_choice = engine_choice.Choice(
+            engine_choice.TENSORFLOW, f"implementation={implementation!r}"
+        )
         self.optimizer_sharding = sharding_option.check(
             self.name, optimizer_sharding, one_replica_per_process=self.num_local_replicas == 1
         )
+        self._own_engine(implementation, shared_memory, collective_timeout, peer_timeout)
+
+    def _own_engine(
+        self,
+        implementation: str,
+        shared_memory: bool,
+        timeout: Optional[float],
+        connect_timeout: float,
+    ) -> None:
+        """Our transport in place of TensorFlow's, where `implementation`
+        asks for one or `"auto"` picks one."""
+        info = self._info
         if shared_memory and self._one_device_per_worker(implementation):
             self.implementation = _SHARED_MEMORY
+            self.engine_choice = engine_choice.Choice(
+                _SHARED_MEMORY, f"implementation={implementation!r}, every worker on this host"
+            )
             self.transport = transports.create(
                 _SHARED_MEMORY,
                 rows=self.transport,
                 rank=info.rank,
                 world_size=info.world_size,
                 job_id=self._secret_job_id(),
-                timeout=collective_timeout,
-                connect_timeout=peer_timeout,
+                timeout=timeout,
+                connect_timeout=connect_timeout,
             )
-        elif implementation == _TCP and info.world_size > 1:
+        elif implementation in (_TCP, _HIERARCHICAL) and info.world_size > 1:
             self._one_device_per_worker(implementation)
-            self.transport = self._tcp_transport(collective_timeout, peer_timeout)
+            made, _ = engines.network_transports(self, [implementation], timeout, connect_timeout)
+            self.transport = made[implementation]
+            self.engine_choice = engine_choice.Choice(
+                implementation, f"implementation={implementation!r}"
+            )
+        elif implementation == "auto" and info.world_size > 1 and not shared_memory:
+            if _spans_hosts(info) and self.num_local_replicas == 1:
+                self._choose_engine(timeout, connect_timeout)
+
+    def _choose_engine(self, timeout: Optional[float], connect_timeout: float) -> None:
+        """`"auto"` across hosts: the fastest engine, measured
+        (`multi_worker_engines.choose_engine`); the chief says which, and why."""
+        self.transport, self.engine_choice = engines.choose_engine(self, timeout, connect_timeout)
+        if self.engine_choice.name != engine_choice.TENSORFLOW:
+            self.implementation = self.engine_choice.name
+        if self.is_chief:
+            print(
+                f"{launch_contract.LINE_START}multi_worker: all-reduce by {self.engine_choice}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _one_device_per_worker(self, implementation: str) -> bool:
         """Whether our own engines can serve this worker: one call per
@@ -198,35 +247,6 @@ class MultiWorker(TFDistributeStrategy):
                 f"worker has {self.num_local_replicas}; use implementation='auto'."
             )
         return False
-
-    def _tcp_transport(self, timeout: Optional[float], connect_timeout: float):
-        """The TCP ring's transport: this worker listens on its own host (as
-        the cluster names it) at a free port; one sum over TensorFlow's
-        collectives shares every worker's port and a secret the chief draws
-        (128 random bits) that each connection must present."""
-        info = self._info
-        hosts = [cluster_lib.parse_address(a)[0] for a in info.workers]
-        listener = tcp_links.listen(listen_address(hosts[info.rank]))
-        try:
-            words = np.zeros(4 + info.world_size, np.int64)
-            if self.is_chief:
-                words[:4] = np.frombuffer(secrets.token_bytes(16), np.uint32)
-            words[4 + info.rank] = listener.getsockname()[1]
-            (shared,) = self.sync_sum([words])
-            return transports.create(
-                _TCP,
-                rows=self.transport,
-                rank=info.rank,
-                world_size=info.world_size,
-                addresses=[(h, int(p)) for h, p in zip(hosts, shared[4:])],
-                secret=b"".join(int(w).to_bytes(4, "little") for w in shared[:4]),
-                timeout=timeout,
-                connect_timeout=connect_timeout,
-                listener=listener,
-            )
-        except BaseException:
-            listener.close()
-            raise
 
     @property
     def cluster(self) -> cluster_lib.ClusterInfo:
@@ -242,6 +262,9 @@ class MultiWorker(TFDistributeStrategy):
         (shared,) = self.sync_sum([words])
         return "".join(f"{int(w):08x}" for w in shared)
 
+    def describe(self, model: Any) -> ReplicaMemory:
+        return dataclasses.replace(super().describe(model), collectives=str(self.engine_choice))
+
     def failure(self, error: Exception) -> Optional[Exception]:
         if self._watchdog is not None and self._watchdog.fired is not None:
             return host_allreduce.PeerLostError(f"multi_worker: {self._watchdog.fired}.")
@@ -249,6 +272,11 @@ class MultiWorker(TFDistributeStrategy):
         if lost is not None:
             flight_recorder.report(f"it lost a peer: {lost}", lost=heartbeats.lost_ranks(error))
             return host_allreduce.PeerLostError(f"multi_worker: {lost}")
+        ours = _ENGINE_ERROR.search(str(error))
+        if ours is not None and not isinstance(error, host_allreduce.PeerLostError):
+            # Our engine's one line, out of TensorFlow's error around the
+            # step's numpy_function (as the eager sums between steps raise it).
+            return host_allreduce.PeerLostError(f"multi_worker: {ours[1]}")
         return None
 
 
@@ -322,6 +350,11 @@ def _wants_shared_memory(implementation: str, info: cluster_lib.ClusterInfo) -> 
             "implementation='shm' needs Linux (named pipes and /dev/shm); use 'auto' or 'ring'."
         )
     return True
+
+
+def _spans_hosts(info: cluster_lib.ClusterInfo) -> bool:
+    """Whether some worker of `info` is on another host than this one."""
+    return any(not cluster_lib.is_local_host(cluster_lib.parse_address(a)[0]) for a in info.workers)
 
 
 def _local_rank(info: cluster_lib.ClusterInfo) -> int:
