@@ -43,6 +43,19 @@ horovod_vs_tf.py's and benchmarks/allreduce.py's, so the cases are theirs):
   one host     the same step with both workers on one host (no link; TF's
                ring over loopback): the cost of the link.
 
+With `--layout 2x2`, two workers on each host instead (four in all), as on
+nodes of several GPUs: ours over TensorFlow's ring, over our TCP ring
+through all four workers, and over the hierarchical all-reduce (shared
+memory within each host, a TCP ring between the hosts' first workers;
+`implementation="hierarchical"`), each in its own launch of
+benchmarks/horovod_vs_tf.py's workers: the all-reduce time of each
+`--sizes` and the bytes each host sent per all-reduce (its link's
+`tx_bytes` counter, read in its namespace), and the training step above
+with the bytes each host sent per step. A flat ring over 4 workers, 2 per
+host, sends 2(n-1)/n = 1.5 times each tensor's bytes out of each host;
+the hierarchical one, whose ring has 2 members, 1 time. Results:
+benchmarks/results/multi_host_2x2.json.
+
 Each worker is pinned to a core with one intra-op thread (2 workers on the
 2-core machine). Absolute times on a shared machine are noise; read the
 fractions and ratios. Results: `--json` (default
@@ -51,6 +64,7 @@ benchmarks/results/multi_host.json).
 Run (as root):
     python benchmarks/multi_host.py [--rates 1gbit,10gbit] [--repeats 3]
         [--sizes 64K,1M,4M,16M,64M] [--compressions fp16,bf16] [--quick]
+    python benchmarks/multi_host.py --layout 2x2 [--rates 1gbit,10gbit] [--quick]
 """
 
 from __future__ import annotations
@@ -68,6 +82,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 from absl import app, flags  # noqa: E402
 
 import _harness  # noqa: E402
+import _two_by_two  # noqa: E402
 import netns_hosts  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -90,6 +105,13 @@ flags.DEFINE_integer(
     "start before the backward pass ends; 0: one all-reduce.",
 )
 flags.DEFINE_float("timeout", 400.0, "Seconds one launch of the workers may take.")
+flags.DEFINE_enum(
+    "layout",
+    "1x2",
+    ["1x2", "2x2"],
+    "Workers per host x hosts: 1x2 (the comparisons above) or 2x2 (the hierarchical "
+    "all-reduce against flat rings; --sizes default 4M,64M there).",
+)
 flags.DEFINE_bool(
     "quick",
     False,
@@ -129,8 +151,10 @@ def _hvt_args(engine: str, **extra) -> list[str]:
     return args + [f"--{k}={v}" for k, v in extra.items()]
 
 
-def _run(script, args, bed=None, horovod=False):
-    """One launch of 2 workers (across `bed`, or on this host); their reports."""
+def _run(script, args, bed=None, horovod=False, slots=1):
+    """One launch of 2 workers (across `bed`, or on this host; `slots` per
+    host of `bed`); their reports."""
+    nproc = 2 * slots
     flags_, prefix, env = [], [], None
     with tempfile.TemporaryDirectory(prefix="kd-ssh-") as ssh_dir:
         if bed is not None and horovod:  # horovodrun on host 0 reaches host 1 by ssh
@@ -138,13 +162,13 @@ def _run(script, args, bed=None, horovod=False):
             prefix = bed.on(0, [])
             env = {"PATH": bed.ssh_program(ssh_dir) + os.pathsep + os.environ["PATH"]}
         elif bed is not None:
-            flags_ = ["--hosts", bed.hosts_flag(), "--ssh", "--ssh_command", bed.ssh_command]
+            flags_ = ["--hosts", bed.hosts_flag(slots), "--ssh", "--ssh_command", bed.ssh_command]
         elif horovod:
             flags_ = ["--backend", "horovod"]
         out_dir, _ = _harness.launch_workers(
-            script, 2, args, FLAGS.timeout, extra_env=env, launch_flags=flags_, prefix=prefix
+            script, nproc, args, FLAGS.timeout, extra_env=env, launch_flags=flags_, prefix=prefix
         )
-    return _harness.read_results(out_dir, 2)
+    return _harness.read_results(out_dir, nproc)
 
 
 def _sockets(bed) -> list[dict]:
@@ -300,6 +324,8 @@ def run() -> int:
     if reason:
         print(f"multi_host: {reason}", file=sys.stderr)
         return 1
+    if FLAGS.layout == "2x2":
+        return _two_by_two.run(FLAGS, _run)
     if FLAGS.quick:
         _harness.quick_defaults(
             rates=["1gbit"], repeats=2, sizes=["64K", "4M"], steps=4, compressions=["fp16"]
