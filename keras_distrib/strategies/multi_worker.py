@@ -68,8 +68,11 @@ class MultiWorker(TFDistributeStrategy):
     collectives are slow even between local processes (docs/design.md,
     section 1.2, row 4). Across hosts, `implementation="tcp"` reduces over a
     ring of plain TCP connections of its own, which carries about twice
-    what TF's gRPC ring does over the same link (row 16). Every
-    worker runs the same script; `keras-distrib launch` starts them and sets
+    what TF's gRPC ring does over the same link (row 16), and with several
+    workers per host `implementation="hierarchical"` sums within each host
+    through shared memory and between hosts over that ring, one leader per
+    host; `"auto"` across hosts times these against TensorFlow's and keeps
+    the fastest. Every worker runs the same script; `keras-distrib launch` starts them and sets
     `TF_CONFIG`. Variables start equal on all workers (broadcast from worker
     0 when they are created).
 
@@ -83,15 +86,21 @@ class MultiWorker(TFDistributeStrategy):
             `{"worker": [...]}`); default: `TF_CONFIG`, then Slurm.
         task_index: This process's rank in `cluster` (with `cluster` only).
         implementation: `"auto"` (`"shm"` when all workers are on this host
-            and no GPU is visible, else TensorFlow's choice), `"ring"`,
+            and no GPU is visible; across hosts with one device per
+            worker, the fastest of TensorFlow's collectives, `"tcp"` and
+            `"hierarchical"`, timed by every worker at start, see
+            `keras_distrib.collectives.engine_choice`; else TensorFlow's
+            choice), `"ring"`,
             `"nccl"`, `"shm"` (the training step's collectives and the
             eager sums between steps through shared memory; needs every
-            worker on this host, Linux), or `"tcp"` (the same through a
+            worker on this host, Linux), `"tcp"` (the same through a
             ring of TCP connections between the workers, on any hosts:
             each listens on its address in the cluster at a free port,
             and a connection must present a secret the chief draws; see
-            `keras_distrib.collectives.tcp_ring`). Both need one device
-            per worker. The initial broadcast of
+            `keras_distrib.collectives.tcp_ring`), or `"hierarchical"`
+            (shared memory within each host, the TCP ring between one
+            leader per host; `keras_distrib.collectives.hierarchical`).
+            These need one device per worker. The initial broadcast of
             variables, metric reads and `predict`'s gathers always use
             TensorFlow's collectives.
         bytes_per_pack: Pack gradients into all-reduces of about this many
@@ -100,8 +109,7 @@ class MultiWorker(TFDistributeStrategy):
             and a larger one is cut into pieces of this size (TensorFlow's
             ring moves a large tensor at a fraction of a link's rate; see
             `keras_distrib.collectives.pieces`).
-            (`"shm"` and `"tcp"` always move each dtype's gradients as
-            one block.)
+            (our engines always move each dtype's gradients as one block.)
         collective_timeout: Seconds after which a collective that some
             worker never joins fails, naming the late workers (default
             `DEFAULT_COLLECTIVE_TIMEOUT`, 300; None: wait forever). On
