@@ -102,6 +102,7 @@ class HierarchicalAllReduce:
         listener: A leader's listening socket (default: one bound at its
             address). Closed by `close`.
         directory: The shared-memory job directory's base (see `HostAllReduce`).
+        unreachable_after: see `TcpRing`.
     """
 
     def __init__(
@@ -115,6 +116,7 @@ class HierarchicalAllReduce:
         connect_timeout: float = 120.0,
         listener: Optional[socket.socket] = None,
         directory: Optional[str] = None,
+        unreachable_after: Optional[float] = None,
     ):
         self.plan = where = plan(rank, hosts)
         self.rank, self.world_size = rank, len(hosts)
@@ -142,6 +144,7 @@ class HierarchicalAllReduce:
                     connect_timeout=connect_timeout,
                     listener=listener,
                     ranks=where.leaders,
+                    unreachable_after=unreachable_after,
                 )
                 listener = None
         except BaseException:

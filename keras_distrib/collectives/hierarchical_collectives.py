@@ -44,6 +44,8 @@ class HierarchicalCollectives(SharedMemory):
         secret: 16 bytes shared by the job's workers only.
         timeout: seconds a collective may wait for peers (None: no limit).
         connect_timeout: seconds to wait for the peers to join.
+        unreachable_after: seconds after which a peer that answers
+            nothing at all (a cut link) is lost (see `TcpRing`).
         listener: a leader's listening socket (default: one bound at its address).
     """
 
@@ -61,6 +63,7 @@ class HierarchicalCollectives(SharedMemory):
         timeout: Optional[float] = None,
         connect_timeout: float = 120.0,
         listener: Optional[socket.socket] = None,
+        unreachable_after: Optional[float] = None,
     ):
         self._rows = rows
         self._world_size = len(hosts)
@@ -73,4 +76,5 @@ class HierarchicalCollectives(SharedMemory):
             timeout=timeout,
             connect_timeout=connect_timeout,
             listener=listener,
+            unreachable_after=unreachable_after,
         )

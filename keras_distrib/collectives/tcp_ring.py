@@ -90,6 +90,9 @@ class TcpRing:
         ranks: How errors name the workers, by index here (default: the
             index): their ranks in a job where only some workers are in
             this ring (`keras_distrib.collectives.hierarchical`).
+        unreachable_after: Seconds after which a neighbour that answers
+            nothing at all, not even the kernel's keepalive probes (a cut
+            link, a host gone), is lost (None: only `timeout` applies).
 
     Example:
 
@@ -109,6 +112,7 @@ class TcpRing:
         connect_timeout: float = 120.0,
         listener: Optional[socket.socket] = None,
         ranks: Optional[Sequence[int]] = None,
+        unreachable_after: Optional[float] = None,
     ):
         if world_size < 2 or len(addresses) != world_size:
             raise ValueError(
@@ -136,6 +140,7 @@ class TcpRing:
                 connect_timeout,
                 _WHAT,
                 ranks,
+                unreachable_after,
             )
             self._left.timeout = self._right.timeout = timeout
             self._sender = Sender(self._right)

@@ -25,7 +25,7 @@ import numpy as np
 
 from keras_distrib import cluster as cluster_lib
 from keras_distrib.cluster.network import listen_address
-from keras_distrib.collectives import engine_choice, hierarchical, tcp_links
+from keras_distrib.collectives import engine_choice, heartbeats, hierarchical, tcp_links
 from keras_distrib.collectives import registry as transports
 from keras_distrib.collectives.engine_choice import HIERARCHICAL, TCP, TENSORFLOW, Choice
 from keras_distrib.collectives.transport import Transport
@@ -67,6 +67,8 @@ def network_transports(
         made: dict[str, Transport] = {}
         common = dict(rows=strategy.transport, rank=info.rank, timeout=timeout)
         common["connect_timeout"] = connect_timeout
+        # A cut link or a lost host: found when TensorFlow's heartbeats would.
+        common["unreachable_after"] = heartbeats.timeout()
         if TCP in names:
             made[TCP] = transports.create(
                 TCP,
