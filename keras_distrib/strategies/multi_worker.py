@@ -221,7 +221,9 @@ class MultiWorker(TFDistributeStrategy):
             )
         elif implementation in (_TCP, _HIERARCHICAL) and info.world_size > 1:
             self._one_device_per_worker(implementation)
-            made, _ = engines.network_transports(self, [implementation], timeout, connect_timeout)
+            made, _, _ = engines.network_transports(
+                self, [implementation], timeout, connect_timeout
+            )
             self.transport = made[implementation]
             self.engine_choice = engine_choice.Choice(
                 implementation, f"implementation={implementation!r}"
