@@ -44,6 +44,8 @@ from keras_distrib.collectives.tcp_ring import TcpRing
 
 __all__ = ["HierarchicalAllReduce", "Plan", "PeerLostError", "plan"]
 
+# Unsigned integers of each size: what all_gather sums a value's bits as.
+_BITS = {n: np.dtype(f"uint{8 * n}") for n in (1, 2, 4, 8)}
 STATUS_BYTES = 1024  # what a leader's status may say (its error, JSON, truncated)
 
 
@@ -171,13 +173,16 @@ class HierarchicalAllReduce:
 
     def all_gather(self, array: np.ndarray) -> np.ndarray:
         """Every worker's `array` (one shape and dtype on all), stacked in
-        rank order: `[world_size, *array.shape]` (a sum of zeros but for
-        each worker's own row: exact)."""
-        array = np.asarray(array)
-        table = np.zeros((self.world_size, *array.shape), array.dtype)
-        table[self.rank] = array
+        rank order: `[world_size, *array.shape]`: a sum of zeros but for
+        each worker's own row, of the bits as unsigned integers (exact for
+        every value, -0.0 and NaNs too)."""
+        array = np.ascontiguousarray(array)
+        bits = _BITS.get(array.dtype.itemsize)
+        mine = array if bits is None else array.view(bits)
+        table = np.zeros((self.world_size, *array.shape), mine.dtype)
+        table[self.rank] = mine
         (gathered,) = self.all_reduce(table)
-        result: np.ndarray = gathered
+        result: np.ndarray = gathered if bits is None else gathered.view(array.dtype)
         return result
 
     def reduce_scatter(self, *tables: np.ndarray) -> list:

@@ -94,6 +94,8 @@ def test_sums_are_exact_and_identical_on_every_worker(tmp_path, hosts):
         assert results[0][f"m{call}_2"] == count
     want = np.stack([np.arange(2 * 1500 + r)[-1500:] for r in range(world)])
     np.testing.assert_array_equal(results[0]["gather"], want)
+    bits = np.stack([np.array([-0.0, np.nan, r], np.float32) for r in range(world)])
+    assert results[0]["gather_bits"].tobytes() == bits.tobytes()  # -0.0 and NaN as they were
     for rank, result in enumerate(results):
         for i in range(2):  # each worker its own row of the sum
             total = sum(tables(r, world)[i] for r in range(world))

@@ -46,6 +46,7 @@ def sums(engine, rank, world):
         for i, r in enumerate(engine.mean_by_count(*mean_inputs(rank, call))):
             out[f"m{call}_{i}"] = r.copy()
     out["gather"] = engine.all_gather(np.arange(2 * 1500 + rank, dtype=np.int64)[-1500:])
+    out["gather_bits"] = engine.all_gather(np.array([-0.0, np.nan, rank], np.float32))
     for i, r in enumerate(engine.reduce_scatter(*tables(rank, world))):
         out[f"rs_{i}"] = r
     return out
