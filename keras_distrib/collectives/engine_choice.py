@@ -76,10 +76,13 @@ def slowest(per_worker: Sequence[Sequence[float]]) -> list[float]:
     return [max(column) for column in zip(*per_worker)]
 
 
-def choose(names: Sequence[str], timings: Sequence[float]) -> Choice:
+def choose(
+    names: Sequence[str], timings: Sequence[float], probe_seconds: Optional[float] = None
+) -> Choice:
     """The fastest of `names` given `timings` (each name's timings of
     every `PROBE_SIZES`, in order, end to end: the slowest worker's); a
-    tie goes to the first."""
+    tie goes to the first. `probe_seconds`: what the whole probe took, said
+    in the reason."""
     per_size = len(PROBE_SIZES)
     if len(timings) != per_size * len(names):
         raise ValueError(f"{len(timings)} timings for {len(names)} engines x {per_size} sizes")
@@ -89,6 +92,8 @@ def choose(names: Sequence[str], timings: Sequence[float]) -> Choice:
     best = min(names, key=lambda n: (totals[n], names.index(n)))
     sizes = " + ".join(_size(b) for b in PROBE_SIZES)
     measured = ", ".join(f"{n} {1e3 * totals[n]:.1f} ms" for n in names)
+    if probe_seconds is not None:
+        measured += f"; probe {probe_seconds:.2f} s"
     return Choice(
         best, f"auto: the fastest all-reduce of {sizes} float32 ({measured})", dict(totals)
     )

@@ -154,8 +154,9 @@ def choose_engine(
         )
     candidates: dict[str, Transport] = {**made, TENSORFLOW: strategy.transport}
     if measure:
+        start = time.perf_counter()
         timings = _probe(strategy, [candidates[n] for n in names])
-        choice = engine_choice.choose(names, timings)
+        choice = engine_choice.choose(names, timings, time.perf_counter() - start)
     else:
         choice = engine_choice.rule(hosts, f"{engine_choice.PROBE_ENV}=0")
     for name, transport in made.items():

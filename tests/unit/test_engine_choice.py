@@ -48,6 +48,7 @@ def test_the_fastest_total_wins_and_the_reason_gives_every_time(timings, want):
     for name in names:
         assert f"{name} {1e3 * choice.seconds[name]:.1f} ms" in text
     assert "\n" not in text
+    assert "; probe 0.42 s)" in str(engine_choice.choose(names, timings, 0.42))
 
 
 def test_timings_that_do_not_fit_the_candidates_are_refused():
