@@ -78,6 +78,12 @@ flags.DEFINE_enum(
     ["none", "fp16", "bf16"],
     "Worker only: the training step's gradients travel in this dtype (DistributedOptimizer).",
 )
+flags.DEFINE_enum(
+    "implementation",
+    "ring",
+    ["ring", "tcp", "hierarchical"],
+    "Worker only, engine tf: multi_worker's implementation (ring: TensorFlow's collectives).",
+)
 flags.DEFINE_float("timeout", 150.0, "Seconds one launch of the workers may take.")
 
 NPROC = 2
@@ -120,7 +126,9 @@ def run_worker() -> None:
     engine = FLAGS.engine
     # TF's collectives, not our shared-memory path ("auto" on one host).
     options = (
-        {"implementation": "ring", "bytes_per_pack": FLAGS.bytes_per_pack} if engine == "tf" else {}
+        {"implementation": FLAGS.implementation, "bytes_per_pack": FLAGS.bytes_per_pack}
+        if engine == "tf"
+        else {}
     )
     strategy = kd.strategies.get(STRATEGY[engine], **options)
     assert strategy.rank == rank, (strategy.rank, rank)
@@ -141,18 +149,24 @@ def run_worker() -> None:
         calls = math.ceil(FLAGS.min_timing_ms / 1e3 / max(slowest, 1e-6))
         return int(min(max(1, calls), _MAX_CALLS_PER_TIMING))
 
+    wire: dict = {}  # bytes this host sent per call of the last timing of each function
+
     def timed(fn, calls: int) -> float:
         barrier_fn()
+        sent = _tx_bytes()
         start = time.perf_counter()
         for _ in range(calls):
             out = fn()
         tf.nest.flatten(out)[0].numpy()  # wait for the last one
-        return (time.perf_counter() - start) / calls
+        seconds = (time.perf_counter() - start) / calls
+        wire[fn] = (_tx_bytes() - sent) / calls
+        return seconds
 
     report = {
         "rank": rank,
         "world_size": world,
         "engine": engine,
+        "implementation": getattr(strategy, "implementation", None),
         "tf_version": tf.__version__,
         "cases": [],
     }
@@ -185,6 +199,7 @@ def run_worker() -> None:
                 "num_tensors": len(bases),
                 "calls_per_timing": calls,
                 "times": times,
+                "wire_bytes": wire[fn],
                 "check": check,
             }
         )
@@ -235,9 +250,11 @@ def run_worker() -> None:
     )
     model.fit(x, y, batch_size=FLAGS.batch, epochs=1, shuffle=False, verbose=0)  # warm-up
     step_times = []
+    sent = _tx_bytes()
     for _ in range(FLAGS.repeats):
         barrier_fn()
         step_times.append(median_step(model, x, y, batch_size=FLAGS.batch))
+    step_wire = (_tx_bytes() - sent) / (FLAGS.repeats * FLAGS.steps)
     # The step's parts alone: the computation (plain Keras on this rank's
     # share of the batch, timed as the step is) and the all-reduce of the
     # model's gradients.
@@ -265,11 +282,23 @@ def run_worker() -> None:
         "compute_times": compute_times,
         "comm_times": comm_times,
         "tail_times": tail_times,
+        "wire_bytes": step_wire,
+        "comm_wire_bytes": wire[reduce_fn],
         "compression": FLAGS.compression,
         "final_weight_sum": float(sum(np.sum(w) for w in model.get_weights())),
     }
     barrier_fn()
     _harness.write_result(FLAGS.out_dir, rank, report)
+
+
+def _tx_bytes() -> int:
+    """Bytes this host's `eth0` has sent (a test bed host's link: both
+    workers of a host count the same), 0 where it has none."""
+    try:
+        with open("/sys/class/net/eth0/statistics/tx_bytes") as f:
+            return int(f.read())
+    except OSError:
+        return 0
 
 
 # ----------------------------------------------------------------------------

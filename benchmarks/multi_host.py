@@ -50,6 +50,18 @@ are measured, for benchmarks/scaling_model.py's check beyond two ranks;
 the results go to benchmarks/results/scaling/multi_host_2x{N}.json unless
 `--json` says otherwise. Bus bandwidth is bytes * 2(n-1)/n / time for n
 ranks, which is also what each direction of the link carries.
+With `--layout 2x2`, two workers on each host instead (four in all), as on
+nodes of several GPUs: ours over TensorFlow's ring, over our TCP ring
+through all four workers, and over the hierarchical all-reduce (shared
+memory within each host, a TCP ring between the hosts' first workers;
+`implementation="hierarchical"`), each in its own launch of
+benchmarks/horovod_vs_tf.py's workers: the all-reduce time of each
+`--sizes` and the bytes each host sent per all-reduce (its link's
+`tx_bytes` counter, read in its namespace), and the training step above
+with the bytes each host sent per step. A flat ring over 4 workers, 2 per
+host, sends 2(n-1)/n = 1.5 times each tensor's bytes out of each host;
+the hierarchical one, whose ring has 2 members, 1 time. Results:
+benchmarks/results/multi_host_2x2.json.
 
 Each worker is pinned to a core with one intra-op thread (2 workers on the
 2-core machine). Absolute times on a shared machine are noise; read the
@@ -60,6 +72,7 @@ Run (as root):
     python benchmarks/multi_host.py [--rates 1gbit,10gbit] [--repeats 3]
         [--sizes 64K,1M,4M,16M,64M] [--compressions fp16,bf16] [--quick]
         [--workers_per_host 1]
+    python benchmarks/multi_host.py --layout 2x2 [--rates 1gbit,10gbit] [--quick]
 """
 
 from __future__ import annotations
@@ -78,6 +91,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 from absl import app, flags  # noqa: E402
 
 import _harness  # noqa: E402
+import _two_by_two  # noqa: E402
 import netns_hosts  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -107,6 +121,13 @@ flags.DEFINE_integer(
     lower_bound=1,
 )
 flags.DEFINE_float("timeout", 400.0, "Seconds one launch of the workers may take.")
+flags.DEFINE_enum(
+    "layout",
+    "1x2",
+    ["1x2", "2x2"],
+    "Workers per host x hosts: 1x2 (the comparisons above) or 2x2 (the hierarchical "
+    "all-reduce against flat rings; --sizes default 4M,64M there).",
+)
 flags.DEFINE_bool(
     "quick",
     False,
@@ -146,10 +167,10 @@ def _hvt_args(engine: str, **extra) -> list[str]:
     return args + [f"--{k}={v}" for k, v in extra.items()]
 
 
-def _run(script, args, bed=None, horovod=False):
-    """One launch of the workers (`--workers_per_host` on each host of `bed`,
-    or 2 on this host); their reports."""
-    per_host = FLAGS.workers_per_host if bed is not None else 1
+def _run(script, args, bed=None, horovod=False, slots=None):
+    """One launch of the workers: `slots` on each host of `bed` (default
+    `--workers_per_host`), or 2 on this host; their reports."""
+    per_host = (FLAGS.workers_per_host if slots is None else slots) if bed is not None else 1
     nproc = 2 * per_host
     flags_, prefix, env = [], [], None
     with tempfile.TemporaryDirectory(prefix="kd-ssh-") as ssh_dir:
@@ -353,6 +374,8 @@ def run() -> int:
     if reason:
         print(f"multi_host: {reason}", file=sys.stderr)
         return 1
+    if FLAGS.layout == "2x2":
+        return _two_by_two.run(FLAGS, _run)
     if FLAGS.quick:
         _harness.quick_defaults(
             rates=["1gbit"], repeats=2, sizes=["64K", "4M"], steps=4, compressions=["fp16"]

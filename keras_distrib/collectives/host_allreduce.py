@@ -134,6 +134,8 @@ class HostAllReduce(PeerGroup):
         directory: The base directory of the job directory (default:
             `$KERAS_DISTRIB_SHM_DIR`, else `/dev/shm`, else the temp
             directory).
+        ranks: How errors name the workers, by index here (default: the
+            index): their ranks in a job that spans several hosts.
 
     Example:
 
@@ -151,6 +153,7 @@ class HostAllReduce(PeerGroup):
         timeout: Optional[float] = None,
         connect_timeout: float = 120.0,
         directory: Optional[str] = None,
+        ranks: Optional[Sequence[int]] = None,
     ):
         if not supported():
             raise RuntimeError("the shared-memory all-reduce needs Linux (named pipes, /dev/shm).")
@@ -162,7 +165,7 @@ class HostAllReduce(PeerGroup):
             raise ValueError(f"rank={rank} must be in [0, {world_size}).")
         if not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id):
             raise ValueError(f"job_id={job_id!r} must be 1 to 64 letters, digits, '_' or '-'.")
-        super().__init__(rank, world_size, job_id, timeout, directory)
+        super().__init__(rank, world_size, job_id, timeout, directory, ranks)
         # The mmap of the header page + 2 x world_size slots, and its uint8
         # view of shape (2, world_size, slot_bytes).
         self._segment: Optional[mmap.mmap] = None
@@ -192,7 +195,7 @@ class HostAllReduce(PeerGroup):
             ""
             if self.timeout is None
             else (
-                f"shared-memory all-reduce: worker 0 did not create {path} within "
+                f"shared-memory all-reduce: worker {self._names[0]} did not create {path} within "
                 f"{self.timeout:g}s (collective_timeout)."
             )
         )
@@ -221,7 +224,12 @@ class HostAllReduce(PeerGroup):
     def _release_segment(self) -> None:
         self._slots = None
         if self._segment is not None:
-            self._segment.close()
+            try:
+                self._segment.close()
+            except BufferError:
+                # A view is still alive (a failed call's frame in a
+                # traceback): the mapping goes with the last one.
+                pass
             self._segment = None
 
     # -- the all-reduce ----------------------------------------------------------
@@ -268,6 +276,40 @@ class HostAllReduce(PeerGroup):
         for q in range(self.world_size):
             out[q] = buffers[q][: flat.nbytes].view(flat.dtype)
         return out.reshape((self.world_size, *array.shape))
+
+    def broadcast(self, arrays: Sequence[np.ndarray], root: int) -> list:
+        """Worker `root`'s `arrays` on every worker (shapes and dtypes the
+        same on all: the others' values are not read), as new arrays (on
+        `root`, `arrays` themselves).
+
+        `root` copies its arrays into its slot; after one barrier the others
+        copy them out. One barrier is enough, as in `all_gather`.
+        """
+        if not 0 <= root < self.world_size:
+            raise ValueError(f"root={root} must be in [0, {self.world_size}).")
+        arrays = [np.asarray(a) for a in arrays]
+        groups, nbytes = self._layout(arrays)
+        self._reserve(nbytes)
+        assert self._slots is not None  # made by _reserve
+        region = self._slots[self._calls % 2][root]
+        self._calls += 1
+        if self.rank == root:
+            flats = [np.ascontiguousarray(a).reshape(-1) for a in arrays]
+            for dtype, members, offset, count in groups:
+                view = region[offset : offset + count * dtype.itemsize].view(dtype)
+                for i, start in members:
+                    view[start : start + flats[i].size] = flats[i]
+        self._barrier(nbytes=nbytes)
+        if self.rank == root:
+            return arrays
+        out = self._results.take(nbytes)
+        out[:] = region[:nbytes]
+        results: list = [None] * len(arrays)
+        for dtype, members, offset, count in groups:
+            total = out[offset : offset + count * dtype.itemsize].view(dtype)
+            for i, start in members:
+                results[i] = total[start : start + arrays[i].size].reshape(arrays[i].shape)
+        return results
 
     def reduce_scatter(self, *tables: np.ndarray) -> list:
         """Row `rank` of the element-wise sum over all workers of each table

@@ -21,6 +21,7 @@ BUILTIN = {
     "tensorflow": "keras_distrib.collectives.tf_collectives:TFCollectives",
     "shm": "keras_distrib.collectives.shared_memory:SharedMemory",
     "tcp": "keras_distrib.collectives.tcp_collectives:TcpCollectives",
+    "hierarchical": "keras_distrib.collectives.hierarchical_collectives:HierarchicalCollectives",
     "horovod": "keras_distrib.collectives.horovod_collectives:HorovodCollectives",
 }
 

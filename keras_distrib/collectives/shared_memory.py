@@ -114,6 +114,9 @@ class SharedMemory(Transport):
         summed: np.ndarray = total
         return summed
 
+    def close(self) -> None:
+        self._engine.close()
+
 
 def _on_host(function: Callable[..., Any], values: list[Any], name: str) -> list[Any]:
     """`function(*values)` (a shared-memory collective) in the step, with

@@ -63,8 +63,14 @@ class PeerGroup:
         job_id: str,
         timeout: Optional[float],
         directory: Optional[str],
+        ranks: Optional[Sequence[int]] = None,
     ):
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
+        # How errors name each worker: its rank in the job (`ranks`, by
+        # index here), else its index here.
+        self._names = list(range(world_size)) if ranks is None else [int(r) for r in ranks]
+        if len(self._names) != world_size:
+            raise ValueError(f"ranks={ranks!r} must name {world_size} workers.")
         self._job_id = job_id
         self._job_dir = os.path.join(base_directory(directory), f"kd-{job_id}")
         self._job_dir_ours = False  # we made or verified it: close() may remove it
@@ -85,7 +91,7 @@ class PeerGroup:
         deadline = time.monotonic() + timeout
         self._enter_job_dir(
             timeout,
-            f"shared-memory all-reduce: worker 0 did not join within {timeout:.0f}s "
+            f"shared-memory all-reduce: worker {self._names[0]} did not join within {timeout:.0f}s "
             f"(waiting for it to create {self._job_dir}); check that every worker "
             "runs on this host with the same cluster.",
         )
@@ -103,7 +109,7 @@ class PeerGroup:
                 path,
                 peer,
                 deadline - time.monotonic(),
-                f"shared-memory all-reduce: worker {peer} did not join within "
+                f"shared-memory all-reduce: worker {self._names[peer]} did not join within "
                 f"{timeout:.0f}s (waiting for {path}); check that every worker "
                 "runs on this host with the same cluster.",
             )
@@ -169,11 +175,12 @@ class PeerGroup:
                 try:
                     self._check_peers(late, stopped_since)
                     if timeout is not None and time.monotonic() - start > timeout:
+                        named = [self._names[p] for p in late]
                         raise PeerLostError(
-                            f"shared-memory all-reduce: workers {late} did not arrive within "
+                            f"shared-memory all-reduce: workers {named} did not arrive within "
                             f"{timeout:g}s (collective_timeout); a worker is stuck or runs "
                             "different code.",
-                            peers=late,
+                            peers=named,
                         )
                 except PeerLostError as e:
                     flight_recorder.report(f"its collective failed: {e}", lost=e.peers)
@@ -193,19 +200,19 @@ class PeerGroup:
             state = process_state(pid)
             if state == "exited":
                 raise PeerLostError(
-                    f"shared-memory all-reduce: worker {peer} (pid {pid}) exited; "
+                    f"shared-memory all-reduce: worker {self._names[peer]} (pid {pid}) exited; "
                     "see its output for the cause.",
-                    peers=[peer],
+                    peers=[self._names[peer]],
                 )
             if peer not in late or state != "stopped":
                 stopped_since.pop(peer, None)
                 continue
             if now - stopped_since.setdefault(peer, now) >= STOPPED_GRACE:
                 raise PeerLostError(
-                    f"shared-memory all-reduce: worker {peer} (pid {pid}) is stopped "
+                    f"shared-memory all-reduce: worker {self._names[peer]} (pid {pid}) is stopped "
                     f"(SIGSTOP or a debugger) and has not arrived for {STOPPED_GRACE:g}s; "
                     "resume it (kill -CONT) or stop the job.",
-                    peers=[peer],
+                    peers=[self._names[peer]],
                 )
 
     def _wait_for_file(
@@ -218,7 +225,7 @@ class PeerGroup:
         while not os.path.lexists(path):  # a planted link counts: verification rejects it
             self._check_peers([worker], stopped_since, others=list(self._pids))
             if deadline is not None and time.monotonic() > deadline:
-                raise PeerLostError(late_message, peers=[worker])
+                raise PeerLostError(late_message, peers=[self._names[worker]])
             time.sleep(pause)
             pause = min(2 * pause, _FILE_POLL_MAX)
 

@@ -39,6 +39,8 @@ class TcpCollectives(SharedMemory):
         timeout: seconds a collective may wait for a peer that moves no
             data (None: no limit).
         connect_timeout: seconds to wait for the ring neighbours to connect.
+        unreachable_after: seconds after which a peer that answers
+            nothing at all (a cut link) is lost (see `TcpRing`).
         listener: this worker's listening socket (default: one bound at
             `addresses[rank]`).
     """
@@ -56,6 +58,7 @@ class TcpCollectives(SharedMemory):
         timeout: Optional[float] = None,
         connect_timeout: float = 120.0,
         listener: Optional[socket.socket] = None,
+        unreachable_after: Optional[float] = None,
     ):
         self._rows = rows
         self._world_size = world_size
@@ -67,4 +70,5 @@ class TcpCollectives(SharedMemory):
             timeout=timeout,
             connect_timeout=connect_timeout,
             listener=listener,
+            unreachable_after=unreachable_after,
         )

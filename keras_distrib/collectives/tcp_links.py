@@ -12,21 +12,26 @@ the right one.
 `Link` wraps one connected socket and the peer at its other end, and turns
 every way a transfer can fail into a `PeerLostError` naming that peer: it
 closed or reset the connection (it exited, or its host dropped it: seen at
-once), or sent or took nothing for `timeout` seconds (it is stuck, stopped,
-or its host is unreachable). Waits poll every `POLL` seconds, so a caller
-can also check what else may have failed meanwhile.
+once), sent or took nothing for `timeout` seconds (it is stuck, stopped,
+or its host is unreachable), or left data or keepalive probes unanswered
+for `unreachable_after` seconds (a cut link, a host gone). Waits poll
+every `POLL` seconds, so a caller can also check what else may have
+failed meanwhile. `Sender` is the thread
+that sends a ring's queued segments to its right neighbour, in order.
 
 Standard library only.
 """
 
 from __future__ import annotations
 
+import errno
 import hmac
+import queue
 import socket
 import struct
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from keras_distrib.collectives.shm_peers import PeerLostError
 
@@ -35,6 +40,7 @@ SECRET_BYTES = 16
 _HELLO = struct.Struct(f"<{len(MAGIC)}s{SECRET_BYTES}sI")  # magic, secret, sender's rank
 _ACCEPTED = b"\x01"
 POLL = 0.25  # seconds between checks while a transfer waits
+_TCP_CLOSE = 7  # tcp_info's tcpi_state of a connection the kernel has ended
 _HANDSHAKE_SECONDS = 10.0
 # What a socket call raises when its kernel timeout passes with nothing moved.
 _WAITED = (BlockingIOError, socket.timeout)  # a connection must send its hello within this
@@ -60,10 +66,18 @@ def listen(host: str, port: int = 0) -> socket.socket:
 class Link:
     """One connected socket to the worker `rank` at `address`."""
 
-    def __init__(self, sock: socket.socket, rank: int, address: str, what: str):
+    def __init__(
+        self,
+        sock: socket.socket,
+        rank: int,
+        address: str,
+        what: str,
+        unreachable_after: Optional[float] = None,
+    ):
         self.sock, self.rank, self.address, self.what = sock, rank, address, what
         self.timeout: Optional[float] = None
-        _tune(sock)
+        self.unreachable_after = unreachable_after
+        _tune(sock, unreachable_after)
 
     def lost(self, how: str) -> PeerLostError:
         return PeerLostError(
@@ -75,6 +89,18 @@ class Link:
         return self.lost(
             f"closed the connection{cause}: it exited or failed; see its output for the cause."
         )
+
+    def failed(self, error: Optional[OSError] = None) -> PeerLostError:
+        """What a failed socket call (`error`; None: the connection ended)
+        means: the kernel gave up on an unanswered connection
+        (`unreachable_after`), or the peer closed it."""
+        if self.unreachable_after is not None and _gave_up(self.sock, error):
+            return self.lost(
+                f"is unreachable: the connection got no answer for {self.unreachable_after:g}s "
+                "(KERAS_DISTRIB_HEARTBEAT_TIMEOUT in a multi_worker job): its host is down, "
+                "the network to it is cut, or its process is gone."
+            )
+        return self.closed(error)
 
     def late(self, doing: str) -> PeerLostError:
         return self.lost(
@@ -94,7 +120,7 @@ class Link:
                     raise self.late("took no data") from None
                 continue
             except OSError as e:
-                raise self.closed(e) from None
+                raise self.failed(e) from None
             sent, last = sent + n, time.monotonic()
 
     def recv_into(self, view: memoryview, check: Callable[[], None]) -> None:
@@ -109,9 +135,9 @@ class Link:
                     raise self.late("sent nothing") from None
                 continue
             except OSError as e:
-                raise self.closed(e) from None
+                raise self.failed(e) from None
             if not n:
-                raise self.closed()
+                raise self.failed()
             got, last = got + n, time.monotonic()
 
     def check_open(self) -> None:
@@ -121,9 +147,9 @@ class Link:
         except (BlockingIOError, socket.timeout):
             return
         except OSError as e:
-            raise self.closed(e) from None
+            raise self.failed(e) from None
         if not data:
-            raise self.closed()
+            raise self.failed()
 
     def close(self) -> None:
         """Shuts the connection down (waking a thread blocked on it) and closes it."""
@@ -134,13 +160,39 @@ class Link:
                 pass
 
 
-def _tune(sock: socket.socket) -> None:
+def _gave_up(sock: socket.socket, error: Optional[OSError]) -> bool:
+    """Whether the kernel dropped `sock` for want of answers (its user
+    timeout), not the peer: the call failed with ETIMEDOUT, or the
+    connection ended without the peer's FIN or reset (its state is CLOSE:
+    a FIN leaves it in CLOSE_WAIT, a reset fails the call with ECONNRESET)."""
+    if error is not None and error.errno == errno.ETIMEDOUT:
+        return True
+    if error is not None and error.errno == errno.ECONNRESET:
+        return False
+    try:
+        state = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+    except OSError:
+        return False
+    return state == _TCP_CLOSE
+
+
+def _tune(sock: socket.socket, unreachable_after: Optional[float] = None) -> None:
     """No Nagle; blocking calls that give up after `POLL` in the kernel
     (`SO_RCVTIMEO`/`SO_SNDTIMEO`), so that one `recv(MSG_WAITALL)` or
     `send` moves a whole segment: one system call and one wake-up, where
     Python's own timeouts make the socket non-blocking and poll before
-    every call."""
+    every call. With `unreachable_after` (seconds), keepalive probes every
+    second of silence and `TCP_USER_TIMEOUT`: the kernel drops a connection
+    whose data or probes go unanswered that long (a cut link, a host gone:
+    no FIN ever comes), and the next call fails with ETIMEDOUT."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if unreachable_after is not None and hasattr(socket, "TCP_USER_TIMEOUT"):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, max(1, int(unreachable_after)))
+        milliseconds = max(1, int(unreachable_after * 1000))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, milliseconds)
     if BUFFER_BYTES is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, BUFFER_BYTES)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, BUFFER_BYTES)
@@ -158,24 +210,30 @@ def join_ring(
     secret: bytes,
     timeout: float,
     what: str,
+    names: Optional[Sequence[int]] = None,
+    unreachable_after: Optional[float] = None,
 ) -> tuple:
     """`(left, right)`: the `Link`s from worker `rank - 1` and to `rank + 1`.
 
     Connects and says hello (on a thread: the neighbour may not listen
     yet) while accepting, then waits for the answer: no order of starts
     deadlocks. Raises `PeerLostError` naming a worker not joined within
-    `timeout` seconds, or one that refused this worker's secret.
+    `timeout` seconds, or one that refused this worker's secret. Errors
+    and links name each worker as `names` does (its rank in the job, by
+    index in the ring; default: the index). `unreachable_after`: see `Link`.
     """
     world = len(addresses)
-    left_rank, right_rank = (rank - 1) % world, (rank + 1) % world
+    left_index, right_index = (rank - 1) % world, (rank + 1) % world
+    name = list(range(world)) if names is None else list(names)
+    left_rank, right_rank = name[left_index], name[right_index]
     deadline = time.monotonic() + timeout
-    host, port = addresses[right_rank]
+    host, port = addresses[right_index]
     dialed: dict = {}
 
     def dial() -> None:
         try:
             sock = dialed["sock"] = _connect(host, port, right_rank, deadline, what)
-            sock.sendall(_HELLO.pack(MAGIC, secret, rank))
+            sock.sendall(_HELLO.pack(MAGIC, secret, rank))  # the hello holds the index
         except BaseException as e:  # re-raised by the caller
             dialed["error"] = e
 
@@ -184,13 +242,16 @@ def join_ring(
     left = right = None
     try:
         try:
-            left_sock = _accept(listener, left_rank, secret, deadline, what)
+            left_sock = _accept(listener, left_index, left_rank, secret, deadline, what)
         finally:
             dialer.join()
-        left = Link(left_sock, left_rank, address_text(*addresses[left_rank]), what)
+        where = address_text(*addresses[left_index])
+        left = Link(left_sock, left_rank, where, what, unreachable_after)
         if "error" in dialed:
             raise dialed["error"]
-        right = Link(dialed.pop("sock"), right_rank, address_text(host, port), what)
+        right = Link(
+            dialed.pop("sock"), right_rank, address_text(host, port), what, unreachable_after
+        )
         right.timeout = max(deadline - time.monotonic(), 0.0)
         right.recv_into(memoryview(bytearray(1)), lambda: None)
     except BaseException as e:
@@ -262,17 +323,17 @@ def _connect(host: str, port: int, peer: int, deadline: float, what: str) -> soc
 
 
 def _accept(
-    listener: socket.socket, peer: int, secret: bytes, deadline: float, what: str
+    listener: socket.socket, peer: int, name: int, secret: bytes, deadline: float, what: str
 ) -> socket.socket:
-    """The connection of worker `peer` that says the right hello; any
-    other is closed. Fails at `deadline`."""
+    """The connection of the worker at index `peer` (named `name`) that
+    says the right hello; any other is closed. Fails at `deadline`."""
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
             raise PeerLostError(
-                f"{what}: worker {peer} did not connect (with this job's secret) in time; "
+                f"{what}: worker {name} did not connect (with this job's secret) in time; "
                 "check that it runs and reaches this host.",
-                peers=[peer],
+                peers=[name],
             )
         listener.settimeout(min(left, POLL))
         try:
@@ -300,3 +361,61 @@ def _hello_ok(sock: socket.socket, peer: int, secret: bytes, seconds: float) -> 
         return False
     magic, their_secret, their_rank = _HELLO.unpack(hello)
     return magic == MAGIC and hmac.compare_digest(their_secret, secret) and their_rank == peer
+
+
+class Sender:
+    """The thread that sends the queued segments to the right neighbour, in order."""
+
+    def __init__(self, link) -> None:
+        self._link = link
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopping = False
+        # Segments queued (counted by the caller's thread) and sent or
+        # dropped (by this thread): each counter has one writer.
+        self._queued = self._done = 0
+        self.error: Optional[BaseException] = None
+        self._thread = threading.Thread(
+            target=self._run, name="keras_distrib-tcp-ring-send", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def pending(self) -> int:
+        """Segments queued and not yet sent."""
+        return self._queued - self._done
+
+    def put(self, view: memoryview) -> None:
+        self._queued += 1
+        self._queue.put(view)
+
+    def mark(self) -> threading.Event:
+        """An event set once everything queued before it is sent (or failed)."""
+        done = threading.Event()
+        self._queue.put(done)
+        return done
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if isinstance(item, threading.Event):
+                item.set()
+            elif self.error is None:
+                try:
+                    self._link.send(item, self._check)
+                except BaseException as e:
+                    self.error = e
+            if not isinstance(item, threading.Event):
+                self._done += 1
+
+    def _check(self) -> None:
+        if self._stopping:
+            raise RuntimeError(f"{self._link.what}: closed while sending.")
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._queue.put(None)
+
+    def join(self) -> None:
+        self._thread.join(timeout=2 * POLL + 1)

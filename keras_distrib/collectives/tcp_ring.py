@@ -41,10 +41,9 @@ through `tf.numpy_function`.
 from __future__ import annotations
 
 import bisect
-import queue
+import json
 import socket
 import struct
-import threading
 import time
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -53,13 +52,16 @@ import numpy as np
 from keras_distrib.collectives import flight_recorder
 from keras_distrib.collectives.shm_layout import ResultBuffers, chunk, layout, layout_key
 from keras_distrib.collectives.shm_peers import PeerLostError
-from keras_distrib.collectives.tcp_links import POLL, SECRET_BYTES, join_ring, listen
+from keras_distrib.collectives.tcp_links import POLL, SECRET_BYTES, Sender, join_ring, listen
 
 __all__ = ["PeerLostError", "SEGMENT_BYTES", "TcpRing"]
 
 SEGMENT_BYTES = 1 << 20  # bytes a ring step's chunk is cut into (the pipeline's unit)
 _HEADER = struct.Struct("<QQB")  # call number, bytes, kind
 _KINDS = {"all_reduce": 1, "all_gather": 2, "reduce_scatter": 3}
+_ABORT = 4  # a worker's last words instead of a call: its error (JSON)
+_ABORT_BYTES = 4096  # at most this much of it
+_ABORT_SECONDS = 2.0  # how long `abort` tries to send them
 _WHAT = "tcp all-reduce"
 # Seconds a worker whose left neighbour closed waits to see whether its
 # right one closed too (and names both): a failure only, never a step.
@@ -89,6 +91,12 @@ class TcpRing:
         connect_timeout: Seconds to wait for the neighbours to connect.
         listener: This worker's listening socket (bound at
             `addresses[rank]`); default: one bound there now. Closed by `close`.
+        ranks: How errors name the workers, by index here (default: the
+            index): their ranks in a job where only some workers are in
+            this ring (`keras_distrib.collectives.hierarchical`).
+        unreachable_after: Seconds after which a neighbour that answers
+            nothing at all, not even the kernel's keepalive probes (a cut
+            link, a host gone), is lost (None: only `timeout` applies).
 
     Example:
 
@@ -107,6 +115,8 @@ class TcpRing:
         timeout: Optional[float] = None,
         connect_timeout: float = 120.0,
         listener: Optional[socket.socket] = None,
+        ranks: Optional[Sequence[int]] = None,
+        unreachable_after: Optional[float] = None,
     ):
         if world_size < 2 or len(addresses) != world_size:
             raise ValueError(
@@ -133,9 +143,11 @@ class TcpRing:
                 secret,
                 connect_timeout,
                 _WHAT,
+                ranks,
+                unreachable_after,
             )
             self._left.timeout = self._right.timeout = timeout
-            self._sender = _Sender(self._right)
+            self._sender = Sender(self._right)
         except BaseException:
             self.close()
             raise
@@ -292,6 +304,15 @@ class TcpRing:
         header = bytearray(_HEADER.size)
         self._left.recv_into(memoryview(header), self._check)
         theirs = _HEADER.unpack(header)
+        if theirs[2] == _ABORT and theirs[1] <= _ABORT_BYTES:
+            said = bytearray(theirs[1])
+            self._left.recv_into(memoryview(said), self._check)
+            message, peers = json.loads(bytes(said))
+            left = self._left
+            raise PeerLostError(
+                f"{_WHAT}: worker {left.rank} at {left.address} stopped: {message}",
+                peers=peers or [left.rank],
+            )
         if theirs != mine:
             names = {v: k for k, v in _KINDS.items()}
             raise RuntimeError(
@@ -374,6 +395,25 @@ class TcpRing:
         if self._sender.pending:
             self._right.check_open()
 
+    def abort(self, error: BaseException) -> None:
+        """Tells the right neighbour, in place of this worker's next call,
+        why this worker stops (`error`: its message, and the ranks it names
+        if a `PeerLostError`), then closes. The neighbour's next call
+        raises a `PeerLostError` with that message; a ring already closed
+        (by its own failure) tells nothing."""
+        if self._sender is None or self._failed is not None:
+            self.close()
+            return
+        peers = list(getattr(error, "peers", ()))
+        said = json.dumps([str(error), peers]).encode()
+        if len(said) > _ABORT_BYTES:
+            said = json.dumps([type(error).__name__, peers]).encode()[:_ABORT_BYTES]
+        self._sender.put(memoryview(_HEADER.pack(self._calls + 1, len(said), _ABORT)))
+        self._sender.put(memoryview(said))
+        self._sender.mark().wait(_ABORT_SECONDS)
+        self._failed = error
+        self.close()
+
     def close(self) -> None:
         """Closes the connections and the listener, stops the sending
         thread (idempotent). Peers see the connections close."""
@@ -430,61 +470,3 @@ def _member_spans(members: list, flats: list) -> Spans:
             pos = end
 
     return spans
-
-
-class _Sender:
-    """The thread that sends the queued segments to the right neighbour, in order."""
-
-    def __init__(self, link) -> None:
-        self._link = link
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._stopping = False
-        # Segments queued (counted by the caller's thread) and sent or
-        # dropped (by this thread): each counter has one writer.
-        self._queued = self._done = 0
-        self.error: Optional[BaseException] = None
-        self._thread = threading.Thread(
-            target=self._run, name="keras_distrib-tcp-ring-send", daemon=True
-        )
-        self._thread.start()
-
-    @property
-    def pending(self) -> int:
-        """Segments queued and not yet sent."""
-        return self._queued - self._done
-
-    def put(self, view: memoryview) -> None:
-        self._queued += 1
-        self._queue.put(view)
-
-    def mark(self) -> threading.Event:
-        """An event set once everything queued before it is sent (or failed)."""
-        done = threading.Event()
-        self._queue.put(done)
-        return done
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            if isinstance(item, threading.Event):
-                item.set()
-            elif self.error is None:
-                try:
-                    self._link.send(item, self._check)
-                except BaseException as e:
-                    self.error = e
-            if not isinstance(item, threading.Event):
-                self._done += 1
-
-    def _check(self) -> None:
-        if self._stopping:
-            raise RuntimeError(f"{_WHAT}: closed while sending.")
-
-    def stop(self) -> None:
-        self._stopping = True
-        self._queue.put(None)
-
-    def join(self) -> None:
-        self._thread.join(timeout=2 * POLL + 1)

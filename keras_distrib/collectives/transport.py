@@ -122,6 +122,11 @@ class Transport(abc.ABC):
         """The elementwise sum over processes of one 1-D array per process
         (eager)."""
 
+    def close(self) -> None:
+        """Releases what the transport holds of its own (connections,
+        shared memory); by default nothing."""
+        return None
+
     def broadcast(self, variables: Sequence[Any], root: int = 0) -> list[Any]:
         """Gives every process `root`'s values of those of `variables` this
         transport broadcasts itself (eager), and returns the others, which

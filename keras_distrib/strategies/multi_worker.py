@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 import secrets
-from typing import Mapping, Optional, Sequence, Union
+import sys
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import tensorflow as tf
@@ -14,9 +16,11 @@ from keras_distrib import _compat
 from keras_distrib import cluster as cluster_lib
 from keras_distrib.collectives import flight_recorder, heartbeats, host_allreduce
 from keras_distrib.collectives import registry as transports
-from keras_distrib.collectives import runtime, seconds, tcp_links
+from keras_distrib.collectives import engine_choice, runtime, seconds
+from keras_distrib.cluster import launch_contract
 from keras_distrib.collectives.watchdog import CollectiveWatchdog
-from keras_distrib.cluster.network import listen_address
+from keras_distrib.strategies import multi_worker_engines as engines
+from keras_distrib.strategies.replica_memory import ReplicaMemory
 from keras_distrib.strategies.tf_distribute import TFDistributeStrategy
 from keras_distrib.arithmetic import optimizer_sharding as sharding_option
 
@@ -32,7 +36,13 @@ _SHARED_MEMORY = "shm"
 # Not TensorFlow's either: a ring all-reduce over plain TCP between the
 # workers' hosts (keras_distrib/collectives/tcp_collectives.py).
 _TCP = "tcp"
-_OURS = (_SHARED_MEMORY, _TCP)
+# And shared memory within each host, a TCP ring between hosts
+# (keras_distrib/collectives/hierarchical_collectives.py).
+_HIERARCHICAL = "hierarchical"
+_OURS = (_SHARED_MEMORY, _TCP, _HIERARCHICAL)
+# What our engines raise, in the text of the TensorFlow error around a
+# step whose numpy_function raised it.
+_ENGINE_ERROR = re.compile(r"PeerLostError: ([^\n]+)")
 _KEY_RANGES = itertools.count(start=500_000, step=1_000)
 # Seconds a collective may wait for a worker that never joins it: long
 # enough for the chief to write a large checkpoint while the others wait in
@@ -58,8 +68,11 @@ class MultiWorker(TFDistributeStrategy):
     collectives are slow even between local processes (docs/design.md,
     section 1.2, row 4). Across hosts, `implementation="tcp"` reduces over a
     ring of plain TCP connections of its own, which carries about twice
-    what TF's gRPC ring does over the same link (row 16). Every
-    worker runs the same script; `keras-distrib launch` starts them and sets
+    what TF's gRPC ring does over the same link (row 16), and with several
+    workers per host `implementation="hierarchical"` sums within each host
+    through shared memory and between hosts over that ring, one leader per
+    host; `"auto"` across hosts times these against TensorFlow's and keeps
+    the fastest. Every worker runs the same script; `keras-distrib launch` starts them and sets
     `TF_CONFIG`. Variables start equal on all workers (broadcast from worker
     0 when they are created).
 
@@ -73,15 +86,21 @@ class MultiWorker(TFDistributeStrategy):
             `{"worker": [...]}`); default: `TF_CONFIG`, then Slurm.
         task_index: This process's rank in `cluster` (with `cluster` only).
         implementation: `"auto"` (`"shm"` when all workers are on this host
-            and no GPU is visible, else TensorFlow's choice), `"ring"`,
+            and no GPU is visible; across hosts with one device per
+            worker, the fastest of TensorFlow's collectives, `"tcp"` and
+            `"hierarchical"`, timed by every worker at start, see
+            `keras_distrib.collectives.engine_choice`; else TensorFlow's
+            choice), `"ring"`,
             `"nccl"`, `"shm"` (the training step's collectives and the
             eager sums between steps through shared memory; needs every
-            worker on this host, Linux), or `"tcp"` (the same through a
+            worker on this host, Linux), `"tcp"` (the same through a
             ring of TCP connections between the workers, on any hosts:
             each listens on its address in the cluster at a free port,
             and a connection must present a secret the chief draws; see
-            `keras_distrib.collectives.tcp_ring`). Both need one device
-            per worker. The initial broadcast of
+            `keras_distrib.collectives.tcp_ring`), or `"hierarchical"`
+            (shared memory within each host, the TCP ring between one
+            leader per host; `keras_distrib.collectives.hierarchical`).
+            These need one device per worker. The initial broadcast of
             variables, metric reads and `predict`'s gathers always use
             TensorFlow's collectives.
         bytes_per_pack: Pack gradients into all-reduces of about this many
@@ -90,8 +109,7 @@ class MultiWorker(TFDistributeStrategy):
             and a larger one is cut into pieces of this size (TensorFlow's
             ring moves a large tensor at a fraction of a link's rate; see
             `keras_distrib.collectives.pieces`).
-            (`"shm"` and `"tcp"` always move each dtype's gradients as
-            one block.)
+            (our engines always move each dtype's gradients as one block.)
         collective_timeout: Seconds after which a collective that some
             worker never joins fails, naming the late workers (default
             `DEFAULT_COLLECTIVE_TIMEOUT`, 300; None: wait forever). On
@@ -168,23 +186,64 @@ class MultiWorker(TFDistributeStrategy):
             bytes_per_pack=bytes_per_pack,
         )
         self.implementation = implementation
+        # Which engine reduces the step's gradients, and why (`describe`).
+        self.engine_choice = engine_choice.Choice(
+            engine_choice.TENSORFLOW, f"implementation={implementation!r}"
+        )
         self.optimizer_sharding = sharding_option.check(
             self.name, optimizer_sharding, one_replica_per_process=self.num_local_replicas == 1
         )
+        self._own_engine(implementation, shared_memory, collective_timeout, peer_timeout)
+
+    def _own_engine(
+        self,
+        implementation: str,
+        shared_memory: bool,
+        timeout: Optional[float],
+        connect_timeout: float,
+    ) -> None:
+        """Our transport in place of TensorFlow's, where `implementation`
+        asks for one or `"auto"` picks one."""
+        info = self._info
         if shared_memory and self._one_device_per_worker(implementation):
             self.implementation = _SHARED_MEMORY
+            self.engine_choice = engine_choice.Choice(
+                _SHARED_MEMORY, f"implementation={implementation!r}, every worker on this host"
+            )
             self.transport = transports.create(
                 _SHARED_MEMORY,
                 rows=self.transport,
                 rank=info.rank,
                 world_size=info.world_size,
                 job_id=self._secret_job_id(),
-                timeout=collective_timeout,
-                connect_timeout=peer_timeout,
+                timeout=timeout,
+                connect_timeout=connect_timeout,
             )
-        elif implementation == _TCP and info.world_size > 1:
+        elif implementation in (_TCP, _HIERARCHICAL) and info.world_size > 1:
             self._one_device_per_worker(implementation)
-            self.transport = self._tcp_transport(collective_timeout, peer_timeout)
+            made, _, _ = engines.network_transports(
+                self, [implementation], timeout, connect_timeout
+            )
+            self.transport = made[implementation]
+            self.engine_choice = engine_choice.Choice(
+                implementation, f"implementation={implementation!r}"
+            )
+        elif implementation == "auto" and info.world_size > 1 and not shared_memory:
+            if _spans_hosts(info) and self.num_local_replicas == 1:
+                self._choose_engine(timeout, connect_timeout)
+
+    def _choose_engine(self, timeout: Optional[float], connect_timeout: float) -> None:
+        """`"auto"` across hosts: the fastest engine, measured
+        (`multi_worker_engines.choose_engine`); the chief says which, and why."""
+        self.transport, self.engine_choice = engines.choose_engine(self, timeout, connect_timeout)
+        if self.engine_choice.name != engine_choice.TENSORFLOW:
+            self.implementation = self.engine_choice.name
+        if self.is_chief:
+            print(
+                f"{launch_contract.LINE_START}multi_worker: all-reduce by {self.engine_choice}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _one_device_per_worker(self, implementation: str) -> bool:
         """Whether our own engines can serve this worker: one call per
@@ -198,35 +257,6 @@ class MultiWorker(TFDistributeStrategy):
                 f"worker has {self.num_local_replicas}; use implementation='auto'."
             )
         return False
-
-    def _tcp_transport(self, timeout: Optional[float], connect_timeout: float):
-        """The TCP ring's transport: this worker listens on its own host (as
-        the cluster names it) at a free port; one sum over TensorFlow's
-        collectives shares every worker's port and a secret the chief draws
-        (128 random bits) that each connection must present."""
-        info = self._info
-        hosts = [cluster_lib.parse_address(a)[0] for a in info.workers]
-        listener = tcp_links.listen(listen_address(hosts[info.rank]))
-        try:
-            words = np.zeros(4 + info.world_size, np.int64)
-            if self.is_chief:
-                words[:4] = np.frombuffer(secrets.token_bytes(16), np.uint32)
-            words[4 + info.rank] = listener.getsockname()[1]
-            (shared,) = self.sync_sum([words])
-            return transports.create(
-                _TCP,
-                rows=self.transport,
-                rank=info.rank,
-                world_size=info.world_size,
-                addresses=[(h, int(p)) for h, p in zip(hosts, shared[4:])],
-                secret=b"".join(int(w).to_bytes(4, "little") for w in shared[:4]),
-                timeout=timeout,
-                connect_timeout=connect_timeout,
-                listener=listener,
-            )
-        except BaseException:
-            listener.close()
-            raise
 
     @property
     def cluster(self) -> cluster_lib.ClusterInfo:
@@ -242,6 +272,9 @@ class MultiWorker(TFDistributeStrategy):
         (shared,) = self.sync_sum([words])
         return "".join(f"{int(w):08x}" for w in shared)
 
+    def describe(self, model: Any) -> ReplicaMemory:
+        return dataclasses.replace(super().describe(model), collectives=str(self.engine_choice))
+
     def failure(self, error: Exception) -> Optional[Exception]:
         if self._watchdog is not None and self._watchdog.fired is not None:
             return host_allreduce.PeerLostError(f"multi_worker: {self._watchdog.fired}.")
@@ -249,6 +282,11 @@ class MultiWorker(TFDistributeStrategy):
         if lost is not None:
             flight_recorder.report(f"it lost a peer: {lost}", lost=heartbeats.lost_ranks(error))
             return host_allreduce.PeerLostError(f"multi_worker: {lost}")
+        ours = _ENGINE_ERROR.search(str(error))
+        if ours is not None and not isinstance(error, host_allreduce.PeerLostError):
+            # Our engine's one line, out of TensorFlow's error around the
+            # step's numpy_function (as the eager sums between steps raise it).
+            return host_allreduce.PeerLostError(f"multi_worker: {ours[1]}")
         return None
 
 
@@ -322,6 +360,11 @@ def _wants_shared_memory(implementation: str, info: cluster_lib.ClusterInfo) -> 
             "implementation='shm' needs Linux (named pipes and /dev/shm); use 'auto' or 'ring'."
         )
     return True
+
+
+def _spans_hosts(info: cluster_lib.ClusterInfo) -> bool:
+    """Whether some worker of `info` is on another host than this one."""
+    return any(not cluster_lib.is_local_host(cluster_lib.parse_address(a)[0]) for a in info.workers)
 
 
 def _local_rank(info: cluster_lib.ClusterInfo) -> int:

@@ -16,11 +16,14 @@ class ReplicaMemory:
     its variables: `weights` (all of the model's), `gradients` (one per
     trainable weight, whole: the step all-reduces them whole) and
     `optimizer` (the optimizer's variables, which with
-    `optimizer_sharding="optimizer"` are this replica's parts)."""
+    `optimizer_sharding="optimizer"` are this replica's parts).
+    `collectives`: which engine all-reduces the gradients across
+    processes, and why (`multi_worker`'s; empty elsewhere)."""
 
     weights: int
     gradients: int
     optimizer: int
+    collectives: str = ""
 
     @property
     def total(self) -> int:
@@ -31,7 +34,7 @@ class ReplicaMemory:
             f"per replica: weights {_size(self.weights)}, gradients "
             f"{_size(self.gradients)}, optimizer {_size(self.optimizer)}, "
             f"total {_size(self.total)}"
-        )
+        ) + (f"; gradients all-reduced by {self.collectives}" if self.collectives else "")
 
 
 def _size(count: float) -> str:

@@ -40,7 +40,8 @@ def single():
 
 
 # The two workers on one host (shared memory between them) or on two hosts
-# (network namespaces, tests/netns_hosts.py: TensorFlow's ring between them).
+# (network namespaces, tests/netns_hosts.py: TensorFlow's ring or our TCP
+# ring between them, as "auto" measures).
 @pytest.fixture(scope="module", params=["one host", "two hosts"], ids=["shm", "2hosts-ring"])
 def launched(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("hybrid")
@@ -79,8 +80,9 @@ def test_hybrid_equals_single_device(launched, single, run):
     for rank in range(2):
         r = results[run, rank]
         assert (r["rank"], r["world_size"], r["num_replicas"]) == (rank, 2, 2)
-        # Across hosts "auto" is TensorFlow's collectives, never shared memory.
-        assert r["implementation"] == ("shm" if where == "one host" else "auto")
+        # Across hosts "auto" is TensorFlow's collectives or our TCP ring,
+        # whichever it measured faster; never shared memory.
+        assert r["implementation"] in (("shm",) if where == "one host" else ("auto", "tcp"))
         assert r["devices"] == [0, 1]  # the model really spans both local devices
         assert r["iterations"] == EPOCHS * -(-203 // BATCH)
         for got, mine in zip(r["weights"], results[run, 0]["weights"]):

@@ -7,6 +7,7 @@ tests/integration/test_multi_worker_options.py.
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -64,7 +65,7 @@ def _launch(out, n, *args, timeout=240, launch_flags=()):
         result["predict"] = arrays["predict"]
         result["weights"] = [arrays[f"arr_{i}"] for i in range(len(arrays.files) - 1)]
         ranks.append(result)
-    return ranks, proc.stdout
+    return ranks, proc.stdout + proc.stderr
 
 
 def _single_process(batch, epochs=2):
@@ -76,19 +77,28 @@ def _single_process(batch, epochs=2):
 
 # 2 workers on one host on the default path ("auto": shared memory), 3 on
 # three hosts (network namespaces, tests/netns_hosts.py), started by the
-# launcher's --ssh: "auto" there is TensorFlow's collectives over gRPC; 2 on
-# two hosts with implementation="tcp" (our TCP ring). The 2 workers take a
-# global batch they cannot share evenly (33: 17 and 16 rows), which trains
-# as one device's.
+# launcher's --ssh, on TensorFlow's ring over gRPC; 2 on two hosts with
+# implementation="tcp" (our TCP ring); 4 on two hosts of two with "auto",
+# which measures TensorFlow's ring, our TCP ring and the hierarchical
+# all-reduce and trains on the fastest. The 2 workers take a global batch
+# they cannot share evenly (33: 17 and 16 rows), which trains as one
+# device's; so do the 4 (30).
 @pytest.fixture(
     scope="module",
-    params=[(2, 33, "one host"), (3, 30, "three hosts"), (2, 33, "two hosts tcp")],
-    ids=["2workers-shm", "3hosts-ring", "2hosts-tcp"],
+    params=[
+        (2, 33, "one host"),
+        (3, 30, "three hosts"),
+        (2, 33, "two hosts tcp"),
+        (4, 30, "two hosts of two auto"),
+    ],
+    ids=["2workers-shm", "3hosts-ring", "2hosts-tcp", "2x2hosts-auto"],
 )
 def run(request, tmp_path_factory):
     n, batch, where = request.param
     if where == "two hosts tcp":
-        return (n, batch, *_two_hosts_tcp(request, tmp_path_factory, n, batch))
+        return (n, batch, *_two_hosts(request, tmp_path_factory, n, batch, "tcp"))
+    if where == "two hosts of two auto":
+        return (n, batch, *_two_hosts(request, tmp_path_factory, n, batch, "auto", slots=2))
     out = tmp_path_factory.mktemp(f"mw{n}")
     _write_records(str(out / "records"))
     if where == "one host":
@@ -105,28 +115,67 @@ def run(request, tmp_path_factory):
             # (benchmarks/multi_host.py): the results must not change.
             across = ("--hosts", bed.hosts_flag(), "--ssh", "--ssh_command", bed.ssh_command)
             ranks, stdout = _launch(
-                out, n, "--batch", str(batch), "--bytes_per_pack", "256", launch_flags=across
+                out,
+                n,
+                "--batch",
+                str(batch),
+                "--bytes_per_pack",
+                "256",
+                "--implementation",
+                "ring",
+                launch_flags=across,
             )
-        assert [r["implementation"] for r in ranks] == ["auto"] * n
+        assert [r["implementation"] for r in ranks] == ["ring"] * n
         assert [r["local_hosts"] for r in ranks] == [[a] for a in bed.addresses]
     return n, batch, out, ranks, stdout
 
 
-def _two_hosts_tcp(request, tmp_path_factory, n, batch):
-    """`(out, ranks, stdout)` of the workers on two hosts over the TCP ring."""
+def _two_hosts(request, tmp_path_factory, n, batch, implementation, slots=1):
+    """`(out, ranks, stdout)` of `n` workers on two hosts (`slots` each)."""
     request.getfixturevalue("netns_usable")
     from netns_hosts import TestBed
 
-    out = tmp_path_factory.mktemp(f"mw{n}tcp")
+    out = tmp_path_factory.mktemp(f"mw{n}{implementation}")
     _write_records(str(out / "records"))
-    with TestBed(n) as bed:
-        across = ("--hosts", bed.hosts_flag(), "--ssh", "--ssh_command", bed.ssh_command)
+    with TestBed(2) as bed:
+        across = ("--hosts", bed.hosts_flag(slots), "--ssh", "--ssh_command", bed.ssh_command)
+        # Packs for TensorFlow's ring, should "auto" pick it.
         ranks, stdout = _launch(
-            out, n, "--batch", str(batch), "--implementation", "tcp", launch_flags=across
+            out,
+            n,
+            "--batch",
+            str(batch),
+            "--implementation",
+            implementation,
+            "--bytes_per_pack",
+            "256",
+            launch_flags=across,
         )
-    assert [r["implementation"] for r in ranks] == ["tcp"] * n
-    assert [r["local_hosts"] for r in ranks] == [[a] for a in bed.addresses]
+    hosts = [a for a in bed.addresses for _ in range(slots)]
+    assert [r["local_hosts"] for r in ranks] == [[h] * slots for h in hosts]
+    if implementation == "auto":
+        _check_auto(ranks, stdout)
+    else:
+        assert [r["implementation"] for r in ranks] == [implementation] * n
     return out, ranks, stdout
+
+
+def _check_auto(ranks, output):
+    """Every worker took the engine the chief's first line names, the
+    fastest of the three it measured (the times in the line)."""
+    line = re.search(
+        r"\[rank 0\] keras_distrib: multi_worker: all-reduce by (\w+) \((.*)\)", output
+    )
+    assert line, output[-3000:]
+    name, reason = line[1], line[2]
+    times = dict(re.findall(r"(\w+) ([\d.]+) ms", reason))
+    assert sorted(times) == ["hierarchical", "tcp", "tensorflow"], reason
+    assert name == min(times, key=lambda n: float(times[n])), reason
+    assert reason.startswith("auto: the fastest all-reduce of 4 MiB + 64 KiB float32"), reason
+    want = "auto" if name == "tensorflow" else name
+    assert [r["implementation"] for r in ranks] == [want] * len(ranks)
+    for r in ranks:
+        assert r["describe"].endswith(f"; gradients all-reduced by {name} ({reason})"), r
 
 
 @pytest.mark.slow
@@ -150,12 +199,12 @@ def test_gradient_packs_start_before_the_backward_pass_ends(run):
     # Across hosts, with gradients in packs, each all-reduce waits only for
     # the gradients it carries: the first (the last layer's) for fewer of
     # the step's matrix products than the last, so it overlaps the rest of
-    # the backward pass. Shared memory and the TCP ring reduce outside
-    # TensorFlow's collectives.
+    # the backward pass. Shared memory, the TCP ring and the hierarchical
+    # all-reduce reduce outside TensorFlow's collectives.
     n, _, _, ranks, _ = run
     for r in ranks:
         counts = r["matmuls_before_each_all_reduce"]
-        if r["implementation"] in ("shm", "tcp"):
+        if r["implementation"] in ("shm", "tcp", "hierarchical"):
             assert counts == []
         else:
             assert len(counts) > 1 and counts == sorted(counts) and counts[0] < counts[-1], counts

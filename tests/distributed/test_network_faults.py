@@ -3,9 +3,11 @@
 Two hosts are two network namespaces (tests/netns_hosts.py); the launcher
 starts one `multi_worker` rank on each through its `--ssh_command`, so the
 workers talk over TensorFlow's collectives across the link, as on two
-machines. Every rank of tests/workers/faults.py pauses after step 6 until
-the test has cut host 1's link (and, for a flap, restored it after a
-while); training then goes on against the cut. TensorFlow's coordination
+machines (`implementation="ring"`: "auto" may measure our TCP ring faster,
+whose cut links tests/distributed/test_tcp_ring.py covers). Every rank of
+tests/workers/faults.py pauses after step 6 until the test has cut host
+1's link (and, for a flap, restored it after a while); training then goes
+on against the cut. TensorFlow's coordination
 service decides when a peer is lost: its heartbeat timeout
 (`KERAS_DISTRIB_HEARTBEAT_TIMEOUT`).
 """
@@ -57,6 +59,8 @@ def _launch_across(bed, out, fault, env=None, launch_flags=()):
         str(out / "backup"),
         "--pause_after_step",
         str(PAUSE_AFTER),
+        "--implementation",
+        "ring",
         expect=None,
         env=env,
         timeout=200,

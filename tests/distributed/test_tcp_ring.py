@@ -160,3 +160,36 @@ def _connect_when_listening(port, seconds=15):
         except ConnectionRefusedError:
             assert time.monotonic() < deadline, "the worker never listened"
             time.sleep(0.02)
+
+
+def test_a_cut_link_is_named_once_the_peer_answers_nothing(tmp_path, hosts):
+    # No FIN ever comes over a cut link, and the collective timeout is off:
+    # the kernel's keepalive probes go unanswered for `unreachable_after`.
+    bed = hosts(2)
+    ports, secret = free_ports(2), secrets.token_hex(16)
+    procs = []
+    try:
+        for rank in range(2):
+            args = [str(rank), ",".join(map(str, ports)), secret, str(tmp_path / f"rank{rank}.npz")]
+            args += ["pause", "none", "20", ",".join(bed.addresses), "2"]
+            procs.append(subprocess.Popen(bed.on(rank, [sys.executable, WORKER, *args])))
+        deadline = time.monotonic() + 30
+        while not all(os.path.exists(tmp_path / f"rank{r}.npz.ready") for r in range(2)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.02)
+        bed.cut(1)
+        (tmp_path / "go").touch()
+        assert [p.wait(timeout=30) for p in procs] == [1, 1]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    for rank in range(2):
+        message, seconds = _error(tmp_path, rank)
+        peer = bed.addresses[1 - rank]
+        assert message.startswith(
+            f"PeerLostError: tcp all-reduce: worker {1 - rank} at {peer}:{ports[1 - rank]} "
+            "is unreachable: the connection got no answer for 2s"
+        ), message
+        assert seconds < 8, (message, seconds)

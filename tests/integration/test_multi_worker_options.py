@@ -82,3 +82,30 @@ def test_shm_across_hosts_is_a_clear_error():
             task_index=0,
             implementation="shm",
         )
+
+
+def test_an_engines_lost_peer_raised_in_a_step_is_its_one_line():
+    # What fit sees when a numpy_function of our engines raises in the step:
+    # TensorFlow's multi-line error around the engine's.
+    import types
+
+    import tensorflow as tf
+
+    from keras_distrib.collectives.shm_peers import PeerLostError
+    from keras_distrib.strategies.multi_worker import MultiWorker
+
+    said = "tcp all-reduce: worker 2 at 10.0.0.2:7000 closed the connection: it exited."
+
+    def fail(x):
+        raise PeerLostError(said, peers=[2])
+
+    step = tf.function(lambda x: tf.numpy_function(fail, [x], [tf.float32], stateful=True))
+    with pytest.raises(tf.errors.OpError) as raised:
+        step(tf.constant(1.0))
+    assert "\n" in str(raised.value)
+    info = cluster.ClusterInfo(("10.0.0.1:1", "10.0.0.2:2"), task_index=0)
+    strategy = types.SimpleNamespace(_watchdog=None, _info=info)
+    clearer = MultiWorker.failure(strategy, raised.value)
+    assert isinstance(clearer, PeerLostError)
+    assert str(clearer) == f"multi_worker: {said}"
+    assert MultiWorker.failure(strategy, PeerLostError(said)) is None  # already one line

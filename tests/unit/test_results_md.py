@@ -247,3 +247,26 @@ def test_the_scaling_model_section(tmp_path):
         "| A100 NVLink 3 + 200 Gbit/s | ResNet-50 on A100 | flat ring | 0.80 | 16,384 "
         "| > 131,072 |" in text
     )
+
+
+def test_two_hosts_of_two_workers_compare_time_and_bytes_per_host(tmp_path):
+    seconds = {"ring": 0.0577, "tcp": 0.0512, "hierarchical": 0.0388}
+    sent = {"ring": 1.5 * 2**22, "tcp": 1.5 * 2**22, "hierarchical": 2**22}
+    train = {n: {"step": 2 * t, "host_bytes_per_step": sent[n]} for n, t in seconds.items()}
+    case = {"name": "4 MB", "bytes": 2**22, "seconds": seconds, "host_bytes": sent}
+    _write(
+        tmp_path,
+        "multi_host_2x2",
+        {
+            "meta": _meta("multi_host"),
+            "repeats": 3,
+            "batch": 512,
+            "slots": 2,
+            "results": [{"rate": "1gbit", "allreduce": [case], "train": train}],
+        },
+    )
+    text = results_md.render(str(tmp_path), str(tmp_path / "RESULTS.md"))
+    assert "## Two hosts of two workers: hierarchical against flat " in text
+    assert "(`multi_host.py --layout 2x2`)" in text
+    assert "| 1gbit | 4 MB | 57.7 | 51.2 | 38.8 | 6.0 MB | 6.0 MB | 4.0 MB |" in text
+    assert "| 1gbit | training step | 115.4 | 102.4 | 77.6 | 6.0 MB | 6.0 MB | 4.0 MB |" in text

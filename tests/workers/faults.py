@@ -72,6 +72,13 @@ flags.DEFINE_string(
     "The strategy (with FAULTS_LOGICAL_CPUS=2 in the "
     "environment, a model-parallel one splits each worker's model).",
 )
+flags.DEFINE_string(
+    "implementation",
+    None,
+    "multi_worker's implementation, with --strategy auto, or its workers' "
+    "under pipeline and tensor_parallel (default: its own, which across "
+    "hosts measures the engines).",
+)
 flags.DEFINE_integer("save_freq", 4, "Backup every this many steps.")
 flags.DEFINE_integer(
     "pause_after_step",
@@ -101,6 +108,12 @@ flags.DEFINE_integer(
     "only, after its --hold_after_step-th step, and say so in "
     "--out/held-rank<r>; -1: on every attempt.",
 )
+
+
+def _workers(across):
+    """`workers=across` for a model-parallel strategy, if given."""
+    return {"workers": across} if across else {}
+
 
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
 
@@ -202,8 +215,15 @@ def main(argv):
     inputs = keras.Input((8,))
     hidden = keras.layers.Dense(16, activation="relu")(inputs)
     strategy = FLAGS.strategy
+    # The collectives between workers: multi_worker's, also under a
+    # model-parallel strategy (its `workers`).
+    across = {"implementation": FLAGS.implementation} if FLAGS.implementation else {}
     if strategy == "pipeline":  # micro-batches that split 30 rows per worker, or 15
-        strategy = kd.strategies.get("pipeline", num_micro_batches=3)
+        strategy = kd.strategies.get("pipeline", num_micro_batches=3, **_workers(across))
+    elif strategy == "tensor_parallel" and across:
+        strategy = kd.strategies.get("tensor_parallel", workers=across)
+    elif strategy == "auto" and across:
+        strategy = kd.strategies.get("multi_worker", **across)
     model = kd.DistributedModel(inputs, keras.layers.Dense(3)(hidden), strategy=strategy)
     rank = model.strategy.rank
     with open(os.path.join(FLAGS.out, f"attempts-rank{rank}.txt"), "a") as f:

@@ -137,6 +137,7 @@ def main(argv):
         "rank": rank,
         "world_size": strategy.world_size,
         "implementation": getattr(strategy, "implementation", None),
+        "describe": str(strategy.describe(model)),
         # The workers' hosts that are this machine's (on a multi-host test
         # bed, this worker's own address alone).
         "local_hosts": [h for h in worker_hosts if cluster.is_local_host(h)],

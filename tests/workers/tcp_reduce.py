@@ -1,8 +1,10 @@
 """One worker of the TCP ring all-reduce tests (NumPy only, no TensorFlow).
 
-Usage: tcp_reduce.py RANK PORTS SECRET OUT MODE [TIMEOUT [CONNECT_TIMEOUT]]
+Usage: tcp_reduce.py RANK PORTS SECRET OUT MODE [TIMEOUT [CONNECT_TIMEOUT [HOSTS UNREACHABLE]]]
 
-PORTS: every worker's port on 127.0.0.1, comma-separated, by rank;
+PORTS: every worker's port on 127.0.0.1 (or on HOSTS, comma-separated,
+by rank), comma-separated, by rank; UNREACHABLE: the ring's
+`unreachable_after`;
 SECRET: 32 hex digits. Segments are 4 KB here, so that small arrays
 already cross several segments and the pipeline runs.
 
@@ -13,6 +15,9 @@ MODE:
   exit    the last rank exits after the first all-reduce; the others
           try a second.
   stall   the last rank sleeps 2.5 s before the second all-reduce.
+  pause   every rank writes OUT + ".ready" after the first all-reduce and
+          waits for OUT's directory to hold "go" before the second (a
+          test cuts a link meanwhile).
 Errors are written to OUT + ".err" (type, message, and seconds the
 failing call took).
 """
@@ -65,12 +70,20 @@ def main():
     rank = int(rank)
     timeout = None if len(sys.argv) <= 6 or sys.argv[6] == "none" else float(sys.argv[6])
     connect_timeout = float(sys.argv[7]) if len(sys.argv) > 7 else 20.0
-    addresses = [("127.0.0.1", int(p)) for p in ports.split(",")]
+    hosts = sys.argv[8].split(",") if len(sys.argv) > 8 else ["127.0.0.1"] * len(ports.split(","))
+    unreachable = float(sys.argv[9]) if len(sys.argv) > 9 else None
+    addresses = [(h, int(p)) for h, p in zip(hosts, ports.split(","))]
     world, last = len(addresses), len(addresses) - 1
     start = time.monotonic()
     try:
         ring = tcp_ring.TcpRing(
-            rank, world, addresses, bytes.fromhex(secret), timeout, connect_timeout
+            rank,
+            world,
+            addresses,
+            bytes.fromhex(secret),
+            timeout,
+            connect_timeout,
+            unreachable_after=unreachable,
         )
         if mode == "sums":
             np.savez(out_path, **sums(ring, rank, world))
@@ -81,6 +94,11 @@ def main():
                 os._exit(3)
             if rank == last and mode == "stall":
                 time.sleep(2.5)
+            if mode == "pause":
+                open(out_path + ".ready", "w").close()
+                go = os.path.join(os.path.dirname(out_path), "go")
+                while not os.path.exists(go):
+                    time.sleep(0.02)
             start = time.monotonic()
             ring.all_reduce(x)
         ring.close()
