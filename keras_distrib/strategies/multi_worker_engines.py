@@ -154,9 +154,8 @@ def choose_engine(
         )
     candidates: dict[str, Transport] = {**made, TENSORFLOW: strategy.transport}
     if measure:
-        start = time.perf_counter()
-        timings = _probe(strategy, [candidates[n] for n in names])
-        choice = engine_choice.choose(names, timings, time.perf_counter() - start)
+        *timings, seconds = _probe(strategy, [candidates[n] for n in names])
+        choice = engine_choice.choose(names, timings, seconds)
     else:
         choice = engine_choice.rule(hosts, f"{engine_choice.PROBE_ENV}=0")
     for name, transport in made.items():
@@ -167,8 +166,9 @@ def choose_engine(
 
 def _probe(strategy: Any, candidates: Sequence[Transport]) -> list[float]:
     """Each candidate's time for each of `PROBE_SIZES` (its best of
-    `REPEATS` after a warm-up), the slowest worker's, the same on every
-    worker."""
+    `REPEATS` after a warm-up), then the whole probe's: the slowest
+    worker's, the same on every worker."""
+    start = time.perf_counter()
     arrays = [np.zeros(n // 4, np.float32) for n in engine_choice.PROBE_SIZES]
     mine = []
     for transport in candidates:
@@ -180,6 +180,7 @@ def _probe(strategy: Any, candidates: Sequence[Transport]) -> list[float]:
                 transport.sum_over_processes(array)
                 best = min(best, time.perf_counter() - start)
             mine.append(best)
+    mine.append(time.perf_counter() - start)
     table = np.zeros((strategy.world_size, len(mine)), np.float64)
     table[strategy.rank] = mine
     (summed,) = strategy.sync_sum([table])
