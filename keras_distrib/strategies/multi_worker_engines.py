@@ -168,7 +168,7 @@ def _probe(strategy: Any, candidates: Sequence[Transport]) -> list[float]:
     """Each candidate's time for each of `PROBE_SIZES` (its best of
     `REPEATS` after a warm-up), then the whole probe's: the slowest
     worker's, the same on every worker."""
-    start = time.perf_counter()
+    began = time.perf_counter()
     arrays = [np.zeros(n // 4, np.float32) for n in engine_choice.PROBE_SIZES]
     mine = []
     for transport in candidates:
@@ -180,7 +180,7 @@ def _probe(strategy: Any, candidates: Sequence[Transport]) -> list[float]:
                 transport.sum_over_processes(array)
                 best = min(best, time.perf_counter() - start)
             mine.append(best)
-    mine.append(time.perf_counter() - start)
+    mine.append(time.perf_counter() - began)
     table = np.zeros((strategy.world_size, len(mine)), np.float64)
     table[strategy.rank] = mine
     (summed,) = strategy.sync_sum([table])
