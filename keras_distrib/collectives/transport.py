@@ -11,7 +11,10 @@ the strategies call:
 * outside the replicas' step: `all_reduce_across_processes` (each process
   contributing once, from a step that spans its devices itself: hybrid
   parallelism), and, eager between steps, `sum_over_processes` (which the
-  strategies' cross-process helpers build on) and `broadcast`.
+  strategies' cross-process helpers build on) and `broadcast`;
+* `close`, which releases what the transport holds of its own
+  (connections, shared memory): a strategy closes the engines it tried
+  and did not keep.
 
 No strategy waits in a barrier of its own: an eager sum serves where the
 processes must meet.

@@ -31,6 +31,7 @@ INTERFACE = [
     "all_reduce",
     "all_reduce_across_processes",
     "broadcast",
+    "close",
     "gather_rows",
     "mean_by_count",
     "reduce_scatter",
