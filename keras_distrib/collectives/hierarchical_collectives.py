@@ -2,9 +2,8 @@
 
 The engine is `keras_distrib.collectives.hierarchical.HierarchicalAllReduce`
 (NumPy only): shared memory among the workers of each host, a TCP ring
-among one leader per host. Here its collectives run in the step through
-`tf.numpy_function`, exactly as the shared-memory transport runs its own
-(the same class, another engine). A flat ring over every worker sends each
+among one leader per host. Its collectives run in the step as every NumPy engine's do
+(`keras_distrib.collectives.numpy_engine`). A flat ring over every worker sends each
 byte over the network once per worker; this sends it once per host, which
 is what the network carries when each host runs several workers (one per
 GPU): `multi_worker` reduces here when asked
@@ -20,11 +19,11 @@ import socket
 from typing import Optional, Sequence
 
 from keras_distrib.collectives.hierarchical import HierarchicalAllReduce
-from keras_distrib.collectives.shared_memory import SharedMemory
+from keras_distrib.collectives.numpy_engine import NumpyEngineTransport
 from keras_distrib.collectives.transport import Transport
 
 
-class HierarchicalCollectives(SharedMemory):
+class HierarchicalCollectives(NumpyEngineTransport):
     """All-reduces, all-gathers and reduce-scatters: shared memory within
     hosts, a TCP ring between them.
 
@@ -47,12 +46,14 @@ class HierarchicalCollectives(SharedMemory):
         unreachable_after: seconds after which a peer that answers
             nothing at all (a cut link) is lost (see `TcpRing`).
         listener: a leader's listening socket (default: one bound at its address).
+        bytes_per_pack: the step's gradients in packs of about this many
+            bytes (0: one collective; see `numpy_engine`).
     """
 
     name = "hierarchical"
     _ops = "kd_hier"
 
-    def __init__(  # the engine differs; the rest is SharedMemory's
+    def __init__(
         self,
         rows: Transport,
         rank: int,
@@ -64,10 +65,9 @@ class HierarchicalCollectives(SharedMemory):
         connect_timeout: float = 120.0,
         listener: Optional[socket.socket] = None,
         unreachable_after: Optional[float] = None,
+        bytes_per_pack: int = 0,
     ):
-        self._rows = rows
-        self._world_size = len(hosts)
-        self._engine = HierarchicalAllReduce(
+        engine = HierarchicalAllReduce(
             rank,
             hosts,
             job_id,
@@ -78,3 +78,4 @@ class HierarchicalCollectives(SharedMemory):
             listener=listener,
             unreachable_after=unreachable_after,
         )
+        super().__init__(rows, engine, len(hosts), bytes_per_pack)

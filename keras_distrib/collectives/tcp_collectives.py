@@ -1,10 +1,8 @@
 """A ring all-reduce over plain TCP between worker processes on different hosts, as a transport.
 
 The engine is `keras_distrib.collectives.tcp_ring.TcpRing` (NumPy and
-sockets only); here its collectives run in the step through
-`tf.numpy_function`, exactly as the shared-memory transport runs its own
-(`keras_distrib.collectives.shared_memory`, which this subclasses: stateful
-ops, never pruned, kept in program order). TensorFlow's gRPC ring carries
+sockets only); its collectives run in the step as every NumPy engine's do
+(`keras_distrib.collectives.numpy_engine`). TensorFlow's gRPC ring carries
 about half of what plain TCP carries between the same two hosts
 (docs/design.md, section 1.2, row 16): `multi_worker` reduces here when
 asked (`implementation="tcp"`, one device per worker). The predict step's
@@ -19,12 +17,12 @@ from __future__ import annotations
 import socket
 from typing import Optional, Sequence
 
-from keras_distrib.collectives.shared_memory import SharedMemory
+from keras_distrib.collectives.numpy_engine import NumpyEngineTransport
 from keras_distrib.collectives.tcp_ring import TcpRing
 from keras_distrib.collectives.transport import Transport
 
 
-class TcpCollectives(SharedMemory):
+class TcpCollectives(NumpyEngineTransport):
     """All-reduces, all-gathers and reduce-scatters over a TCP ring.
 
     Every worker makes one with the same `addresses` and `secret` and its
@@ -43,12 +41,14 @@ class TcpCollectives(SharedMemory):
             nothing at all (a cut link) is lost (see `TcpRing`).
         listener: this worker's listening socket (default: one bound at
             `addresses[rank]`).
+        bytes_per_pack: the step's gradients in packs of about this many
+            bytes (0: one collective; see `numpy_engine`).
     """
 
     name = "tcp"
     _ops = "kd_tcp"
 
-    def __init__(  # the engine differs; the rest is SharedMemory's
+    def __init__(
         self,
         rows: Transport,
         rank: int,
@@ -59,10 +59,9 @@ class TcpCollectives(SharedMemory):
         connect_timeout: float = 120.0,
         listener: Optional[socket.socket] = None,
         unreachable_after: Optional[float] = None,
+        bytes_per_pack: int = 0,
     ):
-        self._rows = rows
-        self._world_size = world_size
-        self._engine = TcpRing(
+        engine = TcpRing(
             rank,
             world_size,
             addresses,
@@ -72,3 +71,4 @@ class TcpCollectives(SharedMemory):
             listener=listener,
             unreachable_after=unreachable_after,
         )
+        super().__init__(rows, engine, world_size, bytes_per_pack)

@@ -108,8 +108,11 @@ class MultiWorker(TFDistributeStrategy):
             travel in few collectives, which matters on latency-bound links,
             and a larger one is cut into pieces of this size (TensorFlow's
             ring moves a large tensor at a fraction of a link's rate; see
-            `keras_distrib.collectives.pieces`).
-            (our engines always move each dtype's gradients as one block.)
+            `keras_distrib.collectives.pieces`). On our engines (`"shm"`,
+            `"tcp"`, `"hierarchical"`), packs of about this many bytes, the
+            last layers' first, each reduced as soon as the backward pass
+            has made it, while it makes the others; a large gradient is
+            not cut (see `keras_distrib.collectives.numpy_engine`).
         collective_timeout: Seconds after which a collective that some
             worker never joins fails, naming the late workers (default
             `DEFAULT_COLLECTIVE_TIMEOUT`, 300; None: wait forever). On
@@ -218,6 +221,7 @@ class MultiWorker(TFDistributeStrategy):
                 job_id=self._secret_job_id(),
                 timeout=timeout,
                 connect_timeout=connect_timeout,
+                bytes_per_pack=self.bytes_per_pack,
             )
         elif implementation in (_TCP, _HIERARCHICAL) and info.world_size > 1:
             self._one_device_per_worker(implementation)

@@ -21,7 +21,7 @@ import tensorflow as tf
 
 import keras_distrib as kd
 from keras_distrib.cluster import free_ports, launch_contract
-from keras_distrib.collectives import registry
+from keras_distrib.collectives import numpy_engine, registry
 from keras_distrib.collectives.across_processes import AcrossProcesses
 from keras_distrib.collectives.transport import Transport
 from pure_helpers import CHILD_PYTHONPATH, ROOT
@@ -198,3 +198,17 @@ def test_our_engines_between_two_workers(tmp_path, monkeypatch, name):
         np.testing.assert_array_equal(eager, [0, 3, 6])
         np.testing.assert_array_equal(rows, [rank + 1.0] * 2)  # the `rows` transport's
     assert os.listdir(directory) == []
+
+
+@pytest.mark.parametrize(
+    "sizes,bytes_per_pack,want",
+    [
+        ([4, 8, 4, 16], 0, [[0, 1, 2, 3]]),  # one pack, in order
+        ([4, 8, 4, 16], 1, [[3], [2], [1], [0]]),  # each alone, the last first
+        ([4, 8, 4, 16], 16, [[3], [2, 1, 0]]),  # at least 16 bytes, the rest last
+        ([4, 8, 4, 16], 20, [[3, 2], [1, 0]]),
+        ([], 16, []),
+    ],
+)
+def test_engine_packs_take_the_gradients_last_first(sizes, bytes_per_pack, want):
+    assert numpy_engine.packs(sizes, bytes_per_pack) == want
