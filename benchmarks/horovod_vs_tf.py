@@ -269,19 +269,26 @@ def run_worker() -> None:
     # computation is left to overlap their all-reduce, so compute + this is
     # the least a step can take however well the rest overlaps.
     tail_fn = replicated(lambda: strategy.all_reduce(list(gradients[:2]), "sum"))
+    # The forward pass alone (plain Keras on this rank's share): no
+    # gradient exists before it ends, so neither does anything to send.
+    first_share = tf.constant(xs[:share])
+    forward_fn = tf.function(lambda: plain(first_share, training=True))
     reduce_fn()  # trace + warm up
     tail_fn()
-    tail_times = []
+    forward_fn()
+    tail_times, forward_times = [], []
     for _ in range(FLAGS.repeats):
         compute_times.append(median_step(plain, xs, ys, batch_size=share))
         comm_times.append(timed(reduce_fn, FLAGS.steps))
         tail_times.append(timed(tail_fn, FLAGS.steps))
+        forward_times.append(timed(forward_fn, FLAGS.steps))
     report["train"] = {
         "params": int(model.count_params()),
         "times": step_times,
         "compute_times": compute_times,
         "comm_times": comm_times,
         "tail_times": tail_times,
+        "forward_times": forward_times,
         "wire_bytes": step_wire,
         "comm_wire_bytes": wire[reduce_fn],
         "compression": FLAGS.compression,

@@ -547,9 +547,12 @@ def multi_host(doc: _Doc, data: dict) -> None:
         f"(global batch {data['batch']}; each step timed from its batch's begin to its "
         "end, the median over an epoch) against its parts measured alone, compute and "
         "the gradient all-reduce (`step / max(compute, comm)`: 1 when they fully "
-        "overlap, up to 2 when they run one after the other; `bound`: (compute + the "
-        "all-reduce of the first layer's gradients, made last) / max(compute, comm), "
-        f"the least perfect overlap can reach). Medians of {data['repeats']} timings.",
+        "overlap, up to 2 when they run one after the other; `bound`: max(compute + the "
+        "all-reduce of the first layer's gradients, made last; the forward pass + the "
+        "whole all-reduce) / max(compute, comm), the least perfect overlap can reach), "
+        "over TensorFlow's ring and over our TCP ring (`tcp`: in the same packs; "
+        "`tcp 1 pack`: one all-reduce after the backward pass). Medians of "
+        f"{data['repeats']} timings.",
         "",
     )
     rows = [
@@ -588,6 +591,11 @@ def multi_host(doc: _Doc, data: dict) -> None:
         (f"{r['rate']}, {c}", t)
         for r in data["results"]
         for c, t in (r.get("compressed") or {}).items()
+    ]
+    steps += [
+        (f"{r['rate']}, {name}", t)
+        for r in data["results"]
+        for name, t in (r.get("train_tcp") or {}).items()
     ]
     doc.add(
         *_table(

@@ -64,6 +64,21 @@ def unavailable() -> Optional[str]:
     return None
 
 
+_BITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+
+
+def burst_bytes(rate: str) -> int:
+    """The token bucket of a link of `rate` (`tc`'s kbit, mbit or gbit):
+    1 ms of it (at least 16 KB), the least the kernel's timers serve at the
+    full rate. A larger bucket sends its whole content at once after the
+    link has been idle, as a training step's link is during the forward
+    pass: a 1 MB bucket made 8 ms of a 1 Gbit/s link's transfer free."""
+    for unit, scale in _BITS.items():
+        if rate.endswith(unit):
+            return max(16384, int(float(rate[: -len(unit)]) * scale / 8 / 1000))
+    raise ValueError(f"rate {rate!r}: use kbit, mbit or gbit")
+
+
 class TestBed:
     """`n` hosts as network namespaces on one bridge; see the module doc.
 
@@ -189,7 +204,9 @@ class TestBed:
             _ip("-n", self.switch, "link", "set", f"m{host}", "up")
 
     def _limit(self, ns: str, dev: str) -> None:
-        """A token bucket of `rate` on `dev`'s egress (both ends of a link)."""
+        """A token bucket of `rate` on `dev`'s egress (both ends of a link),
+        holding 1 ms of the rate (`burst_bytes`): a link idle for a while
+        sends no faster than that after it."""
         subprocess.run(
             [
                 "tc",
@@ -204,7 +221,7 @@ class TestBed:
                 "rate",
                 self.rate,
                 "burst",
-                "1mb",
+                str(burst_bytes(self.rate)),
                 "latency",
                 "100ms",
             ],

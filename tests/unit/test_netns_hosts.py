@@ -2,7 +2,9 @@
 stand-in's command line, its names (tests/netns_hosts.py; the bed itself
 runs in tests/distributed)."""
 
-from netns_hosts import SUBNET, TestBed, ssh_words
+import pytest
+
+from netns_hosts import SUBNET, TestBed, burst_bytes, ssh_words
 
 
 def test_ssh_words_read_options_before_and_after_the_host():
@@ -41,3 +43,11 @@ def test_a_bed_names_its_hosts_by_address_under_its_own_prefix():
     assert a.namespace(1) == f"{a.prefix}-{SUBNET}.2"
     assert a.hosts_flag(2) == f"{SUBNET}.1:2,{SUBNET}.2:2"
     assert a.ssh_command.endswith(f"netns_hosts.py exec {a.prefix}")
+
+
+def test_a_links_token_bucket_holds_a_millisecond_of_its_rate():
+    assert burst_bytes("1gbit") == 125_000
+    assert burst_bytes("10gbit") == 1_250_000
+    assert burst_bytes("10mbit") == 16384  # the least
+    with pytest.raises(ValueError, match="use kbit, mbit or gbit"):
+        burst_bytes("1gbps")
