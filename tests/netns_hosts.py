@@ -273,6 +273,21 @@ class TestBed:
         if not training_only:
             _ip("-n", self.switch, "link", "set", f"m{host}", "down")
 
+    def firewall(self, host: int, first: int = 20000, last: int = 20999) -> None:
+        """Stops new TCP connections to `host` on ports `first` to `last`,
+        and makes them the ports its processes get when they listen on any
+        (its namespace's ephemeral range): a firewall that lets only ports
+        named in advance through. The job's own ports, which the launcher
+        picks elsewhere (above 32767), still connect, and so does every
+        connection `host` opens (its replies carry an ACK)."""
+        self.run(host, "sysctl", "-w", f"net.ipv4.ip_local_port_range={first} {last}", check=True)
+        rules = (
+            "table inet kd_firewall {\n chain input {\n"
+            "  type filter hook input priority 0;\n"
+            f"  tcp dport {first}-{last} tcp flags & (syn | ack) == syn drop\n }}\n}}\n"
+        )
+        self.run(host, "nft", "-f", "-", input=rules, check=True)
+
     def restore(self, host: int) -> None:
         for link in (f"p{host}", f"m{host}"):
             _ip("-n", self.switch, "link", "set", link, "up")

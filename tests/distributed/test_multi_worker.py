@@ -8,6 +8,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -254,6 +255,32 @@ def test_only_the_chief_printed_and_wrote_files(run):
     assert "[rank 0] Epoch 1/2" in stdout
     assert "[rank 1] Epoch" not in stdout
     assert os.listdir(out / "tmp") == []  # non-chief scratch dirs were removed
+
+
+@pytest.mark.slow
+def test_auto_trains_on_tensorflows_ring_where_a_firewall_stops_our_engines(tmp_path, hosts):
+    """Host 1 takes new connections only on ports named in advance (the
+    job's, which the launcher picks): our TCP ring, which listens where the
+    host gives it a port, cannot connect, and `"auto"` trains on
+    TensorFlow's collectives, saying why, as one device would."""
+    if shutil.which("nft") is None:
+        pytest.skip("the test bed's firewall needs nftables' nft (make setup installs it as root)")
+    bed = hosts(2)
+    bed.firewall(1)
+    _write_records(str(tmp_path / "records"))
+    across = ("--hosts", bed.hosts_flag(), "--ssh", "--ssh_command", bed.ssh_command)
+    ranks, output = _launch(tmp_path, 2, "--batch", "33", launch_flags=across)
+    line = re.search(
+        r"\[rank 0\] keras_distrib: multi_worker: all-reduce by tensorflow "
+        r"\(auto: tcp could not connect: (.*)\)",
+        output,
+    )
+    assert line, output[-3000:]
+    assert [r["implementation"] for r in ranks] == ["auto", "auto"]
+    model, _, _, _ = _single_process(33)
+    for r in ranks:
+        for got, want in zip(r["weights"], model.get_weights()):
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
 @pytest.mark.slow
