@@ -273,13 +273,15 @@ class TestBed:
         if not training_only:
             _ip("-n", self.switch, "link", "set", f"m{host}", "down")
 
-    def firewall(self, host: int, first: int = 20000, last: int = 20999) -> None:
+    def firewall(self, host: int, first: int = 61000, last: int = 61999) -> None:
         """Stops new TCP connections to `host` on ports `first` to `last`,
         and makes them the ports its processes get when they listen on any
         (its namespace's ephemeral range): a firewall that lets only ports
         named in advance through. The job's own ports, which the launcher
-        picks elsewhere (above 32767), still connect, and so does every
-        connection `host` opens (its replies carry an ACK)."""
+        picks below the ephemeral range (under 32768 elsewhere, under
+        `first` there), still connect, and so does every connection `host`
+        opens (its replies carry an ACK).
+        """
         self.run(host, "sysctl", "-w", f"net.ipv4.ip_local_port_range={first} {last}", check=True)
         rules = (
             "table inet kd_firewall {\n chain input {\n"
