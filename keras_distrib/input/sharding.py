@@ -138,7 +138,7 @@ def shard(
     if isinstance(x, keras.utils.PyDataset):
         _no_extras(y, sample_weight, "a PyDataset")
         return _WorkerPyDataset(x, rows, seed if shuffle else None, first_epoch), None
-    if is_array_like(x):
+    if is_array_like((x, y, sample_weight)):  # x may hold only None (an optional input)
         return _shard_arrays(
             x,
             y,
@@ -149,13 +149,6 @@ def shard(
             repeat,
             first_epoch,
         ), None
-    if any(leaf is None for leaf in tf.nest.flatten(x)) and is_array_like(
-        [leaf for leaf in tf.nest.flatten(x) if leaf is not None]
-    ):
-        raise TypeError(
-            "Multi-worker array input cannot hold None (an optional input given as None): "
-            "pass that input as an array, or feed a tf.data.Dataset or PyDataset."
-        )
     raise TypeError(
         f"Multi-worker input must be numpy arrays, tensors, a tf.data.Dataset or "
         f"a keras.utils.PyDataset, got {type(x).__name__}; wrap a generator in a "
@@ -209,15 +202,27 @@ def array_steps(x, batch_size) -> Optional[int]:
     """Batches per epoch when `x` is arrays (the last one may be short), else None."""
     if not is_array_like(x):
         return None
-    return -(-int(tf.nest.flatten(x)[0].shape[0]) // (batch_size or 32)) or None
+    return -(-_num_rows(x) // (batch_size or 32)) or None
+
+
+def _num_rows(arrays) -> int:
+    """The rows of input arrays (the first that is not None)."""
+    return int(next(t for t in tf.nest.flatten(arrays) if t is not None).shape[0])
 
 
 def is_array_like(x) -> bool:
-    """Whether `x` is numpy arrays or tensors (a structure of them)."""
-    leaves = tf.nest.flatten(x)
+    """Whether `x` is numpy arrays or tensors (a structure of them, where
+    an optional input may be None)."""
+    leaves = [t for t in tf.nest.flatten(x) if t is not None]
     return bool(leaves) and all(
         isinstance(t, (np.ndarray, tf.Tensor, tf.RaggedTensor)) for t in leaves
     )
+
+
+def _each_array(function):
+    """`function` for `tf.nest.map_structure` over input arrays: None (an
+    optional input given as None) stays None, which tf.data carries as is."""
+    return lambda t: None if t is None else function(t)
 
 
 def _no_extras(y, sample_weight, what):
@@ -235,7 +240,7 @@ def _shard_arrays(x, y, sample_weight, batch_size, rows, seed, repeat=False, fir
         # `train_step(self, data)` (keras-io's GAN, VAE) reads `data` as x.
         arrays = keras.utils.pack_x_y_sample_weight(arrays[0])
     data_lib.check_same_length(x=x, y=y, sample_weight=sample_weight)
-    n = int(tf.nest.flatten(x)[0].shape[0])
+    n = _num_rows((x, y, sample_weight))
     ragged = any(isinstance(t, tf.RaggedTensor) for t in tf.nest.flatten(arrays))
     if seed is None and not ragged:
         dataset = _in_order(arrays, n, batch_size, rows)
@@ -273,9 +278,11 @@ def _in_order(arrays, n, batch_size, rows) -> tf.data.Dataset:
         pieces.append(
             tf.data.Dataset.from_tensor_slices(
                 tf.nest.map_structure(
-                    lambda t: tf.reshape(
-                        t[: whole * batch_size], [whole, batch_size, *t.shape[1:]]
-                    )[:, cut],
+                    _each_array(
+                        lambda t: tf.reshape(
+                            t[: whole * batch_size], [whole, batch_size, *t.shape[1:]]
+                        )[:, cut]
+                    ),
                     arrays,
                 )
             )
@@ -284,7 +291,7 @@ def _in_order(arrays, n, batch_size, rows) -> tf.data.Dataset:
         cut = mine(n % batch_size)
         pieces.append(
             tf.data.Dataset.from_tensors(
-                tf.nest.map_structure(lambda t: t[whole * batch_size :][cut], arrays)
+                tf.nest.map_structure(_each_array(lambda t: t[whole * batch_size :][cut]), arrays)
             )
         )
     dataset = pieces[0]
@@ -332,7 +339,7 @@ def _gathered(arrays, n, batch_size, rows, seed, repeat, first_epoch) -> tf.data
     @tf.autograph.experimental.do_not_convert
     def this_workers_rows(batch_indices, source):
         mine = rows.cut(batch_indices)
-        return tf.nest.map_structure(lambda t: tf.gather(t, mine), source)
+        return tf.nest.map_structure(_each_array(lambda t: tf.gather(t, mine)), source)
 
     # The arrays enter as one element repeated (not captured by the
     # function, which would copy them into its graph).

@@ -95,11 +95,21 @@ def test_array_shards_of_two_workers_make_each_global_batch(n, shuffle):
     assert (seen == list(range(n))) != (shuffle and n > 1)
 
 
-def test_array_input_holding_none_is_a_one_line_error():
-    x = np.ones((8, 2), "float32")
-    with pytest.raises(
-        TypeError,
-        match=r"^Multi-worker array input cannot hold None \(an "
-        r"optional input given as None\): pass that input",
-    ):
-        sharding.shard(kd.strategies.get("single"), {"x": x, "o": None}, x[:, 0], None, 4)
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_an_optional_input_given_as_none_stays_none_in_each_workers_share(shuffle):
+    """Keras takes `x={"x": arrays, "o": None}` for an optional input; each
+    of 2 workers gets its rows of the arrays and None for it."""
+    x = np.arange(10, dtype=np.float32)[:, None]
+    shares = []
+    for rank in range(2):
+        worker = types.SimpleNamespace(
+            topology=Topology.data_parallel(("/cpu:0",), num_processes=2, process_index=rank)
+        )
+        dataset, _ = sharding.shard(
+            worker, {"x": x, "o": None}, np.arange(10), None, 4, shuffle=shuffle, seed=3
+        )
+        batches = list(dataset)
+        assert all(b[0]["o"] is None for b in batches)
+        shares.append([b[1].numpy() for b in batches])
+    assert [len(b) for b in shares[0]] == [2, 2, 1] and [len(b) for b in shares[1]] == [2, 2, 1]
+    assert sorted(np.concatenate(shares[0] + shares[1]).tolist()) == list(range(10))
