@@ -148,14 +148,13 @@ flags.DEFINE_string(
 HVT = os.path.join(HERE, "horovod_vs_tf.py")
 ALLREDUCE = os.path.join(HERE, "allreduce.py")
 SOCKETS = os.path.join(HERE, "_sockets.py")
-BITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 
 
 def link_bytes_per_second(rate: str) -> float:
-    for unit, scale in BITS.items():
-        if rate.endswith(unit):
-            return float(rate[: -len(unit)]) * scale / 8
-    raise app.UsageError(f"--rates entry {rate!r}: use kbit, mbit or gbit")
+    try:
+        return netns_hosts.bytes_per_second(rate)
+    except ValueError:
+        raise app.UsageError(f"--rates entry {rate!r}: use kbit, mbit or gbit") from None
 
 
 def _hvt_args(engine: str, **extra) -> list[str]:

@@ -67,16 +67,22 @@ def unavailable() -> Optional[str]:
 _BITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 
 
-def burst_bytes(rate: str) -> int:
-    """The token bucket of a link of `rate` (`tc`'s kbit, mbit or gbit):
-    1 ms of it (at least 16 KB), the least the kernel's timers serve at the
-    full rate. A larger bucket sends its whole content at once after the
-    link has been idle, as a training step's link is during the forward
-    pass: a 1 MB bucket made 8 ms of a 1 Gbit/s link's transfer free."""
+def bytes_per_second(rate: str) -> float:
+    """What a link of `rate` (`tc`'s kbit, mbit or gbit, e.g. "1gbit")
+    carries per second, in bytes."""
     for unit, scale in _BITS.items():
         if rate.endswith(unit):
-            return max(16384, int(float(rate[: -len(unit)]) * scale / 8 / 1000))
+            return float(rate[: -len(unit)]) * scale / 8
     raise ValueError(f"rate {rate!r}: use kbit, mbit or gbit")
+
+
+def burst_bytes(rate: str) -> int:
+    """The token bucket of a link of `rate`: 1 ms of it (at least 16 KB),
+    the least the kernel's timers serve at the full rate. A larger bucket
+    sends its whole content at once after the link has been idle, as a
+    training step's link is during the forward pass: a 1 MB bucket made
+    8 ms of a 1 Gbit/s link's transfer free."""
+    return max(16384, int(bytes_per_second(rate) / 1000))
 
 
 class TestBed:

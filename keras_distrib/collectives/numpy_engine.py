@@ -89,9 +89,9 @@ class NumpyEngineTransport(Transport):
         # The division by the global count rides in each pack's all-reduce
         # (the same float32 math as the default).
         count = tf.cast(num_samples, tf.float32)
-        sizes = [v.shape.num_elements() or 0 for v in values]
+        sizes = [(v.shape.num_elements() or 0) * v.dtype.size for v in values]
         means: list[Any] = [None] * len(values)
-        for pack in packs([4 * n for n in sizes], self._bytes_per_pack):
+        for pack in packs(sizes, self._bytes_per_pack):
             counted = [values[i] for i in pack] + [count]
             reduced = _in_step(self._engine.mean_by_count, counted, f"{self._ops}_mean_by_count")
             for i, mean in zip(pack, reduced):
