@@ -1194,3 +1194,45 @@ def aligned(model, trainable_bounds: list, others=None) -> list:
     missing = [v.path for v in model.weights if id(v) not in by_variable]
     assert others is not None or not missing, f"no bound for the weights not trained: {missing}"
     return [by_variable.get(id(v), others) for v in model.weights]
+
+
+# -- BatchNormalization's moving statistics -------------------------------------------------
+
+
+def moving_statistics_apart(model, x, weights_apart) -> dict:
+    """{id(variable): bound} for the moving mean and variance of each of
+    `model`'s BatchNormalization layers, trained on `x` by another run whose
+    weights are within `weights_apart` (one per trainable weight): they are
+    averages (weights summing to at most 1) of the batches' means and
+    variances of the layer's input h over all its axes but the last, so
+    within the largest difference of those. A batch's mean of h moves by at
+    most its largest |dh| (`outputs_apart` of the layers before, at the
+    final weights, standing for the steps' ones), its variance by at most
+    2 |h - mean| |dh| + |dh|**2, and each rounds over the rows once more."""
+    apart = {id(v): b for v, b in zip(model.trainable_weights, weights_apart)}
+    found = {}
+    for layer in _all_layers(model):
+        if not isinstance(layer, keras.layers.BatchNormalization):
+            continue
+        before = keras.Model(model.inputs, layer.input)
+        moved = outputs_apart(before, x, [apart[id(v)] for v in before.trainable_weights])
+        h = np.asarray(before(_tensors(x)), np.float64)
+        axes = tuple(range(h.ndim - 1))
+        largest = moved.max(axis=axes)
+        spread = np.abs(h - h.mean(axis=axes)).max(axis=axes)
+        rounding = reordered_sum(
+            int(np.prod(h.shape[:-1])) + 3, np.abs(h).mean(axis=axes) + spread**2
+        )
+        found[id(layer.moving_mean)] = largest + rounding
+        found[id(layer.moving_variance)] = 2 * spread * largest + largest**2 + rounding
+    return found
+
+
+def _all_layers(model) -> list:
+    """`model`'s layers, those of nested models too."""
+    found = []
+    for layer in model.layers:
+        found.append(layer)
+        if isinstance(layer, keras.Model):
+            found.extend(_all_layers(layer))
+    return found

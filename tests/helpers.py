@@ -123,28 +123,26 @@ def assert_trains_like_single(form, strategy, x, y, batch_size=32, epochs=2, ste
     """The core equivalence: `strategy` with global batch B == "single" with B.
 
     Trains both (SGD, same initial weights, no shuffle) and checks weights,
-    step count, history, evaluate and predict (atol 1e-5). Returns the model
-    trained under `strategy` for further checks.
+    step count, history, evaluate and predict, each within the bound of
+    float32's rounding of the same math in other orders (`as_reference`).
+    Returns the model trained under `strategy` for further checks.
     """
+    import as_reference  # traces the reference's steps: only where asked
+
     single = build(form, "single")
     model = build(form, strategy)
     initial = build(form, "single", compile_model=False)
-    fit = dict(batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
-    h_single, h_model = single.fit(x, y, **fit), model.fit(x, y, **fit)
+    reference = as_reference.fit(single, x, y, batch_size, epochs)
+    history = model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
     assert weights_moved(single, initial)
-    assert_weights_close(single, model)
+    as_reference.assert_weights(reference, model)
     assert int(model.optimizer.iterations.numpy()) == steps
-    for key in ("loss", "accuracy"):
-        np.testing.assert_allclose(h_single.history[key], h_model.history[key], atol=1e-5)
-    np.testing.assert_allclose(
-        single.evaluate(x, y, batch_size=batch_size, verbose=0),
-        model.evaluate(x, y, batch_size=batch_size, verbose=0),
-        atol=1e-5,
+    as_reference.assert_history(reference, history.history, ("loss", "accuracy"))
+    as_reference.assert_evaluate(
+        reference, model.evaluate(x, y, batch_size=batch_size, verbose=0), x, y, batch_size
     )
-    np.testing.assert_allclose(
-        single.predict(x, batch_size=batch_size, verbose=0),
-        model.predict(x, batch_size=batch_size, verbose=0),
-        atol=1e-5,
+    as_reference.assert_predict(
+        reference, model.predict(x, batch_size=batch_size, verbose=0), x, batch_size
     )
     return model
 

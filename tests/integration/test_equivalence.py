@@ -7,11 +7,12 @@ import tensorflow as tf
 
 import keras_distrib as kd
 
+import as_reference
+from float_bounds import Reference, Trace, assert_within, evaluate_apart, outputs_apart
 from helpers import (
     Batches,
     all_variables_on,
     assert_trains_like_single,
-    assert_weights_close,
     build,
     plain_model,
     tf_dataset,
@@ -33,64 +34,67 @@ def test_mirrored_matches_single(form, data):
 def test_reduces_gradients_once(data):
     """Reducing twice would scale every update by the replica count."""
     x, y = data
-    single = build("functional", "single")
+    reference = as_reference.fit(build("functional", "single"), x[:32], y[:32], 32)
     mirrored = build("functional", "mirrored")
-    single.train_on_batch(x[:32], y[:32])
     mirrored.train_on_batch(x[:32], y[:32])
-    assert_weights_close(single, mirrored)
+    as_reference.assert_weights(reference, mirrored)
 
 
 @pytest.mark.parametrize("kind", ["tf_data", "py_dataset"])
 def test_input_types(kind, data):
     x, y = data
     make = {"tf_data": tf_dataset, "py_dataset": Batches}[kind]
-    single = build("functional", "single")
+    # The reference reads the same batches in the same order from arrays.
+    reference = as_reference.fit(build("functional", "single"), x, y, BATCH, EPOCHS)
     mirrored = build("functional", "mirrored")
-    single.fit(make(x, y, BATCH), epochs=EPOCHS, shuffle=False, verbose=0)
     mirrored.fit(make(x, y, BATCH), epochs=EPOCHS, shuffle=False, verbose=0)
-    assert_weights_close(single, mirrored)
-    np.testing.assert_allclose(
-        single.evaluate(make(x, y, BATCH), verbose=0),
-        mirrored.evaluate(make(x, y, BATCH), verbose=0),
-        atol=1e-5,
+    as_reference.assert_weights(reference, mirrored)
+    as_reference.assert_evaluate(
+        reference, mirrored.evaluate(make(x, y, BATCH), verbose=0), x, y, BATCH
     )
-    np.testing.assert_allclose(
-        single.predict(make(x, y, BATCH), verbose=0),
-        mirrored.predict(make(x, y, BATCH), verbose=0),
-        atol=1e-5,
-    )
+    as_reference.assert_predict(reference, mirrored.predict(make(x, y, BATCH), verbose=0), x)
 
 
 def test_on_batch_methods(data):
     x, y = data
     single = build("subclass", "single")
     mirrored = build("subclass", "mirrored")
+    trace = Trace(outputs=True, model=single)
+    want, got = [], []
     for start in range(0, 160, 32):
         s = slice(start, start + 32)
-        np.testing.assert_allclose(
-            single.train_on_batch(x[s], y[s]), mirrored.train_on_batch(x[s], y[s]), atol=1e-5
-        )
-    assert_weights_close(single, mirrored)
-    np.testing.assert_allclose(
-        single.test_on_batch(x[:50], y[:50]), mirrored.test_on_batch(x[:50], y[:50]), atol=1e-5
+        trace.record(x[s], y[s])
+        want.append(single.train_on_batch(x[s], y[s]))
+        got.append(mirrored.train_on_batch(x[s], y[s]))
+    trace.on_train_end()
+    reference = Reference(single, trace)
+    bounds = reference.history(steps_per_epoch=1)  # each call's logs: its own step's
+    for i, key in enumerate(("loss", "accuracy")):
+        assert_within([g[i] for g in got], [w[i] for w in want], bounds[key], key)
+    as_reference.assert_weights(reference, mirrored)
+    assert_within(
+        mirrored.test_on_batch(x[:50], y[:50]),
+        single.test_on_batch(x[:50], y[:50]),
+        evaluate_apart(single, x[:50], y[:50], 50, reference.trainable),
+        "test_on_batch",
     )
-    np.testing.assert_allclose(
-        single.predict_on_batch(x[:51]), mirrored.predict_on_batch(x[:51]), atol=1e-5
+    assert_within(
+        mirrored.predict_on_batch(x[:51]),
+        single.predict_on_batch(x[:51]),
+        outputs_apart(single, x[:51], reference.trainable),
+        "predict_on_batch",
     )
 
 
 def test_jit_compile(data):
     x, y = data
-    single = build("functional", "single", jit_compile=True)
+    reference = as_reference.fit(build("functional", "single", jit_compile=True), x, y, BATCH)
     mirrored = build("functional", "mirrored", jit_compile=True)
     assert mirrored.jit_compile
-    single.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     mirrored.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-    assert_weights_close(single, mirrored)
-    np.testing.assert_allclose(
-        single.predict(x, batch_size=BATCH, verbose=0),
-        mirrored.predict(x, batch_size=BATCH, verbose=0),
-        atol=1e-5,
+    as_reference.assert_weights(reference, mirrored)
+    as_reference.assert_predict(
+        reference, mirrored.predict(x, batch_size=BATCH, verbose=0), x, BATCH
     )
 
 
@@ -110,38 +114,43 @@ def test_jit_compile_where_xla_cannot_compile_the_step(strategy, data):
     with pytest.warns(UserWarning, match=rf"strategy='{strategy}'"):
         model.jit_compile = True  # Keras's public setter, after compile
     assert model.jit_compile is False
-    single.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    reference = as_reference.fit(single, x, y, BATCH)
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-    assert_weights_close(single, model)
+    as_reference.assert_weights(reference, model)
 
 
 def test_steps_per_execution_and_adam(data):
+    """Three steps per call on two replicas end as one step per call on one
+    device (the reference: the trace follows one step per call)."""
     x, y = data
-    options = dict(optimizer="adam", steps_per_execution=3)
-    single = build("functional", "single", **options)
-    mirrored = build("functional", "mirrored", **options)
-    single.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    reference = as_reference.fit(
+        build("functional", "single", optimizer="adam"), x, y, BATCH, EPOCHS
+    )
+    mirrored = build("functional", "mirrored", optimizer="adam", steps_per_execution=3)
     mirrored.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
-    assert_weights_close(single, mirrored, atol=1e-4)
+    as_reference.assert_weights(reference, mirrored)
 
 
 def test_validation_and_sample_weights(data):
     x, y = data
     w = np.linspace(0.5, 1.5, len(x)).astype("float32")
-    single = build("functional", "single")
+    validation = (x[:64], y[:64])
+    reference = as_reference.fit(
+        build("functional", "single"), x, y, BATCH, sample_weight=w, validation_data=validation
+    )
     mirrored = build("functional", "mirrored")
-    kwargs = dict(
+    history = mirrored.fit(
+        x,
+        y,
         sample_weight=w,
         batch_size=BATCH,
         epochs=1,
         shuffle=False,
         verbose=0,
-        validation_data=(x[:64], y[:64]),
+        validation_data=validation,
     )
-    h1 = single.fit(x, y, **kwargs)
-    h2 = mirrored.fit(x, y, **kwargs)
-    assert_weights_close(single, mirrored)
-    np.testing.assert_allclose(h1.history["val_loss"], h2.history["val_loss"], atol=1e-5)
+    as_reference.assert_weights(reference, mirrored)
+    as_reference.assert_validation(reference, history.history, *validation)
 
 
 def test_regularization_loss_counted_once(data):
@@ -159,10 +168,10 @@ def test_regularization_loss_counted_once(data):
         )
         return model
 
-    single, mirrored = make("single"), make("mirrored")
-    single.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    reference = as_reference.fit(make("single"), x, y, BATCH)
+    mirrored = make("mirrored")
     mirrored.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-    assert_weights_close(single, mirrored)
+    as_reference.assert_weights(reference, mirrored)
 
 
 @pytest.mark.parametrize("batch", [6, 10])
