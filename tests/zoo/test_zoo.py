@@ -23,6 +23,8 @@ def test_pattern_trains_as_plain_keras(name, strategy, zoo_results):
     if pattern.outcome(strategy) == zoo.SKIPPED:
         zoo_results[name, strategy] = zoo.SKIPPED
         pytest.skip(f"{name} under {strategy}: not run in the zoo (see patterns.SKIPPED)")
-    initial, expected, logs = _reference(name)
+    initial, expected, logs, bounds = _reference(name)
     result = zoo.run_pattern(pattern, strategy, initial)
-    zoo_results[name, strategy] = zoo.check(pattern, strategy, initial, expected, result, logs)
+    zoo_results[name, strategy] = zoo.check(
+        pattern, strategy, initial, expected, result, logs, bounds
+    )

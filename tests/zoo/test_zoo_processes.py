@@ -91,7 +91,7 @@ def test_pattern_across_processes(name, strategy, runs, zoo_results):
     for _, other in others:  # every worker ends with the same weights, bit for bit
         for a, b in zip(final, _weights(other, "final"), strict=True):
             np.testing.assert_array_equal(a, b, err_msg=f"{name} under {strategy}: workers")
-    _, expected, logs = zoo.reference(pattern, initial, [strategy])
+    _, expected, logs, bounds = zoo.reference(pattern, initial, [strategy])
     result = {
         "initial": initial,
         "weights": final,
@@ -99,5 +99,11 @@ def test_pattern_across_processes(name, strategy, runs, zoo_results):
         "replicas_agree": first["replicas_agree"],
     }
     zoo_results[name, strategy] = zoo.check(
-        pattern, strategy, initial, expected, result, None if pattern.batch_logs else logs
+        pattern,
+        strategy,
+        initial,
+        expected,
+        result,
+        None if pattern.batch_logs else logs,
+        bounds,
     )
