@@ -53,6 +53,19 @@ def inputs(rank, call):
     ]
 
 
+def sum_bound(terms, extra_roundings: int = 0):
+    """How far a sum of `terms` (arrays of one float dtype, one per rank)
+    added in any order in that dtype may be from the exact sum, elementwise:
+    each of its additions rounds within eps/2 of its result, which is at
+    most sum |terms|, so within (n - 1) * eps/2 * sum |terms| for n terms
+    (as tests/float_bounds.reordered_sum, which needs TensorFlow);
+    n * eps * sum |terms| bounds that and `extra_roundings` more
+    operations on the sum (a scale, a division), each within eps of it."""
+    dtype = np.asarray(terms[0]).dtype
+    magnitude = sum(np.abs(np.asarray(t, np.float64)) for t in terms)
+    return (len(terms) + extra_roundings) * float(np.finfo(dtype).eps) * magnitude
+
+
 def mean_inputs(rank, call):
     """float32 "gradients" and a sample count last (all counts 0 on call 2)."""
     rng = np.random.default_rng(5000 * call + rank)
@@ -100,14 +113,16 @@ def _skewed(reducer, rank, world):
         per_rank = [skewed_inputs(r, call) for r in range(world)]
         *sums, gathered, blocks = got[call]
         for i, value in enumerate(sums):
-            want = sum(np.asarray(p[i], np.float64) for p in per_rank)
-            if not np.allclose(value, want, rtol=1e-6, atol=1e-6):
+            terms = [p[i] for p in per_rank]
+            want = sum(np.asarray(t, np.float64) for t in terms)
+            if not np.all(np.abs(value - want) <= sum_bound(terms)):
                 bad.append(call)
         if not np.array_equal(gathered, np.stack([p[0] for p in per_rank])):
             bad.append(call)
         for i, block in enumerate(blocks):  # this rank's rows of the summed tables
-            want = sum(_table(np.asarray(p[i], np.float64), world)[rank] for p in per_rank)
-            if block.shape != want.shape or not np.allclose(block, want, rtol=1e-6, atol=1e-6):
+            terms = [_table(p[i], world)[rank] for p in per_rank]
+            want = sum(np.asarray(t, np.float64) for t in terms)
+            if block.shape != want.shape or not np.all(np.abs(block - want) <= sum_bound(terms)):
                 bad.append(call)
     return np.array(bad, np.int64)
 
