@@ -124,10 +124,15 @@ def fan_in_terms(model) -> int:
 
 def gradient_terms(model, rows: int) -> int:
     """The terms a gradient element of `model` adds, on a batch of `rows`:
-    the rows' gradients, and for each kernel its dot products forward
-    (fan-in, the bias, the function after it) and backward (fan-out)."""
-    return rows + sum(
-        math.prod(v.shape[:-1]) + 1 + FUNCTION_TERMS + v.shape[-1] for v in _kernels(model)
+    the rows' gradients, for each kernel its dot products forward (fan-in,
+    the bias, the function after it) and backward (fan-out), and for each
+    BatchNormalization layer the sums over the rows it adds in training
+    (two forward, two backward) and its inverse square root (see
+    `moving_statistics_apart`'s notes)."""
+    return (
+        rows
+        + sum(math.prod(v.shape[:-1]) + 1 + FUNCTION_TERMS + v.shape[-1] for v in _kernels(model))
+        + len(_batch_norms(model)) * (4 * rows + FUNCTION_TERMS)
     )
 
 
@@ -499,10 +504,11 @@ def gradient_errors(trace: Trace, terms: float, floor: float = 0.0) -> list:
     inside the backward pass may cancel for one weight (an attention key's
     bias, whose gradient is 0 as softmax ignores a shift; a unit whose
     classes' terms cancel), and its rounding is then of the size of the
-    terms the layer adds, not of the weight's own gradient. `floor`: an
-    absolute error every gradient element may have besides (see
+    terms the layer adds, not of the weight's own gradient; but in a table
+    rows are looked up in, a row no input looks up has none (`_tables`).
+    `floor`: an absolute error every gradient element may have besides (see
     `compression_floor`)."""
-    groups = _layers(trace.model)
+    groups, tables = _layers(trace.model), _tables(trace.model)
     found = []
     for step in trace.magnitudes:
         largest = {}
@@ -510,11 +516,34 @@ def gradient_errors(trace: Trace, terms: float, floor: float = 0.0) -> list:
             largest[group] = max(largest.get(group, 0.0), float(np.max(m, initial=0.0)))
         found.append(
             [
-                reordered_sum(terms, np.full(m.shape, largest[g])) + floor
-                for g, m in zip(groups, step)
+                reordered_sum(
+                    terms, _looked_up(m) * largest[g] if table else np.full(m.shape, largest[g])
+                )
+                + floor
+                for g, m, table in zip(groups, step, tables)
             ]
         )
     return found
+
+
+def _tables(model) -> list:
+    """For each trainable weight of `model`, whether it is a table rows are
+    looked up in (an Embedding's): a row no input looks up has a gradient
+    of exactly 0 in any run (no term adds to it)."""
+    embeddings = {
+        id(v)
+        for layer in model._flatten_layers(include_self=False)
+        if isinstance(layer, keras.layers.Embedding)
+        for v in layer.trainable_weights
+    }
+    return [id(v) in embeddings for v in model.trainable_weights]
+
+
+def _looked_up(magnitude) -> np.ndarray:
+    """1 for the rows of a table (first axis) some row of the batch looked
+    up (a gradient term there), 0 for the others, broadcast to its shape."""
+    rows = np.any(magnitude != 0, axis=tuple(range(1, magnitude.ndim)), keepdims=True)
+    return np.broadcast_to(rows.astype(np.float64), magnitude.shape)
 
 
 def _layers(model) -> list:
@@ -1197,42 +1226,108 @@ def aligned(model, trainable_bounds: list, others=None) -> list:
 
 
 # -- BatchNormalization's moving statistics -------------------------------------------------
+#
+# BatchNormalization in training normalizes each feature of a batch of n
+# rows with the batch's mean and variance: sums over the rows, forward (the
+# mean; the mean of the squares, or of the squared differences from the
+# mean) and backward (the input's gradient adds over the rows the output's
+# gradient and its product with the normalized input). Each is a sum of n
+# terms, which another order adds to within n * EPS of their magnitudes
+# (`float_bounds.reordered_sum`), and the inverse square root of the
+# variance is a function (`FUNCTION_TERMS`).
+#
+# Its moving statistics follow each step: moving = momentum * moving +
+# (1 - momentum) * statistic. Another run's statistic of a feature differs
+# by what its input h (the rows reaching the layer) differs, first order,
+# plus the rounding of its sums:
+#
+# * the mean: by mean_rows |dh| + (n + 1) * EPS * mean_rows |h| (the sum
+#   and the division);
+# * the variance, sum_rows (h - mean)**2 / n (whose derivative for a row's
+#   h is 2 * (h - mean) / n, the mean's own change cancelling): by
+#   2 * mean_rows |h - mean| * |dh| + (n + 3) * EPS * (mean_rows h**2 +
+#   mean**2), which covers E[h**2] - mean**2 (the synchronized layer's
+#   form, cancelling down from E[h**2]) as well as the mean of the squared
+#   differences;
+#
+# with |dh| the bound `float_bounds.outputs_apart` gives the layer's input,
+# at the weights the step starts from and within their own bounds then. The
+# moving value's update then moves another run's by momentum times its
+# difference so far plus (1 - momentum) times the statistic's, and its
+# three operations (two products, a sum) each round their result (EPS of
+# it: one may round up where the other rounds down).
 
 
-def moving_statistics_apart(model, x, weights_apart) -> dict:
-    """{id(variable): bound} for the moving mean and variance of each of
-    `model`'s BatchNormalization layers, trained on `x` by another run whose
-    weights are within `weights_apart` (one per trainable weight): they are
-    averages (weights summing to at most 1) of the batches' means and
-    variances of the layer's input h over all its axes but the last, so
-    within the largest difference of those. A batch's mean of h moves by at
-    most its largest |dh| (`outputs_apart` of the layers before, at the
-    final weights, standing for the steps' ones), its variance by at most
-    2 |h - mean| |dh| + |dh|**2, and each rounds over the rows once more."""
-    apart = {id(v): b for v, b in zip(model.trainable_weights, weights_apart)}
+def _batch_norms(model) -> list:
+    return [
+        layer
+        for layer in model._flatten_layers(include_self=False)
+        if isinstance(layer, keras.layers.BatchNormalization)
+    ]
+
+
+def moving_statistics_apart(reference, x, batch_size: int) -> dict:
+    """{id(variable): bound} for the moving mean and variance of every
+    BatchNormalization layer of `reference.model` (a functional model,
+    trained from its statistics' initial values by `reference`'s `fit`
+    on `x` in order, batches of `batch_size`; no layer before one that
+    computes otherwise in training, as dropout or another such layer):
+    how far another run's may end from the reference's (see the notes
+    above). Leaves the model's variables as they were."""
+    model, trace = reference.model, reference.trace
+    kept = [np.asarray(v) for v in model.variables]
+    positions = {id(v): i for i, v in enumerate(model.trainable_weights)}
     found = {}
-    for layer in _all_layers(model):
-        if not isinstance(layer, keras.layers.BatchNormalization):
-            continue
-        before = keras.Model(model.inputs, layer.input)
-        moved = outputs_apart(before, x, [apart[id(v)] for v in before.trainable_weights])
-        h = np.asarray(before(_tensors(x)), np.float64)
-        axes = tuple(range(h.ndim - 1))
-        largest = moved.max(axis=axes)
-        spread = np.abs(h - h.mean(axis=axes)).max(axis=axes)
-        rounding = reordered_sum(
-            int(np.prod(h.shape[:-1])) + 3, np.abs(h).mean(axis=axes) + spread**2
-        )
-        found[id(layer.moving_mean)] = largest + rounding
-        found[id(layer.moving_variance)] = 2 * spread * largest + largest**2 + rounding
-    return found
-
-
-def _all_layers(model) -> list:
-    """`model`'s layers, those of nested models too."""
-    found = []
-    for layer in model.layers:
-        found.append(layer)
-        if isinstance(layer, keras.Model):
-            found.extend(_all_layers(layer))
+    for layer in _batch_norms(model):
+        reaching = keras.Model(model.input, layer.input)
+        momentum = float(layer.momentum)
+        shape = tuple(layer.moving_mean.shape)
+        moving = {
+            "mean": np.asarray(layer.moving_mean_initializer(shape), np.float64),
+            "variance": np.asarray(layer.moving_variance_initializer(shape), np.float64),
+        }
+        apart = {key: np.zeros(shape) for key in moving}
+        for step, weights in enumerate(trace.weights[: len(trace.rows)]):
+            for variable, value in zip(model.trainable_weights, weights):
+                variable.assign(value.astype(variable.dtype))
+            start = (step % reference.steps_per_epoch) * batch_size
+            rows = x[start : start + batch_size]
+            n = len(rows)
+            bounds = reference.steps[step - 1] if step else None
+            weights_apart = (
+                None
+                if bounds is None
+                else [bounds[positions[id(v)]] for v in reaching.trainable_weights]
+            )
+            # Statistics per feature (the last axis), over the rows and
+            # every other axis (an image's pixels): `n` values each.
+            h = np.asarray(reaching(rows, training=False), np.float64)
+            dh = (
+                np.reshape(outputs_apart(reaching, rows, weights_apart), h.shape)
+                if reaching.trainable_weights
+                else np.zeros(h.shape)  # the model's inputs: the same in both runs
+            )
+            h, dh = h.reshape(-1, h.shape[-1]), dh.reshape(-1, h.shape[-1])
+            n = len(h)
+            mean = h.mean(axis=0)
+            statistic = {
+                "mean": (mean, dh.mean(axis=0) + reordered_sum(n + 1, np.abs(h).mean(axis=0))),
+                "variance": (
+                    h.var(axis=0),
+                    2 * np.mean(np.abs(h - mean) * dh, axis=0)
+                    + reordered_sum(n + 3, np.mean(h * h, axis=0) + mean**2),
+                ),
+            }
+            for key, (value, value_apart) in statistic.items():
+                kept_part, new_part = momentum * moving[key], (1.0 - momentum) * value
+                moving[key] = kept_part + new_part
+                apart[key] = (
+                    momentum * apart[key]
+                    + (1.0 - momentum) * value_apart
+                    + EPS * (np.abs(kept_part) + np.abs(new_part) + np.abs(moving[key]))
+                )
+        found[id(layer.moving_mean)] = apart["mean"].reshape(shape)
+        found[id(layer.moving_variance)] = apart["variance"].reshape(shape)
+    for variable, value in zip(model.variables, kept):
+        variable.assign(value)
     return found
