@@ -112,13 +112,6 @@ class SampleIds(keras.metrics.Metric):
         self.count.assign(0.0)
 
 
-def assert_weights_close(a, b, atol=1e-5):
-    wa, wb = a.get_weights(), b.get_weights()
-    assert len(wa) == len(wb)
-    for x, y in zip(wa, wb):
-        np.testing.assert_allclose(x, y, atol=atol, rtol=0)
-
-
 def assert_trains_like_single(form, strategy, x, y, batch_size=32, epochs=2, steps=14):
     """The core equivalence: `strategy` with global batch B == "single" with B.
 
@@ -153,15 +146,42 @@ def warmup_rate(step, multiplier, warmup_steps, base):
     return base * (1 + (multiplier - 1) * min(step / warmup_steps, 1))
 
 
-# Stated tolerances of compressed all-reduce against fp32, after one epoch of
-# 3 SGD steps at lr 0.1 on the test MLP (measured: fp16 ~1e-5, bf16 ~2e-4).
-COMPRESSION_TOLERANCE = {"fp16": 1e-4, "bf16": 2e-3}
+def compressed(reference, compression):
+    """The bounds of a run of `reference`'s math (a traced
+    `float_bounds.Reference`) whose gradients were all-reduced in
+    `compression` ("fp16" or "bf16", `DistributedOptimizer(compression=...)`):
+    each gradient's float32 rounding (`gradient_terms`) plus the roundings
+    to the compressed dtype (`float_bounds.compression_terms`), and the
+    absolute floor of its smallest step in the sum over a step's rows
+    (`compression_floor`, of the step with the fewest rows, where it is
+    largest). Made from the reference's trace: nothing is run again."""
+    from float_bounds import (
+        Reference,
+        compression_floor,
+        compression_terms,
+        gradient_terms,
+    )
+
+    dtype = {"fp16": "float16", "bf16": "bfloat16"}[compression]
+    trace = reference.trace
+    return Reference(
+        reference.model,
+        trace,
+        reference.steps_per_epoch,
+        terms=gradient_terms(reference.model, max(trace.rows)) + compression_terms(dtype),
+        logs=reference.logs,
+        floor=compression_floor(dtype, min(trace.rows)),
+    )
 
 
 def train_single(initial, samples, batch_size, epochs, validation=0):
     """One process, strategy "single", from the weights `initial`: SGD 0.1,
     unshuffled, on `make_data(samples)` (its first `validation` samples also
-    as validation data). Returns (model, history dict, x, y)."""
+    as validation data), traced (`as_reference.fit`). Returns (the
+    `float_bounds.Reference`, whose `model` is the trained model and `logs`
+    its history, x, y)."""
+    import as_reference  # traces the reference's steps: only where asked
+
     x, y = make_data(samples)
     reference = keras.Model(*graph())
     model = kd.DistributedModel(reference.input, reference.output, strategy="single")
@@ -172,17 +192,16 @@ def train_single(initial, samples, batch_size, epochs, validation=0):
         metrics=["accuracy"],
     )
     val = (x[:validation], y[:validation]) if validation else None
-    history = model.fit(
-        x, y, batch_size=batch_size, epochs=epochs, shuffle=False, validation_data=val, verbose=0
-    )
-    return model, history.history, x, y
+    return as_reference.fit(model, x, y, batch_size, epochs, validation_data=val), x, y
 
 
-def assert_weight_lists_close(got, want, atol=1e-5):
-    """Two lists of weight arrays, equal within `atol`."""
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        np.testing.assert_allclose(g, w, atol=atol, rtol=0)
+def assert_weight_lists_close(got, reference, err_msg="weight"):
+    """A list of weight arrays within the bounds of a traced run's
+    (`reference`, a `float_bounds.Reference`) final weights: another run of
+    its math, adding in other orders (`as_reference.assert_weights`)."""
+    import as_reference
+
+    as_reference.assert_weights(reference, list(got), err_msg=err_msg)
 
 
 def weights_moved(model, reference):

@@ -16,7 +16,9 @@ import keras
 import numpy as np
 import pytest
 
+import as_reference
 import keras_distrib as kd
+from float_bounds import Reference, Trace
 from helpers import Batches, Crash, CrashAfter, build, make_data, plain_model
 from keras_distrib import preemption
 from keras_distrib.callbacks import backup_and_restore, keras_backup
@@ -41,22 +43,32 @@ def _fit(model, data, backup_dir, *extra, save_freq=4, epochs=EPOCHS, **options)
 
 
 def _assert_same_state(a, b):
+    """The same model and strategy from the same state, the same steps on
+    the same batches: the same kernels, the same weights and optimizer
+    state (a resumed run that lost or repeated a step is off by a step)."""
     assert int(a.optimizer.iterations.numpy()) == int(b.optimizer.iterations.numpy())
     for wa, wb in zip(
         a.get_weights() + [v.numpy() for v in a.optimizer.variables],
         b.get_weights() + [v.numpy() for v in b.optimizer.variables],
+        strict=True,
     ):
-        np.testing.assert_allclose(wa, wb, atol=1e-6, rtol=0)
+        np.testing.assert_array_equal(wa, wb)
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(data, tmp_path_factory):
-    """The reference: the same runs, never interrupted (per save_freq)."""
+    """The reference: the same runs, never interrupted (per save_freq). The
+    one saving every 4 steps is traced too (`traced`)."""
     models = {}
     for save_freq in (4, "epoch"):
         model = _model()
-        _fit(model, data, tmp_path_factory.mktemp("ref"), save_freq=save_freq)
+        extra = []
+        if save_freq == 4:  # shuffled: each step's rows unknown to the trace
+            extra = [Trace(*data, BATCH, model.loss, shuffled=True)]
+        _fit(model, data, tmp_path_factory.mktemp("ref"), *extra, save_freq=save_freq)
         models[save_freq] = model
+        if extra:
+            models["traced"] = Reference(model, extra[0], steps_per_epoch=7)
     return models
 
 
@@ -144,8 +156,8 @@ def test_a_backup_goes_on_with_the_same_steps_on_more_replicas(
     capsys.readouterr()
     second = _model("mirrored")
     _fit(second, data, tmp_path)
-    for wa, wb in zip(second.get_weights(), uninterrupted[4].get_weights()):
-        np.testing.assert_allclose(wa, wb, atol=1e-5, rtol=0)
+    # Two replicas' sums in other orders than one's, from step 5 on.
+    as_reference.assert_weights(uninterrupted["traced"], second)
     assert int(second.optimizer.iterations.numpy()) == 7 * EPOCHS
     assert (
         "of the backup in {}. It was made with 1 replica, this run has 2: each replica's "
@@ -432,9 +444,9 @@ def test_keras_backup_and_restore_resumes_a_distributed_model_exactly(data, tmp_
         lambda: build("functional", strategy), data, tmp_path
     )
     assert int(resumed.optimizer.iterations.numpy()) == 7 * KERAS_EPOCHS
-    # The same float32 operations on the same batches: SGD's 28 steps end
-    # within rounding of the reductions' order (measured below 1e-6).
-    assert _largest_difference(resumed, reference) < 1e-5
+    # The same model and strategy, the same float32 operations on the same
+    # batches: the same kernels, the same weights.
+    assert _largest_difference(resumed, reference) == 0.0
     # Keras's file names lead to the backup; all is gone after the end.
     assert after_the_crash == ["backup-000000000009", "latest.weights.h5", "training_metadata.json"]
     assert not os.path.exists(tmp_path / "run")

@@ -10,7 +10,8 @@ import tensorflow as tf
 import keras_distrib as kd
 from helpers import CLASSES, FEATURES, build, make_data, plain_model
 
-ATOL = 1e-5  # SGD, a few steps: the equivalence tests' bound
+import as_reference
+from float_bounds import assert_within, evaluate_apart, outputs_apart
 
 
 def _dense_net(base, **kwargs):
@@ -81,51 +82,58 @@ def test_predict_on_a_generator_loses_no_batch(strategy):
 # -- any global batch -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("strategy", ["mirrored", "central_storage", "tensor_parallel", "pipeline"])
-def test_a_batch_the_replicas_cannot_share_evenly_trains_as_one_device(strategy):
+@pytest.fixture(scope="module")
+def single_batch_5():
+    """ "single" trained on `make_data()` in batches of 5 for 2 epochs (with
+    validation in batches of 7), traced."""
     x, y = make_data()
-    reference, model = build("functional", "single"), build("functional", strategy)
-    for m in (reference, model):
-        m.fit(
-            x,
-            y,
-            batch_size=5,
-            epochs=2,
-            shuffle=False,
-            verbose=0,
-            validation_data=(x, y),
-            validation_batch_size=7,
-        )
-    for a, b in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
-    np.testing.assert_allclose(
-        model.evaluate(x, y, batch_size=33, verbose=0),
-        reference.evaluate(x, y, batch_size=33, verbose=0),
-        atol=ATOL,
+    return as_reference.fit(
+        build("functional", "single"),
+        x,
+        y,
+        5,
+        2,
+        validation_data=(x, y),
+        validation_batch_size=7,
     )
-    np.testing.assert_allclose(
-        model.predict(x, batch_size=33, verbose=0),
-        reference.predict(x, batch_size=33, verbose=0),
-        atol=ATOL,
+
+
+@pytest.mark.parametrize("strategy", ["mirrored", "central_storage", "tensor_parallel", "pipeline"])
+def test_a_batch_the_replicas_cannot_share_evenly_trains_as_one_device(strategy, single_batch_5):
+    x, y = make_data()
+    reference, model = single_batch_5, build("functional", strategy)
+    model.fit(
+        x,
+        y,
+        batch_size=5,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        validation_data=(x, y),
+        validation_batch_size=7,
     )
+    as_reference.assert_weights(reference, model)
+    as_reference.assert_evaluate(
+        reference, model.evaluate(x, y, batch_size=33, verbose=0), x, y, 33
+    )
+    as_reference.assert_predict(reference, model.predict(x, batch_size=33, verbose=0), x, 33)
+
+
+@pytest.fixture(scope="module")
+def single_batch_1():
+    """ "single" trained on 7 rows one at a time, traced."""
+    x, y = make_data(7)
+    return as_reference.fit(build("functional", "single"), x, y, 1)
 
 
 @pytest.mark.parametrize("strategy", ["mirrored", "central_storage"])
-def test_a_batch_smaller_than_the_replica_count_trains_as_one_device(strategy):
+def test_a_batch_smaller_than_the_replica_count_trains_as_one_device(strategy, single_batch_1):
     x, y = make_data(7)
-    reference, model = build("functional", "single"), build("functional", strategy)
-    logs = [
-        m.fit(x, y, batch_size=1, epochs=1, shuffle=False, verbose=0).history["loss"]
-        for m in (reference, model)
-    ]
-    np.testing.assert_allclose(logs[1], logs[0], atol=ATOL)
-    for a, b in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
-    np.testing.assert_allclose(
-        model.evaluate(x, y, batch_size=1, verbose=0),
-        reference.evaluate(x, y, batch_size=1, verbose=0),
-        atol=ATOL,
-    )
+    reference, model = single_batch_1, build("functional", strategy)
+    history = model.fit(x, y, batch_size=1, epochs=1, shuffle=False, verbose=0).history
+    as_reference.assert_history(reference, history, ("loss",))
+    as_reference.assert_weights(reference, model)
+    as_reference.assert_evaluate(reference, model.evaluate(x, y, batch_size=1, verbose=0), x, y, 1)
 
 
 def test_plain_keras_reference_trains_with_that_batch_too():
@@ -136,44 +144,54 @@ def test_plain_keras_reference_trains_with_that_batch_too():
         optimizer=keras.optimizers.SGD(0.1),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
-    for m in (plain, ours):
-        m.fit(x, y, batch_size=5, epochs=1, shuffle=False, verbose=0)
-    for a, b in zip(ours.get_weights(), plain.get_weights()):
-        np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
+    reference = as_reference.fit(plain, x, y, 5)
+    ours.fit(x, y, batch_size=5, epochs=1, shuffle=False, verbose=0)
+    as_reference.assert_weights(reference, ours)
 
 
 # -- a DistributedModel nested in another ---------------------------------------------
 
 
-@pytest.mark.parametrize("strategy", ["single", "mirrored"])
-def test_a_subclass_nested_in_a_functional_model_trains_with_it(strategy):
+class _Inner(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(3, kernel_initializer="ones")
+
+    def call(self, x):
+        return self.dense(x) * 0.1
+
+
+class _DistributedInner(_Inner, kd.DistributedModel):
+    pass
+
+
+def _nested_data():
     x, y = make_data()
-    y = y.astype("float32")[:, None]
+    return x, y.astype("float32")[:, None]
 
-    def trained(inner, outer_class, **kwargs):
-        inputs = keras.Input((FEATURES,))
-        outer = outer_class(
-            inputs, keras.layers.Dense(1, kernel_initializer="ones")(inner(inputs)), **kwargs
-        )
-        outer.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
-        outer.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
-        return outer.get_weights()
 
-    class Inner(keras.Model):
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            self.dense = keras.layers.Dense(3, kernel_initializer="ones")
+def _outer(inner, outer_class, **kwargs):
+    inputs = keras.Input((FEATURES,))
+    outer = outer_class(
+        inputs, keras.layers.Dense(1, kernel_initializer="ones")(inner(inputs)), **kwargs
+    )
+    outer.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    return outer
 
-        def call(self, x):
-            return self.dense(x) * 0.1
 
-    class DistributedInner(Inner, kd.DistributedModel):
-        pass
+@pytest.fixture(scope="module")
+def nested_reference():
+    """The plain Keras subclass nested in a plain functional model, trained
+    in order, traced."""
+    return as_reference.fit(_outer(_Inner(), keras.Model), *_nested_data(), 32, 2)
 
-    expected = trained(Inner(), keras.Model)
-    got = trained(DistributedInner(strategy=strategy), kd.DistributedModel, strategy=strategy)
-    for a, b in zip(got, expected):
-        np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
+
+@pytest.mark.parametrize("strategy", ["single", "mirrored"])
+def test_a_subclass_nested_in_a_functional_model_trains_with_it(strategy, nested_reference):
+    x, y = _nested_data()
+    outer = _outer(_DistributedInner(strategy=strategy), kd.DistributedModel, strategy=strategy)
+    outer.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    as_reference.assert_weights(nested_reference, outer)
 
 
 # -- callbacks keep their contracts ---------------------------------------------------
@@ -328,35 +346,90 @@ def test_a_counter_built_in_a_tf_distribute_scope_reads_as_a_python_number():
 # -- a plain keras.Model sharing layers with one ---------------------------------------
 
 
-@pytest.mark.parametrize("strategy", ["single", "mirrored", "central_storage"])
-@pytest.mark.parametrize("optimizer", ["SGD", "AdamW"])  # AdamW reads them in its update
-def test_a_plain_model_sharing_layers_with_a_distributed_one_trains_them(strategy, optimizer):
+def _sharing_data():
     x, _ = make_data()
     rng = np.random.default_rng(1)
-    y, z = rng.normal(size=(len(x), 1)), rng.normal(size=(len(x), 16))
+    return x, rng.normal(size=(len(x), 1)), rng.normal(size=(len(x), 16))
 
-    def trained(model_class, **kwargs):
-        keras.utils.set_random_seed(7)
-        inputs = keras.Input((FEATURES,))
-        hidden = keras.layers.Dense(16)(inputs)
-        encoder = keras.Model(inputs, hidden)  # kept for later, as users do
-        full = model_class(inputs, keras.layers.Dense(1)(hidden), **kwargs)
-        full.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
-        full.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
-        encoder.compile(optimizer=getattr(keras.optimizers, optimizer)(0.01), loss="mse")
-        encoder.fit(x, z, batch_size=32, epochs=2, shuffle=False, verbose=0)
-        results = [
-            *encoder.get_weights(),
-            encoder.evaluate(x, z, verbose=0),
-            encoder.predict(x, verbose=0),
-        ]
-        full.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)  # on what it trained
-        return results + full.get_weights()
 
-    expected = trained(keras.Model)
-    got = trained(kd.DistributedModel, strategy=strategy)
-    for a, b in zip(got, expected):
-        np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
+def _sharing_models(model_class, **kwargs):
+    """(an encoder, kept for later as users do; a model of `model_class`
+    sharing its layer), compiled as the test trains them."""
+    keras.utils.set_random_seed(7)
+    inputs = keras.Input((FEATURES,))
+    hidden = keras.layers.Dense(16)(inputs)
+    encoder = keras.Model(inputs, hidden)
+    full = model_class(inputs, keras.layers.Dense(1)(hidden), **kwargs)
+    full.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    return encoder, full
+
+
+def _sharing_run(encoder, full, optimizer, fit):
+    """The full model trained for an epoch, the encoder (compiled with
+    `optimizer`) for two, the full model again for one, each by `fit(model,
+    x, y, epochs)`; returns the encoder's weights, `evaluate` and `predict`
+    after its training, then the full model's weights."""
+    x, y, z = _sharing_data()
+    fit(full, x, y, 1)
+    encoder.compile(optimizer=getattr(keras.optimizers, optimizer)(0.01), loss="mse")
+    fit(encoder, x, z, 2)
+    results = [
+        *encoder.get_weights(),
+        encoder.evaluate(x, z, verbose=0),
+        encoder.predict(x, verbose=0),
+    ]
+    fit(full, x, y, 1)  # on what it trained
+    return results + full.get_weights()
+
+
+@pytest.fixture(scope="module")
+def sharing_reference():
+    """Per optimizer: plain Keras's results of `_sharing_run`, and their
+    bounds. Each fit is traced; a difference in the weights a fit starts
+    from does not grow in it (see float_bounds' module doc), so a weight's
+    bound adds up those of the fits that train it."""
+    found = {}
+
+    def reference(optimizer):
+        if optimizer in found:
+            return found[optimizer]
+        encoder, full = _sharing_models(keras.Model)
+        x, _, z = _sharing_data()
+        apart = {id(v): 0.0 for v in full.trainable_weights}
+        bounds = []
+
+        def fit(model, x, y, epochs):
+            traced = as_reference.fit(model, x, y, 32, epochs)
+            for variable, bound in zip(model.trainable_weights, traced.trainable):
+                apart[id(variable)] = apart[id(variable)] + bound
+            if model is encoder:
+                weights_apart = [apart[id(v)] for v in encoder.trainable_weights]
+                bounds.extend(weights_apart)
+                bounds.append(evaluate_apart(encoder, x, y, 32, weights_apart))
+                bounds.append(outputs_apart(encoder, x, weights_apart))
+
+        results = _sharing_run(encoder, full, optimizer, fit)
+        bounds.extend(apart[id(v)] for v in full.trainable_weights)
+        found[optimizer] = results, bounds
+        return found[optimizer]
+
+    return reference
+
+
+@pytest.mark.parametrize("strategy", ["single", "mirrored", "central_storage"])
+@pytest.mark.parametrize("optimizer", ["SGD", "AdamW"])  # AdamW reads them in its update
+def test_a_plain_model_sharing_layers_with_a_distributed_one_trains_them(
+    strategy, optimizer, sharing_reference
+):
+    expected, bounds = sharing_reference(optimizer)
+
+    def fit(model, x, y, epochs):
+        model.fit(x, y, batch_size=32, epochs=epochs, shuffle=False, verbose=0)
+
+    got = _sharing_run(*_sharing_models(kd.DistributedModel, strategy=strategy), optimizer, fit)
+    assert len(got) == len(expected) == len(bounds)
+    for i, (a, b, bound) in enumerate(zip(got, expected, bounds)):
+        assert_within(np.ravel(a), np.ravel(b), np.ravel(bound), f"result {i}")
 
 
 # -- saved and loaded back ------------------------------------------------------------
@@ -400,6 +473,6 @@ def test_a_model_saved_with_ema_weights_loads_under_mirrored(tmp_path):
     model.save(tmp_path / "model.keras")
     loaded = keras.saving.load_model(tmp_path / "model.keras")
     assert loaded.strategy.name == "mirrored"
-    assert loaded.evaluate(x, y, verbose=0) == pytest.approx(
-        model.evaluate(x, y, verbose=0), abs=ATOL
-    )
+    # The same class and strategy at the same weights on the same batches:
+    # the same kernels, the same loss.
+    assert loaded.evaluate(x, y, verbose=0) == model.evaluate(x, y, verbose=0)

@@ -13,6 +13,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from keras.src.trainers.data_adapters.array_slicing import train_validation_split
+
+import as_reference
+from bounds_metrics import weighted_accuracy_apart
+from float_bounds import Reference, Trace, assert_within, gradient_terms
 from helpers import CLASSES, build, plain_model
 
 import keras_distrib as kd
@@ -90,14 +95,20 @@ def test_other_input_is_left_to_keras(data):
 def test_single_trains_exactly_like_plain_keras(extras, data):
     x, y = data
     kwargs = dict(batch_size=32, epochs=3, shuffle=False, verbose=0)
+    weights = None  # each row's weight, where the extras weigh them
     if extras == "sample_weight":
-        kwargs["sample_weight"] = np.linspace(0.5, 1.5, len(x)).astype("float32")
+        kwargs["sample_weight"] = weights = np.linspace(0.5, 1.5, len(x)).astype("float32")
     elif extras == "validation_split":
         kwargs["validation_split"] = 0.2
     elif extras == "class_weight":
         kwargs["class_weight"] = {c: 1.0 + c for c in range(CLASSES)}
     elif extras == "class_weight_of_some_classes":  # the others weigh 1, as Keras does
         kwargs["class_weight"] = {0: 2.0}
+    if "class_weight" in kwargs:
+        weights = np.array([kwargs["class_weight"].get(c, 1.0) for c in y], "float32")
+    trained, validation = (x, y), None  # the rows it trains on; the validation's
+    if "validation_split" in kwargs:
+        trained, validation = train_validation_split((x, y), kwargs["validation_split"])
     plain = plain_model()
     plain.compile(
         optimizer=keras.optimizers.SGD(0.1),
@@ -105,12 +116,25 @@ def test_single_trains_exactly_like_plain_keras(extras, data):
         metrics=["accuracy"],
     )
     ours = build("functional", "single")
-    h_plain, h_ours = plain.fit(x, y, **kwargs), ours.fit(x, y, **kwargs)
-    for a, b in zip(plain.get_weights(), ours.get_weights()):
-        np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+    # Plain Keras with the extras, traced on the rows it trains on, with their weights.
+    trace = Trace(*trained, 32, plain.loss, weights, outputs=True)
+    h_plain = plain.fit(x, y, callbacks=[trace], **kwargs)
+    reference = Reference(plain, trace, -(-len(trained[0]) // 32), logs=h_plain.history)
+    h_ours = ours.fit(x, y, **kwargs)
+    as_reference.assert_weights(reference, ours)
     assert h_plain.history.keys() == h_ours.history.keys()
-    for key in h_plain.history:
-        np.testing.assert_allclose(h_plain.history[key], h_ours.history[key], atol=1e-6)
+    if weights is None:
+        as_reference.assert_history(reference, h_ours.history, ("loss", "accuracy"))
+    else:
+        as_reference.assert_history(reference, h_ours.history, ("loss",))
+        assert_within(
+            h_ours.history["accuracy"],
+            h_plain.history["accuracy"],
+            weighted_accuracy_apart(reference, weights),
+            "accuracy",
+        )
+    if validation is not None:
+        as_reference.assert_validation(reference, h_ours.history, *validation)
     assert int(ours.optimizer.iterations) == int(plain.optimizer.iterations)
 
 
@@ -148,8 +172,9 @@ def test_a_list_of_inputs_stays_separate_inputs(strategy):
         made.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
         return made
 
-    plain, ours = model(None), model(strategy)
-    for m in (plain, ours):
-        m.fit([xa, xb], y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    for a, b in zip(plain.get_weights(), ours.get_weights()):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    # A Dense on the rows' 4 positions adds over the positions too.
+    plain = model(None)
+    reference = as_reference.fit(plain, [xa, xb], y, 16, 2, terms=gradient_terms(plain, 16 * 4))
+    ours = model(strategy)
+    ours.fit([xa, xb], y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    as_reference.assert_weights(reference, ours)

@@ -2,9 +2,10 @@
 
 The core assertion is the one every strategy meets: trained with the same
 global batch, the pipelined model ends with the weights, history,
-evaluate and predict results of `"single"` (atol 1e-5), with its variables
-really on both devices. The schedules themselves (pure Python) are checked
-in tests/unit/test_pipeline_schedule.py.
+evaluate and predict results of `"single"` (each within the bound of
+float32's rounding of the same math in other orders, `as_reference`), with
+its variables really on both devices. The schedules themselves (pure
+Python) are checked in tests/unit/test_pipeline_schedule.py.
 """
 
 import keras
@@ -12,13 +13,15 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import as_reference
 import keras_distrib as kd
+from bounds_split import input_statistics_apart, through_variables
+from float_bounds import assert_within, evaluate_apart, moving_statistics_apart, outputs_apart
 from helpers import (
     FEATURES,
     Crash,
     CrashAfter,
     assert_trains_like_single,
-    assert_weights_close,
     build,
     make_data,
     plain_model,
@@ -65,28 +68,50 @@ def test_matches_single(form, schedule, data):
     }
 
 
-@pytest.mark.parametrize("options", [dict(steps_per_execution=3), dict(run_eagerly=True)])
-def test_steps_per_execution_eager_and_validation_match_single(options, data):
+@pytest.fixture(scope="module")
+def validated_single(data):
+    """The MLP trained on "single" with validation data, traced (one step
+    per call, in a graph: the same math as other ways of running it)."""
     x, y = data
-    single = build("functional", "single", **options)
+    validation = (x[:50], y[:50])
+    single = build("functional", "single")
+    return as_reference.fit(single, x, y, BATCH, EPOCHS, validation_data=validation, outputs=False)
+
+
+@pytest.mark.parametrize("options", [dict(steps_per_execution=3), dict(run_eagerly=True)])
+def test_steps_per_execution_eager_and_validation_match_single(options, data, validated_single):
+    x, y = data
     model = build("functional", pipeline(), **options)
     fit = dict(
         batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, validation_data=(x[:50], y[:50])
     )
-    h_single, h_model = single.fit(x, y, **fit), model.fit(x, y, **fit)
-    assert_weights_close(single, model)
-    np.testing.assert_allclose(h_single.history["val_loss"], h_model.history["val_loss"], atol=1e-5)
+    history = model.fit(x, y, **fit)
+    as_reference.assert_weights(validated_single, model)
+    as_reference.assert_validation(validated_single, history.history, x[:50], y[:50])
 
 
-def test_a_wrong_average_would_be_seen(data):
+def _assert_within_first_epoch(reference, model):
+    """`model`'s weights within the bounds of the reference's after its
+    first epoch (7 steps)."""
+    for got, want, bound in zip(
+        model.trainable_weights, reference.trace.weights[7], reference.steps[6]
+    ):
+        assert_within(np.asarray(got), want, bound, got.path)
+
+
+def test_a_wrong_average_would_be_seen(data, validated_single):
     """Control: applying each micro-batch as its own step (batch 8) lands
-    far from the pipeline's weights, so the 1e-5 check above can fail."""
+    far from the pipeline's weights, outside the bound of the check above,
+    so that check can fail."""
     x, y = data
     model = build("functional", pipeline())
     per_micro_batch = build("functional", "single")
     fit = dict(epochs=1, shuffle=False, verbose=0)
     model.fit(x, y, batch_size=BATCH, **fit)
     per_micro_batch.fit(x, y, batch_size=BATCH // 4, **fit)
+    _assert_within_first_epoch(validated_single, model)
+    with pytest.raises(AssertionError, match="further apart than their bound"):
+        _assert_within_first_epoch(validated_single, per_micro_batch)
     assert (
         max(np.abs(a - b).max() for a, b in zip(model.get_weights(), per_micro_batch.get_weights()))
         > 1e-2
@@ -108,37 +133,51 @@ def _branchy(seed=3):
     return keras.Model({"features": features, "aux": aux}, {"out": out, "mid": mid})
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_two_inputs_two_outputs_and_skips_match_single(schedule, data):
-    x, y = data
+def _branchy_data(x, y):
     rng = np.random.default_rng(1)
     inputs = {"features": x, "aux": rng.normal(size=(len(x), 2)).astype("float32")}
     targets = {"out": y, "mid": rng.normal(size=(len(x), 4)).astype("float32")}
-    models = []
-    for strategy in ("single", pipeline(schedule=schedule, split_at=["b"])):
-        model = kd.DistributedModel.from_model(_branchy(), strategy=strategy)
-        model.compile(
-            optimizer=keras.optimizers.SGD(0.1),
-            loss={
-                "out": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                "mid": "mse",
-            },
-        )
-        model.fit(inputs, targets, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
-        models.append(model)
-    single, piped = models
+    return inputs, targets
+
+
+def _branchy_on(strategy):
+    model = kd.DistributedModel.from_model(_branchy(), strategy=strategy)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss={
+            "out": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            "mid": "mse",
+        },
+    )
+    return model
+
+
+@pytest.fixture(scope="module")
+def branchy_single(data):
+    """`_branchy` trained on "single", traced."""
+    inputs, targets = _branchy_data(*data)
+    return as_reference.fit(_branchy_on("single"), inputs, targets, BATCH, EPOCHS)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_two_inputs_two_outputs_and_skips_match_single(schedule, data, branchy_single):
+    inputs, targets = _branchy_data(*data)
+    piped = _branchy_on(pipeline(schedule=schedule, split_at=["b"]))
+    piped.fit(inputs, targets, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    single = branchy_single.model
     assert weights_moved(single, _branchy())
-    assert_weights_close(single, piped)
+    as_reference.assert_weights(branchy_single, piped)
     assert {p: d for p, d in placement(piped).items() if p.startswith("b/")} == {
         "b/kernel": CPU1,
         "b/bias": CPU1,
     }
     assert device_of(piped.get_layer("mid").kernel) == CPU0
-    for got, want in zip(
+    for got, want, bound in zip(
         tf.nest.flatten(piped.predict(inputs, batch_size=BATCH, verbose=0)),
         tf.nest.flatten(single.predict(inputs, batch_size=BATCH, verbose=0)),
+        tf.nest.flatten(branchy_single.predict(inputs)),
     ):
-        np.testing.assert_allclose(got, want, atol=1e-5)
+        assert_within(got, want, bound, "predict")
 
 
 def test_nested_models_and_attention_blocks_cut_by_default_match_single(data):
@@ -176,8 +215,9 @@ def test_nested_models_and_attention_blocks_cut_by_default_match_single(data):
                 optimizer=keras.optimizers.SGD(0.1),
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             )
-            model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-        assert_weights_close(plain, piped)
+        reference = as_reference.fit(plain, x, y, BATCH)
+        piped.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        as_reference.assert_weights(reference, piped)
 
 
 class _PenalizeActivations(keras.layers.Layer):
@@ -201,32 +241,51 @@ def _added_losses_graph():
     return inputs, keras.layers.Dense(3, name="logits")(h)
 
 
+def _compile_added_losses(model):
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+@pytest.fixture(scope="module")
+def added_losses_plain(data):
+    """Plain Keras on `_added_losses_graph`: its `evaluate` before training
+    and that result's bound (the same weights), and its training, traced."""
+    x, y = data
+    plain = _compile_added_losses(keras.Model(*_added_losses_graph()))
+    before = plain.evaluate(x, y, batch_size=BATCH, verbose=0)
+    before_bound = evaluate_apart(plain, x, y, BATCH)
+    return before, before_bound, as_reference.fit(plain, x, y, BATCH, EPOCHS)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_losses_added_in_call_count_in_every_stage(schedule, data):
+def test_losses_added_in_call_count_in_every_stage(schedule, data, added_losses_plain):
     # Activity regularizers and `add_loss` in both stages: the losses added
     # in stage 0 were left out of its gradients (weights 0.06 off plain
     # Keras after 2 epochs), and `evaluate` counted only the last
     # micro-batch's.
     x, y = data
-    plain = keras.Model(*_added_losses_graph())
     piped = kd.DistributedModel(
         *_added_losses_graph(), strategy=pipeline(schedule=schedule, split_at=["second"])
     )
     assert device_of(piped.get_layer("first").kernel) == CPU0
     assert device_of(piped.get_layer("second").kernel) == CPU1
-    results = []
-    for model in (plain, piped):
-        model.compile(
-            optimizer=keras.optimizers.SGD(0.1),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        )
-        before = model.evaluate(x, y, batch_size=BATCH, verbose=0)
-        history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
-        results.append(
-            [before, *history.history["loss"], model.evaluate(x, y, batch_size=BATCH, verbose=0)]
-        )
-    np.testing.assert_allclose(results[1], results[0], atol=1e-5)
-    assert_weights_close(plain, piped)
+    _compile_added_losses(piped)
+    before, before_bound, reference = added_losses_plain
+    assert_within(
+        np.ravel(piped.evaluate(x, y, batch_size=BATCH, verbose=0)),
+        np.ravel(before),
+        np.ravel(before_bound),
+        "evaluate before training",
+    )
+    history = piped.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    as_reference.assert_history(reference, history.history, ("loss",))
+    as_reference.assert_evaluate(
+        reference, piped.evaluate(x, y, batch_size=BATCH, verbose=0), x, y, BATCH
+    )
+    as_reference.assert_weights(reference, piped)
 
 
 def test_optimizer_slots_sit_with_their_variables(data):
@@ -319,8 +378,11 @@ def _one_dropout_step(schedule, seed=0):
 
 def test_dropout_masks_differ_per_micro_batch_and_runs_reproduce():
     kernel = _one_dropout_step("1f1b")
-    assert set(np.round(kernel, 5)) <= {1.0, 0.0, -1.0}
-    assert np.any(np.isclose(kernel, 0.0)), "every micro-batch drew the same mask"
+    # Exact: the kernel's ones, the dropout's scale 2, the mean absolute
+    # error's slopes +-1/2 and the learning rate 1 are powers of two or
+    # small whole numbers, and so are all their sums and products here.
+    assert set(kernel.tolist()) <= {1.0, 0.0, -1.0}
+    assert np.any(kernel == 0.0), "every micro-batch drew the same mask"
     np.testing.assert_array_equal(kernel, _one_dropout_step("1f1b"))
     np.testing.assert_array_equal(kernel, _one_dropout_step("gpipe"))
     assert not np.array_equal(kernel, _one_dropout_step("1f1b", seed=1))
@@ -349,9 +411,19 @@ def test_batch_norm_uses_micro_batch_statistics():
     single.train_on_batch(x, y)
     after_first = 0.5 * 0.0 + 0.5 * x[:4].mean(axis=0)
     expected = 0.5 * after_first + 0.5 * x[4:].mean(axis=0)
-    np.testing.assert_allclose(piped.get_layer("bn").moving_mean.numpy(), expected, rtol=1e-5)
-    np.testing.assert_allclose(
-        single.get_layer("bn").moving_mean.numpy(), 0.5 * x.mean(axis=0), rtol=1e-5
+    # Both within what float32's rounding of these means and updates
+    # allows (other orders of the sums).
+    assert_within(
+        piped.get_layer("bn").moving_mean.numpy(),
+        expected,
+        input_statistics_apart([x[:4], x[4:]], 0.5)[0],
+        "micro-batches' moving mean",
+    )
+    assert_within(
+        single.get_layer("bn").moving_mean.numpy(),
+        0.5 * x.mean(axis=0),
+        input_statistics_apart([x], 0.5)[0],
+        "one batch's moving mean",
     )
 
 
@@ -361,10 +433,21 @@ def test_batch_norm_with_one_micro_batch_matches_single():
     y = rng.normal(size=(64, 1)).astype("float32")
     piped = _bn_model(pipeline(num_micro_batches=1))
     single = _bn_model("single")
-    for model in (piped, single):
-        model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
-    assert_weights_close(single, piped)
-    np.testing.assert_allclose(piped.predict(x, verbose=0), single.predict(x, verbose=0), atol=1e-5)
+    reference = as_reference.fit(single, x, y, 16, 3)
+    piped.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
+    # The moving statistics, within what the rounding of their moments and
+    # updates allows (`float_bounds.moving_statistics_apart`).
+    bn = single.get_layer("bn")
+    moving = moving_statistics_apart(reference, x, 16)
+    statistics = [(v, moving[id(v)]) for v in (bn.moving_mean, bn.moving_variance)]
+    as_reference.assert_weights(reference, piped, others=moving)
+    # Its predictions: the trained weights' bounds and the statistics'.
+    assert_within(
+        piped.predict(x, verbose=0),
+        single.predict(x, verbose=0),
+        reference.predict(x) + through_variables(single, x, statistics),
+        "predict",
+    )
 
 
 # -- saving, the plan, callbacks, optimizers ---------------------------------------------
@@ -377,14 +460,19 @@ def test_saved_files_load_into_a_plain_keras_model(data, tmp_path):
     expected = model.predict(x, verbose=0)
     model.save(tmp_path / "m.keras")
     model.save_weights(tmp_path / "m.weights.h5")
+    apart = None  # of the plain model's predictions at the saved weights
     for path in ("m.keras", "m.weights.h5"):
         plain = plain_model(seed=99)
         plain.load_weights(tmp_path / path)
-        np.testing.assert_allclose(plain.predict(x, verbose=0), expected, atol=1e-6)
+        apart = outputs_apart(plain, x) if apart is None else apart
+        # The same weights, whole against staged: other orders of the sums.
+        assert_within(plain.predict(x, verbose=0), expected, apart, path)
     again = build("functional", pipeline(), seed=99)
     again.load_weights(tmp_path / "m.weights.h5")
     assert placement(again) == placement(model)
-    np.testing.assert_allclose(again.predict(x, verbose=0), expected, atol=1e-6)
+    # The same pipeline with the same weights, predicting the same batches
+    # in this process: the same kernels, the same results.
+    np.testing.assert_array_equal(again.predict(x, verbose=0), expected)
 
 
 def test_plan_reads_bytes_per_device_from_the_placement(data):
@@ -433,8 +521,10 @@ def test_callbacks_and_distributed_optimizer(data, tmp_path):
     ]
     fit = dict(batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
     history = model.fit(x, y, callbacks=callbacks, **fit)
-    single.fit(x, y, **fit)
-    assert_weights_close(single, model)
+    # One replica: no all-reduce, so the fp16 compression has nothing to
+    # compress, and the run is "single"'s math.
+    reference = as_reference.fit(single, x, y, BATCH, EPOCHS, outputs=False)
+    as_reference.assert_weights(reference, model)
     assert history.history["samples_per_sec"][-1] > 0
 
 
@@ -468,7 +558,10 @@ def test_a_resumed_run_equals_an_uninterrupted_one(data, tmp_path):
     resumed = build("functional", pipeline())
     fit(resumed)
     assert int(resumed.optimizer.iterations.numpy()) == EPOCHS * 7
-    assert_weights_close(reference, resumed, atol=1e-6)
+    # The same pipeline from the same state (a backup file) on the same
+    # batches in this process: the same kernels, equal.
+    for a, b in zip(reference.get_weights(), resumed.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 # -- bad input: one-line errors --------------------------------------------------------
@@ -521,6 +614,7 @@ def test_a_nested_model_is_cut_through_where_its_own_layers_are_needed(tmp_path)
     x, y = make_data()
 
     def one_nested():
+        keras.utils.set_random_seed(4)  # one plain run for both cuts
         backbone = keras.Sequential(
             [
                 keras.Input((FEATURES,)),
@@ -533,27 +627,30 @@ def test_a_nested_model_is_cut_through_where_its_own_layers_are_needed(tmp_path)
         inputs = keras.Input((FEATURES,))
         return keras.Model(inputs, backbone(inputs))
 
+    def compiled(model):
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        return model
+
+    reference = as_reference.fit(compiled(one_nested()), x, y, BATCH)
     for strategy in (pipeline(), pipeline(split_at=["inner_out"])):
-        plain = one_nested()
-        piped = kd.DistributedModel.from_model(plain, strategy=strategy)
-        for model in (plain, piped):
-            model.compile(
-                optimizer=keras.optimizers.SGD(0.1),
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            )
-            model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-        assert_weights_close(plain, piped)
+        piped = compiled(kd.DistributedModel.from_model(one_nested(), strategy=strategy))
+        piped.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        as_reference.assert_weights(reference, piped)
         assert device_of(piped.get_layer("backbone").get_layer("inner_a").kernel) == CPU0
         assert device_of(piped.get_layer("backbone").get_layer("inner_out").kernel) == CPU1
     # The file holds the model's own weights only (not a second copy from the
     # inlined graph) and loads back into a fresh model of either kind.
     path = tmp_path / "nested.weights.h5"
     piped.save_weights(path)
+    apart = None  # of the plain model's predictions at the saved weights
     for fresh in (one_nested(), kd.DistributedModel.from_model(one_nested(), strategy=pipeline())):
         fresh.load_weights(path)
-        np.testing.assert_allclose(
-            fresh.predict(x, verbose=0), piped.predict(x, verbose=0), atol=1e-6
-        )
+        apart = outputs_apart(fresh, x) if apart is None else apart
+        # The same weights, cut elsewhere or not at all: other orders of the sums.
+        assert_within(fresh.predict(x, verbose=0), piped.predict(x, verbose=0), apart, "predict")
 
 
 def test_a_mask_crossing_the_cut_is_handed_over():
@@ -575,33 +672,30 @@ def test_a_mask_crossing_the_cut_is_handed_over():
     y = rng.normal(size=(32, 2)).astype("float32")
     plain = graph()
     piped = kd.DistributedModel.from_model(plain, strategy=pipeline(split_at=["lstm"]))
-    np.testing.assert_allclose(
+    # The same weights: within what other orders of the sums allow.
+    assert_within(
         piped.predict(x, batch_size=8, verbose=0),
         plain.predict(x, batch_size=8, verbose=0),
-        atol=1e-6,
+        outputs_apart(plain, x),
+        "predict",
     )
     for model in (plain, piped):
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-        model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
-    assert_weights_close(plain, piped)
+    reference = as_reference.fit(plain, x, y, 8)
+    piped.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    as_reference.assert_weights(reference, piped)
 
 
 def test_a_batch_micro_batches_cannot_share_evenly_trains_as_one_device(data):
     x, y = data
     plain, piped = build("functional", "single"), build("functional", pipeline())
-    for model in (plain, piped):
-        model.fit(x, y, batch_size=30, epochs=1, shuffle=False, verbose=0)
-    assert_weights_close(plain, piped)
-    np.testing.assert_allclose(
-        piped.evaluate(x, y, batch_size=30, verbose=0),
-        plain.evaluate(x, y, batch_size=30, verbose=0),
-        atol=1e-5,
+    reference = as_reference.fit(plain, x, y, 30, outputs=False)
+    piped.fit(x, y, batch_size=30, epochs=1, shuffle=False, verbose=0)
+    as_reference.assert_weights(reference, piped)
+    as_reference.assert_evaluate(
+        reference, piped.evaluate(x, y, batch_size=30, verbose=0), x, y, 30
     )
-    np.testing.assert_allclose(
-        piped.predict(x, batch_size=30, verbose=0),
-        plain.predict(x, batch_size=30, verbose=0),
-        atol=1e-5,
-    )
+    as_reference.assert_predict(reference, piped.predict(x, batch_size=30, verbose=0), x, 30)
 
 
 class CustomStep(kd.DistributedModel):

@@ -9,10 +9,10 @@ and ends epochs exactly as Keras's does.
 """
 
 import keras
-import numpy as np
 import pytest
 import tensorflow as tf
 
+import as_reference
 from helpers import build, plain_model, tf_dataset
 
 KERAS_FUNCTION_OPS = {"OptionalFromValue", "StatefulPartitionedCall", "PartitionedCall"}
@@ -54,23 +54,26 @@ def test_other_settings_keep_keras_function(data, options):
     assert not hasattr(model.train_function, "compiled")
 
 
+@pytest.fixture(scope="module")
+def plain_3_epochs(data):
+    """Plain Keras trained on the data in order, 3 epochs of batches of 32, traced."""
+    x, y = data
+    return as_reference.fit(_compile_like_build(plain_model()), x, y, 32, 3)
+
+
 @pytest.mark.parametrize("strategy", ["single", "mirrored"])
-def test_finite_dataset_epochs_end_as_in_keras(data, strategy):
+def test_finite_dataset_epochs_end_as_in_keras(data, strategy, plain_3_epochs):
     """No steps_per_epoch: the end of the data ends each epoch, every batch once."""
     x, y = data
-    plain = _compile_like_build(plain_model())
+    reference, plain = plain_3_epochs, plain_3_epochs.model
     ours = build("functional", strategy)
-    h_plain = plain.fit(tf_dataset(x, y, 32), epochs=3, verbose=0)
     h_ours = ours.fit(tf_dataset(x, y, 32), epochs=3, verbose=0)
     assert ours.optimizer.iterations.numpy() == plain.optimizer.iterations.numpy() == 3 * 7
-    for a, b in zip(plain.get_weights(), ours.get_weights()):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
-    for key in h_plain.history:
-        np.testing.assert_allclose(h_plain.history[key], h_ours.history[key], atol=1e-5)
-    np.testing.assert_allclose(
-        plain.evaluate(tf_dataset(x, y, 32), verbose=0),
-        ours.evaluate(tf_dataset(x, y, 32), verbose=0),
-        atol=1e-5,
+    as_reference.assert_weights(reference, ours)
+    assert h_ours.history.keys() == reference.logs.keys()
+    as_reference.assert_history(reference, h_ours.history, reference.logs.keys())
+    as_reference.assert_evaluate(
+        reference, ours.evaluate(tf_dataset(x, y, 32), verbose=0), x, y, 32
     )
 
 
@@ -81,19 +84,24 @@ def _batches_without_weights(x, y, batch_size=32):
             yield x[i : i + batch_size], y[i : i + batch_size], None
 
 
+@pytest.fixture(scope="module")
+def plain_2_epochs(data):
+    """Plain Keras trained on the data in order, 2 epochs of batches of 32, traced."""
+    x, y = data
+    return as_reference.fit(_compile_like_build(plain_model()), x, y, 32, 2)
+
+
 @pytest.mark.parametrize("strategy", ["single", "mirrored"])
-def test_absent_element_reaches_the_step_as_none(data, strategy):
+def test_absent_element_reaches_the_step_as_none(data, strategy, plain_2_epochs):
     """Also the build's batch: a DistributedModel builds from one (plain Keras
     with no strategy at the first step), and Keras's build read the
     Optional's shape."""
     x, y = data
-    plain = _compile_like_build(plain_model())
     ours = build("functional", strategy)
-    plain.fit(_batches_without_weights(x, y), steps_per_epoch=7, epochs=2, verbose=0)
+    # The reference: the same batches, from arrays in order.
     ours.fit(_batches_without_weights(x, y), steps_per_epoch=7, epochs=2, verbose=0)
     assert hasattr(ours.train_function, "compiled")
-    for a, b in zip(plain.get_weights(), ours.get_weights()):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    as_reference.assert_weights(plain_2_epochs, ours)
 
 
 def test_jit_compiled_step_trains_like_keras(data):
@@ -102,11 +110,10 @@ def test_jit_compiled_step_trains_like_keras(data):
     plain = _compile_like_build(plain_model(), jit_compile=True)
     ours = build("functional", "single", jit_compile=True)
     kwargs = dict(batch_size=32, epochs=2, shuffle=False, verbose=0)
-    plain.fit(x, y, **kwargs)
+    reference = as_reference.fit(plain, x, y, 32, 2)
     ours.fit(x, y, **kwargs)
     ops = _op_types(ours.train_function.compiled, tf_dataset(x, y, 32))
     assert "OptionalFromValue" not in ops
     assert ops & {"StatefulPartitionedCall", "PartitionedCall"}  # the XLA step
-    for a, b in zip(plain.get_weights(), ours.get_weights()):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    as_reference.assert_weights(reference, ours)
     assert tf.is_tensor(ours.train_function.compiled(iter(tf_dataset(x, y, 32)))["loss"])
