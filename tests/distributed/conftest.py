@@ -87,3 +87,23 @@ def uninterrupted(tmp_path_factory):
         return finals[key]
 
     return run
+
+
+@pytest.fixture(scope="session")
+def traced_job():
+    """`traced_job(*script_flags)`: the math of tests/workers/faults.py with
+    `script_flags`' optimizer, run and traced in this process
+    (`fault_job.traced`), whose bounds `fault_job.assert_equal_to` takes.
+    Made once per run for each optimizer (the other flags change how the
+    job runs, not its math)."""
+    import fault_job
+
+    made = {}
+
+    def run(*script_flags):
+        name = fault_job.optimizer_of(script_flags)
+        if name not in made:
+            made[name] = fault_job.traced(name)
+        return made[name]
+
+    return run

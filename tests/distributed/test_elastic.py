@@ -21,11 +21,10 @@ import os
 import re
 import time
 
-import numpy as np
 import pytest
 
 import fault_job
-from fault_job import FAULTS, STEPS
+from fault_job import FAULTS
 from helpers import launch, process_alive
 
 pytestmark = pytest.mark.slow
@@ -33,15 +32,14 @@ pytestmark = pytest.mark.slow
 ELASTIC = ("--min_workers", "1", "--max_restarts", "3")
 
 
-def _assert_ends_as_one_process(out, n, uninterrupted, *script_flags):
+def _assert_ends_as_one_process(out, n, uninterrupted, traced_job, *script_flags):
     """Every rank took all the steps and holds the weights of the
-    one-process run with `script_flags` (the sums over another number of
-    workers round differently)."""
-    reference = uninterrupted(1, *script_flags)[0][1]
-    for rank, (iterations, weights) in enumerate(fault_job.results(out, n)):
-        assert iterations == STEPS, (rank, iterations)
-        for got, want in zip(weights, reference):
-            np.testing.assert_allclose(got, want, atol=1e-5, rtol=0, err_msg=f"rank {rank}")
+    one-process run with `script_flags`: the sums over another number of
+    workers round differently, within the bounds of the job's math in other
+    orders (`fault_job.assert_equal_to`)."""
+    fault_job.assert_equal_to(
+        fault_job.results(out, n), uninterrupted(1, *script_flags), traced_job(*script_flags)
+    )
 
 
 def _assert_goes_on_from_the_step_it_names(output, line_start):
@@ -109,7 +107,7 @@ def _hurt_twice(out, fault, *script_flags, env=None, launch_flags=()):
     [("tensor_parallel", "sgd", "stop"), ("pipeline", "adam", "kill"), ("horovod", "sgd", "kill")],
 )
 def test_a_worker_hurt_again_is_left_out_and_the_rest_ends_exact(
-    tmp_path, uninterrupted, strategy, optimizer, fault
+    tmp_path, uninterrupted, traced_job, strategy, optimizer, fault
 ):
     flags = _optimizer_flags(optimizer)
     if strategy == "horovod":
@@ -129,7 +127,7 @@ def test_a_worker_hurt_again_is_left_out_and_the_rest_ends_exact(
     )
     assert "the rank succeeded; 2 of 3 restarts used; exit code 0." in output
     assert [len(runs) for runs in fault_job.attempts(tmp_path, 2).values()] == [3, 2]
-    _assert_ends_as_one_process(tmp_path, 1, uninterrupted, *flags)
+    _assert_ends_as_one_process(tmp_path, 1, uninterrupted, traced_job, *flags)
     _assert_nothing_left(tmp_path, 2)
 
 
@@ -158,7 +156,7 @@ def _lose_and_return(bed, out, returns=True, training_only=False):
 
 
 def test_a_host_cut_off_for_good_is_left_out_and_the_rest_ends_exact(
-    tmp_path, hosts, uninterrupted
+    tmp_path, hosts, uninterrupted, traced_job
 ):
     """A permanent partition: the job ends on host 0 alone, and the rank
     behind the cut does not outlive it."""
@@ -196,7 +194,7 @@ def test_a_host_cut_off_for_good_is_left_out_and_the_rest_ends_exact(
     )
     assert "answers again" not in output, output[-3000:]
     assert [len(runs) for runs in fault_job.attempts(tmp_path, 2).values()] == [2, 1]
-    _assert_ends_as_one_process(tmp_path, 1, uninterrupted)
+    _assert_ends_as_one_process(tmp_path, 1, uninterrupted, traced_job)
     assert bed.pids() == [], "a process outlived the job on a host"
 
 
@@ -219,7 +217,7 @@ def test_a_host_cut_off_for_good_is_left_out_and_the_rest_ends_exact(
     ],
 )
 def test_a_lost_host_is_left_out_and_taken_back_and_the_run_ends_exact(
-    tmp_path, hosts, uninterrupted, engine, optimizer, cut
+    tmp_path, hosts, uninterrupted, traced_job, engine, optimizer, cut
 ):
     """Under `--backend horovod` each attempt is one horovodrun on the hosts
     that answer: the launcher runs on host 0, horovodrun reaches host 1 with
@@ -298,5 +296,5 @@ def test_a_lost_host_is_left_out_and_taken_back_and_the_run_ends_exact(
     assert resumed == [("2", "1"), ("1", "2")], output[-3000:]
     # Host 0 ran every attempt (2, then 1, then 2 workers); host 1 the first and last.
     assert [len(runs) for runs in fault_job.attempts(tmp_path, 2).values()] == [3, 2]
-    _assert_ends_as_one_process(tmp_path, 2, uninterrupted, *optimizer_flags)
+    _assert_ends_as_one_process(tmp_path, 2, uninterrupted, traced_job, *optimizer_flags)
     assert bed.pids() == [], "a process outlived the job on a host"

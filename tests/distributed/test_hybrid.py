@@ -18,25 +18,29 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import ROOT, WORKERS, build, make_data
+import as_reference
+from helpers import CLASSES, ROOT, WORKERS, build, make_data
 from netns_hosts import TestBed
 
 WORKER = os.path.join(WORKERS, "hybrid_train.py")
 RUNS = ["tensor_parallel", "gpipe", "1f1b", "tensor_parallel_spe3", "1f1b_ours"]
 BATCH, EPOCHS = 32, 2
+UNEVEN_BATCH = 36  # tests/workers/hybrid_train.py's
 
 
 @pytest.fixture(scope="module")
 def single():
+    """ "single" with the same global batch, traced: the bounds of float32's
+    rounding of its math in other orders (tests/float_bounds.py)."""
     x, y = make_data()
-    model = build("functional", "single")
-    history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
-    return dict(
-        weights=model.get_weights(),
-        history=history.history,
-        evaluate=model.evaluate(x, y, batch_size=BATCH, verbose=0),
-        predict=model.predict(x, batch_size=BATCH, verbose=0),
-    )
+    return as_reference.fit(build("functional", "single"), x, y, BATCH, EPOCHS), x, y
+
+
+@pytest.fixture(scope="module")
+def single_uneven():
+    """The same for one epoch of `UNEVEN_BATCH`."""
+    x, y = make_data()
+    return as_reference.fit(build("functional", "single"), x, y, UNEVEN_BATCH)
 
 
 # The two workers on one host (shared memory between them) or on two hosts
@@ -77,6 +81,7 @@ def launched(request, tmp_path_factory):
 @pytest.mark.parametrize("run", RUNS)
 def test_hybrid_equals_single_device(launched, single, run):
     where, _, results = launched
+    reference, x, y = single
     for rank in range(2):
         r = results[run, rank]
         assert (r["rank"], r["world_size"], r["num_replicas"]) == (rank, 2, 2)
@@ -87,13 +92,12 @@ def test_hybrid_equals_single_device(launched, single, run):
         assert r["iterations"] == EPOCHS * -(-203 // BATCH)
         for got, mine in zip(r["weights"], results[run, 0]["weights"]):
             np.testing.assert_array_equal(got, mine)  # replicas identical
-        for got, want in zip(r["weights"], single["weights"]):
-            np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
-        for key in ("loss", "accuracy"):  # epoch logs: exact global values
-            np.testing.assert_allclose(r["history"][key], single["history"][key], atol=1e-5)
-        np.testing.assert_allclose(r["evaluate"], single["evaluate"], atol=1e-5)
-        assert r["predict"].shape == single["predict"].shape  # every row, in order
-        np.testing.assert_allclose(r["predict"], single["predict"], atol=1e-5)
+        as_reference.assert_weights(reference, r["weights"])
+        # Epoch logs: the global values.
+        as_reference.assert_history(reference, r["history"], ("loss", "accuracy"))
+        as_reference.assert_evaluate(reference, r["evaluate"], x, y, BATCH)
+        assert r["predict"].shape == (len(x), CLASSES)  # every row, in order
+        as_reference.assert_predict(reference, r["predict"], x, BATCH)
 
 
 @pytest.mark.slow
@@ -102,8 +106,7 @@ def test_chief_checkpoint_loads_into_plain_keras(launched, single, run):
     _, out, _ = launched
     plain = build("functional", "single", compile_model=False)
     plain.load_weights(out / f"{run}.weights.h5")
-    for got, want in zip(plain.get_weights(), single["weights"]):
-        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    as_reference.assert_weights(single[0], plain)
 
 
 @pytest.mark.slow
@@ -117,12 +120,12 @@ def test_our_callbacks_and_optimizer_run_under_hybrid(launched):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("run", ["gpipe", "1f1b"])
-def test_a_batch_micro_batches_and_workers_cannot_share_evenly_trains_as_one_device(launched, run):
+def test_a_batch_micro_batches_and_workers_cannot_share_evenly_trains_as_one_device(
+    launched, single_uneven, run
+):
     _, out, _ = launched
-    x, y = make_data()
-    model = build("functional", "single")
-    model.fit(x, y, batch_size=36, epochs=1, shuffle=False, verbose=0)
     for rank in (0, 1):
         got = np.load(out / f"{run}-rank{rank}-uneven.npz")
-        for i, want in enumerate(model.get_weights()):
-            np.testing.assert_allclose(got[f"arr_{i}"], want, atol=1e-5, rtol=0)
+        as_reference.assert_weights(
+            single_uneven, [got[f"arr_{i}"] for i in range(len(got.files))], err_msg=f"rank {rank}"
+        )

@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 import fault_job
@@ -21,7 +20,7 @@ pytestmark = pytest.mark.slow
 SERVICE = "train-workers"  # configs/k8s/job.yaml's headless Service
 
 
-def test_indexed_job_pods_train_by_their_stable_names(tmp_path, hosts, uninterrupted):
+def test_indexed_job_pods_train_by_their_stable_names(tmp_path, hosts, uninterrupted, traced_job):
     bed = hosts(2)
     for host in range(2):
         bed.hosts_file(
@@ -67,9 +66,6 @@ def test_indexed_job_pods_train_by_their_stable_names(tmp_path, hosts, uninterru
         for p in procs:
             kill_process_group(p)
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outputs)
-    reference = uninterrupted(1)[0][1]
-    for rank, (iterations, weights) in enumerate(fault_job.results(tmp_path, 2)):
-        assert iterations == fault_job.STEPS
-        for got, want in zip(weights, reference):
-            np.testing.assert_allclose(got, want, atol=1e-5, rtol=0, err_msg=f"rank {rank}")
+    # As one process: within the bounds of the job's math in other orders.
+    fault_job.assert_equal_to(fault_job.results(tmp_path, 2), uninterrupted(1), traced_job())
     assert bed.pids() == []

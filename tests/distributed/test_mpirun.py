@@ -54,14 +54,14 @@ def _environment(**extra):
     return env
 
 
-def test_mpirun_on_one_host_trains_as_one_process(tmp_path, uninterrupted):
+def test_mpirun_on_one_host_trains_as_one_process(tmp_path, uninterrupted, traced_job):
     code, output = _mpirun(["mpirun", "-np", "2", *_job(tmp_path)], _environment())
     assert code == 0, output[-3000:]
     assert "127.0.0.1" in output  # one host: the workers listen on loopback
-    fault_job.assert_equal_to(fault_job.results(tmp_path, 2), uninterrupted(1))
+    fault_job.assert_equal_to(fault_job.results(tmp_path, 2), uninterrupted(1), traced_job())
 
 
-def test_mpirun_across_two_hosts_trains_as_one_process(tmp_path, hosts, uninterrupted):
+def test_mpirun_across_two_hosts_trains_as_one_process(tmp_path, hosts, uninterrupted, traced_job):
     bed = hosts(2)
     path = bed.ssh_program(str(tmp_path)) + os.pathsep + os.environ["PATH"]
     argv = bed.on(0, ["mpirun", "--host", ",".join(bed.addresses), "-np", "2", *_job(tmp_path)])
@@ -69,7 +69,7 @@ def test_mpirun_across_two_hosts_trains_as_one_process(tmp_path, hosts, uninterr
     assert code == 0, output[-3000:]
     workers = [f"'{address}:" for address in bed.addresses]
     assert all(worker in output for worker in workers), output[-3000:]
-    fault_job.assert_equal_to(fault_job.results(tmp_path, 2), uninterrupted(1))
+    fault_job.assert_equal_to(fault_job.results(tmp_path, 2), uninterrupted(1), traced_job())
     assert bed.pids() == []
 
 

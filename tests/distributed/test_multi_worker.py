@@ -4,6 +4,7 @@ The strategy's options and errors, in one process:
 tests/integration/test_multi_worker_options.py.
 """
 
+import functools
 import glob
 import json
 import os
@@ -16,7 +17,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from helpers import ROOT, WORKERS, build, make_data
+import as_reference
+from helpers import CLASSES, ROOT, WORKERS, build, make_data
 from keras_distrib import cluster
 
 WORKER = os.path.join(WORKERS, "mw_train.py")
@@ -69,11 +71,13 @@ def _launch(out, n, *args, timeout=240, launch_flags=()):
     return ranks, proc.stdout + proc.stderr
 
 
+@functools.lru_cache(maxsize=None)
 def _single_process(batch, epochs=2):
+    """(one process with the global batch `batch`, traced: the bounds of
+    float32's rounding of its math in other orders, tests/float_bounds.py;
+    x, y), once per batch for the tests that compare with it."""
     x, y = make_data()
-    model = build("functional", "single")
-    history = model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0)
-    return model, history.history, x, y
+    return as_reference.fit(build("functional", "single"), x, y, batch, epochs), x, y
 
 
 # 2 workers on one host on the default path ("auto": shared memory), 3 on
@@ -186,15 +190,13 @@ def test_workers_end_identical_and_equal_single_process(run):
     n, batch, _, ranks, _ = run
     assert [r["rank"] for r in ranks] == list(range(n))
     assert all(r["world_size"] == n for r in ranks)
-    model, history, x, y = _single_process(batch)
+    reference, _, _ = _single_process(batch)
     for r in ranks:
         for got, want in zip(r["weights"], ranks[0]["weights"]):
             np.testing.assert_array_equal(got, want)
-        for got, want in zip(r["weights"], model.get_weights()):
-            np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+        as_reference.assert_weights(reference, r["weights"])
         assert r["iterations"] == 2 * -(-N_SAMPLES // batch)
-        for key in ("loss", "accuracy"):
-            np.testing.assert_allclose(r["history"][key], history[key], atol=1e-5)
+        as_reference.assert_history(reference, r["history"], ("loss", "accuracy"))
 
 
 @pytest.mark.slow
@@ -213,13 +215,11 @@ def test_gradient_packs_start_before_the_backward_pass_ends(run):
 @pytest.mark.slow
 def test_evaluate_and_predict_match_single_process_on_every_worker(run):
     _, batch, _, ranks, _ = run
-    model, _, x, y = _single_process(batch)
-    want_eval = model.evaluate(x, y, batch_size=batch, verbose=0)
-    want_pred = model.predict(x, batch_size=batch, verbose=0)
+    reference, x, y = _single_process(batch)
     for r in ranks:
-        np.testing.assert_allclose(r["evaluate"], want_eval, atol=1e-5)
-        assert r["predict"].shape == want_pred.shape
-        np.testing.assert_allclose(r["predict"], want_pred, atol=1e-5)
+        as_reference.assert_evaluate(reference, r["evaluate"], x, y, batch)
+        assert r["predict"].shape == (len(x), CLASSES)
+        as_reference.assert_predict(reference, r["predict"], x, batch)
 
 
 @pytest.mark.slow
@@ -277,10 +277,9 @@ def test_auto_trains_on_tensorflows_ring_where_a_firewall_stops_our_engines(tmp_
     )
     assert line, output[-3000:]
     assert [r["implementation"] for r in ranks] == ["auto", "auto"]
-    model, _, _, _ = _single_process(33)
+    reference, _, _ = _single_process(33)
     for r in ranks:
-        for got, want in zip(r["weights"], model.get_weights()):
-            np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+        as_reference.assert_weights(reference, r["weights"])
 
 
 @pytest.mark.slow

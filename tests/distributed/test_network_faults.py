@@ -134,15 +134,17 @@ def test_a_host_that_disappears_fails_the_launch_naming_its_rank(tmp_path, hosts
     _assert_nothing_left(bed, tmp_path)
 
 
-def test_a_three_second_flap_is_ridden_out(tmp_path, hosts, uninterrupted):
+def test_a_three_second_flap_is_ridden_out(tmp_path, hosts, uninterrupted, traced_job):
     bed = hosts(2)
     code, output = _launch_across(bed, tmp_path, _cut_link(bed, tmp_path, 1, seconds=3))
     assert code == 0, output[-3000:]
-    fault_job.assert_equal_to(fault_job.results(tmp_path, 2), uninterrupted(2))
+    fault_job.assert_equal_to(fault_job.results(tmp_path, 2), uninterrupted(2), traced_job())
     _assert_nothing_left(bed, tmp_path)
 
 
-def test_an_outage_longer_than_the_timeout_restarts_and_ends_exact(tmp_path, hosts, uninterrupted):
+def test_an_outage_longer_than_the_timeout_restarts_and_ends_exact(
+    tmp_path, hosts, uninterrupted, traced_job
+):
     bed = hosts(2)
     code, output = _launch_across(
         bed,
@@ -154,5 +156,5 @@ def test_an_outage_longer_than_the_timeout_restarts_and_ends_exact(tmp_path, hos
     assert code == 0, output[-3000:]
     assert "is unreachable" in output and "restart 1/2: rank " in output, output[-3000:]
     assert "restart 2/2" not in output
-    fault_job.assert_equal_to(fault_job.results(tmp_path, 2), uninterrupted(2))
+    fault_job.assert_equal_to(fault_job.results(tmp_path, 2), uninterrupted(2), traced_job())
     _assert_nothing_left(bed, tmp_path)

@@ -10,7 +10,6 @@ import os
 import sys
 import time
 
-import numpy as np
 import pytest
 
 import fault_job
@@ -45,22 +44,22 @@ def _submit(bed, out, *script_flags):
     )
 
 
-def _assert_one_process_weights(out, uninterrupted):
-    reference = uninterrupted(1)[0][1]
-    for rank, (iterations, weights) in enumerate(fault_job.results(out, 2)):
-        assert iterations == fault_job.STEPS
-        for got, want in zip(weights, reference):
-            np.testing.assert_allclose(got, want, atol=1e-5, rtol=0, err_msg=f"rank {rank}")
+def _assert_one_process_weights(out, uninterrupted, traced_job):
+    """Both workers end as one process: within the bounds of the job's math
+    in other orders (`fault_job.assert_equal_to`)."""
+    fault_job.assert_equal_to(fault_job.results(out, 2), uninterrupted(1), traced_job())
 
 
 def _log(out):
     return "".join(open(p).read() for p in glob.glob(str(out / "slurm-*.out")))[-4000:]
 
 
-def test_an_sbatch_job_on_two_nodes_trains_as_one_process(slurm, tmp_path, uninterrupted):
+def test_an_sbatch_job_on_two_nodes_trains_as_one_process(
+    slurm, tmp_path, uninterrupted, traced_job
+):
     job = _submit(slurm, tmp_path)
     assert slurm.wait_for_job(job) == "COMPLETED", _log(tmp_path)
-    _assert_one_process_weights(tmp_path, uninterrupted)
+    _assert_one_process_weights(tmp_path, uninterrupted, traced_job)
 
 
 def test_a_parameter_server_step_trains_and_ends_with_its_chief(slurm, tmp_path):
@@ -95,7 +94,7 @@ def test_a_parameter_server_step_trains_and_ends_with_its_chief(slurm, tmp_path)
 
 
 def test_scancel_signal_term_saves_and_the_requeued_job_resumes_exact(
-    slurm, tmp_path, uninterrupted
+    slurm, tmp_path, uninterrupted, traced_job
 ):
     """The workers pause after step 6; `scancel --signal=TERM` reaches them
     there; they stop at one step, save, exit 75, Slurm queues the job again,
@@ -132,7 +131,7 @@ def test_scancel_signal_term_saves_and_the_requeued_job_resumes_exact(
     assert "keras_distrib: resuming from step" in log, log
     runs = fault_job.attempts(tmp_path, 2)
     assert [[a.number for a in r] for r in runs.values()] == [[0, 1], [0, 1]], runs
-    _assert_one_process_weights(tmp_path, uninterrupted)
+    _assert_one_process_weights(tmp_path, uninterrupted, traced_job)
 
 
 def test_a_node_taken_down_mid_job_stops_every_worker_at_one_step_in_one_line(slurm, tmp_path):

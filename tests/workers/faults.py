@@ -25,7 +25,9 @@ host than the launcher's) and the faulting rank writes `--out/fault.txt`
 process or file is left.
 
 Seeded (`keras.utils.set_random_seed`) only so that an uninterrupted run
-of this script can serve as the reference the restarted run must equal.
+of this script can serve as the reference the restarted run must equal,
+and so that the test can run the same math in its own process
+(`fault_job.traced`, which builds the model as `main` does).
 """
 
 import os
@@ -51,6 +53,8 @@ import keras_distrib as kd  # noqa: E402
 from keras_distrib import preemption  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
+
+import fault_job  # noqa: E402  (the job's data and optimizers, shared with the tests)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Directory for results.")
@@ -207,10 +211,8 @@ def main(argv):
     attempt = int(
         os.environ.get("KERAS_DISTRIB_RESTART") or os.environ.get("SLURM_RESTART_COUNT") or 0
     )
-    keras.utils.set_random_seed(3)
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(240, 8)).astype("float32")
-    y = (x[:, 0] + x[:, 1] > 0).astype("int32") + (x[:, 2] > 0.5).astype("int32")
+    keras.utils.set_random_seed(fault_job.SEED)
+    x, y = fault_job.data()
 
     inputs = keras.Input((8,))
     hidden = keras.layers.Dense(16, activation="relu")(inputs)
@@ -230,16 +232,8 @@ def main(argv):
         # A rank on another host than the launcher gets no shared memory: "-".
         shm_dir = os.environ.get("KERAS_DISTRIB_SHM_DIR", "-")
         f.write(f"{attempt} {os.getpid()} {time.time()} {shm_dir}\n")
-    if FLAGS.optimizer == "adam":
-        optimizer = keras.optimizers.Adam(
-            keras.optimizers.schedules.ExponentialDecay(0.01, decay_steps=5, decay_rate=0.7)
-        )
-    else:
-        optimizer = keras.optimizers.SGD(
-            keras.optimizers.schedules.ExponentialDecay(0.2, decay_steps=5, decay_rate=0.7)
-        )
     model.compile(
-        optimizer=optimizer,
+        optimizer=fault_job.optimizer(FLAGS.optimizer),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
     )
@@ -253,7 +247,13 @@ def main(argv):
     if FLAGS.fault != "none" and attempt < FLAGS.fault_attempts and rank == FLAGS.fault_rank:
         callbacks.append(_Fault(SIGNALS[FLAGS.fault], FLAGS.fault_step))
     model.fit(
-        x, y, batch_size=30, epochs=FLAGS.epochs, shuffle=True, verbose=0, callbacks=callbacks
+        x,
+        y,
+        batch_size=fault_job.BATCH,
+        epochs=FLAGS.epochs,
+        shuffle=True,
+        verbose=0,
+        callbacks=callbacks,
     )
     np.savez(
         os.path.join(FLAGS.out, f"rank{rank}.npz"),

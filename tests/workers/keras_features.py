@@ -4,8 +4,10 @@ Run by `keras-distrib launch -n 2`
 (tests/distributed/test_keras_features_multi_worker.py). Each probe named
 by `--probes` writes `--out/<probe>-rank<r>.json` (and `.npz`
 weights where useful); the test compares the ranks with each other and with
-a plain Keras twin trained here on the whole data from the same initial
-weights. Nothing is seeded unless the probe is about seeds.
+a plain Keras twin trained on the whole data from the same initial weights:
+here, and in the test's own process, traced, from the data and models this
+module makes (the test imports it; its flags are defined when it runs).
+Nothing is seeded unless the probe is about seeds.
 """
 
 import contextlib
@@ -31,18 +33,26 @@ from helpers import (
 )
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("out", None, "Directory for results.")
-flags.DEFINE_list(
-    "probes", ["metric_objects", "unseeded_shuffle", "load_model", "batch_norm"], "Probes to run."
-)
-flags.DEFINE_integer("seed", 1, "Seed for the `seeded_shuffle` probe.")
-flags.DEFINE_list("zoo", [], "Zoo patterns (tests/zoo/patterns.py) of the `zoo` probe.")
-flags.DEFINE_string(
-    "strategy",
-    "multi_worker",
-    "Strategy of the `sparse_input`, `ragged_input` and later probes "
-    "(`horovod`: run by `keras-distrib launch --backend horovod`).",
-)
+
+
+def _define_flags():
+    """The script's flags (defined when it runs: the test imports this
+    module for the probes' data and models)."""
+    flags.DEFINE_string("out", None, "Directory for results.")
+    flags.DEFINE_list(
+        "probes",
+        ["metric_objects", "unseeded_shuffle", "load_model", "batch_norm"],
+        "Probes to run.",
+    )
+    flags.DEFINE_integer("seed", 1, "Seed for the `seeded_shuffle` probe.")
+    flags.DEFINE_list("zoo", [], "Zoo patterns (tests/zoo/patterns.py) of the `zoo` probe.")
+    flags.DEFINE_string(
+        "strategy",
+        "multi_worker",
+        "Strategy of the `sparse_input`, `ragged_input` and later probes "
+        "(`horovod`: run by `keras-distrib launch --backend horovod`).",
+    )
+
 
 BATCH = 32
 
@@ -80,23 +90,33 @@ def _write(name, rank, result):
         json.dump(result, f)
 
 
+def metric_objects_metrics():
+    """The `metric_objects` probe's metrics (made anew for each model)."""
+    return [
+        "accuracy",
+        keras.metrics.SparseCategoricalAccuracy(name="acc_object"),
+        keras.metrics.SparseTopKCategoricalAccuracy(k=2, name="top2"),
+    ]
+
+
 def metric_objects():
-    """Metric objects made outside any scope report global values."""
+    """Metric objects made outside any scope report global values (and the
+    weights both trainings started from)."""
     x, y = _data()
     model = kd.DistributedModel(*_graph(), strategy="multi_worker")
-
-    def metrics():
-        return [
-            "accuracy",
-            keras.metrics.SparseCategoricalAccuracy(name="acc_object"),
-            keras.metrics.SparseTopKCategoricalAccuracy(k=2, name="top2"),
-        ]
-
-    _, twin = _twin(model, x, y, 2, metrics=metrics())
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=_loss(), metrics=metrics())
+    initial = [w.tolist() for w in model.get_weights()]
+    _, twin = _twin(model, x, y, 2, metrics=metric_objects_metrics())
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1), loss=_loss(), metrics=metric_objects_metrics()
+    )
     history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0).history
     evaluated = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
-    return model.strategy.rank, {"history": history, "twin": twin, "evaluate": evaluated}
+    return model.strategy.rank, {
+        "history": history,
+        "twin": twin,
+        "evaluate": evaluated,
+        "initial": initial,
+    }
 
 
 def unseeded_shuffle():
@@ -178,87 +198,103 @@ def _ours_and_twin(graph, ours_in=None):
     with contextlib.nullcontext() if ours_in is None else ours_in:
         model = kd.DistributedModel(*graph(), strategy=FLAGS.strategy)
     twin = keras.Model(*graph())
-    rng = np.random.default_rng(7)
-    start = [rng.normal(scale=0.3, size=w.shape).astype(w.dtype) for w in twin.get_weights()]
+    start = fixed_start(twin)
     model.set_weights(start)
     twin.set_weights(start)
     return model, twin
 
 
-def sparse_input():
-    """`keras.Input(sparse=True)` fed `tf.SparseTensor` global batches: each
-    worker trains on its rows, as the plain twin does on all of them."""
+def fixed_start(model):
+    """Weights for `model` drawn from a fixed seed (`_ours_and_twin`'s)."""
+    rng = np.random.default_rng(7)
+    return [rng.normal(scale=0.3, size=w.shape).astype(w.dtype) for w in model.get_weights()]
+
+
+def _weights(model):
+    return [w.tolist() for w in model.get_weights()]
+
+
+def sparse_data():
+    """The `sparse_input` probe's rows (dense, mostly zeros) and labels."""
     rng = np.random.default_rng(0)
     dense = ((rng.random((203, 40)) < 0.1) * rng.random((203, 40))).astype("float32")
-    y = (dense.sum(1) > 0.4).astype("int32")
+    return dense, (dense.sum(1) > 0.4).astype("int32")
 
-    def graph():
-        inputs = keras.Input((40,), sparse=True)
-        return inputs, keras.layers.Dense(3)(keras.layers.Dense(16, activation="relu")(inputs))
 
-    model, twin = _ours_and_twin(graph)
+def sparse_graph():
+    inputs = keras.Input((40,), sparse=True)
+    return inputs, keras.layers.Dense(3)(keras.layers.Dense(16, activation="relu")(inputs))
+
+
+def sparse_input():
+    """`keras.Input(sparse=True)` fed `tf.SparseTensor` global batches: each
+    worker trains on its rows, as the plain twin does on all of them (from
+    `fixed_start`, SGD 0.5, 2 epochs); the logs and our trained weights."""
+    dense, y = sparse_data()
+    model, twin = _ours_and_twin(sparse_graph)
     data = tf.data.Dataset.from_tensor_slices((tf.sparse.from_dense(dense), y)).batch(BATCH)
     results = {}
     for name, m in (("twin", twin), ("ours", model)):
         m.compile(optimizer=keras.optimizers.SGD(0.5), loss=_loss(), metrics=["accuracy"])
         results[name] = m.fit(data, epochs=2, verbose=0).history
     results["sparse"] = bool(model.inputs[0].sparse)
-    results["gap"] = max(
-        float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), twin.get_weights())
-    )
+    results["weights"] = _weights(model)
     return model.strategy.rank, results
+
+
+def ragged_data():
+    """The `ragged_input` probe's token ids (a `tf.RaggedTensor`) and labels."""
+    rng = np.random.default_rng(0)
+    sequences = [rng.integers(1, 50, size=rng.integers(1, 10)).tolist() for _ in range(203)]
+    return tf.ragged.constant(sequences), np.array([len(s) % 2 for s in sequences], "int32")
+
+
+def ragged_graph():
+    inputs = keras.Input((None,), ragged=True, dtype="int32")
+    pooled = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(50, 8)(inputs))
+    return inputs, keras.layers.Dense(2)(keras.layers.Dense(16, activation="relu")(pooled))
 
 
 def ragged_input():
     """`keras.Input(ragged=True)` fed `tf.RaggedTensor` token ids, as a
     dataset and as a tensor (each worker gathers its rows): per feed, the
-    twin's and our logs and the largest weight gap."""
-    rng = np.random.default_rng(0)
-    sequences = [rng.integers(1, 50, size=rng.integers(1, 10)).tolist() for _ in range(203)]
-    x, y = tf.ragged.constant(sequences), np.array([len(s) % 2 for s in sequences], "int32")
+    twin's and our logs (from `fixed_start`, SGD 0.5, 2 epochs) and our
+    trained weights."""
+    x, y = ragged_data()
     feeds = {
         "dataset": dict(x=tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)),
         "tensor": dict(x=x, y=y, batch_size=BATCH, shuffle=False),
     }
     results = {}
-
-    def graph():
-        inputs = keras.Input((None,), ragged=True, dtype="int32")
-        pooled = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(50, 8)(inputs))
-        return inputs, keras.layers.Dense(2)(keras.layers.Dense(16, activation="relu")(pooled))
-
     for feed, fit in feeds.items():
-        model, twin = _ours_and_twin(graph)
+        model, twin = _ours_and_twin(ragged_graph)
         for name, m in (("twin", twin), ("ours", model)):
             m.compile(optimizer=keras.optimizers.SGD(0.5), loss=_loss(), metrics=["accuracy"])
             results[f"{feed}_{name}"] = m.fit(epochs=2, verbose=0, **fit).history
-        results[f"{feed}_gap"] = max(
-            float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), twin.get_weights())
-        )
+        results[f"{feed}_weights"] = _weights(model)
     return model.strategy.rank, results
+
+
+def remat_graph():
+    inputs = keras.Input((8,))
+    return inputs, keras.layers.Dense(3)(CountedDense(16, activation="relu")(inputs))
 
 
 def remat():
     """A model built in `keras.RematScope(mode="full")` under `--strategy`
-    against the plain twin built without it, Adam, from the same weights:
-    the logs, the largest weight gap, and the forward passes each fit made
-    (remat adds the one its backward pass recomputes)."""
+    against the plain twin built without it, Adam 0.01, from the same
+    weights (`fixed_start`), 2 epochs: the logs, our trained weights, and
+    the forward passes each fit made (remat adds the one its backward pass
+    recomputes)."""
     x, y = _data()
-
-    def graph():
-        inputs = keras.Input((8,))
-        return inputs, keras.layers.Dense(3)(CountedDense(16, activation="relu")(inputs))
-
-    model, twin = _ours_and_twin(graph, ours_in=keras.RematScope(mode="full"))
+    model, twin = _ours_and_twin(remat_graph, ours_in=keras.RematScope(mode="full"))
     results = {}
     for name, m in (("twin", twin), ("ours", model)):
         m.compile(optimizer=keras.optimizers.Adam(0.01), loss=_loss())
         CountedDense.calls = 0
         results[name] = m.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0).history
         results[f"{name}_forward_passes"] = CountedDense.calls
-    results["gap"] = max(
-        float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), twin.get_weights())
-    )
+    results["weights"] = _weights(model)
     return model.strategy.rank, results
 
 
@@ -294,30 +330,41 @@ def metric_aggregation():
     return model.strategy.rank, {"history": history, "evaluate": evaluated}
 
 
+def adapted_data():
+    """The `adapted_per_worker` probe's rows (4 features) and labels."""
+    x, y = _data(64)
+    return x[:, :4], y
+
+
+def adapted_graph(x, shift):
+    """A `Normalization` adapted on `x + shift`, then `Dense(3)`."""
+    norm = keras.layers.Normalization()
+    norm.adapt(x + shift)
+    inputs = keras.Input((4,))
+    return inputs, keras.layers.Dense(3)(norm(inputs))
+
+
 def adapted_per_worker():
     """A `Normalization` each worker adapted on its own data (shifted by its
     rank): after `fit`, every worker's model predicts as a plain one
-    normalizing with worker 0's statistics, with the trained Dense layer."""
+    normalizing with worker 0's statistics, with the trained Dense layer
+    (its weights written beside the predictions, `<case>dense`)."""
     strategy = kd.strategies.get(FLAGS.strategy)
-    x, y = _data(64)
-    x = x[:, :4]
+    x, y = adapted_data()
 
     def graph(shift):
-        norm = keras.layers.Normalization()
-        norm.adapt(x + shift)
-        inputs = keras.Input((4,))
-        return inputs, keras.layers.Dense(3)(norm(inputs))
+        return adapted_graph(x, shift)
 
     def against_worker_0(model, shift):
-        twin = keras.Model(*graph(shift))  # worker 0's statistics
-        twin.layers[-1].set_weights(model.layers[-1].get_weights())
-        ours = model.predict(x, verbose=0)
-        return ours.tolist(), float(np.abs(ours - twin.predict(x, verbose=0)).max())
+        """Our predictions, and the Dense layer's weights a plain model
+        normalizing with worker 0's statistics (shifted by `shift`) takes
+        (the test predicts with it: `adapted_graph`)."""
+        return model.predict(x, verbose=0).tolist(), _weights(model.layers[-1])
 
     model = kd.DistributedModel(*graph(10.0 * strategy.rank), strategy=strategy)
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss=_loss())
     model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
-    result = dict(zip(("predict", "gap"), against_worker_0(model, 0.0)))
+    result = dict(zip(("predict", "dense"), against_worker_0(model, 0.0)))
     # Adapted per worker once built (before anything traced it): under
     # multi_worker `BroadcastInitialWeights` is what gives every worker
     # worker 0's values then.
@@ -332,7 +379,7 @@ def adapted_per_worker():
         verbose=0,
         callbacks=[kd.callbacks.BroadcastInitialWeights()],
     )
-    result.update(zip(("callback_predict", "callback_gap"), against_worker_0(model, 5.0)))
+    result.update(zip(("callback_predict", "callback_dense"), against_worker_0(model, 5.0)))
     # Resumed from a backup (worker 0 loads it, the others receive it) made
     # with other statistics.
     backup = os.path.join(FLAGS.out, "adapted_backup")
@@ -347,7 +394,7 @@ def adapted_per_worker():
             verbose=0,
             callbacks=[kd.callbacks.BackupAndRestore(backup, delete_checkpoint=False)],
         )
-    result.update(zip(("restored_predict", "restored_gap"), against_worker_0(model, 7.0)))
+    result.update(zip(("restored_predict", "restored_dense"), against_worker_0(model, 7.0)))
     return strategy.rank, result
 
 
@@ -355,29 +402,34 @@ def vocabulary_per_worker():
     """A `StringLookup` each worker adapted on its own words: the same three
     words, counted in another order, make vocabularies of one size with
     other ids. After `fit`, every worker's model predicts as a plain one
-    with worker 0's vocabulary and the trained Dense layer."""
+    with worker 0's vocabulary and the trained Dense layer (its weights
+    written beside the predictions)."""
     strategy = kd.strategies.get(FLAGS.strategy)
-    words = tf.constant([["a", "b", "c", "a", "b", "a"][i % 6] for i in range(96)])[:, None]
-    y = np.array([i % 3 for i in range(96)], "int32")
-
-    def graph(order):
-        lookup = keras.layers.StringLookup(output_mode="one_hot")
-        lookup.adapt(tf.constant([w for w, n in zip(order, (3, 2, 1)) for _ in range(n)]))
-        inputs = keras.Input((1,), dtype="string")
-        return inputs, keras.layers.Dense(3)(lookup(inputs))
-
+    words, y = vocabulary_data()
     mine = ["abc", "cba"][strategy.rank % 2]
-    model = kd.DistributedModel(*graph(mine), strategy=strategy)
+    model = kd.DistributedModel(*vocabulary_graph(mine), strategy=strategy)
     model.compile(optimizer=keras.optimizers.SGD(0.5), loss=_loss())
     model.fit(words, y, batch_size=BATCH, epochs=1, verbose=0)
-    twin = keras.Model(*graph("abc"))  # worker 0's vocabulary
-    twin.layers[-1].set_weights(model.layers[-1].get_weights())
-    ours = model.predict(words, verbose=0)
     return strategy.rank, {
         "vocabulary": model.layers[1].get_vocabulary(),
-        "predict": ours.tolist(),
-        "gap": float(np.abs(ours - twin.predict(words, verbose=0)).max()),
+        "predict": model.predict(words, verbose=0).tolist(),
+        "dense": _weights(model.layers[-1]),
     }
+
+
+def vocabulary_data():
+    """The `vocabulary_per_worker` probe's words and labels."""
+    words = tf.constant([["a", "b", "c", "a", "b", "a"][i % 6] for i in range(96)])[:, None]
+    return words, np.array([i % 3 for i in range(96)], "int32")
+
+
+def vocabulary_graph(order):
+    """A `StringLookup` adapted on the three words counted in `order` (3, 2
+    and 1 times), one-hot, then `Dense(3)`."""
+    lookup = keras.layers.StringLookup(output_mode="one_hot")
+    lookup.adapt(tf.constant([w for w, n in zip(order, (3, 2, 1)) for _ in range(n)]))
+    inputs = keras.Input((1,), dtype="string")
+    return inputs, keras.layers.Dense(3)(lookup(inputs))
 
 
 def pydataset_workers():
@@ -427,5 +479,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    _define_flags()
     flags.mark_flag_as_required("out")
     app.run(main)
