@@ -119,7 +119,7 @@ typecheck: $(STAMP)
 # integration tier. On a CPU with AVX512-FP16 a cap below it skips the
 # float16 tests (oneDNN aborts on the float16 kernels TensorFlow picks for
 # the CPU; tests/conftest.py says so).
-FLOAT_TESTS := $(shell grep -l -E 'float_bounds|assert_trains_like_single|assert_array_equal|assert_allclose|pytest.approx' tests/integration/test_*.py) tests/zoo/test_zoo.py
+FLOAT_TESTS := $(shell grep -l -E 'float_bounds|as_reference|assert_within|assert_trains_like_single|assert_array_equal|assert_allclose|pytest.approx' tests/integration/test_*.py) tests/zoo/test_zoo.py
 FLOAT_ISAS ?= AVX2
 test-float: setup
 	TF_ENABLE_ONEDNN_OPTS=0 $(PY) -m pytest -q $(XDIST) $(FLOAT_TESTS)
