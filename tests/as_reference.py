@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from float_bounds import Reference, assert_within
+from float_bounds import Reference, aligned, assert_within
 
 
 def fit(model, x, y, batch_size, epochs=1, **fit) -> Reference:
@@ -28,16 +28,14 @@ def assert_weights(reference: Reference, got, want=None, others=None, err_msg="w
     `float_bounds.aligned`)."""
     got = got.get_weights() if hasattr(got, "get_weights") else list(got)
     want = reference.model.get_weights() if want is None else list(want)
-    bounds = reference.weights if others is None else _aligned(reference, others)
+    bounds = (
+        reference.weights
+        if others is None
+        else aligned(reference.model, reference.trainable, others)
+    )
     assert len(got) == len(want) == len(bounds), (len(got), len(want), len(bounds))
     for i, (g, w, b) in enumerate(zip(got, want, bounds)):
         assert_within(g, w, b, f"{err_msg} {i}")
-
-
-def _aligned(reference, others):
-    from float_bounds import aligned
-
-    return aligned(reference.model, reference.trainable, others)
 
 
 def assert_history(reference: Reference, got: dict, keys=None, steps_per_epoch=None) -> None:

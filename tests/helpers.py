@@ -195,15 +195,6 @@ def train_single(initial, samples, batch_size, epochs, validation=0):
     return as_reference.fit(model, x, y, batch_size, epochs, validation_data=val), x, y
 
 
-def assert_weight_lists_close(got, reference, err_msg="weight"):
-    """A list of weight arrays within the bounds of a traced run's
-    (`reference`, a `float_bounds.Reference`) final weights: another run of
-    its math, adding in other orders (`as_reference.assert_weights`)."""
-    import as_reference
-
-    as_reference.assert_weights(reference, list(got), err_msg=err_msg)
-
-
 def weights_moved(model, reference):
     return any(not np.allclose(x, y) for x, y in zip(model.get_weights(), reference.get_weights()))
 

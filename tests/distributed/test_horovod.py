@@ -22,7 +22,6 @@ from helpers import (
     CLASSES,
     ROOT,
     WORKERS,
-    assert_weight_lists_close,
     kill_process_group,
     train_single,
 )
@@ -188,7 +187,7 @@ def test_ranks_start_different_end_identical_and_equal_single_process(trained, s
     assert steps >= 10
     for r in ranks:
         assert r["iterations"] == steps
-        assert_weight_lists_close(r["final"], reference)
+        as_reference.assert_weights(reference, r["final"])
         as_reference.assert_history(reference, r["history"], ("loss", "accuracy"))
         # val_loss, val_accuracy
         as_reference.assert_validation(reference, r["history"], x[:64], y[:64], BATCH)
@@ -294,7 +293,7 @@ def test_launch_backend_horovod_trains_like_one_process(launched):
     reference, x, y = train_single(ranks[0]["initial"], 203, BATCH, EPOCHS)
     for r in ranks:
         assert r["iterations"] == EPOCHS * 7
-        assert_weight_lists_close(r["final"], reference)
+        as_reference.assert_weights(reference, r["final"])
         as_reference.assert_predict(reference, r["predict"], x, BATCH)
         # Metrics are the global ones, also for the unequal shares here (102
         # and 101 samples; averaging each rank's value, as Horovod does, was

@@ -14,7 +14,7 @@ import keras
 import numpy as np
 import pytest
 
-from helpers import ROOT, assert_weight_lists_close, graph, make_data, train_single
+from helpers import ROOT, graph, make_data, train_single
 
 import as_reference
 import keras_distrib as kd
@@ -53,7 +53,7 @@ def test_single_process_without_horovodrun_trains_like_single(hvd):
     # Within the bounds of float32's rounding of the same math in other
     # orders (the traced "single" run's, tests/float_bounds.py).
     single, _, _ = train_single(initial, 203, BATCH, EPOCHS)
-    assert_weight_lists_close(model.get_weights(), single)
+    as_reference.assert_weights(single, model)
     as_reference.assert_history(single, history.history, ("loss",))
     as_reference.assert_predict(
         single, model.predict(x, batch_size=BATCH, verbose=0), x, batch_size=BATCH

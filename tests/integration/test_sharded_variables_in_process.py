@@ -27,6 +27,7 @@ from sharded_ps import (  # noqa: E402
     initial_weights,
     loss_fn,
     make_optimizer,
+    plain_replay,
 )
 
 
@@ -167,18 +168,15 @@ def test_sharded_updates_are_assign_sub_or_scatter_sub_of_parts(name, monkeypatc
     xs, ys = x.reshape(4, 16, LENGTH), y.reshape(4, 16)
     for xb, yb in zip(xs, ys):
         step(xb, yb)
-    # Plain Keras's `fit` on the same four batches of 16, traced: the bounds
-    # of the same math in other orders of sums.
+    # Plain Keras on the same four batches, traced: the bounds of the same
+    # math in other orders of sums.
     import as_reference
     from float_bounds import assert_within
 
-    plain = build_model()
-    plain.set_weights(initial_weights())
-    plain.compile(optimizer=make_optimizer(name), loss=loss_fn())
-    reference = as_reference.fit(plain, x, y, 16, slots=True)
+    _, plain_optimizer, _, reference = plain_replay(name, xs, ys)
     as_reference.assert_weights(reference, model)
     assert len(optimizer.variables) == len(reference.slots)
-    for a, b, bound in zip(optimizer.variables, plain.optimizer.variables, reference.slots):
+    for a, b, bound in zip(optimizer.variables, plain_optimizer.variables, reference.slots):
         assert_within(a.numpy(), np.asarray(b), bound, a.path)
 
 

@@ -83,36 +83,29 @@ def loss_fn():
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def plain_replay(name, x, y, traced=False):
-    """A plain Keras model (no strategy) trained on the same batches:
-    (model, optimizer, each step's loss). `traced`: each step traced
-    (`float_bounds.Trace`), and a fourth item, the `float_bounds.Reference`
-    of the run, with its optimizer variables' bounds."""
+def plain_replay(name, x, y):
+    """A plain Keras model (no strategy) trained on the same batches, each
+    step traced (`float_bounds.Trace`): (model, optimizer, each step's loss,
+    the `float_bounds.Reference` of the run, with its optimizer variables'
+    bounds)."""
     import tensorflow as tf
+
+    from float_bounds import Reference, Trace
 
     model = build_model()
     model.set_weights(initial_weights())
     optimizer = make_optimizer(name)
     loss = loss_fn()
-    trace = None
-    if traced:
-        from float_bounds import Trace
-
-        model.compile(optimizer=optimizer, loss=loss)  # what the trace reads
-        trace = Trace(model=model)
+    model.compile(optimizer=optimizer, loss=loss)  # what the trace reads
+    trace = Trace(model=model)
     losses = []
     for xb, yb in zip(x, y):
-        if trace is not None:
-            trace.record(xb, yb)
+        trace.record(xb, yb)
         with tf.GradientTape() as tape:
             value = loss(yb, model(xb, training=True))
         grads = tape.gradient(value, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         losses.append(float(value))
-    if trace is None:
-        return model, optimizer, losses
-    from float_bounds import Reference
-
     trace.on_train_end()
     return model, optimizer, losses, Reference(model, trace, logs={"loss": losses}, slots=True)
 
