@@ -16,7 +16,7 @@ from keras_distrib import _compat
 from keras_distrib import cluster as cluster_lib
 from keras_distrib.collectives import flight_recorder, heartbeats, host_allreduce
 from keras_distrib.collectives import registry as transports
-from keras_distrib.collectives import engine_choice, runtime, seconds
+from keras_distrib.collectives import engine_choice, overlap, runtime, seconds
 from keras_distrib.cluster import launch_contract
 from keras_distrib.collectives.watchdog import CollectiveWatchdog
 from keras_distrib.strategies import multi_worker_engines as engines
@@ -104,7 +104,7 @@ class MultiWorker(TFDistributeStrategy):
             variables, metric reads and `predict`'s gathers always use
             TensorFlow's collectives.
         bytes_per_pack: Pack gradients into all-reduces of about this many
-            bytes (0: TensorFlow's default, one pack). Many small gradients
+            bytes (0 or None, the default: TensorFlow's default, one pack). Many small gradients
             travel in few collectives, which matters on latency-bound links,
             and a larger one is cut into pieces of this size (TensorFlow's
             ring moves a large tensor at a fraction of a link's rate; see
@@ -112,7 +112,11 @@ class MultiWorker(TFDistributeStrategy):
             `"tcp"`, `"hierarchical"`), packs of about this many bytes, the
             last layers' first, each reduced as soon as the backward pass
             has made it, while it makes the others; a large gradient is
-            not cut (see `keras_distrib.collectives.numpy_engine`).
+            not cut (see `keras_distrib.collectives.numpy_engine`). There
+            None packs them by 1 MiB where this host has a core its
+            workers' computation leaves free, else in one pack after the
+            backward pass (`keras_distrib.collectives.overlap`;
+            `describe` says which, and why).
         collective_timeout: Seconds after which a collective that some
             worker never joins fails, naming the late workers (default
             `DEFAULT_COLLECTIVE_TIMEOUT`, 300; None: wait forever). On
@@ -158,7 +162,7 @@ class MultiWorker(TFDistributeStrategy):
         cluster: Union[Sequence[str], Mapping[str, Sequence[str]], None] = None,
         task_index: Optional[int] = None,
         implementation: str = "auto",
-        bytes_per_pack: int = 0,
+        bytes_per_pack: Optional[int] = None,
         collective_timeout: Optional[float] = DEFAULT_COLLECTIVE_TIMEOUT,
         peer_timeout: float = 120.0,
         optimizer_sharding: Optional[str] = None,
@@ -172,6 +176,8 @@ class MultiWorker(TFDistributeStrategy):
         runtime.ensure_started(info, peer_timeout)
         self._info = info
         self.bytes_per_pack = bytes_per_pack
+        # How our engines take the step's gradients (TensorFlow's: `options`).
+        self.packing = _packing(bytes_per_pack, info)
         engine = _engine(info, options)
         # The steps' collectives on TensorFlow (gradients off shared memory,
         # predict's gathers): our one watchdog thread, not a TensorFlow
@@ -186,7 +192,7 @@ class MultiWorker(TFDistributeStrategy):
             local_rank=_local_rank(info),
             multi_worker=True,
             watchdog=self._watchdog,
-            bytes_per_pack=bytes_per_pack,
+            bytes_per_pack=bytes_per_pack or 0,
         )
         self.implementation = implementation
         # Which engine reduces the step's gradients, and why (`describe`).
@@ -221,7 +227,7 @@ class MultiWorker(TFDistributeStrategy):
                 job_id=self._secret_job_id(),
                 timeout=timeout,
                 connect_timeout=connect_timeout,
-                bytes_per_pack=self.bytes_per_pack,
+                bytes_per_pack=self.packing.bytes_per_pack,
             )
         elif implementation in (_TCP, _HIERARCHICAL) and info.world_size > 1:
             self._one_device_per_worker(implementation)
@@ -277,7 +283,10 @@ class MultiWorker(TFDistributeStrategy):
         return "".join(f"{int(w):08x}" for w in shared)
 
     def describe(self, model: Any) -> ReplicaMemory:
-        return dataclasses.replace(super().describe(model), collectives=str(self.engine_choice))
+        collectives = str(self.engine_choice)
+        if self.engine_choice.name != engine_choice.TENSORFLOW:
+            collectives += f", {self.packing}"
+        return dataclasses.replace(super().describe(model), collectives=collectives)
 
     def failure(self, error: Exception) -> Optional[Exception]:
         if self._watchdog is not None and self._watchdog.fired is not None:
@@ -300,15 +309,17 @@ def _communication_options(implementation, bytes_per_pack, collective_timeout):
             f"Unknown implementation={implementation!r}; use one of "
             f"{sorted([*_IMPLEMENTATIONS, *_OURS])}."
         )
-    if (
+    if bytes_per_pack is not None and (
         isinstance(bytes_per_pack, bool)
         or not isinstance(bytes_per_pack, int)
         or bytes_per_pack < 0
     ):
-        raise ValueError(f"bytes_per_pack={bytes_per_pack!r} must be an int >= 0 (0 = one pack).")
+        raise ValueError(
+            f"bytes_per_pack={bytes_per_pack!r} must be an int >= 0 (0 = one pack) or None."
+        )
     seconds.check_seconds("collective_timeout", collective_timeout, none_ok=True)
     return tf.distribute.experimental.CommunicationOptions(
-        bytes_per_pack=bytes_per_pack,
+        bytes_per_pack=bytes_per_pack or 0,
         timeout_seconds=collective_timeout,
         implementation=_IMPLEMENTATIONS.get(implementation, _IMPLEMENTATIONS["auto"]),
     )
@@ -364,6 +375,24 @@ def _wants_shared_memory(implementation: str, info: cluster_lib.ClusterInfo) -> 
             "implementation='shm' needs Linux (named pipes and /dev/shm); use 'auto' or 'ring'."
         )
     return True
+
+
+def _packing(bytes_per_pack: Optional[int], info: cluster_lib.ClusterInfo) -> overlap.Packing:
+    """How our engines take this worker's gradients (`overlap.packing`):
+    its host's cores, the workers on it, and what each computes on."""
+    hosts = [cluster_lib.parse_address(a)[0] for a in info.workers]
+    accelerator = bool(
+        tf.config.list_physical_devices("GPU") or tf.config.list_physical_devices("TPU")
+    )
+    return overlap.packing(
+        bytes_per_pack,
+        cores=overlap.host_cores(),
+        workers_on_host=hosts.count(hosts[info.rank]),
+        accelerator=accelerator,
+        intra_op_threads=overlap.intra_op_threads(
+            tf.config.threading.get_intra_op_parallelism_threads()
+        ),
+    )
 
 
 def _spans_hosts(info: cluster_lib.ClusterInfo) -> bool:

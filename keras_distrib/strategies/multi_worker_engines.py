@@ -112,7 +112,7 @@ def _join(strategy, names, hosts, where, listeners, made, shared, timeout, conne
     """Makes the transports of `names` into `made` (each waits for its peers)."""
     info = strategy.cluster
     common = dict(rows=strategy.transport, rank=info.rank, timeout=timeout)
-    common.update(connect_timeout=connect_timeout, bytes_per_pack=strategy.bytes_per_pack)
+    common.update(connect_timeout=connect_timeout, bytes_per_pack=strategy.packing.bytes_per_pack)
     # A cut link or a lost host: found when TensorFlow's heartbeats would.
     common["unreachable_after"] = heartbeats.timeout()
     ports = shared["ports"]
