@@ -120,11 +120,7 @@ def mixed_float16_fit(model, x, y, batch_size: int, epochs: int = 1):
     steps_per_epoch = -(-len(x) // batch_size)
     reference = Reference(model, trace, steps_per_epoch, kernels)
     biases = Reference(model, trace, steps_per_epoch, kernels + batch_size * half)
-    reference.steps = [
-        [k if len(w.shape) >= 2 else b for w, k, b in zip(model.trainable_weights, ks, bs)]
-        for ks, bs in zip(reference.steps, biases.steps)
-    ]
-    return reference
+    return reference.taking(biases, lambda variable: len(variable.shape) < 2)
 
 
 # -- an accuracy weighed by sample weights ---------------------------------------------------

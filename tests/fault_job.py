@@ -39,6 +39,29 @@ def optimizer(name):
     )
 
 
+def build(strategy):
+    """The job's model, 8 -> Dense(16, relu) -> Dense(3), under `strategy`
+    (its weights drawn from Keras's seed: set `SEED` first)."""
+    import keras
+
+    import keras_distrib as kd
+
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(16, activation="relu")(inputs)
+    return kd.DistributedModel(inputs, keras.layers.Dense(3)(hidden), strategy=strategy)
+
+
+def compile_job(model, name):
+    """Compiles `model` as the job does, with optimizer `name`."""
+    import keras
+
+    model.compile(
+        optimizer=optimizer(name),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+
+
 def optimizer_of(script_flags) -> str:
     """The optimizer the job's `script_flags` name (Adam by default)."""
     flags = list(script_flags)
@@ -47,7 +70,7 @@ def optimizer_of(script_flags) -> str:
 
 def traced(name="adam"):
     """The job's math in this process with optimizer `name`: its model as
-    tests/workers/faults.py builds it, seeded alike, under "single" (the same
+    `build` makes it for tests/workers/faults.py, seeded alike, under "single" (the same
     shuffled batches as the job's, whatever its number of workers), trained
     and traced (`float_bounds.Trace`, its batches' rows unknown to it).
     Returns the `float_bounds.Reference`: a run of the job (another number of
@@ -55,19 +78,12 @@ def traced(name="adam"):
     its bounds."""
     import keras
 
-    import keras_distrib as kd
     from float_bounds import Reference, Trace
 
     keras.utils.set_random_seed(SEED)
     x, y = data()
-    inputs = keras.Input((8,))
-    hidden = keras.layers.Dense(16, activation="relu")(inputs)
-    model = kd.DistributedModel(inputs, keras.layers.Dense(3)(hidden), strategy="single")
-    model.compile(
-        optimizer=optimizer(name),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
+    model = build("single")
+    compile_job(model, name)
     trace = Trace(x, y, BATCH, model.loss, shuffled=True)
     model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=True, verbose=0, callbacks=[trace])
     return Reference(model, trace, STEPS // EPOCHS)

@@ -1120,6 +1120,43 @@ class Reference:
         """The bounds on the trainable weights after training."""
         return self.steps[-1]
 
+    def after(self, step: int) -> tuple:
+        """`(weights, bounds)` of the trainable weights after `step` steps
+        (1 to all): the reference's, and how far another run's may be."""
+        weights = self.trace.weights[step] if step < len(self.trace.weights) else self.trace.end
+        return weights, self.steps[step - 1]
+
+    def taking(self, other: "Reference", which) -> "Reference":
+        """This reference with `other`'s bounds (a `Reference` of the same
+        trace, counting other terms) on the trainable weights `which(variable)`
+        is true of, at every step."""
+        variables = self.model.trainable_weights
+        self.steps = [
+            [o if which(v) else s for v, s, o in zip(variables, mine, theirs)]
+            for mine, theirs in zip(self.steps, other.steps)
+        ]
+        return self
+
+    def compressed(self, compression: str) -> "Reference":
+        """The bounds of a run of this reference's math whose gradients were
+        all-reduced in `compression` ("fp16" or "bf16",
+        `DistributedOptimizer(compression=...)`): each gradient's float32
+        rounding (`gradient_terms`) plus the roundings to the compressed
+        dtype (`compression_terms`), and the absolute floor of its smallest
+        step in the sum over a step's rows (`compression_floor`, of the
+        step with the fewest rows, where it is largest). Made from the
+        trace: nothing is run again."""
+        dtype = {"fp16": "float16", "bf16": "bfloat16"}[compression]
+        trace = self.trace
+        return Reference(
+            self.model,
+            trace,
+            self.steps_per_epoch,
+            terms=gradient_terms(self.model, max(trace.rows)) + compression_terms(dtype),
+            logs=self.logs,
+            floor=compression_floor(dtype, min(trace.rows)),
+        )
+
     @property
     def weights(self) -> list:
         """The bounds on `model.get_weights()` after training (trainable

@@ -146,34 +146,6 @@ def warmup_rate(step, multiplier, warmup_steps, base):
     return base * (1 + (multiplier - 1) * min(step / warmup_steps, 1))
 
 
-def compressed(reference, compression):
-    """The bounds of a run of `reference`'s math (a traced
-    `float_bounds.Reference`) whose gradients were all-reduced in
-    `compression` ("fp16" or "bf16", `DistributedOptimizer(compression=...)`):
-    each gradient's float32 rounding (`gradient_terms`) plus the roundings
-    to the compressed dtype (`float_bounds.compression_terms`), and the
-    absolute floor of its smallest step in the sum over a step's rows
-    (`compression_floor`, of the step with the fewest rows, where it is
-    largest). Made from the reference's trace: nothing is run again."""
-    from float_bounds import (
-        Reference,
-        compression_floor,
-        compression_terms,
-        gradient_terms,
-    )
-
-    dtype = {"fp16": "float16", "bf16": "bfloat16"}[compression]
-    trace = reference.trace
-    return Reference(
-        reference.model,
-        trace,
-        reference.steps_per_epoch,
-        terms=gradient_terms(reference.model, max(trace.rows)) + compression_terms(dtype),
-        logs=reference.logs,
-        floor=compression_floor(dtype, min(trace.rows)),
-    )
-
-
 def train_single(initial, samples, batch_size, epochs, validation=0):
     """One process, strategy "single", from the weights `initial`: SGD 0.1,
     unshuffled, on `make_data(samples)` (its first `validation` samples also

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import as_reference
-from helpers import ROOT, WORKERS, build, compressed
+from helpers import ROOT, WORKERS, build
 
 DATA_SAMPLES = 192  # the `data` fixture's size (tests/conftest.py)
 
@@ -60,9 +60,9 @@ def test_two_processes_accumulation_and_compression(backend, tmp_path, data):
     x, y = data
     # One traced run of batch 64 for all three: the accumulated steps add
     # its rows in another order; the compressed ones round besides
-    # (helpers.compressed).
+    # (`float_bounds.Reference.compressed`).
     reference = as_reference.fit(build("functional", "single"), x, y, 64)
-    bounds = {c: compressed(reference, c) for c in ("fp16", "bf16")}
+    bounds = {c: reference.compressed(c) for c in ("fp16", "bf16")}
     count = len(reference.model.get_weights())
     for rank in range(2):
         arrays = np.load(tmp_path / f"opt{rank}.npz")

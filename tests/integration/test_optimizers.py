@@ -15,7 +15,7 @@ import pytest
 import as_reference
 from keras_distrib.optimizers import DistributedOptimizer
 from float_bounds import outputs_apart, assert_within
-from helpers import build, collective_dtypes, compressed, plain_model
+from helpers import build, collective_dtypes, plain_model
 
 DATA_SAMPLES = 192  # the `data` fixture's size (tests/conftest.py)
 
@@ -70,8 +70,8 @@ def test_compressed_allreduce_trains_close_to_fp32(compression, data):
     )
     model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
     # Within float32's rounding and the gradients' roundings to the
-    # compressed dtype (helpers.compressed).
-    as_reference.assert_weights(compressed(traced, compression), model)
+    # compressed dtype (`float_bounds.Reference.compressed`).
+    as_reference.assert_weights(traced.compressed(compression), model)
     assert not np.allclose(model.get_weights()[0], plain_model().get_weights()[0])
     # The gradients really travel in the compressed dtype (the sample count
     # stays float32 in its own collective).

@@ -93,9 +93,7 @@ def test_steps_per_execution_eager_and_validation_match_single(options, data, va
 def _assert_within_first_epoch(reference, model):
     """`model`'s weights within the bounds of the reference's after its
     first epoch (7 steps)."""
-    for got, want, bound in zip(
-        model.trainable_weights, reference.trace.weights[7], reference.steps[6]
-    ):
+    for got, want, bound in zip(model.trainable_weights, *reference.after(7)):
         assert_within(np.asarray(got), want, bound, got.path)
 
 

@@ -214,8 +214,6 @@ def main(argv):
     keras.utils.set_random_seed(fault_job.SEED)
     x, y = fault_job.data()
 
-    inputs = keras.Input((8,))
-    hidden = keras.layers.Dense(16, activation="relu")(inputs)
     strategy = FLAGS.strategy
     # The collectives between workers: multi_worker's, also under a
     # model-parallel strategy (its `workers`).
@@ -226,17 +224,13 @@ def main(argv):
         strategy = kd.strategies.get("tensor_parallel", workers=across)
     elif strategy == "auto" and across:
         strategy = kd.strategies.get("multi_worker", **across)
-    model = kd.DistributedModel(inputs, keras.layers.Dense(3)(hidden), strategy=strategy)
+    model = fault_job.build(strategy)
     rank = model.strategy.rank
     with open(os.path.join(FLAGS.out, f"attempts-rank{rank}.txt"), "a") as f:
         # A rank on another host than the launcher gets no shared memory: "-".
         shm_dir = os.environ.get("KERAS_DISTRIB_SHM_DIR", "-")
         f.write(f"{attempt} {os.getpid()} {time.time()} {shm_dir}\n")
-    model.compile(
-        optimizer=fault_job.optimizer(FLAGS.optimizer),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
+    fault_job.compile_job(model, FLAGS.optimizer)
     callbacks = [kd.callbacks.BackupAndRestore(FLAGS.backup, save_freq=FLAGS.save_freq)]
     if FLAGS.pause_after_step and attempt == 0:
         callbacks.append(_PauseUntilGo(FLAGS.pause_after_step, rank))
