@@ -10,14 +10,13 @@ computes (packing changes no sum between two workers).
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
 import as_reference
-from helpers import ROOT, WORKERS
+from helpers import WORKERS, launch
 
 sys.path.insert(0, WORKERS)
 import overlap_packs  # noqa: E402
@@ -28,35 +27,18 @@ WORKER = os.path.join(WORKERS, "overlap_packs.py")
 @pytest.mark.slow
 def test_packs_overlap_the_backward_pass_on_hosts_with_a_spare_core(tmp_path, hosts):
     bed = hosts(2)
-    env = dict(os.environ, TMPDIR=str(tmp_path), TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "keras_distrib.launch",
-            "launch",
-            "-n",
-            "2",
-            "--timeout",
-            "200",
-            "--hosts",
-            bed.hosts_flag(),
-            "--ssh",
-            "--ssh_command",
-            bed.ssh_command,
-            WORKER,
-            "--out",
-            str(tmp_path),
-            "--intra_op_threads",
-            "1",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=220,
+    across = ("--hosts", bed.hosts_flag(), "--ssh", "--ssh_command", bed.ssh_command)
+    launch(
+        tmp_path,
+        2,
+        WORKER,
+        "--out",
+        str(tmp_path),
+        "--intra_op_threads",
+        "1",
+        launch_flags=across,
+        timeout=240,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks, weights = [], []
     for rank in range(2):
         with open(tmp_path / f"rank{rank}.json") as f:
