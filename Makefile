@@ -164,6 +164,7 @@ bench: $(HOROVOD)
 	$(PY) benchmarks/bigger_models.py $(BENCH_FLAGS)
 	# Two hosts as network namespaces: needs root.
 	PATH=$(VENV)/bin:$$PATH $(PY) benchmarks/multi_host.py $(BENCH_FLAGS)
+	$(PY) benchmarks/tcp_engine.py $(BENCH_FLAGS)
 	# 4 ranks, for the scaling model's checks beyond two (benchmarks/results/scaling/).
 	PATH=$(VENV)/bin:$$PATH $(PY) benchmarks/multi_host.py --workers_per_host 2 --rates 1gbit,10gbit $(BENCH_FLAGS)
 	$(PY) benchmarks/allreduce.py --nproc 4 --repeats 3 --bytes_per_pack 4194304 --sizes 4K,64K,1M,4M,16M,64M \

@@ -53,6 +53,7 @@ KNOWN = (
     "bigger_models",
     "multi_host",
     "multi_host_2x2",
+    "tcp_engine",
     "elastic",
     "chaos",
     "scaling_model",
@@ -879,6 +880,46 @@ def generic(doc: _Doc, data: dict) -> None:
     doc.misses(data)
 
 
+def tcp_engine(doc: _Doc, data: dict) -> None:
+    doc.add(
+        f"Two hosts (network namespaces) on a {data['rate']} link, one process each "
+        "pinned to a core: the bytes of a 2-rank all-reduce exchanged over one plain "
+        "TCP connection with no reduction (`sockets`), our TCP ring's all-reduce called "
+        "from NumPy (`engine`), and the same call as a `tf.numpy_function` op in a "
+        "`tf.function`, timed from the op before it to the op after it (`in_step`). "
+        f"{data['repeats']} alternating repetitions, each the median of {data['calls']} "
+        "calls, the slower process's. Bus bandwidth: bytes / time.",
+        "",
+    )
+    rows = []
+    for case in data["cases"]:
+        rates, ratios = case["gb_per_s"], case["ratios"]
+        rows.append(
+            (
+                _mb(case["bytes"]),
+                *(_stats(rates[k]) for k in ("sockets", "engine", "in_step")),
+                *(
+                    _stats(ratios[k])
+                    for k in ("engine_over_sockets", "in_step_over_sockets", "in_step_over_engine")
+                ),
+            )
+        )
+    doc.add(
+        *_table(
+            [
+                "size",
+                "sockets GB/s",
+                "engine GB/s",
+                "in_step GB/s",
+                "engine / sockets",
+                "in_step / sockets",
+                "in_step / engine",
+            ],
+            rows,
+        )
+    )
+
+
 SECTIONS = {
     "overhead": ("Overhead against plain Keras", overhead),
     "allreduce": ("All-reduce bandwidth between local processes", allreduce),
@@ -892,6 +933,7 @@ SECTIONS = {
     "bigger_models": ("Fitting a bigger model: bytes per device", bigger_models),
     "multi_host": ("Two hosts on a rate-limited link", multi_host),
     "multi_host_2x2": ("Two hosts of two workers: hierarchical against flat", multi_host_2x2),
+    "tcp_engine": ("Our TCP ring alone against the plain exchange", tcp_engine),
     "elastic": ("Elastic: a host lost and taken back", elastic),
     "chaos": ("Chaos: random faults in a row, and what was lost", chaos),
     "scaling_model": ("A scaling model past this machine", scaling_model),

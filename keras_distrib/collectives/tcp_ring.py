@@ -6,7 +6,8 @@ two hosts where plain TCP between the same hosts carries twice that
 
 1. every worker listens on its own host; worker `r` connects to worker
    `r + 1` and accepts worker `r - 1` (`tcp_links.join_ring`), each
-   connection authenticated by the job's secret;
+   connection authenticated by the job's secret; two workers share one
+   connection, which carries both directions;
 2. the arrays of one dtype are packed end to end in one region
    (`shm_layout.layout`), cut into one chunk per worker;
 3. reduce-scatter: in `n - 1` steps each worker passes a chunk to the

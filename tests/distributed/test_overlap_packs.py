@@ -19,7 +19,7 @@ import as_reference
 from helpers import WORKERS, launch
 
 sys.path.insert(0, WORKERS)
-import overlap_packs  # noqa: E402
+import overlap_model  # noqa: E402
 
 WORKER = os.path.join(WORKERS, "overlap_packs.py")
 
@@ -60,9 +60,9 @@ def test_packs_overlap_the_backward_pass_on_hosts_with_a_spare_core(tmp_path, ho
         np.testing.assert_array_equal(got, want)
     import keras
 
-    model = overlap_packs.build()
+    model = overlap_model.build()
     model.set_weights(initial)
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    x, y = overlap_packs.data()
-    reference = as_reference.fit(model, x, y, overlap_packs.BATCH, 1)
+    x, y = overlap_model.data()
+    reference = as_reference.fit(model, x, y, overlap_model.BATCH, 1)
     as_reference.assert_weights(reference, finals)

@@ -124,30 +124,40 @@ def test_a_peer_that_sends_nothing_times_out_naming_it(tmp_path):
     assert "sent nothing for 1s (collective_timeout)" in message and 1 <= seconds < 3, seconds
 
 
-def test_a_worker_with_another_secret_is_refused(tmp_path):
-    keys = [secrets.token_hex(16), secrets.token_hex(16)]
-    assert _run(tmp_path, 2, "sums", connect_timeout=2, secrets_=keys) == [1, 1]
-    for rank in range(2):  # each closed the other's connection
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_worker_with_another_secret_is_refused(tmp_path, world):
+    keys = [secrets.token_hex(16) for _ in range(world)]
+    assert _run(tmp_path, world, "sums", connect_timeout=2, secrets_=keys) == [1] * world
+    for rank in range(world):  # each refused its left's connection, and was refused
         message, _ = _error(tmp_path, rank)
-        assert f"worker {1 - rank} at 127.0.0.1:" in message, message
-        assert "refused this worker's connection" in message, message
+        right, left = (rank + 1) % world, (rank - 1) % world
+        if rank == 0 or world > 2:  # it dialed its right (two share one connection)
+            assert f"worker {right} at 127.0.0.1:" in message, message
+            assert "refused this worker's connection" in message, message
+        else:
+            assert message.startswith(
+                f"PeerLostError: tcp all-reduce: worker {left} at 127.0.0.1:"
+            ), message
+            assert message.endswith(
+                "connected with another secret and this worker refused its connection: "
+                "not a worker of this job."
+            ), message
 
 
-def test_a_stranger_is_disconnected_and_the_ring_still_forms(tmp_path):
-    with _workers(tmp_path, 2, "sums", ranks=[0]) as (procs, ports):
-        stranger = _connect_when_listening(ports[0])
-        stranger.sendall(b"kd-ring1" + bytes(16) + bytes(4))  # worker 1's rank, a wrong secret
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_stranger_is_disconnected_and_the_ring_still_forms(tmp_path, world):
+    # Worker 1 takes worker 0's connection (in a ring of two, the only one).
+    with _workers(tmp_path, world, "sums", ranks=[1]) as (procs, ports):
+        stranger = _connect_when_listening(ports[1])
+        stranger.sendall(b"kd-ring1" + bytes(16) + bytes(4))  # worker 0's index, a wrong secret
         stranger.settimeout(10)
         assert stranger.recv(1) == b""  # closed without an answer
         stranger.close()
-        args = ["1", ",".join(map(str, ports))]
         key = _secret_of(procs[0])
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, WORKER, *args, key, str(tmp_path / "rank1.npz"), "sums"]
-            )
-        )
-        assert [p.wait(timeout=60) for p in procs] == [0, 0]
+        for rank in [0, *range(2, world)]:
+            args = [str(rank), ",".join(map(str, ports)), key, str(tmp_path / f"rank{rank}.npz")]
+            procs.append(subprocess.Popen([sys.executable, WORKER, *args, "sums"]))
+        assert [p.wait(timeout=60) for p in procs] == [0] * world
 
 
 def _secret_of(proc):

@@ -206,6 +206,38 @@ def test_the_host_engine_section_puts_the_engine_beside_memory_speed(tmp_path):
     assert "| engine / numpy (time) | 2.00 [1.90, 2.20] |" in text
 
 
+def test_the_tcp_engine_section_splits_the_gap_to_the_link(tmp_path):
+    rates = {"sockets": [1.0, 1.1, 0.9], "engine": [0.9, 0.8, 1.0], "in_step": [0.8, 0.7, 0.9]}
+    _write(
+        tmp_path,
+        "tcp_engine",
+        {
+            "meta": _meta("tcp_engine"),
+            "rate": "10gbit",
+            "repeats": 3,
+            "calls": 5,
+            "cases": [
+                {
+                    "bytes": 16 << 20,
+                    "gb_per_s": {k: _summary(v) for k, v in rates.items()},
+                    "ratios": {
+                        "engine_over_sockets": _summary([0.9, 0.8, 1.0]),
+                        "in_step_over_sockets": _summary([0.8, 0.7, 0.9]),
+                        "in_step_over_engine": _summary([0.95, 0.9, 1.0]),
+                    },
+                }
+            ],
+        },
+    )
+    text = results_md.render(str(tmp_path), str(tmp_path / "RESULTS.md"))
+    assert "## Our TCP ring alone against the plain exchange (`tcp_engine.py`)" in text
+    assert "on a 10gbit link" in text
+    assert (
+        "| 16.0 MB | 1.00 [0.90, 1.10] | 0.90 [0.80, 1.00] | 0.80 [0.70, 0.90] "
+        "| 0.90 [0.80, 1.00] | 0.80 [0.70, 0.90] | 0.95 [0.90, 1.00] |"
+    ) in text
+
+
 def test_the_scaling_model_section(tmp_path):
     check = {"check": "raw TF ring, 1gbit link: fit <= 4 MB", "ranks": 2, "bytes": 2**24}
     engine = {

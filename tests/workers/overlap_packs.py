@@ -19,28 +19,11 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
 
+from overlap_model import BATCH, build, data  # noqa: E402
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Directory for results.")
 flags.DEFINE_integer("intra_op_threads", 0, "TensorFlow's intra-op threads (0: its default).")
-
-ROWS, BATCH = 32, 16
-
-
-def build():
-    """Input(8) -> Dense(32) -> Dense(8192): the last kernel 1 MiB of float32."""
-    import keras
-
-    inputs = keras.Input((8,))
-    hidden = keras.layers.Dense(32, activation="relu")(inputs)
-    return keras.Model(inputs, keras.layers.Dense(8192)(hidden))
-
-
-def data():
-    rng = np.random.default_rng(7)
-    return (
-        rng.standard_normal((ROWS, 8)).astype("float32"),
-        rng.standard_normal((ROWS, 8192)).astype("float32"),
-    )
 
 
 def main(argv):
