@@ -9,8 +9,8 @@ multi_host.py to set beside the all-reduce engines (bus bandwidth = S /
 time, as theirs). On a test bed whose hosts share the machine's cores it
 is also what those cores can copy through the kernel's network stack.
 
-    python _sockets.py serve --sizes 1M,4M       # prints its port, then JSON
-    python _sockets.py connect HOST:PORT --sizes 1M,4M
+    python _sockets.py serve --sizes 1M,4M [--core 0]    # prints its port, then JSON
+    python _sockets.py connect HOST:PORT --sizes 1M,4M [--core 1]
 
 Both sides take the same `--sizes` and `--repeats`; the serving side
 prints one JSON line: {"cases": [{"bytes": S, "times": [...]}, ...]}.
@@ -20,6 +20,7 @@ No TensorFlow.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -32,6 +33,9 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("sizes", ["1M"], "Bytes per all-reduce, with K/M suffixes.")
 flags.DEFINE_integer("repeats", 3, "Timings per size.", lower_bound=1)
 flags.DEFINE_float("timeout", 60.0, "Seconds any socket operation may wait.")
+flags.DEFINE_integer(
+    "core", -1, "Pin this process to this core (as the engines' workers are; -1: not pinned)."
+)
 
 # Each command and the length of its argv: the script, the command, its arguments.
 _COMMANDS = {"serve": 2, "connect": 3}
@@ -80,6 +84,8 @@ def main(argv):
     if len(argv) < 2 or _COMMANDS.get(argv[1]) != len(argv):
         raise app.UsageError("use: _sockets.py serve | _sockets.py connect HOST:PORT")
     sizes = [_harness.parse_size(s) for s in FLAGS.sizes]
+    if FLAGS.core >= 0:
+        os.sched_setaffinity(0, {FLAGS.core % os.cpu_count()})
     if argv[1] == "serve":
         with socket.create_server(("0.0.0.0", 0)) as listener:
             listener.settimeout(FLAGS.timeout)

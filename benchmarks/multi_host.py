@@ -20,7 +20,10 @@ horovod_vs_tf.py's and benchmarks/allreduce.py's, so the cases are theirs):
                (`MultiWorkerMirroredStrategy`'s `all_reduce` per tensor, no
                keras_distrib; measured in the same workers as the TCP
                ring), and the link's ceiling: the same bytes over one plain
-               TCP connection (benchmarks/_sockets.py). Goals: >= 0.8 of
+               TCP connection (benchmarks/_sockets.py), each side pinned
+               to the core of its host's worker, as the ring's are (on the
+               bed the hosts share the machine's cores, and an unpinned
+               exchange varies widely from run to run). Goals: >= 0.8 of
                the link from 4 MB; the TCP ring >= 0.9 of the ceiling from
                16 MB.
   train step   the 784-1024-256-10 MLP (1.07M parameters, 4.3 MB of
@@ -202,8 +205,9 @@ def _sockets(bed) -> list[dict]:
     """The link's ceiling (benchmarks/_sockets.py): host 0 serves, host 1
     connects; the timings of each size, as the serving side measured them."""
     args = [f"--sizes={','.join(FLAGS.sizes)}", f"--repeats={FLAGS.repeats}"]
+    # Each side pinned to the core its host's worker has (`--pin` below).
     server = subprocess.Popen(
-        bed.on(0, [sys.executable, SOCKETS, "serve", *args]),
+        bed.on(0, [sys.executable, SOCKETS, "serve", *args, "--core=0"]),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -211,7 +215,17 @@ def _sockets(bed) -> list[dict]:
     try:
         port = server.stdout.readline().strip()
         client = subprocess.run(
-            bed.on(1, [sys.executable, SOCKETS, "connect", f"{bed.addresses[0]}:{port}", *args]),
+            bed.on(
+                1,
+                [
+                    sys.executable,
+                    SOCKETS,
+                    "connect",
+                    f"{bed.addresses[0]}:{port}",
+                    *args,
+                    "--core=1",
+                ],
+            ),
             capture_output=True,
             text=True,
             timeout=FLAGS.timeout,

@@ -542,7 +542,8 @@ def multi_host(doc: _Doc, data: dict) -> None:
         "TensorFlow's ring, ours over Horovod's Gloo, ours over our TCP ring "
         '(`implementation="tcp"`) and raw `MultiWorkerMirroredStrategy` (goal: '
         ">= 0.8 from 4 MB), beside the link's ceiling (sockets: the same bytes "
-        "exchanged over one plain TCP connection in one step each way, no reduction), "
+        "exchanged over one plain TCP connection in one step each way, no reduction, "
+        "each side pinned to its worker's core), "
         "and the TCP ring's fraction of that ceiling (goal: >= 0.9 from 16 MB); "
         "then the training step "
         f"(global batch {data['batch']}; each step timed from its batch's begin to its "
