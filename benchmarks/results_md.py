@@ -782,7 +782,7 @@ def scaling_model(doc: _Doc, data: dict) -> None:
     doc.add(
         f"Overlap fraction (step = compute + comm - overlap x min(compute, comm)), fitted on "
         f"{data['overlap']['rows']} two-host step rows: {data['overlap']['fraction']:.2f}. "
-        f"Fraction of the link rate our ring reaches where the link is the bottleneck, "
+        f"Fraction of the link rate our faster ring reaches where the link is the bottleneck, "
         f"carried to the GPU fabrics: {data['link_efficiency']:.2f}.",
         "",
     )
