@@ -13,7 +13,7 @@ import json
 from typing import Any, Optional
 
 from . import roles
-from .addresses import check_addresses, check_index
+from .addresses import check_addresses, check_index, parse_address
 from .errors import ClusterConfigError
 
 __all__ = ["ClusterInfo", "require_training_workers"]
@@ -204,6 +204,11 @@ class ClusterInfo:
     def world_size(self) -> int:
         """Number of training tasks (chief and workers)."""
         return len(self.workers)
+
+    @property
+    def worker_hosts(self) -> tuple[str, ...]:
+        """Each training task's host (its address without the port), in rank order."""
+        return tuple(parse_address(a)[0] for a in self.workers)
 
     @property
     def is_chief(self) -> bool:

@@ -380,7 +380,7 @@ def _wants_shared_memory(implementation: str, info: cluster_lib.ClusterInfo) -> 
 def _packing(bytes_per_pack: Optional[int], info: cluster_lib.ClusterInfo) -> overlap.Packing:
     """How our engines take this worker's gradients (`overlap.packing`):
     its host's cores, the workers on it, and what each computes on."""
-    hosts = [cluster_lib.parse_address(a)[0] for a in info.workers]
+    hosts = info.worker_hosts
     accelerator = bool(
         tf.config.list_physical_devices("GPU") or tf.config.list_physical_devices("TPU")
     )
@@ -397,10 +397,10 @@ def _packing(bytes_per_pack: Optional[int], info: cluster_lib.ClusterInfo) -> ov
 
 def _spans_hosts(info: cluster_lib.ClusterInfo) -> bool:
     """Whether some worker of `info` is on another host than this one."""
-    return any(not cluster_lib.is_local_host(cluster_lib.parse_address(a)[0]) for a in info.workers)
+    return any(not cluster_lib.is_local_host(host) for host in info.worker_hosts)
 
 
 def _local_rank(info: cluster_lib.ClusterInfo) -> int:
     """This worker's index among the workers on its host."""
-    hosts = [cluster_lib.parse_address(a)[0] for a in info.workers]
+    hosts = info.worker_hosts
     return hosts[: info.rank].count(hosts[info.rank])

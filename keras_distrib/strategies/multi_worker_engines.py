@@ -24,7 +24,6 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from keras_distrib import cluster as cluster_lib
 from keras_distrib.cluster.network import listen_address
 from keras_distrib.collectives import engine_choice, heartbeats, hierarchical, tcp_links
 from keras_distrib.collectives import registry as transports
@@ -55,7 +54,7 @@ def network_transports(
     on every worker (one more sum over the workers says whether any failed).
     """
     info = strategy.cluster
-    hosts = [cluster_lib.parse_address(a)[0] for a in info.workers]
+    hosts = info.worker_hosts
     where = hierarchical.plan(info.rank, hosts)
     listeners: dict = {}
     made: dict[str, Transport] = {}
@@ -143,7 +142,7 @@ def choose_engine(
     """`"auto"` across hosts: the transport of the fastest candidate (the
     strategy's own TensorFlow transport, or one of ours), and the choice.
     Where ours cannot join (`AUTO_CONNECT_SECONDS`), TensorFlow's."""
-    hosts = [cluster_lib.parse_address(a)[0] for a in strategy.cluster.workers]
+    hosts = strategy.cluster.worker_hosts
     names = engine_choice.candidates(hosts)
     ours = [n for n in names if n != TENSORFLOW]
     seconds = min(connect_timeout, AUTO_CONNECT_SECONDS)

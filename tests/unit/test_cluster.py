@@ -29,6 +29,7 @@ def test_cluster_info_properties_and_tf_config_round_trip():
     assert (info.rank, info.world_size, info.is_chief) == (1, 3, False)
     assert info.address == "10.0.0.2:2222"
     assert info.peers == ("10.0.0.1:2222", "[::1]:2223")
+    assert info.worker_hosts == ("10.0.0.1", "10.0.0.2", "::1")
     assert info.to_tf_config() == {
         "cluster": {"worker": list(info.workers)},
         "task": {"type": "worker", "index": 1},
