@@ -1171,10 +1171,10 @@ class Reference:
         kept = [np.asarray(v) for v in self.model.trainable_weights]
         found = {}
         for end in ends:
-            weights = self.trace.weights[end] if end < len(self.trace.weights) else self.trace.end
+            weights, apart = self.after(end)
             for variable, value in zip(self.model.trainable_weights, weights):
                 variable.assign(value.astype(variable.dtype))
-            bounds = evaluate_apart(self.model, x, y, batch_size, self.steps[end - 1], named=True)
+            bounds = evaluate_apart(self.model, x, y, batch_size, apart, named=True)
             for name, bound in bounds.items():
                 found.setdefault(f"val_{name}", []).append(bound)
         for variable, value in zip(self.model.trainable_weights, kept):
