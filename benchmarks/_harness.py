@@ -147,6 +147,56 @@ def read_results(out_dir: str, nproc: int) -> list[dict]:
         os.rmdir(out_dir)
 
 
+def run_json_workers(argvs: Sequence[Sequence[str]], timeout: float) -> list[dict]:
+    """Runs every `argv` at once (the processes of one measurement, started
+    directly, not through the launcher) and returns the JSON each printed as
+    the last line of its standard output, in order.
+
+    Their output goes to files, not pipes, so that none blocks on a full
+    pipe while the others wait for it in a collective. Whatever still runs
+    after `timeout` seconds or a failure is killed.
+
+    Raises:
+        WorkersFailed: a process exited non-zero, or `timeout` passed
+            (carries their standard error).
+    """
+    env = {**os.environ, **_QUIET_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH", "")) if p)
+    with tempfile.TemporaryDirectory(prefix="kd-bench-") as out:
+        logs = [
+            (open(os.path.join(out, f"{i}.out"), "w+"), open(os.path.join(out, f"{i}.err"), "w+"))
+            for i in range(len(argvs))
+        ]
+        procs: list = []
+        failed = ""
+        try:
+            for argv, (stdout, stderr) in zip(argvs, logs):
+                procs.append(subprocess.Popen(list(argv), stdout=stdout, stderr=stderr, env=env))
+            deadline = time.monotonic() + timeout
+            for proc in procs:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
+        except subprocess.TimeoutExpired:
+            failed = f"the processes did not finish within {timeout:g}s"
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        texts = []
+        for stdout, stderr in logs:
+            for f in (stdout, stderr):
+                f.seek(0)
+            texts.append((stdout.read(), stderr.read()))
+            stdout.close()
+            stderr.close()
+    codes = [proc.returncode for proc in procs]
+    if not failed and any(codes):
+        failed = f"the processes exited with codes {codes}"
+    if failed:
+        raise WorkersFailed(failed, "\n".join(err for _, err in texts))
+    return [json.loads(text.strip().splitlines()[-1]) for text, _ in texts]
+
+
 def slowest_rank(results: Sequence[dict], pick) -> list[float]:
     """Per repetition, the slowest rank's time (a collective ends when every
     rank's does): `pick(result)` is one rank's list of times."""

@@ -35,9 +35,7 @@ import json
 import os
 import secrets
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -114,53 +112,31 @@ def _worker(rank: int, job: str, repeats: int, calls: int) -> dict:
 
 def _run_workers(repeats: int, calls: int) -> list:
     job = secrets.token_hex(16)
-    with tempfile.TemporaryDirectory() as out:
-        procs = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    os.path.abspath(__file__),
-                    f"--rank={rank}",
-                    f"--job={job}",
-                    f"--repeats={repeats}",
-                    f"--calls={calls}",
-                ],
-                stdout=open(os.path.join(out, f"rank{rank}.json"), "w"),
-                env={**os.environ, "PYTHONPATH": _harness.REPO_ROOT},
-            )
-            for rank in range(2)
-        ]
-        try:
-            codes = [p.wait(timeout=600) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        if any(codes):
-            raise RuntimeError(f"host_engine workers exited with {codes}")
-        return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
-
-
-def _stats(values) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    argv = [
+        sys.executable,
+        os.path.abspath(__file__),
+        f"--job={job}",
+        f"--repeats={repeats}",
+        f"--calls={calls}",
+    ]
+    return _harness.run_json_workers([[*argv, f"--rank={rank}"] for rank in range(2)], 600)
 
 
 def _summary(ranks: list) -> dict:
     """Per repetition, the slower rank's time of each measurement, and the
     ratios of the same repetition."""
     nbytes = ranks[0]["nbytes"]
-    slow = {k: [max(r[k][i] for r in ranks) for i in range(len(ranks[0][k]))] for k in KINDS}
+    slow = {k: _harness.slowest_rank(ranks, lambda r, k=k: r[k]) for k in KINDS}
     gbps = {k: [nbytes / (ms * 1e6) for ms in slow[k]] for k in ("engine", "numpy")}
     ratio = [e / n for e, n in zip(slow["engine"], slow["numpy"])]
     beyond = [e - s for e, s in zip(slow["engine"], slow["lockstep"])]
     return {
         "nbytes": nbytes,
-        "ms": {k: _stats(v) for k, v in slow.items()},
-        "gb_per_s": {k: _stats(v) for k, v in gbps.items()},
+        "ms": {k: _harness.run_summary(v) for k, v in slow.items()},
+        "gb_per_s": {k: _harness.run_summary(v) for k, v in gbps.items()},
         "ratios": {
-            "engine_over_numpy": _stats(ratio),
-            "engine_less_lockstep_ms": _stats(beyond),
+            "engine_over_numpy": _harness.run_summary(ratio),
+            "engine_less_lockstep_ms": _harness.run_summary(beyond),
         },
     }
 

@@ -39,7 +39,6 @@ import json
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import time
 
@@ -168,6 +167,7 @@ def _measure(tf, ring, sock, in_step, size: int, repeats: int, calls: int) -> di
 
 
 def _run_workers(bed, sizes: list, repeats: int, calls: int) -> list:
+    """Each process's measurements, one process on each of `bed`'s hosts."""
     argv = [
         sys.executable,
         os.path.abspath(__file__),
@@ -176,38 +176,14 @@ def _run_workers(bed, sizes: list, repeats: int, calls: int) -> list:
         f"--repeats={repeats}",
         f"--calls={calls}",
     ]
-    env = {**os.environ, "PYTHONPATH": _harness.REPO_ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    procs = [
-        subprocess.Popen(
-            bed.on(rank, [*argv, f"--rank={rank}"]),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for rank in range(2)
-    ]
-    try:
-        outputs = [p.communicate(timeout=900) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    if any(p.returncode for p in procs):
-        raise _harness.WorkersFailed(
-            "tcp_engine workers failed", "\n".join(err for _, err in outputs)
-        )
-    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
-
-
-def _stats(values) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    return _harness.run_json_workers(
+        [bed.on(rank, [*argv, f"--rank={rank}"]) for rank in range(2)], timeout=900
+    )
 
 
 def _ratio(gbps: dict, a: str, b: str) -> dict:
     """`a`'s rate over `b`'s, paired by repetition."""
-    return _stats([x / y for x, y in zip(gbps[a], gbps[b])])
+    return _harness.run_summary([x / y for x, y in zip(gbps[a], gbps[b])])
 
 
 def _summary(ranks: list, link: float) -> list:
@@ -218,15 +194,16 @@ def _summary(ranks: list, link: float) -> list:
     for i, case in enumerate(ranks[0]["cases"]):
         size = case["bytes"]
         slow = {
-            k: [max(r["cases"][i][k][j] for r in ranks) for j in range(len(case[k]))] for k in KINDS
+            k: _harness.slowest_rank(ranks, lambda r, i=i, k=k: r["cases"][i][k]) for k in KINDS
         }
         gbps = {k: [size / (ms * 1e6) for ms in v] for k, v in slow.items()}
+        summary = _harness.run_summary
         found.append(
             {
                 "bytes": size,
-                "ms": {k: _stats(v) for k, v in slow.items()},
-                "gb_per_s": {k: _stats(v) for k, v in gbps.items()},
-                "of_link": {k: _stats([g * 1e9 / link for g in v]) for k, v in gbps.items()},
+                "ms": {k: summary(v) for k, v in slow.items()},
+                "gb_per_s": {k: summary(v) for k, v in gbps.items()},
+                "of_link": {k: summary([g * 1e9 / link for g in v]) for k, v in gbps.items()},
                 "ratios": {
                     "engine_over_sockets": _ratio(gbps, "engine", "sockets"),
                     "in_step_over_sockets": _ratio(gbps, "in_step", "sockets"),
@@ -250,19 +227,23 @@ def _print(rate: str, cases: list) -> None:
         print("  " + ", ".join(f"{k} {fmt(v)}" for k, v in case["ratios"].items()))
 
 
-def main(argv) -> None:
+def main(argv) -> int:
     del argv
     sizes = [_harness.parse_size(s) for s in (["1M"] if FLAGS.quick else FLAGS.sizes)]
     repeats, calls = (2, 2) if FLAGS.quick else (FLAGS.repeats, FLAGS.calls)
     if FLAGS.rank >= 0:
         print(json.dumps(_worker(FLAGS.rank, FLAGS.addresses, sizes, repeats, calls)))
-        return
+        return 0
     reason = netns_hosts.unavailable()
     if reason:
         raise app.UsageError(f"tcp_engine.py needs the two-host bed: {reason}")
     load = _harness.load_note()
-    with netns_hosts.TestBed(2, rate=FLAGS.rate) as bed:
-        ranks = _run_workers(bed, sizes, repeats, calls)
+    try:
+        with netns_hosts.TestBed(2, rate=FLAGS.rate) as bed:
+            ranks = _run_workers(bed, sizes, repeats, calls)
+    except _harness.WorkersFailed as e:
+        print(f"tcp_engine: {e}; worker output:\n{e.output[-6000:]}", file=sys.stderr)
+        return 1
     cases = _summary(ranks, netns_hosts.bytes_per_second(FLAGS.rate))
     _print(FLAGS.rate, cases)
     _harness.save_results(
@@ -272,6 +253,7 @@ def main(argv) -> None:
         FLAGS.quick,
         load,
     )
+    return 0
 
 
 if __name__ == "__main__":
