@@ -92,6 +92,12 @@ flags.DEFINE_enum(
     "implementation= of our multi_worker strategy (auto: shared "
     "memory here, all workers being on this host).",
 )
+flags.DEFINE_list(
+    "variants",
+    ["raw", "batched", "ours"],
+    "The variants the workers time, interleaved (benchmarks/multi_host.py times ours alone, as "
+    "a job using our engine runs no TensorFlow collective beside it).",
+)
 flags.DEFINE_float("timeout", 150.0, "Seconds one launch of the workers may take.")
 flags.DEFINE_bool(
     "quick",
@@ -106,6 +112,11 @@ flags.DEFINE_string(
 )
 
 VARIANTS = ("raw", "batched", "ours")
+flags.register_validator(
+    "variants",
+    lambda names: bool(names) and set(names) <= set(VARIANTS),
+    message=f"--variants takes some of {', '.join(VARIANTS)}",
+)
 _ONE_PACK = 2**62
 _MAX_CALLS_PER_TIMING = 2000
 
@@ -201,6 +212,7 @@ def run_worker() -> None:
             fn()
         return (time.perf_counter() - start) / calls
 
+    timed_variants = tuple(v for v in VARIANTS if v in FLAGS.variants)
     rng = np.random.default_rng(0)
     report = {
         "rank": rank,
@@ -216,7 +228,7 @@ def run_worker() -> None:
         bases = [rng.standard_normal(shape, dtype=np.float32) for shape in shapes]
         tensors = [tf.constant(b * (rank + 1)) for b in bases]
         expected = world * (world + 1) / 2
-        fns = {v: make_variant(v, tensors) for v in VARIANTS}
+        fns = {v: make_variant(v, tensors) for v in timed_variants}
         checks = {}
         for v, fn in fns.items():
             out = None
@@ -239,10 +251,10 @@ def run_worker() -> None:
             )
         collectives = {v: count_collectives(fn) for v, fn in fns.items()}
         calls = agree_on_calls(min(timed(fn, 1) for fn in fns.values()))
-        times = {v: [] for v in VARIANTS}
+        times = {v: [] for v in timed_variants}
         for rep in range(FLAGS.repeats):
-            shift = rep % len(VARIANTS)
-            for v in VARIANTS[shift:] + VARIANTS[:shift]:
+            shift = rep % len(timed_variants)
+            for v in timed_variants[shift:] + timed_variants[:shift]:
                 times[v].append(timed(fns[v], calls))
         report["cases"].append(
             {
@@ -357,6 +369,13 @@ def print_table(results: list[dict]) -> tuple[list[str], dict]:
 
 
 def run_driver() -> int:
+    if list(FLAGS.variants) != list(VARIANTS):
+        print(
+            "--variants is for the workers benchmarks/multi_host.py launches; this table "
+            f"compares all of {', '.join(VARIANTS)}: leave it out",
+            file=sys.stderr,
+        )
+        return 2
     watch = _harness.Stopwatch()
     load = _harness.load_note()
     if FLAGS.quick:

@@ -18,8 +18,9 @@ horovod_vs_tf.py's and benchmarks/allreduce.py's, so the cases are theirs):
                ours over our TCP ring (`multi_worker`,
                `implementation="tcp"`), raw TensorFlow
                (`MultiWorkerMirroredStrategy`'s `all_reduce` per tensor, no
-               keras_distrib; measured in the same workers as the TCP
-               ring), and the link's ceiling: the same bytes over one plain
+               keras_distrib; in a launch of its own, as the TCP ring's is:
+               a job on our engine runs no TensorFlow collective beside
+               it), and the link's ceiling: the same bytes over one plain
                TCP connection (benchmarks/_sockets.py), each side pinned
                to the core of its host's worker, as the ring's are (on the
                bed the hosts share the machine's cores, and an unpinned
@@ -242,6 +243,20 @@ def _sockets(bed) -> list[dict]:
     return json.loads(out)["cases"]
 
 
+def _allreduce_args(variant: str) -> list[str]:
+    """benchmarks/allreduce.py's flags timing `variant` alone (ours over
+    the TCP ring, or raw TensorFlow's), each worker pinned to its core."""
+    return [
+        f"--sizes={','.join(FLAGS.sizes)}",
+        "--small_layers=2",
+        f"--repeats={FLAGS.repeats}",
+        f"--variants={variant}",
+        "--implementation=tcp",
+        "--bytes_per_pack=0",
+        "--pin",
+    ]
+
+
 def _median(values) -> float:
     return _harness.stats(values)[0]
 
@@ -251,19 +266,9 @@ def measure(rate: str) -> dict:
     with netns_hosts.TestBed(2, rate=rate) as bed:
         ring = _run(HVT, _hvt_args("tf"), bed)
         gloo = None if many else _run(HVT, _hvt_args("hvd"), bed, horovod=True)
-        # Raw TF's all-reduce and ours over the TCP ring, in the same workers.
-        raw = _run(
-            ALLREDUCE,
-            [
-                f"--sizes={','.join(FLAGS.sizes)}",
-                "--small_layers=2",
-                f"--repeats={FLAGS.repeats}",
-                "--implementation=tcp",
-                "--bytes_per_pack=0",
-                "--pin",
-            ],
-            bed,
-        )
+        # Raw TF's all-reduce, then ours over the TCP ring in a launch of its
+        # own: a job on our engine runs no TensorFlow collective beside it.
+        raw, tcp = (_run(ALLREDUCE, _allreduce_args(variant), bed) for variant in ("raw", "ours"))
         # Right after the TCP ring, on the same load.
         sockets = None if many else _sockets(bed)
         compressed = {
@@ -277,7 +282,7 @@ def measure(rate: str) -> dict:
             name: _run(HVT, _hvt_args("tf", train_only="true", implementation="tcp", **pack), bed)
             for name, pack in packings
         }
-    _check_tcp(raw)
+    _check_tcp(tcp)
     wire = link_bytes_per_second(rate)
     ranks = len(ring)
     sizes = []
@@ -285,7 +290,7 @@ def measure(rate: str) -> dict:
         times = {
             "ours_ring": _harness.slowest_rank(ring, lambda r, i=i: r["cases"][i]["times"]),
             "raw_tf": _harness.slowest_rank(raw, lambda r, i=i: r["cases"][i]["times"]["raw"]),
-            "ours_tcp": _harness.slowest_rank(raw, lambda r, i=i: r["cases"][i]["times"]["ours"]),
+            "ours_tcp": _harness.slowest_rank(tcp, lambda r, i=i: r["cases"][i]["times"]["ours"]),
         }
         if gloo is not None:
             times["ours_gloo"] = _harness.slowest_rank(gloo, lambda r, i=i: r["cases"][i]["times"])
