@@ -20,8 +20,13 @@ are the ones this process may run on (`os.sched_getaffinity`); each
 worker computes on one core when its replica is a GPU or TPU (the thread
 that drives the device), else on TensorFlow's intra-op threads (its
 `intra_op_parallelism_threads` or `TF_NUM_INTRAOP_THREADS`, all the
-cores when neither is set). An explicit
-`bytes_per_pack` is taken as given.
+cores when neither is set). A pack's collective is a `tf.numpy_function`
+that holds the TensorFlow thread running it until the reduction ends: with
+one inter-op thread (`inter_op_parallelism_threads` or
+`TF_NUM_INTEROP_THREADS` set to 1; left unset, TensorFlow takes one per
+core) no pack runs beside the backward pass, so then there is one pack
+too. An explicit `bytes_per_pack` is taken as given (`describe` says when
+one inter-op thread keeps its packs from overlapping).
 
 Packing changes no sum on one host and only the order of additions in a
 ring of more than two workers: the choice changes speed only.
@@ -67,9 +72,20 @@ def intra_op_threads(configured: int) -> int:
     """TensorFlow's intra-op threads: `configured` (its
     `intra_op_parallelism_threads`), else `TF_NUM_INTRAOP_THREADS`, which
     its thread pool reads when that is unset; 0 when neither is set."""
+    return _threads(configured, "TF_NUM_INTRAOP_THREADS")
+
+
+def inter_op_threads(configured: int) -> int:
+    """TensorFlow's inter-op threads: `configured` (its
+    `inter_op_parallelism_threads`), else `TF_NUM_INTEROP_THREADS`; 0 when
+    neither is set (then TensorFlow takes one per core)."""
+    return _threads(configured, "TF_NUM_INTEROP_THREADS")
+
+
+def _threads(configured: int, variable: str) -> int:
     if configured > 0:
         return configured
-    value = os.environ.get("TF_NUM_INTRAOP_THREADS", "").strip()
+    value = os.environ.get(variable, "").strip()
     return int(value) if value.isdigit() else 0
 
 
@@ -93,15 +109,22 @@ def packing(
     workers_on_host: int,
     accelerator: bool = False,
     intra_op_threads: int = 0,
+    inter_op_threads: int = 0,
 ) -> Packing:
     """The packing of the step's gradients for a worker that shares a host
     of `cores` cores with `workers_on_host - 1` others: `asked` when not
-    None, else packs of `OVERLAP_PACK_BYTES` where a core is spare, one
-    pack where none is (see the module doc)."""
+    None, else packs of `OVERLAP_PACK_BYTES` where a core is spare and
+    TensorFlow has more than one inter-op thread (`inter_op_threads`, 0:
+    one per core), one pack otherwise (see the module doc)."""
+    one_thread = inter_op_threads == 1 or (inter_op_threads == 0 and cores == 1)
+    blocked = "one inter-op thread, which a pack's collective holds until it ends"
     if asked is not None:
         if asked:
-            return Packing(asked, f"packs of {asked} bytes (bytes_per_pack={asked})")
+            after = f"; with {blocked}, each after the backward pass" if one_thread else ""
+            return Packing(asked, f"packs of {asked} bytes (bytes_per_pack={asked}){after}")
         return Packing(0, "one pack after the backward pass (bytes_per_pack=0)")
+    if one_thread:
+        return Packing(0, f"one pack after the backward pass: {blocked}")
     threads = compute_threads(accelerator, intra_op_threads, cores)
     spare = spare_cores(cores, workers_on_host, threads)
     what = "device" if accelerator else "intra-op"

@@ -114,7 +114,8 @@ class MultiWorker(TFDistributeStrategy):
             has made it, while it makes the others; a large gradient is
             not cut (see `keras_distrib.collectives.numpy_engine`). There
             None packs them by 1 MiB where this host has a core its
-            workers' computation leaves free, else in one pack after the
+            workers' computation leaves free and TensorFlow more than one
+            inter-op thread, else in one pack after the
             backward pass (`keras_distrib.collectives.overlap`;
             `describe` says which, and why).
         collective_timeout: Seconds after which a collective that some
@@ -391,6 +392,9 @@ def _packing(bytes_per_pack: Optional[int], info: cluster_lib.ClusterInfo) -> ov
         accelerator=accelerator,
         intra_op_threads=overlap.intra_op_threads(
             tf.config.threading.get_intra_op_parallelism_threads()
+        ),
+        inter_op_threads=overlap.inter_op_threads(
+            tf.config.threading.get_inter_op_parallelism_threads()
         ),
     )
 

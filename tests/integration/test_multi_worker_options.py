@@ -4,6 +4,7 @@
 Real worker processes: tests/distributed/test_multi_worker.py.
 """
 
+import os
 import subprocess
 import sys
 
@@ -109,3 +110,20 @@ def test_an_engines_lost_peer_raised_in_a_step_is_its_one_line():
     assert isinstance(clearer, PeerLostError)
     assert str(clearer) == f"multi_worker: {said}"
     assert MultiWorker.failure(strategy, PeerLostError(said)) is None  # already one line
+
+
+def test_one_inter_op_thread_keeps_our_engines_to_one_pack(monkeypatch):
+    """A worker with a core spare packs its gradients, unless TensorFlow has
+    one inter-op thread (which a pack's collective would hold)."""
+    from keras_distrib.cluster import ClusterInfo
+    from keras_distrib.strategies import multi_worker
+
+    monkeypatch.setenv("TF_NUM_INTRAOP_THREADS", "1")
+    info = ClusterInfo(["10.0.0.1:2222", "10.0.0.2:2222"], 0)  # one worker on this host
+    monkeypatch.setenv("TF_NUM_INTEROP_THREADS", "1")
+    one = multi_worker._packing(None, info)
+    assert one.bytes_per_pack == 0
+    assert "one inter-op thread" in str(one)
+    if len(os.sched_getaffinity(0)) > 1:  # then a core is spare: packs
+        monkeypatch.delenv("TF_NUM_INTEROP_THREADS")
+        assert multi_worker._packing(None, info).bytes_per_pack > 0

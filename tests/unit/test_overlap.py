@@ -49,9 +49,39 @@ def test_an_explicit_bytes_per_pack_is_taken_as_given(asked):
     assert f"bytes_per_pack={asked}" in str(got)
 
 
-def test_intra_op_threads_from_tensorflows_setting_then_its_environment(monkeypatch):
-    monkeypatch.delenv("TF_NUM_INTRAOP_THREADS", raising=False)
-    assert overlap.intra_op_threads(0) == 0
-    monkeypatch.setenv("TF_NUM_INTRAOP_THREADS", "3")
-    assert overlap.intra_op_threads(0) == 3
-    assert overlap.intra_op_threads(2) == 2  # the setting wins
+@pytest.mark.parametrize(
+    "threads,variable",
+    [
+        (overlap.intra_op_threads, "TF_NUM_INTRAOP_THREADS"),
+        (overlap.inter_op_threads, "TF_NUM_INTEROP_THREADS"),
+    ],
+)
+def test_threads_from_tensorflows_setting_then_its_environment(monkeypatch, threads, variable):
+    monkeypatch.delenv(variable, raising=False)
+    assert threads(0) == 0
+    monkeypatch.setenv(variable, "3")
+    assert threads(0) == 3
+    assert threads(2) == 2  # the setting wins
+
+
+def test_one_inter_op_thread_means_one_pack_even_with_cores_spare():
+    # A pack's collective holds the TensorFlow thread that runs it until the
+    # reduction ends: with one inter-op thread nothing runs beside it.
+    got = overlap.packing(None, cores=8, workers_on_host=1, intra_op_threads=2, inter_op_threads=1)
+    assert got.bytes_per_pack == 0
+    assert str(got) == (
+        "one pack after the backward pass: one inter-op thread, which a pack's "
+        "collective holds until it ends"
+    )
+    # Left unset, TensorFlow takes one inter-op thread per core.
+    unset = overlap.packing(None, cores=8, workers_on_host=1, intra_op_threads=2)
+    assert unset.bytes_per_pack == overlap.OVERLAP_PACK_BYTES
+
+
+def test_an_explicit_bytes_per_pack_is_kept_and_told_when_it_cannot_overlap():
+    got = overlap.packing(256, cores=1, workers_on_host=1, accelerator=True)
+    assert got.bytes_per_pack == 256
+    assert str(got) == (
+        "packs of 256 bytes (bytes_per_pack=256); with one inter-op thread, which a "
+        "pack's collective holds until it ends, each after the backward pass"
+    )
