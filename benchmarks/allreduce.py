@@ -92,9 +92,10 @@ flags.DEFINE_enum(
     "implementation= of our multi_worker strategy (auto: shared "
     "memory here, all workers being on this host).",
 )
+VARIANTS = ("raw", "batched", "ours")
 flags.DEFINE_list(
     "variants",
-    ["raw", "batched", "ours"],
+    list(VARIANTS),
     "The variants the workers time, interleaved (benchmarks/multi_host.py times ours alone, as "
     "a job using our engine runs no TensorFlow collective beside it).",
 )
@@ -111,7 +112,6 @@ flags.DEFINE_string(
     "Where the driver saves its measurements (empty: nowhere).",
 )
 
-VARIANTS = ("raw", "batched", "ours")
 flags.register_validator(
     "variants",
     lambda names: bool(names) and set(names) <= set(VARIANTS),
@@ -369,7 +369,7 @@ def print_table(results: list[dict]) -> tuple[list[str], dict]:
 
 
 def run_driver() -> int:
-    if list(FLAGS.variants) != list(VARIANTS):
+    if set(FLAGS.variants) != set(VARIANTS):
         print(
             "--variants is for the workers benchmarks/multi_host.py launches; this table "
             f"compares all of {', '.join(VARIANTS)}: leave it out",
