@@ -245,13 +245,14 @@ def _sockets(bed) -> list[dict]:
 
 def _allreduce_args(variant: str) -> list[str]:
     """benchmarks/allreduce.py's flags timing `variant` alone (ours over
-    the TCP ring, or raw TensorFlow's), each worker pinned to its core."""
+    the TCP ring, or raw TensorFlow's, whose launch then starts no TCP
+    ring), each worker pinned to its core."""
     return [
         f"--sizes={','.join(FLAGS.sizes)}",
         "--small_layers=2",
         f"--repeats={FLAGS.repeats}",
         f"--variants={variant}",
-        "--implementation=tcp",
+        f"--implementation={'tcp' if variant == 'ours' else 'ring'}",
         "--bytes_per_pack=0",
         "--pin",
     ]
