@@ -21,7 +21,7 @@ from keras_distrib.strategies.per_process import PerProcessStrategy
 from keras_distrib.arithmetic import optimizer_sharding as sharding_option
 
 NOT_INSTALLED = (
-    "strategy 'horovod' needs Horovod, which is not installed; build it with "
+    "{who} needs Horovod, which is not installed; build it with "
     "`scripts/install_horovod.sh .venv` (Horovod 0.28.1 against TF 2.21)"
 )
 
@@ -85,7 +85,7 @@ class Horovod(PerProcessStrategy):
 
     def __init__(self, device: Optional[str] = None, optimizer_sharding: Optional[str] = None):
         self.optimizer_sharding = sharding_option.check(self.name, optimizer_sharding)
-        hvd = _import_horovod()
+        hvd = import_horovod()
         transport = transports.create("horovod", hvd=hvd)  # initializes Horovod
         local_rank = int(hvd.local_rank())
         if device is None:
@@ -115,24 +115,25 @@ class Horovod(PerProcessStrategy):
         return self.read_summed_metrics(model, read)
 
 
-def _import_horovod():
-    """`horovod.tensorflow`, or a one-line `HorovodUnavailableError`."""
+def import_horovod(who: str = "strategy 'horovod'"):
+    """`horovod.tensorflow`, or a one-line `HorovodUnavailableError`
+    saying that `who` needs it."""
     try:
         import horovod.tensorflow as hvd
     except ModuleNotFoundError as e:
         if e.name in ("horovod", "horovod.tensorflow"):
-            raise HorovodUnavailableError(NOT_INSTALLED) from None
-        raise HorovodUnavailableError(_broken(e)) from None
+            raise HorovodUnavailableError(NOT_INSTALLED.format(who=who)) from None
+        raise HorovodUnavailableError(_broken(e, who)) from None
     except (ImportError, tf.errors.NotFoundError, OSError) as e:
         # Installed, but built without TensorFlow or against another TF.
-        raise HorovodUnavailableError(_broken(e)) from None
+        raise HorovodUnavailableError(_broken(e, who)) from None
     return hvd
 
 
-def _broken(error: Exception) -> str:
+def _broken(error: Exception, who: str) -> str:
     cause = " ".join(str(error).split())[:300]
     return (
-        f"strategy 'horovod' found Horovod but cannot load horovod.tensorflow "
+        f"{who} found Horovod but cannot load horovod.tensorflow "
         f"({type(error).__name__}: {cause}); rebuild it against this TensorFlow "
         "with `scripts/install_horovod.sh .venv`"
     )
