@@ -23,6 +23,7 @@ BUILTIN = {
     "tcp": "keras_distrib.collectives.tcp_collectives:TcpCollectives",
     "hierarchical": "keras_distrib.collectives.hierarchical_collectives:HierarchicalCollectives",
     "horovod": "keras_distrib.collectives.horovod_collectives:HorovodCollectives",
+    "gloo": "keras_distrib.collectives.gloo_collectives:GlooCollectives",
 }
 
 

@@ -14,7 +14,8 @@ the strategies call:
   strategies' cross-process helpers build on) and `broadcast`;
 * `close`, which releases what the transport holds of its own
   (connections, shared memory): a strategy closes the engines it tried
-  and did not keep.
+  and did not keep;
+* `explain`, one line on a failure its engine's error does not name.
 
 No strategy waits in a barrier of its own: an eager sum serves where the
 processes must meet.
@@ -128,6 +129,12 @@ class Transport(abc.ABC):
     def close(self) -> None:
         """Releases what the transport holds of its own (connections,
         shared memory); by default nothing."""
+        return None
+
+    def explain(self, error: BaseException) -> Optional[str]:
+        """One line on what ended a collective of this transport, when
+        `error` is such an ending and the engine's own error does not say
+        (None by default: it does, or `error` is none of its own)."""
         return None
 
     def broadcast(self, variables: Sequence[Any], root: int = 0) -> list[Any]:

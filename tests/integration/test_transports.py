@@ -32,6 +32,7 @@ INTERFACE = [
     "all_reduce_across_processes",
     "broadcast",
     "close",
+    "explain",
     "gather_rows",
     "mean_by_count",
     "reduce_scatter",
@@ -58,11 +59,13 @@ def test_each_registered_transport_implements_the_whole_interface(name):
     assert not inspect.isabstract(AcrossProcesses)
 
 
-def test_the_horovod_transport_imports_horovod_only_when_made():
+@pytest.mark.parametrize("name", ["horovod", "gloo"])
+def test_the_horovod_transports_import_horovod_only_when_made(name):
     code = (
         "import sys\n"
         "from keras_distrib.collectives import registry\n"
-        "print(registry.transport_class('horovod').__name__,\n"
+        "import keras_distrib.strategies.multi_worker\n"
+        f"print(registry.transport_class({name!r}).__name__,\n"
         "      sorted(m for m in sys.modules if m.split('.')[0] == 'horovod'))\n"
     )
     proc = subprocess.run(
@@ -74,7 +77,7 @@ def test_the_horovod_transport_imports_horovod_only_when_made():
         env={**os.environ, "PYTHONPATH": CHILD_PYTHONPATH},
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.splitlines()[-1] == "HorovodCollectives []"
+    assert proc.stdout.splitlines()[-1] == f"{name.capitalize()}Collectives []"
 
 
 @pytest.mark.parametrize(

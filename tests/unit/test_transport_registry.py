@@ -12,7 +12,7 @@ import pytest
 from keras_distrib.collectives import registry
 from pure_helpers import ROOT
 
-NAMES = ["hierarchical", "horovod", "one_process", "shm", "tcp", "tensorflow"]
+NAMES = ["gloo", "hierarchical", "horovod", "one_process", "shm", "tcp", "tensorflow"]
 
 
 @pytest.mark.parametrize("name", ["carrier", "SHM", "", None])
