@@ -2,9 +2,10 @@
 
 Across hosts, with one device per worker, the candidates are TensorFlow's
 collectives (`"tensorflow"`, a gRPC ring on CPUs), our TCP ring over every
-worker (`"tcp"`) and, when some host runs several workers, the
-hierarchical all-reduce (`"hierarchical"`: shared memory within hosts, a
-TCP ring between them). Which is fastest depends on the link, the hosts
+worker (`"tcp"`), when some host runs several workers, the hierarchical
+all-reduce (`"hierarchical"`: shared memory within hosts, a TCP ring
+between them), and where every worker can load Horovod, Horovod's Gloo
+(`"gloo"`). Which is fastest depends on the link, the hosts
 and the tensors, so the workers measure: each times every candidate on
 `PROBE_SIZES` (float32 tensors of a typical gradient list's large and
 small sizes), keeping its best of `REPEATS` timings after a warm-up; the
@@ -29,7 +30,7 @@ from typing import Mapping, Optional, Sequence
 PROBE_ENV = "KERAS_DISTRIB_PROBE"
 PROBE_SIZES = (4 << 20, 64 << 10)  # bytes of each probe tensor (float32)
 REPEATS = 2  # timings of each size per candidate, after one warm-up call
-TENSORFLOW, TCP, HIERARCHICAL = "tensorflow", "tcp", "hierarchical"
+TENSORFLOW, TCP, HIERARCHICAL, GLOO = "tensorflow", "tcp", "hierarchical", "gloo"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,11 +51,11 @@ def several_per_host(hosts: Sequence[str]) -> bool:
     return len(set(hosts)) < len(hosts)
 
 
-def candidates(hosts: Sequence[str]) -> list[str]:
+def candidates(hosts: Sequence[str], gloo: bool = False) -> list[str]:
     """The engines to measure for workers on `hosts`, in the order measured
-    (and preferred on a tie)."""
+    (and preferred on a tie); `gloo`: every worker can load Horovod."""
     ours = [HIERARCHICAL, TCP] if several_per_host(hosts) else [TCP]
-    return [*ours, TENSORFLOW]
+    return [*ours, *([GLOO] if gloo else []), TENSORFLOW]
 
 
 def rule(hosts: Sequence[str], why: str) -> Choice:

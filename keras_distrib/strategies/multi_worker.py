@@ -39,7 +39,10 @@ _TCP = "tcp"
 # And shared memory within each host, a TCP ring between hosts
 # (keras_distrib/collectives/hierarchical_collectives.py).
 _HIERARCHICAL = "hierarchical"
-_OURS = (_SHARED_MEMORY, _TCP, _HIERARCHICAL)
+# Horovod's Gloo between the workers, joined at a rendezvous store the
+# chief runs (keras_distrib/collectives/gloo_collectives.py).
+_GLOO = "gloo"
+_OURS = (_SHARED_MEMORY, _TCP, _HIERARCHICAL, _GLOO)
 # What our engines raise, in the text of the TensorFlow error around a
 # step whose numpy_function raised it.
 _ENGINE_ERROR = re.compile(r"PeerLostError: ([^\n]+)")
@@ -71,10 +74,11 @@ class MultiWorker(TFDistributeStrategy):
     what TF's gRPC ring does over the same link (row 16), and with several
     workers per host `implementation="hierarchical"` sums within each host
     through shared memory and between hosts over that ring, one leader per
-    host; `"auto"` across hosts times these against TensorFlow's and keeps
-    the fastest. Every worker runs the same script; `keras-distrib launch` starts them and sets
-    `TF_CONFIG`. Variables start equal on all workers (broadcast from worker
-    0 when they are created).
+    host; `implementation="gloo"` runs Horovod's Gloo collectives between
+    the workers; `"auto"` across hosts times these against TensorFlow's and
+    keeps the fastest. Every worker runs the same script; `keras-distrib
+    launch` starts them and sets `TF_CONFIG`. Variables start equal on all
+    workers (broadcast from worker 0 when they are created).
 
     TensorFlow's collective runtime must start before TensorFlow is first
     used; when `TF_CONFIG` or Slurm describes the cluster, `import
@@ -87,8 +91,9 @@ class MultiWorker(TFDistributeStrategy):
         task_index: This process's rank in `cluster` (with `cluster` only).
         implementation: `"auto"` (`"shm"` when all workers are on this host
             and no GPU is visible; across hosts with one device per
-            worker, the fastest of TensorFlow's collectives, `"tcp"` and
-            `"hierarchical"`, timed by every worker at start, see
+            worker, the fastest of TensorFlow's collectives, `"tcp"`,
+            `"hierarchical"` and, where every worker can load Horovod,
+            `"gloo"`, timed by every worker at start, see
             `keras_distrib.collectives.engine_choice`; else TensorFlow's
             choice), `"ring"`,
             `"nccl"`, `"shm"` (the training step's collectives and the
@@ -99,7 +104,11 @@ class MultiWorker(TFDistributeStrategy):
             and a connection must present a secret the chief draws; see
             `keras_distrib.collectives.tcp_ring`), or `"hierarchical"`
             (shared memory within each host, the TCP ring between one
-            leader per host; `keras_distrib.collectives.hierarchical`).
+            leader per host; `keras_distrib.collectives.hierarchical`), or
+            `"gloo"` (Horovod's Gloo collectives, without `horovodrun`: the
+            workers meet at a rendezvous store the chief runs at a free
+            port; needs Horovod on every worker;
+            `keras_distrib.collectives.gloo_collectives`).
             These need one device per worker. The initial broadcast of
             variables, metric reads and `predict`'s gathers always use
             TensorFlow's collectives.
@@ -124,7 +133,10 @@ class MultiWorker(TFDistributeStrategy):
             shared memory a peer that exits is detected within a second
             and one stopped by SIGSTOP within seconds, whatever this is;
             on `"tcp"` one that exits (its connections close) within a
-            second, and one that moves no data after this many seconds.
+            second, and one that moves no data after this many seconds;
+            on `"gloo"` (Gloo's own timeout) one that exits at once, one
+            whose host answers nothing after the heartbeat timeout, one
+            that is stopped after this many seconds.
             The TensorFlow collectives of the training and predict steps
             are timed by one watchdog thread
             (`keras_distrib.collectives.watchdog`), not by TensorFlow's
@@ -230,7 +242,7 @@ class MultiWorker(TFDistributeStrategy):
                 connect_timeout=connect_timeout,
                 bytes_per_pack=self.packing.bytes_per_pack,
             )
-        elif implementation in (_TCP, _HIERARCHICAL) and info.world_size > 1:
+        elif implementation in (_TCP, _HIERARCHICAL, _GLOO) and info.world_size > 1:
             self._one_device_per_worker(implementation)
             made, _, _ = engines.network_transports(
                 self, [implementation], timeout, connect_timeout
@@ -296,6 +308,10 @@ class MultiWorker(TFDistributeStrategy):
         if lost is not None:
             flight_recorder.report(f"it lost a peer: {lost}", lost=heartbeats.lost_ranks(error))
             return host_allreduce.PeerLostError(f"multi_worker: {lost}")
+        explained = self.transport.explain(error)
+        if explained is not None:
+            flight_recorder.report(f"it lost a peer: {explained}")
+            return host_allreduce.PeerLostError(f"multi_worker: {explained}")
         ours = _ENGINE_ERROR.search(str(error))
         if ours is not None and not isinstance(error, host_allreduce.PeerLostError):
             # Our engine's one line, out of TensorFlow's error around the

@@ -1,13 +1,16 @@
 """`multi_worker`'s own engines across hosts: making them, and `"auto"`'s measured choice.
 
-`network_transports` makes the TCP ring's transport (`"tcp"`) and the
-hierarchical one (`"hierarchical"`) for the workers of a cluster: each
-worker that listens (every worker for the TCP ring, each host's leader
-for the hierarchical ring) does so on its own host, as the cluster names
-it, at a free port; one sum over TensorFlow's collectives shares every
-port, a secret the chief draws (128 random bits) that each connection must
-present, the name of the shared memory's files (another 128 bits), and
-whether any worker skips `"auto"`'s measurement.
+`network_transports` makes the TCP ring's transport (`"tcp"`), the
+hierarchical one (`"hierarchical"`) and Horovod's Gloo (`"gloo"`) for the
+workers of a cluster: each worker that listens (every worker for the TCP
+ring, each host's leader for the hierarchical ring, the chief for Gloo's
+rendezvous store) does so on its own host, as the cluster names it, at a
+free port; one sum over TensorFlow's collectives shares every port, a
+secret the chief draws (128 random bits) that each connection must
+present, the name of the shared memory's files (another 128 bits), which
+workers can load Horovod, and whether any worker skips `"auto"`'s
+measurement. Gloo is joined last, and only once every worker has reached
+the store (Horovod ends a process whose rendezvous fails).
 
 `choose_engine` is `"auto"` across hosts (one device per worker): it makes
 the candidates of `keras_distrib.collectives.engine_choice`, times each
@@ -25,10 +28,12 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from keras_distrib.cluster.network import listen_address
-from keras_distrib.collectives import engine_choice, heartbeats, hierarchical, tcp_links
+from keras_distrib.collectives import engine_choice, heartbeats, hierarchical
 from keras_distrib.collectives import registry as transports
-from keras_distrib.collectives.engine_choice import HIERARCHICAL, TCP, TENSORFLOW, Choice
+from keras_distrib.collectives import tcp_links
+from keras_distrib.collectives.engine_choice import GLOO, HIERARCHICAL, TCP, TENSORFLOW, Choice
 from keras_distrib.collectives.transport import Transport
+from keras_distrib.strategies import multi_worker_gloo
 
 _SECRET_WORDS = 4  # 128 bits as uint32 words (summed as int64: exact)
 # Seconds "auto" waits for its candidates' peers: the workers already met
@@ -44,27 +49,27 @@ def network_transports(
     connect_timeout: float,
     keep_going: bool = False,
 ) -> tuple[dict[str, Transport], bool, str]:
-    """`({name: transport} of `names` ("tcp", "hierarchical"), whether every
-    worker wants "auto"'s measurement, "")`; `strategy` is the `MultiWorker`
-    whose TensorFlow transport shares what the workers must agree on.
+    """`({name: transport} of `names` ("tcp", "hierarchical", "gloo"),
+    whether every worker wants "auto"'s measurement, "")`; `strategy` is
+    the `MultiWorker` whose TensorFlow transport shares what the workers
+    must agree on.
 
     With `keep_going`, a failure to join the engines (a neighbour that
     cannot be reached: a firewall on other ports) does not raise: what was
     made is closed, and its message comes back in place of "", the same
-    on every worker (one more sum over the workers says whether any failed).
+    on every worker (one more sum over the workers says whether any failed);
+    Gloo, where some worker cannot load Horovod or reach the chief's store,
+    is left out of the answer.
     """
     info = strategy.cluster
     hosts = info.worker_hosts
     where = hierarchical.plan(info.rank, hosts)
     listeners: dict = {}
     made: dict[str, Transport] = {}
+    gloo = multi_worker_gloo.Start(strategy) if GLOO in names else None
     try:
-        own_host = listen_address(hosts[info.rank])
-        if TCP in names:
-            listeners[TCP] = tcp_links.listen(own_host)
-        if HIERARCHICAL in names and where.is_leader and len(where.leaders) > 1:
-            listeners[HIERARCHICAL] = tcp_links.listen(own_host)
-        shared = _share(strategy, listeners)
+        _listen(listeners, names, listen_address(hosts[info.rank]), where, info.world_size)
+        shared = _share(strategy, listeners, gloo)
         try:
             _join(strategy, names, hosts, where, listeners, made, shared, timeout, connect_timeout)
             failed = ""
@@ -80,29 +85,62 @@ def network_transports(
             for transport in made.values():
                 transport.close()
             made = {}
+        elif gloo is not None and not (keep_going and shared["skip"]):
+            # (Unmeasured, "auto" follows the layout: Gloo would not be kept.)
+            joined = multi_worker_gloo.join(
+                strategy, gloo, shared, timeout, connect_timeout, keep_going
+            )
+            if joined is not None:
+                made[GLOO] = joined
         return made, not int(shared["skip"]), failed
     finally:
         for listener in listeners.values():
             listener.close()
+        if gloo is not None and GLOO not in made:
+            gloo.stop()
 
 
-def _share(strategy: Any, listeners: dict) -> dict:
+def _listen(listeners: dict, names: Sequence[str], own_host: str, where: Any, world: int) -> None:
+    """Into `listeners`: this worker's listening socket for each of `names`
+    that listens here (Gloo's: a probe of where Gloo will listen)."""
+    if TCP in names:
+        listeners[TCP] = tcp_links.listen(own_host)
+    if HIERARCHICAL in names and where.is_leader and len(where.leaders) > 1:
+        listeners[HIERARCHICAL] = tcp_links.listen(own_host)
+    if GLOO in names:
+        listeners[GLOO] = multi_worker_gloo.listen(own_host, world)
+
+
+def _share(strategy: Any, listeners: dict, gloo: Optional[multi_worker_gloo.Start]) -> dict:
     """One sum over the workers: the secret and the shared memory's name
-    (the chief's draws), every listener's port, how many skip the probe."""
+    (the chief's draws), every listener's port, which workers can load
+    Horovod and the chief's store's port, how many skip the probe."""
     info = strategy.cluster
     world = info.world_size
-    words = np.zeros(2 * _SECRET_WORDS + 2 * world + 1, np.int64)
+    secret, ports, horovod, store = (
+        slice(0, 2 * _SECRET_WORDS),
+        slice(2 * _SECRET_WORDS, 2 * _SECRET_WORDS + 3 * world),
+        slice(2 * _SECRET_WORDS + 3 * world, 2 * _SECRET_WORDS + 4 * world),
+        -2,
+    )
+    words = np.zeros(2 * _SECRET_WORDS + 4 * world + 2, np.int64)
     if strategy.is_chief:
-        words[: 2 * _SECRET_WORDS] = np.frombuffer(secrets.token_bytes(32), np.uint32)
-    for i, name in enumerate((TCP, HIERARCHICAL)):
+        words[secret] = np.frombuffer(secrets.token_bytes(32), np.uint32)
+    for i, name in enumerate((TCP, HIERARCHICAL, GLOO)):
         if name in listeners:
-            words[2 * _SECRET_WORDS + i * world + info.rank] = listeners[name].getsockname()[1]
+            words[ports.start + i * world + info.rank] = listeners[name].getsockname()[1]
+    if gloo is not None and gloo.hvd is not None:
+        words[horovod.start + info.rank] = 1
+        if gloo.store is not None:
+            words[store] = gloo.store.port
     words[-1] = 0 if engine_choice.probe_wanted() else 1
     (shared,) = strategy.sync_sum([words])
     return {
         "secret": b"".join(int(w).to_bytes(4, "little") for w in shared[:_SECRET_WORDS]),
         "job_id": "".join(f"{int(w):08x}" for w in shared[_SECRET_WORDS : 2 * _SECRET_WORDS]),
-        "ports": shared[2 * _SECRET_WORDS : -1].reshape(2, world),
+        "ports": shared[ports].reshape(3, world),
+        "horovod": [bool(w) for w in shared[horovod]],
+        "store_port": int(shared[store]),
         "skip": int(shared[-1]),
     }
 
@@ -143,14 +181,16 @@ def choose_engine(
     strategy's own TensorFlow transport, or one of ours), and the choice.
     Where ours cannot join (`AUTO_CONNECT_SECONDS`), TensorFlow's."""
     hosts = strategy.cluster.worker_hosts
-    names = engine_choice.candidates(hosts)
+    names = engine_choice.candidates(hosts, gloo=True)
     ours = [n for n in names if n != TENSORFLOW]
     seconds = min(connect_timeout, AUTO_CONNECT_SECONDS)
     made, measure, failed = network_transports(strategy, ours, timeout, seconds, keep_going=True)
     if failed:
+        rings = [n for n in ours if n != GLOO]
         return strategy.transport, Choice(
-            TENSORFLOW, f"auto: {' and '.join(ours)} could not connect: {failed}"
+            TENSORFLOW, f"auto: {' and '.join(rings)} could not connect: {failed}"
         )
+    names = [n for n in names if n in made or n == TENSORFLOW]
     candidates: dict[str, Transport] = {**made, TENSORFLOW: strategy.transport}
     if measure:
         *timings, seconds = _probe(strategy, [candidates[n] for n in names])

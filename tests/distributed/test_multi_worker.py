@@ -18,7 +18,7 @@ import pytest
 import tensorflow as tf
 
 import as_reference
-from helpers import CLASSES, ROOT, WORKERS, build, make_data
+from helpers import CLASSES, ROOT, WORKERS, build, launch, make_data
 from keras_distrib import cluster
 
 WORKER = os.path.join(WORKERS, "mw_train.py")
@@ -83,25 +83,29 @@ def _single_process(batch, epochs=2):
 # 2 workers on one host on the default path ("auto": shared memory), 3 on
 # three hosts (network namespaces, tests/netns_hosts.py), started by the
 # launcher's --ssh, on TensorFlow's ring over gRPC; 2 on two hosts with
-# implementation="tcp" (our TCP ring); 4 on two hosts of two with "auto",
-# which measures TensorFlow's ring, our TCP ring and the hierarchical
-# all-reduce and trains on the fastest. The 2 workers take a global batch
-# they cannot share evenly (33: 17 and 16 rows), which trains as one
-# device's; so do the 4 (30).
+# implementation="tcp" (our TCP ring); 2 on two hosts with
+# implementation="gloo" (Horovod's Gloo, joined without horovodrun); 4 on
+# two hosts of two with "auto", which measures TensorFlow's ring, our TCP
+# ring, the hierarchical all-reduce and Gloo, and trains on the fastest.
+# The 2 workers take a global batch they cannot share evenly (33: 17 and
+# 16 rows), which trains as one device's; so do the 4 (30).
 @pytest.fixture(
     scope="module",
     params=[
         (2, 33, "one host"),
         (3, 30, "three hosts"),
         (2, 33, "two hosts tcp"),
+        (2, 33, "two hosts gloo"),
         (4, 30, "two hosts of two auto"),
     ],
-    ids=["2workers-shm", "3hosts-ring", "2hosts-tcp", "2x2hosts-auto"],
+    ids=["2workers-shm", "3hosts-ring", "2hosts-tcp", "2hosts-gloo", "2x2hosts-auto"],
 )
 def run(request, tmp_path_factory):
     n, batch, where = request.param
-    if where == "two hosts tcp":
-        return (n, batch, *_two_hosts(request, tmp_path_factory, n, batch, "tcp"))
+    if where in ("two hosts tcp", "two hosts gloo"):
+        if where.endswith("gloo"):
+            pytest.importorskip("horovod.tensorflow", reason="Gloo is Horovod's (make setup)")
+        return (n, batch, *_two_hosts(request, tmp_path_factory, n, batch, where.split()[-1]))
     if where == "two hosts of two auto":
         return (n, batch, *_two_hosts(request, tmp_path_factory, n, batch, "auto", slots=2))
     out = tmp_path_factory.mktemp(f"mw{n}")
@@ -176,7 +180,7 @@ def _check_auto(ranks, output):
     assert line, output[-3000:]
     name, reason = line[1], line[2]
     times = dict(re.findall(r"(\w+) ([\d.]+) ms", reason))
-    assert sorted(times) == ["hierarchical", "tcp", "tensorflow"], reason
+    assert sorted(times) == ["gloo", "hierarchical", "tcp", "tensorflow"], reason
     assert name == min(times, key=lambda n: float(times[n])), reason
     assert reason.startswith("auto: the fastest all-reduce of 4 MiB + 64 KiB float32"), reason
     want = "auto" if name == "tensorflow" else name
@@ -204,12 +208,15 @@ def test_gradient_packs_start_before_the_backward_pass_ends(run):
     # With gradients in packs, each all-reduce waits only for the
     # gradients it carries: the first (the last layer's) for fewer of the
     # step's matrix products than the last, so it overlaps the rest of the
-    # backward pass; on TensorFlow's ring as on shared memory, the TCP ring
-    # and the hierarchical all-reduce.
+    # backward pass; on TensorFlow's ring as on shared memory, the TCP ring,
+    # the hierarchical all-reduce and Gloo. (Our engines' packs run one
+    # after another; Horovod's ops do not wait for each other, so Gloo's
+    # last pack need not wait for the first's products.)
     n, _, _, ranks, _ = run
     for r in ranks:
         counts = r["matmuls_before_each_all_reduce"]
-        assert len(counts) > 1 and counts == sorted(counts) and counts[0] < counts[-1], counts
+        assert len(counts) > 1 and counts == sorted(counts), counts
+        assert counts[0] < r["matmuls_in_step"], (counts, r["matmuls_in_step"])
 
 
 @pytest.mark.slow
@@ -280,6 +287,43 @@ def test_auto_trains_on_tensorflows_ring_where_a_firewall_stops_our_engines(tmp_
     reference, _, _ = _single_process(33)
     for r in ranks:
         as_reference.assert_weights(reference, r["weights"])
+
+
+@pytest.mark.slow
+def test_gloo_behind_a_firewall_is_refused_in_one_line_before_horovod_starts(tmp_path, hosts):
+    """Horovod ends a process whose Gloo cannot connect (after its
+    timeout): with host 1 taking no connection on ports the job did not
+    name (where Gloo would listen), both workers say so in one line
+    instead, before any Horovod starts."""
+    if shutil.which("nft") is None:
+        pytest.skip("the test bed's firewall needs nftables' nft (make setup installs it as root)")
+    pytest.importorskip("horovod.tensorflow", reason="Gloo is Horovod's (make setup)")
+    bed = hosts(2)
+    bed.firewall(1)
+    _write_records(str(tmp_path / "records"))
+    across = ("--hosts", bed.hosts_flag(), "--ssh", "--ssh_command", bed.ssh_command)
+    code, output = launch(
+        tmp_path,
+        2,
+        WORKER,
+        "--out",
+        str(tmp_path),
+        "--batch",
+        "33",
+        "--implementation",
+        "gloo",
+        launch_flags=across,
+        expect=None,
+        timeout=200,
+    )
+    assert code != 0, output[-3000:]
+    for rank in range(2):
+        assert re.search(
+            rf"\[rank {rank}\] \S*ClusterConfigError: implementation='gloo': worker 0 cannot "
+            rf"reach worker 1 at {re.escape(bed.addresses[1])}:\d+; open the ports",
+            output,
+        ), output[-3000:]
+    assert "terminate called" not in output and "HTTP request failed" not in output
 
 
 @pytest.mark.slow

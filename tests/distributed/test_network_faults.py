@@ -4,7 +4,8 @@ Two hosts are two network namespaces (tests/netns_hosts.py); the launcher
 starts one `multi_worker` rank on each through its `--ssh_command`, so the
 workers talk over TensorFlow's collectives across the link, as on two
 machines (`implementation="ring"`: "auto" may measure our TCP ring faster,
-whose cut links tests/distributed/test_tcp_ring.py covers). Every rank of
+whose cut links tests/distributed/test_tcp_ring.py covers; and once
+`implementation="gloo"`, whose link watch finds them). Every rank of
 tests/workers/faults.py pauses after step 6 until the test has cut host
 1's link (and, for a flap, restored it after a while); training then goes
 on against the cut. TensorFlow's coordination
@@ -48,7 +49,7 @@ def _cut_link(bed, out, host, seconds=None, also=None):
     return during
 
 
-def _launch_across(bed, out, fault, env=None, launch_flags=()):
+def _launch_across(bed, out, fault, env=None, launch_flags=(), implementation="ring"):
     return launch(
         out,
         2,
@@ -60,7 +61,7 @@ def _launch_across(bed, out, fault, env=None, launch_flags=()):
         "--pause_after_step",
         str(PAUSE_AFTER),
         "--implementation",
-        "ring",
+        implementation,
         expect=None,
         env=env,
         timeout=200,
@@ -116,6 +117,32 @@ def test_a_cut_link_ends_both_workers_in_one_line_naming_the_peer(tmp_path, host
         rf"worker 0 at {a}, the coordination service's leader)",
         screen,
     ), screen
+    _assert_nothing_left(bed, tmp_path)
+
+
+def test_on_gloo_a_cut_link_ends_both_workers_in_one_line_naming_the_peer(tmp_path, hosts):
+    """Gloo waits for a cut link's bytes for all of `collective_timeout`;
+    each worker's link watch finds its neighbour's host silent after the
+    heartbeat timeout and ends the wait (keras_distrib/collectives/
+    link_watch.py)."""
+    pytest.importorskip("horovod.tensorflow", reason="Gloo is Horovod's (make setup)")
+    bed = hosts(2)
+    code, output = _launch_across(
+        bed,
+        tmp_path,
+        _cut_link(bed, tmp_path, 1),
+        env={"KERAS_DISTRIB_HEARTBEAT_TIMEOUT": "3"},
+        implementation="gloo",
+    )
+    assert code != 0, output[-3000:]
+    assert "keras-distrib: timed out after" not in output, output[-3000:]
+    for rank, peer in ((0, 1), (1, 0)):
+        assert re.search(
+            rf"\[rank {rank}\] \S*PeerLostError: multi_worker: worker {peer} at "
+            rf"{bed.addresses[peer]}:23456 is unreachable: its host answered nothing for 3s "
+            r"\(KERAS_DISTRIB_HEARTBEAT_TIMEOUT\); Horovod's Gloo collectives stopped",
+            output,
+        ), output[-3000:]
     _assert_nothing_left(bed, tmp_path)
 
 

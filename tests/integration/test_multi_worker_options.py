@@ -12,6 +12,7 @@ import pytest
 
 import keras_distrib as kd
 from keras_distrib import cluster
+from keras_distrib.collectives import registry as transports
 
 
 def test_no_cluster_is_a_clear_error(monkeypatch):
@@ -105,7 +106,9 @@ def test_an_engines_lost_peer_raised_in_a_step_is_its_one_line():
         step(tf.constant(1.0))
     assert "\n" in str(raised.value)
     info = cluster.ClusterInfo(("10.0.0.1:1", "10.0.0.2:2"), task_index=0)
-    strategy = types.SimpleNamespace(_watchdog=None, _info=info)
+    strategy = types.SimpleNamespace(
+        _watchdog=None, _info=info, transport=transports.create("one_process")
+    )
     clearer = MultiWorker.failure(strategy, raised.value)
     assert isinstance(clearer, PeerLostError)
     assert str(clearer) == f"multi_worker: {said}"

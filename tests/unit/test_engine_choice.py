@@ -6,7 +6,7 @@ test_multi_worker.py ("2x2hosts-auto")."""
 import pytest
 
 from keras_distrib.collectives import engine_choice
-from keras_distrib.collectives.engine_choice import HIERARCHICAL, TCP, TENSORFLOW
+from keras_distrib.collectives.engine_choice import GLOO, HIERARCHICAL, TCP, TENSORFLOW
 
 TWO_BY_TWO = ["10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.2"]
 ONE_PER_HOST = ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
@@ -16,6 +16,11 @@ def test_the_candidates_depend_on_how_many_workers_share_a_host():
     assert engine_choice.candidates(TWO_BY_TWO) == [HIERARCHICAL, TCP, TENSORFLOW]
     assert engine_choice.candidates(ONE_PER_HOST) == [TCP, TENSORFLOW]
     assert engine_choice.candidates(["a", "b", "b"]) == [HIERARCHICAL, TCP, TENSORFLOW]
+
+
+def test_gloo_is_a_candidate_where_horovod_loads_and_tensorflow_stays_last():
+    assert engine_choice.candidates(TWO_BY_TWO, gloo=True) == [HIERARCHICAL, TCP, GLOO, TENSORFLOW]
+    assert engine_choice.candidates(ONE_PER_HOST, gloo=True) == [TCP, GLOO, TENSORFLOW]
 
 
 def test_the_slowest_worker_counts_for_each_timing():

@@ -21,7 +21,7 @@ import keras_distrib as kd  # noqa: E402
 from keras_distrib import cluster  # noqa: E402
 from keras_distrib.input import sharding  # noqa: E402
 from helpers import Batches, build, make_data  # noqa: E402
-from step_graph import matmuls_before_each_all_reduce  # noqa: E402
+from step_graph import matmuls_before_each_all_reduce, matmuls_in_step  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Directory for results.")
@@ -126,6 +126,7 @@ def main(argv):
         "evaluate": model.evaluate(x, y, batch_size=FLAGS.batch, verbose=0),
         "iterations": int(model.optimizer.iterations.numpy()),
         "matmuls_before_each_all_reduce": matmuls_before_each_all_reduce(model),
+        "matmuls_in_step": matmuls_in_step(model),
     }
     np.savez(
         os.path.join(FLAGS.out, f"rank{rank}.npz"),

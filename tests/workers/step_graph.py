@@ -2,9 +2,10 @@
 
 
 def _all_reduce_op(op) -> bool:
-    """TensorFlow's all-reduce, or a gradient pack's on one of our engines
-    (a `tf.numpy_function`, keras_distrib.collectives.numpy_engine)."""
-    if op.type == "CollectiveReduceV2":
+    """TensorFlow's all-reduce, Horovod's (Gloo), or a gradient pack's on
+    one of our engines (a `tf.numpy_function`,
+    keras_distrib.collectives.numpy_engine)."""
+    if op.type in ("CollectiveReduceV2", "HorovodGroupedAllreduce"):
         return True
     return op.type == "PyFunc" and op.name.split("/")[-1].startswith(
         ("kd_host_mean_by_count", "kd_tcp_mean_by_count", "kd_hier_mean_by_count")
@@ -30,3 +31,9 @@ def matmuls_before_each_all_reduce(model):
                 stack.extend(node.control_inputs)
         counts.append(sum(graph.get_operation_by_name(n).type == "MatMul" for n in seen))
     return counts
+
+
+def matmuls_in_step(model):
+    """How many matrix products the compiled training step makes in all."""
+    graph = model.train_function.compiled._list_all_concrete_functions()[-1].graph
+    return sum(op.type == "MatMul" for op in graph.get_operations())

@@ -1,0 +1,52 @@
+"""`multi_worker(implementation="gloo")`: Horovod's Gloo between real workers.
+
+Training on it equals one process, across two hosts of the namespace bed
+(tests/distributed/test_multi_worker.py, "2hosts-gloo"), and `"auto"`
+measures it (there, "2x2hosts-auto"). Here: a worker killed by SIGKILL
+mid-training ends the other in one line naming it, as our own engines do.
+"""
+
+import os
+import re
+
+import pytest
+
+from helpers import WORKERS, launch
+
+pytest.importorskip("horovod.tensorflow", reason="Gloo is Horovod's (make setup)")
+
+FAULTS = os.path.join(WORKERS, "faults.py")
+
+
+@pytest.mark.slow
+def test_a_killed_worker_is_named_in_one_line(tmp_path):
+    code, output = launch(
+        tmp_path,
+        2,
+        FAULTS,
+        "--out",
+        str(tmp_path),
+        "--backup",
+        str(tmp_path / "backup"),
+        "--strategy",
+        "auto",
+        "--implementation",
+        "gloo",
+        "--fault",
+        "kill",
+        "--fault_rank",
+        "1",
+        "--fault_step",
+        "3",
+        expect=None,
+        timeout=150,
+    )
+    assert code != 0, output[-3000:]
+    assert "keras-distrib: timed out after" not in output, output[-3000:]
+    line = re.search(r"\[rank 0\] \S*PeerLostError: (.*)", output)
+    assert line, output[-3000:]
+    assert re.fullmatch(
+        r"multi_worker: worker 1 at 127\.0\.0\.1:\d+ is gone \(its server does not answer\): "
+        r"Horovod's Gloo collectives stopped",
+        line[1].strip(),
+    ), line[1]
