@@ -368,6 +368,7 @@ def plot_multi_host() -> str | None:
         "ours_ring": ("ours over TF's ring", _OURS, "o"),
         "ours_gloo": ("ours over Horovod's Gloo", _OTHER, "s"),
         "ours_tcp": ("ours over our TCP ring", "tab:purple", "D"),
+        "ours_auto": ("ours, auto's pick", "tab:olive", "v"),
         "raw_tf": ("raw TF (MultiWorkerMirroredStrategy)", _PEER, "^"),
         "sockets": ("the link's ceiling: plain TCP, no reduction", _IDEAL, "x"),
     }

@@ -73,6 +73,8 @@ def _multi_host_points(doc: dict, points: dict) -> None:
         wire = result["link_bytes_per_second"]
         for size in result["allreduce"]:
             for engine, fraction in size["bus_fraction"].items():
+                if engine not in _LINK_ENGINES:  # "auto": one of the engines again
+                    continue
                 seconds = size.get("seconds", {}).get(engine)
                 if seconds is None:  # bus bytes / (fraction of the link)
                     seconds = size["bytes"] * 2 * (ranks - 1) / ranks / (fraction * wire)

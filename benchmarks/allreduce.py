@@ -219,6 +219,8 @@ def run_worker() -> None:
         "world_size": world,
         "bytes_per_pack": bytes_per_pack,
         "implementation": strategy.implementation,
+        # Which engine reduces, and why (with "auto": its probe's times).
+        "engine_choice": str(strategy.engine_choice),
         "tf_version": tf.__version__,
         "cases": [],
     }

@@ -24,9 +24,12 @@ horovod_vs_tf.py's and benchmarks/allreduce.py's, so the cases are theirs):
                TCP connection (benchmarks/_sockets.py), each side pinned
                to the core of its host's worker, as the ring's are (on the
                bed the hosts share the machine's cores, and an unpinned
-               exchange varies widely from run to run). Goals: >= 0.8 of
-               the link from 4 MB; the TCP ring >= 0.9 of the ceiling from
-               16 MB.
+               exchange varies widely from run to run); and ours on what
+               `implementation="auto"` picks by its probe at start (among
+               TF's collectives, our TCP ring and Horovod's Gloo), in a
+               launch of its own, with the engine it picked. Goals: >= 0.8
+               of the link from 4 MB; the TCP ring and auto's pick >= 0.9
+               of the ceiling from 16 MB.
   train step   the 784-1024-256-10 MLP (1.07M parameters, 4.3 MB of
                gradients), global batch `--batch`, over TF's ring in buckets
                of `--bytes_per_pack`, then over our TCP ring in packs of
@@ -243,16 +246,16 @@ def _sockets(bed) -> list[dict]:
     return json.loads(out)["cases"]
 
 
-def _allreduce_args(variant: str) -> list[str]:
+def _allreduce_args(variant: str, implementation: str = "tcp") -> list[str]:
     """benchmarks/allreduce.py's flags timing `variant` alone (ours over
-    the TCP ring, or raw TensorFlow's, whose launch then starts no TCP
-    ring), each worker pinned to its core."""
+    `implementation`, the TCP ring by default, or raw TensorFlow's, whose
+    launch then starts no engine of ours), each worker pinned to its core."""
     return [
         f"--sizes={','.join(FLAGS.sizes)}",
         "--small_layers=2",
         f"--repeats={FLAGS.repeats}",
         f"--variants={variant}",
-        f"--implementation={'tcp' if variant == 'ours' else 'ring'}",
+        f"--implementation={implementation if variant == 'ours' else 'ring'}",
         "--bytes_per_pack=0",
         "--pin",
     ]
@@ -272,6 +275,8 @@ def measure(rate: str) -> dict:
         raw, tcp = (_run(ALLREDUCE, _allreduce_args(variant), bed) for variant in ("raw", "ours"))
         # Right after the TCP ring, on the same load.
         sockets = None if many else _sockets(bed)
+        # What "auto" picks, from the probe at its start, timed as a job runs it.
+        auto = _run(ALLREDUCE, _allreduce_args("ours", "auto"), bed)
         compressed = {
             c: _run(HVT, _hvt_args("tf", train_only="true", compression=c), bed)
             for c in ([] if many else FLAGS.compressions)
@@ -284,6 +289,7 @@ def measure(rate: str) -> dict:
             for name, pack in packings
         }
     _check_tcp(tcp)
+    _check_sums(auto)
     wire = link_bytes_per_second(rate)
     ranks = len(ring)
     sizes = []
@@ -292,6 +298,7 @@ def measure(rate: str) -> dict:
             "ours_ring": _harness.slowest_rank(ring, lambda r, i=i: r["cases"][i]["times"]),
             "raw_tf": _harness.slowest_rank(raw, lambda r, i=i: r["cases"][i]["times"]["raw"]),
             "ours_tcp": _harness.slowest_rank(tcp, lambda r, i=i: r["cases"][i]["times"]["ours"]),
+            "ours_auto": _harness.slowest_rank(auto, lambda r, i=i: r["cases"][i]["times"]["ours"]),
         }
         if gloo is not None:
             times["ours_gloo"] = _harness.slowest_rank(gloo, lambda r, i=i: r["cases"][i]["times"])
@@ -308,10 +315,18 @@ def measure(rate: str) -> dict:
                 "tcp_over_sockets": (
                     fraction["ours_tcp"] / fraction["sockets"] if "sockets" in fraction else None
                 ),
+                "auto_over_sockets": (
+                    fraction["ours_auto"] / fraction["sockets"] if "sockets" in fraction else None
+                ),
             }
         )
     return {
         "rate": rate,
+        # "auto" is TensorFlow's collectives when it keeps them.
+        "auto_engine": {"auto": "tensorflow"}.get(
+            auto[0]["implementation"], auto[0]["implementation"]
+        ),
+        "auto_choice": auto[0].get("engine_choice"),
         "link_bytes_per_second": wire,
         "ranks": ranks,
         "allreduce": sizes,
@@ -323,11 +338,18 @@ def measure(rate: str) -> dict:
 
 def _check_tcp(reports) -> None:
     """The TCP ring's launch ran on it, and summed right."""
+    _check_sums(reports, "tcp")
+
+
+def _check_sums(reports, implementation: Optional[str] = None) -> None:
+    """Every worker of a launch of ours summed right (on `implementation`,
+    when given)."""
     for report in reports:
         cases = report["cases"]
-        if report["implementation"] != "tcp" or not all(c["checks"]["ours"] for c in cases):
+        ran = report["implementation"]
+        if implementation not in (None, ran) or not all(c["checks"]["ours"] for c in cases):
             raise _harness.WorkersFailed(
-                f"rank {report['rank']}: implementation {report['implementation']!r}, checks "
+                f"rank {report['rank']}: implementation {ran!r}, checks "
                 f"{[c['checks']['ours'] for c in cases]}",
                 "",
             )
@@ -356,6 +378,7 @@ _COLUMNS = (
     ("ours_ring", "ours/TF ring"),
     ("ours_gloo", "ours/Gloo"),
     ("ours_tcp", "ours/TCP ring"),
+    ("ours_auto", "ours/auto"),
     ("raw_tf", "raw TF"),
     ("sockets", "sockets"),
 )
@@ -368,10 +391,12 @@ def report(results: list[dict], one_host: Optional[dict]) -> None:
     )
     measured = results[0]["allreduce"][0]["bus_fraction"]
     shown = [(k, name) for k, name in _COLUMNS if k in measured]
+    ratios = [(k, n) for k, n in (("tcp", "TCP/sockets"), ("auto", "auto/sockets"))]
+    ratios = [(k, n) for k, n in ratios if f"ours_{k}" in measured and "sockets" in measured]
     print(
         f"{'link':>7s} {'ranks':>5s} {'size':>7s} | "
         + " ".join(f"{n:>13s}" for _, n in shown)
-        + (f" | {'TCP/sockets':>11s}" if "sockets" in measured and "ours_tcp" in measured else "")
+        + "".join(f" | {n:>12s}" for _, n in ratios)
     )
     for result in results:
         for size in result["allreduce"]:
@@ -379,12 +404,12 @@ def report(results: list[dict], one_host: Optional[dict]) -> None:
             print(
                 f"{result['rate']:>7s} {result.get('ranks', 2):5d} {size['name']:>7s} | "
                 + " ".join(f"{f[k]:13.2f}" for k, _ in shown)
-                + (
-                    f" | {size['tcp_over_sockets']:11.2f}"
-                    if size.get("tcp_over_sockets") is not None
-                    else ""
-                )
+                + "".join(f" | {size[f'{k}_over_sockets']:12.2f}" for k, _ in ratios)
             )
+    for result in results:
+        if "auto_engine" in result:
+            picked = result.get("auto_choice") or result["auto_engine"]
+            print(f"{result['rate']}: auto picked {picked}")
     print(
         "\ntraining step over TF's ring and (tcp) our TCP ring, ms "
         "(goal: step <= 1.05 x bound x max(compute, comm))"

@@ -563,9 +563,10 @@ def multi_host(doc: _Doc, data: dict) -> None:
             s["name"],
             *(
                 _num(s["bus_fraction"].get(k))
-                for k in ("ours_ring", "ours_gloo", "ours_tcp", "raw_tf", "sockets")
+                for k in ("ours_ring", "ours_gloo", "ours_tcp", "ours_auto", "raw_tf", "sockets")
             ),
             _num(s.get("tcp_over_sockets")),
+            _num(s.get("auto_over_sockets")),
         )
         for r in data["results"]
         for s in r["allreduce"]
@@ -578,13 +579,18 @@ def multi_host(doc: _Doc, data: dict) -> None:
                 "ours / TF ring",
                 "ours / Gloo",
                 "ours / TCP ring",
+                "ours / auto",
                 "raw TF",
                 "sockets",
                 "TCP ring / sockets",
+                "auto / sockets",
             ],
             rows,
         )
     )
+    picks = [f"{r['rate']}: {r['auto_engine']}" for r in data["results"] if "auto_engine" in r]
+    if picks:
+        doc.add(f'`implementation="auto"` picked, by its probe at start: {"; ".join(picks)}.', "")
     one = data.get("one_host")
     steps = ([("one host", one)] if one else []) + [
         (r["rate"], r["train"]) for r in data["results"]

@@ -87,6 +87,7 @@ MULTI_HOST = {
     "results": [
         {
             "rate": "1gbit",
+            "auto_engine": "tcp",
             "link_bytes_per_second": 125000000.0,
             "allreduce": [
                 {
@@ -106,10 +107,12 @@ MULTI_HOST = {
                         "ours_ring": 0.986,
                         "ours_gloo": 0.971,
                         "ours_tcp": 0.951,
+                        "ours_auto": 0.948,
                         "raw_tf": 0.987,
                         "sockets": 0.996,
                     },
                     "tcp_over_sockets": 0.955,
+                    "auto_over_sockets": 0.952,
                 },
             ],
             "train": _step(0.0552, 0.0144, 0.0355, 0.0270),
@@ -145,9 +148,10 @@ def test_sections_figures_and_missing_benchmarks(tmp_path):
     # Headline figures and ratios.
     assert "| `dense` | 208.8 [201.3, 220.6] | 244.1 MB |" in text
     assert "| dense/sparse step time | 7.08 [6.24, 7.45] |" in text
-    assert "| 1gbit | 4 MB | 0.99 | 0.97 | 0.95 | 0.99 | 1.00 | 0.95 |" in text
+    assert "| 1gbit | 4 MB | 0.99 | 0.97 | 0.95 | 0.95 | 0.99 | 1.00 | 0.95 | 0.95 |" in text
+    assert '`implementation="auto"` picked, by its probe at start: 1gbit: tcp.' in text
     # A run from before the TCP ring: its columns are dashes.
-    assert "| 1gbit | 64 KB | 0.20 | 0.13 | – | 0.28 | 0.91 | – |" in text
+    assert "| 1gbit | 64 KB | 0.20 | 0.13 | – | – | 0.28 | 0.91 | – | – |" in text
     # step / max and its bound: (14.4 + 27.0) / 35.5 ms.
     assert "| 1gbit | 55.2 | 14.4 | 35.5 | 1.55 | 1.17 | 1.48 |" in text
     assert "| 1gbit, fp16 |" in text
