@@ -3,14 +3,16 @@
 `network_transports` makes the TCP ring's transport (`"tcp"`), the
 hierarchical one (`"hierarchical"`) and Horovod's Gloo (`"gloo"`) for the
 workers of a cluster: each worker that listens (every worker for the TCP
-ring, each host's leader for the hierarchical ring, the chief for Gloo's
-rendezvous store) does so on its own host, as the cluster names it, at a
-free port; one sum over TensorFlow's collectives shares every port, a
-secret the chief draws (128 random bits) that each connection must
-present, the name of the shared memory's files (another 128 bits), which
-workers can load Horovod, and whether any worker skips `"auto"`'s
-measurement. Gloo is joined last, and only once every worker has reached
-the store (Horovod ends a process whose rendezvous fails).
+ring and for Gloo's probe, each host's leader for the hierarchical ring,
+the chief for Gloo's rendezvous store) does so on its own host, as the
+cluster names it, at a free port; one sum over TensorFlow's collectives
+shares every port, a secret the chief draws (128 random bits) that each
+connection must present, the name of the shared memory's files (another
+128 bits), which workers can load Horovod, and whether any worker skips
+`"auto"`'s measurement. Gloo is joined last, and only once every worker
+has reached the store and every other worker
+(`keras_distrib.strategies.multi_worker_gloo`: Horovod ends a process
+whose Gloo cannot join).
 
 `choose_engine` is `"auto"` across hosts (one device per worker): it makes
 the candidates of `keras_distrib.collectives.engine_choice`, times each
