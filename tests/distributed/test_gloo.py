@@ -3,7 +3,8 @@
 Training on it equals one process, across two hosts of the namespace bed
 (tests/distributed/test_multi_worker.py, "2hosts-gloo"), and `"auto"`
 measures it (there, "2x2hosts-auto"). Here: a worker killed by SIGKILL
-mid-training ends the other in one line naming it, as our own engines do.
+mid-training ends the other in one line naming it, as our own engines do,
+and a worker that cannot load Horovod is named before Horovod starts.
 """
 
 import os
@@ -16,6 +17,7 @@ from helpers import WORKERS, launch
 pytest.importorskip("horovod.tensorflow", reason="Gloo is Horovod's (make setup)")
 
 FAULTS = os.path.join(WORKERS, "faults.py")
+MW_TRAIN = os.path.join(WORKERS, "mw_train.py")
 
 
 @pytest.mark.slow
@@ -50,3 +52,35 @@ def test_a_killed_worker_is_named_in_one_line(tmp_path):
         r"Horovod's Gloo collectives stopped",
         line[1].strip(),
     ), line[1]
+
+
+@pytest.mark.slow
+def test_a_worker_without_horovod_is_named_in_one_line_on_every_worker(tmp_path):
+    """`import horovod` fails on rank 1 only, as where it is not installed:
+    rank 1 says what it lacks, rank 0 names rank 1, and neither starts
+    Horovod (whose rendezvous would wait for rank 1 for good)."""
+    code, output = launch(
+        tmp_path,
+        2,
+        MW_TRAIN,
+        "--out",
+        str(tmp_path),
+        "--implementation",
+        "gloo",
+        "--without_horovod",
+        "1",
+        expect=None,
+        timeout=150,
+    )
+    assert code != 0, output[-3000:]
+    assert "keras-distrib: timed out after" not in output, output[-3000:]
+    assert re.search(
+        r"\[rank 1\] \S*HorovodUnavailableError: implementation='gloo' needs Horovod, "
+        r"which is not installed; build it with `scripts/install_horovod.sh \.venv`",
+        output,
+    ), output[-3000:]
+    assert re.search(
+        r"\[rank 0\] \S*HorovodUnavailableError: implementation='gloo' needs Horovod on "
+        r"every worker; worker 1 cannot load it",
+        output,
+    ), output[-3000:]

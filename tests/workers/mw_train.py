@@ -30,6 +30,11 @@ flags.DEFINE_integer("batch", 32, "Global batch size.")
 flags.DEFINE_integer("epochs", 2, "Epochs.")
 flags.DEFINE_integer("bytes_per_pack", 0, "Gradient pack size.")
 flags.DEFINE_string("implementation", "auto", "multi_worker collective implementation.")
+flags.DEFINE_integer(
+    "without_horovod",
+    -1,
+    "The rank on which `import horovod` fails as where it is not installed (-1: none).",
+)
 
 
 def seen_ids(strategy, x_ids, files_dir, batch):
@@ -82,8 +87,19 @@ def _file_dataset(files_dir, batch):
     )
 
 
+class _NoHorovod:
+    """A finder that makes `import horovod` fail as an absent package does."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "horovod":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
 def main(argv):
     del argv
+    if FLAGS.without_horovod == json.loads(os.environ["TF_CONFIG"])["task"]["index"]:
+        sys.meta_path.insert(0, _NoHorovod())
     strategy = (
         kd.strategies.get(
             FLAGS.strategy, bytes_per_pack=FLAGS.bytes_per_pack, implementation=FLAGS.implementation
