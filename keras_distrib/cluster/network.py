@@ -278,9 +278,9 @@ def wait_for_peers(info: ClusterInfo, timeout: Optional[float], poll: float = 0.
 def _answers_or_track(
     label: str, address: str, timeout: float, unresolved: dict[str, tuple[float, socket.gaierror]]
 ) -> bool:
-    """`answers`, recording in `unresolved` since when the host name fails."""
+    """`_answers`, recording in `unresolved` since when the host name fails."""
     try:
-        answered = answers(address, timeout)
+        answered = _answers(address, timeout)
     except socket.gaierror as e:
         since = unresolved[label][0] if label in unresolved else time.monotonic()
         unresolved[label] = (since, e)
@@ -298,7 +298,7 @@ def _unresolved_error(label: str, address: str, error: socket.gaierror) -> Clust
     )
 
 
-def answers(address: str, timeout: float) -> bool:
+def _answers(address: str, timeout: float) -> bool:
     """True when `address` accepts a TCP connection.
 
     Raises:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from keras_distrib.cluster import network
+from keras_distrib.cluster.addresses import parse_address
 from keras_distrib.collectives import gloo_rendezvous, numpy_engine
 from keras_distrib.collectives.link_watch import LinkWatch
 from keras_distrib.collectives.horovod_collectives import HorovodCollectives
@@ -83,13 +83,11 @@ class GlooCollectives(HorovodCollectives):
         self, values: Sequence[Any], num_samples: Any, compression: Optional[Any] = None
     ) -> list[Any]:
         # Each pack is the default's all-reduce, the count riding along.
-        sizes = [(v.shape.num_elements() or 0) * v.dtype.size for v in values]
-        means: list[Any] = [None] * len(values)
-        for pack in numpy_engine.packs(sizes, self._bytes_per_pack):
-            reduced = super().mean_by_count([values[i] for i in pack], num_samples, compression)
-            for i, mean in zip(pack, reduced):
-                means[i] = mean
-        return means
+        return numpy_engine.by_packs(
+            values,
+            self._bytes_per_pack,
+            lambda pack: super(GlooCollectives, self).mean_by_count(pack, num_samples, compression),
+        )
 
     def explain(self, error: BaseException) -> Optional[str]:
         if _SHUT_DOWN not in str(error):
@@ -119,7 +117,7 @@ def lost_peer(workers: Sequence[str], rank: int) -> str:
     whose loss stopped it; or, when every one answers, Horovod's own
     sentence."""
     for peer, address in enumerate(workers):
-        if peer != rank and not _answers(address):
+        if peer != rank and not gloo_rendezvous.reachable(parse_address(address), _ANSWER_SECONDS):
             return (
                 f"worker {peer} at {address} is gone (its server does not answer): "
                 "Horovod's Gloo collectives stopped"
@@ -128,10 +126,3 @@ def lost_peer(workers: Sequence[str], rank: int) -> str:
         "Horovod's Gloo collectives stopped, every worker's server still answers; "
         "Horovod's log above names the failure"
     )
-
-
-def _answers(address: str) -> bool:
-    try:
-        return network.answers(address, _ANSWER_SECONDS)
-    except OSError:  # its name no longer resolves
-        return False

@@ -110,10 +110,12 @@ def environ(env: Mapping[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def reachable(store: tuple[str, int], timeout: float) -> bool:
-    """Whether the store at `store` accepts a TCP connection within `timeout` s."""
+def reachable(address: tuple[str, int], timeout: float) -> bool:
+    """Whether `address` (host, port: the store, a worker) accepts a TCP
+    connection within `timeout` seconds (False also where the host name
+    does not resolve)."""
     try:
-        with socket.create_connection(store, timeout=max(timeout, 0.05)):
+        with socket.create_connection(address, timeout=max(timeout, 0.05)):
             return True
     except OSError:
         return False

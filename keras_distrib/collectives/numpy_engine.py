@@ -48,6 +48,19 @@ def packs(sizes: Sequence[int], bytes_per_pack: int) -> list[list[int]]:
     return grouped
 
 
+def by_packs(
+    values: Sequence[Any], bytes_per_pack: int, reduce: Callable[[list[Any]], Sequence[Any]]
+) -> list[Any]:
+    """`reduce` of each pack of `values` (`packs` of their bytes), its
+    results put back in the values' order: one collective per pack."""
+    sizes = [(v.shape.num_elements() or 0) * v.dtype.size for v in values]
+    results: list[Any] = [None] * len(values)
+    for pack in packs(sizes, bytes_per_pack):
+        for i, result in zip(pack, reduce([values[i] for i in pack])):
+            results[i] = result
+    return results
+
+
 class NumpyEngineTransport(Transport):
     """All-reduces, all-gathers and reduce-scatters through `engine`.
 
@@ -89,14 +102,13 @@ class NumpyEngineTransport(Transport):
         # The division by the global count rides in each pack's all-reduce
         # (the same float32 math as the default).
         count = tf.cast(num_samples, tf.float32)
-        sizes = [(v.shape.num_elements() or 0) * v.dtype.size for v in values]
-        means: list[Any] = [None] * len(values)
-        for pack in packs(sizes, self._bytes_per_pack):
-            counted = [values[i] for i in pack] + [count]
-            reduced = _in_step(self._engine.mean_by_count, counted, f"{self._ops}_mean_by_count")
-            for i, mean in zip(pack, reduced):
-                means[i] = mean
-        return means
+        return by_packs(
+            values,
+            self._bytes_per_pack,
+            lambda pack: _in_step(
+                self._engine.mean_by_count, [*pack, count], f"{self._ops}_mean_by_count"
+            ),
+        )
 
     def all_gather(self, value: Any) -> Any:
         value = tf.convert_to_tensor(value)
