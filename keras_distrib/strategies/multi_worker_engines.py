@@ -38,6 +38,8 @@ from keras_distrib.collectives.transport import Transport
 from keras_distrib.strategies import multi_worker_gloo
 
 _SECRET_WORDS = 4  # 128 bits as uint32 words (summed as int64: exact)
+# The engines whose workers may listen, in the order their ports are shared.
+_LISTENING = (TCP, HIERARCHICAL, GLOO)
 # Seconds "auto" waits for its candidates' peers: the workers already met
 # over TensorFlow's collectives, so a neighbour that does not connect by
 # then cannot be reached on our ports (a firewall): TensorFlow's it is.
@@ -119,16 +121,14 @@ def _share(strategy: Any, listeners: dict, gloo: Optional[multi_worker_gloo.Star
     Horovod and the chief's store's port, how many skip the probe."""
     info = strategy.cluster
     world = info.world_size
-    secret, ports, horovod, store = (
-        slice(0, 2 * _SECRET_WORDS),
-        slice(2 * _SECRET_WORDS, 2 * _SECRET_WORDS + 3 * world),
-        slice(2 * _SECRET_WORDS + 3 * world, 2 * _SECRET_WORDS + 4 * world),
-        -2,
-    )
-    words = np.zeros(2 * _SECRET_WORDS + 4 * world + 2, np.int64)
+    secret = slice(0, 2 * _SECRET_WORDS)
+    ports = slice(secret.stop, secret.stop + len(_LISTENING) * world)
+    horovod = slice(ports.stop, ports.stop + world)
+    store = horovod.stop  # then the probe's skips, last
+    words = np.zeros(store + 2, np.int64)
     if strategy.is_chief:
         words[secret] = np.frombuffer(secrets.token_bytes(32), np.uint32)
-    for i, name in enumerate((TCP, HIERARCHICAL, GLOO)):
+    for i, name in enumerate(_LISTENING):
         if name in listeners:
             words[ports.start + i * world + info.rank] = listeners[name].getsockname()[1]
     if gloo is not None and gloo.hvd is not None:
@@ -140,7 +140,7 @@ def _share(strategy: Any, listeners: dict, gloo: Optional[multi_worker_gloo.Star
     return {
         "secret": b"".join(int(w).to_bytes(4, "little") for w in shared[:_SECRET_WORDS]),
         "job_id": "".join(f"{int(w):08x}" for w in shared[_SECRET_WORDS : 2 * _SECRET_WORDS]),
-        "ports": shared[ports].reshape(3, world),
+        "ports": dict(zip(_LISTENING, shared[ports].reshape(len(_LISTENING), world))),
         "horovod": [bool(w) for w in shared[horovod]],
         "store_port": int(shared[store]),
         "skip": int(shared[-1]),
@@ -159,7 +159,7 @@ def _join(strategy, names, hosts, where, listeners, made, shared, timeout, conne
         made[TCP] = transports.create(
             TCP,
             world_size=info.world_size,
-            addresses=[(h, int(p)) for h, p in zip(hosts, ports[0])],
+            addresses=[(h, int(p)) for h, p in zip(hosts, ports[TCP])],
             secret=shared["secret"],
             listener=listeners.pop(TCP),
             **common,
@@ -169,7 +169,7 @@ def _join(strategy, names, hosts, where, listeners, made, shared, timeout, conne
             HIERARCHICAL,
             hosts=hosts,
             job_id=shared["job_id"],
-            addresses=[(hosts[r], int(ports[1][r])) for r in where.leaders],
+            addresses=[(hosts[r], int(ports[HIERARCHICAL][r])) for r in where.leaders],
             secret=shared["secret"],
             listener=listeners.pop(HIERARCHICAL, None),
             **common,

@@ -88,7 +88,9 @@ def join(
             "cannot load it (scripts/install_horovod.sh builds it)"
         )
     store = _store(info.worker_hosts[0], shared["store_port"])
-    problem = _unreached(strategy, store, shared["ports"][2], min(connect_timeout, PROBE_SECONDS))
+    problem = _unreached(
+        strategy, store, shared["ports"][GLOO], min(connect_timeout, PROBE_SECONDS)
+    )
     if problem is not None:
         if keep_going:
             return None
