@@ -20,31 +20,42 @@ FAULTS = os.path.join(WORKERS, "faults.py")
 MW_TRAIN = os.path.join(WORKERS, "mw_train.py")
 
 
+def _failed_job(out, script, *args):
+    """The output of 2 workers of `script` on Gloo, which must fail on
+    their own (not by the launcher's timeout)."""
+    code, output = launch(
+        out,
+        2,
+        script,
+        "--out",
+        str(out),
+        "--implementation",
+        "gloo",
+        *args,
+        expect=None,
+        timeout=150,
+    )
+    assert code != 0, output[-3000:]
+    assert "keras-distrib: timed out after" not in output, output[-3000:]
+    return output
+
+
 @pytest.mark.slow
 def test_a_killed_worker_is_named_in_one_line(tmp_path):
-    code, output = launch(
+    output = _failed_job(
         tmp_path,
-        2,
         FAULTS,
-        "--out",
-        str(tmp_path),
         "--backup",
         str(tmp_path / "backup"),
         "--strategy",
         "auto",
-        "--implementation",
-        "gloo",
         "--fault",
         "kill",
         "--fault_rank",
         "1",
         "--fault_step",
         "3",
-        expect=None,
-        timeout=150,
     )
-    assert code != 0, output[-3000:]
-    assert "keras-distrib: timed out after" not in output, output[-3000:]
     line = re.search(r"\[rank 0\] \S*PeerLostError: (.*)", output)
     assert line, output[-3000:]
     assert re.fullmatch(
@@ -59,21 +70,7 @@ def test_a_worker_without_horovod_is_named_in_one_line_on_every_worker(tmp_path)
     """`import horovod` fails on rank 1 only, as where it is not installed:
     rank 1 says what it lacks, rank 0 names rank 1, and neither starts
     Horovod (whose rendezvous would wait for rank 1 for good)."""
-    code, output = launch(
-        tmp_path,
-        2,
-        MW_TRAIN,
-        "--out",
-        str(tmp_path),
-        "--implementation",
-        "gloo",
-        "--without_horovod",
-        "1",
-        expect=None,
-        timeout=150,
-    )
-    assert code != 0, output[-3000:]
-    assert "keras-distrib: timed out after" not in output, output[-3000:]
+    output = _failed_job(tmp_path, MW_TRAIN, "--without_horovod", "1")
     assert re.search(
         r"\[rank 1\] \S*HorovodUnavailableError: implementation='gloo' needs Horovod, "
         r"which is not installed; build it with `scripts/install_horovod.sh \.venv`",
