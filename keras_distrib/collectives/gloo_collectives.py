@@ -18,6 +18,7 @@ Horovod is optional: this module never imports it; the caller hands
 
 from __future__ import annotations
 
+import time
 from typing import Any, Optional, Sequence
 
 from keras_distrib.cluster.addresses import parse_address
@@ -28,6 +29,10 @@ from keras_distrib.collectives.horovod_collectives import HorovodCollectives
 
 # Seconds to wait for a peer's server to take a connection after a failure.
 _ANSWER_SECONDS = 2.0
+# Seconds to go on asking after a failure: a killed process's sockets close
+# one after another as it is torn down, its server's possibly after the
+# connection whose reset stopped Horovod.
+_GONE_SECONDS = 5.0
 
 
 class GlooCollectives(HorovodCollectives):
@@ -114,14 +119,21 @@ _SHUT_DOWN = "Horovod has been shut down"
 def lost_peer(workers: Sequence[str], rank: int) -> str:
     """One line after Horovod stopped: the first of the other `workers`
     (addresses, by rank) whose server no longer answers, which is the peer
-    whose loss stopped it; or, when every one answers, Horovod's own
-    sentence."""
-    for peer, address in enumerate(workers):
-        if peer != rank and not gloo_rendezvous.reachable(parse_address(address), _ANSWER_SECONDS):
-            return (
-                f"worker {peer} at {address} is gone (its server does not answer): "
-                "Horovod's Gloo collectives stopped"
-            )
+    whose loss stopped it; or, when every one still answers after
+    `_GONE_SECONDS`, Horovod's own sentence."""
+    deadline = time.monotonic() + _GONE_SECONDS
+    while True:
+        for peer, address in enumerate(workers):
+            if peer != rank and not gloo_rendezvous.reachable(
+                parse_address(address), _ANSWER_SECONDS
+            ):
+                return (
+                    f"worker {peer} at {address} is gone (its server does not answer): "
+                    "Horovod's Gloo collectives stopped"
+                )
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
     return (
         "Horovod's Gloo collectives stopped, every worker's server still answers; "
         "Horovod's log above names the failure"
